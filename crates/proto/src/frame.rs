@@ -1,0 +1,587 @@
+//! Wire frames of the link protocol, typed by kind, with a check-then-parse read path.
+//!
+//! Every frame is a 10-byte header (kind, flags, stream id, payload length) and a payload whose length
+//! is capped before anything is allocated. [`Frame::check`] answers `Incomplete` until a whole frame
+//! is buffered; [`Frame::parse`] then decodes it without copying data payloads.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use crate::error::FrameError;
+
+/// Bytes in a frame header: kind (1), flags (1), stream id (4), payload length (4).
+pub const HEADER_LEN: usize = 10;
+
+/// The largest payload a decoder accepts at all, whatever the negotiated settings.
+pub const MAX_PAYLOAD_HARD: u32 = 1 << 20;
+
+/// Longest service name, site name or reason text carried in a frame.
+pub const MAX_NAME_LEN: usize = 255;
+
+/// Stream identifier. Zero means "the link itself" (link-level credit, control frames).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamId(pub u32);
+
+impl StreamId {
+    /// The link-level pseudo stream.
+    pub const LINK: StreamId = StreamId(0);
+}
+
+impl std::fmt::Display for StreamId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Service class of a stream: decides how the scheduler orders its data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Class {
+    /// Small synchronous messages (Data Guard SYNC): always sent before bulk data.
+    Latency,
+    /// Throughput traffic (RMAN, pumps): shares what is left, round robin.
+    Bulk,
+}
+
+impl Class {
+    fn to_u8(self) -> u8 {
+        match self {
+            Class::Latency => 0,
+            Class::Bulk => 1,
+        }
+    }
+    fn from_u8(v: u8) -> Result<Self, FrameError> {
+        match v {
+            0 => Ok(Class::Latency),
+            1 => Ok(Class::Bulk),
+            _ => Err(FrameError::Malformed("unknown service class")),
+        }
+    }
+}
+
+/// Why a stream was reset; carried on the wire as a u16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ResetCode {
+    /// The service name is not configured on the accepting side.
+    UnknownService,
+    /// The accepting side could not connect to its target.
+    TargetRefused,
+    /// A local socket failed or was reset.
+    SocketError,
+    /// The peer broke flow control or sent a frame out of order on this stream.
+    ProtocolViolation,
+    /// The daemon is shutting down or the service was removed.
+    Shutdown,
+    /// Too many streams.
+    Refused,
+    /// A code this version does not know.
+    Other(u16),
+}
+
+impl ResetCode {
+    fn to_u16(self) -> u16 {
+        match self {
+            ResetCode::UnknownService => 1,
+            ResetCode::TargetRefused => 2,
+            ResetCode::SocketError => 3,
+            ResetCode::ProtocolViolation => 4,
+            ResetCode::Shutdown => 5,
+            ResetCode::Refused => 6,
+            ResetCode::Other(v) => v,
+        }
+    }
+    fn from_u16(v: u16) -> Self {
+        match v {
+            1 => ResetCode::UnknownService,
+            2 => ResetCode::TargetRefused,
+            3 => ResetCode::SocketError,
+            4 => ResetCode::ProtocolViolation,
+            5 => ResetCode::Shutdown,
+            6 => ResetCode::Refused,
+            v => ResetCode::Other(v),
+        }
+    }
+
+    /// A short lowercase label, used in logs and metric labels.
+    pub fn label(self) -> &'static str {
+        match self {
+            ResetCode::UnknownService => "unknown_service",
+            ResetCode::TargetRefused => "target_refused",
+            ResetCode::SocketError => "socket_error",
+            ResetCode::ProtocolViolation => "protocol_violation",
+            ResetCode::Shutdown => "shutdown",
+            ResetCode::Refused => "refused",
+            ResetCode::Other(_) => "other",
+        }
+    }
+}
+
+/// Why a link is being closed; carried in `GoAway`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CloseCode {
+    /// Orderly shutdown: no new streams, existing ones were drained.
+    Normal,
+    /// The peers speak incompatible protocol versions.
+    VersionMismatch,
+    /// The peer broke the protocol (bad frame, flow control violation).
+    ProtocolError,
+    /// The peer's site name is not the configured one.
+    WrongPeer,
+    /// A newer link replaced this one.
+    Replaced,
+    /// A code this version does not know.
+    Other(u16),
+}
+
+impl CloseCode {
+    fn to_u16(self) -> u16 {
+        match self {
+            CloseCode::Normal => 0,
+            CloseCode::VersionMismatch => 1,
+            CloseCode::ProtocolError => 2,
+            CloseCode::WrongPeer => 3,
+            CloseCode::Replaced => 4,
+            CloseCode::Other(v) => v,
+        }
+    }
+    fn from_u16(v: u16) -> Self {
+        match v {
+            0 => CloseCode::Normal,
+            1 => CloseCode::VersionMismatch,
+            2 => CloseCode::ProtocolError,
+            3 => CloseCode::WrongPeer,
+            4 => CloseCode::Replaced,
+            v => CloseCode::Other(v),
+        }
+    }
+}
+
+/// The first frame each side sends after TLS: who it is and what it can do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// Highest protocol version the sender speaks.
+    pub version: u16,
+    /// Lowest protocol version the sender still speaks.
+    pub min_version: u16,
+    /// The sender's site name (must match its certificate and the receiver's configured peer).
+    pub site: String,
+    /// Capability bits; unknown bits are ignored.
+    pub capabilities: u64,
+    /// Settings as (id, value) pairs; unknown ids are ignored, so later versions can add some.
+    pub settings: Vec<(u16, u64)>,
+}
+
+/// Setting ids carried in [`Hello::settings`].
+pub mod setting {
+    /// Initial per-stream receive window the sender grants, in bytes.
+    pub const STREAM_WINDOW: u16 = 1;
+    /// Initial link-level receive window the sender grants, in bytes.
+    pub const LINK_WINDOW: u16 = 2;
+    /// Largest data payload the sender accepts in one frame.
+    pub const MAX_FRAME: u16 = 3;
+    /// Most concurrent streams the sender accepts from its peer.
+    pub const MAX_STREAMS: u16 = 4;
+}
+
+/// Most settings a hello may carry.
+pub const MAX_SETTINGS: usize = 64;
+
+/// One frame of the link protocol.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    /// Version and capability exchange; the first frame each way.
+    Hello(Hello),
+    /// Open a stream to a named service of the peer's own configuration.
+    Open {
+        stream: StreamId,
+        class: Class,
+        service: String,
+    },
+    /// Stream bytes at `offset` (the stream position of the first byte); `fin` ends this direction.
+    Data {
+        stream: StreamId,
+        offset: u64,
+        fin: bool,
+        data: Bytes,
+    },
+    /// Abort a stream in both directions.
+    Reset {
+        stream: StreamId,
+        code: ResetCode,
+        reason: String,
+    },
+    /// Credit: the receiver allows data up to absolute offset `max` (stream 0: link-wide byte count).
+    /// Absolute limits double as acknowledgements of what was consumed.
+    MaxData { stream: StreamId, max: u64 },
+    /// Liveness and round-trip probe.
+    Ping { payload: u64 },
+    /// Answer to a ping, echoing its payload.
+    Pong { payload: u64 },
+    /// The sender closes the link: no new frames follow.
+    GoAway { code: CloseCode, reason: String },
+}
+
+mod kind {
+    pub const HELLO: u8 = 1;
+    pub const OPEN: u8 = 2;
+    pub const DATA: u8 = 3;
+    pub const RESET: u8 = 4;
+    pub const MAX_DATA: u8 = 5;
+    pub const PING: u8 = 6;
+    pub const PONG: u8 = 7;
+    pub const GOAWAY: u8 = 8;
+}
+
+const FLAG_FIN: u8 = 1;
+
+impl Frame {
+    /// Checks whether `buf` starts with a whole frame whose payload is at most `max_payload` bytes.
+    /// Returns the frame's total length, `Incomplete` if more bytes are needed, or a fatal error.
+    pub fn check(buf: &[u8], max_payload: u32) -> Result<usize, FrameError> {
+        if buf.len() < HEADER_LEN {
+            return Err(FrameError::Incomplete);
+        }
+        let kind = buf[0];
+        if !(kind::HELLO..=kind::GOAWAY).contains(&kind) {
+            return Err(FrameError::UnknownKind(kind));
+        }
+        let len = u32::from_be_bytes([buf[6], buf[7], buf[8], buf[9]]);
+        let cap = max_payload.min(MAX_PAYLOAD_HARD);
+        if len > cap {
+            return Err(FrameError::TooLarge { len, max: cap });
+        }
+        let total = HEADER_LEN + len as usize;
+        if buf.len() < total {
+            return Err(FrameError::Incomplete);
+        }
+        Ok(total)
+    }
+
+    /// Parses one whole frame, as delimited by [`Frame::check`]. Data payloads share `frame`'s memory.
+    pub fn parse(mut frame: Bytes) -> Result<Frame, FrameError> {
+        if frame.len() < HEADER_LEN {
+            return Err(FrameError::Malformed("short header"));
+        }
+        let kind = frame.get_u8();
+        let flags = frame.get_u8();
+        let stream = StreamId(frame.get_u32());
+        let len = frame.get_u32() as usize;
+        if frame.len() != len {
+            return Err(FrameError::Malformed("length mismatch"));
+        }
+        let mut p = frame;
+        let f = match kind {
+            kind::HELLO => {
+                let version = get_u16(&mut p)?;
+                let min_version = get_u16(&mut p)?;
+                let site = get_name(&mut p)?;
+                let capabilities = get_u64(&mut p)?;
+                let n = get_u16(&mut p)? as usize;
+                if n > MAX_SETTINGS {
+                    return Err(FrameError::Malformed("too many settings"));
+                }
+                let mut settings = Vec::with_capacity(n);
+                for _ in 0..n {
+                    settings.push((get_u16(&mut p)?, get_u64(&mut p)?));
+                }
+                Frame::Hello(Hello {
+                    version,
+                    min_version,
+                    site,
+                    capabilities,
+                    settings,
+                })
+            }
+            kind::OPEN => {
+                nonzero(stream)?;
+                let class = Class::from_u8(get_u8(&mut p)?)?;
+                let service = get_name(&mut p)?;
+                Frame::Open {
+                    stream,
+                    class,
+                    service,
+                }
+            }
+            kind::DATA => {
+                nonzero(stream)?;
+                let offset = get_u64(&mut p)?;
+                let data = p.split_off(0);
+                if offset.checked_add(data.len() as u64).is_none() {
+                    return Err(FrameError::Malformed("offset overflow"));
+                }
+                Frame::Data {
+                    stream,
+                    offset,
+                    fin: flags & FLAG_FIN != 0,
+                    data,
+                }
+            }
+            kind::RESET => {
+                nonzero(stream)?;
+                let code = ResetCode::from_u16(get_u16(&mut p)?);
+                let reason = get_name(&mut p)?;
+                Frame::Reset {
+                    stream,
+                    code,
+                    reason,
+                }
+            }
+            kind::MAX_DATA => Frame::MaxData {
+                stream,
+                max: get_u64(&mut p)?,
+            },
+            kind::PING => Frame::Ping {
+                payload: get_u64(&mut p)?,
+            },
+            kind::PONG => Frame::Pong {
+                payload: get_u64(&mut p)?,
+            },
+            kind::GOAWAY => {
+                let code = CloseCode::from_u16(get_u16(&mut p)?);
+                let reason = get_name(&mut p)?;
+                Frame::GoAway { code, reason }
+            }
+            other => return Err(FrameError::UnknownKind(other)),
+        };
+        if p.has_remaining() {
+            return Err(FrameError::Malformed("trailing bytes"));
+        }
+        Ok(f)
+    }
+
+    /// Encoded length of this frame, header included.
+    pub fn encoded_len(&self) -> usize {
+        HEADER_LEN
+            + match self {
+                Frame::Hello(h) => {
+                    2 + 2 + 1 + name_len(&h.site) + 8 + 2 + h.settings.len().min(MAX_SETTINGS) * 10
+                }
+                Frame::Open { service, .. } => 1 + 1 + name_len(service),
+                Frame::Data { data, .. } => 8 + data.len(),
+                Frame::Reset { reason, .. } => 2 + 1 + name_len(reason),
+                Frame::MaxData { .. } | Frame::Ping { .. } | Frame::Pong { .. } => 8,
+                Frame::GoAway { reason, .. } => 2 + 1 + name_len(reason),
+            }
+    }
+
+    /// Appends this frame to `out`. Names and reasons longer than [`MAX_NAME_LEN`] are truncated at a
+    /// character boundary; everything else is encoded as is.
+    pub fn encode(&self, out: &mut BytesMut) {
+        out.reserve(self.encoded_len());
+        let (kind, flags, stream) = match self {
+            Frame::Hello(_) => (kind::HELLO, 0, StreamId::LINK),
+            Frame::Open { stream, .. } => (kind::OPEN, 0, *stream),
+            Frame::Data { stream, fin, .. } => (kind::DATA, if *fin { FLAG_FIN } else { 0 }, *stream),
+            Frame::Reset { stream, .. } => (kind::RESET, 0, *stream),
+            Frame::MaxData { stream, .. } => (kind::MAX_DATA, 0, *stream),
+            Frame::Ping { .. } => (kind::PING, 0, StreamId::LINK),
+            Frame::Pong { .. } => (kind::PONG, 0, StreamId::LINK),
+            Frame::GoAway { .. } => (kind::GOAWAY, 0, StreamId::LINK),
+        };
+        out.put_u8(kind);
+        out.put_u8(flags);
+        out.put_u32(stream.0);
+        let len_at = out.len();
+        out.put_u32(0);
+        let start = out.len();
+        match self {
+            Frame::Hello(h) => {
+                out.put_u16(h.version);
+                out.put_u16(h.min_version);
+                put_name(out, &h.site);
+                out.put_u64(h.capabilities);
+                let n = h.settings.len().min(MAX_SETTINGS);
+                out.put_u16(n as u16);
+                for (id, v) in &h.settings[..n] {
+                    out.put_u16(*id);
+                    out.put_u64(*v);
+                }
+            }
+            Frame::Open { class, service, .. } => {
+                out.put_u8(class.to_u8());
+                put_name(out, service);
+            }
+            Frame::Data { offset, data, .. } => {
+                out.put_u64(*offset);
+                out.extend_from_slice(data);
+            }
+            Frame::Reset { code, reason, .. } => {
+                out.put_u16(code.to_u16());
+                put_name(out, reason);
+            }
+            Frame::MaxData { max, .. } => out.put_u64(*max),
+            Frame::Ping { payload } | Frame::Pong { payload } => out.put_u64(*payload),
+            Frame::GoAway { code, reason } => {
+                out.put_u16(code.to_u16());
+                put_name(out, reason);
+            }
+        }
+        let len = (out.len() - start) as u32;
+        out[len_at..len_at + 4].copy_from_slice(&len.to_be_bytes());
+    }
+}
+
+/// Writes the header and offset of a data frame whose `len` payload bytes the caller appends next.
+/// Lets the scheduler copy stream bytes straight into the output buffer.
+pub fn encode_data_header(out: &mut BytesMut, stream: StreamId, offset: u64, fin: bool, len: usize) {
+    out.put_u8(kind::DATA);
+    out.put_u8(if fin { FLAG_FIN } else { 0 });
+    out.put_u32(stream.0);
+    out.put_u32((8 + len) as u32);
+    out.put_u64(offset);
+}
+
+/// Overhead of a data frame on top of its payload.
+pub const DATA_OVERHEAD: usize = HEADER_LEN + 8;
+
+fn nonzero(stream: StreamId) -> Result<(), FrameError> {
+    if stream == StreamId::LINK {
+        Err(FrameError::Malformed("stream id 0 on a stream frame"))
+    } else {
+        Ok(())
+    }
+}
+
+fn get_u8(p: &mut Bytes) -> Result<u8, FrameError> {
+    if p.remaining() < 1 {
+        return Err(FrameError::Malformed("truncated field"));
+    }
+    Ok(p.get_u8())
+}
+fn get_u16(p: &mut Bytes) -> Result<u16, FrameError> {
+    if p.remaining() < 2 {
+        return Err(FrameError::Malformed("truncated field"));
+    }
+    Ok(p.get_u16())
+}
+fn get_u64(p: &mut Bytes) -> Result<u64, FrameError> {
+    if p.remaining() < 8 {
+        return Err(FrameError::Malformed("truncated field"));
+    }
+    Ok(p.get_u64())
+}
+fn get_name(p: &mut Bytes) -> Result<String, FrameError> {
+    let n = get_u8(p)? as usize;
+    if p.remaining() < n {
+        return Err(FrameError::Malformed("truncated name"));
+    }
+    let raw = p.split_to(n);
+    String::from_utf8(raw.to_vec()).map_err(|_| FrameError::Malformed("name is not utf-8"))
+}
+/// Encoded length of a name: at most [`MAX_NAME_LEN`] bytes, cut at a character boundary.
+fn name_len(s: &str) -> usize {
+    let mut end = s.len().min(MAX_NAME_LEN);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    end
+}
+fn put_name(out: &mut BytesMut, s: &str) {
+    let end = name_len(s);
+    out.put_u8(end as u8);
+    out.extend_from_slice(&s.as_bytes()[..end]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_name() -> impl Strategy<Value = String> {
+        proptest::string::string_regex("[a-z0-9_.-]{0,40}").expect("valid regex")
+    }
+
+    fn arb_frame() -> impl Strategy<Value = Frame> {
+        let sid = (1u32..).prop_map(StreamId);
+        prop_oneof![
+            (any::<u16>(), any::<u16>(), arb_name(), any::<u64>(), proptest::collection::vec((any::<u16>(), any::<u64>()), 0..8))
+                .prop_map(|(version, min_version, site, capabilities, settings)| Frame::Hello(Hello { version, min_version, site, capabilities, settings })),
+            (sid.clone(), prop_oneof![Just(Class::Latency), Just(Class::Bulk)], arb_name())
+                .prop_map(|(stream, class, service)| Frame::Open { stream, class, service }),
+            (sid.clone(), 0u64..u64::MAX / 2, any::<bool>(), proptest::collection::vec(any::<u8>(), 0..2000))
+                .prop_map(|(stream, offset, fin, d)| Frame::Data { stream, offset, fin, data: Bytes::from(d) }),
+            (sid.clone(), any::<u16>(), arb_name())
+                .prop_map(|(stream, c, reason)| Frame::Reset { stream, code: ResetCode::from_u16(c), reason }),
+            (any::<u32>(), any::<u64>()).prop_map(|(s, max)| Frame::MaxData { stream: StreamId(s), max }),
+            any::<u64>().prop_map(|payload| Frame::Ping { payload }),
+            any::<u64>().prop_map(|payload| Frame::Pong { payload }),
+            (any::<u16>(), arb_name()).prop_map(|(c, reason)| Frame::GoAway { code: CloseCode::from_u16(c), reason }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip(frames in proptest::collection::vec(arb_frame(), 1..8)) {
+            let mut buf = BytesMut::new();
+            for f in &frames {
+                let before = buf.len();
+                f.encode(&mut buf);
+                prop_assert_eq!(buf.len() - before, f.encoded_len());
+            }
+            let mut got = Vec::new();
+            loop {
+                match Frame::check(&buf, MAX_PAYLOAD_HARD) {
+                    Ok(n) => got.push(Frame::parse(buf.split_to(n).freeze()).expect("parse")),
+                    Err(FrameError::Incomplete) => break,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            prop_assert!(buf.is_empty());
+            prop_assert_eq!(got, frames);
+        }
+
+        #[test]
+        fn every_prefix_is_incomplete(f in arb_frame()) {
+            let mut buf = BytesMut::new();
+            f.encode(&mut buf);
+            for cut in 0..buf.len() {
+                prop_assert_eq!(Frame::check(&buf[..cut], MAX_PAYLOAD_HARD), Err(FrameError::Incomplete));
+            }
+        }
+
+        #[test]
+        fn garbage_never_panics(data in proptest::collection::vec(any::<u8>(), 0..256)) {
+            if let Ok(n) = Frame::check(&data, 4096) {
+                let _ = Frame::parse(Bytes::copy_from_slice(&data[..n]));
+            }
+        }
+    }
+
+    #[test]
+    fn oversized_length_rejected_before_buffering() {
+        let mut hdr = vec![kind::DATA, 0, 0, 0, 0, 1];
+        hdr.extend_from_slice(&(64u32 * 1024 * 1024).to_be_bytes());
+        assert_eq!(
+            Frame::check(&hdr, 65536),
+            Err(FrameError::TooLarge { len: 64 * 1024 * 1024, max: 65536 })
+        );
+    }
+
+    #[test]
+    fn unknown_kind_and_tls_garbage_rejected() {
+        assert_eq!(Frame::check(b"GET / HTTP/1.1\r\n", 65536), Err(FrameError::UnknownKind(b'G')));
+        assert_eq!(Frame::check(&[0u8; 10], 65536), Err(FrameError::UnknownKind(0)));
+    }
+
+    #[test]
+    fn data_header_matches_encode() {
+        let f = Frame::Data { stream: StreamId(7), offset: 99, fin: true, data: Bytes::from_static(b"hello") };
+        let mut a = BytesMut::new();
+        f.encode(&mut a);
+        let mut b = BytesMut::new();
+        encode_data_header(&mut b, StreamId(7), 99, true, 5);
+        b.extend_from_slice(b"hello");
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn long_names_truncate_on_char_boundary() {
+        let name = "é".repeat(200);
+        let f = Frame::GoAway { code: CloseCode::Normal, reason: name };
+        let mut buf = BytesMut::new();
+        f.encode(&mut buf);
+        let n = Frame::check(&buf, MAX_PAYLOAD_HARD).expect("whole");
+        match Frame::parse(buf.split_to(n).freeze()).expect("parse") {
+            Frame::GoAway { reason, .. } => assert_eq!(reason.len(), 254),
+            other => panic!("{other:?}"),
+        }
+    }
+}

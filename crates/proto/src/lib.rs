@@ -1,0 +1,15 @@
+//! Sans-IO protocol core of wanopt: the frames two daemons exchange over their TLS link, the
+//! versioned hello, stream multiplexing with credit flow control, and the scheduler that orders
+//! latency-class data before bulk data.
+//!
+//! Nothing in this crate touches sockets, threads or clocks: it consumes bytes and `now` values and
+//! emits bytes and events, so it is tested deterministically (see `tests/pair.rs`) and fuzzed.
+
+pub mod error;
+pub mod flow;
+pub mod frame;
+pub mod link;
+
+pub use error::{FrameError, LinkError, StreamError};
+pub use frame::{Class, CloseCode, Frame, Hello, ResetCode, StreamId};
+pub use link::{Event, Link, LinkConfig, ReadOutcome, WireCount};

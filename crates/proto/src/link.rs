@@ -1,0 +1,906 @@
+//! The link state machine: hello exchange, stream multiplexing, flow control and scheduling.
+//!
+//! A [`Link`] consumes the bytes read from the peer ([`Link::handle_input`]) and produces the bytes to
+//! send ([`Link::poll_transmit`]); the application side writes and reads stream bytes and learns what
+//! changed from [`Link::poll_event`]. Time comes in as `now` arguments; nothing here does I/O.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+
+use crate::error::{FrameError, LinkError, StreamError};
+use crate::flow::{RecvWindow, SendCredit};
+use crate::frame::{
+    self, Class, CloseCode, Frame, Hello, ResetCode, StreamId, setting,
+};
+
+/// Highest protocol version this build speaks.
+pub const VERSION: u16 = 1;
+/// Lowest protocol version this build speaks.
+pub const MIN_VERSION: u16 = 1;
+
+/// Bytes a bulk stream may send in one scheduling turn before the next stream gets its turn.
+const BULK_QUANTUM: usize = 32 * 1024;
+
+/// Settings of one link, from the daemon's config.
+#[derive(Debug, Clone)]
+pub struct LinkConfig {
+    /// Our site name, sent in the hello.
+    pub site: String,
+    /// The site name the peer must announce.
+    pub peer: String,
+    /// True on the side that connected: it numbers its streams odd, the listener even.
+    pub initiator: bool,
+    /// Receive window we grant each stream, in bytes.
+    pub stream_window: u32,
+    /// Receive window we grant the whole link, in bytes.
+    pub link_window: u64,
+    /// Largest data payload we accept in one frame.
+    pub max_frame: u32,
+    /// Most concurrent streams we accept from the peer.
+    pub max_streams: u32,
+    /// Bytes of a stream we buffer before its writer is told to wait.
+    pub send_buffer: usize,
+    /// Interval between pings when the link is quiet.
+    pub keepalive: Duration,
+    /// The link is declared dead after hearing nothing from the peer for this long.
+    pub idle_timeout: Duration,
+}
+
+impl LinkConfig {
+    /// Defaults suited to tests and small deployments; the daemon derives its own from config.
+    pub fn new(site: &str, peer: &str, initiator: bool) -> Self {
+        LinkConfig {
+            site: site.to_string(),
+            peer: peer.to_string(),
+            initiator,
+            stream_window: 4 << 20,
+            link_window: 64 << 20,
+            max_frame: 64 * 1024,
+            max_streams: 4096,
+            send_buffer: 256 * 1024,
+            keepalive: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What the application learns from the link.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// The peer's hello arrived and matched: streams may be opened.
+    Up { peer: Hello, version: u16 },
+    /// The peer opened a stream to one of our services.
+    Opened {
+        stream: StreamId,
+        class: Class,
+        service: Arc<str>,
+    },
+    /// The peer asked for a service we do not have; it was refused.
+    Refused { stream: StreamId, service: String },
+    /// A stream has bytes (or its end) to read.
+    Readable(StreamId),
+    /// A stream that was full can take more bytes.
+    Writable(StreamId),
+    /// The peer reset a stream, or the link reset it for a protocol violation.
+    Reset {
+        stream: StreamId,
+        code: ResetCode,
+        reason: String,
+    },
+    /// The link is closed; every stream is gone.
+    Closed(Option<LinkError>),
+}
+
+/// The result of reading a stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadOutcome {
+    /// The next bytes of the stream.
+    Data(Bytes),
+    /// Nothing to read yet; an [`Event::Readable`] follows when there is.
+    Blocked,
+    /// The peer finished sending and every byte was read.
+    Fin,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Handshake,
+    Open,
+    /// We refuse new streams from the peer and open none; existing ones go on.
+    Draining,
+    /// A GoAway is queued or sent; nothing more is accepted.
+    Closed,
+}
+
+#[derive(Debug)]
+struct Stream {
+    class: Class,
+    service: Arc<str>,
+    // Send side.
+    send_queue: VecDeque<Bytes>,
+    send_queued: usize,
+    credit: SendCredit,
+    fin_requested: bool,
+    fin_sent: bool,
+    write_blocked: bool,
+    scheduled: bool,
+    // Receive side.
+    recv_queue: VecDeque<Bytes>,
+    window: RecvWindow,
+    fin_received: bool,
+    read_done: bool,
+}
+
+impl Stream {
+    fn new(class: Class, service: Arc<str>, send_credit: u64, recv_window: u64) -> Self {
+        Stream {
+            class,
+            service,
+            send_queue: VecDeque::new(),
+            send_queued: 0,
+            credit: SendCredit::new(send_credit),
+            fin_requested: false,
+            fin_sent: false,
+            write_blocked: false,
+            scheduled: false,
+            recv_queue: VecDeque::new(),
+            window: RecvWindow::new(recv_window),
+            fin_received: false,
+            read_done: false,
+        }
+    }
+
+    /// True if the scheduler has something to send for this stream, ignoring link credit.
+    fn wants_send(&self) -> bool {
+        (self.send_queued > 0 && self.credit.available() > 0)
+            || (self.fin_requested && !self.fin_sent && self.send_queued == 0)
+    }
+}
+
+/// Wire bytes (frame bytes before TLS) attributed to a service, each way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WireCount {
+    /// Frame bytes sent to the peer.
+    pub out: u64,
+    /// Frame bytes received from the peer.
+    pub inbound: u64,
+}
+
+/// One link to one peer, without I/O.
+#[derive(Debug)]
+pub struct Link {
+    cfg: LinkConfig,
+    state: State,
+    services: HashSet<Arc<str>>,
+    streams: HashMap<StreamId, Stream>,
+    next_local: u32,
+    /// Highest stream id the peer has opened (ids below it that are absent are closed).
+    peer_max_id: u32,
+    peer_streams: u32,
+    peer_max_streams: u32,
+    peer_stream_window: u64,
+    peer_max_frame: usize,
+    link_credit: SendCredit,
+    link_window: RecvWindow,
+    ctrl: VecDeque<Frame>,
+    ready_latency: VecDeque<StreamId>,
+    ready_bulk: VecDeque<StreamId>,
+    events: VecDeque<Event>,
+    inbuf: BytesMut,
+    wire: HashMap<Arc<str>, WireCount>,
+    link_wire_out: u64,
+    link_wire_in: u64,
+    last_heard: Option<Instant>,
+    next_ping: Option<Instant>,
+    ping_seq: u64,
+    ping_sent: Option<(u64, Instant)>,
+    rtt: Option<Duration>,
+    close_error: Option<LinkError>,
+}
+
+impl Link {
+    /// A new link; its hello is queued as the first frame to transmit.
+    pub fn new(cfg: LinkConfig) -> Self {
+        let hello = Hello {
+            version: VERSION,
+            min_version: MIN_VERSION,
+            site: cfg.site.clone(),
+            capabilities: 0,
+            settings: vec![
+                (setting::STREAM_WINDOW, u64::from(cfg.stream_window)),
+                (setting::LINK_WINDOW, cfg.link_window),
+                (setting::MAX_FRAME, u64::from(cfg.max_frame)),
+                (setting::MAX_STREAMS, u64::from(cfg.max_streams)),
+            ],
+        };
+        let link_window = RecvWindow::new(cfg.link_window);
+        Link {
+            next_local: if cfg.initiator { 1 } else { 2 },
+            state: State::Handshake,
+            services: HashSet::new(),
+            streams: HashMap::new(),
+            peer_max_id: 0,
+            peer_streams: 0,
+            peer_max_streams: 0,
+            peer_stream_window: 0,
+            peer_max_frame: 16 * 1024,
+            link_credit: SendCredit::new(0),
+            link_window,
+            ctrl: VecDeque::from([Frame::Hello(hello)]),
+            ready_latency: VecDeque::new(),
+            ready_bulk: VecDeque::new(),
+            events: VecDeque::new(),
+            inbuf: BytesMut::new(),
+            wire: HashMap::new(),
+            link_wire_out: 0,
+            link_wire_in: 0,
+            last_heard: None,
+            next_ping: None,
+            ping_seq: 0,
+            ping_sent: None,
+            rtt: None,
+            close_error: None,
+            cfg,
+        }
+    }
+
+    /// Sets the service names the peer may open streams to (replaces the previous set).
+    pub fn set_services<I: IntoIterator<Item = S>, S: AsRef<str>>(&mut self, names: I) {
+        self.services = names.into_iter().map(|s| Arc::from(s.as_ref())).collect();
+    }
+
+    /// True once the peer's hello was accepted and until the link closes or drains.
+    pub fn is_open(&self) -> bool {
+        self.state == State::Open
+    }
+
+    /// True once the link is closed (after an error, a GoAway either way).
+    pub fn is_closed(&self) -> bool {
+        self.state == State::Closed
+    }
+
+    /// The error that closed the link, if it closed with one.
+    pub fn close_error(&self) -> Option<&LinkError> {
+        self.close_error.as_ref()
+    }
+
+    /// Number of streams still open in either direction.
+    pub fn stream_count(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// Bytes held for streams: unsent plus received but unread. Zero when nothing leaked.
+    pub fn buffered_bytes(&self) -> usize {
+        self.streams
+            .values()
+            .map(|s| s.send_queued + s.recv_queue.iter().map(Bytes::len).sum::<usize>())
+            .sum()
+    }
+
+    /// Bytes still queued to send on one stream.
+    pub fn send_queued(&self, id: StreamId) -> usize {
+        self.streams.get(&id).map_or(0, |s| s.send_queued)
+    }
+
+    /// Latest measured round-trip time of the link's pings.
+    pub fn rtt(&self) -> Option<Duration> {
+        self.rtt
+    }
+
+    /// Frame bytes sent and received on the whole link.
+    pub fn link_wire(&self) -> (u64, u64) {
+        (self.link_wire_out, self.link_wire_in)
+    }
+
+    /// Drains the per-service wire byte counts accumulated since the last call.
+    pub fn take_wire_counts(&mut self) -> Vec<(Arc<str>, WireCount)> {
+        self.wire
+            .drain()
+            .filter(|(_, c)| c.out != 0 || c.inbound != 0)
+            .collect()
+    }
+
+    /// Next event for the application, if any.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// Opens a stream to the peer's service `service`.
+    pub fn open(&mut self, service: &str, class: Class) -> Result<StreamId, StreamError> {
+        if self.state != State::Open {
+            return Err(StreamError::LinkClosed);
+        }
+        let ours = self
+            .streams
+            .keys()
+            .filter(|id| (id.0 % 2 == 1) == self.cfg.initiator)
+            .count();
+        if ours as u64 >= u64::from(self.peer_max_streams) {
+            return Err(StreamError::TooMany);
+        }
+        let id = StreamId(self.next_local);
+        self.next_local = self.next_local.checked_add(2).ok_or(StreamError::TooMany)?;
+        let service: Arc<str> = Arc::from(service);
+        self.streams.insert(
+            id,
+            Stream::new(
+                class,
+                service.clone(),
+                self.peer_stream_window,
+                u64::from(self.cfg.stream_window),
+            ),
+        );
+        self.ctrl.push_back(Frame::Open {
+            stream: id,
+            class,
+            service: service.to_string(),
+        });
+        Ok(id)
+    }
+
+    /// Queues bytes on a stream; returns how many were taken (0 when its send buffer is full, and an
+    /// [`Event::Writable`] follows when there is room).
+    pub fn write(&mut self, id: StreamId, data: &[u8]) -> Result<usize, StreamError> {
+        let cap = self.cfg.send_buffer;
+        let s = self.stream_mut(id)?;
+        if s.fin_requested {
+            return Err(StreamError::Finished(id));
+        }
+        let room = cap.saturating_sub(s.send_queued);
+        let n = room.min(data.len());
+        if n == 0 {
+            s.write_blocked = !data.is_empty();
+            return Ok(0);
+        }
+        s.send_queue.push_back(Bytes::copy_from_slice(&data[..n]));
+        s.send_queued += n;
+        self.schedule(id);
+        Ok(n)
+    }
+
+    /// Ends the stream's send side once queued bytes are sent (a TCP half-close).
+    pub fn finish(&mut self, id: StreamId) -> Result<(), StreamError> {
+        let s = self.stream_mut(id)?;
+        if s.fin_requested {
+            return Ok(());
+        }
+        s.fin_requested = true;
+        self.schedule(id);
+        Ok(())
+    }
+
+    /// Aborts a stream both ways and tells the peer why. Unknown streams are ignored.
+    pub fn reset(&mut self, id: StreamId, code: ResetCode, reason: &str) {
+        if let Some(s) = self.streams.remove(&id) {
+            self.release_stream(id, &s);
+            if self.state != State::Closed {
+                self.ctrl.push_back(Frame::Reset {
+                    stream: id,
+                    code,
+                    reason: reason.to_string(),
+                });
+            }
+        }
+    }
+
+    /// Takes the next received bytes of a stream, returning credit to the peer.
+    pub fn read(&mut self, id: StreamId) -> Result<ReadOutcome, StreamError> {
+        let s = self.streams.get_mut(&id).ok_or(StreamError::Unknown(id))?;
+        if let Some(b) = s.recv_queue.pop_front() {
+            let n = b.len() as u64;
+            if let Some(max) = s.window.on_consume(n) {
+                if !s.fin_received {
+                    self.ctrl.push_back(Frame::MaxData { stream: id, max });
+                }
+            }
+            if let Some(max) = self.link_window.on_consume(n) {
+                self.ctrl.push_back(Frame::MaxData {
+                    stream: StreamId::LINK,
+                    max,
+                });
+            }
+            return Ok(ReadOutcome::Data(b));
+        }
+        if s.fin_received {
+            s.read_done = true;
+            self.maybe_remove(id);
+            return Ok(ReadOutcome::Fin);
+        }
+        if self.state == State::Closed {
+            return Err(StreamError::LinkClosed);
+        }
+        Ok(ReadOutcome::Blocked)
+    }
+
+    /// Stops accepting new streams either way; existing streams go on (graceful shutdown).
+    pub fn drain(&mut self) {
+        if self.state == State::Open || self.state == State::Handshake {
+            self.state = State::Draining;
+        }
+    }
+
+    /// Closes the link: a GoAway is queued and every stream is dropped.
+    pub fn close(&mut self, code: CloseCode, reason: &str) {
+        if self.state == State::Closed {
+            return;
+        }
+        self.ctrl.push_back(Frame::GoAway {
+            code,
+            reason: reason.to_string(),
+        });
+        self.shut(None);
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) wants to be called next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.state == State::Closed {
+            return None;
+        }
+        let idle = self.last_heard.map(|t| t + self.cfg.idle_timeout);
+        match (idle, self.next_ping) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Sends keepalive pings and declares the link dead when the peer has been silent too long.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.state == State::Closed {
+            return;
+        }
+        let last = *self.last_heard.get_or_insert(now);
+        if now.saturating_duration_since(last) >= self.cfg.idle_timeout {
+            self.fail(LinkError::Timeout);
+            return;
+        }
+        let due = *self.next_ping.get_or_insert(now);
+        if now >= due {
+            self.ping_seq += 1;
+            self.ctrl.push_back(Frame::Ping {
+                payload: self.ping_seq,
+            });
+            if self.ping_sent.is_none() {
+                self.ping_sent = Some((self.ping_seq, now));
+            }
+            self.next_ping = Some(now + self.cfg.keepalive);
+        }
+    }
+
+    /// Consumes bytes read from the peer. On error the link is closed (a GoAway is queued and
+    /// [`Event::Closed`] emitted) and the error returned.
+    pub fn handle_input(&mut self, data: &[u8], now: Instant) -> Result<(), LinkError> {
+        if self.state == State::Closed {
+            return Ok(());
+        }
+        self.last_heard = Some(now);
+        self.inbuf.extend_from_slice(data);
+        loop {
+            let max = if self.state == State::Handshake {
+                // Before the hello, only a hello-sized frame is acceptable.
+                4096
+            } else {
+                self.cfg.max_frame + 8
+            };
+            let n = match frame::Frame::check(&self.inbuf, max) {
+                Ok(n) => n,
+                Err(FrameError::Incomplete) => return Ok(()),
+                Err(e) => return Err(self.fail(LinkError::Frame(e))),
+            };
+            let bytes = self.inbuf.split_to(n).freeze();
+            let f = match Frame::parse(bytes) {
+                Ok(f) => f,
+                Err(e) => return Err(self.fail(LinkError::Frame(e))),
+            };
+            self.link_wire_in += n as u64;
+            if let Err(e) = self.on_frame(f, n, now) {
+                return Err(self.fail(e));
+            }
+            if self.state == State::Closed {
+                self.inbuf.clear();
+                return Ok(());
+            }
+        }
+    }
+
+    /// Appends frames to `out` until it holds at least `limit` bytes or nothing is left to send.
+    /// Control frames go first, then latency-class streams, then bulk streams round robin.
+    /// Returns the number of bytes appended.
+    pub fn poll_transmit(&mut self, out: &mut BytesMut, limit: usize) -> usize {
+        let start = out.len();
+        while let Some(f) = self.ctrl.pop_front() {
+            f.encode(out);
+        }
+        if self.state == State::Handshake || self.state == State::Closed {
+            let n = out.len() - start;
+            self.link_wire_out += n as u64;
+            return n;
+        }
+        while out.len() < limit && self.link_credit.available() > 0 {
+            let (queue_is_latency, id) = match self.ready_latency.pop_front() {
+                Some(id) => (true, id),
+                None => match self.ready_bulk.pop_front() {
+                    Some(id) => (false, id),
+                    None => break,
+                },
+            };
+            let quantum = if queue_is_latency {
+                self.peer_max_frame
+            } else {
+                BULK_QUANTUM.min(self.peer_max_frame)
+            };
+            let link_avail = self.link_credit.available();
+            let Some(s) = self.streams.get_mut(&id) else {
+                continue;
+            };
+            s.scheduled = false;
+            if !s.wants_send() {
+                continue;
+            }
+            let n = (s.send_queued as u64)
+                .min(s.credit.available())
+                .min(link_avail)
+                .min(quantum as u64) as usize;
+            let fin = s.fin_requested && n == s.send_queued;
+            let before = out.len();
+            frame::encode_data_header(out, id, s.credit.sent(), fin, n);
+            let mut left = n;
+            while left > 0 {
+                let Some(front) = s.send_queue.front_mut() else {
+                    break;
+                };
+                let take = left.min(front.len());
+                out.extend_from_slice(&front[..take]);
+                front.advance(take);
+                if front.is_empty() {
+                    s.send_queue.pop_front();
+                }
+                left -= take;
+            }
+            s.send_queued -= n;
+            s.credit.consume(n as u64);
+            if fin {
+                s.fin_sent = true;
+            }
+            let wire = (out.len() - before) as u64;
+            self.wire.entry(s.service.clone()).or_default().out += wire;
+            if s.write_blocked && s.send_queued < self.cfg.send_buffer {
+                s.write_blocked = false;
+                self.events.push_back(Event::Writable(id));
+            }
+            let again = s.wants_send();
+            self.link_credit.consume(n as u64);
+            if again {
+                s.scheduled = true;
+                if queue_is_latency {
+                    self.ready_latency.push_back(id);
+                } else {
+                    self.ready_bulk.push_back(id);
+                }
+            }
+            if fin {
+                self.maybe_remove(id);
+            }
+        }
+        let n = out.len() - start;
+        self.link_wire_out += n as u64;
+        n
+    }
+
+    /// True if [`poll_transmit`](Self::poll_transmit) would produce bytes now.
+    pub fn wants_transmit(&self) -> bool {
+        !self.ctrl.is_empty()
+            || (matches!(self.state, State::Open | State::Draining)
+                && self.link_credit.available() > 0
+                && (!self.ready_latency.is_empty() || !self.ready_bulk.is_empty()))
+    }
+
+    fn stream_mut(&mut self, id: StreamId) -> Result<&mut Stream, StreamError> {
+        if self.state == State::Closed {
+            return Err(StreamError::LinkClosed);
+        }
+        self.streams.get_mut(&id).ok_or(StreamError::Unknown(id))
+    }
+
+    fn schedule(&mut self, id: StreamId) {
+        if let Some(s) = self.streams.get_mut(&id) {
+            if !s.scheduled && s.wants_send() {
+                s.scheduled = true;
+                match s.class {
+                    Class::Latency => self.ready_latency.push_back(id),
+                    Class::Bulk => self.ready_bulk.push_back(id),
+                }
+            }
+        }
+    }
+
+    fn maybe_remove(&mut self, id: StreamId) {
+        let done = self
+            .streams
+            .get(&id)
+            .is_some_and(|s| s.fin_sent && s.read_done);
+        if done {
+            if let Some(s) = self.streams.remove(&id) {
+                self.release_stream(id, &s);
+            }
+        }
+    }
+
+    /// Returns link credit held by a removed stream's unread bytes.
+    fn release_stream(&mut self, id: StreamId, s: &Stream) {
+        if (id.0 % 2 == 1) != self.cfg.initiator {
+            self.peer_streams = self.peer_streams.saturating_sub(1);
+        }
+        let unread = s.window.buffered();
+        if unread > 0 {
+            if let Some(max) = self.link_window.on_consume(unread) {
+                self.ctrl.push_back(Frame::MaxData {
+                    stream: StreamId::LINK,
+                    max,
+                });
+            }
+        }
+    }
+
+    fn fail(&mut self, e: LinkError) -> LinkError {
+        if self.state != State::Closed {
+            if !matches!(e, LinkError::PeerClosed { .. }) {
+                self.ctrl.push_back(Frame::GoAway {
+                    code: e.close_code(),
+                    reason: e.to_string(),
+                });
+            }
+            self.shut(Some(e.clone()));
+        }
+        e
+    }
+
+    fn shut(&mut self, err: Option<LinkError>) {
+        self.state = State::Closed;
+        for (id, _) in self.streams.drain() {
+            self.events.push_back(Event::Reset {
+                stream: id,
+                code: ResetCode::Shutdown,
+                reason: "link closed".to_string(),
+            });
+        }
+        self.ready_bulk.clear();
+        self.ready_latency.clear();
+        self.close_error = err.clone();
+        self.events.push_back(Event::Closed(err));
+    }
+
+    fn is_peer_id(&self, id: StreamId) -> bool {
+        (id.0 % 2 == 1) != self.cfg.initiator
+    }
+
+    /// True for an id that was in use once and is closed now: late frames for it are ignored.
+    fn was_open(&self, id: StreamId) -> bool {
+        if self.is_peer_id(id) {
+            id.0 <= self.peer_max_id
+        } else {
+            id.0 < self.next_local
+        }
+    }
+
+    fn on_frame(&mut self, f: Frame, wire: usize, now: Instant) -> Result<(), LinkError> {
+        if self.state == State::Handshake {
+            return match f {
+                Frame::Hello(h) => self.on_hello(h, now),
+                Frame::GoAway { code, reason } => Err(LinkError::PeerClosed { code, reason }),
+                _ => Err(LinkError::Protocol("first frame is not a hello".into())),
+            };
+        }
+        match f {
+            Frame::Hello(_) => Err(LinkError::Protocol("second hello".into())),
+            Frame::Open {
+                stream,
+                class,
+                service,
+            } => self.on_open(stream, class, service, wire),
+            Frame::Data {
+                stream,
+                offset,
+                fin,
+                data,
+            } => self.on_data(stream, offset, fin, data, wire),
+            Frame::Reset {
+                stream,
+                code,
+                reason,
+            } => {
+                if let Some(s) = self.streams.remove(&stream) {
+                    self.wire.entry(s.service.clone()).or_default().inbound += wire as u64;
+                    self.release_stream(stream, &s);
+                    self.events.push_back(Event::Reset {
+                        stream,
+                        code,
+                        reason,
+                    });
+                } else if !self.was_open(stream) {
+                    return Err(LinkError::Protocol(format!("reset of unknown stream {stream}")));
+                }
+                Ok(())
+            }
+            Frame::MaxData { stream, max } => {
+                if stream == StreamId::LINK {
+                    self.link_credit.raise(max);
+                } else if let Some(s) = self.streams.get_mut(&stream) {
+                    if s.credit.raise(max) {
+                        self.schedule(stream);
+                    }
+                } else if !self.was_open(stream) {
+                    return Err(LinkError::Protocol(format!("credit for unknown stream {stream}")));
+                }
+                Ok(())
+            }
+            Frame::Ping { payload } => {
+                self.ctrl.push_back(Frame::Pong { payload });
+                Ok(())
+            }
+            Frame::Pong { payload } => {
+                if let Some((seq, at)) = self.ping_sent {
+                    if seq == payload {
+                        self.rtt = Some(now.saturating_duration_since(at));
+                        self.ping_sent = None;
+                    }
+                }
+                Ok(())
+            }
+            Frame::GoAway { code, reason } => Err(LinkError::PeerClosed { code, reason }),
+        }
+    }
+
+    fn on_hello(&mut self, h: Hello, now: Instant) -> Result<(), LinkError> {
+        if h.version < MIN_VERSION || h.min_version > VERSION || h.min_version > h.version {
+            return Err(LinkError::VersionMismatch {
+                ours: VERSION,
+                ours_min: MIN_VERSION,
+                theirs: h.version,
+                theirs_min: h.min_version,
+            });
+        }
+        if h.site != self.cfg.peer {
+            return Err(LinkError::WrongPeer {
+                expected: self.cfg.peer.clone(),
+                got: h.site.clone(),
+            });
+        }
+        let get = |id: u16, default: u64| {
+            h.settings
+                .iter()
+                .find(|(k, _)| *k == id)
+                .map_or(default, |(_, v)| *v)
+        };
+        self.peer_stream_window = get(setting::STREAM_WINDOW, 256 * 1024);
+        self.link_credit = SendCredit::new(get(setting::LINK_WINDOW, 1 << 20));
+        self.peer_max_frame = get(setting::MAX_FRAME, 16 * 1024)
+            .clamp(1024, u64::from(frame::MAX_PAYLOAD_HARD) - 8)
+            as usize;
+        self.peer_max_streams = get(setting::MAX_STREAMS, 100).min(u64::from(u32::MAX)) as u32;
+        let version = h.version.min(VERSION);
+        self.state = State::Open;
+        self.next_ping = Some(now + self.cfg.keepalive);
+        self.events.push_back(Event::Up { peer: h, version });
+        Ok(())
+    }
+
+    fn on_open(
+        &mut self,
+        id: StreamId,
+        class: Class,
+        service: String,
+        wire: usize,
+    ) -> Result<(), LinkError> {
+        if !self.is_peer_id(id) || id.0 <= self.peer_max_id {
+            return Err(LinkError::Protocol(format!("bad stream id {id} in open")));
+        }
+        self.peer_max_id = id.0;
+        let refuse = |link: &mut Link, code, reason: String| {
+            link.ctrl.push_back(Frame::Reset {
+                stream: id,
+                code,
+                reason,
+            });
+        };
+        if self.state != State::Open {
+            refuse(self, ResetCode::Shutdown, "shutting down".into());
+            return Ok(());
+        }
+        let Some(name) = self.services.get(service.as_str()).cloned() else {
+            refuse(
+                self,
+                ResetCode::UnknownService,
+                format!("no service named {service:?}"),
+            );
+            self.events.push_back(Event::Refused {
+                stream: id,
+                service,
+            });
+            return Ok(());
+        };
+        if self.peer_streams >= self.cfg.max_streams {
+            refuse(self, ResetCode::Refused, "too many streams".into());
+            return Ok(());
+        }
+        self.peer_streams += 1;
+        self.wire.entry(name.clone()).or_default().inbound += wire as u64;
+        self.streams.insert(
+            id,
+            Stream::new(
+                class,
+                name.clone(),
+                self.peer_stream_window,
+                u64::from(self.cfg.stream_window),
+            ),
+        );
+        self.events.push_back(Event::Opened {
+            stream: id,
+            class,
+            service: name,
+        });
+        Ok(())
+    }
+
+    fn on_data(
+        &mut self,
+        id: StreamId,
+        offset: u64,
+        fin: bool,
+        data: Bytes,
+        wire: usize,
+    ) -> Result<(), LinkError> {
+        let n = data.len() as u64;
+        self.link_window.on_receive(n).map_err(|e| {
+            LinkError::Protocol(format!(
+                "peer exceeded link credit ({} > {})",
+                e.received, e.limit
+            ))
+        })?;
+        let Some(s) = self.streams.get_mut(&id) else {
+            if !self.was_open(id) {
+                return Err(LinkError::Protocol(format!("data for unknown stream {id}")));
+            }
+            // A stream we already closed: drop the bytes but give the link credit back.
+            if let Some(max) = self.link_window.on_consume(n) {
+                self.ctrl.push_back(Frame::MaxData {
+                    stream: StreamId::LINK,
+                    max,
+                });
+            }
+            return Ok(());
+        };
+        self.wire.entry(s.service.clone()).or_default().inbound += wire as u64;
+        let violation = if s.fin_received {
+            Some("data after fin".to_string())
+        } else if offset != s.window.received() {
+            Some(format!(
+                "offset {offset}, expected {}",
+                s.window.received()
+            ))
+        } else if let Err(e) = s.window.on_receive(n) {
+            Some(format!(
+                "stream credit exceeded ({} > {})",
+                e.received, e.limit
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = violation {
+            return Err(LinkError::Protocol(format!("stream {id}: {why}")));
+        }
+        let was_empty = s.recv_queue.is_empty() && !s.fin_received;
+        if !data.is_empty() {
+            s.recv_queue.push_back(data);
+        }
+        if fin {
+            s.fin_received = true;
+        }
+        if was_empty && (n > 0 || fin) {
+            self.events.push_back(Event::Readable(id));
+        }
+        Ok(())
+    }
+}

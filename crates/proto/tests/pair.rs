@@ -1,0 +1,491 @@
+//! Two `Link` state machines wired together in memory, with virtual time, one-way latency and a
+//! bottleneck rate, in the manner of quinn-proto's `Pair`. Each test ends by asserting that nothing
+//! leaked: no stream left open and no byte left buffered on either side.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use proptest::prelude::*;
+use wanopt_proto::{
+    Class, CloseCode, Event, Frame, Hello, Link, LinkConfig, LinkError, ReadOutcome, ResetCode,
+    StreamId,
+};
+
+/// One direction of the emulated wire.
+struct Pipe {
+    latency: Duration,
+    /// Bytes per second; serialization delay is applied per transmitted batch.
+    rate: u64,
+    busy_until: Instant,
+    in_flight: VecDeque<(Instant, Bytes)>,
+}
+
+impl Pipe {
+    /// A kernel-like send buffer: the side may hand over more bytes only while less than this much
+    /// is waiting to be serialized (as with `TCP_NOTSENT_LOWAT`).
+    fn has_room(&self, now: Instant) -> bool {
+        let backlog = self.busy_until.saturating_duration_since(now);
+        backlog.as_nanos() * u128::from(self.rate) / 1_000_000_000 < MTU_BATCH as u128
+    }
+
+    fn send(&mut self, now: Instant, b: Bytes) {
+        let start = self.busy_until.max(now);
+        let ser = Duration::from_nanos(b.len() as u64 * 1_000_000_000 / self.rate);
+        self.busy_until = start + ser;
+        self.in_flight.push_back((self.busy_until + self.latency, b));
+    }
+}
+
+/// What a simulated application does with a side's streams.
+#[derive(Default)]
+struct App {
+    /// Bytes received per stream.
+    received: HashMap<StreamId, Vec<u8>>,
+    /// Streams whose end was read.
+    fin: Vec<StreamId>,
+    /// Bytes still to write per stream, and whether to finish afterwards.
+    to_send: HashMap<StreamId, (Bytes, bool)>,
+    opened: Vec<(StreamId, String)>,
+    resets: Vec<(StreamId, ResetCode)>,
+    refused: Vec<String>,
+    closed: Option<Option<LinkError>>,
+    up: bool,
+    /// When false the application does not read (a slow reader).
+    paused: bool,
+    /// When each stream's first byte arrived (virtual time).
+    first_byte: HashMap<StreamId, Instant>,
+}
+
+struct Side {
+    link: Link,
+    app: App,
+}
+
+struct Pair {
+    now: Instant,
+    west: Side,
+    east: Side,
+    w2e: Pipe,
+    e2w: Pipe,
+}
+
+const MTU_BATCH: usize = 16 * 1024;
+
+impl Pair {
+    fn new(latency: Duration, rate: u64) -> Pair {
+        Self::with(latency, rate, |_| {}, |_| {})
+    }
+
+    fn with(
+        latency: Duration,
+        rate: u64,
+        fw: impl FnOnce(&mut LinkConfig),
+        fe: impl FnOnce(&mut LinkConfig),
+    ) -> Pair {
+        let now = Instant::now();
+        let mut cw = LinkConfig::new("west", "east", true);
+        let mut ce = LinkConfig::new("east", "west", false);
+        fw(&mut cw);
+        fe(&mut ce);
+        let mut west = Link::new(cw);
+        let mut east = Link::new(ce);
+        west.set_services(["w-svc"]);
+        east.set_services(["e-svc", "e-lat"]);
+        let pipe = || Pipe {
+            latency,
+            rate,
+            busy_until: now,
+            in_flight: VecDeque::new(),
+        };
+        Pair {
+            now,
+            west: Side {
+                link: west,
+                app: App::default(),
+            },
+            east: Side {
+                link: east,
+                app: App::default(),
+            },
+            w2e: pipe(),
+            e2w: pipe(),
+        }
+    }
+
+    /// Runs until both sides are quiet or `limit` of virtual time passes.
+    fn drive(&mut self, limit: Duration) {
+        let end = self.now + limit;
+        loop {
+            let mut progress = false;
+            progress |= step_side(&mut self.west, &mut self.w2e, self.now);
+            progress |= step_side(&mut self.east, &mut self.e2w, self.now);
+            // Deliver what is due.
+            progress |= deliver(&mut self.w2e, &mut self.east, self.now);
+            progress |= deliver(&mut self.e2w, &mut self.west, self.now);
+            if progress {
+                continue;
+            }
+            let mut next = [self.w2e.in_flight.front(), self.e2w.in_flight.front()]
+                .into_iter()
+                .flatten()
+                .map(|(t, _)| *t)
+                .min();
+            for (side, pipe) in [(&self.west, &self.w2e), (&self.east, &self.e2w)] {
+                if side.link.wants_transmit() && pipe.busy_until > self.now {
+                    next = Some(next.map_or(pipe.busy_until, |t| t.min(pipe.busy_until)));
+                }
+            }
+            match next {
+                Some(t) if t <= end => self.now = t,
+                _ => break,
+            }
+        }
+    }
+
+    fn assert_no_leaks(&self) {
+        for (name, s) in [("west", &self.west), ("east", &self.east)] {
+            assert_eq!(s.link.stream_count(), 0, "{name} leaked streams");
+            assert_eq!(s.link.buffered_bytes(), 0, "{name} leaked buffered bytes");
+        }
+    }
+}
+
+fn deliver(pipe: &mut Pipe, to: &mut Side, now: Instant) -> bool {
+    let mut any = false;
+    while pipe.in_flight.front().is_some_and(|(t, _)| *t <= now) {
+        let Some((_, b)) = pipe.in_flight.pop_front() else {
+            break;
+        };
+        let _ = to.link.handle_input(&b, now);
+        any = true;
+    }
+    any
+}
+
+/// One round of the application and transmit logic for a side. Returns true if anything happened.
+fn step_side(side: &mut Side, pipe: &mut Pipe, now: Instant) -> bool {
+    let mut progress = false;
+    while let Some(ev) = side.link.poll_event() {
+        progress = true;
+        match ev {
+            Event::Up { .. } => side.app.up = true,
+            Event::Opened { stream, service, .. } => side.app.opened.push((stream, service.to_string())),
+            Event::Refused { service, .. } => side.app.refused.push(service),
+            Event::Reset { stream, code, .. } => side.app.resets.push((stream, code)),
+            Event::Closed(e) => side.app.closed = Some(e),
+            Event::Readable(_) | Event::Writable(_) => {}
+        }
+    }
+    // Write what is pending.
+    let ids: Vec<StreamId> = side.app.to_send.keys().copied().collect();
+    for id in ids {
+        let Some((buf, fin)) = side.app.to_send.get_mut(&id) else { continue };
+        if !buf.is_empty() {
+            match side.link.write(id, buf) {
+                Ok(n) if n > 0 => {
+                    let _ = buf.split_to(n);
+                    progress = true;
+                }
+                Ok(_) => {}
+                Err(_) => {
+                    side.app.to_send.remove(&id);
+                    continue;
+                }
+            }
+        }
+        if buf.is_empty() {
+            if *fin {
+                let _ = side.link.finish(id);
+            }
+            side.app.to_send.remove(&id);
+            progress = true;
+        }
+    }
+    // Read everything readable.
+    if !side.app.paused {
+        let ids: Vec<StreamId> = side
+            .app
+            .opened
+            .iter()
+            .map(|(id, _)| *id)
+            .chain(side.app.received.keys().copied())
+            .collect();
+        for id in ids {
+            loop {
+                match side.link.read(id) {
+                    Ok(ReadOutcome::Data(b)) => {
+                        side.app.first_byte.entry(id).or_insert(now);
+                        side.app.received.entry(id).or_default().extend_from_slice(&b);
+                        progress = true;
+                    }
+                    Ok(ReadOutcome::Fin) => {
+                        if !side.app.fin.contains(&id) {
+                            side.app.fin.push(id);
+                            progress = true;
+                        }
+                        break;
+                    }
+                    Ok(ReadOutcome::Blocked) | Err(_) => break,
+                }
+            }
+        }
+    }
+    let mut out = BytesMut::new();
+    while pipe.has_room(now) {
+        let n = side.link.poll_transmit(&mut out, MTU_BATCH);
+        if n == 0 {
+            break;
+        }
+        pipe.send(now, out.split().freeze());
+        progress = true;
+    }
+    progress
+}
+
+fn pattern(seed: u64, len: usize) -> Bytes {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+fn up_pair() -> Pair {
+    let mut p = Pair::new(Duration::from_millis(50), 5_625_000);
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up, "hello exchange failed");
+    p
+}
+
+/// Opens a west→east stream, sends `data` with fin, and has east answer `reply` with fin.
+fn open_and_send(p: &mut Pair, service: &str, class: Class, data: Bytes) -> StreamId {
+    let id = p.west.link.open(service, class).expect("open");
+    p.west.app.to_send.insert(id, (data, true));
+    p.west.app.received.entry(id).or_default();
+    id
+}
+
+#[test]
+fn hello_exchange_brings_both_sides_up() {
+    let p = up_pair();
+    assert!(p.west.link.is_open() && p.east.link.is_open());
+    p.assert_no_leaks();
+}
+
+#[test]
+fn bidirectional_transfer_with_half_close_is_exact() {
+    let mut p = up_pair();
+    let up = pattern(1, 3_000_000);
+    let id = open_and_send(&mut p, "e-svc", Class::Bulk, up.clone());
+    p.drive(Duration::from_secs(30));
+    assert_eq!(p.east.app.opened, vec![(id, "e-svc".to_string())]);
+    assert_eq!(p.east.app.received.get(&id).map(Vec::len), Some(up.len()));
+    assert!(p.east.app.received[&id] == up[..], "bytes differ");
+    assert!(p.east.app.fin.contains(&id));
+    // West has finished sending but east can still answer: a half-closed stream.
+    assert_eq!(p.west.link.stream_count(), 1);
+    let down = pattern(2, 1_000_000);
+    p.east.app.to_send.insert(id, (down.clone(), true));
+    p.drive(Duration::from_secs(30));
+    assert!(p.west.app.received[&id] == down[..]);
+    assert!(p.west.app.fin.contains(&id));
+    p.assert_no_leaks();
+}
+
+#[test]
+fn latency_class_overtakes_a_bulk_backlog() {
+    let mut p = up_pair();
+    // A bulk stream with far more data than the pipe moves in a second.
+    let bulk = open_and_send(&mut p, "e-svc", Class::Bulk, pattern(3, 8_000_000));
+    p.drive(Duration::from_millis(300));
+    let sent_at = p.now;
+    let lat = open_and_send(&mut p, "e-lat", Class::Latency, Bytes::from_static(b"commit"));
+    p.drive(Duration::from_millis(200));
+    let arrived = p.east.app.first_byte.get(&lat).copied().expect("latency message arrived");
+    let delay = arrived - sent_at;
+    // One-way latency is 50 ms; the message may wait only behind what was already handed to the
+    // "kernel" (at most about 64 KiB here, 12 ms at this rate), never behind the 8 MB backlog (1.4 s).
+    assert!(delay < Duration::from_millis(65), "latency message waited {delay:?}");
+    assert!(p.east.app.received.get(&bulk).map_or(0, Vec::len) < 8_000_000);
+    p.drive(Duration::from_secs(60));
+    assert_eq!(p.east.app.received[&bulk].len(), 8_000_000);
+    p.east.app.to_send.insert(bulk, (Bytes::new(), true));
+    p.east.app.to_send.insert(lat, (Bytes::new(), true));
+    p.drive(Duration::from_secs(5));
+    p.assert_no_leaks();
+}
+
+#[test]
+fn unknown_service_is_refused_and_counted() {
+    let mut p = up_pair();
+    let id = open_and_send(&mut p, "nope", Class::Bulk, Bytes::from_static(b"x"));
+    p.drive(Duration::from_secs(1));
+    assert_eq!(p.east.app.refused, vec!["nope".to_string()]);
+    assert_eq!(p.west.app.resets, vec![(id, ResetCode::UnknownService)]);
+    p.west.app.received.clear();
+    p.assert_no_leaks();
+}
+
+#[test]
+fn slow_reader_bounds_buffering_on_both_sides() {
+    let mut p = Pair::with(
+        Duration::from_millis(10),
+        100_000_000,
+        |_| {},
+        |c| c.stream_window = 1 << 20,
+    );
+    p.drive(Duration::from_secs(1));
+    p.east.app.paused = true;
+    let id = open_and_send(&mut p, "e-svc", Class::Bulk, pattern(4, 20_000_000));
+    p.drive(Duration::from_secs(5));
+    // East buffers at most its stream window; west at most its send buffer.
+    assert!(p.east.link.buffered_bytes() <= 1 << 20, "{}", p.east.link.buffered_bytes());
+    assert!(p.west.link.send_queued(id) <= 256 * 1024);
+    let pending = p.west.app.to_send.get(&id).map_or(0, |(b, _)| b.len());
+    assert!(pending > 10_000_000, "sender was not held back");
+    p.east.app.paused = false;
+    p.drive(Duration::from_secs(60));
+    assert!(p.east.app.received[&id] == pattern(4, 20_000_000)[..]);
+    p.east.app.to_send.insert(id, (Bytes::new(), true));
+    p.drive(Duration::from_secs(1));
+    p.assert_no_leaks();
+}
+
+#[test]
+fn reset_reaches_the_peer_and_frees_credit() {
+    let mut p = up_pair();
+    let id = open_and_send(&mut p, "e-svc", Class::Bulk, pattern(5, 500_000));
+    p.drive(Duration::from_millis(120));
+    p.east.link.reset(id, ResetCode::TargetRefused, "connection refused");
+    p.drive(Duration::from_secs(5));
+    assert_eq!(p.west.app.resets, vec![(id, ResetCode::TargetRefused)]);
+    p.west.app.to_send.clear();
+    p.assert_no_leaks();
+    // The link still works afterwards.
+    let id2 = open_and_send(&mut p, "e-svc", Class::Bulk, pattern(6, 100_000));
+    p.drive(Duration::from_secs(5));
+    assert_eq!(p.east.app.received[&id2].len(), 100_000);
+}
+
+#[test]
+fn version_mismatch_is_a_clear_error_on_both_sides() {
+    let now = Instant::now();
+    let mut link = Link::new(LinkConfig::new("east", "west", false));
+    let mut buf = BytesMut::new();
+    Frame::Hello(Hello {
+        version: 9,
+        min_version: 7,
+        site: "west".into(),
+        capabilities: 0,
+        settings: vec![],
+    })
+    .encode(&mut buf);
+    let err = link.handle_input(&buf, now).expect_err("mismatch");
+    assert!(matches!(err, LinkError::VersionMismatch { theirs: 9, .. }), "{err}");
+    // The GoAway tells the other side why.
+    let mut out = BytesMut::new();
+    link.poll_transmit(&mut out, 4096);
+    let mut frames = Vec::new();
+    while let Ok(n) = Frame::check(&out, 1 << 20) {
+        frames.push(Frame::parse(out.split_to(n).freeze()).expect("parse"));
+    }
+    assert!(matches!(frames.last(), Some(Frame::GoAway { code: CloseCode::VersionMismatch, .. })));
+    // And the peer reading that GoAway reports it.
+    let mut peer = Link::new(LinkConfig::new("west", "east", true));
+    let mut again = BytesMut::new();
+    for f in &frames {
+        f.encode(&mut again);
+    }
+    let err = peer.handle_input(&again, now).expect_err("peer closed");
+    assert!(matches!(
+        err,
+        LinkError::PeerClosed { code: CloseCode::VersionMismatch, .. }
+    ));
+}
+
+#[test]
+fn wrong_site_name_is_rejected() {
+    let mut p = Pair::with(Duration::from_millis(1), 1_000_000_000, |c| c.site = "mallory".into(), |_| {});
+    p.drive(Duration::from_secs(1));
+    assert!(matches!(p.east.app.closed, Some(Some(LinkError::WrongPeer { .. }))));
+    assert!(p.east.link.is_closed() && p.west.link.is_closed());
+}
+
+#[test]
+fn garbage_closes_the_link_without_panicking() {
+    let mut link = Link::new(LinkConfig::new("east", "west", false));
+    let err = link.handle_input(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", Instant::now());
+    assert!(err.is_err());
+    assert!(link.is_closed());
+}
+
+#[test]
+fn silent_peer_times_out_and_pings_measure_rtt() {
+    let mut p = up_pair();
+    // Run timers for a while: pings flow and give an RTT of about 100 ms.
+    for _ in 0..10 {
+        p.now += Duration::from_secs(1);
+        let t = p.now;
+        p.west.link.handle_timeout(t);
+        p.east.link.handle_timeout(t);
+        p.drive(Duration::from_millis(500));
+    }
+    let rtt = p.west.link.rtt().expect("rtt measured");
+    assert!(rtt >= Duration::from_millis(100) && rtt < Duration::from_millis(110), "{rtt:?}");
+    // Now east goes silent.
+    let t = p.now + Duration::from_secs(31);
+    p.west.link.handle_timeout(t);
+    assert!(matches!(p.west.link.close_error(), Some(LinkError::Timeout)));
+}
+
+#[test]
+fn link_close_fails_every_stream() {
+    let mut p = up_pair();
+    let a = open_and_send(&mut p, "e-svc", Class::Bulk, pattern(7, 2_000_000));
+    let b = open_and_send(&mut p, "e-lat", Class::Latency, pattern(8, 10));
+    p.drive(Duration::from_millis(200));
+    p.west.link.close(CloseCode::Replaced, "a newer link replaced this one");
+    p.drive(Duration::from_secs(1));
+    let mut ids: Vec<StreamId> = p.west.app.resets.iter().map(|(id, _)| *id).collect();
+    ids.sort();
+    assert_eq!(ids, vec![a, b]);
+    assert!(matches!(
+        p.east.app.closed,
+        Some(Some(LinkError::PeerClosed { code: CloseCode::Replaced, .. }))
+    ));
+    assert_eq!(p.east.link.stream_count(), 0);
+    assert_eq!(p.west.link.stream_count(), 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+    /// Many interleaved streams of random sizes both ways arrive exact, and nothing leaks.
+    #[test]
+    fn interleaved_streams_are_exact(sizes in proptest::collection::vec((0usize..300_000, 0usize..50_000, any::<bool>()), 1..12)) {
+        let mut p = up_pair();
+        let mut expect = Vec::new();
+        for (i, (up, down, lat)) in sizes.iter().enumerate() {
+            let class = if *lat { Class::Latency } else { Class::Bulk };
+            let id = open_and_send(&mut p, if *lat { "e-lat" } else { "e-svc" }, class, pattern(i as u64, *up));
+            expect.push((id, *up, *down, i as u64));
+        }
+        p.drive(Duration::from_secs(5));
+        for (id, _, down, seed) in &expect {
+            p.east.app.to_send.insert(*id, (pattern(seed + 1000, *down), true));
+        }
+        p.drive(Duration::from_secs(60));
+        for (id, up, down, seed) in &expect {
+            let got_up = p.east.app.received.get(id).cloned().unwrap_or_default();
+            prop_assert!(got_up == pattern(*seed, *up)[..]);
+            prop_assert!(p.west.app.received[id] == pattern(seed + 1000, *down)[..]);
+            prop_assert!(p.east.app.fin.contains(id) && p.west.app.fin.contains(id));
+        }
+        p.assert_no_leaks();
+    }
+}

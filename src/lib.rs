@@ -1,0 +1,1 @@
+//! Home of the end-to-end tests (`tests/`) and benchmarks (`benches/`) of the wanopt binaries.
