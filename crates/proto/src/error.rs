@@ -31,7 +31,9 @@ pub enum LinkError {
     #[error("protocol violation: {0}")]
     Protocol(String),
     /// The peer speaks no version we speak.
-    #[error("protocol version mismatch: we speak {ours_min}..={ours}, peer speaks {theirs_min}..={theirs}")]
+    #[error(
+        "protocol version mismatch: we speak {ours_min}..={ours}, peer speaks {theirs_min}..={theirs}"
+    )]
     VersionMismatch {
         ours: u16,
         ours_min: u16,
@@ -47,6 +49,9 @@ pub enum LinkError {
     /// Nothing was heard from the peer for too long.
     #[error("peer silent for too long")]
     Timeout,
+    /// The connection under the link failed (reported by the runtime).
+    #[error("connection lost: {0}")]
+    Transport(String),
 }
 
 impl LinkError {
@@ -56,7 +61,7 @@ impl LinkError {
             LinkError::VersionMismatch { .. } => CloseCode::VersionMismatch,
             LinkError::WrongPeer { .. } => CloseCode::WrongPeer,
             LinkError::PeerClosed { code, .. } => *code,
-            LinkError::Timeout => CloseCode::Normal,
+            LinkError::Timeout | LinkError::Transport(_) => CloseCode::Normal,
             LinkError::Frame(_) | LinkError::Protocol(_) => CloseCode::ProtocolError,
         }
     }

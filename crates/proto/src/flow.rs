@@ -14,7 +14,10 @@ pub struct SendCredit {
 impl SendCredit {
     /// Starts with the peer's initial window.
     pub fn new(initial: u64) -> Self {
-        SendCredit { max: initial, sent: 0 }
+        SendCredit {
+            max: initial,
+            sent: 0,
+        }
     }
 
     /// Bytes that may be sent now.
@@ -46,7 +49,12 @@ impl SendCredit {
     }
 
     fn check(&self) {
-        debug_assert!(self.sent <= self.max, "sent {} > max {}", self.sent, self.max);
+        debug_assert!(
+            self.sent <= self.max,
+            "sent {} > max {}",
+            self.sent,
+            self.max
+        );
     }
 }
 
@@ -166,7 +174,7 @@ mod tests {
                     }
                 }
                 prop_assert!(rx.buffered() + in_flight <= window);
-                prop_assert!(tx.sent() <= rx.received() + in_flight + 0);
+                prop_assert!(tx.sent() <= (rx.received() + in_flight));
             }
             // Drain everything: the sender must get credit back (no deadlock).
             prop_assert!(rx.on_receive(in_flight).is_ok());
@@ -181,7 +189,13 @@ mod tests {
     fn overrun_is_detected() {
         let mut rx = RecvWindow::new(10);
         assert!(rx.on_receive(10).is_ok());
-        assert_eq!(rx.on_receive(1), Err(CreditExceeded { received: 11, limit: 10 }));
+        assert_eq!(
+            rx.on_receive(1),
+            Err(CreditExceeded {
+                received: 11,
+                limit: 10
+            })
+        );
     }
 
     #[test]

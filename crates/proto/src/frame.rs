@@ -369,7 +369,9 @@ impl Frame {
         let (kind, flags, stream) = match self {
             Frame::Hello(_) => (kind::HELLO, 0, StreamId::LINK),
             Frame::Open { stream, .. } => (kind::OPEN, 0, *stream),
-            Frame::Data { stream, fin, .. } => (kind::DATA, if *fin { FLAG_FIN } else { 0 }, *stream),
+            Frame::Data { stream, fin, .. } => {
+                (kind::DATA, if *fin { FLAG_FIN } else { 0 }, *stream)
+            }
             Frame::Reset { stream, .. } => (kind::RESET, 0, *stream),
             Frame::MaxData { stream, .. } => (kind::MAX_DATA, 0, *stream),
             Frame::Ping { .. } => (kind::PING, 0, StreamId::LINK),
@@ -421,7 +423,13 @@ impl Frame {
 
 /// Writes the header and offset of a data frame whose `len` payload bytes the caller appends next.
 /// Lets the scheduler copy stream bytes straight into the output buffer.
-pub fn encode_data_header(out: &mut BytesMut, stream: StreamId, offset: u64, fin: bool, len: usize) {
+pub fn encode_data_header(
+    out: &mut BytesMut,
+    stream: StreamId,
+    offset: u64,
+    fin: bool,
+    len: usize,
+) {
     out.put_u8(kind::DATA);
     out.put_u8(if fin { FLAG_FIN } else { 0 });
     out.put_u32(stream.0);
@@ -492,18 +500,59 @@ mod tests {
     fn arb_frame() -> impl Strategy<Value = Frame> {
         let sid = (1u32..).prop_map(StreamId);
         prop_oneof![
-            (any::<u16>(), any::<u16>(), arb_name(), any::<u64>(), proptest::collection::vec((any::<u16>(), any::<u64>()), 0..8))
-                .prop_map(|(version, min_version, site, capabilities, settings)| Frame::Hello(Hello { version, min_version, site, capabilities, settings })),
-            (sid.clone(), prop_oneof![Just(Class::Latency), Just(Class::Bulk)], arb_name())
-                .prop_map(|(stream, class, service)| Frame::Open { stream, class, service }),
-            (sid.clone(), 0u64..u64::MAX / 2, any::<bool>(), proptest::collection::vec(any::<u8>(), 0..2000))
-                .prop_map(|(stream, offset, fin, d)| Frame::Data { stream, offset, fin, data: Bytes::from(d) }),
-            (sid.clone(), any::<u16>(), arb_name())
-                .prop_map(|(stream, c, reason)| Frame::Reset { stream, code: ResetCode::from_u16(c), reason }),
-            (any::<u32>(), any::<u64>()).prop_map(|(s, max)| Frame::MaxData { stream: StreamId(s), max }),
+            (
+                any::<u16>(),
+                any::<u16>(),
+                arb_name(),
+                any::<u64>(),
+                proptest::collection::vec((any::<u16>(), any::<u64>()), 0..8)
+            )
+                .prop_map(|(version, min_version, site, capabilities, settings)| {
+                    Frame::Hello(Hello {
+                        version,
+                        min_version,
+                        site,
+                        capabilities,
+                        settings,
+                    })
+                }),
+            (
+                sid.clone(),
+                prop_oneof![Just(Class::Latency), Just(Class::Bulk)],
+                arb_name()
+            )
+                .prop_map(|(stream, class, service)| Frame::Open {
+                    stream,
+                    class,
+                    service
+                }),
+            (
+                sid.clone(),
+                0u64..u64::MAX / 2,
+                any::<bool>(),
+                proptest::collection::vec(any::<u8>(), 0..2000)
+            )
+                .prop_map(|(stream, offset, fin, d)| Frame::Data {
+                    stream,
+                    offset,
+                    fin,
+                    data: Bytes::from(d)
+                }),
+            (sid.clone(), any::<u16>(), arb_name()).prop_map(|(stream, c, reason)| Frame::Reset {
+                stream,
+                code: ResetCode::from_u16(c),
+                reason
+            }),
+            (any::<u32>(), any::<u64>()).prop_map(|(s, max)| Frame::MaxData {
+                stream: StreamId(s),
+                max
+            }),
             any::<u64>().prop_map(|payload| Frame::Ping { payload }),
             any::<u64>().prop_map(|payload| Frame::Pong { payload }),
-            (any::<u16>(), arb_name()).prop_map(|(c, reason)| Frame::GoAway { code: CloseCode::from_u16(c), reason }),
+            (any::<u16>(), arb_name()).prop_map(|(c, reason)| Frame::GoAway {
+                code: CloseCode::from_u16(c),
+                reason
+            }),
         ]
     }
 
@@ -551,19 +600,33 @@ mod tests {
         hdr.extend_from_slice(&(64u32 * 1024 * 1024).to_be_bytes());
         assert_eq!(
             Frame::check(&hdr, 65536),
-            Err(FrameError::TooLarge { len: 64 * 1024 * 1024, max: 65536 })
+            Err(FrameError::TooLarge {
+                len: 64 * 1024 * 1024,
+                max: 65536
+            })
         );
     }
 
     #[test]
     fn unknown_kind_and_tls_garbage_rejected() {
-        assert_eq!(Frame::check(b"GET / HTTP/1.1\r\n", 65536), Err(FrameError::UnknownKind(b'G')));
-        assert_eq!(Frame::check(&[0u8; 10], 65536), Err(FrameError::UnknownKind(0)));
+        assert_eq!(
+            Frame::check(b"GET / HTTP/1.1\r\n", 65536),
+            Err(FrameError::UnknownKind(b'G'))
+        );
+        assert_eq!(
+            Frame::check(&[0u8; 10], 65536),
+            Err(FrameError::UnknownKind(0))
+        );
     }
 
     #[test]
     fn data_header_matches_encode() {
-        let f = Frame::Data { stream: StreamId(7), offset: 99, fin: true, data: Bytes::from_static(b"hello") };
+        let f = Frame::Data {
+            stream: StreamId(7),
+            offset: 99,
+            fin: true,
+            data: Bytes::from_static(b"hello"),
+        };
         let mut a = BytesMut::new();
         f.encode(&mut a);
         let mut b = BytesMut::new();
@@ -575,7 +638,10 @@ mod tests {
     #[test]
     fn long_names_truncate_on_char_boundary() {
         let name = "é".repeat(200);
-        let f = Frame::GoAway { code: CloseCode::Normal, reason: name };
+        let f = Frame::GoAway {
+            code: CloseCode::Normal,
+            reason: name,
+        };
         let mut buf = BytesMut::new();
         f.encode(&mut buf);
         let n = Frame::check(&buf, MAX_PAYLOAD_HARD).expect("whole");

@@ -12,9 +12,7 @@ use bytes::{Buf, Bytes, BytesMut};
 
 use crate::error::{FrameError, LinkError, StreamError};
 use crate::flow::{RecvWindow, SendCredit};
-use crate::frame::{
-    self, Class, CloseCode, Frame, Hello, ResetCode, StreamId, setting,
-};
+use crate::frame::{self, Class, CloseCode, Frame, Hello, ResetCode, StreamId, setting};
 
 /// Highest protocol version this build speaks.
 pub const VERSION: u16 = 1;
@@ -90,6 +88,8 @@ pub enum Event {
         code: ResetCode,
         reason: String,
     },
+    /// A stream finished both ways and every byte was handed over; it is gone.
+    Done(StreamId),
     /// The link is closed; every stream is gone.
     Closed(Option<LinkError>),
 }
@@ -391,10 +391,10 @@ impl Link {
         let s = self.streams.get_mut(&id).ok_or(StreamError::Unknown(id))?;
         if let Some(b) = s.recv_queue.pop_front() {
             let n = b.len() as u64;
-            if let Some(max) = s.window.on_consume(n) {
-                if !s.fin_received {
-                    self.ctrl.push_back(Frame::MaxData { stream: id, max });
-                }
+            if let Some(max) = s.window.on_consume(n)
+                && !s.fin_received
+            {
+                self.ctrl.push_back(Frame::MaxData { stream: id, max });
             }
             if let Some(max) = self.link_window.on_consume(n) {
                 self.ctrl.push_back(Frame::MaxData {
@@ -432,6 +432,19 @@ impl Link {
             reason: reason.to_string(),
         });
         self.shut(None);
+    }
+
+    /// Records that the connection carrying the link failed: every stream is reset.
+    pub fn connection_lost(&mut self, reason: &str) {
+        if self.state != State::Closed {
+            self.shut(Some(LinkError::Transport(reason.to_string())));
+            self.ctrl.clear();
+        }
+    }
+
+    /// True while the stream exists (not yet finished both ways, reset or closed with the link).
+    pub fn contains(&self, id: StreamId) -> bool {
+        self.streams.contains_key(&id)
     }
 
     /// When [`handle_timeout`](Self::handle_timeout) wants to be called next.
@@ -511,7 +524,14 @@ impl Link {
     pub fn poll_transmit(&mut self, out: &mut BytesMut, limit: usize) -> usize {
         let start = out.len();
         while let Some(f) = self.ctrl.pop_front() {
+            let before = out.len();
             f.encode(out);
+            // A service's wire bytes are its streams' Open and Data frames, counted alike each way.
+            if let Frame::Open { stream, .. } = &f
+                && let Some(s) = self.streams.get(stream)
+            {
+                self.wire.entry(s.service.clone()).or_default().out += (out.len() - before) as u64;
+            }
         }
         if self.state == State::Handshake || self.state == State::Closed {
             let n = out.len() - start;
@@ -605,13 +625,14 @@ impl Link {
     }
 
     fn schedule(&mut self, id: StreamId) {
-        if let Some(s) = self.streams.get_mut(&id) {
-            if !s.scheduled && s.wants_send() {
-                s.scheduled = true;
-                match s.class {
-                    Class::Latency => self.ready_latency.push_back(id),
-                    Class::Bulk => self.ready_bulk.push_back(id),
-                }
+        if let Some(s) = self.streams.get_mut(&id)
+            && !s.scheduled
+            && s.wants_send()
+        {
+            s.scheduled = true;
+            match s.class {
+                Class::Latency => self.ready_latency.push_back(id),
+                Class::Bulk => self.ready_bulk.push_back(id),
             }
         }
     }
@@ -621,10 +642,9 @@ impl Link {
             .streams
             .get(&id)
             .is_some_and(|s| s.fin_sent && s.read_done);
-        if done {
-            if let Some(s) = self.streams.remove(&id) {
-                self.release_stream(id, &s);
-            }
+        if done && let Some(s) = self.streams.remove(&id) {
+            self.release_stream(id, &s);
+            self.events.push_back(Event::Done(id));
         }
     }
 
@@ -634,13 +654,13 @@ impl Link {
             self.peer_streams = self.peer_streams.saturating_sub(1);
         }
         let unread = s.window.buffered();
-        if unread > 0 {
-            if let Some(max) = self.link_window.on_consume(unread) {
-                self.ctrl.push_back(Frame::MaxData {
-                    stream: StreamId::LINK,
-                    max,
-                });
-            }
+        if unread > 0
+            && let Some(max) = self.link_window.on_consume(unread)
+        {
+            self.ctrl.push_back(Frame::MaxData {
+                stream: StreamId::LINK,
+                max,
+            });
         }
     }
 
@@ -712,7 +732,6 @@ impl Link {
                 reason,
             } => {
                 if let Some(s) = self.streams.remove(&stream) {
-                    self.wire.entry(s.service.clone()).or_default().inbound += wire as u64;
                     self.release_stream(stream, &s);
                     self.events.push_back(Event::Reset {
                         stream,
@@ -720,7 +739,9 @@ impl Link {
                         reason,
                     });
                 } else if !self.was_open(stream) {
-                    return Err(LinkError::Protocol(format!("reset of unknown stream {stream}")));
+                    return Err(LinkError::Protocol(format!(
+                        "reset of unknown stream {stream}"
+                    )));
                 }
                 Ok(())
             }
@@ -732,7 +753,9 @@ impl Link {
                         self.schedule(stream);
                     }
                 } else if !self.was_open(stream) {
-                    return Err(LinkError::Protocol(format!("credit for unknown stream {stream}")));
+                    return Err(LinkError::Protocol(format!(
+                        "credit for unknown stream {stream}"
+                    )));
                 }
                 Ok(())
             }
@@ -741,11 +764,11 @@ impl Link {
                 Ok(())
             }
             Frame::Pong { payload } => {
-                if let Some((seq, at)) = self.ping_sent {
-                    if seq == payload {
-                        self.rtt = Some(now.saturating_duration_since(at));
-                        self.ping_sent = None;
-                    }
+                if let Some((seq, at)) = self.ping_sent
+                    && seq == payload
+                {
+                    self.rtt = Some(now.saturating_duration_since(at));
+                    self.ping_sent = None;
                 }
                 Ok(())
             }
@@ -876,10 +899,7 @@ impl Link {
         let violation = if s.fin_received {
             Some("data after fin".to_string())
         } else if offset != s.window.received() {
-            Some(format!(
-                "offset {offset}, expected {}",
-                s.window.received()
-            ))
+            Some(format!("offset {offset}, expected {}", s.window.received()))
         } else if let Err(e) = s.window.on_receive(n) {
             Some(format!(
                 "stream credit exceeded ({} > {})",

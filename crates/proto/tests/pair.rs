@@ -33,7 +33,8 @@ impl Pipe {
         let start = self.busy_until.max(now);
         let ser = Duration::from_nanos(b.len() as u64 * 1_000_000_000 / self.rate);
         self.busy_until = start + ser;
-        self.in_flight.push_back((self.busy_until + self.latency, b));
+        self.in_flight
+            .push_back((self.busy_until + self.latency, b));
     }
 }
 
@@ -170,17 +171,21 @@ fn step_side(side: &mut Side, pipe: &mut Pipe, now: Instant) -> bool {
         progress = true;
         match ev {
             Event::Up { .. } => side.app.up = true,
-            Event::Opened { stream, service, .. } => side.app.opened.push((stream, service.to_string())),
+            Event::Opened {
+                stream, service, ..
+            } => side.app.opened.push((stream, service.to_string())),
             Event::Refused { service, .. } => side.app.refused.push(service),
             Event::Reset { stream, code, .. } => side.app.resets.push((stream, code)),
             Event::Closed(e) => side.app.closed = Some(e),
-            Event::Readable(_) | Event::Writable(_) => {}
+            Event::Readable(_) | Event::Writable(_) | Event::Done(_) => {}
         }
     }
     // Write what is pending.
     let ids: Vec<StreamId> = side.app.to_send.keys().copied().collect();
     for id in ids {
-        let Some((buf, fin)) = side.app.to_send.get_mut(&id) else { continue };
+        let Some((buf, fin)) = side.app.to_send.get_mut(&id) else {
+            continue;
+        };
         if !buf.is_empty() {
             match side.link.write(id, buf) {
                 Ok(n) if n > 0 => {
@@ -216,7 +221,11 @@ fn step_side(side: &mut Side, pipe: &mut Pipe, now: Instant) -> bool {
                 match side.link.read(id) {
                     Ok(ReadOutcome::Data(b)) => {
                         side.app.first_byte.entry(id).or_insert(now);
-                        side.app.received.entry(id).or_default().extend_from_slice(&b);
+                        side.app
+                            .received
+                            .entry(id)
+                            .or_default()
+                            .extend_from_slice(&b);
                         progress = true;
                     }
                     Ok(ReadOutcome::Fin) => {
@@ -305,13 +314,27 @@ fn latency_class_overtakes_a_bulk_backlog() {
     let bulk = open_and_send(&mut p, "e-svc", Class::Bulk, pattern(3, 8_000_000));
     p.drive(Duration::from_millis(300));
     let sent_at = p.now;
-    let lat = open_and_send(&mut p, "e-lat", Class::Latency, Bytes::from_static(b"commit"));
+    let lat = open_and_send(
+        &mut p,
+        "e-lat",
+        Class::Latency,
+        Bytes::from_static(b"commit"),
+    );
     p.drive(Duration::from_millis(200));
-    let arrived = p.east.app.first_byte.get(&lat).copied().expect("latency message arrived");
+    let arrived = p
+        .east
+        .app
+        .first_byte
+        .get(&lat)
+        .copied()
+        .expect("latency message arrived");
     let delay = arrived - sent_at;
     // One-way latency is 50 ms; the message may wait only behind what was already handed to the
     // "kernel" (at most about 64 KiB here, 12 ms at this rate), never behind the 8 MB backlog (1.4 s).
-    assert!(delay < Duration::from_millis(65), "latency message waited {delay:?}");
+    assert!(
+        delay < Duration::from_millis(65),
+        "latency message waited {delay:?}"
+    );
     assert!(p.east.app.received.get(&bulk).map_or(0, Vec::len) < 8_000_000);
     p.drive(Duration::from_secs(60));
     assert_eq!(p.east.app.received[&bulk].len(), 8_000_000);
@@ -345,7 +368,11 @@ fn slow_reader_bounds_buffering_on_both_sides() {
     let id = open_and_send(&mut p, "e-svc", Class::Bulk, pattern(4, 20_000_000));
     p.drive(Duration::from_secs(5));
     // East buffers at most its stream window; west at most its send buffer.
-    assert!(p.east.link.buffered_bytes() <= 1 << 20, "{}", p.east.link.buffered_bytes());
+    assert!(
+        p.east.link.buffered_bytes() <= 1 << 20,
+        "{}",
+        p.east.link.buffered_bytes()
+    );
     assert!(p.west.link.send_queued(id) <= 256 * 1024);
     let pending = p.west.app.to_send.get(&id).map_or(0, |(b, _)| b.len());
     assert!(pending > 10_000_000, "sender was not held back");
@@ -362,7 +389,9 @@ fn reset_reaches_the_peer_and_frees_credit() {
     let mut p = up_pair();
     let id = open_and_send(&mut p, "e-svc", Class::Bulk, pattern(5, 500_000));
     p.drive(Duration::from_millis(120));
-    p.east.link.reset(id, ResetCode::TargetRefused, "connection refused");
+    p.east
+        .link
+        .reset(id, ResetCode::TargetRefused, "connection refused");
     p.drive(Duration::from_secs(5));
     assert_eq!(p.west.app.resets, vec![(id, ResetCode::TargetRefused)]);
     p.west.app.to_send.clear();
@@ -387,7 +416,10 @@ fn version_mismatch_is_a_clear_error_on_both_sides() {
     })
     .encode(&mut buf);
     let err = link.handle_input(&buf, now).expect_err("mismatch");
-    assert!(matches!(err, LinkError::VersionMismatch { theirs: 9, .. }), "{err}");
+    assert!(
+        matches!(err, LinkError::VersionMismatch { theirs: 9, .. }),
+        "{err}"
+    );
     // The GoAway tells the other side why.
     let mut out = BytesMut::new();
     link.poll_transmit(&mut out, 4096);
@@ -395,7 +427,13 @@ fn version_mismatch_is_a_clear_error_on_both_sides() {
     while let Ok(n) = Frame::check(&out, 1 << 20) {
         frames.push(Frame::parse(out.split_to(n).freeze()).expect("parse"));
     }
-    assert!(matches!(frames.last(), Some(Frame::GoAway { code: CloseCode::VersionMismatch, .. })));
+    assert!(matches!(
+        frames.last(),
+        Some(Frame::GoAway {
+            code: CloseCode::VersionMismatch,
+            ..
+        })
+    ));
     // And the peer reading that GoAway reports it.
     let mut peer = Link::new(LinkConfig::new("west", "east", true));
     let mut again = BytesMut::new();
@@ -405,15 +443,26 @@ fn version_mismatch_is_a_clear_error_on_both_sides() {
     let err = peer.handle_input(&again, now).expect_err("peer closed");
     assert!(matches!(
         err,
-        LinkError::PeerClosed { code: CloseCode::VersionMismatch, .. }
+        LinkError::PeerClosed {
+            code: CloseCode::VersionMismatch,
+            ..
+        }
     ));
 }
 
 #[test]
 fn wrong_site_name_is_rejected() {
-    let mut p = Pair::with(Duration::from_millis(1), 1_000_000_000, |c| c.site = "mallory".into(), |_| {});
+    let mut p = Pair::with(
+        Duration::from_millis(1),
+        1_000_000_000,
+        |c| c.site = "mallory".into(),
+        |_| {},
+    );
     p.drive(Duration::from_secs(1));
-    assert!(matches!(p.east.app.closed, Some(Some(LinkError::WrongPeer { .. }))));
+    assert!(matches!(
+        p.east.app.closed,
+        Some(Some(LinkError::WrongPeer { .. }))
+    ));
     assert!(p.east.link.is_closed() && p.west.link.is_closed());
 }
 
@@ -437,11 +486,17 @@ fn silent_peer_times_out_and_pings_measure_rtt() {
         p.drive(Duration::from_millis(500));
     }
     let rtt = p.west.link.rtt().expect("rtt measured");
-    assert!(rtt >= Duration::from_millis(100) && rtt < Duration::from_millis(110), "{rtt:?}");
+    assert!(
+        rtt >= Duration::from_millis(100) && rtt < Duration::from_millis(110),
+        "{rtt:?}"
+    );
     // Now east goes silent.
     let t = p.now + Duration::from_secs(31);
     p.west.link.handle_timeout(t);
-    assert!(matches!(p.west.link.close_error(), Some(LinkError::Timeout)));
+    assert!(matches!(
+        p.west.link.close_error(),
+        Some(LinkError::Timeout)
+    ));
 }
 
 #[test]
@@ -450,14 +505,19 @@ fn link_close_fails_every_stream() {
     let a = open_and_send(&mut p, "e-svc", Class::Bulk, pattern(7, 2_000_000));
     let b = open_and_send(&mut p, "e-lat", Class::Latency, pattern(8, 10));
     p.drive(Duration::from_millis(200));
-    p.west.link.close(CloseCode::Replaced, "a newer link replaced this one");
+    p.west
+        .link
+        .close(CloseCode::Replaced, "a newer link replaced this one");
     p.drive(Duration::from_secs(1));
     let mut ids: Vec<StreamId> = p.west.app.resets.iter().map(|(id, _)| *id).collect();
     ids.sort();
     assert_eq!(ids, vec![a, b]);
     assert!(matches!(
         p.east.app.closed,
-        Some(Some(LinkError::PeerClosed { code: CloseCode::Replaced, .. }))
+        Some(Some(LinkError::PeerClosed {
+            code: CloseCode::Replaced,
+            ..
+        }))
     ));
     assert_eq!(p.east.link.stream_count(), 0);
     assert_eq!(p.west.link.stream_count(), 0);

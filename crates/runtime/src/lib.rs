@@ -1,1 +1,16 @@
+//! The wanopt runtime: moves bytes between local TCP sockets and the sans-IO protocol core over one
+//! mutually authenticated TLS 1.3 link, on tokio.
+//!
+//! [`config`] parses and validates the YAML config, [`tls`] builds the rustls configs and mints
+//! certificates, [`sockopt`] tunes sockets, [`daemon`] runs the link and the services, and
+//! [`counters`] keeps raw and wire byte counts per service.
 
+pub mod config;
+pub mod counters;
+pub mod daemon;
+pub mod sockopt;
+pub mod tls;
+pub mod units;
+
+pub use config::{Config, ConfigError};
+pub use daemon::{Bound, Daemon, DaemonError};

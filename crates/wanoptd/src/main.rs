@@ -1,1 +1,212 @@
-fn main() {}
+//! `wanoptd`: the wanopt daemon, one per gateway site.
+//!
+//! A thin binary over `wanopt-runtime`: it parses the command line, loads and validates the config
+//! (exit 64 on any config or TLS-file problem, before a port is bound), sets up logging and signals,
+//! and runs the daemon. `check` validates a config, `certs` mints site certificates, and `demo`
+//! runs the shipped west/east pair in one process.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use wanopt_runtime::counters::Counters;
+use wanopt_runtime::{Config, Daemon, DaemonError, tls};
+
+/// Exit code for a bad config or missing TLS files (EX_USAGE).
+const EXIT_CONFIG: u8 = 64;
+
+#[derive(Parser)]
+#[command(
+    name = "wanoptd",
+    version,
+    about = "WAN optimization tunnel daemon (one per site)"
+)]
+struct Cli {
+    /// Config file to run with.
+    #[arg(short, long, global = true)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the daemon (the default when no subcommand is given).
+    Run,
+    /// Validate a config and print the effective settings, defaults filled in.
+    Check,
+    /// Create a site CA (or reuse the one in DIR) and a key and certificate per site.
+    Certs {
+        /// Folder for ca.pem, ca.key, SITE.pem and SITE.key.
+        #[arg(long)]
+        out: PathBuf,
+        /// Site names, e.g. `west east`.
+        #[arg(required = true)]
+        sites: Vec<String>,
+    },
+    /// Run the shipped west and east configs together on loopback (creating their certificates
+    /// if absent): a working pair with no other setup.
+    Demo {
+        /// Folder holding west.yaml and east.yaml.
+        #[arg(long, default_value = "config")]
+        dir: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.cmd.unwrap_or(Cmd::Run) {
+        Cmd::Run => {
+            let Some(path) = cli.config else {
+                eprintln!("wanoptd: no config given; use `wanoptd -c FILE` (see config/west.yaml)");
+                return ExitCode::from(EXIT_CONFIG);
+            };
+            let cfg = match load(&path) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            init_logging(&cfg.log_level);
+            run_daemons(vec![cfg])
+        }
+        Cmd::Check => {
+            let Some(path) = cli.config else {
+                eprintln!("wanoptd check: give the config with -c FILE");
+                return ExitCode::from(EXIT_CONFIG);
+            };
+            match load(&path) {
+                Ok(cfg) => match tls::load(&cfg.tls) {
+                    Ok(_) => {
+                        print!("{}", cfg.describe());
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => {
+                        eprintln!("wanoptd: {e}");
+                        ExitCode::from(EXIT_CONFIG)
+                    }
+                },
+                Err(code) => code,
+            }
+        }
+        Cmd::Certs { out, sites } => match tls::create_site_certs(&out, &sites) {
+            Ok(files) => {
+                for f in files {
+                    println!("wrote {}", f.display());
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("wanoptd certs: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Cmd::Demo { dir } => demo(&dir),
+    }
+}
+
+fn load(path: &Path) -> Result<Config, ExitCode> {
+    Config::load(path).map_err(|e| {
+        eprintln!("wanoptd: {e}");
+        ExitCode::from(EXIT_CONFIG)
+    })
+}
+
+fn init_logging(level: &str) {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+}
+
+fn demo(dir: &Path) -> ExitCode {
+    let certs = dir.join("certs");
+    let missing = ["ca.pem", "west.pem", "west.key", "east.pem", "east.key"]
+        .iter()
+        .any(|f| !certs.join(f).exists());
+    if missing {
+        match tls::create_site_certs(&certs, &["west".into(), "east".into()]) {
+            Ok(files) => eprintln!(
+                "wanoptd demo: created {} certificate files in {}",
+                files.len(),
+                certs.display()
+            ),
+            Err(e) => {
+                eprintln!("wanoptd demo: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let mut cfgs = Vec::new();
+    for site in ["east", "west"] {
+        match load(&dir.join(format!("{site}.yaml"))) {
+            Ok(c) => cfgs.push(c),
+            Err(code) => return code,
+        }
+    }
+    init_logging(&cfgs[0].log_level);
+    run_daemons(cfgs)
+}
+
+/// Binds every daemon (exit 64 for TLS file problems, 1 for bind failures), then serves until
+/// SIGTERM or SIGINT.
+fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("wanoptd: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(async {
+        let mut daemons = Vec::new();
+        for cfg in cfgs {
+            match Daemon::bind(cfg, Arc::new(Counters::default())) {
+                Ok(d) => daemons.push(d),
+                Err(DaemonError::Tls(e)) => {
+                    eprintln!("wanoptd: {e}");
+                    return ExitCode::from(EXIT_CONFIG);
+                }
+                Err(e) => {
+                    eprintln!("wanoptd: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let mut handles = Vec::new();
+        for d in daemons {
+            let mut rx = stop_rx.clone();
+            handles.push(tokio::spawn(d.serve(async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })));
+        }
+        if let Err(e) = wait_for_signal().await {
+            eprintln!("wanoptd: {e:#}");
+            return ExitCode::FAILURE;
+        }
+        let _ = stop_tx.send(true);
+        for h in handles {
+            let _ = h.await;
+        }
+        ExitCode::SUCCESS
+    })
+}
+
+async fn wait_for_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+    Ok(())
+}

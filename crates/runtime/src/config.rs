@@ -1,0 +1,821 @@
+//! The daemon's YAML config: serde structs that reject unknown keys, parsed into validated types.
+//!
+//! Parse, don't validate: [`Config::load`] either returns a [`Config`] whose every value is usable
+//! (addresses parsed, units converted, names checked, paths resolved against the config file's
+//! folder) or a [`ConfigError`] naming the field. The daemon exits 64 on such an error.
+
+use std::collections::HashSet;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde::Deserialize;
+use wanopt_proto::Class;
+
+use crate::units::{parse_duration, parse_rate, parse_size};
+
+/// A config that cannot be used; the message names the field.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config {path}: {msg}")]
+    Syntax { path: PathBuf, msg: String },
+    #[error("config {path}: {field}: {msg}")]
+    Field {
+        path: PathBuf,
+        field: String,
+        msg: String,
+    },
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    site: String,
+    link: RawLink,
+    tls: RawTls,
+    #[serde(default)]
+    services: Vec<RawService>,
+    #[serde(default)]
+    optimize: Option<RawOptimize>,
+    #[serde(default)]
+    admin: Option<RawAdmin>,
+    #[serde(default)]
+    state_dir: Option<String>,
+    #[serde(default)]
+    log: Option<RawLog>,
+    #[serde(default)]
+    limits: Option<RawLimits>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLink {
+    listen: Option<String>,
+    connect: Option<String>,
+    peer: String,
+    bandwidth: Option<String>,
+    rtt: Option<String>,
+    congestion: Option<String>,
+    send_buffer: Option<String>,
+    recv_buffer: Option<String>,
+    notsent_lowat: Option<String>,
+    keepalive: Option<String>,
+    user_timeout: Option<String>,
+    reconnect_min: Option<String>,
+    reconnect_max: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTls {
+    ca: String,
+    cert: String,
+    key: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawService {
+    name: String,
+    listen: Option<String>,
+    allow: Option<Vec<String>>,
+    target: Option<String>,
+    class: Option<String>,
+}
+
+/// Reserved for the optimization issue (dedup, compression); only an empty map is accepted now.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOptimize {}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAdmin {
+    listen: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLog {
+    level: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimits {
+    max_streams: Option<u32>,
+    stream_window: Option<String>,
+    link_window: Option<String>,
+    stream_buffer: Option<String>,
+    shutdown_grace: Option<String>,
+    connect_timeout: Option<String>,
+    link_wait: Option<String>,
+    handshake_timeout: Option<String>,
+    idle_timeout: Option<String>,
+}
+
+/// A validated config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// The file it was loaded from.
+    pub path: PathBuf,
+    /// This site's name (also its certificate's name).
+    pub site: String,
+    pub link: LinkSettings,
+    pub tls: TlsPaths,
+    pub services: Vec<Service>,
+    /// Metrics endpoint address (served once the operations issue lands; validated now).
+    pub admin: Option<SocketAddr>,
+    pub state_dir: PathBuf,
+    /// Log level filter (`RUST_LOG` overrides it).
+    pub log_level: String,
+    pub limits: Limits,
+}
+
+/// Which side of the link this daemon is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkRole {
+    /// Accept the peer's link on this address.
+    Listen(SocketAddr),
+    /// Dial the peer at this `host:port`.
+    Connect(String),
+}
+
+/// A buffer size: kernel autotuning, or an explicit size (which disables autotuning).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BufferSize {
+    Auto,
+    Bytes(usize),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinkSettings {
+    pub role: LinkRole,
+    /// The peer's site name: its certificate must carry it.
+    pub peer: String,
+    /// Bottleneck bandwidth in bits per second (sizes buffers and windows).
+    pub bandwidth_bps: u64,
+    pub rtt: Duration,
+    pub congestion: String,
+    pub send_buffer: BufferSize,
+    pub recv_buffer: BufferSize,
+    pub notsent_lowat: u32,
+    pub keepalive: Duration,
+    pub user_timeout: Duration,
+    pub reconnect_min: Duration,
+    pub reconnect_max: Duration,
+}
+
+impl LinkSettings {
+    /// Bandwidth-delay product in bytes.
+    pub fn bdp_bytes(&self) -> u64 {
+        let bits = self.bandwidth_bps as f64 * self.rtt.as_secs_f64();
+        (bits / 8.0) as u64
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsPaths {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Service {
+    pub name: String,
+    pub class: Class,
+    pub kind: ServiceKind,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ServiceKind {
+    /// Local clients connect here; their streams go to the peer's service of the same name.
+    Listen { addr: SocketAddr, allow: Vec<IpNet> },
+    /// Streams from the peer for this service are connected to this `host:port`.
+    Target { addr: String },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Limits {
+    pub max_streams: u32,
+    pub stream_window: u32,
+    pub link_window: u64,
+    pub stream_buffer: usize,
+    pub shutdown_grace: Duration,
+    pub connect_timeout: Duration,
+    pub link_wait: Duration,
+    pub handshake_timeout: Duration,
+    pub idle_timeout: Duration,
+}
+
+/// Names: 1 to 63 lowercase letters, digits or dashes, not starting or ending with a dash
+/// (a DNS label, so a site name can be a certificate name).
+pub fn valid_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+struct Ctx<'a> {
+    path: &'a Path,
+}
+
+impl Ctx<'_> {
+    fn err(&self, field: impl Into<String>, msg: impl Into<String>) -> ConfigError {
+        ConfigError::Field {
+            path: self.path.to_path_buf(),
+            field: field.into(),
+            msg: msg.into(),
+        }
+    }
+    fn opt<T>(
+        &self,
+        field: &str,
+        v: &Option<String>,
+        default: T,
+        f: impl Fn(&str) -> Result<T, String>,
+    ) -> Result<T, ConfigError> {
+        match v {
+            None => Ok(default),
+            Some(s) => f(s).map_err(|m| self.err(field, m)),
+        }
+    }
+    fn resolve(&self, p: &str) -> PathBuf {
+        let p = Path::new(p);
+        if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            self.path.parent().unwrap_or_else(|| Path::new(".")).join(p)
+        }
+    }
+}
+
+fn parse_sockaddr(s: &str) -> Result<SocketAddr, String> {
+    s.parse()
+        .map_err(|_| format!("{s:?} is not an IP:port address (for IPv6: [::1]:7400)"))
+}
+
+fn parse_buffer(s: &str) -> Result<BufferSize, String> {
+    if s.eq_ignore_ascii_case("auto") {
+        return Ok(BufferSize::Auto);
+    }
+    let n = parse_size(s)?;
+    if !(4096..=(1u64 << 31)).contains(&n) {
+        return Err(format!("{s:?}: must be auto or between 4KiB and 2GiB"));
+    }
+    Ok(BufferSize::Bytes(n as usize))
+}
+
+fn parse_host_port(s: &str) -> Result<String, String> {
+    let (host, port) = s
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{s:?} is not host:port"))?;
+    if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
+        return Err(format!(
+            "{s:?} is not host:port with a port from 1 to 65535"
+        ));
+    }
+    Ok(s.to_string())
+}
+
+fn in_range<T: PartialOrd + std::fmt::Display + Copy>(v: T, lo: T, hi: T) -> Result<T, String> {
+    if v < lo || v > hi {
+        Err(format!("{v} is out of range ({lo} to {hi})"))
+    } else {
+        Ok(v)
+    }
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Validates config text; relative paths resolve against `path`'s folder.
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        let raw: RawConfig = yaml_serde::from_str(text).map_err(|e| ConfigError::Syntax {
+            path: path.to_path_buf(),
+            msg: e.to_string(),
+        })?;
+        let cx = Ctx { path };
+        if !valid_name(&raw.site) {
+            return Err(cx.err(
+                "site",
+                format!("{:?} must be a lowercase DNS label (a-z, 0-9, -)", raw.site),
+            ));
+        }
+
+        let l = &raw.link;
+        let role = match (&l.listen, &l.connect) {
+            (Some(a), None) => {
+                LinkRole::Listen(parse_sockaddr(a).map_err(|m| cx.err("link.listen", m))?)
+            }
+            (None, Some(c)) => {
+                LinkRole::Connect(parse_host_port(c).map_err(|m| cx.err("link.connect", m))?)
+            }
+            _ => return Err(cx.err("link", "set exactly one of listen or connect")),
+        };
+        if !valid_name(&l.peer) {
+            return Err(cx.err(
+                "link.peer",
+                format!("{:?} must be a lowercase DNS label", l.peer),
+            ));
+        }
+        if l.peer == raw.site {
+            return Err(cx.err("link.peer", "the peer must be another site than this one"));
+        }
+        let bandwidth_bps = cx.opt("link.bandwidth", &l.bandwidth, 45_000_000, |s| {
+            in_range(parse_rate(s)?, 64_000, 400_000_000_000)
+        })?;
+        let rtt = cx.opt("link.rtt", &l.rtt, Duration::from_millis(100), |s| {
+            let d = parse_duration(s)?;
+            if d > Duration::from_secs(10) {
+                return Err("must be at most 10s".into());
+            }
+            Ok(d)
+        })?;
+        let congestion = cx.opt("link.congestion", &l.congestion, "bbr".to_string(), |s| {
+            if s.is_empty()
+                || s.len() > 15
+                || !s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+            {
+                Err(format!(
+                    "{s:?} is not a congestion control name (bbr, cubic, reno)"
+                ))
+            } else {
+                Ok(s.to_string())
+            }
+        })?;
+        let send_buffer = cx.opt(
+            "link.send_buffer",
+            &l.send_buffer,
+            BufferSize::Auto,
+            parse_buffer,
+        )?;
+        let recv_buffer = cx.opt(
+            "link.recv_buffer",
+            &l.recv_buffer,
+            BufferSize::Auto,
+            parse_buffer,
+        )?;
+        let notsent_lowat = cx.opt("link.notsent_lowat", &l.notsent_lowat, 128 * 1024, |s| {
+            Ok(in_range(parse_size(s)?, 4096, 64 << 20)? as u32)
+        })?;
+        let dur = |field: &str, v: &Option<String>, d: Duration, lo: Duration, hi: Duration| {
+            cx.opt(field, v, d, |s| {
+                let x = parse_duration(s)?;
+                if x < lo || x > hi {
+                    return Err(format!("must be between {lo:?} and {hi:?}"));
+                }
+                Ok(x)
+            })
+        };
+        let secs = Duration::from_secs;
+        let ms = Duration::from_millis;
+        let keepalive = dur("link.keepalive", &l.keepalive, secs(5), ms(100), secs(3600))?;
+        let user_timeout = dur(
+            "link.user_timeout",
+            &l.user_timeout,
+            secs(30),
+            secs(1),
+            secs(3600),
+        )?;
+        let reconnect_min = dur(
+            "link.reconnect_min",
+            &l.reconnect_min,
+            ms(200),
+            ms(10),
+            secs(60),
+        )?;
+        let reconnect_max = dur(
+            "link.reconnect_max",
+            &l.reconnect_max,
+            secs(10),
+            ms(10),
+            secs(600),
+        )?;
+        if reconnect_max < reconnect_min {
+            return Err(cx.err("link.reconnect_max", "must not be below link.reconnect_min"));
+        }
+        let link = LinkSettings {
+            role,
+            peer: l.peer.clone(),
+            bandwidth_bps,
+            rtt,
+            congestion,
+            send_buffer,
+            recv_buffer,
+            notsent_lowat,
+            keepalive,
+            user_timeout,
+            reconnect_min,
+            reconnect_max,
+        };
+
+        let tls = TlsPaths {
+            ca: cx.resolve(&raw.tls.ca),
+            cert: cx.resolve(&raw.tls.cert),
+            key: cx.resolve(&raw.tls.key),
+        };
+
+        let mut services = Vec::new();
+        let mut names = HashSet::new();
+        for (i, s) in raw.services.iter().enumerate() {
+            let field = |f: &str| format!("services[{i}].{f}");
+            if !valid_name(&s.name) {
+                return Err(cx.err(
+                    field("name"),
+                    format!("{:?} must be a lowercase DNS label", s.name),
+                ));
+            }
+            if !names.insert(s.name.clone()) {
+                return Err(cx.err(
+                    field("name"),
+                    format!("service {:?} is defined twice", s.name),
+                ));
+            }
+            let class = match s.class.as_deref() {
+                None | Some("bulk") => Class::Bulk,
+                Some("latency") => Class::Latency,
+                Some(other) => {
+                    return Err(cx.err(field("class"), format!("{other:?} is not latency or bulk")));
+                }
+            };
+            let kind = match (&s.listen, &s.target) {
+                (Some(a), None) => {
+                    let addr = parse_sockaddr(a).map_err(|m| cx.err(field("listen"), m))?;
+                    let mut allow = Vec::new();
+                    for (j, c) in s.allow.iter().flatten().enumerate() {
+                        let net = c
+                            .parse::<IpNet>()
+                            .or_else(|_| c.parse::<IpAddr>().map(IpNet::from))
+                            .map_err(|_| {
+                                cx.err(
+                                    format!("services[{i}].allow[{j}]"),
+                                    format!("{c:?} is not a CIDR (10.0.0.0/8) or IP"),
+                                )
+                            })?;
+                        allow.push(net);
+                    }
+                    ServiceKind::Listen { addr, allow }
+                }
+                (None, Some(t)) => {
+                    if s.allow.is_some() {
+                        return Err(cx.err(field("allow"), "allow applies to listen services only"));
+                    }
+                    ServiceKind::Target {
+                        addr: parse_host_port(t).map_err(|m| cx.err(field("target"), m))?,
+                    }
+                }
+                _ => {
+                    return Err(cx.err(
+                        format!("services[{i}]"),
+                        "set exactly one of listen or target",
+                    ));
+                }
+            };
+            services.push(Service {
+                name: s.name.clone(),
+                class,
+                kind,
+            });
+        }
+
+        let admin = match &raw.admin {
+            None => None,
+            Some(a) => Some(parse_sockaddr(&a.listen).map_err(|m| cx.err("admin.listen", m))?),
+        };
+        let _ = &raw.optimize;
+        let state_dir = raw
+            .state_dir
+            .as_deref()
+            .map_or_else(|| PathBuf::from("/var/lib/wanoptd"), |p| cx.resolve(p));
+        let log_level = match raw.log.as_ref().and_then(|l| l.level.clone()) {
+            None => "info".to_string(),
+            Some(l) => {
+                let ok = ["error", "warn", "info", "debug", "trace"].contains(&l.as_str());
+                if !ok {
+                    return Err(cx.err(
+                        "log.level",
+                        format!("{l:?} is not error, warn, info, debug or trace"),
+                    ));
+                }
+                l
+            }
+        };
+
+        let rl = raw.limits.as_ref();
+        let none = None;
+        let lim = |f: fn(&RawLimits) -> &Option<String>| rl.map_or(&none, f);
+        let bdp = link.bdp_bytes();
+        let max_streams = match rl.and_then(|r| r.max_streams) {
+            None => 4096,
+            Some(n) => in_range(n, 1, 1 << 20).map_err(|m| cx.err("limits.max_streams", m))?,
+        };
+        // Defaults: a stream may fill the pipe on its own; the link holds a few streams' worth.
+        let default_stream_window = bdp.clamp(1 << 20, 64 << 20) * 2;
+        let stream_window = cx.opt(
+            "limits.stream_window",
+            lim(|r| &r.stream_window),
+            default_stream_window,
+            |s| in_range(parse_size(s)?, 64 * 1024, 1 << 30),
+        )? as u32;
+        let link_window = cx.opt(
+            "limits.link_window",
+            lim(|r| &r.link_window),
+            (u64::from(stream_window) * 4).max(64 << 20),
+            |s| in_range(parse_size(s)?, 256 * 1024, 16 << 30),
+        )?;
+        let stream_buffer = cx.opt(
+            "limits.stream_buffer",
+            lim(|r| &r.stream_buffer),
+            256 * 1024,
+            |s| in_range(parse_size(s)?, 16 * 1024, 64 << 20),
+        )? as usize;
+        let shutdown_grace = dur(
+            "limits.shutdown_grace",
+            lim(|r| &r.shutdown_grace),
+            secs(30),
+            ms(0),
+            secs(3600),
+        )?;
+        let connect_timeout = dur(
+            "limits.connect_timeout",
+            lim(|r| &r.connect_timeout),
+            secs(10),
+            ms(10),
+            secs(600),
+        )?;
+        let link_wait = dur(
+            "limits.link_wait",
+            lim(|r| &r.link_wait),
+            secs(10),
+            ms(0),
+            secs(600),
+        )?;
+        let handshake_timeout = dur(
+            "limits.handshake_timeout",
+            lim(|r| &r.handshake_timeout),
+            secs(10),
+            ms(100),
+            secs(600),
+        )?;
+        let idle_timeout = dur(
+            "limits.idle_timeout",
+            lim(|r| &r.idle_timeout),
+            secs(30),
+            secs(1),
+            secs(3600),
+        )?;
+        if idle_timeout <= keepalive {
+            return Err(cx.err("limits.idle_timeout", "must be longer than link.keepalive"));
+        }
+        let limits = Limits {
+            max_streams,
+            stream_window,
+            link_window,
+            stream_buffer,
+            shutdown_grace,
+            connect_timeout,
+            link_wait,
+            handshake_timeout,
+            idle_timeout,
+        };
+
+        Ok(Config {
+            path: path.to_path_buf(),
+            site: raw.site,
+            link,
+            tls,
+            services,
+            admin,
+            state_dir,
+            log_level,
+            limits,
+        })
+    }
+
+    /// The effective config as YAML-like text, every default filled in (`wanoptd check`).
+    pub fn describe(&self) -> String {
+        use std::fmt::Write;
+        let mut o = String::new();
+        let l = &self.link;
+        let _ = writeln!(o, "# effective config of {}", self.path.display());
+        let _ = writeln!(o, "site: {}", self.site);
+        let _ = writeln!(o, "link:");
+        match &l.role {
+            LinkRole::Listen(a) => {
+                let _ = writeln!(o, "  listen: {a}");
+            }
+            LinkRole::Connect(c) => {
+                let _ = writeln!(o, "  connect: {c}");
+            }
+        }
+        let _ = writeln!(o, "  peer: {}", l.peer);
+        let _ = writeln!(o, "  bandwidth: {}bit  # bits per second", l.bandwidth_bps);
+        let _ = writeln!(
+            o,
+            "  rtt: {}ms  # bandwidth-delay product {} bytes",
+            l.rtt.as_millis(),
+            l.bdp_bytes()
+        );
+        let _ = writeln!(o, "  congestion: {}", l.congestion);
+        let buf = |b: BufferSize| match b {
+            BufferSize::Auto => "auto".to_string(),
+            BufferSize::Bytes(n) => n.to_string(),
+        };
+        let _ = writeln!(o, "  send_buffer: {}", buf(l.send_buffer));
+        let _ = writeln!(o, "  recv_buffer: {}", buf(l.recv_buffer));
+        let _ = writeln!(o, "  notsent_lowat: {}", l.notsent_lowat);
+        let _ = writeln!(o, "  keepalive: {}ms", l.keepalive.as_millis());
+        let _ = writeln!(o, "  user_timeout: {}ms", l.user_timeout.as_millis());
+        let _ = writeln!(o, "  reconnect_min: {}ms", l.reconnect_min.as_millis());
+        let _ = writeln!(o, "  reconnect_max: {}ms", l.reconnect_max.as_millis());
+        let _ = writeln!(
+            o,
+            "tls:\n  ca: {}\n  cert: {}\n  key: {}",
+            self.tls.ca.display(),
+            self.tls.cert.display(),
+            self.tls.key.display()
+        );
+        let _ = writeln!(o, "services:");
+        for s in &self.services {
+            let class = match s.class {
+                Class::Latency => "latency",
+                Class::Bulk => "bulk",
+            };
+            let _ = writeln!(o, "  - name: {}\n    class: {class}", s.name);
+            match &s.kind {
+                ServiceKind::Listen { addr, allow } => {
+                    let _ = writeln!(o, "    listen: {addr}");
+                    let list: Vec<String> = allow.iter().map(ToString::to_string).collect();
+                    let _ = writeln!(o, "    allow: [{}]", list.join(", "));
+                }
+                ServiceKind::Target { addr } => {
+                    let _ = writeln!(o, "    target: {addr}");
+                }
+            }
+        }
+        if let Some(a) = self.admin {
+            let _ = writeln!(o, "admin:\n  listen: {a}");
+        }
+        let _ = writeln!(o, "state_dir: {}", self.state_dir.display());
+        let _ = writeln!(o, "log:\n  level: {}", self.log_level);
+        let m = &self.limits;
+        let _ = writeln!(
+            o,
+            "limits:\n  max_streams: {}\n  stream_window: {}\n  link_window: {}\n  stream_buffer: {}",
+            m.max_streams, m.stream_window, m.link_window, m.stream_buffer
+        );
+        let _ = writeln!(
+            o,
+            "  shutdown_grace: {}ms\n  connect_timeout: {}ms\n  link_wait: {}ms\n  handshake_timeout: {}ms\n  idle_timeout: {}ms",
+            m.shutdown_grace.as_millis(),
+            m.connect_timeout.as_millis(),
+            m.link_wait.as_millis(),
+            m.handshake_timeout.as_millis(),
+            m.idle_timeout.as_millis()
+        );
+        o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: &str = "site: west\nlink:\n  connect: 127.0.0.1:7400\n  peer: east\ntls:\n  ca: certs/ca.pem\n  cert: certs/west.pem\n  key: certs/west.key\n";
+
+    fn parse(extra: &str) -> Result<Config, ConfigError> {
+        Config::parse(&format!("{MIN}{extra}"), Path::new("/etc/wanopt/west.yaml"))
+    }
+
+    fn field_err(extra: &str) -> String {
+        match parse(extra) {
+            Err(ConfigError::Field { field, .. }) => field,
+            other => panic!("expected a field error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults_and_resolved_paths() {
+        let c = parse("").expect("valid");
+        assert_eq!(c.link.congestion, "bbr");
+        assert_eq!(c.link.bandwidth_bps, 45_000_000);
+        assert_eq!(c.link.bdp_bytes(), 562_500);
+        assert_eq!(c.tls.ca, PathBuf::from("/etc/wanopt/certs/ca.pem"));
+        assert_eq!(c.link.send_buffer, BufferSize::Auto);
+        assert!(c.describe().contains("congestion: bbr"));
+    }
+
+    #[test]
+    fn unknown_keys_are_errors_naming_the_key() {
+        let e = parse("bogus: 1\n").expect_err("unknown key");
+        assert!(e.to_string().contains("bogus"), "{e}");
+        let e = Config::parse(
+            &MIN.replace("peer: east", "peer: east\n  speed: 1"),
+            Path::new("x.yaml"),
+        )
+        .expect_err("unknown");
+        assert!(e.to_string().contains("speed"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        assert_eq!(
+            field_err("services:\n  - name: dg\n    listen: nowhere\n"),
+            "services[0].listen"
+        );
+        assert_eq!(
+            field_err("services:\n  - name: dg\n    target: db:0\n"),
+            "services[0].target"
+        );
+        assert_eq!(
+            field_err("services:\n  - name: DG\n    target: db:1521\n"),
+            "services[0].name"
+        );
+        assert_eq!(
+            field_err("services:\n  - name: dg\n    target: db:1521\n    class: fast\n"),
+            "services[0].class"
+        );
+        assert_eq!(
+            field_err("services:\n  - name: dg\n    listen: 127.0.0.1:1\n    allow: [banana]\n"),
+            "services[0].allow[0]"
+        );
+        assert_eq!(
+            field_err("services:\n  - name: dg\n    target: a:1\n  - name: dg\n    target: b:1\n"),
+            "services[1].name"
+        );
+        assert_eq!(field_err("services:\n  - name: dg\n"), "services[0]");
+        assert_eq!(
+            field_err("limits:\n  stream_window: 1\n"),
+            "limits.stream_window"
+        );
+        assert_eq!(field_err("log:\n  level: loud\n"), "log.level");
+        assert_eq!(field_err("admin:\n  listen: localhost\n"), "admin.listen");
+        let e = Config::parse(
+            &MIN.replace(
+                "connect: 127.0.0.1:7400",
+                "connect: 127.0.0.1:7400\n  bandwidth: fast",
+            ),
+            Path::new("x"),
+        )
+        .expect_err("bad");
+        assert!(
+            matches!(e, ConfigError::Field { ref field, .. } if field == "link.bandwidth"),
+            "{e}"
+        );
+        let e = Config::parse(
+            &MIN.replace(
+                "connect: 127.0.0.1:7400",
+                "connect: 127.0.0.1:7400\n  listen: 0.0.0.0:1",
+            ),
+            Path::new("x"),
+        )
+        .expect_err("bad");
+        assert!(
+            matches!(e, ConfigError::Field { ref field, .. } if field == "link"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn services_both_ways() {
+        let c = parse("services:\n  - name: dg\n    listen: 127.0.0.1:1522\n    allow: [10.0.0.0/8, 192.168.1.7]\n    class: latency\n  - name: rman\n    target: standby.example:1521\n").expect("valid");
+        assert_eq!(c.services.len(), 2);
+        assert_eq!(c.services[0].class, Class::Latency);
+        match &c.services[0].kind {
+            ServiceKind::Listen { allow, .. } => assert_eq!(allow.len(), 2),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        for text in [
+            "",
+            "[",
+            "site: [1,2",
+            "\u{0}\u{1}",
+            "site: 5\nlink: 3\n",
+            &"a: ".repeat(10_000),
+        ] {
+            assert!(Config::parse(text, Path::new("x")).is_err());
+        }
+    }
+}

@@ -1,0 +1,831 @@
+//! The daemon: binds the service listeners and the link, keeps one TLS link to the peer up, and
+//! moves bytes between local sockets and the link's streams.
+//!
+//! One task drives each link (a reader and a writer around the sans-IO [`Link`], shared behind a
+//! mutex); each stream is one task that pumps both directions of its local socket. Wakeups travel
+//! through per-stream [`Notify`]s fed from the link's events. A [`Peer`] holds everything about one
+//! peer, so a daemon can later serve several.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use rand::Rng;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, watch};
+use tracing::{debug, info, warn};
+use wanopt_proto::{
+    Class, CloseCode, Event, Link, LinkConfig, LinkError, ReadOutcome, ResetCode, StreamError,
+    StreamId,
+};
+
+use crate::config::{Config, LinkRole, Service, ServiceKind};
+use crate::counters::{self, Counters, ServiceCounters, add};
+use crate::sockopt;
+use crate::tls::{self, TlsMaterial};
+
+/// Largest batch of frames handed to TLS at once; small, so latency frames never wait long.
+const TRANSMIT_BATCH: usize = 64 * 1024;
+/// Read size for local sockets and the link.
+const READ_CHUNK: usize = 64 * 1024;
+
+/// A failure that stops the daemon.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("cannot bind {what} on {addr}: {source}")]
+    Bind {
+        what: String,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+}
+
+/// Wakeups and the reset reason of one stream.
+#[derive(Debug, Default)]
+struct StreamSignal {
+    readable: Notify,
+    writable: Notify,
+    /// Reset, link closed, or finished: the stream is gone from the link.
+    gone: Notify,
+    reset: Mutex<Option<String>>,
+}
+
+impl StreamSignal {
+    fn reason(&self) -> String {
+        lock(&self.reset)
+            .clone()
+            .unwrap_or_else(|| "stream closed".to_string())
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+struct Inner {
+    link: Link,
+    signals: HashMap<StreamId, Arc<StreamSignal>>,
+    opened: Vec<(StreamId, Arc<str>, Class)>,
+    up: bool,
+}
+
+/// One live link: the protocol state machine and the wakeups around it.
+struct LinkHandle {
+    inner: Mutex<Inner>,
+    /// Wakes the writer: there may be frames to send.
+    tx: Notify,
+    peer: Arc<Peer>,
+    id: u64,
+}
+
+impl LinkHandle {
+    fn with<R>(&self, f: impl FnOnce(&mut Link) -> R) -> R {
+        let mut g = lock(&self.inner);
+        let r = f(&mut g.link);
+        self.dispatch(&mut g);
+        r
+    }
+
+    /// Routes the link's events to the stream tasks and counters.
+    fn dispatch(&self, g: &mut Inner) {
+        while let Some(ev) = g.link.poll_event() {
+            match ev {
+                Event::Up { .. } => g.up = true,
+                Event::Opened {
+                    stream,
+                    class,
+                    service,
+                } => {
+                    g.signals.insert(stream, Arc::default());
+                    g.opened.push((stream, service, class));
+                }
+                Event::Refused { stream, service } => {
+                    add(&self.peer.counters.link.unknown_service, 1);
+                    warn!(link = self.id, stream = %stream, service = %service, "refused stream for unknown service");
+                }
+                Event::Readable(id) => {
+                    if let Some(s) = g.signals.get(&id) {
+                        s.readable.notify_one();
+                    }
+                }
+                Event::Writable(id) => {
+                    if let Some(s) = g.signals.get(&id) {
+                        s.writable.notify_one();
+                    }
+                }
+                Event::Reset {
+                    stream,
+                    code,
+                    reason,
+                } => {
+                    if let Some(s) = g.signals.get(&stream) {
+                        *lock(&s.reset) = Some(format!("{}: {reason}", code.label()));
+                        s.readable.notify_one();
+                        s.writable.notify_one();
+                        s.gone.notify_one();
+                    }
+                }
+                Event::Done(id) => {
+                    if let Some(s) = g.signals.get(&id) {
+                        s.gone.notify_one();
+                    }
+                }
+                Event::Closed(_) => {}
+            }
+        }
+        for (svc, c) in g.link.take_wire_counts() {
+            let sc = self.peer.counters.service(&svc);
+            add(&sc.wire_out, c.out);
+            add(&sc.wire_in, c.inbound);
+        }
+    }
+
+    /// Registers a new outgoing stream.
+    fn open(
+        &self,
+        service: &str,
+        class: Class,
+    ) -> Result<(StreamId, Arc<StreamSignal>), StreamError> {
+        let mut g = lock(&self.inner);
+        let id = g.link.open(service, class)?;
+        let sig: Arc<StreamSignal> = Arc::default();
+        g.signals.insert(id, sig.clone());
+        drop(g);
+        self.tx.notify_one();
+        Ok((id, sig))
+    }
+
+    fn forget(&self, id: StreamId) {
+        lock(&self.inner).signals.remove(&id);
+    }
+
+    fn reset(&self, id: StreamId, code: ResetCode, reason: &str) {
+        self.with(|l| l.reset(id, code, reason));
+        self.tx.notify_one();
+    }
+}
+
+/// Everything about one peer: its config, counters, and the current link.
+struct Peer {
+    cfg: Arc<Config>,
+    tls: TlsMaterial,
+    counters: Arc<Counters>,
+    current: watch::Sender<Option<Arc<LinkHandle>>>,
+    shutdown: watch::Receiver<bool>,
+    next_link_id: std::sync::atomic::AtomicU64,
+}
+
+/// Addresses the daemon bound (useful when the config asked for port 0).
+#[derive(Debug, Clone, Default)]
+pub struct Bound {
+    pub link: Option<SocketAddr>,
+    pub services: Vec<(String, SocketAddr)>,
+}
+
+/// A daemon with its sockets bound, ready to [`serve`](Daemon::serve).
+pub struct Daemon {
+    peer: Arc<Peer>,
+    link_listener: Option<TcpListener>,
+    service_listeners: Vec<(Service, TcpListener)>,
+    shutdown_tx: watch::Sender<bool>,
+    bound: Bound,
+}
+
+impl Daemon {
+    /// Loads TLS material and binds every listener; logs each bound address.
+    pub fn bind(cfg: Config, counters: Arc<Counters>) -> Result<Daemon, DaemonError> {
+        let tls = tls::load(&cfg.tls)?;
+        let cfg = Arc::new(cfg);
+        sockopt::check_buffer_sysctls(&cfg.link);
+        let mut bound = Bound::default();
+        let link_listener = match &cfg.link.role {
+            LinkRole::Listen(addr) => {
+                let l = sockopt::link_listener(*addr, &cfg.link).map_err(|source| {
+                    DaemonError::Bind {
+                        what: "link".into(),
+                        addr: *addr,
+                        source,
+                    }
+                })?;
+                let local = l.local_addr().unwrap_or(*addr);
+                info!(kind = "link", addr = %local, peer = %cfg.link.peer, "bound");
+                bound.link = Some(local);
+                Some(l)
+            }
+            LinkRole::Connect(_) => None,
+        };
+        let mut service_listeners = Vec::new();
+        for s in &cfg.services {
+            if let ServiceKind::Listen { addr, allow } = &s.kind {
+                let l = sockopt::local_listener(*addr).map_err(|source| DaemonError::Bind {
+                    what: format!("service {}", s.name),
+                    addr: *addr,
+                    source,
+                })?;
+                let local = l.local_addr().unwrap_or(*addr);
+                info!(kind = "service", service = %s.name, addr = %local, "bound");
+                if !addr.ip().is_loopback() && allow.is_empty() {
+                    warn!(service = %s.name, addr = %local, "service listens beyond loopback with no allow list: any host that reaches it can use the tunnel");
+                }
+                bound.services.push((s.name.clone(), local));
+                service_listeners.push((s.clone(), l));
+            }
+        }
+        let (shutdown_tx, shutdown) = watch::channel(false);
+        let (current, _) = watch::channel(None);
+        let peer = Arc::new(Peer {
+            cfg,
+            tls,
+            counters,
+            current,
+            shutdown,
+            next_link_id: 1.into(),
+        });
+        Ok(Daemon {
+            peer,
+            link_listener,
+            service_listeners,
+            shutdown_tx,
+            bound,
+        })
+    }
+
+    /// The addresses bound.
+    pub fn bound(&self) -> &Bound {
+        &self.bound
+    }
+
+    /// Serves until `stop` resolves, then shuts down gracefully: stop accepting, let streams drain
+    /// for up to the configured grace period, close the link cleanly.
+    pub async fn serve(self, stop: impl std::future::Future<Output = ()>) {
+        let peer = self.peer.clone();
+        let mut tasks = Vec::new();
+        for (svc, l) in self.service_listeners {
+            tasks.push(tokio::spawn(accept_clients(peer.clone(), svc, l)));
+        }
+        let link_task = match self.link_listener {
+            Some(l) => tokio::spawn(accept_links(peer.clone(), l)),
+            None => tokio::spawn(connect_loop(peer.clone())),
+        };
+        stop.await;
+        info!("shutting down: no new connections; draining streams");
+        let _ = self.shutdown_tx.send(true);
+        for t in tasks {
+            t.abort();
+        }
+        let current = peer.current.borrow().clone();
+        if let Some(h) = current {
+            h.with(Link::drain);
+            let deadline = tokio::time::Instant::now() + peer.cfg.limits.shutdown_grace;
+            loop {
+                let n = h.with(|l| l.stream_count());
+                if n == 0 {
+                    break;
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    warn!(streams = n, "grace period over; failing remaining streams");
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            h.with(|l| l.close(CloseCode::Normal, "peer is shutting down"));
+            h.tx.notify_one();
+            // Give the writer a moment to send the GoAway.
+            let mut rx = peer.current.subscribe();
+            let _ =
+                tokio::time::timeout(Duration::from_secs(2), rx.wait_for(|c| c.is_none())).await;
+        }
+        link_task.abort();
+        for (name, c) in peer.counters.snapshot() {
+            info!(service = %name, raw_out = c.raw_out, raw_in = c.raw_in, wire_out = c.wire_out, wire_in = c.wire_in,
+                  opened = c.opened, refused = c.refused, failed = c.failed, "service totals");
+        }
+        info!("stopped");
+    }
+}
+
+fn link_config(cfg: &Config) -> LinkConfig {
+    let mut c = LinkConfig::new(
+        &cfg.site,
+        &cfg.link.peer,
+        matches!(cfg.link.role, LinkRole::Connect(_)),
+    );
+    c.stream_window = cfg.limits.stream_window;
+    c.link_window = cfg.limits.link_window;
+    c.max_streams = cfg.limits.max_streams;
+    c.send_buffer = cfg.limits.stream_buffer;
+    c.keepalive = cfg.link.keepalive;
+    c.idle_timeout = cfg.limits.idle_timeout;
+    c
+}
+
+/// Accepts the peer's TLS connections (listening side); the newest authenticated link wins.
+async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
+    let acceptor = tokio_rustls::TlsAcceptor::from(peer.tls.server.clone());
+    loop {
+        let (tcp, addr) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                warn!(error = %e, "link accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let peer = peer.clone();
+        let acceptor = acceptor.clone();
+        tokio::spawn(async move {
+            let sock = socket2::SockRef::from(&tcp);
+            sockopt::tune_link_socket(&sock, &peer.cfg.link);
+            let hs =
+                tokio::time::timeout(peer.cfg.limits.handshake_timeout, acceptor.accept(tcp)).await;
+            let tls = match hs {
+                Ok(Ok(t)) => t,
+                Ok(Err(e)) => {
+                    add(&peer.counters.link.rejected, 1);
+                    warn!(from = %addr, error = %e, "rejected link: TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    add(&peer.counters.link.rejected, 1);
+                    warn!(from = %addr, "rejected link: TLS handshake timed out");
+                    return;
+                }
+            };
+            if let Err(e) =
+                tls::check_peer_name(tls.get_ref().1.peer_certificates(), &peer.cfg.link.peer)
+            {
+                add(&peer.counters.link.rejected, 1);
+                warn!(from = %addr, error = %e, "rejected link: wrong peer");
+                return;
+            }
+            sockopt::log_effective(&socket2::SockRef::from(tls.get_ref().0), &peer.cfg.link);
+            run_link(peer, tls, addr).await;
+        });
+    }
+}
+
+/// Dials the peer (connecting side) and keeps a link up, with capped exponential backoff and jitter.
+async fn connect_loop(peer: Arc<Peer>) {
+    let LinkRole::Connect(target) = peer.cfg.link.role.clone() else {
+        return;
+    };
+    let connector = tokio_rustls::TlsConnector::from(peer.tls.client.clone());
+    let name = match tls::server_name(&peer.cfg.link.peer) {
+        Ok(n) => n,
+        Err(e) => {
+            warn!(error = %e, "cannot dial the peer");
+            return;
+        }
+    };
+    let mut backoff = peer.cfg.link.reconnect_min;
+    let mut shutdown = peer.shutdown.clone();
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        let started = Instant::now();
+        match dial(&peer, &target, &connector, name.clone()).await {
+            Ok((tls, addr)) => {
+                sockopt::log_effective(&socket2::SockRef::from(tls.get_ref().0), &peer.cfg.link);
+                run_link(peer.clone(), tls, addr).await;
+                if started.elapsed() > Duration::from_secs(5) {
+                    backoff = peer.cfg.link.reconnect_min;
+                }
+            }
+            Err(e) => {
+                warn!(peer = %target, error = %e, retry_in_ms = backoff.as_millis() as u64, "cannot reach the peer")
+            }
+        }
+        let jitter = rand::rng().random_range(0.5..1.5);
+        let wait = backoff.mul_f64(jitter);
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown.wait_for(|s| *s) => return,
+        }
+        backoff = (backoff * 2).min(peer.cfg.link.reconnect_max);
+    }
+}
+
+async fn dial(
+    peer: &Peer,
+    target: &str,
+    connector: &tokio_rustls::TlsConnector,
+    name: rustls::pki_types::ServerName<'static>,
+) -> Result<(tokio_rustls::client::TlsStream<TcpStream>, SocketAddr), String> {
+    let limits = &peer.cfg.limits;
+    let addr = tokio::net::lookup_host(target)
+        .await
+        .map_err(|e| format!("resolve {target}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("resolve {target}: no address"))?;
+    let tcp = tokio::time::timeout(
+        limits.connect_timeout,
+        sockopt::link_connect(addr, &peer.cfg.link),
+    )
+    .await
+    .map_err(|_| format!("connect {addr}: timed out"))?
+    .map_err(|e| format!("connect {addr}: {e}"))?;
+    let tls = tokio::time::timeout(limits.handshake_timeout, connector.connect(name, tcp))
+        .await
+        .map_err(|_| format!("TLS handshake with {addr}: timed out"))?
+        .map_err(|e| format!("TLS handshake with {addr}: {e}"))?;
+    Ok((tls, addr))
+}
+
+/// Runs one authenticated link until it ends.
+async fn run_link<S>(peer: Arc<Peer>, stream: S, addr: SocketAddr)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let id = peer.next_link_id.fetch_add(1, Relaxed);
+    let mut link = Link::new(link_config(&peer.cfg));
+    link.set_services(peer.cfg.services.iter().filter_map(|s| match s.kind {
+        ServiceKind::Target { .. } => Some(s.name.as_str()),
+        ServiceKind::Listen { .. } => None,
+    }));
+    let h = Arc::new(LinkHandle {
+        inner: Mutex::new(Inner {
+            link,
+            signals: HashMap::new(),
+            opened: Vec::new(),
+            up: false,
+        }),
+        tx: Notify::new(),
+        peer: peer.clone(),
+        id,
+    });
+    let (rd, wr) = tokio::io::split(stream);
+    let reader = read_link(h.clone(), rd, addr);
+    let writer = write_link(h.clone(), wr);
+    tokio::pin!(reader, writer);
+    let why = tokio::select! {
+        r = &mut reader => {
+            // Let the writer flush what the reader queued (a GoAway after a protocol error).
+            h.tx.notify_one();
+            let _ = tokio::time::timeout(Duration::from_secs(1), &mut writer).await;
+            r
+        }
+        w = &mut writer => w,
+    };
+    let was_up = {
+        let mut g = lock(&h.inner);
+        g.link.connection_lost(&why);
+        let g_close = g.link.close_error().cloned();
+        let err = g_close.as_ref().map(ToString::to_string);
+        h.dispatch(&mut g);
+        // Wake every stream: their link is gone.
+        for s in g.signals.values() {
+            s.readable.notify_one();
+            s.writable.notify_one();
+            s.gone.notify_one();
+        }
+        let up = g.up;
+        drop(g);
+        let orderly = matches!(
+            g_close,
+            Some(LinkError::PeerClosed {
+                code: CloseCode::Normal | CloseCode::Replaced,
+                ..
+            })
+        ) || (g_close.is_none() && why == "closed");
+        if up {
+            add(&peer.counters.link.disconnects, 1);
+            let reason = err.unwrap_or(why);
+            if orderly {
+                info!(link = id, peer = %peer.cfg.link.peer, reason = %reason, "link closed");
+            } else {
+                warn!(link = id, peer = %peer.cfg.link.peer, reason = %reason, "link down");
+            }
+        } else {
+            warn!(link = id, from = %addr, reason = %err.unwrap_or(why), "link failed before it came up");
+        }
+        up
+    };
+    if was_up {
+        peer.current.send_if_modified(|c| {
+            if c.as_ref().is_some_and(|x| Arc::ptr_eq(x, &h)) {
+                *c = None;
+                true
+            } else {
+                false
+            }
+        });
+    }
+}
+
+async fn read_link<R: AsyncRead + Unpin>(
+    h: Arc<LinkHandle>,
+    mut rd: R,
+    addr: SocketAddr,
+) -> String {
+    let mut buf = vec![0u8; READ_CHUNK];
+    let peer = h.peer.clone();
+    let handshake_deadline = tokio::time::Instant::now() + peer.cfg.limits.handshake_timeout;
+    let mut announced = false;
+    loop {
+        let read = if announced {
+            rd.read(&mut buf).await
+        } else {
+            match tokio::time::timeout_at(handshake_deadline, rd.read(&mut buf)).await {
+                Ok(r) => r,
+                Err(_) => return "no hello from the peer in time".into(),
+            }
+        };
+        let n = match read {
+            Ok(0) => return "peer closed the connection".into(),
+            Ok(n) => n,
+            Err(e) => return format!("read: {e}"),
+        };
+        add(&peer.counters.link.wire_in, n as u64);
+        let (opened, up, closed, err) = {
+            let mut g = lock(&h.inner);
+            let r = g.link.handle_input(&buf[..n], Instant::now());
+            h.dispatch(&mut g);
+            (
+                std::mem::take(&mut g.opened),
+                g.up,
+                g.link.is_closed(),
+                r.err(),
+            )
+        };
+        h.tx.notify_one();
+        match err {
+            Some(LinkError::PeerClosed {
+                code: CloseCode::Normal,
+                reason,
+            }) => {
+                info!(link = h.id, from = %addr, reason = %reason, "peer closed the link");
+            }
+            Some(e) => warn!(link = h.id, from = %addr, error = %e, "link error"),
+            None => {}
+        }
+        if up && !announced && !closed {
+            announced = true;
+            add(&peer.counters.link.connects, 1);
+            info!(link = h.id, peer = %peer.cfg.link.peer, addr = %addr, "link up");
+            if let Some(old) = peer.current.send_replace(Some(h.clone())) {
+                info!(
+                    link = old.id,
+                    "closing the older link: a newer one replaced it"
+                );
+                old.with(|l| l.close(CloseCode::Replaced, "a newer link replaced this one"));
+                old.tx.notify_one();
+            }
+        }
+        for (id, service, class) in opened {
+            tokio::spawn(serve_incoming(h.clone(), id, service, class));
+        }
+        if closed {
+            return lock(&h.inner)
+                .link
+                .close_error()
+                .map_or_else(|| "closed".to_string(), ToString::to_string);
+        }
+    }
+}
+
+async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W) -> String {
+    let mut buf = BytesMut::with_capacity(2 * TRANSMIT_BATCH);
+    loop {
+        let (closed, deadline) = {
+            let mut g = lock(&h.inner);
+            g.link.poll_transmit(&mut buf, TRANSMIT_BATCH);
+            h.dispatch(&mut g);
+            (g.link.is_closed(), g.link.poll_timeout())
+        };
+        if !buf.is_empty() {
+            add(&h.peer.counters.link.wire_out, buf.len() as u64);
+            if let Err(e) = wr.write_all(&buf).await {
+                return format!("write: {e}");
+            }
+            buf.clear();
+            if let Err(e) = wr.flush().await {
+                return format!("write: {e}");
+            }
+            continue;
+        }
+        if closed {
+            let _ = wr.shutdown().await;
+            return lock(&h.inner)
+                .link
+                .close_error()
+                .map_or_else(|| "closed".to_string(), ToString::to_string);
+        }
+        let sleep = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = h.tx.notified() => {}
+            _ = sleep => h.with(|l| l.handle_timeout(Instant::now())),
+        }
+    }
+}
+
+/// Accepts local clients of a `listen` service and opens a stream for each.
+async fn accept_clients(peer: Arc<Peer>, svc: Service, listener: TcpListener) {
+    let ServiceKind::Listen { allow, .. } = &svc.kind else {
+        return;
+    };
+    let counters = peer.counters.service(&svc.name);
+    loop {
+        let (sock, from) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                warn!(service = %svc.name, error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        if !allow.is_empty() && !allow.iter().any(|n| n.contains(&from.ip())) {
+            add(&counters.streams_refused, 1);
+            warn!(service = %svc.name, from = %from, "refused client outside the allow list");
+            sockopt::abort(&sock);
+            continue;
+        }
+        sockopt::tune_local(&sock);
+        let peer = peer.clone();
+        let svc = svc.clone();
+        let counters = counters.clone();
+        tokio::spawn(async move {
+            let mut rx = peer.current.subscribe();
+            let h =
+                match tokio::time::timeout(peer.cfg.limits.link_wait, rx.wait_for(Option::is_some))
+                    .await
+                {
+                    Ok(Ok(v)) => v.clone(),
+                    _ => None,
+                };
+            let Some(h) = h else {
+                add(&counters.streams_refused, 1);
+                warn!(service = %svc.name, from = %from, "refused client: no link to the peer");
+                sockopt::abort(&sock);
+                return;
+            };
+            match h.open(&svc.name, svc.class) {
+                Ok((id, sig)) => {
+                    add(&counters.streams_opened, 1);
+                    debug!(link = h.id, service = %svc.name, stream = %id, from = %from, "stream opened");
+                    pump(h, id, sig, sock, counters, &svc.name).await;
+                }
+                Err(e) => {
+                    add(&counters.streams_refused, 1);
+                    warn!(service = %svc.name, from = %from, error = %e, "refused client");
+                    sockopt::abort(&sock);
+                }
+            }
+        });
+    }
+}
+
+/// Connects a stream the peer opened to this side's own target for that service.
+async fn serve_incoming(h: Arc<LinkHandle>, id: StreamId, service: Arc<str>, _class: Class) {
+    let peer = h.peer.clone();
+    let counters = peer.counters.service(&service);
+    let sig = lock(&h.inner).signals.get(&id).cloned();
+    let Some(sig) = sig else { return };
+    let target = peer.cfg.services.iter().find_map(|s| match &s.kind {
+        ServiceKind::Target { addr } if *s.name == *service => Some(addr.clone()),
+        _ => None,
+    });
+    let Some(target) = target else {
+        h.reset(id, ResetCode::UnknownService, "service removed");
+        h.forget(id);
+        return;
+    };
+    let conn =
+        tokio::time::timeout(peer.cfg.limits.connect_timeout, TcpStream::connect(&target)).await;
+    let sock = match conn {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            add(&counters.streams_failed, 1);
+            let why = format!("connect {target}: {e}");
+            warn!(link = h.id, service = %service, stream = %id, error = %why, "target refused");
+            h.reset(id, ResetCode::TargetRefused, &why);
+            h.forget(id);
+            return;
+        }
+        Err(_) => {
+            add(&counters.streams_failed, 1);
+            let why = format!("connect {target}: timed out");
+            warn!(link = h.id, service = %service, stream = %id, error = %why, "target unreachable");
+            h.reset(id, ResetCode::TargetRefused, &why);
+            h.forget(id);
+            return;
+        }
+    };
+    sockopt::tune_local(&sock);
+    add(&counters.streams_opened, 1);
+    debug!(link = h.id, service = %service, stream = %id, target = %target, "stream connected");
+    pump(h, id, sig, sock, counters, &service).await;
+}
+
+/// Moves bytes both ways between a local socket and a stream until both directions finish.
+/// Any failure closes the socket with a reset, so the application sees an error, never a
+/// silently truncated stream.
+async fn pump(
+    h: Arc<LinkHandle>,
+    id: StreamId,
+    sig: Arc<StreamSignal>,
+    mut sock: TcpStream,
+    c: Arc<ServiceCounters>,
+    service: &str,
+) {
+    add(&c.streams_active, 1);
+    let result = {
+        let (mut rd, mut wr) = sock.split();
+        let up = async {
+            let mut buf = vec![0u8; READ_CHUNK];
+            loop {
+                let n = tokio::select! {
+                    r = rd.read(&mut buf) => r.map_err(|e| format!("local read: {e}"))?,
+                    _ = sig.gone.notified() => return Err(sig.reason()),
+                };
+                if n == 0 {
+                    h.with(|l| l.finish(id)).map_err(|_| sig.reason())?;
+                    h.tx.notify_one();
+                    return Ok::<(), String>(());
+                }
+                add(&c.raw_out, n as u64);
+                let mut off = 0;
+                while off < n {
+                    let k = h
+                        .with(|l| l.write(id, &buf[off..n]))
+                        .map_err(|_| sig.reason())?;
+                    if k == 0 {
+                        tokio::select! {
+                            _ = sig.writable.notified() => {}
+                            _ = sig.gone.notified() => return Err(sig.reason()),
+                        }
+                    } else {
+                        off += k;
+                        h.tx.notify_one();
+                    }
+                }
+            }
+        };
+        let down = async {
+            loop {
+                let r = {
+                    let mut g = lock(&h.inner);
+                    let r = g.link.read(id);
+                    let credit = g.link.wants_transmit();
+                    (r, credit)
+                };
+                match r {
+                    (Ok(ReadOutcome::Data(b)), credit) => {
+                        if credit {
+                            h.tx.notify_one();
+                        }
+                        wr.write_all(&b)
+                            .await
+                            .map_err(|e| format!("local write: {e}"))?;
+                        add(&c.raw_in, b.len() as u64);
+                    }
+                    (Ok(ReadOutcome::Blocked), _) => sig.readable.notified().await,
+                    (Ok(ReadOutcome::Fin), _) => {
+                        wr.shutdown()
+                            .await
+                            .map_err(|e| format!("local shutdown: {e}"))?;
+                        return Ok::<(), String>(());
+                    }
+                    (Err(_), _) => return Err(sig.reason()),
+                }
+            }
+        };
+        tokio::try_join!(up, down)
+    };
+    let result = match result {
+        // Both ways finished: wait until the link has sent our end too, so a link that dies
+        // before then still fails the client.
+        Ok(_) => loop {
+            if !h.with(|l| l.contains(id)) {
+                break match lock(&sig.reset).clone() {
+                    Some(r) => Err(r),
+                    None => Ok(()),
+                };
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(200), sig.gone.notified()).await;
+        },
+        Err(e) => Err(e),
+    };
+    counters::dec(&c.streams_active);
+    match result {
+        Ok(()) => debug!(link = h.id, service, stream = %id, "stream closed"),
+        Err(why) => {
+            add(&c.streams_failed, 1);
+            info!(link = h.id, service, stream = %id, reason = %why, "stream failed");
+            sockopt::abort(&sock);
+            h.reset(id, ResetCode::SocketError, &why);
+        }
+    }
+    h.forget(id);
+}

@@ -1,0 +1,190 @@
+//! TCP tuning of the link socket and the local sockets, with warnings that name the sysctl to fix.
+//!
+//! The link socket gets the configured congestion control (falling back to the kernel default with a
+//! warning), `TCP_NODELAY`, keepalive, `TCP_USER_TIMEOUT`, `TCP_NOTSENT_LOWAT`, and either kernel
+//! buffer autotuning (default) or explicit buffer sizes, whose effective values are read back.
+
+use std::net::SocketAddr;
+
+use socket2::{Domain, SockRef, Socket, TcpKeepalive, Type};
+use tracing::{info, warn};
+
+use crate::config::{BufferSize, LinkSettings};
+
+fn read_sysctl(name: &str) -> Option<String> {
+    let path = format!("/proc/sys/{}", name.replace('.', "/"));
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// The maximum (third) value of a `tcp_rmem`/`tcp_wmem` triple.
+fn triple_max(v: &str) -> Option<u64> {
+    v.split_whitespace().nth(2)?.parse().ok()
+}
+
+/// Warns once at start when the kernel's buffer maxima cannot hold 3x the bandwidth-delay product.
+pub fn check_buffer_sysctls(link: &LinkSettings) {
+    let want = link.bdp_bytes().saturating_mul(3);
+    for (name, buf) in [
+        ("net.ipv4.tcp_rmem", link.recv_buffer),
+        ("net.ipv4.tcp_wmem", link.send_buffer),
+    ] {
+        if buf != BufferSize::Auto {
+            continue;
+        }
+        if let Some(max) = read_sysctl(name).as_deref().and_then(triple_max)
+            && max < want
+        {
+            warn!(
+                sysctl = name,
+                max,
+                want,
+                "kernel buffer maximum is below 3x the bandwidth-delay product; raise it \
+                     (see systemd/99-wanopt.conf) or the link cannot fill the pipe"
+            );
+        }
+    }
+}
+
+/// Applies the link options to a socket before it connects or listens.
+pub fn tune_link_socket(sock: &SockRef<'_>, link: &LinkSettings) {
+    set_congestion(sock, &link.congestion);
+    if let Err(e) = sock.set_tcp_nodelay(true) {
+        warn!(error = %e, "cannot set TCP_NODELAY on the link socket");
+    }
+    let ka = TcpKeepalive::new()
+        .with_time(link.keepalive)
+        .with_interval(link.keepalive)
+        .with_retries(3);
+    if let Err(e) = sock
+        .set_keepalive(true)
+        .and_then(|()| sock.set_tcp_keepalive(&ka))
+    {
+        warn!(error = %e, "cannot set keepalive on the link socket");
+    }
+    if let Err(e) = sock.set_tcp_user_timeout(Some(link.user_timeout)) {
+        warn!(error = %e, "cannot set TCP_USER_TIMEOUT on the link socket");
+    }
+    if let Err(e) = sock.set_tcp_notsent_lowat(link.notsent_lowat) {
+        warn!(error = %e, "cannot set TCP_NOTSENT_LOWAT on the link socket");
+    }
+    if let BufferSize::Bytes(n) = link.send_buffer
+        && let Err(e) = sock.set_send_buffer_size(n)
+    {
+        warn!(error = %e, "cannot set SO_SNDBUF");
+    }
+    if let BufferSize::Bytes(n) = link.recv_buffer
+        && let Err(e) = sock.set_recv_buffer_size(n)
+    {
+        warn!(error = %e, "cannot set SO_RCVBUF");
+    }
+}
+
+/// Logs the effective settings of a connected link socket (the kernel caps explicit buffers at
+/// `net.core.wmem_max`/`rmem_max` and doubles them for bookkeeping).
+pub fn log_effective(sock: &SockRef<'_>, link: &LinkSettings) {
+    let cc = sock
+        .tcp_congestion()
+        .map(|v| {
+            String::from_utf8_lossy(&v)
+                .trim_end_matches('\0')
+                .to_string()
+        })
+        .unwrap_or_else(|e| format!("unknown ({e})"));
+    let snd = sock.send_buffer_size().unwrap_or(0);
+    let rcv = sock.recv_buffer_size().unwrap_or(0);
+    info!(congestion = %cc, sndbuf = snd, rcvbuf = rcv, autotune = (link.send_buffer == BufferSize::Auto), "link socket tuned");
+    for (want, got, sysctl) in [
+        (link.send_buffer, snd, "net.core.wmem_max"),
+        (link.recv_buffer, rcv, "net.core.rmem_max"),
+    ] {
+        if let BufferSize::Bytes(n) = want
+            && got < n
+        {
+            warn!(
+                requested = n,
+                effective = got,
+                sysctl,
+                "buffer capped by the kernel; raise the sysctl"
+            );
+        }
+    }
+}
+
+fn set_congestion(sock: &SockRef<'_>, name: &str) {
+    if let Err(e) = sock.set_tcp_congestion(name.as_bytes()) {
+        let allowed = read_sysctl("net.ipv4.tcp_allowed_congestion_control").unwrap_or_default();
+        let available =
+            read_sysctl("net.ipv4.tcp_available_congestion_control").unwrap_or_default();
+        let fix = if available.split_whitespace().any(|a| a == name) {
+            format!("sysctl -w net.ipv4.tcp_allowed_congestion_control=\"{allowed} {name}\"")
+        } else {
+            format!("modprobe tcp_{name} and add it to net.ipv4.tcp_allowed_congestion_control")
+        };
+        warn!(
+            congestion = name,
+            error = %e,
+            allowed = %allowed,
+            fix = %fix,
+            "kernel refused the congestion control; using the kernel default"
+        );
+    }
+}
+
+/// Sets `TCP_NODELAY` on a local (client or target) socket.
+pub fn tune_local(stream: &tokio::net::TcpStream) {
+    let _ = stream.set_nodelay(true);
+}
+
+/// Closes a socket with a reset (`SO_LINGER` 0) so the peer sees an error, not a clean end.
+pub fn abort(stream: &tokio::net::TcpStream) {
+    let _ = SockRef::from(stream).set_linger(Some(std::time::Duration::ZERO));
+}
+
+/// A tuned TCP listener socket for the link.
+pub fn link_listener(
+    addr: SocketAddr,
+    link: &LinkSettings,
+) -> std::io::Result<tokio::net::TcpListener> {
+    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    sock.set_reuse_address(true)?;
+    tune_link_socket(&SockRef::from(&sock), link);
+    sock.bind(&addr.into())?;
+    sock.listen(128)?;
+    sock.set_nonblocking(true)?;
+    tokio::net::TcpListener::from_std(sock.into())
+}
+
+/// Dials the peer with a tuned socket.
+pub async fn link_connect(
+    addr: SocketAddr,
+    link: &LinkSettings,
+) -> std::io::Result<tokio::net::TcpStream> {
+    let raw = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    raw.set_nonblocking(true)?;
+    let sock = tokio::net::TcpSocket::from_std_stream(raw.into());
+    tune_link_socket(&SockRef::from(&sock), link);
+    sock.connect(addr).await
+}
+
+/// A plain listener for a local service (address reuse so restarts rebind at once).
+pub fn local_listener(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    sock.set_reuse_address(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(1024)?;
+    sock.set_nonblocking(true)?;
+    tokio::net::TcpListener::from_std(sock.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn triple_parsing() {
+        assert_eq!(triple_max("4096\t131072\t6291456"), Some(6_291_456));
+        assert_eq!(triple_max("garbage"), None);
+    }
+}

@@ -1,0 +1,129 @@
+//! The `wanoptd` command line: config validation and exit codes, `check`, `certs`, and the shipped
+//! configs in `config/`.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+
+fn wanoptd(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(bin("wanoptd"))
+        .args(args)
+        .output()
+        .expect("run wanoptd");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn every_shipped_config_loads() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).expect("config dir") {
+        let p = e.expect("entry").path();
+        if p.extension().is_some_and(|x| x == "yaml") {
+            wanopt_runtime::Config::load(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            n += 1;
+        }
+    }
+    assert!(n >= 2, "expected the west/east pair in config/");
+}
+
+#[test]
+fn bad_config_exits_64_naming_the_field() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cases = [
+        (
+            "site: west\nlink: {connect: 'x:1', peer: east, bandwidth: fast}\ntls: {ca: a, cert: b, key: c}\n",
+            "link.bandwidth",
+        ),
+        (
+            "site: west\nlink: {connect: 'x:1', peer: east}\ntls: {ca: a, cert: b, key: c}\ncolour: blue\n",
+            "colour",
+        ),
+        (
+            "site: west\nlink: {connect: 'x:1', peer: east}\ntls: {ca: a, cert: b, key: c}\nservices:\n  - {name: dg, listen: 'nowhere'}\n",
+            "services[0].listen",
+        ),
+        ("{{{{", "config"),
+    ];
+    for (i, (yaml, field)) in cases.iter().enumerate() {
+        let p = dir.path().join(format!("bad{i}.yaml"));
+        std::fs::write(&p, yaml).expect("write");
+        for sub in [&[][..], &["check"][..]] {
+            let mut args: Vec<&str> = sub.to_vec();
+            args.extend(["-c", p.to_str().expect("utf8")]);
+            let (code, _, err) = wanoptd(&args);
+            assert_eq!(code, 64, "{args:?}: {err}");
+            assert!(
+                err.contains(field),
+                "{args:?}: {err:?} does not name {field}"
+            );
+        }
+    }
+    let (code, _, err) = wanoptd(&["-c", "/nonexistent/wanopt.yaml"]);
+    assert_eq!(code, 64, "{err}");
+}
+
+#[test]
+fn missing_tls_files_exit_64_before_binding() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let p = dir.path().join("west.yaml");
+    std::fs::write(
+        &p,
+        format!("site: west\nlink: {{listen: '127.0.0.1:{port}', peer: east}}\ntls: {{ca: certs/ca.pem, cert: certs/west.pem, key: certs/west.key}}\n"),
+    )
+    .expect("write");
+    let (code, _, err) = wanoptd(&["-c", p.to_str().expect("utf8")]);
+    assert_eq!(code, 64, "{err}");
+    assert!(
+        err.contains("ca.pem") && err.contains("wanoptd certs"),
+        "{err}"
+    );
+    // Nothing was bound: the port is still free.
+    std::net::TcpListener::bind(("127.0.0.1", port)).expect("port still free");
+}
+
+#[test]
+fn certs_then_check_prints_the_effective_config() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let certs = dir.path().join("certs");
+    let (code, out, err) = wanoptd(&[
+        "certs",
+        "--out",
+        certs.to_str().expect("utf8"),
+        "west",
+        "east",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("west.key"), "{out}");
+    use std::os::unix::fs::PermissionsExt;
+    for k in ["ca.key", "west.key", "east.key"] {
+        let mode = std::fs::metadata(certs.join(k))
+            .expect("key")
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(mode, 0o600, "{k}");
+    }
+    let p = dir.path().join("west.yaml");
+    std::fs::write(&p, "site: west\nlink: {connect: '127.0.0.1:7400', peer: east, congestion: cubic}\ntls: {ca: certs/ca.pem, cert: certs/west.pem, key: certs/west.key}\n").expect("write");
+    let (code, out, err) = wanoptd(&["check", "-c", p.to_str().expect("utf8")]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("congestion: cubic") && out.contains("stream_window:"),
+        "{out}"
+    );
+    let (code, _, err) = wanoptd(&["certs", "--out", certs.to_str().expect("utf8"), "Bad_Name"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("Bad_Name"), "{err}");
+}

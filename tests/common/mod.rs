@@ -1,0 +1,396 @@
+//! Shared harness of the end-to-end tests: certificates, config files, real `wanoptd` processes
+//! with their logs, deterministic payloads, test servers and a killable TCP relay.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Path of a workspace binary, built by `cargo build --workspace` before the tests run.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test exe path");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo build --workspace` before `cargo test` (README: Testing)",
+        p.display()
+    );
+    p
+}
+
+/// A temporary folder with site certificates under one CA.
+pub struct Certs {
+    pub dir: tempfile::TempDir,
+}
+
+impl Certs {
+    pub fn new(sites: &[&str]) -> Certs {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let names: Vec<String> = sites.iter().map(|s| s.to_string()).collect();
+        wanopt_runtime::tls::create_site_certs(dir.path(), &names).expect("certs");
+        Certs { dir }
+    }
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+    /// The `tls:` section for `site`, using `cert_site`'s key pair (normally the same name).
+    pub fn tls_yaml(&self, cert_site: &str) -> String {
+        let d = self.path().display();
+        format!("tls:\n  ca: {d}/ca.pem\n  cert: {d}/{cert_site}.pem\n  key: {d}/{cert_site}.key\n")
+    }
+}
+
+/// A running `wanoptd` with its captured log.
+pub struct Daemon {
+    pub name: String,
+    child: Option<Child>,
+    log: Arc<Mutex<Vec<String>>>,
+    _cfg_dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    /// Writes `yaml` to a config file and starts `wanoptd -c` on it.
+    pub fn start(name: &str, yaml: &str) -> Daemon {
+        let cfg_dir = tempfile::tempdir().expect("tempdir");
+        let path = cfg_dir.path().join(format!("{name}.yaml"));
+        std::fs::write(&path, yaml).expect("write config");
+        let mut child = Command::new(bin("wanoptd"))
+            .arg("-c")
+            .arg(&path)
+            .env("RUST_LOG", "info,wanopt_runtime=debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn wanoptd");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let stderr = child.stderr.take().expect("stderr");
+        let l2 = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                l2.lock().expect("log").push(line);
+            }
+        });
+        Daemon {
+            name: name.to_string(),
+            child: Some(child),
+            log,
+            _cfg_dir: cfg_dir,
+        }
+    }
+
+    pub fn log(&self) -> Vec<String> {
+        self.log.lock().expect("log").clone()
+    }
+
+    pub fn count(&self, needle: &str) -> usize {
+        self.log().iter().filter(|l| l.contains(needle)).count()
+    }
+
+    /// Waits until `n` log lines contain `needle`; panics with the log after `timeout`.
+    pub fn wait_log_n(&self, needle: &str, n: usize, timeout: Duration) -> String {
+        let end = Instant::now() + timeout;
+        loop {
+            let lines: Vec<String> = self
+                .log()
+                .into_iter()
+                .filter(|l| l.contains(needle))
+                .collect();
+            if lines.len() >= n {
+                return lines[n - 1].clone();
+            }
+            if Instant::now() > end {
+                panic!(
+                    "{}: no {n}x {needle:?} within {timeout:?}; log:\n{}",
+                    self.name,
+                    self.log().join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn wait_log(&self, needle: &str, timeout: Duration) -> String {
+        self.wait_log_n(needle, 1, timeout)
+    }
+
+    /// The address a listener was bound to (`kind` is `link` or a service name).
+    pub fn bound(&self, what: &str) -> SocketAddr {
+        let needle = if what == "link" {
+            "bound kind=\"link\"".to_string()
+        } else {
+            format!("service={what} addr=")
+        };
+        let line = self.wait_log(&needle, Duration::from_secs(10));
+        let addr = line
+            .split_whitespace()
+            .find_map(|t| t.strip_prefix("addr="))
+            .expect("addr field");
+        addr.trim_matches('"').parse().expect("socket address")
+    }
+
+    /// Sends a signal and waits for the exit status.
+    pub fn stop(&mut self, signal: i32) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("running");
+        unsafe {
+            libc::kill(child.id() as i32, signal);
+        }
+        let end = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(st) = child.try_wait().expect("wait") {
+                return st;
+            }
+            if Instant::now() > end {
+                let _ = child.kill();
+                panic!(
+                    "{} did not exit; log:\n{}",
+                    self.name,
+                    self.log().join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().ok().flatten().is_none())
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("---- log of {} ----\n{}", self.name, self.log().join("\n"));
+        }
+    }
+}
+
+/// Config text of one site. `link` is `listen: ADDR` or `connect: ADDR`; `services` is YAML list
+/// items, already indented by two spaces.
+pub fn site_yaml(
+    site: &str,
+    peer: &str,
+    link: &str,
+    certs: &Certs,
+    services: &str,
+    extra: &str,
+) -> String {
+    format!(
+        "site: {site}\nlink:\n  {link}\n  peer: {peer}\n  reconnect_min: 50ms\n  reconnect_max: 500ms\n{tls}services:\n{services}\nlimits:\n  shutdown_grace: 5s\n{extra}",
+        tls = certs.tls_yaml(site)
+    )
+}
+
+/// An east (listening) and west (connecting) daemon pair with the link up.
+pub struct Pair {
+    pub certs: Certs,
+    pub east: Daemon,
+    pub west: Daemon,
+}
+
+impl Pair {
+    /// Starts east with `east_services`, then west with `west_services` connecting to it.
+    pub fn start(east_services: &str, west_services: &str) -> Pair {
+        let certs = Certs::new(&["west", "east"]);
+        let east = Daemon::start(
+            "east",
+            &site_yaml(
+                "east",
+                "west",
+                "listen: 127.0.0.1:0",
+                &certs,
+                east_services,
+                "",
+            ),
+        );
+        let link = east.bound("link");
+        let west = Daemon::start(
+            "west",
+            &site_yaml(
+                "west",
+                "east",
+                &format!("connect: {link}"),
+                &certs,
+                west_services,
+                "",
+            ),
+        );
+        east.wait_log("link up", Duration::from_secs(10));
+        west.wait_log("link up", Duration::from_secs(10));
+        Pair { certs, east, west }
+    }
+}
+
+/// Deterministic pseudo-random bytes: block `i` of stream `seed`.
+pub fn fill(seed: u64, offset: u64, buf: &mut [u8]) {
+    // xorshift keyed by the 8-byte word index, so any offset is reproducible.
+    for (i, chunk) in buf.chunks_mut(8).enumerate() {
+        let mut x = seed ^ (offset / 8 + i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        x ^= x >> 33;
+        let b = x.to_le_bytes();
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+}
+
+/// Writes `len` deterministic bytes of `seed`, returning their blake3 hash.
+pub fn send_pattern(w: &mut impl Write, seed: u64, len: u64) -> std::io::Result<blake3::Hash> {
+    let mut h = blake3::Hasher::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut off = 0u64;
+    while off < len {
+        let n = (len - off).min(buf.len() as u64) as usize;
+        fill(seed, off, &mut buf[..n]);
+        w.write_all(&buf[..n])?;
+        h.update(&buf[..n]);
+        off += n as u64;
+    }
+    Ok(h.finalize())
+}
+
+/// The hash `send_pattern` would produce, without sending.
+pub fn pattern_hash(seed: u64, len: u64) -> blake3::Hash {
+    send_pattern(&mut std::io::sink(), seed, len).expect("sink")
+}
+
+/// Reads to EOF, returning (bytes, hash).
+pub fn read_all(r: &mut impl Read) -> std::io::Result<(u64, blake3::Hash)> {
+    let mut h = blake3::Hasher::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut total = 0u64;
+    loop {
+        let n = r.read(&mut buf)?;
+        if n == 0 {
+            return Ok((total, h.finalize()));
+        }
+        h.update(&buf[..n]);
+        total += n as u64;
+    }
+}
+
+/// A test server: for each connection, reads an 16-byte header (seed, reply length), then the
+/// client's bytes to EOF, then writes a 32-byte hash of what it got followed by the reply pattern
+/// and closes. Exercises both directions and the client's half-close.
+pub fn hash_server() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            std::thread::spawn(move || {
+                let mut hdr = [0u8; 16];
+                if s.read_exact(&mut hdr).is_err() {
+                    return;
+                }
+                let seed = u64::from_le_bytes(hdr[..8].try_into().expect("8"));
+                let reply = u64::from_le_bytes(hdr[8..].try_into().expect("8"));
+                let Ok((_, got)) = read_all(&mut s) else {
+                    return;
+                };
+                if s.write_all(got.as_bytes()).is_err() {
+                    return;
+                }
+                let _ = send_pattern(&mut s, seed ^ 0xABCD, reply);
+                let _ = s.shutdown(Shutdown::Write);
+            });
+        }
+    });
+    addr
+}
+
+/// The client side of [`hash_server`]: sends `up` bytes, half-closes, checks the server's hash of
+/// them and the `down` reply bytes. Returns an error on any mismatch or socket error.
+pub fn hash_client(addr: SocketAddr, seed: u64, up: u64, down: u64) -> Result<(), String> {
+    let mut s = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(120))).ok();
+    let mut hdr = [0u8; 16];
+    hdr[..8].copy_from_slice(&seed.to_le_bytes());
+    hdr[8..].copy_from_slice(&down.to_le_bytes());
+    s.write_all(&hdr).map_err(|e| format!("write: {e}"))?;
+    let sent = send_pattern(&mut s, seed, up).map_err(|e| format!("write: {e}"))?;
+    s.shutdown(Shutdown::Write)
+        .map_err(|e| format!("shutdown: {e}"))?;
+    let mut got = [0u8; 32];
+    s.read_exact(&mut got)
+        .map_err(|e| format!("read hash: {e}"))?;
+    if got != *sent.as_bytes() {
+        return Err(format!("stream {seed}: server hashed different bytes"));
+    }
+    let (n, h) = read_all(&mut s).map_err(|e| format!("read reply: {e}"))?;
+    if n != down || h != pattern_hash(seed ^ 0xABCD, down) {
+        return Err(format!(
+            "stream {seed}: reply of {n} bytes differs (expected {down})"
+        ));
+    }
+    Ok(())
+}
+
+/// A TCP relay whose connections can be cut, to kill the link without killing a daemon.
+pub struct Relay {
+    pub addr: SocketAddr,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl Relay {
+    pub fn new(upstream: SocketAddr) -> Relay {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let c2 = conns.clone();
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(a) = s else { continue };
+                let Ok(b) = TcpStream::connect(upstream) else {
+                    continue;
+                };
+                for s in [&a, &b] {
+                    if let Ok(c) = s.try_clone() {
+                        c2.lock().expect("conns").push(c);
+                    }
+                }
+                for (mut from, mut to) in [
+                    (a.try_clone(), b.try_clone()),
+                    (b.try_clone(), a.try_clone()),
+                ]
+                .into_iter()
+                .filter_map(|(x, y)| Some((x.ok()?, y.ok()?)))
+                {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(Shutdown::Write);
+                    });
+                }
+            }
+        });
+        Relay { addr, conns }
+    }
+
+    /// Cuts every connection through the relay (both daemons see the link die).
+    pub fn cut(&self) {
+        for c in self.conns.lock().expect("conns").drain(..) {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// True if a connection through the tunnel was closed with an error rather than a clean end.
+pub fn is_reset(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::ConnectionReset
+            | std::io::ErrorKind::BrokenPipe
+            | std::io::ErrorKind::ConnectionAborted
+    )
+}

@@ -1,0 +1,444 @@
+//! End-to-end tests of the tunnel core: real `wanoptd` processes on loopback, real sockets.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use common::*;
+use rand::{Rng, SeedableRng};
+
+const SEC: Duration = Duration::from_secs(1);
+
+/// 100 concurrent streams, half each way, sizes log-uniform from 1 byte to 64 MiB (one of 64 MiB),
+/// each checked byte-exact by hash in both directions.
+#[test]
+fn hundred_streams_both_directions_are_exact() {
+    let east_srv = hash_server();
+    let west_srv = hash_server();
+    let p = Pair::start(
+        &format!(
+            "  - name: bulk-e\n    target: {east_srv}\n  - name: back\n    listen: 127.0.0.1:0\n"
+        ),
+        &format!(
+            "  - name: bulk-e\n    listen: 127.0.0.1:0\n    allow: [127.0.0.1/32]\n  - name: back\n    target: {west_srv}\n"
+        ),
+    );
+    let west_in = p.west.bound("bulk-e");
+    let east_in = p.east.bound("back");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let max: f64 = 64.0 * 1024.0 * 1024.0;
+    let mut jobs = Vec::new();
+    let mut total = 0u64;
+    for i in 0..100u64 {
+        let size = if i < 2 {
+            64 << 20
+        } else {
+            max.powf(rng.random::<f64>()) as u64
+        };
+        let down = if i % 3 == 0 { size / 2 } else { size };
+        total += size + down;
+        let addr = if i % 2 == 0 { west_in } else { east_in };
+        jobs.push(std::thread::spawn(move || hash_client(addr, i, size, down)));
+    }
+    let start = Instant::now();
+    let mut failures = Vec::new();
+    for j in jobs {
+        if let Err(e) = j.join().expect("client thread") {
+            failures.push(e);
+        }
+    }
+    eprintln!(
+        "moved {} MiB through the tunnel in {:?}",
+        total >> 20,
+        start.elapsed()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} streams failed: {failures:?}",
+        failures.len()
+    );
+    assert_eq!(p.west.count("stream failed"), 0);
+}
+
+/// Each direction closes independently: the client half-closes and still receives, and the
+/// server half-closes first and still receives.
+#[test]
+fn half_close_is_carried_each_way() {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let target = l.local_addr().expect("addr");
+    let server = std::thread::spawn(move || {
+        // First connection: the client half-closes first.
+        let (mut s, _) = l.accept().expect("accept");
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).expect("read to eof");
+        assert_eq!(got, b"request");
+        std::thread::sleep(Duration::from_millis(200));
+        s.write_all(b"late answer")
+            .expect("answer after the client's fin");
+        s.shutdown(Shutdown::Write).expect("fin");
+        // Second connection: the server half-closes first and keeps reading.
+        let (mut s, _) = l.accept().expect("accept");
+        s.write_all(b"banner").expect("banner");
+        s.shutdown(Shutdown::Write).expect("fin");
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).expect("read after own fin");
+        assert_eq!(got, b"data sent after the server's fin");
+    });
+    let p = Pair::start(
+        &format!("  - name: svc\n    target: {target}\n"),
+        "  - name: svc\n    listen: 127.0.0.1:0\n",
+    );
+    let addr = p.west.bound("svc");
+
+    let mut c = TcpStream::connect(addr).expect("connect");
+    c.write_all(b"request").expect("write");
+    c.shutdown(Shutdown::Write).expect("half-close");
+    let mut got = Vec::new();
+    c.read_to_end(&mut got).expect("read answer");
+    assert_eq!(got, b"late answer");
+
+    let mut c = TcpStream::connect(addr).expect("connect");
+    let mut got = Vec::new();
+    c.read_to_end(&mut got).expect("read banner to eof");
+    assert_eq!(got, b"banner");
+    c.write_all(b"data sent after the server's fin")
+        .expect("write after server fin");
+    c.shutdown(Shutdown::Write).expect("half-close");
+    server.join().expect("server checks");
+}
+
+/// A target that refuses closes the client promptly, with an error (not a clean end).
+#[test]
+fn refused_target_resets_the_client_promptly() {
+    let closed = TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr");
+    let p = Pair::start(
+        &format!("  - name: dead\n    target: {closed}\n"),
+        "  - name: dead\n    listen: 127.0.0.1:0\n",
+    );
+    let addr = p.west.bound("dead");
+    let start = Instant::now();
+    let mut c = TcpStream::connect(addr).expect("connect");
+    c.set_read_timeout(Some(5 * SEC)).ok();
+    let mut buf = [0u8; 16];
+    let r = c.read(&mut buf);
+    assert!(
+        matches!(&r, Err(e) if is_reset(e)),
+        "expected a reset, got {r:?}"
+    );
+    assert!(start.elapsed() < 2 * SEC, "took {:?}", start.elapsed());
+    p.east.wait_log("target refused", 5 * SEC);
+}
+
+/// A service the peer does not have is refused with a reason, counted and logged.
+#[test]
+fn unknown_service_is_refused() {
+    let p = Pair::start(
+        "  - name: known\n    target: 127.0.0.1:9\n",
+        "  - name: ghost\n    listen: 127.0.0.1:0\n",
+    );
+    let addr = p.west.bound("ghost");
+    let mut c = TcpStream::connect(addr).expect("connect");
+    c.set_read_timeout(Some(5 * SEC)).ok();
+    let r = c.read(&mut [0u8; 8]);
+    assert!(
+        matches!(&r, Err(e) if is_reset(e)),
+        "expected a reset, got {r:?}"
+    );
+    p.east
+        .wait_log("refused stream for unknown service", 5 * SEC);
+    let line = p.west.wait_log("stream failed", 5 * SEC);
+    assert!(line.contains("unknown_service"), "{line}");
+}
+
+/// A client outside the service's allow list never reaches the link.
+#[test]
+fn client_outside_allow_list_is_refused() {
+    let srv = hash_server();
+    let p = Pair::start(
+        &format!("  - name: svc\n    target: {srv}\n"),
+        "  - name: svc\n    listen: 127.0.0.1:0\n    allow: [10.0.0.0/8]\n",
+    );
+    let addr = p.west.bound("svc");
+    let mut c = TcpStream::connect(addr).expect("connect");
+    c.set_read_timeout(Some(5 * SEC)).ok();
+    let r = c.read(&mut [0u8; 8]);
+    assert!(
+        matches!(&r, Err(e) if is_reset(e)) || matches!(r, Ok(0)),
+        "got {r:?}"
+    );
+    p.west
+        .wait_log("refused client outside the allow list", 5 * SEC);
+    assert_eq!(p.east.count("stream connected"), 0);
+}
+
+fn assert_rejected(east: &Daemon, west: &Daemon, needle: &str) {
+    east.wait_log(needle, 10 * SEC);
+    std::thread::sleep(SEC);
+    assert_eq!(east.count("link up"), 0, "east accepted a bad peer");
+    assert_eq!(west.count("link up"), 0, "west accepted a bad peer");
+}
+
+/// A peer whose certificate comes from another CA is rejected during the handshake.
+#[test]
+fn peer_from_another_ca_is_rejected() {
+    let good = Certs::new(&["west", "east"]);
+    let other = Certs::new(&["west"]);
+    let east = Daemon::start(
+        "east",
+        &site_yaml("east", "west", "listen: 127.0.0.1:0", &good, "  []", ""),
+    );
+    let link = east.bound("link");
+    let mut yaml = site_yaml(
+        "west",
+        "east",
+        &format!("connect: {link}"),
+        &good,
+        "  []",
+        "",
+    );
+    yaml = yaml.replace(
+        &format!("{}/west", good.path().display()),
+        &format!("{}/west", other.path().display()),
+    );
+    let west = Daemon::start("west", &yaml);
+    assert_rejected(&east, &west, "rejected link: TLS handshake failed");
+}
+
+/// A peer with a certificate from the right CA but another site's name is rejected by the
+/// listener's own name check, and a listener with the wrong name is rejected by the connector.
+#[test]
+fn peer_with_wrong_site_name_is_rejected() {
+    let certs = Certs::new(&["west", "east", "north"]);
+    let east = Daemon::start(
+        "east",
+        &site_yaml("east", "west", "listen: 127.0.0.1:0", &certs, "  []", ""),
+    );
+    let link = east.bound("link");
+    // West presents north's certificate.
+    let yaml = site_yaml(
+        "west",
+        "east",
+        &format!("connect: {link}"),
+        &certs,
+        "  []",
+        "",
+    )
+    .replace("/west.pem", "/north.pem")
+    .replace("/west.key", "/north.key");
+    let west = Daemon::start("west", &yaml);
+    assert_rejected(&east, &west, "rejected link: wrong peer");
+    drop(west);
+
+    // East presents north's certificate: west's TLS client refuses it.
+    let east2 = Daemon::start(
+        "east2",
+        &site_yaml("east", "west", "listen: 127.0.0.1:0", &certs, "  []", "")
+            .replace("/east.pem", "/north.pem")
+            .replace("/east.key", "/north.key"),
+    );
+    let link2 = east2.bound("link");
+    let west2 = Daemon::start(
+        "west2",
+        &site_yaml(
+            "west",
+            "east",
+            &format!("connect: {link2}"),
+            &certs,
+            "  []",
+            "",
+        ),
+    );
+    west2.wait_log("cannot reach the peer", 10 * SEC);
+    assert_eq!(west2.count("link up"), 0);
+}
+
+/// Plaintext garbage on the link port is rejected, and the daemon goes on serving real peers.
+#[test]
+fn plaintext_garbage_on_the_link_port() {
+    let certs = Certs::new(&["west", "east"]);
+    let srv = hash_server();
+    let east = Daemon::start(
+        "east",
+        &site_yaml(
+            "east",
+            "west",
+            "listen: 127.0.0.1:0",
+            &certs,
+            &format!("  - name: svc\n    target: {srv}\n"),
+            "",
+        ),
+    );
+    let link = east.bound("link");
+    for junk in [
+        &b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[..],
+        &[0u8; 4096][..],
+        &[0x16, 3, 3, 0xff, 0xff, 1][..],
+    ] {
+        let mut c = TcpStream::connect(link).expect("connect");
+        c.set_read_timeout(Some(5 * SEC)).ok();
+        let _ = c.write_all(junk);
+        let mut buf = Vec::new();
+        let _ = c.read_to_end(&mut buf);
+    }
+    east.wait_log_n("rejected link", 3, 10 * SEC);
+    let west = Daemon::start(
+        "west",
+        &site_yaml(
+            "west",
+            "east",
+            &format!("connect: {link}"),
+            &certs,
+            "  - name: svc\n    listen: 127.0.0.1:0\n",
+            "",
+        ),
+    );
+    west.wait_log("link up", 10 * SEC);
+    hash_client(west.bound("svc"), 1, 100_000, 100_000).expect("tunnel works after garbage");
+}
+
+/// Killing the link mid-transfer fails the affected streams with an error (never a clean,
+/// truncated end); the link comes back and new streams work.
+#[test]
+fn link_killed_mid_transfer() {
+    let certs = Certs::new(&["west", "east"]);
+    // A server that sends a lot, slowly enough that the cut lands mid-stream.
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let target = l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 1];
+                if s.read_exact(&mut buf).is_err() {
+                    return;
+                }
+                let _ = send_pattern(
+                    &mut s,
+                    u64::from(buf[0]),
+                    if buf[0] == 1 { 1 << 40 } else { 1 << 20 },
+                );
+            });
+        }
+    });
+    let east = Daemon::start(
+        "east",
+        &site_yaml(
+            "east",
+            "west",
+            "listen: 127.0.0.1:0",
+            &certs,
+            &format!("  - name: svc\n    target: {target}\n"),
+            "",
+        ),
+    );
+    let relay = Relay::new(east.bound("link"));
+    let west = Daemon::start(
+        "west",
+        &site_yaml(
+            "west",
+            "east",
+            &format!("connect: {}", relay.addr),
+            &certs,
+            "  - name: svc\n    listen: 127.0.0.1:0\n",
+            "",
+        ),
+    );
+    west.wait_log("link up", 10 * SEC);
+    let addr = west.bound("svc");
+    let mut c = TcpStream::connect(addr).expect("connect");
+    c.set_read_timeout(Some(20 * SEC)).ok();
+    c.write_all(&[1]).expect("start");
+    let mut buf = vec![0u8; 1 << 16];
+    let mut got = 0usize;
+    while got < 8 << 20 {
+        got += c.read(&mut buf).expect("streaming before the cut");
+    }
+    relay.cut();
+    let r = read_all(&mut c);
+    assert!(
+        matches!(&r, Err(e) if is_reset(e)),
+        "expected a reset after the cut, got {r:?}"
+    );
+    west.wait_log("link down", 10 * SEC);
+    west.wait_log_n("link up", 2, 20 * SEC);
+    let mut c = TcpStream::connect(addr).expect("connect");
+    c.write_all(&[2]).expect("start");
+    let (n, h) = read_all(&mut c).expect("new stream after the link came back");
+    assert_eq!(n, 1 << 20);
+    assert_eq!(h, pattern_hash(2, 1 << 20));
+}
+
+/// SIGTERM lets active streams finish within the grace period, then exits 0.
+#[test]
+fn sigterm_drains_streams_then_exits_cleanly() {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let target = l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            std::thread::spawn(move || {
+                let mut got = Vec::new();
+                let _ = s.read_to_end(&mut got);
+                let _ = s.write_all(&(got.len() as u64).to_le_bytes());
+            });
+        }
+    });
+    let Pair {
+        certs: _certs,
+        east: _east,
+        west,
+    } = Pair::start(
+        &format!("  - name: svc\n    target: {target}\n"),
+        "  - name: svc\n    listen: 127.0.0.1:0\n",
+    );
+    let addr = west.bound("svc");
+    let mut c = TcpStream::connect(addr).expect("connect");
+    c.write_all(b"first half").expect("write");
+    std::thread::sleep(Duration::from_millis(300));
+    let west_pid_stop = std::thread::spawn(move || {
+        let mut west = west;
+        (west.stop(libc::SIGTERM), west)
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    // The stream still works during the drain.
+    c.write_all(b" second half").expect("write during drain");
+    c.shutdown(Shutdown::Write).expect("fin");
+    let mut n = [0u8; 8];
+    c.read_exact(&mut n).expect("answer during drain");
+    assert_eq!(u64::from_le_bytes(n), 22);
+    let (status, west) = west_pid_stop.join().expect("stop");
+    assert!(status.success(), "exit {status:?}");
+    assert!(west.count("shutting down") == 1);
+    // New clients are not accepted any more.
+    assert!(TcpStream::connect(addr).is_err());
+}
+
+/// When a second authenticated link arrives, the newest wins and the older one is closed.
+#[test]
+fn newest_link_wins() {
+    let certs = Certs::new(&["west", "east"]);
+    let east = Daemon::start(
+        "east",
+        &site_yaml("east", "west", "listen: 127.0.0.1:0", &certs, "  []", ""),
+    );
+    let link = east.bound("link");
+    let yaml = site_yaml(
+        "west",
+        "east",
+        &format!("connect: {link}"),
+        &certs,
+        "  []",
+        "",
+    );
+    let w1 = Daemon::start("west1", &yaml);
+    w1.wait_log("link up", 10 * SEC);
+    let w2 = Daemon::start("west2", &yaml);
+    w2.wait_log("link up", 10 * SEC);
+    east.wait_log("closing the older link", 10 * SEC);
+    w1.wait_log("a newer link replaced this one", 10 * SEC);
+}
