@@ -84,6 +84,11 @@ impl Daemon {
         }
     }
 
+    /// Process id of the running daemon.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
     pub fn log(&self) -> Vec<String> {
         self.log.lock().expect("log").clone()
     }
@@ -383,6 +388,20 @@ impl Relay {
             let _ = c.shutdown(Shutdown::Both);
         }
     }
+}
+
+/// CPU seconds (user + system) a process has used so far, from `/proc/PID/stat`.
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
+        + f.get(12).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    ticks / if hz > 0.0 { hz } else { 100.0 }
 }
 
 /// True if a connection through the tunnel was closed with an error rather than a clean end.

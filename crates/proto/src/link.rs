@@ -344,21 +344,44 @@ impl Link {
     /// Queues bytes on a stream; returns how many were taken (0 when its send buffer is full, and an
     /// [`Event::Writable`] follows when there is room).
     pub fn write(&mut self, id: StreamId, data: &[u8]) -> Result<usize, StreamError> {
+        let n = self.room(id, data.len())?;
+        if n > 0 {
+            self.enqueue(id, Bytes::copy_from_slice(&data[..n]));
+        }
+        Ok(n)
+    }
+
+    /// Like [`write`](Self::write) but takes ownership of the bytes, avoiding a copy: takes the
+    /// first `n` bytes (returned) and leaves the rest in `data`.
+    pub fn write_bytes(&mut self, id: StreamId, data: &mut Bytes) -> Result<usize, StreamError> {
+        let n = self.room(id, data.len())?;
+        if n > 0 {
+            let chunk = data.split_to(n);
+            self.enqueue(id, chunk);
+        }
+        Ok(n)
+    }
+
+    /// How many of `want` bytes the stream's send buffer takes now; marks it blocked if none.
+    fn room(&mut self, id: StreamId, want: usize) -> Result<usize, StreamError> {
         let cap = self.cfg.send_buffer;
         let s = self.stream_mut(id)?;
         if s.fin_requested {
             return Err(StreamError::Finished(id));
         }
-        let room = cap.saturating_sub(s.send_queued);
-        let n = room.min(data.len());
+        let n = cap.saturating_sub(s.send_queued).min(want);
         if n == 0 {
-            s.write_blocked = !data.is_empty();
-            return Ok(0);
+            s.write_blocked = want > 0;
         }
-        s.send_queue.push_back(Bytes::copy_from_slice(&data[..n]));
-        s.send_queued += n;
-        self.schedule(id);
         Ok(n)
+    }
+
+    fn enqueue(&mut self, id: StreamId, chunk: Bytes) {
+        if let Some(s) = self.streams.get_mut(&id) {
+            s.send_queued += chunk.len();
+            s.send_queue.push_back(chunk);
+        }
+        self.schedule(id);
     }
 
     /// Ends the stream's send side once queued bytes are sent (a TCP half-close).
@@ -485,11 +508,21 @@ impl Link {
     /// Consumes bytes read from the peer. On error the link is closed (a GoAway is queued and
     /// [`Event::Closed`] emitted) and the error returned.
     pub fn handle_input(&mut self, data: &[u8], now: Instant) -> Result<(), LinkError> {
+        let mut buf = std::mem::take(&mut self.inbuf);
+        buf.extend_from_slice(data);
+        let r = self.handle_input_buf(&mut buf, now);
+        self.inbuf = buf;
+        r
+    }
+
+    /// Consumes whole frames from the front of `buf` (the caller's read buffer, so data payloads
+    /// are not copied), leaving a partial frame in it for the next call.
+    pub fn handle_input_buf(&mut self, buf: &mut BytesMut, now: Instant) -> Result<(), LinkError> {
         if self.state == State::Closed {
+            buf.clear();
             return Ok(());
         }
         self.last_heard = Some(now);
-        self.inbuf.extend_from_slice(data);
         loop {
             let max = if self.state == State::Handshake {
                 // Before the hello, only a hello-sized frame is acceptable.
@@ -497,12 +530,12 @@ impl Link {
             } else {
                 self.cfg.max_frame + 8
             };
-            let n = match frame::Frame::check(&self.inbuf, max) {
+            let n = match frame::Frame::check(buf, max) {
                 Ok(n) => n,
                 Err(FrameError::Incomplete) => return Ok(()),
                 Err(e) => return Err(self.fail(LinkError::Frame(e))),
             };
-            let bytes = self.inbuf.split_to(n).freeze();
+            let bytes = buf.split_to(n).freeze();
             let f = match Frame::parse(bytes) {
                 Ok(f) => f,
                 Err(e) => return Err(self.fail(LinkError::Frame(e))),
@@ -512,7 +545,7 @@ impl Link {
                 return Err(self.fail(e));
             }
             if self.state == State::Closed {
-                self.inbuf.clear();
+                buf.clear();
                 return Ok(());
             }
         }

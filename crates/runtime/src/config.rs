@@ -118,6 +118,7 @@ struct RawLimits {
     link_wait: Option<String>,
     handshake_timeout: Option<String>,
     idle_timeout: Option<String>,
+    threads: Option<usize>,
 }
 
 /// A validated config.
@@ -213,6 +214,8 @@ pub struct Limits {
     pub link_wait: Duration,
     pub handshake_timeout: Duration,
     pub idle_timeout: Duration,
+    /// Runtime worker threads; 1 runs the daemon on one thread (no cross-thread wakeups).
+    pub threads: usize,
 }
 
 /// Names: 1 to 63 lowercase letters, digits or dashes, not starting or ending with a dash
@@ -585,7 +588,12 @@ impl Config {
         if idle_timeout <= keepalive {
             return Err(cx.err("limits.idle_timeout", "must be longer than link.keepalive"));
         }
+        let threads = match rl.and_then(|r| r.threads) {
+            None => 1,
+            Some(n) => in_range(n, 1, 256).map_err(|m| cx.err("limits.threads", m))?,
+        };
         let limits = Limits {
+            threads,
             max_streams,
             stream_window,
             link_window,
@@ -679,8 +687,8 @@ impl Config {
         let m = &self.limits;
         let _ = writeln!(
             o,
-            "limits:\n  max_streams: {}\n  stream_window: {}\n  link_window: {}\n  stream_buffer: {}",
-            m.max_streams, m.stream_window, m.link_window, m.stream_buffer
+            "limits:\n  threads: {}\n  max_streams: {}\n  stream_window: {}\n  link_window: {}\n  stream_buffer: {}",
+            m.threads, m.max_streams, m.stream_window, m.link_window, m.stream_buffer
         );
         let _ = writeln!(
             o,

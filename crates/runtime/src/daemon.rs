@@ -524,15 +524,17 @@ async fn read_link<R: AsyncRead + Unpin>(
     mut rd: R,
     addr: SocketAddr,
 ) -> String {
-    let mut buf = vec![0u8; READ_CHUNK];
+    let mut buf = BytesMut::with_capacity(2 * READ_CHUNK);
     let peer = h.peer.clone();
     let handshake_deadline = tokio::time::Instant::now() + peer.cfg.limits.handshake_timeout;
     let mut announced = false;
     loop {
+        // Data payloads are split off this buffer without copying; make room for the next read.
+        buf.reserve(READ_CHUNK);
         let read = if announced {
-            rd.read(&mut buf).await
+            rd.read_buf(&mut buf).await
         } else {
-            match tokio::time::timeout_at(handshake_deadline, rd.read(&mut buf)).await {
+            match tokio::time::timeout_at(handshake_deadline, rd.read_buf(&mut buf)).await {
                 Ok(r) => r,
                 Err(_) => return "no hello from the peer in time".into(),
             }
@@ -545,7 +547,7 @@ async fn read_link<R: AsyncRead + Unpin>(
         add(&peer.counters.link.wire_in, n as u64);
         let (opened, up, closed, err) = {
             let mut g = lock(&h.inner);
-            let r = g.link.handle_input(&buf[..n], Instant::now());
+            let r = g.link.handle_input_buf(&mut buf, Instant::now());
             h.dispatch(&mut g);
             (
                 std::mem::take(&mut g.opened),
@@ -743,10 +745,11 @@ async fn pump(
     let result = {
         let (mut rd, mut wr) = sock.split();
         let up = async {
-            let mut buf = vec![0u8; READ_CHUNK];
+            let mut buf = BytesMut::new();
             loop {
+                buf.reserve(READ_CHUNK);
                 let n = tokio::select! {
-                    r = rd.read(&mut buf) => r.map_err(|e| format!("local read: {e}"))?,
+                    r = rd.read_buf(&mut buf) => r.map_err(|e| format!("local read: {e}"))?,
                     _ = sig.gone.notified() => return Err(sig.reason()),
                 };
                 if n == 0 {
@@ -755,10 +758,11 @@ async fn pump(
                     return Ok::<(), String>(());
                 }
                 add(&c.raw_out, n as u64);
-                let mut off = 0;
-                while off < n {
+                // Hand the bytes over without copying; the buffer's spare room is kept for reads.
+                let mut chunk = buf.split().freeze();
+                while !chunk.is_empty() {
                     let k = h
-                        .with(|l| l.write(id, &buf[off..n]))
+                        .with(|l| l.write_bytes(id, &mut chunk))
                         .map_err(|_| sig.reason())?;
                     if k == 0 {
                         tokio::select! {
@@ -766,7 +770,6 @@ async fn pump(
                             _ = sig.gone.notified() => return Err(sig.reason()),
                         }
                     } else {
-                        off += k;
                         h.tx.notify_one();
                     }
                 }

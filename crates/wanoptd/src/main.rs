@@ -155,10 +155,18 @@ fn demo(dir: &Path) -> ExitCode {
 /// Binds every daemon (exit 64 for TLS file problems, 1 for bind failures), then serves until
 /// SIGTERM or SIGINT.
 fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let threads = cfgs.iter().map(|c| c.limits.threads).max().unwrap_or(1);
+    let built = if threads <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .enable_all()
+            .build()
+    };
+    let rt = match built {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("wanoptd: cannot start the runtime: {e}");
@@ -210,3 +218,8 @@ async fn wait_for_signal() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// mimalloc keeps freed buffers for reuse instead of returning pages to the kernel on every
+/// burst, which removed most page-fault time from the data path in profiles.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

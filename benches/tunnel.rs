@@ -1,0 +1,309 @@
+//! Tunnel core benchmark, all paths in one run on loopback: one bulk stream's throughput and an
+//! 8 KiB request/response round trip, through direct TCP (CUBIC set explicitly, and BBR), a stunnel
+//! pair (TLS only, Debian's `stunnel4`) and a wanoptd pair (optimization off). Prints a table and the
+//! ratios the tunnel-core issue names.
+//!
+//! Run: `cargo build --release --workspace && cargo bench --bench tunnel`
+//! Options (after `--`): `--bytes N` per bulk run (default 2 GiB), `--rounds N` round trips
+//! (default 5000), `--repeat N` interleaved repetitions (default 3; the median is reported),
+//! `--only PATH` to measure one path beside `direct cubic` (for profiling).
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Certs, Pair};
+
+const RR_SIZE: usize = 8 * 1024;
+
+/// The sink: first byte selects the mode. `B`: read to EOF, answer the byte count.
+/// `R`: echo fixed 8 KiB messages until EOF.
+fn sink() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { continue };
+            let _ = s.set_nodelay(true);
+            std::thread::spawn(move || {
+                let mut mode = [0u8; 1];
+                if s.read_exact(&mut mode).is_err() {
+                    return;
+                }
+                if mode[0] == b'B' {
+                    let mut buf = vec![0u8; 1 << 20];
+                    let mut n = 0u64;
+                    loop {
+                        match s.read(&mut buf) {
+                            Ok(0) => break,
+                            Ok(k) => n += k as u64,
+                            Err(_) => return,
+                        }
+                    }
+                    let _ = s.write_all(&n.to_le_bytes());
+                } else {
+                    let mut buf = vec![0u8; RR_SIZE];
+                    while s.read_exact(&mut buf).is_ok() {
+                        if s.write_all(&buf).is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+fn connect(addr: SocketAddr, congestion: Option<&str>) -> TcpStream {
+    let sock =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    if let Some(cc) = congestion {
+        sock.set_tcp_congestion(cc.as_bytes())
+            .expect("set congestion control");
+    }
+    sock.connect(&addr.into()).expect("connect");
+    let s: TcpStream = sock.into();
+    s.set_nodelay(true).expect("nodelay");
+    s
+}
+
+/// Bytes per second of one bulk stream of `bytes`.
+fn bulk(addr: SocketAddr, cc: Option<&str>, bytes: u64) -> f64 {
+    let mut s = connect(addr, cc);
+    let buf = vec![0x5Au8; 1 << 20];
+    let start = Instant::now();
+    s.write_all(b"B").expect("mode");
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(buf.len() as u64) as usize;
+        s.write_all(&buf[..n]).expect("write");
+        left -= n as u64;
+    }
+    s.shutdown(std::net::Shutdown::Write).expect("fin");
+    let mut count = [0u8; 8];
+    s.read_exact(&mut count).expect("count");
+    let secs = start.elapsed().as_secs_f64();
+    assert_eq!(
+        u64::from_le_bytes(count),
+        bytes,
+        "sink counted a different number of bytes"
+    );
+    bytes as f64 / secs
+}
+
+/// Round-trip times of 8 KiB request/response pairs, sorted.
+fn round_trips(addr: SocketAddr, cc: Option<&str>, rounds: usize) -> Vec<Duration> {
+    let mut s = connect(addr, cc);
+    s.write_all(b"R").expect("mode");
+    let mut req = vec![7u8; RR_SIZE];
+    let mut rsp = vec![0u8; RR_SIZE];
+    let mut v = Vec::with_capacity(rounds);
+    for i in 0..rounds + 100 {
+        req[0] = i as u8;
+        let t = Instant::now();
+        s.write_all(&req).expect("request");
+        s.read_exact(&mut rsp).expect("response");
+        if i >= 100 {
+            v.push(t.elapsed());
+        }
+        assert_eq!(rsp[0], i as u8);
+    }
+    v.sort();
+    v
+}
+
+fn pct(v: &[Duration], p: f64) -> Duration {
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+struct Stunnel {
+    children: Vec<Child>,
+    addr: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Stunnel {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+/// A stunnel client/server pair in front of `target`, one process per side like the daemons.
+fn stunnel(certs: &Certs, target: SocketAddr) -> Option<Stunnel> {
+    let exe = ["/usr/bin/stunnel4", "/usr/bin/stunnel"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())?;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (ps, pc) = (free_port(), free_port());
+    let d = certs.path().display();
+    let common =
+        "foreground = yes\npid =\ndebug = 3\nsocket = l:TCP_NODELAY=1\nsocket = r:TCP_NODELAY=1\n";
+    let server = format!(
+        "{common}[srv]\naccept = 127.0.0.1:{ps}\nconnect = {target}\ncert = {d}/east.pem\nkey = {d}/east.key\n"
+    );
+    let client =
+        format!("{common}[cli]\nclient = yes\naccept = 127.0.0.1:{pc}\nconnect = 127.0.0.1:{ps}\n");
+    let mut children = Vec::new();
+    for (name, conf) in [("server", server), ("client", client)] {
+        let p = dir.path().join(format!("{name}.conf"));
+        std::fs::write(&p, conf).expect("write stunnel config");
+        children.push(
+            Command::new(exe)
+                .arg(&p)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn stunnel"),
+        );
+    }
+    let addr: SocketAddr = format!("127.0.0.1:{pc}").parse().expect("addr");
+    let end = Instant::now() + Duration::from_secs(10);
+    for port in [ps, pc] {
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < end, "stunnel did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    Some(Stunnel {
+        children,
+        addr,
+        _dir: dir,
+    })
+}
+
+fn arg(name: &str, default: u64) -> u64 {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() {
+    let bytes = arg("--bytes", 2 << 30);
+    let rounds = arg("--rounds", 5000) as usize;
+    let repeat = arg("--repeat", 3) as usize;
+    let target = sink();
+    let pair = Pair::start(
+        &format!("  - name: bench\n    target: {target}\n"),
+        "  - name: bench\n    listen: 127.0.0.1:0\n",
+    );
+    let tunnel = pair.west.bound("bench");
+    let st = stunnel(&pair.certs, target);
+    if st.is_none() {
+        eprintln!("stunnel4 is not installed (apt-get install stunnel4): its column is left out");
+    }
+    // (name, address, congestion control of the client socket, processes doing the relaying)
+    let mut paths: Vec<(&str, SocketAddr, Option<&str>, Vec<u32>)> = vec![
+        ("direct cubic", target, Some("cubic"), vec![]),
+        ("direct bbr", target, Some("bbr"), vec![]),
+        (
+            "wanopt",
+            tunnel,
+            None,
+            vec![pair.west.pid(), pair.east.pid()],
+        ),
+    ];
+    if let Some(s) = &st {
+        paths.insert(
+            2,
+            (
+                "stunnel",
+                s.addr,
+                None,
+                s.children.iter().map(Child::id).collect(),
+            ),
+        );
+    }
+    // `--only NAME` keeps one path (for profiling); ratios need `direct cubic` and the others.
+    if let Some(only) = std::env::args().skip_while(|a| a != "--only").nth(1) {
+        paths.retain(|p| p.0 == only || p.0 == "direct cubic");
+    }
+    println!(
+        "loopback, one bulk stream of {} MiB x{repeat} (median), {rounds} round trips of 8 KiB",
+        bytes >> 20
+    );
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
+    let mut cpu = vec![0.0f64; paths.len()];
+    for _ in 0..repeat {
+        for (i, (_, addr, cc, pids)) in paths.iter().enumerate() {
+            let before: f64 = pids.iter().map(|p| common::cpu_seconds(*p)).sum();
+            rates[i].push(bulk(*addr, *cc, bytes));
+            cpu[i] += pids.iter().map(|p| common::cpu_seconds(*p)).sum::<f64>() - before;
+        }
+    }
+    let rtts: Vec<Vec<Duration>> = paths
+        .iter()
+        .map(|(_, a, cc, _)| round_trips(*a, *cc, rounds))
+        .collect();
+    println!(
+        "{:<14} {:>10} {:>14} {:>12} {:>12} {:>12}",
+        "path", "MB/s", "relay CPU s/GB", "rtt p50 µs", "rtt p99 µs", "p99.9 µs"
+    );
+    let gb = (bytes * repeat as u64) as f64 / 1e9;
+    let mut med = Vec::new();
+    for (i, (name, _, _, pids)) in paths.iter().enumerate() {
+        let m = median(rates[i].clone());
+        med.push(m);
+        let r = &rtts[i];
+        let cpu_gb = if pids.is_empty() {
+            "-".to_string()
+        } else {
+            format!("{:.2}", cpu[i] / gb)
+        };
+        println!(
+            "{:<14} {:>10.0} {:>14} {:>12.1} {:>12.1} {:>12.1}",
+            name,
+            m / 1e6,
+            cpu_gb,
+            pct(r, 0.5).as_secs_f64() * 1e6,
+            pct(r, 0.99).as_secs_f64() * 1e6,
+            pct(r, 0.999).as_secs_f64() * 1e6
+        );
+    }
+    let Some(w) = paths.iter().position(|p| p.0 == "wanopt") else {
+        return;
+    };
+    let direct_p50 = pct(&rtts[0], 0.5).as_secs_f64() * 1e6;
+    let wan_p50 = pct(&rtts[w], 0.5).as_secs_f64() * 1e6;
+    println!(
+        "ratio wanopt/direct-cubic throughput: {:.2}",
+        med[w] / med[0]
+    );
+    if let Some(s) = paths.iter().position(|p| p.0 == "stunnel") {
+        println!(
+            "ratio wanopt/stunnel throughput:      {:.2}  (target >= 1.00)",
+            med[w] / med[s]
+        );
+        println!(
+            "ratio wanopt/stunnel CPU per byte:    {:.2}  (lower is better)",
+            cpu[w] / cpu[s]
+        );
+    }
+    println!(
+        "8 KiB round trip added over direct:   {:.1} µs at the median  (target <= 100)",
+        wan_p50 - direct_p50
+    );
+}
