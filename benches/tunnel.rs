@@ -6,7 +6,8 @@
 //! Run: `cargo build --release --workspace && cargo bench --bench tunnel`
 //! Options (after `--`): `--bytes N` per bulk run (default 2 GiB), `--rounds N` round trips
 //! (default 5000), `--repeat N` interleaved repetitions (default 3; the median is reported),
-//! `--only PATH` to measure one path beside `direct cubic` (for profiling).
+//! `--only PATH` to measure one path beside `direct cubic` (for profiling). The tunnel's link uses
+//! BBR like the shipped configs; `WANOPT_TEST_CONGESTION=cubic` sets another congestion control.
 
 #[path = "../tests/common/mod.rs"]
 mod common;

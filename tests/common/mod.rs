@@ -192,8 +192,9 @@ pub fn site_yaml(
     extra: &str,
 ) -> String {
     format!(
-        "site: {site}\nlink:\n  {link}\n  peer: {peer}\n  reconnect_min: 50ms\n  reconnect_max: 500ms\n{tls}services:\n{services}\nlimits:\n  shutdown_grace: 5s\n{extra}",
-        tls = certs.tls_yaml(site)
+        "site: {site}\nlink:\n  {link}\n  peer: {peer}\n  reconnect_min: 50ms\n  reconnect_max: 500ms\n  congestion: {cc}\n{tls}services:\n{services}\nlimits:\n  shutdown_grace: 5s\n{extra}",
+        tls = certs.tls_yaml(site),
+        cc = std::env::var("WANOPT_TEST_CONGESTION").unwrap_or_else(|_| "bbr".into()),
     )
 }
 
