@@ -10,7 +10,7 @@ pub mod counters;
 pub mod daemon;
 pub mod sockopt;
 pub mod tls;
-pub mod units;
 
 pub use config::{Config, ConfigError};
 pub use daemon::{Bound, Daemon, DaemonError};
+pub use wanopt_units as units;

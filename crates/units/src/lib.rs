@@ -1,5 +1,6 @@
-//! Human units in config files: sizes (`512MiB`, `64k`), rates (`45mbit`, `1gbit`) and durations
-//! (`100ms`, `30s`, `2m`). Parsing is strict: a value that does not parse is an error, never a default.
+//! Human units in configs and command lines: sizes (`512MiB`, `64k`), rates (`45mbit`, `1gbit`),
+//! durations (`100ms`, `30s`, `2m`) and probabilities (`0.25%`). Parsing is strict: a value that
+//! does not parse is an error, never a default.
 
 use std::time::Duration;
 
@@ -90,6 +91,20 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(secs).map_err(|_| format!("{s:?} is out of range"))
 }
 
+/// Parses a probability: `0.25%` or a fraction `0.0025`; must be within 0 and 1.
+pub fn parse_probability(s: &str) -> Result<f64, String> {
+    let t = s.trim();
+    let v: f64 = match t.strip_suffix('%') {
+        Some(p) => p.trim().parse::<f64>().map(|v| v / 100.0),
+        None => t.parse::<f64>(),
+    }
+    .map_err(|_| format!("{s:?} is not a probability (try 0.25% or 0.0025)"))?;
+    if !(0.0..=1.0).contains(&v) {
+        return Err(format!("{s:?} must be between 0% and 100%"));
+    }
+    Ok(v)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,6 +128,14 @@ mod tests {
         assert_eq!(parse_rate("1.5gbit"), Ok(1_500_000_000));
         assert_eq!(parse_rate("100MB/s"), Ok(800_000_000));
         assert!(parse_rate("45").is_err());
+    }
+
+    #[test]
+    fn probabilities() {
+        assert_eq!(parse_probability("0.25%"), Ok(0.0025));
+        assert_eq!(parse_probability("0.5"), Ok(0.5));
+        assert!(parse_probability("150%").is_err());
+        assert!(parse_probability("lots").is_err());
     }
 
     #[test]
