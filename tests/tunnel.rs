@@ -442,3 +442,96 @@ fn newest_link_wins() {
     east.wait_log("closing the older link", 10 * SEC);
     w1.wait_log("a newer link replaced this one", 10 * SEC);
 }
+
+/// Latency-class streams get their own connection inside the link (the latency lane), so they
+/// never wait behind bulk's loss recovery; losing that connection fails the link, which recovers.
+#[test]
+fn latency_lane_carries_latency_streams_and_its_loss_fails_the_link() {
+    let certs = Certs::new(&["west", "east"]);
+    let srv = hash_server();
+    let east = Daemon::start(
+        "east",
+        &site_yaml(
+            "east",
+            "west",
+            "listen: 127.0.0.1:0",
+            &certs,
+            &format!(
+                "  - name: sync\n    target: {srv}\n    class: latency\n  - name: bulk\n    target: {srv}\n"
+            ),
+            "",
+        ),
+    );
+    let relay = Relay::new(east.bound("link"));
+    let west = Daemon::start(
+        "west",
+        &site_yaml(
+            "west",
+            "east",
+            &format!("connect: {}", relay.addr),
+            &certs,
+            "  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n  - name: bulk\n    listen: 127.0.0.1:0\n",
+            "",
+        ),
+    );
+    west.wait_log("latency lane attached", 10 * SEC);
+    east.wait_log("latency lane attached", 10 * SEC);
+    assert_eq!(
+        relay.connections(),
+        2,
+        "main connection plus the latency lane"
+    );
+    let (sync, bulk) = (west.bound("sync"), west.bound("bulk"));
+    let jobs: Vec<_> = (0..6u64)
+        .map(|i| {
+            let addr = if i % 2 == 0 { sync } else { bulk };
+            std::thread::spawn(move || hash_client(addr, 100 + i, 3_000_000 * (i % 3 + 1), 500_000))
+        })
+        .collect();
+    for j in jobs {
+        j.join()
+            .expect("client")
+            .expect("byte-exact through both lanes");
+    }
+    // Cut only the lane: the link fails as a whole and comes back with a new lane.
+    relay.cut_one(1);
+    west.wait_log("link down", 10 * SEC);
+    west.wait_log_n("latency lane attached", 2, 20 * SEC);
+    hash_client(sync, 7, 100_000, 100_000).expect("latency stream after recovery");
+}
+
+/// With `latency_lane: false` the link is one connection.
+#[test]
+fn latency_lane_can_be_turned_off() {
+    let certs = Certs::new(&["west", "east"]);
+    let srv = hash_server();
+    let east = Daemon::start(
+        "east",
+        &site_yaml(
+            "east",
+            "west",
+            "listen: 127.0.0.1:0",
+            &certs,
+            &format!("  - name: sync\n    target: {srv}\n    class: latency\n"),
+            "",
+        ),
+    );
+    let relay = Relay::new(east.bound("link"));
+    let west = Daemon::start(
+        "west",
+        &site_yaml(
+            "west",
+            "east",
+            &format!("connect: {}", relay.addr),
+            &certs,
+            "  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n",
+            "",
+        )
+        .replace("  peer: east\n", "  peer: east\n  latency_lane: false\n"),
+    );
+    west.wait_log("link up", 10 * SEC);
+    hash_client(west.bound("sync"), 3, 1_000_000, 1_000_000)
+        .expect("latency stream on the main connection");
+    assert_eq!(relay.connections(), 1);
+    assert_eq!(west.count("latency lane attached"), 0);
+}

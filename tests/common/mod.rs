@@ -56,10 +56,23 @@ pub struct Daemon {
 impl Daemon {
     /// Writes `yaml` to a config file and starts `wanoptd -c` on it.
     pub fn start(name: &str, yaml: &str) -> Daemon {
+        Self::start_in(None, name, yaml)
+    }
+
+    /// Like [`start`](Self::start), inside network namespace `netns` when given.
+    pub fn start_in(netns: Option<&str>, name: &str, yaml: &str) -> Daemon {
         let cfg_dir = tempfile::tempdir().expect("tempdir");
         let path = cfg_dir.path().join(format!("{name}.yaml"));
         std::fs::write(&path, yaml).expect("write config");
-        let mut child = Command::new(bin("wanoptd"))
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(bin("wanoptd"));
+                c
+            }
+            None => Command::new(bin("wanoptd")),
+        };
+        let mut child = cmd
             .arg("-c")
             .arg(&path)
             .env("RUST_LOG", "info,wanopt_runtime=debug")
@@ -381,6 +394,19 @@ impl Relay {
             }
         });
         Relay { addr, conns }
+    }
+
+    /// Number of connections relayed so far.
+    pub fn connections(&self) -> usize {
+        self.conns.lock().expect("conns").len() / 2
+    }
+
+    /// Cuts only the `i`th connection (0-based, in accept order).
+    pub fn cut_one(&self, i: usize) {
+        let c = self.conns.lock().expect("conns");
+        for s in c.iter().skip(2 * i).take(2) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
     }
 
     /// Cuts every connection through the relay (both daemons see the link die).

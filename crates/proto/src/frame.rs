@@ -179,6 +179,20 @@ pub mod setting {
     pub const MAX_FRAME: u16 = 3;
     /// Most concurrent streams the sender accepts from its peer.
     pub const MAX_STREAMS: u16 = 4;
+    /// The listener's random link token (a latency lane must present it).
+    pub const TOKEN: u16 = 5;
+    /// On a second connection's hello: attach it as the latency lane of the link with this token.
+    pub const ATTACH: u16 = 6;
+}
+
+impl Hello {
+    /// The value of a setting, if present.
+    pub fn setting(&self, id: u16) -> Option<u64> {
+        self.settings
+            .iter()
+            .find(|(k, _)| *k == id)
+            .map(|(_, v)| *v)
+    }
 }
 
 /// Most settings a hello may carry.

@@ -12,4 +12,4 @@ pub mod link;
 
 pub use error::{FrameError, LinkError, StreamError};
 pub use frame::{Class, CloseCode, Frame, Hello, ResetCode, StreamId};
-pub use link::{Event, Link, LinkConfig, ReadOutcome, WireCount};
+pub use link::{Event, LANES, LATENCY_LANE, Link, LinkConfig, MAIN_LANE, ReadOutcome, WireCount};

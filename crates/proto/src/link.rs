@@ -19,6 +19,17 @@ pub const VERSION: u16 = 1;
 /// Lowest protocol version this build speaks.
 pub const MIN_VERSION: u16 = 1;
 
+/// Lanes of a link: TCP connections inside one link. Lane 0 carries the hello, control and bulk
+/// frames; lane 1, when attached, carries latency-class streams, so they never wait behind bulk's
+/// loss recovery or its unsent bytes in the kernel.
+pub const LANES: usize = 2;
+/// The main lane.
+pub const MAIN_LANE: usize = 0;
+/// The latency lane.
+pub const LATENCY_LANE: usize = 1;
+/// Hello capability bit: the sender accepts a latency lane.
+pub const CAP_LATENCY_LANE: u64 = 1;
+
 /// Bytes a bulk stream may send in one scheduling turn before the next stream gets its turn.
 const BULK_QUANTUM: usize = 32 * 1024;
 
@@ -45,6 +56,10 @@ pub struct LinkConfig {
     pub keepalive: Duration,
     /// The link is declared dead after hearing nothing from the peer for this long.
     pub idle_timeout: Duration,
+    /// Offer (listener) or use (connector) a second connection for latency-class streams.
+    pub latency_lane: bool,
+    /// Random token the listener hands out in its hello; a latency lane must present it.
+    pub token: u64,
 }
 
 impl LinkConfig {
@@ -61,6 +76,8 @@ impl LinkConfig {
             send_buffer: 256 * 1024,
             keepalive: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(30),
+            latency_lane: true,
+            token: 0,
         }
     }
 }
@@ -118,6 +135,8 @@ enum State {
 #[derive(Debug)]
 struct Stream {
     class: Class,
+    /// The lane all of this stream's frames travel on (fixed at open, so they stay in order).
+    lane: usize,
     service: Arc<str>,
     // Send side.
     send_queue: VecDeque<Bytes>,
@@ -135,9 +154,16 @@ struct Stream {
 }
 
 impl Stream {
-    fn new(class: Class, service: Arc<str>, send_credit: u64, recv_window: u64) -> Self {
+    fn new(
+        class: Class,
+        lane: usize,
+        service: Arc<str>,
+        send_credit: u64,
+        recv_window: u64,
+    ) -> Self {
         Stream {
             class,
+            lane,
             service,
             send_queue: VecDeque::new(),
             send_queued: 0,
@@ -177,19 +203,24 @@ pub struct Link {
     services: HashSet<Arc<str>>,
     streams: HashMap<StreamId, Stream>,
     next_local: u32,
-    /// Highest stream id the peer has opened (ids below it that are absent are closed).
-    peer_max_id: u32,
+    /// Highest stream id the peer has opened on each lane (ids below it that are absent are closed).
+    peer_max_id: [u32; LANES],
     peer_streams: u32,
     peer_max_streams: u32,
     peer_stream_window: u64,
     peer_max_frame: usize,
     link_credit: SendCredit,
     link_window: RecvWindow,
-    ctrl: VecDeque<Frame>,
-    ready_latency: VecDeque<StreamId>,
-    ready_bulk: VecDeque<StreamId>,
+    ctrl: [VecDeque<Frame>; LANES],
+    ready_latency: [VecDeque<StreamId>; LANES],
+    ready_bulk: [VecDeque<StreamId>; LANES],
     events: VecDeque<Event>,
     inbuf: BytesMut,
+    /// True once the latency lane is attached (both sides).
+    lane_attached: bool,
+    /// The peer's hello capabilities and token.
+    peer_caps: u64,
+    peer_token: u64,
     wire: HashMap<Arc<str>, WireCount>,
     link_wire_out: u64,
     link_wire_in: u64,
@@ -208,12 +239,17 @@ impl Link {
             version: VERSION,
             min_version: MIN_VERSION,
             site: cfg.site.clone(),
-            capabilities: 0,
+            capabilities: if cfg.latency_lane {
+                CAP_LATENCY_LANE
+            } else {
+                0
+            },
             settings: vec![
                 (setting::STREAM_WINDOW, u64::from(cfg.stream_window)),
                 (setting::LINK_WINDOW, cfg.link_window),
                 (setting::MAX_FRAME, u64::from(cfg.max_frame)),
                 (setting::MAX_STREAMS, u64::from(cfg.max_streams)),
+                (setting::TOKEN, cfg.token),
             ],
         };
         let link_window = RecvWindow::new(cfg.link_window);
@@ -222,18 +258,21 @@ impl Link {
             state: State::Handshake,
             services: HashSet::new(),
             streams: HashMap::new(),
-            peer_max_id: 0,
+            peer_max_id: [0; LANES],
             peer_streams: 0,
             peer_max_streams: 0,
             peer_stream_window: 0,
             peer_max_frame: 16 * 1024,
             link_credit: SendCredit::new(0),
             link_window,
-            ctrl: VecDeque::from([Frame::Hello(hello)]),
-            ready_latency: VecDeque::new(),
-            ready_bulk: VecDeque::new(),
+            ctrl: [VecDeque::from([Frame::Hello(hello)]), VecDeque::new()],
+            ready_latency: Default::default(),
+            ready_bulk: Default::default(),
             events: VecDeque::new(),
             inbuf: BytesMut::new(),
+            lane_attached: false,
+            peer_caps: 0,
+            peer_token: 0,
             wire: HashMap::new(),
             link_wire_out: 0,
             link_wire_in: 0,
@@ -324,16 +363,22 @@ impl Link {
         let id = StreamId(self.next_local);
         self.next_local = self.next_local.checked_add(2).ok_or(StreamError::TooMany)?;
         let service: Arc<str> = Arc::from(service);
+        let lane = if class == Class::Latency && self.lane_attached {
+            LATENCY_LANE
+        } else {
+            MAIN_LANE
+        };
         self.streams.insert(
             id,
             Stream::new(
                 class,
+                lane,
                 service.clone(),
                 self.peer_stream_window,
                 u64::from(self.cfg.stream_window),
             ),
         );
-        self.ctrl.push_back(Frame::Open {
+        self.ctrl[lane].push_back(Frame::Open {
             stream: id,
             class,
             service: service.to_string(),
@@ -400,7 +445,7 @@ impl Link {
         if let Some(s) = self.streams.remove(&id) {
             self.release_stream(id, &s);
             if self.state != State::Closed {
-                self.ctrl.push_back(Frame::Reset {
+                self.ctrl[s.lane].push_back(Frame::Reset {
                     stream: id,
                     code,
                     reason: reason.to_string(),
@@ -417,10 +462,10 @@ impl Link {
             if let Some(max) = s.window.on_consume(n)
                 && !s.fin_received
             {
-                self.ctrl.push_back(Frame::MaxData { stream: id, max });
+                self.ctrl[s.lane].push_back(Frame::MaxData { stream: id, max });
             }
             if let Some(max) = self.link_window.on_consume(n) {
-                self.ctrl.push_back(Frame::MaxData {
+                self.ctrl[MAIN_LANE].push_back(Frame::MaxData {
                     stream: StreamId::LINK,
                     max,
                 });
@@ -450,7 +495,7 @@ impl Link {
         if self.state == State::Closed {
             return;
         }
-        self.ctrl.push_back(Frame::GoAway {
+        self.ctrl[MAIN_LANE].push_back(Frame::GoAway {
             code,
             reason: reason.to_string(),
         });
@@ -461,7 +506,9 @@ impl Link {
     pub fn connection_lost(&mut self, reason: &str) {
         if self.state != State::Closed {
             self.shut(Some(LinkError::Transport(reason.to_string())));
-            self.ctrl.clear();
+            for c in &mut self.ctrl {
+                c.clear();
+            }
         }
     }
 
@@ -495,7 +542,7 @@ impl Link {
         let due = *self.next_ping.get_or_insert(now);
         if now >= due {
             self.ping_seq += 1;
-            self.ctrl.push_back(Frame::Ping {
+            self.ctrl[MAIN_LANE].push_back(Frame::Ping {
                 payload: self.ping_seq,
             });
             if self.ping_sent.is_none() {
@@ -515,9 +562,24 @@ impl Link {
         r
     }
 
-    /// Consumes whole frames from the front of `buf` (the caller's read buffer, so data payloads
-    /// are not copied), leaving a partial frame in it for the next call.
+    /// Consumes whole frames from the front of `buf` (the caller's read buffer of the main lane, so
+    /// data payloads are not copied), leaving a partial frame in it for the next call.
     pub fn handle_input_buf(&mut self, buf: &mut BytesMut, now: Instant) -> Result<(), LinkError> {
+        self.handle_lane_input(MAIN_LANE, buf, now)
+    }
+
+    /// Like [`handle_input_buf`](Self::handle_input_buf) for the bytes of one lane.
+    pub fn handle_lane_input(
+        &mut self,
+        lane: usize,
+        buf: &mut BytesMut,
+        now: Instant,
+    ) -> Result<(), LinkError> {
+        if lane >= LANES || (lane == LATENCY_LANE && !self.lane_attached) {
+            return Err(self.fail(LinkError::Protocol(
+                "input on a lane that is not attached".into(),
+            )));
+        }
         if self.state == State::Closed {
             buf.clear();
             return Ok(());
@@ -541,7 +603,7 @@ impl Link {
                 Err(e) => return Err(self.fail(LinkError::Frame(e))),
             };
             self.link_wire_in += n as u64;
-            if let Err(e) = self.on_frame(f, n, now) {
+            if let Err(e) = self.on_frame(f, n, now, lane) {
                 return Err(self.fail(e));
             }
             if self.state == State::Closed {
@@ -555,8 +617,17 @@ impl Link {
     /// Control frames go first, then latency-class streams, then bulk streams round robin.
     /// Returns the number of bytes appended.
     pub fn poll_transmit(&mut self, out: &mut BytesMut, limit: usize) -> usize {
+        self.poll_transmit_lane(MAIN_LANE, out, limit)
+    }
+
+    /// Like [`poll_transmit`](Self::poll_transmit) for one lane: its control frames, then its
+    /// streams' data (latency first, then bulk).
+    pub fn poll_transmit_lane(&mut self, lane: usize, out: &mut BytesMut, limit: usize) -> usize {
         let start = out.len();
-        while let Some(f) = self.ctrl.pop_front() {
+        if lane >= LANES {
+            return 0;
+        }
+        while let Some(f) = self.ctrl[lane].pop_front() {
             let before = out.len();
             f.encode(out);
             // A service's wire bytes are its streams' Open and Data frames, counted alike each way.
@@ -572,9 +643,9 @@ impl Link {
             return n;
         }
         while out.len() < limit && self.link_credit.available() > 0 {
-            let (queue_is_latency, id) = match self.ready_latency.pop_front() {
+            let (queue_is_latency, id) = match self.ready_latency[lane].pop_front() {
                 Some(id) => (true, id),
-                None => match self.ready_bulk.pop_front() {
+                None => match self.ready_bulk[lane].pop_front() {
                     Some(id) => (false, id),
                     None => break,
                 },
@@ -628,9 +699,9 @@ impl Link {
             if again {
                 s.scheduled = true;
                 if queue_is_latency {
-                    self.ready_latency.push_back(id);
+                    self.ready_latency[lane].push_back(id);
                 } else {
-                    self.ready_bulk.push_back(id);
+                    self.ready_bulk[lane].push_back(id);
                 }
             }
             if fin {
@@ -642,12 +713,63 @@ impl Link {
         n
     }
 
-    /// True if [`poll_transmit`](Self::poll_transmit) would produce bytes now.
+    /// True if some lane would produce bytes now.
     pub fn wants_transmit(&self) -> bool {
-        !self.ctrl.is_empty()
-            || (matches!(self.state, State::Open | State::Draining)
-                && self.link_credit.available() > 0
-                && (!self.ready_latency.is_empty() || !self.ready_bulk.is_empty()))
+        (0..LANES).any(|l| self.wants_transmit_lane(l))
+    }
+
+    /// True if [`poll_transmit_lane`](Self::poll_transmit_lane) would produce bytes now.
+    pub fn wants_transmit_lane(&self, lane: usize) -> bool {
+        lane < LANES
+            && (!self.ctrl[lane].is_empty()
+                || (matches!(self.state, State::Open | State::Draining)
+                    && self.link_credit.available() > 0
+                    && (!self.ready_latency[lane].is_empty() || !self.ready_bulk[lane].is_empty())))
+    }
+
+    /// The connecting side: after the peer's hello, whether to open a latency lane, and the token
+    /// to present on it.
+    pub fn lane_offer(&self) -> Option<u64> {
+        (self.cfg.initiator
+            && self.cfg.latency_lane
+            && self.state == State::Open
+            && !self.lane_attached
+            && self.peer_caps & CAP_LATENCY_LANE != 0)
+            .then_some(self.peer_token)
+    }
+
+    /// The first frame to send on a new latency-lane connection (connecting side).
+    pub fn lane_hello(&self, token: u64) -> Frame {
+        Frame::Hello(Hello {
+            version: VERSION,
+            min_version: MIN_VERSION,
+            site: self.cfg.site.clone(),
+            capabilities: CAP_LATENCY_LANE,
+            settings: vec![(setting::ATTACH, token)],
+        })
+    }
+
+    /// Attaches the latency lane. The connecting side calls this once its lane connection is up;
+    /// the listening side once a connection presented `token` (checked here against its own).
+    /// Latency-class streams opened from now on use the lane.
+    pub fn attach_lane(&mut self, token: u64) -> bool {
+        let ok = self.state == State::Open
+            && !self.lane_attached
+            && self.cfg.latency_lane
+            && if self.cfg.initiator {
+                token == self.peer_token
+            } else {
+                token == self.cfg.token && self.peer_caps & CAP_LATENCY_LANE != 0
+            };
+        if ok {
+            self.lane_attached = true;
+        }
+        ok
+    }
+
+    /// True while the latency lane is attached.
+    pub fn lane_attached(&self) -> bool {
+        self.lane_attached
     }
 
     fn stream_mut(&mut self, id: StreamId) -> Result<&mut Stream, StreamError> {
@@ -664,8 +786,8 @@ impl Link {
         {
             s.scheduled = true;
             match s.class {
-                Class::Latency => self.ready_latency.push_back(id),
-                Class::Bulk => self.ready_bulk.push_back(id),
+                Class::Latency => self.ready_latency[s.lane].push_back(id),
+                Class::Bulk => self.ready_bulk[s.lane].push_back(id),
             }
         }
     }
@@ -690,7 +812,7 @@ impl Link {
         if unread > 0
             && let Some(max) = self.link_window.on_consume(unread)
         {
-            self.ctrl.push_back(Frame::MaxData {
+            self.ctrl[MAIN_LANE].push_back(Frame::MaxData {
                 stream: StreamId::LINK,
                 max,
             });
@@ -700,7 +822,7 @@ impl Link {
     fn fail(&mut self, e: LinkError) -> LinkError {
         if self.state != State::Closed {
             if !matches!(e, LinkError::PeerClosed { .. }) {
-                self.ctrl.push_back(Frame::GoAway {
+                self.ctrl[MAIN_LANE].push_back(Frame::GoAway {
                     code: e.close_code(),
                     reason: e.to_string(),
                 });
@@ -719,8 +841,10 @@ impl Link {
                 reason: "link closed".to_string(),
             });
         }
-        self.ready_bulk.clear();
-        self.ready_latency.clear();
+        for l in 0..LANES {
+            self.ready_bulk[l].clear();
+            self.ready_latency[l].clear();
+        }
         self.close_error = err.clone();
         self.events.push_back(Event::Closed(err));
     }
@@ -732,13 +856,19 @@ impl Link {
     /// True for an id that was in use once and is closed now: late frames for it are ignored.
     fn was_open(&self, id: StreamId) -> bool {
         if self.is_peer_id(id) {
-            id.0 <= self.peer_max_id
+            self.peer_max_id.iter().any(|m| id.0 <= *m)
         } else {
             id.0 < self.next_local
         }
     }
 
-    fn on_frame(&mut self, f: Frame, wire: usize, now: Instant) -> Result<(), LinkError> {
+    fn on_frame(
+        &mut self,
+        f: Frame,
+        wire: usize,
+        now: Instant,
+        lane: usize,
+    ) -> Result<(), LinkError> {
         if self.state == State::Handshake {
             return match f {
                 Frame::Hello(h) => self.on_hello(h, now),
@@ -752,7 +882,7 @@ impl Link {
                 stream,
                 class,
                 service,
-            } => self.on_open(stream, class, service, wire),
+            } => self.on_open(stream, class, service, wire, lane),
             Frame::Data {
                 stream,
                 offset,
@@ -793,7 +923,7 @@ impl Link {
                 Ok(())
             }
             Frame::Ping { payload } => {
-                self.ctrl.push_back(Frame::Pong { payload });
+                self.ctrl[MAIN_LANE].push_back(Frame::Pong { payload });
                 Ok(())
             }
             Frame::Pong { payload } => {
@@ -836,6 +966,8 @@ impl Link {
             .clamp(1024, u64::from(frame::MAX_PAYLOAD_HARD) - 8)
             as usize;
         self.peer_max_streams = get(setting::MAX_STREAMS, 100).min(u64::from(u32::MAX)) as u32;
+        self.peer_token = get(setting::TOKEN, 0);
+        self.peer_caps = h.capabilities;
         let version = h.version.min(VERSION);
         self.state = State::Open;
         self.next_ping = Some(now + self.cfg.keepalive);
@@ -849,13 +981,16 @@ impl Link {
         class: Class,
         service: String,
         wire: usize,
+        lane: usize,
     ) -> Result<(), LinkError> {
-        if !self.is_peer_id(id) || id.0 <= self.peer_max_id {
+        // Ids rise on each lane; across lanes, opens may arrive in any order.
+        if !self.is_peer_id(id) || id.0 <= self.peer_max_id[lane] || self.streams.contains_key(&id)
+        {
             return Err(LinkError::Protocol(format!("bad stream id {id} in open")));
         }
-        self.peer_max_id = id.0;
+        self.peer_max_id[lane] = id.0;
         let refuse = |link: &mut Link, code, reason: String| {
-            link.ctrl.push_back(Frame::Reset {
+            link.ctrl[lane].push_back(Frame::Reset {
                 stream: id,
                 code,
                 reason,
@@ -887,6 +1022,7 @@ impl Link {
             id,
             Stream::new(
                 class,
+                lane,
                 name.clone(),
                 self.peer_stream_window,
                 u64::from(self.cfg.stream_window),
@@ -921,7 +1057,7 @@ impl Link {
             }
             // A stream we already closed: drop the bytes but give the link credit back.
             if let Some(max) = self.link_window.on_consume(n) {
-                self.ctrl.push_back(Frame::MaxData {
+                self.ctrl[MAIN_LANE].push_back(Frame::MaxData {
                     stream: StreamId::LINK,
                     max,
                 });

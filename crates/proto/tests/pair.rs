@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
 use wanopt_proto::{
-    Class, CloseCode, Event, Frame, Hello, Link, LinkConfig, LinkError, ReadOutcome, ResetCode,
-    StreamId,
+    Class, CloseCode, Event, Frame, Hello, LANES, Link, LinkConfig, LinkError, ReadOutcome,
+    ResetCode, StreamId,
 };
 
 /// One direction of the emulated wire.
@@ -61,14 +61,17 @@ struct App {
 struct Side {
     link: Link,
     app: App,
+    /// Partial frames received per lane.
+    inbufs: [BytesMut; LANES],
 }
 
 struct Pair {
     now: Instant,
     west: Side,
     east: Side,
-    w2e: Pipe,
-    e2w: Pipe,
+    /// One pipe per lane each way (lane 1 carries nothing until attached).
+    w2e: [Pipe; LANES],
+    e2w: [Pipe; LANES],
 }
 
 const MTU_BATCH: usize = 16 * 1024;
@@ -104,13 +107,15 @@ impl Pair {
             west: Side {
                 link: west,
                 app: App::default(),
+                inbufs: Default::default(),
             },
             east: Side {
                 link: east,
                 app: App::default(),
+                inbufs: Default::default(),
             },
-            w2e: pipe(),
-            e2w: pipe(),
+            w2e: [pipe(), pipe()],
+            e2w: [pipe(), pipe()],
         }
     }
 
@@ -122,19 +127,25 @@ impl Pair {
             progress |= step_side(&mut self.west, &mut self.w2e, self.now);
             progress |= step_side(&mut self.east, &mut self.e2w, self.now);
             // Deliver what is due.
-            progress |= deliver(&mut self.w2e, &mut self.east, self.now);
-            progress |= deliver(&mut self.e2w, &mut self.west, self.now);
+            for lane in 0..LANES {
+                progress |= deliver(&mut self.w2e[lane], &mut self.east, lane, self.now);
+                progress |= deliver(&mut self.e2w[lane], &mut self.west, lane, self.now);
+            }
             if progress {
                 continue;
             }
-            let mut next = [self.w2e.in_flight.front(), self.e2w.in_flight.front()]
-                .into_iter()
-                .flatten()
+            let mut next = self
+                .w2e
+                .iter()
+                .chain(self.e2w.iter())
+                .filter_map(|p| p.in_flight.front())
                 .map(|(t, _)| *t)
                 .min();
-            for (side, pipe) in [(&self.west, &self.w2e), (&self.east, &self.e2w)] {
-                if side.link.wants_transmit() && pipe.busy_until > self.now {
-                    next = Some(next.map_or(pipe.busy_until, |t| t.min(pipe.busy_until)));
+            for (side, pipes) in [(&self.west, &self.w2e), (&self.east, &self.e2w)] {
+                for (lane, pipe) in pipes.iter().enumerate() {
+                    if side.link.wants_transmit_lane(lane) && pipe.busy_until > self.now {
+                        next = Some(next.map_or(pipe.busy_until, |t| t.min(pipe.busy_until)));
+                    }
                 }
             }
             match next {
@@ -152,20 +163,22 @@ impl Pair {
     }
 }
 
-fn deliver(pipe: &mut Pipe, to: &mut Side, now: Instant) -> bool {
+fn deliver(pipe: &mut Pipe, to: &mut Side, lane: usize, now: Instant) -> bool {
     let mut any = false;
     while pipe.in_flight.front().is_some_and(|(t, _)| *t <= now) {
         let Some((_, b)) = pipe.in_flight.pop_front() else {
             break;
         };
-        let _ = to.link.handle_input(&b, now);
+        let buf = &mut to.inbufs[lane];
+        buf.extend_from_slice(&b);
+        let _ = to.link.handle_lane_input(lane, buf, now);
         any = true;
     }
     any
 }
 
 /// One round of the application and transmit logic for a side. Returns true if anything happened.
-fn step_side(side: &mut Side, pipe: &mut Pipe, now: Instant) -> bool {
+fn step_side(side: &mut Side, pipes: &mut [Pipe; LANES], now: Instant) -> bool {
     let mut progress = false;
     while let Some(ev) = side.link.poll_event() {
         progress = true;
@@ -241,13 +254,15 @@ fn step_side(side: &mut Side, pipe: &mut Pipe, now: Instant) -> bool {
         }
     }
     let mut out = BytesMut::new();
-    while pipe.has_room(now) {
-        let n = side.link.poll_transmit(&mut out, MTU_BATCH);
-        if n == 0 {
-            break;
+    for (lane, pipe) in pipes.iter_mut().enumerate() {
+        while pipe.has_room(now) {
+            let n = side.link.poll_transmit_lane(lane, &mut out, MTU_BATCH);
+            if n == 0 {
+                break;
+            }
+            pipe.send(now, out.split().freeze());
+            progress = true;
         }
-        pipe.send(now, out.split().freeze());
-        progress = true;
     }
     progress
 }
@@ -269,6 +284,28 @@ fn up_pair() -> Pair {
     let mut p = Pair::new(Duration::from_millis(50), 5_625_000);
     p.drive(Duration::from_secs(1));
     assert!(p.west.app.up && p.east.app.up, "hello exchange failed");
+    p
+}
+
+/// A pair whose latency lane is attached, as the runtime does after the second connection's
+/// hello presented the listener's token.
+fn laned_pair() -> Pair {
+    let mut p = Pair::with(
+        Duration::from_millis(50),
+        5_625_000,
+        |c| c.token = 0,
+        |c| c.token = 0x5eed_cafe,
+    );
+    p.drive(Duration::from_secs(1));
+    let token = p.west.link.lane_offer().expect("east offers a lane");
+    assert_eq!(token, 0x5eed_cafe);
+    assert!(
+        !p.east.link.attach_lane(token ^ 1),
+        "a wrong token must not attach"
+    );
+    assert!(p.east.link.attach_lane(token));
+    assert!(p.west.link.attach_lane(token));
+    assert!(p.west.link.lane_offer().is_none());
     p
 }
 
@@ -545,6 +582,99 @@ proptest! {
             prop_assert!(got_up == pattern(*seed, *up)[..]);
             prop_assert!(p.west.app.received[id] == pattern(seed + 1000, *down)[..]);
             prop_assert!(p.east.app.fin.contains(id) && p.west.app.fin.contains(id));
+        }
+        p.assert_no_leaks();
+    }
+}
+
+#[test]
+fn latency_lane_is_unaffected_by_a_stalled_main_lane() {
+    let mut p = laned_pair();
+    let bulk = open_and_send(&mut p, "e-svc", Class::Bulk, pattern(9, 4_000_000));
+    p.drive(Duration::from_millis(300));
+    // The main lane stalls for two seconds both ways (think: bulk's loss recovery).
+    p.w2e[0].latency = Duration::from_secs(2);
+    p.e2w[0].latency = Duration::from_secs(2);
+    let sent_at = p.now;
+    let lat = open_and_send(
+        &mut p,
+        "e-lat",
+        Class::Latency,
+        Bytes::from_static(b"redo block"),
+    );
+    p.drive(Duration::from_millis(150));
+    let arrived = p
+        .east
+        .app
+        .first_byte
+        .get(&lat)
+        .copied()
+        .expect("latency message crossed the lane");
+    assert!(
+        arrived - sent_at < Duration::from_millis(60),
+        "{:?}",
+        arrived - sent_at
+    );
+    // The answer comes back on the lane too.
+    p.east
+        .app
+        .to_send
+        .insert(lat, (Bytes::from_static(b"ack"), true));
+    p.drive(Duration::from_millis(150));
+    assert_eq!(
+        p.west.app.received.get(&lat).map(Vec::as_slice),
+        Some(&b"ack"[..])
+    );
+    // Refusals of lane streams travel on the lane.
+    let ghost = open_and_send(&mut p, "nope", Class::Latency, Bytes::from_static(b"x"));
+    p.drive(Duration::from_millis(150));
+    assert!(
+        p.west
+            .app
+            .resets
+            .contains(&(ghost, ResetCode::UnknownService))
+    );
+    // Once the main lane recovers everything completes exactly and nothing leaks.
+    p.w2e[0].latency = Duration::from_millis(50);
+    p.e2w[0].latency = Duration::from_millis(50);
+    p.drive(Duration::from_secs(30));
+    assert!(p.east.app.received[&bulk] == pattern(9, 4_000_000)[..]);
+    assert!(p.east.app.fin.contains(&lat));
+    p.east.app.to_send.insert(bulk, (Bytes::new(), true));
+    p.drive(Duration::from_secs(5));
+    p.west.app.received.remove(&ghost);
+    p.assert_no_leaks();
+}
+
+#[test]
+fn lane_input_before_attach_is_a_protocol_error() {
+    let mut p = up_pair();
+    let mut junk = BytesMut::from(&b"anything"[..]);
+    assert!(p.east.link.handle_lane_input(1, &mut junk, p.now).is_err());
+    assert!(p.east.link.is_closed());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+    /// With the lane attached, streams of both classes interleave both ways and arrive exact.
+    #[test]
+    fn laned_streams_are_exact(sizes in proptest::collection::vec((0usize..200_000, 0usize..50_000, any::<bool>()), 1..10)) {
+        let mut p = laned_pair();
+        let mut expect = Vec::new();
+        for (i, (up, down, lat)) in sizes.iter().enumerate() {
+            let class = if *lat { Class::Latency } else { Class::Bulk };
+            let id = open_and_send(&mut p, if *lat { "e-lat" } else { "e-svc" }, class, pattern(i as u64, *up));
+            expect.push((id, *up, *down, i as u64));
+        }
+        p.drive(Duration::from_secs(5));
+        for (id, _, down, seed) in &expect {
+            p.east.app.to_send.insert(*id, (pattern(seed + 1000, *down), true));
+        }
+        p.drive(Duration::from_secs(60));
+        for (id, up, down, seed) in &expect {
+            let got_up = p.east.app.received.get(id).cloned().unwrap_or_default();
+            prop_assert!(got_up == pattern(*seed, *up)[..]);
+            prop_assert!(p.west.app.received[id] == pattern(seed + 1000, *down)[..]);
         }
         p.assert_no_leaks();
     }

@@ -69,6 +69,9 @@ struct RawLink {
     user_timeout: Option<String>,
     reconnect_min: Option<String>,
     reconnect_max: Option<String>,
+    latency_lane: Option<bool>,
+    lane_congestion: Option<String>,
+    max_rate: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -171,6 +174,13 @@ pub struct LinkSettings {
     pub user_timeout: Duration,
     pub reconnect_min: Duration,
     pub reconnect_max: Duration,
+    /// A second connection inside the link for latency-class streams.
+    pub latency_lane: bool,
+    /// Congestion control of the latency lane: a window-based one, so small messages go out at
+    /// once instead of being paced at an app-limited flow's low bandwidth estimate (as BBR does).
+    pub lane_congestion: String,
+    /// Pacing cap of each link socket in bits per second (`SO_MAX_PACING_RATE`); `None` = off.
+    pub max_rate_bps: Option<u64>,
 }
 
 impl LinkSettings {
@@ -352,7 +362,7 @@ impl Config {
             }
             Ok(d)
         })?;
-        let congestion = cx.opt("link.congestion", &l.congestion, "bbr".to_string(), |s| {
+        let cc_name = |s: &str| {
             if s.is_empty()
                 || s.len() > 15
                 || !s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
@@ -363,7 +373,14 @@ impl Config {
             } else {
                 Ok(s.to_string())
             }
-        })?;
+        };
+        let congestion = cx.opt("link.congestion", &l.congestion, "bbr".to_string(), cc_name)?;
+        let lane_congestion = cx.opt(
+            "link.lane_congestion",
+            &l.lane_congestion,
+            "cubic".to_string(),
+            cc_name,
+        )?;
         let send_buffer = cx.opt(
             "link.send_buffer",
             &l.send_buffer,
@@ -428,6 +445,18 @@ impl Config {
             user_timeout,
             reconnect_min,
             reconnect_max,
+            latency_lane: l.latency_lane.unwrap_or(true),
+            lane_congestion,
+            max_rate_bps: match l.max_rate.as_deref() {
+                // Pace only when the operator stated the WAN rate: a default must not cap anyone.
+                None | Some("auto") => l.bandwidth.as_ref().map(|_| bandwidth_bps / 100 * 95),
+                Some("off") => None,
+                Some(r) => Some(
+                    parse_rate(r)
+                        .and_then(|v| in_range(v, 64_000, 400_000_000_000))
+                        .map_err(|m| cx.err("link.max_rate", format!("{m} (or auto, off)")))?,
+                ),
+            },
         };
 
         let tls = TlsPaths {
@@ -654,6 +683,16 @@ impl Config {
         let _ = writeln!(o, "  user_timeout: {}ms", l.user_timeout.as_millis());
         let _ = writeln!(o, "  reconnect_min: {}ms", l.reconnect_min.as_millis());
         let _ = writeln!(o, "  reconnect_max: {}ms", l.reconnect_max.as_millis());
+        let _ = writeln!(o, "  latency_lane: {}", l.latency_lane);
+        let _ = writeln!(o, "  lane_congestion: {}", l.lane_congestion);
+        match l.max_rate_bps {
+            Some(r) => {
+                let _ = writeln!(o, "  max_rate: {r}bit  # pacing cap of the link sockets");
+            }
+            None => {
+                let _ = writeln!(o, "  max_rate: off");
+            }
+        }
         let _ = writeln!(
             o,
             "tls:\n  ca: {}\n  cert: {}\n  key: {}",
@@ -728,6 +767,12 @@ mod tests {
         assert_eq!(c.link.bdp_bytes(), 562_500);
         assert_eq!(c.tls.ca, PathBuf::from("/etc/wanopt/certs/ca.pem"));
         assert_eq!(c.link.send_buffer, BufferSize::Auto);
+        assert_eq!(
+            c.link.max_rate_bps, None,
+            "no pacing unless the bandwidth is stated"
+        );
+        assert!(c.link.latency_lane);
+        assert_eq!(c.link.lane_congestion, "cubic");
         assert!(c.describe().contains("congestion: bbr"));
     }
 
@@ -800,6 +845,41 @@ mod tests {
             matches!(e, ConfigError::Field { ref field, .. } if field == "link"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn link_rate_and_lane_settings() {
+        let with = |extra: &str| {
+            Config::parse(
+                &MIN.replace("peer: east", &format!("peer: east\n{extra}")),
+                Path::new("x.yaml"),
+            )
+        };
+        let c =
+            with("  max_rate: off\n  latency_lane: false\n  lane_congestion: reno").expect("valid");
+        assert_eq!(c.link.max_rate_bps, None);
+        assert!(!c.link.latency_lane);
+        assert_eq!(c.link.lane_congestion, "reno");
+        assert_eq!(
+            with("  max_rate: 30mbit").expect("valid").link.max_rate_bps,
+            Some(30_000_000)
+        );
+        assert_eq!(
+            with("  bandwidth: 45mbit")
+                .expect("valid")
+                .link
+                .max_rate_bps,
+            Some(42_750_000)
+        );
+        for (extra, field) in [
+            ("  max_rate: warp", "link.max_rate"),
+            ("  lane_congestion: \"b b r\"", "link.lane_congestion"),
+        ] {
+            match with(extra) {
+                Err(ConfigError::Field { field: f, .. }) => assert_eq!(f, field),
+                other => panic!("{extra}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -19,8 +19,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
 use tracing::{debug, info, warn};
 use wanopt_proto::{
-    Class, CloseCode, Event, Link, LinkConfig, LinkError, ReadOutcome, ResetCode, StreamError,
-    StreamId,
+    Class, CloseCode, Event, Frame, FrameError, LANES, LATENCY_LANE, Link, LinkConfig, LinkError,
+    MAIN_LANE, ReadOutcome, ResetCode, StreamError, StreamId,
 };
 
 use crate::config::{Config, LinkRole, Service, ServiceKind};
@@ -78,13 +78,22 @@ struct Inner {
 /// One live link: the protocol state machine and the wakeups around it.
 struct LinkHandle {
     inner: Mutex<Inner>,
-    /// Wakes the writer: there may be frames to send.
-    tx: Notify,
+    /// Wakes each lane's writer: there may be frames to send.
+    tx: [Notify; LANES],
+    /// The latency lane's task, ended with the link.
+    lane_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     peer: Arc<Peer>,
     id: u64,
 }
 
 impl LinkHandle {
+    /// Wakes every lane's writer.
+    fn kick(&self) {
+        for t in &self.tx {
+            t.notify_one();
+        }
+    }
+
     fn with<R>(&self, f: impl FnOnce(&mut Link) -> R) -> R {
         let mut g = lock(&self.inner);
         let r = f(&mut g.link);
@@ -157,7 +166,7 @@ impl LinkHandle {
         let sig: Arc<StreamSignal> = Arc::default();
         g.signals.insert(id, sig.clone());
         drop(g);
-        self.tx.notify_one();
+        self.kick();
         Ok((id, sig))
     }
 
@@ -167,7 +176,7 @@ impl LinkHandle {
 
     fn reset(&self, id: StreamId, code: ResetCode, reason: &str) {
         self.with(|l| l.reset(id, code, reason));
-        self.tx.notify_one();
+        self.kick();
     }
 }
 
@@ -295,7 +304,7 @@ impl Daemon {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
             h.with(|l| l.close(CloseCode::Normal, "peer is shutting down"));
-            h.tx.notify_one();
+            h.kick();
             // Give the writer a moment to send the GoAway.
             let mut rx = peer.current.subscribe();
             let _ =
@@ -322,7 +331,36 @@ fn link_config(cfg: &Config) -> LinkConfig {
     c.send_buffer = cfg.limits.stream_buffer;
     c.keepalive = cfg.link.keepalive;
     c.idle_timeout = cfg.limits.idle_timeout;
+    c.latency_lane = cfg.link.latency_lane;
+    c.token = rand::random();
     c
+}
+
+/// Reads the first frame of a new connection (a hello) with a deadline; returns the buffer, which
+/// still holds the frame, and the frame's length.
+async fn read_first_frame<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    deadline: Duration,
+) -> Result<(BytesMut, Frame, usize), String> {
+    let mut buf = BytesMut::with_capacity(4096);
+    let end = tokio::time::Instant::now() + deadline;
+    loop {
+        match Frame::check(&buf, 4096) {
+            Ok(n) => {
+                let f = Frame::parse(bytes::Bytes::copy_from_slice(&buf[..n]))
+                    .map_err(|e| e.to_string())?;
+                return Ok((buf, f, n));
+            }
+            Err(FrameError::Incomplete) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+        match tokio::time::timeout_at(end, rd.read_buf(&mut buf)).await {
+            Err(_) => return Err("no hello in time".into()),
+            Ok(Ok(0)) => return Err("closed before its hello".into()),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(format!("read: {e}")),
+        }
+    }
 }
 
 /// Accepts the peer's TLS connections (listening side); the newest authenticated link wins.
@@ -365,8 +403,117 @@ async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
                 return;
             }
             sockopt::log_effective(&socket2::SockRef::from(tls.get_ref().0), &peer.cfg.link);
-            run_link(peer, tls, addr).await;
+            let mut tls = tls;
+            let (mut buf, first, n) =
+                match read_first_frame(&mut tls, peer.cfg.limits.handshake_timeout).await {
+                    Ok(x) => x,
+                    Err(e) => {
+                        add(&peer.counters.link.rejected, 1);
+                        warn!(from = %addr, error = %e, "rejected link: no valid hello");
+                        return;
+                    }
+                };
+            let attach = match &first {
+                Frame::Hello(h) => h.setting(wanopt_proto::frame::setting::ATTACH),
+                _ => None,
+            };
+            match attach {
+                None => run_link(peer, tls, addr, buf).await,
+                Some(token) => {
+                    let _ = buf.split_to(n);
+                    sockopt::tune_lane_socket(
+                        &socket2::SockRef::from(tls.get_ref().0),
+                        &peer.cfg.link,
+                    );
+                    accept_lane(peer, tls, addr, token, buf).await;
+                }
+            }
         });
+    }
+}
+
+/// Attaches an incoming second connection as the latency lane of the link whose token it presents.
+async fn accept_lane<S>(peer: Arc<Peer>, stream: S, addr: SocketAddr, token: u64, buf: BytesMut)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    // The lane may arrive before this side has processed the main connection's hello.
+    let mut rx = peer.current.subscribe();
+    let attached = tokio::time::timeout(peer.cfg.limits.handshake_timeout, async {
+        loop {
+            let current = rx.borrow_and_update().clone();
+            if let Some(h) = current
+                && h.with(|l| l.attach_lane(token))
+            {
+                return Some(h);
+            }
+            if rx.changed().await.is_err() {
+                return None;
+            }
+        }
+    })
+    .await;
+    match attached {
+        Ok(Some(h)) => {
+            info!(link = h.id, from = %addr, "latency lane attached");
+            let task = tokio::spawn(run_lane(h.clone(), stream, addr, buf));
+            *lock(&h.lane_task) = Some(task);
+        }
+        _ => {
+            add(&peer.counters.link.rejected, 1);
+            warn!(from = %addr, "rejected latency lane: no link with its token");
+        }
+    }
+}
+
+/// Opens the latency lane of a link (connecting side). Boxed: it is spawned from the link's own
+/// reader, which it runs again for the lane.
+fn open_lane(
+    h: Arc<LinkHandle>,
+    token: u64,
+    target: String,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+    Box::pin(async move {
+        let peer = h.peer.clone();
+        let connector = tokio_rustls::TlsConnector::from(peer.tls.client.clone());
+        let Ok(name) = tls::server_name(&peer.cfg.link.peer) else {
+            return;
+        };
+        let (mut tls, addr) = match dial(&peer, &target, &connector, name).await {
+            Ok(x) => x,
+            Err(e) => {
+                warn!(link = h.id, error = %e, "cannot open the latency lane; latency streams share the main connection");
+                return;
+            }
+        };
+        sockopt::tune_lane_socket(&socket2::SockRef::from(tls.get_ref().0), &peer.cfg.link);
+        let mut hello = BytesMut::new();
+        h.with(|l| l.lane_hello(token)).encode(&mut hello);
+        if let Err(e) = tls.write_all(&hello).await {
+            warn!(link = h.id, error = %e, "cannot open the latency lane");
+            return;
+        }
+        if !h.with(|l| l.attach_lane(token)) {
+            return;
+        }
+        info!(link = h.id, addr = %addr, "latency lane attached");
+        run_lane(h, tls, addr, BytesMut::new()).await;
+    })
+}
+
+/// Moves the latency lane's bytes until it or the link ends. Losing the lane fails the link.
+async fn run_lane<S>(h: Arc<LinkHandle>, stream: S, addr: SocketAddr, buf: BytesMut)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (rd, wr) = tokio::io::split(stream);
+    let why = tokio::select! {
+        r = read_link(h.clone(), rd, addr, LATENCY_LANE, buf) => r,
+        w = write_link(h.clone(), wr, LATENCY_LANE) => w,
+    };
+    if !h.with(|l| l.is_closed()) {
+        h.with(|l| l.connection_lost(&format!("latency lane: {why}")));
+        h.kick();
     }
 }
 
@@ -393,7 +540,7 @@ async fn connect_loop(peer: Arc<Peer>) {
         match dial(&peer, &target, &connector, name.clone()).await {
             Ok((tls, addr)) => {
                 sockopt::log_effective(&socket2::SockRef::from(tls.get_ref().0), &peer.cfg.link);
-                run_link(peer.clone(), tls, addr).await;
+                run_link(peer.clone(), tls, addr, BytesMut::new()).await;
                 if started.elapsed() > Duration::from_secs(5) {
                     backoff = peer.cfg.link.reconnect_min;
                 }
@@ -439,7 +586,7 @@ async fn dial(
 }
 
 /// Runs one authenticated link until it ends.
-async fn run_link<S>(peer: Arc<Peer>, stream: S, addr: SocketAddr)
+async fn run_link<S>(peer: Arc<Peer>, stream: S, addr: SocketAddr, initial: BytesMut)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -456,23 +603,27 @@ where
             opened: Vec::new(),
             up: false,
         }),
-        tx: Notify::new(),
+        tx: Default::default(),
+        lane_task: Mutex::new(None),
         peer: peer.clone(),
         id,
     });
     let (rd, wr) = tokio::io::split(stream);
-    let reader = read_link(h.clone(), rd, addr);
-    let writer = write_link(h.clone(), wr);
+    let reader = read_link(h.clone(), rd, addr, MAIN_LANE, initial);
+    let writer = write_link(h.clone(), wr, MAIN_LANE);
     tokio::pin!(reader, writer);
     let why = tokio::select! {
         r = &mut reader => {
             // Let the writer flush what the reader queued (a GoAway after a protocol error).
-            h.tx.notify_one();
+            h.kick();
             let _ = tokio::time::timeout(Duration::from_secs(1), &mut writer).await;
             r
         }
         w = &mut writer => w,
     };
+    if let Some(t) = lock(&h.lane_task).take() {
+        t.abort();
+    }
     let was_up = {
         let mut g = lock(&h.inner);
         g.link.connection_lost(&why);
@@ -519,35 +670,43 @@ where
     }
 }
 
+/// Reads one lane of a link into its state machine. `buf` may already hold the first bytes.
 async fn read_link<R: AsyncRead + Unpin>(
     h: Arc<LinkHandle>,
     mut rd: R,
     addr: SocketAddr,
+    lane: usize,
+    mut buf: BytesMut,
 ) -> String {
-    let mut buf = BytesMut::with_capacity(2 * READ_CHUNK);
     let peer = h.peer.clone();
     let handshake_deadline = tokio::time::Instant::now() + peer.cfg.limits.handshake_timeout;
-    let mut announced = false;
+    // Only the main lane carries the hello; a lane exists only once the link is up.
+    let mut announced = lane != MAIN_LANE;
+    let mut pending = !buf.is_empty();
     loop {
-        // Data payloads are split off this buffer without copying; make room for the next read.
-        buf.reserve(READ_CHUNK);
-        let read = if announced {
-            rd.read_buf(&mut buf).await
+        if pending {
+            pending = false;
         } else {
-            match tokio::time::timeout_at(handshake_deadline, rd.read_buf(&mut buf)).await {
-                Ok(r) => r,
-                Err(_) => return "no hello from the peer in time".into(),
-            }
-        };
-        let n = match read {
-            Ok(0) => return "peer closed the connection".into(),
-            Ok(n) => n,
-            Err(e) => return format!("read: {e}"),
-        };
-        add(&peer.counters.link.wire_in, n as u64);
+            // Data payloads are split off this buffer without copying; make room for the next read.
+            buf.reserve(READ_CHUNK);
+            let read = if announced {
+                rd.read_buf(&mut buf).await
+            } else {
+                match tokio::time::timeout_at(handshake_deadline, rd.read_buf(&mut buf)).await {
+                    Ok(r) => r,
+                    Err(_) => return "no hello from the peer in time".into(),
+                }
+            };
+            let n = match read {
+                Ok(0) => return "peer closed the connection".into(),
+                Ok(n) => n,
+                Err(e) => return format!("read: {e}"),
+            };
+            add(&peer.counters.link.wire_in, n as u64);
+        }
         let (opened, up, closed, err) = {
             let mut g = lock(&h.inner);
-            let r = g.link.handle_input_buf(&mut buf, Instant::now());
+            let r = g.link.handle_lane_input(lane, &mut buf, Instant::now());
             h.dispatch(&mut g);
             (
                 std::mem::take(&mut g.opened),
@@ -556,7 +715,7 @@ async fn read_link<R: AsyncRead + Unpin>(
                 r.err(),
             )
         };
-        h.tx.notify_one();
+        h.kick();
         match err {
             Some(LinkError::PeerClosed {
                 code: CloseCode::Normal,
@@ -577,7 +736,13 @@ async fn read_link<R: AsyncRead + Unpin>(
                     "closing the older link: a newer one replaced it"
                 );
                 old.with(|l| l.close(CloseCode::Replaced, "a newer link replaced this one"));
-                old.tx.notify_one();
+                old.kick();
+            }
+            if let (Some(token), LinkRole::Connect(target)) =
+                (h.with(|l| l.lane_offer()), &peer.cfg.link.role)
+            {
+                let task = tokio::spawn(open_lane(h.clone(), token, target.clone()));
+                *lock(&h.lane_task) = Some(task);
             }
         }
         for (id, service, class) in opened {
@@ -592,14 +757,20 @@ async fn read_link<R: AsyncRead + Unpin>(
     }
 }
 
-async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W) -> String {
+/// Writes one lane's frames; the main lane also runs the link's timers (pings, idle timeout).
+async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W, lane: usize) -> String {
     let mut buf = BytesMut::with_capacity(2 * TRANSMIT_BATCH);
     loop {
         let (closed, deadline) = {
             let mut g = lock(&h.inner);
-            g.link.poll_transmit(&mut buf, TRANSMIT_BATCH);
+            g.link.poll_transmit_lane(lane, &mut buf, TRANSMIT_BATCH);
             h.dispatch(&mut g);
-            (g.link.is_closed(), g.link.poll_timeout())
+            let deadline = if lane == MAIN_LANE {
+                g.link.poll_timeout()
+            } else {
+                None
+            };
+            (g.link.is_closed(), deadline)
         };
         if !buf.is_empty() {
             add(&h.peer.counters.link.wire_out, buf.len() as u64);
@@ -626,7 +797,7 @@ async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W) -> Str
             }
         };
         tokio::select! {
-            _ = h.tx.notified() => {}
+            _ = h.tx[lane].notified() => {}
             _ = sleep => h.with(|l| l.handle_timeout(Instant::now())),
         }
     }
@@ -754,7 +925,7 @@ async fn pump(
                 };
                 if n == 0 {
                     h.with(|l| l.finish(id)).map_err(|_| sig.reason())?;
-                    h.tx.notify_one();
+                    h.kick();
                     return Ok::<(), String>(());
                 }
                 add(&c.raw_out, n as u64);
@@ -770,7 +941,7 @@ async fn pump(
                             _ = sig.gone.notified() => return Err(sig.reason()),
                         }
                     } else {
-                        h.tx.notify_one();
+                        h.kick();
                     }
                 }
             }
@@ -786,7 +957,7 @@ async fn pump(
                 match r {
                     (Ok(ReadOutcome::Data(b)), credit) => {
                         if credit {
-                            h.tx.notify_one();
+                            h.kick();
                         }
                         wr.write_all(&b)
                             .await

@@ -69,6 +69,9 @@ pub fn tune_link_socket(sock: &SockRef<'_>, link: &LinkSettings) {
     if let Err(e) = sock.set_tcp_notsent_lowat(link.notsent_lowat) {
         warn!(error = %e, "cannot set TCP_NOTSENT_LOWAT on the link socket");
     }
+    if let Some(bps) = link.max_rate_bps {
+        set_max_pacing_rate(sock, bps / 8);
+    }
     if let BufferSize::Bytes(n) = link.send_buffer
         && let Err(e) = sock.set_send_buffer_size(n)
     {
@@ -79,6 +82,11 @@ pub fn tune_link_socket(sock: &SockRef<'_>, link: &LinkSettings) {
     {
         warn!(error = %e, "cannot set SO_RCVBUF");
     }
+}
+
+/// Switches a link socket that turned out to be the latency lane to the lane's congestion control.
+pub fn tune_lane_socket(sock: &SockRef<'_>, link: &LinkSettings) {
+    set_congestion(sock, &link.lane_congestion);
 }
 
 /// Logs the effective settings of a connected link socket (the kernel caps explicit buffers at
@@ -109,6 +117,27 @@ pub fn log_effective(sock: &SockRef<'_>, link: &LinkSettings) {
                 "buffer capped by the kernel; raise the sysctl"
             );
         }
+    }
+}
+
+/// Caps the socket's sending rate (bytes per second) with `SO_MAX_PACING_RATE`, so the daemon's
+/// own bulk traffic never builds a standing queue at the WAN bottleneck, where latency-class
+/// packets would wait behind it.
+fn set_max_pacing_rate(sock: &SockRef<'_>, bytes_per_sec: u64) {
+    use std::os::fd::AsRawFd;
+    let v: u64 = bytes_per_sec;
+    // SAFETY: a valid socket and a u64 option value of the right size.
+    let r = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_MAX_PACING_RATE,
+            (&v as *const u64).cast(),
+            std::mem::size_of::<u64>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        warn!(error = %std::io::Error::last_os_error(), "cannot set SO_MAX_PACING_RATE; the link is not paced");
     }
 }
 

@@ -1,0 +1,188 @@
+//! Does a latency-class stream suffer from bulk's loss recovery when both share the one link
+//! connection? Measures 8 KiB request/response round trips across a wansim link (default
+//! `t3-100ms-1`: 45 Mbit/s, 100 ms RTT, 1% loss), idle and while one bulk stream saturates it:
+//! through the wanopt pair (latency class beside a bulk stream on the same link), and directly over
+//! the WAN on separate TCP connections (what a second link connection would give).
+//!
+//! Run (as root): `cargo build --release --workspace && cargo bench --bench latency_under_load`
+//! Options: `-- --preset NAME --rounds N` (default 100 round trips per case). Environment:
+//! `WANOPT_BENCH_LANE=off` runs without the latency lane; `WANOPT_BENCH_LANE_CC=bbr` sets the
+//! lane's congestion control (default cubic, like the daemon's default).
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{Certs, Daemon, site_yaml};
+use wansim::{Site, Wan};
+
+const RR: usize = 8 * 1024;
+
+/// In east: port 9000 echoes 8 KiB messages, port 9001 swallows everything.
+fn east_servers(wan: &Wan, addr: std::net::IpAddr) {
+    for (port, echo) in [(9000u16, true), (9001, false)] {
+        let l = wan
+            .in_site(Site::East, move || TcpListener::bind((addr, port)))
+            .expect("east")
+            .expect("bind");
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { continue };
+                let _ = s.set_nodelay(true);
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; if echo { RR } else { 1 << 20 }];
+                    if echo {
+                        while s.read_exact(&mut buf).is_ok() && s.write_all(&buf).is_ok() {}
+                    } else {
+                        while matches!(s.read(&mut buf), Ok(n) if n > 0) {}
+                    }
+                });
+            }
+        });
+    }
+}
+
+/// Connects from west. Direct WAN connections set CUBIC explicitly (a stock host's default);
+/// connections to the local tunnel port stay on loopback, where it does not matter.
+fn connect_in(wan: &Wan, addr: SocketAddr) -> TcpStream {
+    let s = wan
+        .in_site(Site::West, move || {
+            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            if !addr.ip().is_loopback() {
+                sock.set_tcp_congestion(b"cubic")?;
+            }
+            sock.connect(&addr.into())?;
+            Ok::<TcpStream, std::io::Error>(sock.into())
+        })
+        .expect("west")
+        .expect("connect");
+    s.set_nodelay(true).expect("nodelay");
+    s
+}
+
+/// Round trips on `rr`, optionally while a bulk writer saturates `bulk`.
+fn measure(wan: &Wan, rr: SocketAddr, bulk: Option<SocketAddr>, rounds: usize) -> Vec<Duration> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = bulk.map(|b| {
+        let mut s = connect_in(wan, b);
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let buf = vec![1u8; 1 << 16];
+            while !stop.load(Ordering::Relaxed) && s.write_all(&buf).is_ok() {}
+        })
+    });
+    if bulk.is_some() {
+        // Let the bulk stream fill the pipe and the queues first.
+        std::thread::sleep(Duration::from_secs(3));
+    }
+    let mut s = connect_in(wan, rr);
+    let mut buf = vec![7u8; RR];
+    let mut v = Vec::new();
+    for _ in 0..rounds {
+        let t = Instant::now();
+        s.write_all(&buf).expect("request");
+        s.read_exact(&mut buf).expect("response");
+        v.push(t.elapsed());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop.store(true, Ordering::Relaxed);
+    drop(writer);
+    v.sort();
+    v
+}
+
+fn ms(v: &[Duration], p: f64) -> f64 {
+    v[((v.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1e3
+}
+
+fn main() {
+    if !wansim::available_or_skip("latency under load") {
+        return;
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let get = |k: &str| {
+        args.iter()
+            .position(|a| a == k)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let preset = get("--preset").unwrap_or_else(|| "t3-100ms-1".into());
+    let rounds: usize = get("--rounds").and_then(|v| v.parse().ok()).unwrap_or(100);
+    let wan = Wan::start(
+        &format!("wl{}", std::process::id() % 100_000),
+        wansim::preset(&preset).expect("preset"),
+    )
+    .expect("wansim");
+    let east_ip = std::net::IpAddr::V4(Site::East.addr());
+    east_servers(&wan, east_ip);
+
+    let certs = Certs::new(&["west", "east"]);
+    let east = Daemon::start_in(
+        Some(&wan.netns(Site::East)),
+        "east",
+        &site_yaml(
+            "east",
+            "west",
+            &format!("listen: {}:7400", Site::East.addr()),
+            &certs,
+            &format!(
+                "  - name: lat\n    target: {east_ip}:9000\n    class: latency\n  - name: bulk\n    target: {east_ip}:9001\n"
+            ),
+            "",
+        ),
+    );
+    east.bound("link");
+    let west = Daemon::start_in(
+        Some(&wan.netns(Site::West)),
+        "west",
+        &site_yaml(
+            "west",
+            "east",
+            &format!("connect: {}:7400", Site::East.addr()),
+            &certs,
+            "  - name: lat\n    listen: 127.0.0.1:0\n    class: latency\n  - name: bulk\n    listen: 127.0.0.1:0\n",
+            "",
+        )
+        .replace("  congestion: bbr\n", &format!("  congestion: bbr\n  bandwidth: 45mbit\n  rtt: 100ms\n  latency_lane: {}\n  lane_congestion: {}\n",
+            std::env::var("WANOPT_BENCH_LANE").map_or(true, |v| v != "off"),
+            std::env::var("WANOPT_BENCH_LANE_CC").unwrap_or_else(|_| "cubic".into()))),
+    );
+    west.wait_log("link up", Duration::from_secs(20));
+    let (t_lat, t_bulk) = (west.bound("lat"), west.bound("bulk"));
+    let (d_lat, d_bulk) = (
+        SocketAddr::new(east_ip, 9000),
+        SocketAddr::new(east_ip, 9001),
+    );
+
+    println!("{preset}: 8 KiB round trips, {rounds} per case (ms)");
+    println!("{:<52} {:>8} {:>8} {:>8}", "case", "p50", "p90", "p99");
+    for (name, rr, bulk) in [
+        ("direct (cubic), idle", d_lat, None),
+        (
+            "direct (cubic), bulk on a separate TCP connection",
+            d_lat,
+            Some(d_bulk),
+        ),
+        ("wanopt latency class, idle", t_lat, None),
+        (
+            "wanopt latency class, bulk stream on the same link",
+            t_lat,
+            Some(t_bulk),
+        ),
+    ] {
+        let v = measure(&wan, rr, bulk, rounds);
+        println!(
+            "{name:<52} {:>8.1} {:>8.1} {:>8.1}",
+            ms(&v, 0.5),
+            ms(&v, 0.9),
+            ms(&v, 0.99)
+        );
+    }
+    let (a, b) = wan.counters();
+    println!("wansim west->east: {a}\nwansim east->west: {b}");
+}
