@@ -305,7 +305,6 @@ fn plaintext_garbage_on_the_link_port() {
 /// truncated end); the link comes back and new streams work.
 #[test]
 fn link_killed_mid_transfer() {
-    let certs = Certs::new(&["west", "east"]);
     // A server that sends a lot, slowly enough that the cut lands mid-stream.
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
     let target = l.local_addr().expect("addr");
@@ -325,28 +324,15 @@ fn link_killed_mid_transfer() {
             });
         }
     });
-    let east = Daemon::start(
-        "east",
-        &site_yaml(
-            "east",
-            "west",
-            "listen: 127.0.0.1:0",
-            &certs,
-            &format!("  - name: svc\n    target: {target}\n"),
-            "",
-        ),
-    );
-    let relay = Relay::new(east.bound("link"));
-    let west = Daemon::start(
-        "west",
-        &site_yaml(
-            "west",
-            "east",
-            &format!("connect: {}", relay.addr),
-            &certs,
-            "  - name: svc\n    listen: 127.0.0.1:0\n",
-            "",
-        ),
+    let RelayedPair {
+        relay,
+        west,
+        east: _east,
+        certs: _certs,
+    } = RelayedPair::start(
+        &format!("  - name: svc\n    target: {target}\n"),
+        "  - name: svc\n    listen: 127.0.0.1:0\n",
+        "",
     );
     west.wait_log("link up", 10 * SEC);
     let addr = west.bound("svc");
@@ -447,32 +433,15 @@ fn newest_link_wins() {
 /// never wait behind bulk's loss recovery; losing that connection fails the link, which recovers.
 #[test]
 fn latency_lane_carries_latency_streams_and_its_loss_fails_the_link() {
-    let certs = Certs::new(&["west", "east"]);
     let srv = hash_server();
-    let east = Daemon::start(
-        "east",
-        &site_yaml(
-            "east",
-            "west",
-            "listen: 127.0.0.1:0",
-            &certs,
-            &format!(
-                "  - name: sync\n    target: {srv}\n    class: latency\n  - name: bulk\n    target: {srv}\n"
-            ),
-            "",
+    let RelayedPair {
+        east, relay, west, ..
+    } = RelayedPair::start(
+        &format!(
+            "  - name: sync\n    target: {srv}\n    class: latency\n  - name: bulk\n    target: {srv}\n"
         ),
-    );
-    let relay = Relay::new(east.bound("link"));
-    let west = Daemon::start(
-        "west",
-        &site_yaml(
-            "west",
-            "east",
-            &format!("connect: {}", relay.addr),
-            &certs,
-            "  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n  - name: bulk\n    listen: 127.0.0.1:0\n",
-            "",
-        ),
+        "  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n  - name: bulk\n    listen: 127.0.0.1:0\n",
+        "",
     );
     west.wait_log("latency lane attached", 10 * SEC);
     east.wait_log("latency lane attached", 10 * SEC);
@@ -503,33 +472,17 @@ fn latency_lane_carries_latency_streams_and_its_loss_fails_the_link() {
 /// With `latency_lane: false` the link is one connection.
 #[test]
 fn latency_lane_can_be_turned_off() {
-    let certs = Certs::new(&["west", "east"]);
     let srv = hash_server();
-    let east = Daemon::start(
-        "east",
-        &site_yaml(
-            "east",
-            "west",
-            "listen: 127.0.0.1:0",
-            &certs,
-            &format!("  - name: sync\n    target: {srv}\n    class: latency\n"),
-            "",
-        ),
+    let RelayedPair {
+        relay,
+        west,
+        east: _east,
+        certs: _certs,
+    } = RelayedPair::start(
+        &format!("  - name: sync\n    target: {srv}\n    class: latency\n"),
+        "  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n",
+        "  latency_lane: false\n",
     );
-    let relay = Relay::new(east.bound("link"));
-    let west = Daemon::start(
-        "west",
-        &site_yaml(
-            "west",
-            "east",
-            &format!("connect: {}", relay.addr),
-            &certs,
-            "  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n",
-            "",
-        )
-        .replace("  peer: east\n", "  peer: east\n  latency_lane: false\n"),
-    );
-    west.wait_log("link up", 10 * SEC);
     hash_client(west.bound("sync"), 3, 1_000_000, 1_000_000)
         .expect("latency stream on the main connection");
     assert_eq!(relay.connections(), 1);

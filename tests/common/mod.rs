@@ -218,6 +218,51 @@ pub struct Pair {
     pub west: Daemon,
 }
 
+/// A pair whose link runs through a [`Relay`], so tests can cut it without killing a daemon.
+pub struct RelayedPair {
+    pub certs: Certs,
+    pub east: Daemon,
+    pub relay: Relay,
+    pub west: Daemon,
+}
+
+impl RelayedPair {
+    /// Starts east, a relay to its link port, and west connecting through the relay.
+    /// `west_link` is extra YAML lines for west's `link:` section (indented by two spaces).
+    pub fn start(east_services: &str, west_services: &str, west_link: &str) -> RelayedPair {
+        let certs = Certs::new(&["west", "east"]);
+        let east = Daemon::start(
+            "east",
+            &site_yaml(
+                "east",
+                "west",
+                "listen: 127.0.0.1:0",
+                &certs,
+                east_services,
+                "",
+            ),
+        );
+        let relay = Relay::new(east.bound("link"));
+        let yaml = site_yaml(
+            "west",
+            "east",
+            &format!("connect: {}", relay.addr),
+            &certs,
+            west_services,
+            "",
+        )
+        .replace("  peer: east\n", &format!("  peer: east\n{west_link}"));
+        let west = Daemon::start("west", &yaml);
+        west.wait_log("link up", Duration::from_secs(10));
+        RelayedPair {
+            certs,
+            east,
+            relay,
+            west,
+        }
+    }
+}
+
 impl Pair {
     /// Starts east with `east_services`, then west with `west_services` connecting to it.
     pub fn start(east_services: &str, west_services: &str) -> Pair {

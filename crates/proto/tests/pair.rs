@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
 use wanopt_proto::{
     Class, CloseCode, Event, Frame, Hello, LANES, Link, LinkConfig, LinkError, ReadOutcome,
     ResetCode, StreamId,
@@ -560,30 +561,50 @@ fn link_close_fails_every_stream() {
     assert_eq!(p.west.link.stream_count(), 0);
 }
 
+/// Opens streams of the given (up, down, latency?) sizes west→east, has east answer each, and
+/// checks every byte both ways and that nothing leaked.
+fn exchange_streams(mut p: Pair, sizes: &[(usize, usize, bool)]) -> Result<(), TestCaseError> {
+    let mut expect = Vec::new();
+    for (i, (up, down, lat)) in sizes.iter().enumerate() {
+        let class = if *lat { Class::Latency } else { Class::Bulk };
+        let id = open_and_send(
+            &mut p,
+            if *lat { "e-lat" } else { "e-svc" },
+            class,
+            pattern(i as u64, *up),
+        );
+        expect.push((id, *up, *down, i as u64));
+    }
+    p.drive(Duration::from_secs(5));
+    for (id, _, down, seed) in &expect {
+        p.east
+            .app
+            .to_send
+            .insert(*id, (pattern(seed + 1000, *down), true));
+    }
+    p.drive(Duration::from_secs(60));
+    for (id, up, down, seed) in &expect {
+        let got_up = p.east.app.received.get(id).cloned().unwrap_or_default();
+        prop_assert!(got_up == pattern(*seed, *up)[..]);
+        prop_assert!(p.west.app.received[id] == pattern(seed + 1000, *down)[..]);
+        prop_assert!(p.east.app.fin.contains(id) && p.west.app.fin.contains(id));
+    }
+    p.assert_no_leaks();
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
     /// Many interleaved streams of random sizes both ways arrive exact, and nothing leaks.
     #[test]
     fn interleaved_streams_are_exact(sizes in proptest::collection::vec((0usize..300_000, 0usize..50_000, any::<bool>()), 1..12)) {
-        let mut p = up_pair();
-        let mut expect = Vec::new();
-        for (i, (up, down, lat)) in sizes.iter().enumerate() {
-            let class = if *lat { Class::Latency } else { Class::Bulk };
-            let id = open_and_send(&mut p, if *lat { "e-lat" } else { "e-svc" }, class, pattern(i as u64, *up));
-            expect.push((id, *up, *down, i as u64));
-        }
-        p.drive(Duration::from_secs(5));
-        for (id, _, down, seed) in &expect {
-            p.east.app.to_send.insert(*id, (pattern(seed + 1000, *down), true));
-        }
-        p.drive(Duration::from_secs(60));
-        for (id, up, down, seed) in &expect {
-            let got_up = p.east.app.received.get(id).cloned().unwrap_or_default();
-            prop_assert!(got_up == pattern(*seed, *up)[..]);
-            prop_assert!(p.west.app.received[id] == pattern(seed + 1000, *down)[..]);
-            prop_assert!(p.east.app.fin.contains(id) && p.west.app.fin.contains(id));
-        }
-        p.assert_no_leaks();
+        exchange_streams(up_pair(), &sizes)?;
+    }
+
+    /// With the lane attached, streams of both classes interleave both ways and arrive exact.
+    #[test]
+    fn laned_streams_are_exact(sizes in proptest::collection::vec((0usize..200_000, 0usize..50_000, any::<bool>()), 1..10)) {
+        exchange_streams(laned_pair(), &sizes)?;
     }
 }
 
@@ -652,30 +673,4 @@ fn lane_input_before_attach_is_a_protocol_error() {
     let mut junk = BytesMut::from(&b"anything"[..]);
     assert!(p.east.link.handle_lane_input(1, &mut junk, p.now).is_err());
     assert!(p.east.link.is_closed());
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(16))]
-    /// With the lane attached, streams of both classes interleave both ways and arrive exact.
-    #[test]
-    fn laned_streams_are_exact(sizes in proptest::collection::vec((0usize..200_000, 0usize..50_000, any::<bool>()), 1..10)) {
-        let mut p = laned_pair();
-        let mut expect = Vec::new();
-        for (i, (up, down, lat)) in sizes.iter().enumerate() {
-            let class = if *lat { Class::Latency } else { Class::Bulk };
-            let id = open_and_send(&mut p, if *lat { "e-lat" } else { "e-svc" }, class, pattern(i as u64, *up));
-            expect.push((id, *up, *down, i as u64));
-        }
-        p.drive(Duration::from_secs(5));
-        for (id, _, down, seed) in &expect {
-            p.east.app.to_send.insert(*id, (pattern(seed + 1000, *down), true));
-        }
-        p.drive(Duration::from_secs(60));
-        for (id, up, down, seed) in &expect {
-            let got_up = p.east.app.received.get(id).cloned().unwrap_or_default();
-            prop_assert!(got_up == pattern(*seed, *up)[..]);
-            prop_assert!(p.west.app.received[id] == pattern(seed + 1000, *down)[..]);
-        }
-        p.assert_no_leaks();
-    }
 }
