@@ -74,7 +74,8 @@ fn up_exec_counters_and_clean_exit() {
     unsafe { libc::kill(up.id() as i32, libc::SIGTERM) };
     let st = up.wait().expect("wait");
     assert!(st.success(), "{st:?}");
-    let rest: Vec<String> = rx.try_iter().collect();
+    // The reader thread ends at EOF, which closes the channel.
+    let rest: Vec<String> = rx.iter().collect();
     assert!(
         rest.iter().any(|l| l.starts_with("final west->east")),
         "{rest:?}"
