@@ -139,8 +139,8 @@ impl Daemon {
 
     /// The address a listener was bound to (`kind` is `link` or a service name).
     pub fn bound(&self, what: &str) -> SocketAddr {
-        let needle = if what == "link" {
-            "bound kind=\"link\"".to_string()
+        let needle = if what == "link" || what == "admin" {
+            format!("bound kind=\"{what}\"")
         } else {
             format!("service={what} addr=")
         };
@@ -266,6 +266,19 @@ impl RelayedPair {
 impl Pair {
     /// Starts east with `east_services`, then west with `west_services` connecting to it.
     pub fn start(east_services: &str, west_services: &str) -> Pair {
+        Self::start_extra(east_services, west_services, "")
+    }
+
+    /// Like [`start`](Self::start), with an admin endpoint on each daemon.
+    pub fn start_with_admin(east_services: &str, west_services: &str) -> Pair {
+        Self::start_extra(
+            east_services,
+            west_services,
+            "admin:\n  listen: 127.0.0.1:0\n",
+        )
+    }
+
+    fn start_extra(east_services: &str, west_services: &str, extra: &str) -> Pair {
         let certs = Certs::new(&["west", "east"]);
         let east = Daemon::start(
             "east",
@@ -275,7 +288,7 @@ impl Pair {
                 "listen: 127.0.0.1:0",
                 &certs,
                 east_services,
-                "",
+                extra,
             ),
         );
         let link = east.bound("link");
@@ -287,7 +300,7 @@ impl Pair {
                 &format!("connect: {link}"),
                 &certs,
                 west_services,
-                "",
+                extra,
             ),
         );
         east.wait_log("link up", Duration::from_secs(10));

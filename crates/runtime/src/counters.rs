@@ -1,42 +1,217 @@
-//! Byte and stream counters kept from day one, per service and direction and per link.
+//! Byte and stream counters per service and direction and per link, kept as Prometheus metrics.
 //!
 //! `out` is from local clients toward the peer, `in` from the peer toward local sockets. Raw bytes
 //! are what local sockets sent or received; wire bytes are that service's frame bytes on the link
-//! (before TLS). The operations issue exposes them to Prometheus; until then they are logged.
+//! (before TLS). Each component registers its own metrics (`register(&mut Registry) -> Self`);
+//! [`Counters::encode`] renders them in the Prometheus text format for the admin endpoint.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
-/// Counters of one service.
-#[derive(Debug, Default)]
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// Label values of `direction`: `out` is from local sockets toward the peer, `in` the reverse.
+const OUT: &str = "out";
+const IN: &str = "in";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ServiceDir {
+    service: String,
+    direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ServiceLabel {
+    service: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ServiceReason {
+    service: String,
+    reason: String,
+}
+
+/// Handles to one service's counters (cheap clones of the registered metrics).
+#[derive(Debug, Clone)]
 pub struct ServiceCounters {
-    pub raw_out: AtomicU64,
-    pub raw_in: AtomicU64,
-    pub wire_out: AtomicU64,
-    pub wire_in: AtomicU64,
-    pub streams_opened: AtomicU64,
-    pub streams_refused: AtomicU64,
-    pub streams_failed: AtomicU64,
-    pub streams_active: AtomicU64,
+    pub raw_out: Counter,
+    pub raw_in: Counter,
+    pub wire_out: Counter,
+    pub wire_in: Counter,
+    pub streams_opened: Counter,
+    pub streams_refused: Counter,
+    pub streams_active: Gauge,
+    failed: Family<ServiceReason, Counter>,
+    name: String,
 }
 
-/// Counters of the link to one peer.
-#[derive(Debug, Default)]
+impl ServiceCounters {
+    /// Counts a failed stream under a short reason label (`target_refused`, `stream_error`, ...).
+    pub fn failed(&self, reason: &str) {
+        self.failed
+            .get_or_create(&ServiceReason {
+                service: self.name.clone(),
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+}
+
+/// The per-service metric families.
+#[derive(Debug, Clone)]
+pub struct ServiceMetrics {
+    raw: Family<ServiceDir, Counter>,
+    wire: Family<ServiceDir, Counter>,
+    opened: Family<ServiceLabel, Counter>,
+    refused: Family<ServiceLabel, Counter>,
+    failed: Family<ServiceReason, Counter>,
+    active: Family<ServiceLabel, Gauge>,
+}
+
+impl ServiceMetrics {
+    pub fn register(r: &mut Registry) -> Self {
+        let m = ServiceMetrics {
+            raw: Family::default(),
+            wire: Family::default(),
+            opened: Family::default(),
+            refused: Family::default(),
+            failed: Family::default(),
+            active: Family::default(),
+        };
+        r.register(
+            "wanopt_raw_bytes",
+            "Bytes to and from local sockets, per service and direction (out: toward the peer)",
+            m.raw.clone(),
+        );
+        r.register(
+            "wanopt_wire_bytes",
+            "Frame bytes of the service on the link before TLS (optimized bytes), per direction",
+            m.wire.clone(),
+        );
+        r.register(
+            "wanopt_streams_opened",
+            "Streams opened, per service",
+            m.opened.clone(),
+        );
+        r.register(
+            "wanopt_streams_refused",
+            "Streams or clients refused (allow list, unknown service, no link), per service",
+            m.refused.clone(),
+        );
+        r.register(
+            "wanopt_streams_failed",
+            "Streams that ended with an error, per service and reason",
+            m.failed.clone(),
+        );
+        r.register(
+            "wanopt_streams_active",
+            "Streams open now, per service",
+            m.active.clone(),
+        );
+        m
+    }
+
+    fn service(&self, name: &str) -> ServiceCounters {
+        let dir = |f: &Family<ServiceDir, Counter>, d: &'static str| {
+            f.get_or_create_owned(&ServiceDir {
+                service: name.to_string(),
+                direction: d,
+            })
+        };
+        let label = ServiceLabel {
+            service: name.to_string(),
+        };
+        ServiceCounters {
+            raw_out: dir(&self.raw, OUT),
+            raw_in: dir(&self.raw, IN),
+            wire_out: dir(&self.wire, OUT),
+            wire_in: dir(&self.wire, IN),
+            streams_opened: self.opened.get_or_create_owned(&label),
+            streams_refused: self.refused.get_or_create_owned(&label),
+            streams_active: self.active.get_or_create_owned(&label),
+            failed: self.failed.clone(),
+            name: name.to_string(),
+        }
+    }
+}
+
+/// Counters of the link to the peer.
+#[derive(Debug, Clone, Default)]
 pub struct LinkCounters {
-    pub connects: AtomicU64,
-    pub disconnects: AtomicU64,
-    pub rejected: AtomicU64,
-    pub wire_out: AtomicU64,
-    pub wire_in: AtomicU64,
-    pub unknown_service: AtomicU64,
+    pub connects: Counter,
+    pub disconnects: Counter,
+    pub rejected: Counter,
+    pub wire_out: Counter,
+    pub wire_in: Counter,
+    pub unknown_service: Counter,
+    pub up: Gauge,
+    pub lanes: Gauge,
 }
 
-/// All counters of a daemon.
-#[derive(Debug, Default)]
+impl LinkCounters {
+    pub fn register(r: &mut Registry) -> Self {
+        let m = LinkCounters::default();
+        r.register(
+            "wanopt_link_connects",
+            "Links that came up",
+            m.connects.clone(),
+        );
+        r.register(
+            "wanopt_link_disconnects",
+            "Links that went down",
+            m.disconnects.clone(),
+        );
+        r.register(
+            "wanopt_link_rejected",
+            "Link connections rejected (TLS, wrong peer, no hello)",
+            m.rejected.clone(),
+        );
+        r.register(
+            "wanopt_link_wire_sent_bytes",
+            "All frame bytes sent on the link, control frames included, before TLS",
+            m.wire_out.clone(),
+        );
+        r.register(
+            "wanopt_link_wire_received_bytes",
+            "All frame bytes received on the link, control frames included, after TLS",
+            m.wire_in.clone(),
+        );
+        r.register(
+            "wanopt_link_unknown_service",
+            "Streams the peer opened for a service this side does not have",
+            m.unknown_service.clone(),
+        );
+        r.register(
+            "wanopt_link_up",
+            "1 while the link to the peer is up",
+            m.up.clone(),
+        );
+        r.register(
+            "wanopt_link_lanes",
+            "Connections in the link (2 with the latency lane)",
+            m.lanes.clone(),
+        );
+        m
+    }
+}
+
+/// All counters of a daemon, and the registry that exposes them.
+#[derive(Debug)]
 pub struct Counters {
-    services: Mutex<HashMap<String, Arc<ServiceCounters>>>,
+    registry: Registry,
+    services: ServiceMetrics,
+    cache: Mutex<HashMap<String, Arc<ServiceCounters>>>,
     pub link: LinkCounters,
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// A point-in-time copy of one service's counters.
@@ -48,34 +223,46 @@ pub struct ServiceSnapshot {
     pub wire_in: u64,
     pub opened: u64,
     pub refused: u64,
-    pub failed: u64,
-    pub active: u64,
+    pub active: i64,
 }
 
 impl Counters {
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let services = ServiceMetrics::register(&mut registry);
+        let link = LinkCounters::register(&mut registry);
+        Counters {
+            registry,
+            services,
+            cache: Mutex::new(HashMap::new()),
+            link,
+        }
+    }
+
     /// The counters of a service, created on first use.
     pub fn service(&self, name: &str) -> Arc<ServiceCounters> {
-        let mut m = self.services.lock().unwrap_or_else(|p| p.into_inner());
-        m.entry(name.to_string()).or_default().clone()
+        let mut m = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        m.entry(name.to_string())
+            .or_insert_with(|| Arc::new(self.services.service(name)))
+            .clone()
     }
 
     /// A sorted copy of every service's counters.
     pub fn snapshot(&self) -> Vec<(String, ServiceSnapshot)> {
-        let m = self.services.lock().unwrap_or_else(|p| p.into_inner());
+        let m = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         let mut v: Vec<_> = m
             .iter()
             .map(|(k, c)| {
                 (
                     k.clone(),
                     ServiceSnapshot {
-                        raw_out: c.raw_out.load(Relaxed),
-                        raw_in: c.raw_in.load(Relaxed),
-                        wire_out: c.wire_out.load(Relaxed),
-                        wire_in: c.wire_in.load(Relaxed),
-                        opened: c.streams_opened.load(Relaxed),
-                        refused: c.streams_refused.load(Relaxed),
-                        failed: c.streams_failed.load(Relaxed),
-                        active: c.streams_active.load(Relaxed),
+                        raw_out: c.raw_out.get(),
+                        raw_in: c.raw_in.get(),
+                        wire_out: c.wire_out.get(),
+                        wire_in: c.wire_in.get(),
+                        opened: c.streams_opened.get(),
+                        refused: c.streams_refused.get(),
+                        active: c.streams_active.get(),
                     },
                 )
             })
@@ -83,14 +270,51 @@ impl Counters {
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
     }
+
+    /// Every metric in the Prometheus text exposition format.
+    pub fn encode(&self) -> String {
+        let mut s = String::new();
+        if prometheus_client::encoding::text::encode(&mut s, &self.registry).is_err() {
+            s.clear();
+        }
+        s
+    }
 }
 
 /// Adds to a counter.
-pub fn add(c: &AtomicU64, n: u64) {
-    c.fetch_add(n, Relaxed);
+pub fn add(c: &Counter, n: u64) {
+    c.inc_by(n);
 }
 
-/// Subtracts one from a gauge-like counter without wrapping below zero.
-pub fn dec(c: &AtomicU64) {
-    let _ = c.fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(1)));
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_are_exposed_with_labels() {
+        let c = Counters::new();
+        let s = c.service("dg");
+        add(&s.raw_out, 100);
+        add(&s.wire_out, 40);
+        s.failed("target_refused");
+        c.link.up.set(1);
+        let text = c.encode();
+        assert!(
+            text.contains("wanopt_raw_bytes_total{service=\"dg\",direction=\"out\"} 100"),
+            "{text}"
+        );
+        assert!(
+            text.contains("wanopt_wire_bytes_total{service=\"dg\",direction=\"out\"} 40"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "wanopt_streams_failed_total{service=\"dg\",reason=\"target_refused\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("wanopt_link_up 1"), "{text}");
+        assert!(text.contains("# HELP wanopt_raw_bytes"), "{text}");
+        assert_eq!(c.snapshot()[0].1.raw_out, 100);
+    }
 }

@@ -24,7 +24,7 @@ use wanopt_proto::{
 };
 
 use crate::config::{Config, LinkRole, Service, ServiceKind};
-use crate::counters::{self, Counters, ServiceCounters, add};
+use crate::counters::{Counters, ServiceCounters, add};
 use crate::sockopt;
 use crate::tls::{self, TlsMaterial};
 
@@ -194,6 +194,7 @@ struct Peer {
 #[derive(Debug, Clone, Default)]
 pub struct Bound {
     pub link: Option<SocketAddr>,
+    pub admin: Option<SocketAddr>,
     pub services: Vec<(String, SocketAddr)>,
 }
 
@@ -201,6 +202,7 @@ pub struct Bound {
 pub struct Daemon {
     peer: Arc<Peer>,
     link_listener: Option<TcpListener>,
+    admin_listener: Option<TcpListener>,
     service_listeners: Vec<(Service, TcpListener)>,
     shutdown_tx: watch::Sender<bool>,
     bound: Bound,
@@ -228,6 +230,20 @@ impl Daemon {
                 Some(l)
             }
             LinkRole::Connect(_) => None,
+        };
+        let admin_listener = match cfg.admin {
+            Some(addr) => {
+                let l = sockopt::local_listener(addr).map_err(|source| DaemonError::Bind {
+                    what: "admin endpoint".into(),
+                    addr,
+                    source,
+                })?;
+                let local = l.local_addr().unwrap_or(addr);
+                info!(kind = "admin", addr = %local, "bound");
+                bound.admin = Some(local);
+                Some(l)
+            }
+            None => None,
         };
         let mut service_listeners = Vec::new();
         for s in &cfg.services {
@@ -259,6 +275,7 @@ impl Daemon {
         Ok(Daemon {
             peer,
             link_listener,
+            admin_listener,
             service_listeners,
             shutdown_tx,
             bound,
@@ -277,6 +294,9 @@ impl Daemon {
         let mut tasks = Vec::new();
         for (svc, l) in self.service_listeners {
             tasks.push(tokio::spawn(accept_clients(peer.clone(), svc, l)));
+        }
+        if let Some(l) = self.admin_listener {
+            tasks.push(tokio::spawn(crate::admin::serve(l, peer.counters.clone())));
         }
         let link_task = match self.link_listener {
             Some(l) => tokio::spawn(accept_links(peer.clone(), l)),
@@ -313,7 +333,7 @@ impl Daemon {
         link_task.abort();
         for (name, c) in peer.counters.snapshot() {
             info!(service = %name, raw_out = c.raw_out, raw_in = c.raw_in, wire_out = c.wire_out, wire_in = c.wire_in,
-                  opened = c.opened, refused = c.refused, failed = c.failed, "service totals");
+                  opened = c.opened, refused = c.refused, "service totals");
         }
         info!("stopped");
     }
@@ -456,6 +476,7 @@ where
     match attached {
         Ok(Some(h)) => {
             info!(link = h.id, from = %addr, "latency lane attached");
+            peer.counters.link.lanes.set(2);
             let task = tokio::spawn(run_lane(h.clone(), stream, addr, buf));
             *lock(&h.lane_task) = Some(task);
         }
@@ -497,6 +518,7 @@ fn open_lane(
             return;
         }
         info!(link = h.id, addr = %addr, "latency lane attached");
+        peer.counters.link.lanes.set(2);
         run_lane(h, tls, addr, BytesMut::new()).await;
     })
 }
@@ -662,6 +684,8 @@ where
         peer.current.send_if_modified(|c| {
             if c.as_ref().is_some_and(|x| Arc::ptr_eq(x, &h)) {
                 *c = None;
+                peer.counters.link.up.set(0);
+                peer.counters.link.lanes.set(0);
                 true
             } else {
                 false
@@ -729,6 +753,8 @@ async fn read_link<R: AsyncRead + Unpin>(
         if up && !announced && !closed {
             announced = true;
             add(&peer.counters.link.connects, 1);
+            peer.counters.link.up.set(1);
+            peer.counters.link.lanes.set(1);
             info!(link = h.id, peer = %peer.cfg.link.peer, addr = %addr, "link up");
             if let Some(old) = peer.current.send_replace(Some(h.clone())) {
                 info!(
@@ -879,7 +905,7 @@ async fn serve_incoming(h: Arc<LinkHandle>, id: StreamId, service: Arc<str>, _cl
     let sock = match conn {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
-            add(&counters.streams_failed, 1);
+            counters.failed("target_refused");
             let why = format!("connect {target}: {e}");
             warn!(link = h.id, service = %service, stream = %id, error = %why, "target refused");
             h.reset(id, ResetCode::TargetRefused, &why);
@@ -887,7 +913,7 @@ async fn serve_incoming(h: Arc<LinkHandle>, id: StreamId, service: Arc<str>, _cl
             return;
         }
         Err(_) => {
-            add(&counters.streams_failed, 1);
+            counters.failed("target_timeout");
             let why = format!("connect {target}: timed out");
             warn!(link = h.id, service = %service, stream = %id, error = %why, "target unreachable");
             h.reset(id, ResetCode::TargetRefused, &why);
@@ -912,7 +938,7 @@ async fn pump(
     c: Arc<ServiceCounters>,
     service: &str,
 ) {
-    add(&c.streams_active, 1);
+    c.streams_active.inc();
     let result = {
         let (mut rd, mut wr) = sock.split();
         let up = async {
@@ -991,11 +1017,11 @@ async fn pump(
         },
         Err(e) => Err(e),
     };
-    counters::dec(&c.streams_active);
+    c.streams_active.dec();
     match result {
         Ok(()) => debug!(link = h.id, service, stream = %id, "stream closed"),
         Err(why) => {
-            add(&c.streams_failed, 1);
+            c.failed("stream_error");
             info!(link = h.id, service, stream = %id, reason = %why, "stream failed");
             sockopt::abort(&sock);
             h.reset(id, ResetCode::SocketError, &why);

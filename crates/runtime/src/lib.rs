@@ -2,13 +2,16 @@
 //! mutually authenticated TLS 1.3 link, on tokio.
 //!
 //! [`config`] parses and validates the YAML config, [`tls`] builds the rustls configs and mints
-//! certificates, [`sockopt`] tunes sockets, [`daemon`] runs the link and the services, and
-//! [`counters`] keeps raw and wire byte counts per service.
+//! certificates, [`sockopt`] tunes sockets, [`daemon`] runs the link and the services,
+//! [`counters`] keeps raw and wire byte counts per service as Prometheus metrics, and [`admin`]
+//! serves them over HTTP.
 
+pub mod admin;
 pub mod config;
 pub mod counters;
 pub mod daemon;
 pub mod sockopt;
+pub mod stats;
 pub mod tls;
 
 pub use config::{Config, ConfigError};

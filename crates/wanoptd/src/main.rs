@@ -46,6 +46,18 @@ enum Cmd {
         #[arg(required = true)]
         sites: Vec<String>,
     },
+    /// Show a running daemon's raw and optimized bytes per service, from its admin endpoint.
+    Stats {
+        /// Admin endpoint address (default: `admin.listen` of the config given with -c).
+        #[arg(long)]
+        admin: Option<std::net::SocketAddr>,
+        /// Refresh every few seconds, like top.
+        #[arg(long)]
+        watch: bool,
+        /// Seconds between refreshes with --watch.
+        #[arg(long, default_value_t = 2)]
+        interval: u64,
+    },
     /// Run the shipped west and east configs together on loopback (creating their certificates
     /// if absent): a working pair with no other setup.
     Demo {
@@ -102,6 +114,66 @@ fn main() -> ExitCode {
             }
         },
         Cmd::Demo { dir } => demo(&dir),
+        Cmd::Stats {
+            admin,
+            watch,
+            interval,
+        } => {
+            let addr = match (admin, &cli.config) {
+                (Some(a), _) => a,
+                (None, Some(path)) => match load(path) {
+                    Ok(cfg) => match cfg.admin {
+                        Some(a) => a,
+                        None => {
+                            eprintln!(
+                                "wanoptd stats: {} has no admin.listen; give --admin ADDR",
+                                path.display()
+                            );
+                            return ExitCode::from(EXIT_CONFIG);
+                        }
+                    },
+                    Err(code) => return code,
+                },
+                (None, None) => {
+                    eprintln!("wanoptd stats: give --admin ADDR or -c FILE");
+                    return ExitCode::from(EXIT_CONFIG);
+                }
+            };
+            stats(addr, watch, interval.max(1))
+        }
+    }
+}
+
+fn stats(addr: std::net::SocketAddr, watch: bool, interval: u64) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("wanoptd stats: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    loop {
+        match rt.block_on(wanopt_runtime::admin::fetch(addr, "/metrics")) {
+            Ok(text) => {
+                if watch {
+                    print!("\x1b[2J\x1b[H");
+                }
+                print!("{}", wanopt_runtime::stats::render(&text));
+            }
+            Err(e) => {
+                eprintln!("wanoptd stats: {addr}: {e}");
+                if !watch {
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+        if !watch {
+            return ExitCode::SUCCESS;
+        }
+        std::thread::sleep(std::time::Duration::from_secs(interval));
     }
 }
 
