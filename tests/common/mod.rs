@@ -61,6 +61,11 @@ impl Daemon {
 
     /// Like [`start`](Self::start), inside network namespace `netns` when given.
     pub fn start_in(netns: Option<&str>, name: &str, yaml: &str) -> Daemon {
+        Self::start_env(netns, name, yaml, &[])
+    }
+
+    /// Like [`start_in`](Self::start_in), with extra environment variables.
+    pub fn start_env(netns: Option<&str>, name: &str, yaml: &str, env: &[(&str, &str)]) -> Daemon {
         let cfg_dir = tempfile::tempdir().expect("tempdir");
         let path = cfg_dir.path().join(format!("{name}.yaml"));
         std::fs::write(&path, yaml).expect("write config");
@@ -76,6 +81,7 @@ impl Daemon {
             .arg("-c")
             .arg(&path)
             .env("RUST_LOG", "info,wanopt_runtime=debug")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

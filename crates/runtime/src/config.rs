@@ -536,7 +536,16 @@ impl Config {
         let state_dir = raw
             .state_dir
             .as_deref()
-            .map_or_else(|| PathBuf::from("/var/lib/wanoptd"), |p| cx.resolve(p));
+            .map(|p| cx.resolve(p))
+            // systemd's StateDirectory= (wanoptd/%i in the template unit) when the config is silent.
+            .or_else(|| {
+                let dirs = std::env::var("STATE_DIRECTORY").ok()?;
+                dirs.split(':')
+                    .next()
+                    .filter(|d| !d.is_empty())
+                    .map(PathBuf::from)
+            })
+            .unwrap_or_else(|| PathBuf::from("/var/lib/wanoptd"));
         let log_level = match raw.log.as_ref().and_then(|l| l.level.clone()) {
             None => "info".to_string(),
             Some(l) => {

@@ -282,6 +282,11 @@ impl Daemon {
         })
     }
 
+    /// The peer's site name.
+    pub fn peer_name(&self) -> &str {
+        &self.peer.cfg.link.peer
+    }
+
     /// The addresses bound.
     pub fn bound(&self) -> &Bound {
         &self.bound
@@ -303,6 +308,7 @@ impl Daemon {
             None => tokio::spawn(connect_loop(peer.clone())),
         };
         stop.await;
+        crate::notify::send("STOPPING=1\nSTATUS=draining streams");
         info!("shutting down: no new connections; draining streams");
         let _ = self.shutdown_tx.send(true);
         for t in tasks {
@@ -686,6 +692,10 @@ where
                 *c = None;
                 peer.counters.link.up.set(0);
                 peer.counters.link.lanes.set(0);
+                crate::notify::status(&format!(
+                    "link to {} down; reconnecting",
+                    peer.cfg.link.peer
+                ));
                 true
             } else {
                 false
@@ -755,6 +765,7 @@ async fn read_link<R: AsyncRead + Unpin>(
             add(&peer.counters.link.connects, 1);
             peer.counters.link.up.set(1);
             peer.counters.link.lanes.set(1);
+            crate::notify::status(&format!("link up to {} ({addr})", peer.cfg.link.peer));
             info!(link = h.id, peer = %peer.cfg.link.peer, addr = %addr, "link up");
             if let Some(old) = peer.current.send_replace(Some(h.clone())) {
                 info!(

@@ -10,6 +10,7 @@ pub mod admin;
 pub mod config;
 pub mod counters;
 pub mod daemon;
+pub mod notify;
 pub mod sockopt;
 pub mod stats;
 pub mod tls;

@@ -260,6 +260,17 @@ fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
                 }
             }
         }
+        // Every listener is bound and the config is valid: tell systemd (Type=notify).
+        let peers: Vec<String> = daemons.iter().map(|d| d.peer_name().to_string()).collect();
+        wanopt_runtime::notify::ready(&format!("waiting for the link to {}", peers.join(", ")));
+        if let Some(every) = wanopt_runtime::notify::watchdog_interval() {
+            tokio::spawn(async move {
+                loop {
+                    wanopt_runtime::notify::send("WATCHDOG=1");
+                    tokio::time::sleep(every).await;
+                }
+            });
+        }
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let mut handles = Vec::new();
         for d in daemons {
