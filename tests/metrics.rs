@@ -39,7 +39,7 @@ fn eventually(
     east: SocketAddr,
     f: impl Fn(&str, &str) -> bool,
 ) -> (String, String) {
-    let end = Instant::now() + Duration::from_secs(5);
+    let end = Instant::now() + Duration::from_secs(6);
     loop {
         let (w, e) = (scrape(west), scrape(east));
         if f(&w, &e) || Instant::now() > end {
@@ -116,6 +116,13 @@ fn counters_match_the_bytes_moved() {
     );
     assert_eq!(value(&w, "wanopt_link_up "), 1);
     assert_eq!(value(&w, "wanopt_link_lanes "), 2);
+
+    // TCP_INFO of the link's sockets, per lane, is sampled every two seconds.
+    let (w, _) = eventually(wa, ea, |w, _| {
+        value(w, "wanopt_link_socket_sent_bytes{lane=\"main\"} ") > wire_out
+    });
+    assert!(value(&w, "wanopt_link_cwnd_segments{lane=\"main\"} ") > 0, "{w}");
+    assert!(w.contains("wanopt_link_rtt_seconds{lane=\"latency\"}"), "{w}");
 
     // `wanoptd stats` renders the same figures.
     let out = Command::new(bin("wanoptd"))

@@ -199,6 +199,82 @@ impl LinkCounters {
     }
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LaneLabel {
+    lane: &'static str,
+}
+
+/// `TCP_INFO` samples of the link's sockets, per lane (`main`, `latency`); they describe the
+/// current connection and start over when the link reconnects.
+#[derive(Debug, Clone, Default)]
+pub struct SocketMetrics {
+    rtt: Family<LaneLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    cwnd: Family<LaneLabel, Gauge>,
+    retrans: Family<LaneLabel, Gauge>,
+    delivery: Family<LaneLabel, Gauge>,
+    sent: Family<LaneLabel, Gauge>,
+    received: Family<LaneLabel, Gauge>,
+}
+
+/// One `TCP_INFO` reading.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TcpSample {
+    pub rtt_seconds: f64,
+    pub cwnd_segments: i64,
+    pub retransmitted_segments: i64,
+    pub delivery_rate: i64,
+    pub bytes_sent: i64,
+    pub bytes_received: i64,
+}
+
+impl SocketMetrics {
+    pub fn register(r: &mut Registry) -> Self {
+        let m = SocketMetrics::default();
+        r.register(
+            "wanopt_link_rtt_seconds",
+            "Smoothed round-trip time of the link socket (TCP_INFO)",
+            m.rtt.clone(),
+        );
+        r.register(
+            "wanopt_link_cwnd_segments",
+            "Congestion window of the link socket, in segments",
+            m.cwnd.clone(),
+        );
+        r.register(
+            "wanopt_link_retransmitted_segments",
+            "Segments the link socket retransmitted on the current connection",
+            m.retrans.clone(),
+        );
+        r.register(
+            "wanopt_link_delivery_rate_bytes_per_second",
+            "Delivery rate the kernel measured on the link socket",
+            m.delivery.clone(),
+        );
+        r.register(
+            "wanopt_link_socket_sent_bytes",
+            "Bytes the link socket sent on the current connection (TLS included)",
+            m.sent.clone(),
+        );
+        r.register(
+            "wanopt_link_socket_received_bytes",
+            "Bytes the link socket received on the current connection (TLS included)",
+            m.received.clone(),
+        );
+        m
+    }
+
+    /// Records a reading for `lane` (`main` or `latency`).
+    pub fn record(&self, lane: &'static str, t: &TcpSample) {
+        let l = LaneLabel { lane };
+        self.rtt.get_or_create(&l).set(t.rtt_seconds);
+        self.cwnd.get_or_create(&l).set(t.cwnd_segments);
+        self.retrans.get_or_create(&l).set(t.retransmitted_segments);
+        self.delivery.get_or_create(&l).set(t.delivery_rate);
+        self.sent.get_or_create(&l).set(t.bytes_sent);
+        self.received.get_or_create(&l).set(t.bytes_received);
+    }
+}
+
 /// All counters of a daemon, and the registry that exposes them.
 #[derive(Debug)]
 pub struct Counters {
@@ -206,6 +282,7 @@ pub struct Counters {
     services: ServiceMetrics,
     cache: Mutex<HashMap<String, Arc<ServiceCounters>>>,
     pub link: LinkCounters,
+    pub sockets: SocketMetrics,
 }
 
 impl Default for Counters {
@@ -231,11 +308,13 @@ impl Counters {
         let mut registry = Registry::default();
         let services = ServiceMetrics::register(&mut registry);
         let link = LinkCounters::register(&mut registry);
+        let sockets = SocketMetrics::register(&mut registry);
         Counters {
             registry,
             services,
             cache: Mutex::new(HashMap::new()),
             link,
+            sockets,
         }
     }
 

@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -82,6 +83,8 @@ struct LinkHandle {
     tx: [Notify; LANES],
     /// The latency lane's task, ended with the link.
     lane_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Each lane's socket while it is open, for `TCP_INFO`; cleared before the socket is closed.
+    fds: Mutex<[Option<std::os::fd::RawFd>; LANES]>,
     peer: Arc<Peer>,
     id: u64,
 }
@@ -444,14 +447,18 @@ async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
                 _ => None,
             };
             match attach {
-                None => run_link(peer, tls, addr, buf).await,
+                None => {
+                    let fd = tls.get_ref().0.as_raw_fd();
+                    run_link(peer, tls, fd, addr, buf).await
+                }
                 Some(token) => {
                     let _ = buf.split_to(n);
                     sockopt::tune_lane_socket(
                         &socket2::SockRef::from(tls.get_ref().0),
                         &peer.cfg.link,
                     );
-                    accept_lane(peer, tls, addr, token, buf).await;
+                    let fd = tls.get_ref().0.as_raw_fd();
+                    accept_lane(peer, tls, fd, addr, token, buf).await;
                 }
             }
         });
@@ -459,8 +466,14 @@ async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
 }
 
 /// Attaches an incoming second connection as the latency lane of the link whose token it presents.
-async fn accept_lane<S>(peer: Arc<Peer>, stream: S, addr: SocketAddr, token: u64, buf: BytesMut)
-where
+async fn accept_lane<S>(
+    peer: Arc<Peer>,
+    stream: S,
+    fd: std::os::fd::RawFd,
+    addr: SocketAddr,
+    token: u64,
+    buf: BytesMut,
+) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     // The lane may arrive before this side has processed the main connection's hello.
@@ -483,7 +496,7 @@ where
         Ok(Some(h)) => {
             info!(link = h.id, from = %addr, "latency lane attached");
             peer.counters.link.lanes.set(2);
-            let task = tokio::spawn(run_lane(h.clone(), stream, addr, buf));
+            let task = tokio::spawn(run_lane(h.clone(), stream, fd, addr, buf));
             *lock(&h.lane_task) = Some(task);
         }
         _ => {
@@ -525,20 +538,31 @@ fn open_lane(
         }
         info!(link = h.id, addr = %addr, "latency lane attached");
         peer.counters.link.lanes.set(2);
-        run_lane(h, tls, addr, BytesMut::new()).await;
+        let fd = tls.get_ref().0.as_raw_fd();
+        run_lane(h, tls, fd, addr, BytesMut::new()).await;
     })
 }
 
 /// Moves the latency lane's bytes until it or the link ends. Losing the lane fails the link.
-async fn run_lane<S>(h: Arc<LinkHandle>, stream: S, addr: SocketAddr, buf: BytesMut)
-where
+async fn run_lane<S>(
+    h: Arc<LinkHandle>,
+    stream: S,
+    fd: std::os::fd::RawFd,
+    addr: SocketAddr,
+    buf: BytesMut,
+) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (rd, wr) = tokio::io::split(stream);
+    lock(&h.fds)[LATENCY_LANE] = Some(fd);
+    let reader = read_link(h.clone(), rd, addr, LATENCY_LANE, buf);
+    let writer = write_link(h.clone(), wr, LATENCY_LANE);
+    tokio::pin!(reader, writer);
     let why = tokio::select! {
-        r = read_link(h.clone(), rd, addr, LATENCY_LANE, buf) => r,
-        w = write_link(h.clone(), wr, LATENCY_LANE) => w,
+        r = &mut reader => r,
+        w = &mut writer => w,
     };
+    lock(&h.fds)[LATENCY_LANE] = None;
     if !h.with(|l| l.is_closed()) {
         h.with(|l| l.connection_lost(&format!("latency lane: {why}")));
         h.kick();
@@ -568,7 +592,8 @@ async fn connect_loop(peer: Arc<Peer>) {
         match dial(&peer, &target, &connector, name.clone()).await {
             Ok((tls, addr)) => {
                 sockopt::log_effective(&socket2::SockRef::from(tls.get_ref().0), &peer.cfg.link);
-                run_link(peer.clone(), tls, addr, BytesMut::new()).await;
+                let fd = tls.get_ref().0.as_raw_fd();
+                run_link(peer.clone(), tls, fd, addr, BytesMut::new()).await;
                 if started.elapsed() > Duration::from_secs(5) {
                     backoff = peer.cfg.link.reconnect_min;
                 }
@@ -614,8 +639,13 @@ async fn dial(
 }
 
 /// Runs one authenticated link until it ends.
-async fn run_link<S>(peer: Arc<Peer>, stream: S, addr: SocketAddr, initial: BytesMut)
-where
+async fn run_link<S>(
+    peer: Arc<Peer>,
+    stream: S,
+    fd: std::os::fd::RawFd,
+    addr: SocketAddr,
+    initial: BytesMut,
+) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let id = peer.next_link_id.fetch_add(1, Relaxed);
@@ -633,12 +663,14 @@ where
         }),
         tx: Default::default(),
         lane_task: Mutex::new(None),
+        fds: Mutex::new([Some(fd), None]),
         peer: peer.clone(),
         id,
     });
     let (rd, wr) = tokio::io::split(stream);
     let reader = read_link(h.clone(), rd, addr, MAIN_LANE, initial);
     let writer = write_link(h.clone(), wr, MAIN_LANE);
+    let sampler = tokio::spawn(sample_sockets(h.clone()));
     tokio::pin!(reader, writer);
     let why = tokio::select! {
         r = &mut reader => {
@@ -649,6 +681,9 @@ where
         }
         w = &mut writer => w,
     };
+    // Forget the sockets before they close, so no TCP_INFO read can hit a reused descriptor.
+    *lock(&h.fds) = [None, None];
+    sampler.abort();
     if let Some(t) = lock(&h.lane_task).take() {
         t.abort();
     }
@@ -701,6 +736,22 @@ where
                 false
             }
         });
+    }
+}
+
+/// Samples `TCP_INFO` of the link's sockets into the metrics every two seconds.
+async fn sample_sockets(h: Arc<LinkHandle>) {
+    loop {
+        {
+            // The lock keeps a lane's descriptor from being cleared and closed during the read.
+            let fds = lock(&h.fds);
+            for (lane, name) in [(MAIN_LANE, "main"), (LATENCY_LANE, "latency")] {
+                if let Some(t) = fds[lane].and_then(sockopt::tcp_info) {
+                    h.peer.counters.sockets.record(name, &t);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
     }
 }
 

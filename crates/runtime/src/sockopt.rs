@@ -161,6 +161,34 @@ fn set_congestion(sock: &SockRef<'_>, name: &str) {
     }
 }
 
+/// Reads `TCP_INFO` of a connected socket.
+pub fn tcp_info(fd: std::os::fd::RawFd) -> Option<crate::counters::TcpSample> {
+    // SAFETY: tcp_info is plain data; getsockopt writes at most `len` bytes into it.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: a valid pointer and length for the option value.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return None;
+    }
+    Some(crate::counters::TcpSample {
+        rtt_seconds: f64::from(info.tcpi_rtt) / 1e6,
+        cwnd_segments: i64::from(info.tcpi_snd_cwnd),
+        retransmitted_segments: i64::from(info.tcpi_total_retrans),
+        delivery_rate: info.tcpi_delivery_rate.min(i64::MAX as u64) as i64,
+        bytes_sent: info.tcpi_bytes_sent.min(i64::MAX as u64) as i64,
+        bytes_received: info.tcpi_bytes_received.min(i64::MAX as u64) as i64,
+    })
+}
+
 /// Sets `TCP_NODELAY` on a local (client or target) socket.
 pub fn tune_local(stream: &tokio::net::TcpStream) {
     let _ = stream.set_nodelay(true);
