@@ -121,8 +121,14 @@ fn counters_match_the_bytes_moved() {
     let (w, _) = eventually(wa, ea, |w, _| {
         value(w, "wanopt_link_socket_sent_bytes{lane=\"main\"} ") > wire_out
     });
-    assert!(value(&w, "wanopt_link_cwnd_segments{lane=\"main\"} ") > 0, "{w}");
-    assert!(w.contains("wanopt_link_rtt_seconds{lane=\"latency\"}"), "{w}");
+    assert!(
+        value(&w, "wanopt_link_cwnd_segments{lane=\"main\"} ") > 0,
+        "{w}"
+    );
+    assert!(
+        w.contains("wanopt_link_rtt_seconds{lane=\"latency\"}"),
+        "{w}"
+    );
 
     // `wanoptd stats` renders the same figures.
     let out = Command::new(bin("wanoptd"))
@@ -149,4 +155,58 @@ fn counters_match_the_bytes_moved() {
         assert!(!r.starts_with("HTTP/1.1 200"), "{r}");
     }
     scrape(wa);
+}
+
+/// The shipped Grafana dashboard is valid JSON and queries only metrics the daemon exports.
+#[test]
+fn grafana_dashboard_uses_only_real_metrics() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/grafana-dashboard.json");
+    let dash: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("dashboard"))
+            .expect("valid JSON");
+    let mut exprs = Vec::new();
+    fn walk(v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, v) in m {
+                    match (k.as_str(), v) {
+                        ("expr", serde_json::Value::String(s)) => out.push(s.clone()),
+                        _ => walk(v, out),
+                    }
+                }
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    walk(&dash, &mut exprs);
+    assert!(exprs.len() >= 10, "{exprs:?}");
+    let srv = hash_server();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr");
+    let p = Pair::start_with_admin(
+        &format!("  - name: svc\n    target: {srv}\n  - name: dead\n    target: {closed}\n"),
+        "  - name: svc\n    listen: 127.0.0.1:0\n  - name: dead\n    listen: 127.0.0.1:0\n",
+    );
+    hash_client(p.west.bound("svc"), 1, 10_000, 10_000).expect("transfer");
+    // A refused target, so the failure families have samples too (empty families are not printed).
+    let mut c = TcpStream::connect(p.west.bound("dead")).expect("connect");
+    let _ = c.read(&mut [0u8; 1]);
+    p.east.wait_log("target refused", Duration::from_secs(5));
+    let text = scrape(p.east.bound("admin"));
+    for e in &exprs {
+        for token in e
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|t| t.starts_with("wanopt_"))
+        {
+            let family = token.strip_suffix("_total").unwrap_or(token);
+            assert!(
+                text.contains(&format!("# TYPE {family} ")),
+                "dashboard queries {token}, which the daemon does not export"
+            );
+        }
+    }
 }
