@@ -50,6 +50,7 @@ pub struct Daemon {
     pub name: String,
     child: Option<Child>,
     log: Arc<Mutex<Vec<String>>>,
+    cfg_path: PathBuf,
     _cfg_dir: tempfile::TempDir,
 }
 
@@ -99,7 +100,21 @@ impl Daemon {
             name: name.to_string(),
             child: Some(child),
             log,
+            cfg_path: path,
             _cfg_dir: cfg_dir,
+        }
+    }
+
+    /// The config file the daemon runs with (rewrite it, then [`signal`](Self::signal) SIGHUP).
+    pub fn config_path(&self) -> &Path {
+        &self.cfg_path
+    }
+
+    /// Sends a signal without waiting.
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill with a valid pid and signal number.
+        unsafe {
+            libc::kill(self.pid() as i32, sig);
         }
     }
 

@@ -185,12 +185,19 @@ impl LinkHandle {
 
 /// Everything about one peer: its config, counters, and the current link.
 struct Peer {
-    cfg: Arc<Config>,
+    /// The config in force; a reload swaps it (services only) for new streams and clients.
+    cfg: std::sync::RwLock<Arc<Config>>,
     tls: TlsMaterial,
     counters: Arc<Counters>,
     current: watch::Sender<Option<Arc<LinkHandle>>>,
     shutdown: watch::Receiver<bool>,
     next_link_id: std::sync::atomic::AtomicU64,
+}
+
+impl Peer {
+    fn cfg(&self) -> Arc<Config> {
+        self.cfg.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 /// Addresses the daemon bound (useful when the config asked for port 0).
@@ -268,7 +275,7 @@ impl Daemon {
         let (shutdown_tx, shutdown) = watch::channel(false);
         let (current, _) = watch::channel(None);
         let peer = Arc::new(Peer {
-            cfg,
+            cfg: std::sync::RwLock::new(cfg),
             tls,
             counters,
             current,
@@ -285,9 +292,14 @@ impl Daemon {
         })
     }
 
+    /// The config file this daemon was started from (reloads re-read it).
+    pub fn config_path(&self) -> std::path::PathBuf {
+        self.peer.cfg().path.clone()
+    }
+
     /// The peer's site name.
-    pub fn peer_name(&self) -> &str {
-        &self.peer.cfg.link.peer
+    pub fn peer_name(&self) -> String {
+        self.peer.cfg().link.peer.clone()
     }
 
     /// The addresses bound.
@@ -298,10 +310,32 @@ impl Daemon {
     /// Serves until `stop` resolves, then shuts down gracefully: stop accepting, let streams drain
     /// for up to the configured grace period, close the link cleanly.
     pub async fn serve(self, stop: impl std::future::Future<Output = ()>) {
+        let (_keep, reloads) = tokio::sync::mpsc::unbounded_channel();
+        self.serve_with_reload(stop, reloads).await;
+    }
+
+    /// Like [`serve`](Self::serve); each config received on `reloads` is applied as a reload.
+    pub async fn serve_with_reload(
+        self,
+        stop: impl std::future::Future<Output = ()>,
+        mut reloads: tokio::sync::mpsc::UnboundedReceiver<Config>,
+    ) {
         let peer = self.peer.clone();
         let mut tasks = Vec::new();
+        let mut listeners: HashMap<String, Listener> = HashMap::new();
         for (svc, l) in self.service_listeners {
-            tasks.push(tokio::spawn(accept_clients(peer.clone(), svc, l)));
+            let bound = l.local_addr().ok();
+            let task = tokio::spawn(accept_clients(peer.clone(), svc.name.clone(), l));
+            if let ServiceKind::Listen { addr, .. } = &svc.kind {
+                listeners.insert(
+                    svc.name.clone(),
+                    Listener {
+                        configured: *addr,
+                        bound: bound.unwrap_or(*addr),
+                        task,
+                    },
+                );
+            }
         }
         if let Some(l) = self.admin_listener {
             tasks.push(tokio::spawn(crate::admin::serve(l, peer.counters.clone())));
@@ -310,7 +344,16 @@ impl Daemon {
             Some(l) => tokio::spawn(accept_links(peer.clone(), l)),
             None => tokio::spawn(connect_loop(peer.clone())),
         };
-        stop.await;
+        tokio::pin!(stop);
+        loop {
+            tokio::select! {
+                _ = &mut stop => break,
+                Some(new) = reloads.recv() => apply_reload(&peer, new, &mut listeners),
+            }
+        }
+        for (_, l) in listeners.drain() {
+            l.task.abort();
+        }
         crate::notify::send("STOPPING=1\nSTATUS=draining streams");
         info!("shutting down: no new connections; draining streams");
         let _ = self.shutdown_tx.send(true);
@@ -320,7 +363,7 @@ impl Daemon {
         let current = peer.current.borrow().clone();
         if let Some(h) = current {
             h.with(Link::drain);
-            let deadline = tokio::time::Instant::now() + peer.cfg.limits.shutdown_grace;
+            let deadline = tokio::time::Instant::now() + peer.cfg().limits.shutdown_grace;
             loop {
                 let n = h.with(|l| l.stream_count());
                 if n == 0 {
@@ -346,6 +389,117 @@ impl Daemon {
         }
         info!("stopped");
     }
+}
+
+/// Applies a reloaded config: services are added, removed and changed in place; streams already
+/// open are untouched and finish with the settings they started with. Link, TLS, admin, state and
+/// limit changes need a restart, which is logged.
+/// A running service listener: its configured and bound addresses, and its accept task.
+struct Listener {
+    configured: SocketAddr,
+    bound: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+fn apply_reload(peer: &Arc<Peer>, new: Config, listeners: &mut HashMap<String, Listener>) {
+    let old = peer.cfg();
+    let mut needs_restart = Vec::new();
+    if new.site != old.site {
+        needs_restart.push("site");
+    }
+    if new.link != old.link {
+        needs_restart.push("link");
+    }
+    if new.tls != old.tls {
+        needs_restart.push("tls");
+    }
+    if new.admin != old.admin {
+        needs_restart.push("admin");
+    }
+    if new.limits != old.limits {
+        needs_restart.push("limits");
+    }
+    if new.state_dir != old.state_dir {
+        needs_restart.push("state_dir");
+    }
+    if !needs_restart.is_empty() {
+        warn!(sections = %needs_restart.join(", "), "reload: these sections changed and need a restart (systemctl restart); applying the services only");
+    }
+    let mut merged = (*old).clone();
+    merged.services = new.services.clone();
+    let merged = Arc::new(merged);
+    let listen_addr = |s: &Service| match &s.kind {
+        ServiceKind::Listen { addr, .. } => Some(*addr),
+        ServiceKind::Target { .. } => None,
+    };
+    // Stop listeners whose service is gone or moved; their open streams go on.
+    let wanted: HashMap<&str, SocketAddr> = new
+        .services
+        .iter()
+        .filter_map(|s| Some((s.name.as_str(), listen_addr(s)?)))
+        .collect();
+    let mut removed = Vec::new();
+    listeners.retain(|name, l| {
+        // Kept if the address is unchanged, or now names the port an earlier `:0` got.
+        let keep = wanted
+            .get(name.as_str())
+            .is_some_and(|a| *a == l.configured || *a == l.bound);
+        if !keep {
+            l.task.abort();
+            removed.push(name.clone());
+        }
+        keep
+    });
+    *peer.cfg.write().unwrap_or_else(|p| p.into_inner()) = merged.clone();
+    let mut added = Vec::new();
+    for (name, addr) in wanted {
+        if listeners.contains_key(name) {
+            continue;
+        }
+        match sockopt::local_listener(addr) {
+            Ok(l) => {
+                let local = l.local_addr().unwrap_or(addr);
+                info!(kind = "service", service = %name, addr = %local, "bound");
+                let task = tokio::spawn(accept_clients(peer.clone(), name.to_string(), l));
+                listeners.insert(
+                    name.to_string(),
+                    Listener {
+                        configured: addr,
+                        bound: local,
+                        task,
+                    },
+                );
+                added.push(name.to_string());
+            }
+            Err(e) => {
+                warn!(service = %name, addr = %addr, error = %e, "reload: cannot bind the service; it stays off")
+            }
+        }
+    }
+    // The peer may open streams to the new set of target services from now on.
+    let targets: Vec<String> = merged
+        .services
+        .iter()
+        .filter(|s| matches!(s.kind, ServiceKind::Target { .. }))
+        .map(|s| s.name.clone())
+        .collect();
+    if let Some(h) = peer.current.borrow().clone() {
+        h.with(|l| l.set_services(&targets));
+    }
+    let changed: Vec<&str> = new
+        .services
+        .iter()
+        .filter(|s| old.services.iter().any(|o| o.name == s.name && o != *s))
+        .map(|s| s.name.as_str())
+        .collect();
+    info!(
+        started = %added.join(","),
+        stopped = %removed.join(","),
+        changed = %changed.join(","),
+        services = merged.services.len(),
+        "reloaded"
+    );
+    crate::notify::status("config reloaded");
 }
 
 fn link_config(cfg: &Config) -> LinkConfig {
@@ -408,9 +562,10 @@ async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
         let acceptor = acceptor.clone();
         tokio::spawn(async move {
             let sock = socket2::SockRef::from(&tcp);
-            sockopt::tune_link_socket(&sock, &peer.cfg.link);
+            sockopt::tune_link_socket(&sock, &peer.cfg().link);
             let hs =
-                tokio::time::timeout(peer.cfg.limits.handshake_timeout, acceptor.accept(tcp)).await;
+                tokio::time::timeout(peer.cfg().limits.handshake_timeout, acceptor.accept(tcp))
+                    .await;
             let tls = match hs {
                 Ok(Ok(t)) => t,
                 Ok(Err(e)) => {
@@ -425,16 +580,16 @@ async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
                 }
             };
             if let Err(e) =
-                tls::check_peer_name(tls.get_ref().1.peer_certificates(), &peer.cfg.link.peer)
+                tls::check_peer_name(tls.get_ref().1.peer_certificates(), &peer.cfg().link.peer)
             {
                 add(&peer.counters.link.rejected, 1);
                 warn!(from = %addr, error = %e, "rejected link: wrong peer");
                 return;
             }
-            sockopt::log_effective(&socket2::SockRef::from(tls.get_ref().0), &peer.cfg.link);
+            sockopt::log_effective(&socket2::SockRef::from(tls.get_ref().0), &peer.cfg().link);
             let mut tls = tls;
             let (mut buf, first, n) =
-                match read_first_frame(&mut tls, peer.cfg.limits.handshake_timeout).await {
+                match read_first_frame(&mut tls, peer.cfg().limits.handshake_timeout).await {
                     Ok(x) => x,
                     Err(e) => {
                         add(&peer.counters.link.rejected, 1);
@@ -455,7 +610,7 @@ async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
                     let _ = buf.split_to(n);
                     sockopt::tune_lane_socket(
                         &socket2::SockRef::from(tls.get_ref().0),
-                        &peer.cfg.link,
+                        &peer.cfg().link,
                     );
                     let fd = tls.get_ref().0.as_raw_fd();
                     accept_lane(peer, tls, fd, addr, token, buf).await;
@@ -478,7 +633,7 @@ async fn accept_lane<S>(
 {
     // The lane may arrive before this side has processed the main connection's hello.
     let mut rx = peer.current.subscribe();
-    let attached = tokio::time::timeout(peer.cfg.limits.handshake_timeout, async {
+    let attached = tokio::time::timeout(peer.cfg().limits.handshake_timeout, async {
         loop {
             let current = rx.borrow_and_update().clone();
             if let Some(h) = current
@@ -516,7 +671,7 @@ fn open_lane(
     Box::pin(async move {
         let peer = h.peer.clone();
         let connector = tokio_rustls::TlsConnector::from(peer.tls.client.clone());
-        let Ok(name) = tls::server_name(&peer.cfg.link.peer) else {
+        let Ok(name) = tls::server_name(&peer.cfg().link.peer) else {
             return;
         };
         let (mut tls, addr) = match dial(&peer, &target, &connector, name).await {
@@ -526,7 +681,7 @@ fn open_lane(
                 return;
             }
         };
-        sockopt::tune_lane_socket(&socket2::SockRef::from(tls.get_ref().0), &peer.cfg.link);
+        sockopt::tune_lane_socket(&socket2::SockRef::from(tls.get_ref().0), &peer.cfg().link);
         let mut hello = BytesMut::new();
         h.with(|l| l.lane_hello(token)).encode(&mut hello);
         if let Err(e) = tls.write_all(&hello).await {
@@ -571,18 +726,18 @@ async fn run_lane<S>(
 
 /// Dials the peer (connecting side) and keeps a link up, with capped exponential backoff and jitter.
 async fn connect_loop(peer: Arc<Peer>) {
-    let LinkRole::Connect(target) = peer.cfg.link.role.clone() else {
+    let LinkRole::Connect(target) = peer.cfg().link.role.clone() else {
         return;
     };
     let connector = tokio_rustls::TlsConnector::from(peer.tls.client.clone());
-    let name = match tls::server_name(&peer.cfg.link.peer) {
+    let name = match tls::server_name(&peer.cfg().link.peer) {
         Ok(n) => n,
         Err(e) => {
             warn!(error = %e, "cannot dial the peer");
             return;
         }
     };
-    let mut backoff = peer.cfg.link.reconnect_min;
+    let mut backoff = peer.cfg().link.reconnect_min;
     let mut shutdown = peer.shutdown.clone();
     loop {
         if *shutdown.borrow() {
@@ -591,11 +746,11 @@ async fn connect_loop(peer: Arc<Peer>) {
         let started = Instant::now();
         match dial(&peer, &target, &connector, name.clone()).await {
             Ok((tls, addr)) => {
-                sockopt::log_effective(&socket2::SockRef::from(tls.get_ref().0), &peer.cfg.link);
+                sockopt::log_effective(&socket2::SockRef::from(tls.get_ref().0), &peer.cfg().link);
                 let fd = tls.get_ref().0.as_raw_fd();
                 run_link(peer.clone(), tls, fd, addr, BytesMut::new()).await;
                 if started.elapsed() > Duration::from_secs(5) {
-                    backoff = peer.cfg.link.reconnect_min;
+                    backoff = peer.cfg().link.reconnect_min;
                 }
             }
             Err(e) => {
@@ -608,7 +763,7 @@ async fn connect_loop(peer: Arc<Peer>) {
             _ = tokio::time::sleep(wait) => {}
             _ = shutdown.wait_for(|s| *s) => return,
         }
-        backoff = (backoff * 2).min(peer.cfg.link.reconnect_max);
+        backoff = (backoff * 2).min(peer.cfg().link.reconnect_max);
     }
 }
 
@@ -618,7 +773,7 @@ async fn dial(
     connector: &tokio_rustls::TlsConnector,
     name: rustls::pki_types::ServerName<'static>,
 ) -> Result<(tokio_rustls::client::TlsStream<TcpStream>, SocketAddr), String> {
-    let limits = &peer.cfg.limits;
+    let limits = &peer.cfg().limits;
     let addr = tokio::net::lookup_host(target)
         .await
         .map_err(|e| format!("resolve {target}: {e}"))?
@@ -626,7 +781,7 @@ async fn dial(
         .ok_or_else(|| format!("resolve {target}: no address"))?;
     let tcp = tokio::time::timeout(
         limits.connect_timeout,
-        sockopt::link_connect(addr, &peer.cfg.link),
+        sockopt::link_connect(addr, &peer.cfg().link),
     )
     .await
     .map_err(|_| format!("connect {addr}: timed out"))?
@@ -649,8 +804,8 @@ async fn run_link<S>(
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let id = peer.next_link_id.fetch_add(1, Relaxed);
-    let mut link = Link::new(link_config(&peer.cfg));
-    link.set_services(peer.cfg.services.iter().filter_map(|s| match s.kind {
+    let mut link = Link::new(link_config(&peer.cfg()));
+    link.set_services(peer.cfg().services.iter().filter_map(|s| match s.kind {
         ServiceKind::Target { .. } => Some(s.name.as_str()),
         ServiceKind::Listen { .. } => None,
     }));
@@ -712,9 +867,9 @@ async fn run_link<S>(
             add(&peer.counters.link.disconnects, 1);
             let reason = err.unwrap_or(why);
             if orderly {
-                info!(link = id, peer = %peer.cfg.link.peer, reason = %reason, "link closed");
+                info!(link = id, peer = %peer.cfg().link.peer, reason = %reason, "link closed");
             } else {
-                warn!(link = id, peer = %peer.cfg.link.peer, reason = %reason, "link down");
+                warn!(link = id, peer = %peer.cfg().link.peer, reason = %reason, "link down");
             }
         } else {
             warn!(link = id, from = %addr, reason = %err.unwrap_or(why), "link failed before it came up");
@@ -729,7 +884,7 @@ async fn run_link<S>(
                 peer.counters.link.lanes.set(0);
                 crate::notify::status(&format!(
                     "link to {} down; reconnecting",
-                    peer.cfg.link.peer
+                    peer.cfg().link.peer
                 ));
                 true
             } else {
@@ -764,7 +919,7 @@ async fn read_link<R: AsyncRead + Unpin>(
     mut buf: BytesMut,
 ) -> String {
     let peer = h.peer.clone();
-    let handshake_deadline = tokio::time::Instant::now() + peer.cfg.limits.handshake_timeout;
+    let handshake_deadline = tokio::time::Instant::now() + peer.cfg().limits.handshake_timeout;
     // Only the main lane carries the hello; a lane exists only once the link is up.
     let mut announced = lane != MAIN_LANE;
     let mut pending = !buf.is_empty();
@@ -816,8 +971,8 @@ async fn read_link<R: AsyncRead + Unpin>(
             add(&peer.counters.link.connects, 1);
             peer.counters.link.up.set(1);
             peer.counters.link.lanes.set(1);
-            crate::notify::status(&format!("link up to {} ({addr})", peer.cfg.link.peer));
-            info!(link = h.id, peer = %peer.cfg.link.peer, addr = %addr, "link up");
+            crate::notify::status(&format!("link up to {} ({addr})", peer.cfg().link.peer));
+            info!(link = h.id, peer = %peer.cfg().link.peer, addr = %addr, "link up");
             if let Some(old) = peer.current.send_replace(Some(h.clone())) {
                 info!(
                     link = old.id,
@@ -827,7 +982,7 @@ async fn read_link<R: AsyncRead + Unpin>(
                 old.kick();
             }
             if let (Some(token), LinkRole::Connect(target)) =
-                (h.with(|l| l.lane_offer()), &peer.cfg.link.role)
+                (h.with(|l| l.lane_offer()), &peer.cfg().link.role)
             {
                 let task = tokio::spawn(open_lane(h.clone(), token, target.clone()));
                 *lock(&h.lane_task) = Some(task);
@@ -892,19 +1047,26 @@ async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W, lane: 
 }
 
 /// Accepts local clients of a `listen` service and opens a stream for each.
-async fn accept_clients(peer: Arc<Peer>, svc: Service, listener: TcpListener) {
-    let ServiceKind::Listen { allow, .. } = &svc.kind else {
-        return;
-    };
-    let counters = peer.counters.service(&svc.name);
+/// Each client is judged by the service's settings in the config in force when it connects, so a
+/// reload that changes the class or the allow list applies to new clients at once.
+async fn accept_clients(peer: Arc<Peer>, name: String, listener: TcpListener) {
+    let counters = peer.counters.service(&name);
     loop {
         let (sock, from) = match listener.accept().await {
             Ok(x) => x,
             Err(e) => {
-                warn!(service = %svc.name, error = %e, "accept failed");
+                warn!(service = %name, error = %e, "accept failed");
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
+        };
+        let Some(svc) = peer.cfg().services.iter().find(|s| s.name == name).cloned() else {
+            sockopt::abort(&sock);
+            return;
+        };
+        let ServiceKind::Listen { allow, .. } = &svc.kind else {
+            sockopt::abort(&sock);
+            return;
         };
         if !allow.is_empty() && !allow.iter().any(|n| n.contains(&from.ip())) {
             add(&counters.streams_refused, 1);
@@ -918,13 +1080,15 @@ async fn accept_clients(peer: Arc<Peer>, svc: Service, listener: TcpListener) {
         let counters = counters.clone();
         tokio::spawn(async move {
             let mut rx = peer.current.subscribe();
-            let h =
-                match tokio::time::timeout(peer.cfg.limits.link_wait, rx.wait_for(Option::is_some))
-                    .await
-                {
-                    Ok(Ok(v)) => v.clone(),
-                    _ => None,
-                };
+            let h = match tokio::time::timeout(
+                peer.cfg().limits.link_wait,
+                rx.wait_for(Option::is_some),
+            )
+            .await
+            {
+                Ok(Ok(v)) => v.clone(),
+                _ => None,
+            };
             let Some(h) = h else {
                 add(&counters.streams_refused, 1);
                 warn!(service = %svc.name, from = %from, "refused client: no link to the peer");
@@ -953,7 +1117,7 @@ async fn serve_incoming(h: Arc<LinkHandle>, id: StreamId, service: Arc<str>, _cl
     let counters = peer.counters.service(&service);
     let sig = lock(&h.inner).signals.get(&id).cloned();
     let Some(sig) = sig else { return };
-    let target = peer.cfg.services.iter().find_map(|s| match &s.kind {
+    let target = peer.cfg().services.iter().find_map(|s| match &s.kind {
         ServiceKind::Target { addr } if *s.name == *service => Some(addr.clone()),
         _ => None,
     });
@@ -962,8 +1126,11 @@ async fn serve_incoming(h: Arc<LinkHandle>, id: StreamId, service: Arc<str>, _cl
         h.forget(id);
         return;
     };
-    let conn =
-        tokio::time::timeout(peer.cfg.limits.connect_timeout, TcpStream::connect(&target)).await;
+    let conn = tokio::time::timeout(
+        peer.cfg().limits.connect_timeout,
+        TcpStream::connect(&target),
+    )
+    .await;
     let sock = match conn {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {

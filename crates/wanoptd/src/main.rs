@@ -260,8 +260,16 @@ fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
                 }
             }
         }
+        // Signals are watched before readiness, so an early SIGHUP reloads instead of killing us.
+        let mut signals = match Signals::new() {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("wanoptd: {e:#}");
+                return ExitCode::FAILURE;
+            }
+        };
         // Every listener is bound and the config is valid: tell systemd (Type=notify).
-        let peers: Vec<String> = daemons.iter().map(|d| d.peer_name().to_string()).collect();
+        let peers: Vec<String> = daemons.iter().map(Daemon::peer_name).collect();
         wanopt_runtime::notify::ready(&format!("waiting for the link to {}", peers.join(", ")));
         if let Some(every) = wanopt_runtime::notify::watchdog_interval() {
             tokio::spawn(async move {
@@ -273,15 +281,32 @@ fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
         }
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let mut handles = Vec::new();
+        let mut reloaders = Vec::new();
         for d in daemons {
             let mut rx = stop_rx.clone();
-            handles.push(tokio::spawn(d.serve(async move {
+            let (tx, reloads) = tokio::sync::mpsc::unbounded_channel();
+            reloaders.push((d.config_path(), tx));
+            let stop = async move {
                 let _ = rx.wait_for(|s| *s).await;
-            })));
+            };
+            handles.push(tokio::spawn(d.serve_with_reload(stop, reloads)));
         }
-        if let Err(e) = wait_for_signal().await {
-            eprintln!("wanoptd: {e:#}");
-            return ExitCode::FAILURE;
+        loop {
+            match signals.next().await {
+                Signal::Stop => break,
+                Signal::Reload => {
+                    for (path, tx) in &reloaders {
+                        // An invalid new config is refused and the old one stays in force.
+                        match Config::load(path) {
+                            Ok(cfg) => {
+                                tracing::info!(config = %path.display(), "SIGHUP: reloading");
+                                let _ = tx.send(cfg);
+                            }
+                            Err(e) => tracing::error!(error = %e, "reload refused; the running config stays in force"),
+                        }
+                    }
+                }
+            }
         }
         let _ = stop_tx.send(true);
         for h in handles {
@@ -291,15 +316,35 @@ fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
     })
 }
 
-async fn wait_for_signal() -> anyhow::Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
-    let mut int = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = int.recv() => tracing::info!("SIGINT received"),
+enum Signal {
+    Stop,
+    Reload,
+}
+
+/// SIGTERM and SIGINT stop the daemon gracefully; SIGHUP reloads the config.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Signals {
+            term: signal(SignalKind::terminate()).context("cannot watch SIGTERM")?,
+            int: signal(SignalKind::interrupt()).context("cannot watch SIGINT")?,
+            hup: signal(SignalKind::hangup()).context("cannot watch SIGHUP")?,
+        })
     }
-    Ok(())
+
+    async fn next(&mut self) -> Signal {
+        tokio::select! {
+            _ = self.term.recv() => { tracing::info!("SIGTERM received"); Signal::Stop }
+            _ = self.int.recv() => { tracing::info!("SIGINT received"); Signal::Stop }
+            _ = self.hup.recv() => Signal::Reload,
+        }
+    }
 }
 
 /// mimalloc keeps freed buffers for reuse instead of returning pages to the kernel on every
