@@ -116,6 +116,15 @@ fn counters_match_the_bytes_moved() {
     );
     assert_eq!(value(&w, "wanopt_link_up "), 1);
     assert_eq!(value(&w, "wanopt_link_lanes "), 2);
+    // The test certificates (rcgen, see tls.rs) expire on 2031-01-01 and the CA on 2036-01-01.
+    for (cert, t) in [
+        ("own", 1_924_992_000),
+        ("peer", 1_924_992_000),
+        ("ca", 2_082_758_400),
+    ] {
+        let series = format!("wanopt_certificate_expiry_timestamp_seconds{{cert=\"{cert}\"}} ");
+        assert_eq!(value(&w, &series), t, "{cert}: {w}");
+    }
 
     // TCP_INFO of the link's sockets, per lane, is sampled every two seconds.
     let (w, _) = eventually(wa, ea, |w, _| {

@@ -275,6 +275,36 @@ impl SocketMetrics {
     }
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CertLabel {
+    cert: &'static str,
+}
+
+/// Expiry times of the certificates in use: this site's (`own`), the CA's, and the peer's.
+#[derive(Debug, Clone, Default)]
+pub struct CertMetrics {
+    expiry: Family<CertLabel, Gauge>,
+}
+
+impl CertMetrics {
+    pub fn register(r: &mut Registry) -> Self {
+        let m = CertMetrics::default();
+        r.register(
+            "wanopt_certificate_expiry_timestamp_seconds",
+            "When a certificate in use expires (Unix time); cert is own, ca or peer",
+            m.expiry.clone(),
+        );
+        m
+    }
+
+    /// Records the expiry of certificate `cert` (`own`, `ca` or `peer`).
+    pub fn set(&self, cert: &'static str, unix_seconds: u64) {
+        self.expiry
+            .get_or_create(&CertLabel { cert })
+            .set(i64::try_from(unix_seconds).unwrap_or(i64::MAX));
+    }
+}
+
 /// All counters of a daemon, and the registry that exposes them.
 #[derive(Debug)]
 pub struct Counters {
@@ -283,6 +313,7 @@ pub struct Counters {
     cache: Mutex<HashMap<String, Arc<ServiceCounters>>>,
     pub link: LinkCounters,
     pub sockets: SocketMetrics,
+    pub certs: CertMetrics,
 }
 
 impl Default for Counters {
@@ -309,12 +340,14 @@ impl Counters {
         let services = ServiceMetrics::register(&mut registry);
         let link = LinkCounters::register(&mut registry);
         let sockets = SocketMetrics::register(&mut registry);
+        let certs = CertMetrics::register(&mut registry);
         Counters {
             registry,
             services,
             cache: Mutex::new(HashMap::new()),
             link,
             sockets,
+            certs,
         }
     }
 

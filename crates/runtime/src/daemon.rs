@@ -222,6 +222,12 @@ impl Daemon {
     /// Loads TLS material and binds every listener; logs each bound address.
     pub fn bind(cfg: Config, counters: Arc<Counters>) -> Result<Daemon, DaemonError> {
         let tls = tls::load(&cfg.tls)?;
+        if let Some(t) = tls.cert_expiry {
+            counters.certs.set("own", t);
+        }
+        if let Some(t) = tls.ca_expiry {
+            counters.certs.set("ca", t);
+        }
         let cfg = Arc::new(cfg);
         sockopt::check_buffer_sysctls(&cfg.link);
         let mut bound = Bound::default();
@@ -579,6 +585,7 @@ async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
                     return;
                 }
             };
+            record_peer_expiry(&peer, tls.get_ref().1.peer_certificates());
             if let Err(e) =
                 tls::check_peer_name(tls.get_ref().1.peer_certificates(), &peer.cfg().link.peer)
             {
@@ -724,6 +731,15 @@ async fn run_lane<S>(
     }
 }
 
+fn record_peer_expiry(peer: &Peer, certs: Option<&[rustls::pki_types::CertificateDer<'_>]>) {
+    if let Some(t) = certs
+        .and_then(|c| c.first())
+        .and_then(|c| tls::not_after(c))
+    {
+        peer.counters.certs.set("peer", t);
+    }
+}
+
 /// Dials the peer (connecting side) and keeps a link up, with capped exponential backoff and jitter.
 async fn connect_loop(peer: Arc<Peer>) {
     let LinkRole::Connect(target) = peer.cfg().link.role.clone() else {
@@ -746,6 +762,7 @@ async fn connect_loop(peer: Arc<Peer>) {
         let started = Instant::now();
         match dial(&peer, &target, &connector, name.clone()).await {
             Ok((tls, addr)) => {
+                record_peer_expiry(&peer, tls.get_ref().1.peer_certificates());
                 sockopt::log_effective(&socket2::SockRef::from(tls.get_ref().0), &peer.cfg().link);
                 let fd = tls.get_ref().0.as_raw_fd();
                 run_link(peer.clone(), tls, fd, addr, BytesMut::new()).await;

@@ -45,6 +45,9 @@ pub enum TlsError {
 pub struct TlsMaterial {
     pub server: Arc<ServerConfig>,
     pub client: Arc<ClientConfig>,
+    /// Expiry (Unix seconds) of this site's certificate and of the CA, for the metrics.
+    pub cert_expiry: Option<u64>,
+    pub ca_expiry: Option<u64>,
 }
 
 fn provider() -> Arc<CryptoProvider> {
@@ -90,6 +93,8 @@ fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
 pub fn load(paths: &TlsPaths) -> Result<TlsMaterial, TlsError> {
     let ca = load_certs(&paths.ca)?;
     let chain = load_certs(&paths.cert)?;
+    let ca_expiry = ca.first().and_then(|c| not_after(c));
+    let cert_expiry = chain.first().and_then(|c| not_after(c));
     let key = load_key(&paths.key)?;
     let mut roots = RootCertStore::empty();
     for c in ca {
@@ -124,7 +129,86 @@ pub fn load(paths: &TlsPaths) -> Result<TlsMaterial, TlsError> {
     Ok(TlsMaterial {
         server: Arc::new(server),
         client: Arc::new(client),
+        cert_expiry,
+        ca_expiry,
     })
+}
+
+/// One DER element: (tag, contents, rest). Lengths are checked against the input.
+fn der(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, rest) = input.split_first()?;
+    let (&first, rest) = rest.split_first()?;
+    let (len, rest) = if first < 0x80 {
+        (usize::from(first), rest)
+    } else {
+        let n = usize::from(first & 0x7f);
+        if n == 0 || n > 4 || rest.len() < n {
+            return None;
+        }
+        let len = rest[..n]
+            .iter()
+            .fold(0usize, |a, b| (a << 8) | usize::from(*b));
+        (len, &rest[n..])
+    };
+    if rest.len() < len {
+        return None;
+    }
+    Some((tag, &rest[..len], &rest[len..]))
+}
+
+/// Days from 1970-01-01 to a civil date (proleptic Gregorian).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// The `notAfter` of a certificate, in Unix seconds; `None` if the DER is not what X.509 says.
+pub fn not_after(cert: &[u8]) -> Option<u64> {
+    let (0x30, certificate, _) = der(cert)? else {
+        return None;
+    };
+    let (0x30, tbs, _) = der(certificate)? else {
+        return None;
+    };
+    let mut rest = tbs;
+    let (tag, _, r) = der(rest)?;
+    if tag == 0xa0 {
+        rest = r; // explicit version
+    }
+    for _ in 0..3 {
+        // serialNumber, signature, issuer
+        rest = der(rest)?.2;
+    }
+    let (0x30, validity, _) = der(rest)? else {
+        return None;
+    };
+    let (_, _, r) = der(validity)?;
+    let (tag, t, _) = der(r)?;
+    let t = std::str::from_utf8(t).ok()?;
+    let digits = t.strip_suffix('Z')?;
+    let (year, rest) = match tag {
+        0x17 => {
+            let yy: i64 = digits.get(..2)?.parse().ok()?;
+            (
+                if yy >= 50 { 1900 + yy } else { 2000 + yy },
+                digits.get(2..)?,
+            )
+        }
+        0x18 => (digits.get(..4)?.parse().ok()?, digits.get(4..)?),
+        _ => return None,
+    };
+    let field = |i: usize| -> Option<i64> { rest.get(i..i + 2)?.parse().ok() };
+    let (mo, d, h, mi, s) = (field(0)?, field(2)?, field(4)?, field(6)?, field(8)?);
+    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || s > 60 {
+        return None;
+    }
+    let secs = days_from_civil(year, mo, d) * 86_400 + h * 3600 + mi * 60 + s;
+    u64::try_from(secs).ok()
 }
 
 /// The name the connecting side expects in the listener's certificate.
@@ -257,9 +341,33 @@ mod tests {
         check_peer_name(Some(&east), "east").expect("east is east");
         assert!(check_peer_name(Some(&east), "west").is_err());
         assert!(check_peer_name(None, "east").is_err());
+        // The certificate lifetimes are readable for the expiry metric (2031-01-01, 2036-01-01).
+        assert_eq!(not_after(&east[0]), Some(1_924_992_000));
+        let ca = load_certs(&dir.path().join("ca.pem")).expect("ca");
+        assert_eq!(not_after(&ca[0]), Some(2_082_758_400));
+        assert_eq!(not_after(b"\x30\x03\x30\x01"), None);
+        assert_eq!(not_after(&east[0][..40]), None);
         // A later call adds a site under the same CA.
         create_site_certs(dir.path(), &["north".into()]).expect("more");
         assert!(dir.path().join("north.pem").exists());
+    }
+
+    #[test]
+    fn expiry_parser_survives_any_damage() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        create_site_certs(dir.path(), &["west".into()]).expect("certs");
+        let cert = load_certs(&dir.path().join("west.pem")).expect("cert")[0].to_vec();
+        // Every truncation and every single-byte corruption: an answer or None, never a panic.
+        for cut in 0..cert.len() {
+            let _ = not_after(&cert[..cut]);
+        }
+        for i in 0..cert.len() {
+            for v in [0x00, 0x7f, 0x80, 0x84, 0xff] {
+                let mut c = cert.clone();
+                c[i] = v;
+                let _ = not_after(&c);
+            }
+        }
     }
 
     #[test]
