@@ -84,6 +84,7 @@ fn reload_adds_removes_and_keeps_services() {
     p.east.wait_log("reloaded", 5 * SEC);
     p.west.signal(libc::SIGHUP);
     let line = p.west.wait_log("reloaded", 5 * SEC);
+    p.west.wait_log("certificates re-read", SEC);
     assert!(line.contains("stopped=") && line.contains("old"), "{line}");
 
     let new = p.west.bound("new");

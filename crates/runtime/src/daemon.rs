@@ -187,7 +187,8 @@ impl LinkHandle {
 struct Peer {
     /// The config in force; a reload swaps it (services only) for new streams and clients.
     cfg: std::sync::RwLock<Arc<Config>>,
-    tls: TlsMaterial,
+    /// Certificates and keys; a reload re-reads them for the next connections.
+    tls: std::sync::RwLock<TlsMaterial>,
     counters: Arc<Counters>,
     current: watch::Sender<Option<Arc<LinkHandle>>>,
     shutdown: watch::Receiver<bool>,
@@ -197,6 +198,9 @@ struct Peer {
 impl Peer {
     fn cfg(&self) -> Arc<Config> {
         self.cfg.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    fn tls(&self) -> TlsMaterial {
+        self.tls.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 
@@ -282,7 +286,7 @@ impl Daemon {
         let (current, _) = watch::channel(None);
         let peer = Arc::new(Peer {
             cfg: std::sync::RwLock::new(cfg),
-            tls,
+            tls: std::sync::RwLock::new(tls),
             counters,
             current,
             shutdown,
@@ -416,8 +420,23 @@ fn apply_reload(peer: &Arc<Peer>, new: Config, listeners: &mut HashMap<String, L
     if new.link != old.link {
         needs_restart.push("link");
     }
-    if new.tls != old.tls {
-        needs_restart.push("tls");
+    // Certificates are re-read on every reload (renewed files keep their paths): the next link
+    // connections use them; the current link goes on with the ones it authenticated with.
+    let tls_changed = new.tls != old.tls;
+    match tls::load(&new.tls) {
+        Ok(m) => {
+            if let Some(t) = m.cert_expiry {
+                peer.counters.certs.set("own", t);
+            }
+            if let Some(t) = m.ca_expiry {
+                peer.counters.certs.set("ca", t);
+            }
+            *peer.tls.write().unwrap_or_else(|p| p.into_inner()) = m;
+            info!("reload: certificates re-read; new link connections use them");
+        }
+        Err(e) => {
+            warn!(error = %e, "reload: cannot load the TLS files; keeping the current certificates")
+        }
     }
     if new.admin != old.admin {
         needs_restart.push("admin");
@@ -433,6 +452,9 @@ fn apply_reload(peer: &Arc<Peer>, new: Config, listeners: &mut HashMap<String, L
     }
     let mut merged = (*old).clone();
     merged.services = new.services.clone();
+    if tls_changed {
+        merged.tls = new.tls.clone();
+    }
     let merged = Arc::new(merged);
     let listen_addr = |s: &Service| match &s.kind {
         ServiceKind::Listen { addr, .. } => Some(*addr),
@@ -554,7 +576,6 @@ async fn read_first_frame<R: AsyncRead + Unpin>(
 
 /// Accepts the peer's TLS connections (listening side); the newest authenticated link wins.
 async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
-    let acceptor = tokio_rustls::TlsAcceptor::from(peer.tls.server.clone());
     loop {
         let (tcp, addr) = match listener.accept().await {
             Ok(x) => x,
@@ -565,7 +586,7 @@ async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
             }
         };
         let peer = peer.clone();
-        let acceptor = acceptor.clone();
+        let acceptor = tokio_rustls::TlsAcceptor::from(peer.tls().server);
         tokio::spawn(async move {
             let sock = socket2::SockRef::from(&tcp);
             sockopt::tune_link_socket(&sock, &peer.cfg().link);
@@ -677,7 +698,7 @@ fn open_lane(
 ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
     Box::pin(async move {
         let peer = h.peer.clone();
-        let connector = tokio_rustls::TlsConnector::from(peer.tls.client.clone());
+        let connector = tokio_rustls::TlsConnector::from(peer.tls().client);
         let Ok(name) = tls::server_name(&peer.cfg().link.peer) else {
             return;
         };
@@ -745,7 +766,6 @@ async fn connect_loop(peer: Arc<Peer>) {
     let LinkRole::Connect(target) = peer.cfg().link.role.clone() else {
         return;
     };
-    let connector = tokio_rustls::TlsConnector::from(peer.tls.client.clone());
     let name = match tls::server_name(&peer.cfg().link.peer) {
         Ok(n) => n,
         Err(e) => {
@@ -760,6 +780,8 @@ async fn connect_loop(peer: Arc<Peer>) {
             return;
         }
         let started = Instant::now();
+        // Built per attempt, so certificates re-read by a reload are used from the next dial.
+        let connector = tokio_rustls::TlsConnector::from(peer.tls().client);
         match dial(&peer, &target, &connector, name.clone()).await {
             Ok((tls, addr)) => {
                 record_peer_expiry(&peer, tls.get_ref().1.peer_certificates());

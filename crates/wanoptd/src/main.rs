@@ -297,7 +297,10 @@ fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
                 Signal::Reload => {
                     for (path, tx) in &reloaders {
                         // An invalid new config is refused and the old one stays in force.
-                        match Config::load(path) {
+                                                let loaded = Config::load(path).map_err(|e| e.to_string()).and_then(|cfg| {
+                            tls::load(&cfg.tls).map(|_| cfg).map_err(|e| e.to_string())
+                        });
+                        match loaded {
                             Ok(cfg) => {
                                 tracing::info!(config = %path.display(), "SIGHUP: reloading");
                                 let _ = tx.send(cfg);
