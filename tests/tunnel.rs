@@ -188,19 +188,9 @@ fn assert_rejected(east: &Daemon, west: &Daemon, needle: &str) {
 fn peer_from_another_ca_is_rejected() {
     let good = Certs::new(&["west", "east"]);
     let other = Certs::new(&["west"]);
-    let east = Daemon::start(
-        "east",
-        &site_yaml("east", "west", "listen: 127.0.0.1:0", &good, "  []", ""),
-    );
+    let east = Daemon::start("east", &east_yaml(&good, "  []"));
     let link = east.bound("link");
-    let mut yaml = site_yaml(
-        "west",
-        "east",
-        &format!("connect: {link}"),
-        &good,
-        "  []",
-        "",
-    );
+    let mut yaml = west_yaml(link, &good, "  []");
     yaml = yaml.replace(
         &format!("{}/west", good.path().display()),
         &format!("{}/west", other.path().display()),
@@ -214,22 +204,12 @@ fn peer_from_another_ca_is_rejected() {
 #[test]
 fn peer_with_wrong_site_name_is_rejected() {
     let certs = Certs::new(&["west", "east", "north"]);
-    let east = Daemon::start(
-        "east",
-        &site_yaml("east", "west", "listen: 127.0.0.1:0", &certs, "  []", ""),
-    );
+    let east = Daemon::start("east", &east_yaml(&certs, "  []"));
     let link = east.bound("link");
     // West presents north's certificate.
-    let yaml = site_yaml(
-        "west",
-        "east",
-        &format!("connect: {link}"),
-        &certs,
-        "  []",
-        "",
-    )
-    .replace("/west.pem", "/north.pem")
-    .replace("/west.key", "/north.key");
+    let yaml = west_yaml(link, &certs, "  []")
+        .replace("/west.pem", "/north.pem")
+        .replace("/west.key", "/north.key");
     let west = Daemon::start("west", &yaml);
     assert_rejected(&east, &west, "rejected link: wrong peer");
     drop(west);
@@ -237,22 +217,12 @@ fn peer_with_wrong_site_name_is_rejected() {
     // East presents north's certificate: west's TLS client refuses it.
     let east2 = Daemon::start(
         "east2",
-        &site_yaml("east", "west", "listen: 127.0.0.1:0", &certs, "  []", "")
+        &east_yaml(&certs, "  []")
             .replace("/east.pem", "/north.pem")
             .replace("/east.key", "/north.key"),
     );
     let link2 = east2.bound("link");
-    let west2 = Daemon::start(
-        "west2",
-        &site_yaml(
-            "west",
-            "east",
-            &format!("connect: {link2}"),
-            &certs,
-            "  []",
-            "",
-        ),
-    );
+    let west2 = Daemon::start("west2", &west_yaml(link2, &certs, "  []"));
     west2.wait_log("cannot reach the peer", 10 * SEC);
     assert_eq!(west2.count("link up"), 0);
 }
@@ -264,14 +234,7 @@ fn plaintext_garbage_on_the_link_port() {
     let srv = hash_server();
     let east = Daemon::start(
         "east",
-        &site_yaml(
-            "east",
-            "west",
-            "listen: 127.0.0.1:0",
-            &certs,
-            &format!("  - name: svc\n    target: {srv}\n"),
-            "",
-        ),
+        &east_yaml(&certs, &format!("  - name: svc\n    target: {srv}\n")),
     );
     let link = east.bound("link");
     for junk in [
@@ -288,14 +251,7 @@ fn plaintext_garbage_on_the_link_port() {
     east.wait_log_n("rejected link", 3, 10 * SEC);
     let west = Daemon::start(
         "west",
-        &site_yaml(
-            "west",
-            "east",
-            &format!("connect: {link}"),
-            &certs,
-            "  - name: svc\n    listen: 127.0.0.1:0\n",
-            "",
-        ),
+        &west_yaml(link, &certs, "  - name: svc\n    listen: 127.0.0.1:0\n"),
     );
     west.wait_log("link up", 10 * SEC);
     hash_client(west.bound("svc"), 1, 100_000, 100_000).expect("tunnel works after garbage");
@@ -306,23 +262,16 @@ fn plaintext_garbage_on_the_link_port() {
 #[test]
 fn link_killed_mid_transfer() {
     // A server that sends a lot, slowly enough that the cut lands mid-stream.
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let target = l.local_addr().expect("addr");
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { continue };
-            std::thread::spawn(move || {
-                let mut buf = [0u8; 1];
-                if s.read_exact(&mut buf).is_err() {
-                    return;
-                }
-                let _ = send_pattern(
-                    &mut s,
-                    u64::from(buf[0]),
-                    if buf[0] == 1 { 1 << 40 } else { 1 << 20 },
-                );
-            });
+    let target = server(|mut s| {
+        let mut buf = [0u8; 1];
+        if s.read_exact(&mut buf).is_err() {
+            return;
         }
+        let _ = send_pattern(
+            &mut s,
+            u64::from(buf[0]),
+            if buf[0] == 1 { 1 << 40 } else { 1 << 20 },
+        );
     });
     let RelayedPair {
         relay,
@@ -362,17 +311,10 @@ fn link_killed_mid_transfer() {
 /// SIGTERM lets active streams finish within the grace period, then exits 0.
 #[test]
 fn sigterm_drains_streams_then_exits_cleanly() {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let target = l.local_addr().expect("addr");
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { continue };
-            std::thread::spawn(move || {
-                let mut got = Vec::new();
-                let _ = s.read_to_end(&mut got);
-                let _ = s.write_all(&(got.len() as u64).to_le_bytes());
-            });
-        }
+    let target = server(|mut s| {
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        let _ = s.write_all(&(got.len() as u64).to_le_bytes());
     });
     let Pair {
         certs: _certs,
@@ -408,19 +350,9 @@ fn sigterm_drains_streams_then_exits_cleanly() {
 #[test]
 fn newest_link_wins() {
     let certs = Certs::new(&["west", "east"]);
-    let east = Daemon::start(
-        "east",
-        &site_yaml("east", "west", "listen: 127.0.0.1:0", &certs, "  []", ""),
-    );
+    let east = Daemon::start("east", &east_yaml(&certs, "  []"));
     let link = east.bound("link");
-    let yaml = site_yaml(
-        "west",
-        "east",
-        &format!("connect: {link}"),
-        &certs,
-        "  []",
-        "",
-    );
+    let yaml = west_yaml(link, &certs, "  []");
     let w1 = Daemon::start("west1", &yaml);
     w1.wait_log("link up", 10 * SEC);
     let w2 = Daemon::start("west2", &yaml);

@@ -378,34 +378,57 @@ pub fn read_all(r: &mut impl Read) -> std::io::Result<(u64, blake3::Hash)> {
     }
 }
 
+/// A loopback TCP server running `handle` on its own thread for each connection.
+pub fn server(handle: impl Fn(TcpStream) + Send + Sync + 'static) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    let handle = Arc::new(handle);
+    std::thread::spawn(move || {
+        for s in l.incoming().flatten() {
+            let h = handle.clone();
+            std::thread::spawn(move || h(s));
+        }
+    });
+    addr
+}
+
+/// The config of an east site listening for the link on an ephemeral loopback port.
+pub fn east_yaml(certs: &Certs, services: &str) -> String {
+    site_yaml("east", "west", "listen: 127.0.0.1:0", certs, services, "")
+}
+
+/// The config of a west site dialing the link at `link`.
+pub fn west_yaml(link: SocketAddr, certs: &Certs, services: &str) -> String {
+    site_yaml(
+        "west",
+        "east",
+        &format!("connect: {link}"),
+        certs,
+        services,
+        "",
+    )
+}
+
 /// A test server: for each connection, reads an 16-byte header (seed, reply length), then the
 /// client's bytes to EOF, then writes a 32-byte hash of what it got followed by the reply pattern
 /// and closes. Exercises both directions and the client's half-close.
 pub fn hash_server() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = l.local_addr().expect("addr");
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { continue };
-            std::thread::spawn(move || {
-                let mut hdr = [0u8; 16];
-                if s.read_exact(&mut hdr).is_err() {
-                    return;
-                }
-                let seed = u64::from_le_bytes(hdr[..8].try_into().expect("8"));
-                let reply = u64::from_le_bytes(hdr[8..].try_into().expect("8"));
-                let Ok((_, got)) = read_all(&mut s) else {
-                    return;
-                };
-                if s.write_all(got.as_bytes()).is_err() {
-                    return;
-                }
-                let _ = send_pattern(&mut s, seed ^ 0xABCD, reply);
-                let _ = s.shutdown(Shutdown::Write);
-            });
+    server(|mut s| {
+        let mut hdr = [0u8; 16];
+        if s.read_exact(&mut hdr).is_err() {
+            return;
         }
-    });
-    addr
+        let seed = u64::from_le_bytes(hdr[..8].try_into().expect("8"));
+        let reply = u64::from_le_bytes(hdr[8..].try_into().expect("8"));
+        let Ok((_, got)) = read_all(&mut s) else {
+            return;
+        };
+        if s.write_all(got.as_bytes()).is_err() {
+            return;
+        }
+        let _ = send_pattern(&mut s, seed ^ 0xABCD, reply);
+        let _ = s.shutdown(Shutdown::Write);
+    })
 }
 
 /// The client side of [`hash_server`]: sends `up` bytes, half-closes, checks the server's hash of
