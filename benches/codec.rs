@@ -1,0 +1,111 @@
+//! Encode pipeline throughput of the optimization codec on one core: chunking, fingerprints,
+//! cache lookups and compression, on database-like (compressible) and random (incompressible)
+//! data, generated here until `wanopt-replay gen` exists.
+//!
+//! Run: `cargo bench --bench codec` (`-- --mib N` of data per case, default 256).
+
+use std::time::Instant;
+
+use wanopt_codec::{CodecConfig, Compression, Decoder, Encoder, Pressure};
+
+fn xorshift(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut v = Vec::with_capacity(len);
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+/// 8 KiB blocks of order-entry-like rows with varying keys and quantities.
+fn db_like(len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len + 8192);
+    let mut r = 0u64;
+    while v.len() < len {
+        let start = v.len();
+        v.extend_from_slice(&((v.len() / 8192) as u64).to_be_bytes());
+        while v.len() - start < 7000 {
+            r += 1;
+            let row = format!(
+                "ORD|{:010}|C{:06}|I{:05}|Q{:03}|{:08}|OPEN|",
+                r,
+                (r * 7919) % 999_983,
+                (r * 31) % 99_991,
+                r % 997,
+                (r * 2_654_435_761) % 100_000_000
+            );
+            v.extend_from_slice(row.as_bytes());
+        }
+        v.resize(start + 8192, 0);
+    }
+    v.truncate(len);
+    v
+}
+
+fn run(name: &str, data: &[u8], compression: Compression, pressure: Pressure) {
+    let cfg = CodecConfig {
+        compression,
+        ..CodecConfig::default()
+    };
+    let mut enc = Encoder::new(cfg.clone());
+    let mut wire = Vec::with_capacity(data.len() + data.len() / 100);
+    let t = Instant::now();
+    for piece in data.chunks(64 * 1024) {
+        enc.push(piece, false, pressure, &mut wire);
+    }
+    enc.push(&[], true, pressure, &mut wire);
+    let secs = t.elapsed().as_secs_f64();
+    let mut dec = Decoder::new(&cfg);
+    let mut out = Vec::with_capacity(data.len());
+    let t = Instant::now();
+    dec.decode(&wire, &mut out).expect("decode");
+    let dsecs = t.elapsed().as_secs_f64();
+    assert!(out == data, "round trip");
+    println!(
+        "{name:<34} encode {:>7.0} MB/s   decode {:>7.0} MB/s   wire/raw {:.3}",
+        data.len() as f64 / secs / 1e6,
+        data.len() as f64 / dsecs / 1e6,
+        wire.len() as f64 / data.len() as f64
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let mib: usize = args
+        .iter()
+        .position(|a| a == "--mib")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256);
+    let db = db_like(mib << 20);
+    let noise = xorshift(7, mib << 20);
+    println!("one core, {mib} MiB per case, 64 KiB writes, first transfer (empty cache)");
+    run(
+        "db-like, adaptive (cpu-bound: lz4)",
+        &db,
+        Compression::Adaptive,
+        Pressure::CpuBound,
+    );
+    run(
+        "db-like, adaptive (link-bound: zstd)",
+        &db,
+        Compression::Adaptive,
+        Pressure::LinkBound,
+    );
+    run(
+        "incompressible, adaptive",
+        &noise,
+        Compression::Adaptive,
+        Pressure::CpuBound,
+    );
+    run(
+        "incompressible, no compression",
+        &noise,
+        Compression::None,
+        Pressure::CpuBound,
+    );
+}

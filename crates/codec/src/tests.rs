@@ -1,0 +1,274 @@
+//! Codec properties: exact round trips on random, structured and repeated data; dedup ratios on
+//! repeated and slightly changed backups; caches in step under eviction; misses instead of wrong
+//! data after a restart or damage; bounded decoding of hostile records.
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn xorshift(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// 8 KiB database-like blocks: a header with the block number, then repetitive rows with a few
+/// varying fields, then free space.
+fn db_blocks(n: usize, seed: u64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(n * 8192);
+    for b in 0..n {
+        let mut block = Vec::with_capacity(8192);
+        block.extend_from_slice(&(b as u64).to_be_bytes());
+        block.extend_from_slice(&seed.to_be_bytes());
+        let mut r = 0u64;
+        while block.len() < 6000 {
+            r += 1;
+            let row = format!(
+                "ORDER|{:08}|CUST{:05}|ITEM{:04}|QTY{:03}|OPEN|",
+                b as u64 * 100 + r,
+                (r * 7919) % 50000,
+                (r * 31) % 9999,
+                r % 100
+            );
+            block.extend_from_slice(row.as_bytes());
+        }
+        block.resize(8192, 0);
+        v.extend_from_slice(&block);
+    }
+    v
+}
+
+/// Encodes `data` in pieces of the given sizes (flushing at the end) and decodes it.
+fn round_trip(
+    cfg: &CodecConfig,
+    enc: &mut Encoder,
+    dec: &mut Decoder,
+    data: &[u8],
+    pieces: &[usize],
+    flush_each: bool,
+) -> (Vec<u8>, usize) {
+    let mut wire = Vec::new();
+    let mut off = 0;
+    let mut i = 0;
+    while off < data.len() {
+        let n = pieces
+            .get(i % pieces.len().max(1))
+            .copied()
+            .unwrap_or(data.len())
+            .max(1)
+            .min(data.len() - off);
+        enc.push(
+            &data[off..off + n],
+            flush_each,
+            Pressure::CpuBound,
+            &mut wire,
+        );
+        off += n;
+        i += 1;
+    }
+    enc.push(&[], true, Pressure::CpuBound, &mut wire);
+    let mut out = Vec::new();
+    let used = dec.decode(&wire, &mut out).expect("decodes");
+    assert_eq!(used, wire.len(), "every record is whole after a flush");
+    let _ = cfg;
+    (out, wire.len())
+}
+
+fn pair(cfg: &CodecConfig) -> (Encoder, Decoder) {
+    (Encoder::new(cfg.clone()), Decoder::new(cfg))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+    #[test]
+    fn round_trips_any_mix(
+        parts in proptest::collection::vec((0u8..3, 0usize..100_000, any::<u64>()), 1..6),
+        pieces in proptest::collection::vec(1usize..70_000, 1..5),
+        flush_each in any::<bool>(),
+        comp in prop_oneof![Just(Compression::None), Just(Compression::Lz4), Just(Compression::Zstd), Just(Compression::Adaptive)],
+    ) {
+        let mut data = Vec::new();
+        for (kind, len, seed) in &parts {
+            match kind {
+                0 => data.extend(xorshift(*seed, *len)),
+                1 => data.extend(db_blocks(len / 8192 + 1, *seed)),
+                _ => { let d = data.clone(); data.extend(d.iter().take(*len)); }
+            }
+        }
+        let cfg = CodecConfig { compression: comp, cache_bytes: 1 << 20, ..CodecConfig::default() };
+        let (mut enc, mut dec) = pair(&cfg);
+        let (out, _) = round_trip(&cfg, &mut enc, &mut dec, &data, &pieces, flush_each);
+        prop_assert!(out == data);
+        prop_assert_eq!(enc.cache().size(), dec.cache().size());
+        prop_assert_eq!(enc.pending(), 0);
+    }
+
+    #[test]
+    fn garbage_never_panics_or_overallocates(data in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let mut dec = Decoder::new(&CodecConfig::default());
+        let mut out = Vec::new();
+        let _ = dec.decode(&data, &mut out);
+        prop_assert!(out.len() <= data.len() * 300 + MAX_RECORD);
+    }
+}
+
+#[test]
+fn second_transfer_of_a_backup_is_nearly_free_and_a_changed_one_cheap() {
+    let cfg = CodecConfig {
+        compression: Compression::None,
+        ..CodecConfig::default()
+    };
+    let (mut enc, mut dec) = pair(&cfg);
+    let backup = xorshift(1, 16 << 20);
+    let (_, first) = round_trip(&cfg, &mut enc, &mut dec, &backup, &[1 << 20], false);
+    let (out, second) = round_trip(&cfg, &mut enc, &mut dec, &backup, &[1 << 20], false);
+    assert!(out == backup);
+    assert!(
+        second * 100 <= first * 3,
+        "second transfer {second} vs first {first}"
+    );
+    // Change 10% of the 8 KiB blocks.
+    let mut changed = backup.clone();
+    for b in (0..changed.len() / 8192).filter(|b| b % 10 == 3) {
+        changed[b * 8192 + 100] ^= 0x5a;
+    }
+    let (out, third) = round_trip(&cfg, &mut enc, &mut dec, &changed, &[1 << 20], false);
+    assert!(out == changed);
+    eprintln!("wire bytes: first {first}, repeat {second}, 10% changed {third}");
+    assert!(
+        third * 100 <= first * 25,
+        "changed transfer {third} vs first {first}"
+    );
+}
+
+#[test]
+fn database_blocks_compress_and_noise_does_not_grow() {
+    let cfg = CodecConfig::default();
+    let (mut enc, mut dec) = pair(&cfg);
+    let blocks = db_blocks(1024, 5);
+    let (out, wire) = round_trip(&cfg, &mut enc, &mut dec, &blocks, &[64 * 1024], false);
+    assert!(out == blocks);
+    assert!(
+        wire * 3 <= blocks.len(),
+        "db-like data: {wire} wire bytes for {} raw",
+        blocks.len()
+    );
+    let noise = xorshift(9, 8 << 20);
+    let (mut enc, mut dec) = pair(&cfg);
+    let (out, wire) = round_trip(&cfg, &mut enc, &mut dec, &noise, &[64 * 1024], false);
+    assert!(out == noise);
+    assert!(
+        wire as f64 <= noise.len() as f64 * 1.001,
+        "incompressible grew to {wire}"
+    );
+}
+
+#[test]
+fn tiny_cache_evicts_in_step() {
+    let cfg = CodecConfig {
+        cache_bytes: 200 * 1024,
+        compression: Compression::Lz4,
+        ..CodecConfig::default()
+    };
+    let (mut enc, mut dec) = pair(&cfg);
+    let base = db_blocks(64, 2);
+    for round in 0..6 {
+        let mut data = base.clone();
+        data.extend(xorshift(round, 300 * 1024));
+        data.extend(&base[..100_000]);
+        let (out, _) = round_trip(&cfg, &mut enc, &mut dec, &data, &[50_000], false);
+        assert!(out == data);
+        assert_eq!(enc.cache().size(), dec.cache().size());
+        assert_eq!(enc.cache().evictions(), dec.cache().evictions());
+    }
+    assert!(enc.cache().evictions() > 0);
+}
+
+#[test]
+fn restarted_or_damaged_receiver_misses_instead_of_misreading() {
+    let cfg = CodecConfig::default();
+    let (mut enc, mut dec) = pair(&cfg);
+    let data = xorshift(3, 1 << 20);
+    round_trip(&cfg, &mut enc, &mut dec, &data, &[1 << 20], false);
+    // The receiver restarts with an empty cache: the sender's references cannot be resolved.
+    let mut fresh = Decoder::new(&cfg);
+    let mut wire = Vec::new();
+    enc.push(&data, true, Pressure::CpuBound, &mut wire);
+    let mut out = Vec::new();
+    assert!(matches!(
+        fresh.decode(&wire, &mut out),
+        Err(CodecError::Miss(_))
+    ));
+    // A damaged entry is a miss too, never wrong bytes.
+    let mut wire = Vec::new();
+    enc.push(&data, true, Pressure::CpuBound, &mut wire);
+    let first_ref: [u8; 16] = wire[1..17].try_into().expect("a reference");
+    dec.cache_mut().corrupt_for_test(&first_ref);
+    let mut out = Vec::new();
+    assert_eq!(
+        dec.decode(&wire, &mut out),
+        Err(CodecError::Miss(first_ref))
+    );
+}
+
+#[test]
+fn hostile_records_are_errors_not_allocations() {
+    let mut dec = Decoder::new(&CodecConfig::default());
+    let mut out = Vec::new();
+    // A raw record claiming 4 GiB.
+    assert_eq!(
+        dec.decode_record(&[TAG_RAW, 0xff, 0xff, 0xff, 0xff], &mut out),
+        Err(CodecError::TooLarge(u32::MAX as usize))
+    );
+    // A zstd bomb: 8 MiB of zeros claimed to be 1 KiB.
+    let bomb = zstd::bulk::compress(&vec![0u8; 8 << 20], 3).expect("compress");
+    let mut rec = vec![TAG_LIT, Codec::Zstd.to_u8()];
+    rec.extend_from_slice(&1024u32.to_be_bytes());
+    rec.extend_from_slice(&(bomb.len() as u32).to_be_bytes());
+    rec.extend_from_slice(&bomb);
+    assert_eq!(
+        dec.decode_record(&rec, &mut out),
+        Err(CodecError::Decompress)
+    );
+    // The same for LZ4.
+    let bomb = lz4_flex::block::compress(&vec![0u8; 1 << 20]);
+    let mut rec = vec![TAG_LIT, Codec::Lz4.to_u8()];
+    rec.extend_from_slice(&1024u32.to_be_bytes());
+    rec.extend_from_slice(&(bomb.len() as u32).to_be_bytes());
+    rec.extend_from_slice(&bomb);
+    assert_eq!(
+        dec.decode_record(&rec, &mut out),
+        Err(CodecError::Decompress)
+    );
+    assert!(out.is_empty());
+    // Every prefix of a valid record is Incomplete.
+    let (mut enc, _) = pair(&CodecConfig::default());
+    let mut wire = Vec::new();
+    enc.push(&db_blocks(4, 1), true, Pressure::LinkBound, &mut wire);
+    for cut in 0..wire.len().min(200) {
+        let mut d = Decoder::new(&CodecConfig::default());
+        let r = d.decode_record(&wire[..cut], &mut Vec::new());
+        assert_eq!(r, Err(CodecError::Incomplete), "cut at {cut}");
+    }
+}
+
+#[test]
+fn latency_flushes_never_hold_bytes_back() {
+    let cfg = CodecConfig::default();
+    let (mut enc, mut dec) = pair(&cfg);
+    for i in 0..100u64 {
+        let msg = xorshift(i, 300 + i as usize * 17);
+        let mut wire = Vec::new();
+        enc.push(&msg, true, Pressure::CpuBound, &mut wire);
+        assert_eq!(enc.pending(), 0);
+        let mut out = Vec::new();
+        dec.decode(&wire, &mut out).expect("decode");
+        assert!(out == msg);
+    }
+}
