@@ -120,18 +120,20 @@ pub struct EncodeStats {
 }
 
 /// One direction's encoder, holding the mirror of the peer decoder's cache.
-#[derive(Debug)]
 pub struct Encoder {
     cfg: CodecConfig,
     cache: ChunkCache,
     pending: Vec<u8>,
     stats: EncodeStats,
+    /// One zstd context for the encoder's life: creating one per chunk cost more than compressing.
+    zstd: Option<zstd::bulk::Compressor<'static>>,
 }
 
 impl Encoder {
     pub fn new(cfg: CodecConfig) -> Self {
         Encoder {
             cache: ChunkCache::new(cfg.cache_bytes),
+            zstd: zstd::bulk::Compressor::new(cfg.zstd_level).ok(),
             cfg,
             pending: Vec::new(),
             stats: EncodeStats::default(),
@@ -202,7 +204,7 @@ impl Encoder {
         let compressed = match codec {
             Codec::None => None,
             Codec::Lz4 => Some(lz4_flex::block::compress(chunk)),
-            Codec::Zstd => zstd::bulk::compress(chunk, self.cfg.zstd_level).ok(),
+            Codec::Zstd => self.zstd.as_mut().and_then(|z| z.compress(chunk).ok()),
         };
         out.push(TAG_LIT);
         match compressed {
@@ -261,10 +263,10 @@ fn be32(b: &[u8]) -> usize {
 }
 
 /// One direction's decoder with its cache.
-#[derive(Debug)]
 pub struct Decoder {
     cache: ChunkCache,
     dedup: bool,
+    zstd: Option<zstd::bulk::Decompressor<'static>>,
 }
 
 impl Decoder {
@@ -272,6 +274,7 @@ impl Decoder {
         Decoder {
             cache: ChunkCache::new(cfg.cache_bytes),
             dedup: cfg.dedup,
+            zstd: zstd::bulk::Decompressor::new().ok(),
         }
     }
 
@@ -345,7 +348,11 @@ impl Decoder {
                     let chunk = match codec {
                         Codec::Lz4 => lz4_flex::block::decompress(payload, raw_len)
                             .map_err(|_| CodecError::Decompress)?,
-                        _ => zstd::bulk::decompress(payload, raw_len)
+                        _ => self
+                            .zstd
+                            .as_mut()
+                            .ok_or(CodecError::Decompress)?
+                            .decompress(payload, raw_len)
                             .map_err(|_| CodecError::Decompress)?,
                     };
                     if chunk.len() != raw_len {
