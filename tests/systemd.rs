@@ -49,17 +49,7 @@ fn readiness_and_status_reach_the_notify_socket() {
     // Ready means bound: the link port accepts connections already.
     let link = east.bound("link");
     std::net::TcpStream::connect(link).expect("link port is listening at readiness");
-    let west = Daemon::start(
-        "west",
-        &site_yaml(
-            "west",
-            "east",
-            &format!("connect: {link}"),
-            &certs,
-            "  []",
-            "",
-        ),
-    );
+    let west = Daemon::start("west", &west_yaml(link, &certs, "  []"));
     west.wait_log("link up", Duration::from_secs(10));
     next_message(&sock, "STATUS=link up to west");
     drop(west);

@@ -252,27 +252,10 @@ impl RelayedPair {
     /// `west_link` is extra YAML lines for west's `link:` section (indented by two spaces).
     pub fn start(east_services: &str, west_services: &str, west_link: &str) -> RelayedPair {
         let certs = Certs::new(&["west", "east"]);
-        let east = Daemon::start(
-            "east",
-            &site_yaml(
-                "east",
-                "west",
-                "listen: 127.0.0.1:0",
-                &certs,
-                east_services,
-                "",
-            ),
-        );
+        let east = Daemon::start("east", &east_yaml(&certs, east_services));
         let relay = Relay::new(east.bound("link"));
-        let yaml = site_yaml(
-            "west",
-            "east",
-            &format!("connect: {}", relay.addr),
-            &certs,
-            west_services,
-            "",
-        )
-        .replace("  peer: east\n", &format!("  peer: east\n{west_link}"));
+        let yaml = west_yaml(relay.addr, &certs, west_services)
+            .replace("  peer: east\n", &format!("  peer: east\n{west_link}"));
         let west = Daemon::start("west", &yaml);
         west.wait_log("link up", Duration::from_secs(10));
         RelayedPair {
