@@ -6,19 +6,26 @@ use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use libfuzzer_sys::fuzz_target;
-use wanopt_proto::{Frame, Hello, Link, LinkConfig, ReadOutcome};
+use wanopt_proto::{CodecSettings, Frame, Hello, Link, LinkConfig, ReadOutcome};
 
 fuzz_target!(|data: &[u8]| {
     let now = Instant::now();
-    let mut link = Link::new(LinkConfig::new("east", "west", false));
+    let mut cfg = LinkConfig::new("east", "west", false);
+    // With the codec on, coded frames, chunk requests and answers are reachable too.
+    cfg.codec = Some(CodecSettings {
+        cache_bytes: 1 << 20,
+        service_cache_bytes: 1 << 19,
+        ..CodecSettings::default()
+    });
+    let mut link = Link::new(cfg);
     link.set_services(["a", "b"]);
     let mut hello = BytesMut::new();
     Frame::Hello(Hello {
         version: 1,
         min_version: 1,
         site: "west".into(),
-        capabilities: 0,
-        settings: vec![(1, 65536), (2, 1 << 20), (3, 16384), (4, 8)],
+        capabilities: 2,
+        settings: vec![(1, 65536), (2, 1 << 20), (3, 65536), (4, 8), (7, 1 << 20), (8, 1 << 19)],
     })
     .encode(&mut hello);
     let _ = link.handle_input(&hello, now);
@@ -32,7 +39,7 @@ fuzz_target!(|data: &[u8]| {
         let _ = link.handle_input(chunk, t);
         while let Some(ev) = link.poll_event() {
             if let wanopt_proto::Event::Opened { stream, .. } = ev {
-                let _ = link.write(stream, b"reply");
+                let _ = link.write(stream, &[7u8; 9000]);
                 let _ = link.finish(stream);
             }
         }

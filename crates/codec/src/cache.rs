@@ -100,6 +100,12 @@ impl ChunkCache {
         self.entries.get(f).map(|e| e.data.as_slice())
     }
 
+    /// Returns a held chunk after checking it against its fingerprint, without counting as a use.
+    pub fn peek(&self, f: &Fingerprint) -> Option<&[u8]> {
+        let e = self.entries.get(f)?;
+        (fingerprint(&e.data) == *f).then_some(e.data.as_slice())
+    }
+
     /// Inserts a chunk (or refreshes it), evicting the least recently used chunks to fit.
     /// Chunks larger than the whole cache are not kept.
     pub fn insert(&mut self, f: Fingerprint, data: Vec<u8>) {
@@ -137,6 +143,17 @@ impl ChunkCache {
             self.order.remove(&e.stamp);
             self.size -= e.data.len();
         }
+    }
+
+    /// Test hook: damages every held chunk in place; returns how many.
+    #[doc(hidden)]
+    pub fn corrupt_all_for_test(&mut self) -> usize {
+        for e in self.entries.values_mut() {
+            if let Some(b) = e.data.first_mut() {
+                *b ^= 0xff;
+            }
+        }
+        self.entries.len()
     }
 
     /// Test hook: damages a held chunk in place, as a bad disk or memory would.

@@ -1,22 +1,34 @@
 //! The sans-IO optimization codec: content-defined chunking (FastCDC), 128-bit BLAKE3
 //! fingerprints, a symmetric chunk cache, and adaptive compression (none, LZ4, zstd).
 //!
-//! An [`Encoder`] turns one direction's stream bytes into records: `Ref` (a chunk the peer holds),
-//! `Lit` (a new chunk, maybe compressed, that both caches then hold) and `Raw` (bytes sent as they
-//! are, such as a latency flush's short tail). A [`Decoder`] rebuilds the bytes exactly; a
-//! reference it cannot resolve or verify is a [`CodecError::Miss`], never wrong data. Nothing here
-//! does I/O; the link integration comes with the tunnel.
+//! A [`Mirror`] encodes one chunk at a time against its copy of the peer decoder's cache, producing
+//! records: `Ref` (a chunk the peer holds), `Lit` (a new chunk, maybe compressed, that both caches
+//! then hold) and `Raw` (bytes sent as they are, such as a latency flush's short tail). The link
+//! cuts each stream into chunks with [`chunks`] and encodes them when it emits a frame, so the
+//! mirror sees chunks in frame order. A [`Decoder`] rebuilds the bytes; a reference it cannot
+//! resolve or verify is a [`CodecError::Miss`], never wrong data. [`Encoder`] strings the pieces
+//! together for one stream (tests, benches). Nothing here does I/O.
 
 pub mod cache;
 
+use bytes::BufMut;
 use cache::{ChunkCache, Fingerprint, fingerprint};
 
 /// Largest chunk or raw record a decoder accepts, checked before anything is allocated.
 pub const MAX_RECORD: usize = 1 << 20;
+/// Largest overhead of one record over the chunk bytes it carries.
+pub const RECORD_OVERHEAD: usize = 7;
+/// Smallest and largest average chunk size accepted in a [`CodecConfig`].
+pub const AVG_CHUNK_RANGE: std::ops::RangeInclusive<usize> = 1024..=64 * 1024;
 
 const TAG_RAW: u8 = 1;
 const TAG_LIT: u8 = 2;
 const TAG_REF: u8 = 3;
+const TAG_LIT_LZ4: u8 = 4;
+const TAG_LIT_ZSTD: u8 = 5;
+/// Flag on a literal's tag: the receiver must not cache it (the sender's stream has dedup off,
+/// so its mirror will not either).
+const NO_CACHE: u8 = 0x40;
 
 /// Compression of a literal chunk, as carried on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,20 +39,27 @@ pub enum Codec {
 }
 
 impl Codec {
-    fn to_u8(self) -> u8 {
+    /// Index into per-codec counters: none 0, lz4 1, zstd 2.
+    pub fn index(self) -> usize {
         match self {
             Codec::None => 0,
             Codec::Lz4 => 1,
             Codec::Zstd => 2,
         }
     }
-    fn from_u8(v: u8) -> Result<Self, CodecError> {
-        match v {
-            0 => Ok(Codec::None),
-            1 => Ok(Codec::Lz4),
-            2 => Ok(Codec::Zstd),
-            _ => Err(CodecError::Malformed("unknown compression")),
-        }
+
+    /// A short lowercase label, used in metric labels.
+    pub fn label(self) -> &'static str {
+        ["none", "lz4", "zstd"][self.index()]
+    }
+
+    fn tag(self, cache: bool) -> u8 {
+        let t = match self {
+            Codec::None => TAG_LIT,
+            Codec::Lz4 => TAG_LIT_LZ4,
+            Codec::Zstd => TAG_LIT_ZSTD,
+        };
+        if cache { t } else { t | NO_CACHE }
     }
 }
 
@@ -50,7 +69,7 @@ pub enum Compression {
     None,
     Lz4,
     Zstd,
-    /// Choose per chunk from a cheap compressibility estimate and the link pressure.
+    /// Choose per chunk from a cheap compressibility estimate, the link pressure and the class.
     Adaptive,
 }
 
@@ -63,7 +82,27 @@ pub enum Pressure {
     CpuBound,
 }
 
-/// Codec settings; both sides must agree on the cache size (the link hello carries it).
+/// How one stream's chunks are encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Policy {
+    /// Look chunks up in (and add them to) the cache.
+    pub dedup: bool,
+    pub compression: Compression,
+    /// A latency-class stream: never the expensive codec.
+    pub latency: bool,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            dedup: true,
+            compression: Compression::Adaptive,
+            latency: false,
+        }
+    }
+}
+
+/// Chunking and cache settings of one direction.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CodecConfig {
     pub min_chunk: usize,
@@ -75,11 +114,31 @@ pub struct CodecConfig {
     pub zstd_level: i32,
 }
 
+impl CodecConfig {
+    /// Chunk bounds for an average size: a quarter and four times it, as FastCDC suggests.
+    /// The average is clamped to [`AVG_CHUNK_RANGE`] and made even.
+    pub fn with_avg_chunk(mut self, avg: usize) -> Self {
+        let avg = avg.clamp(*AVG_CHUNK_RANGE.start(), *AVG_CHUNK_RANGE.end()) & !1;
+        self.min_chunk = avg / 4;
+        self.avg_chunk = avg;
+        self.max_chunk = avg * 4;
+        self
+    }
+
+    fn policy(&self) -> Policy {
+        Policy {
+            dedup: self.dedup,
+            compression: self.compression,
+            latency: false,
+        }
+    }
+}
+
 impl Default for CodecConfig {
     fn default() -> Self {
         CodecConfig {
             // Measured (tests.rs): with 8 KiB average chunks a backup with 10% of its 8 KiB blocks
-            // changed costs about a fifth of the first transfer; 16 KiB cost about 30%.
+            // changed costs about a sixth of the first transfer; 16 KiB cost about 30%.
             min_chunk: 2 * 1024,
             avg_chunk: 8 * 1024,
             max_chunk: 32 * 1024,
@@ -89,6 +148,16 @@ impl Default for CodecConfig {
             zstd_level: 3,
         }
     }
+}
+
+/// The content-defined chunks of `data` as (offset, length), computed lazily. The last one ends
+/// at the end of `data`, boundary or not: the caller decides whether it may be sent yet.
+pub fn chunks<'a>(
+    data: &'a [u8],
+    cfg: &CodecConfig,
+) -> impl Iterator<Item = (usize, usize)> + use<'a> {
+    fastcdc::v2020::FastCDC::new(data, cfg.min_chunk, cfg.avg_chunk, cfg.max_chunk)
+        .map(|c| (c.offset, c.length))
 }
 
 /// A decoding failure. `Incomplete` is normal: wait for more bytes.
@@ -106,7 +175,26 @@ pub enum CodecError {
     Decompress,
 }
 
-/// Byte and chunk counts of an encoder.
+/// How one chunk was sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sent {
+    /// As a reference to a chunk the peer holds.
+    Ref,
+    /// As data, with this codec.
+    Lit(Codec),
+    /// As raw bytes, not cached.
+    Raw,
+}
+
+/// What encoding one chunk did: how, raw bytes in, record bytes out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Report {
+    pub sent: Sent,
+    pub raw: usize,
+    pub wire: usize,
+}
+
+/// Byte and chunk counts, summed from [`Report`]s.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EncodeStats {
     pub raw_bytes: u64,
@@ -115,25 +203,237 @@ pub struct EncodeStats {
     pub hit_bytes: u64,
     pub miss_chunks: u64,
     pub miss_bytes: u64,
-    /// Raw bytes of literal chunks sent with each codec: none, lz4, zstd.
+    /// Raw bytes of literal chunks (and raw records, as none) sent with each codec: none, lz4, zstd.
     pub codec_bytes: [u64; 3],
 }
 
-/// One direction's encoder, holding the mirror of the peer decoder's cache.
+impl EncodeStats {
+    /// Adds another set of counts.
+    pub fn merge(&mut self, o: &EncodeStats) {
+        self.raw_bytes += o.raw_bytes;
+        self.wire_bytes += o.wire_bytes;
+        self.hit_chunks += o.hit_chunks;
+        self.hit_bytes += o.hit_bytes;
+        self.miss_chunks += o.miss_chunks;
+        self.miss_bytes += o.miss_bytes;
+        for (a, b) in self.codec_bytes.iter_mut().zip(o.codec_bytes) {
+            *a += b;
+        }
+    }
+
+    /// Adds one chunk's report.
+    pub fn add(&mut self, r: &Report) {
+        let raw = r.raw as u64;
+        self.raw_bytes += raw;
+        self.wire_bytes += r.wire as u64;
+        match r.sent {
+            Sent::Ref => {
+                self.hit_chunks += 1;
+                self.hit_bytes += raw;
+            }
+            Sent::Lit(c) => {
+                self.miss_chunks += 1;
+                self.miss_bytes += raw;
+                self.codec_bytes[c.index()] += raw;
+            }
+            Sent::Raw => self.codec_bytes[0] += raw,
+        }
+    }
+}
+
+/// Per-stream memory of the adaptive choice: after incompressible chunks, skip the trial for a
+/// growing number of chunks, so encrypted or compressed data costs almost nothing.
+#[derive(Debug, Clone, Default)]
+pub struct Hint {
+    skip: u32,
+    backoff: u32,
+}
+
+impl Hint {
+    fn incompressible(&mut self) {
+        self.backoff = (self.backoff * 2).clamp(1, 64);
+        self.skip = self.backoff;
+    }
+    fn compressible(&mut self) {
+        self.backoff = 0;
+    }
+}
+
+/// The encoding side of one cache: a mirror of the peer decoder's cache (same capacity, same
+/// inserts and touches in the same order) plus reusable compression state.
+pub struct Mirror {
+    cache: ChunkCache,
+    zstd: Option<zstd::bulk::Compressor<'static>>,
+    scratch: Vec<u8>,
+}
+
+impl Mirror {
+    /// A mirror of a peer cache of `cache_bytes`, compressing with zstd at `zstd_level`.
+    pub fn new(cache_bytes: usize, zstd_level: i32) -> Self {
+        Mirror {
+            cache: ChunkCache::new(cache_bytes),
+            // One zstd context for the mirror's life: creating one per chunk cost more than compressing.
+            zstd: zstd::bulk::Compressor::new(zstd_level).ok(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The mirrored cache (for its size and evictions).
+    pub fn cache(&self) -> &ChunkCache {
+        &self.cache
+    }
+
+    /// A held chunk's bytes, verified, without counting as a use (to answer the peer's miss).
+    pub fn chunk(&self, f: &Fingerprint) -> Option<&[u8]> {
+        self.cache.peek(f)
+    }
+
+    /// Appends the record for one chunk to `out`.
+    pub fn encode_chunk(
+        &mut self,
+        chunk: &[u8],
+        policy: &Policy,
+        pressure: Pressure,
+        hint: &mut Hint,
+        out: &mut impl BufMut,
+    ) -> Report {
+        let f = if policy.dedup {
+            let f = fingerprint(chunk);
+            if self.cache.contains(&f) {
+                self.cache.touch(&f);
+                out.put_u8(TAG_REF);
+                out.put_slice(&f);
+                let wire = 17 + put_len(out, chunk.len());
+                return Report {
+                    sent: Sent::Ref,
+                    raw: chunk.len(),
+                    wire,
+                };
+            }
+            Some(f)
+        } else {
+            None
+        };
+        let codec = self.compress(chunk, policy, pressure, hint);
+        let wire = match codec {
+            Some(codec) => {
+                out.put_u8(codec.tag(f.is_some()));
+                let h = put_len(out, chunk.len()) + put_len(out, self.scratch.len());
+                out.put_slice(&self.scratch);
+                1 + h + self.scratch.len()
+            }
+            None => {
+                out.put_u8(Codec::None.tag(f.is_some()));
+                let h = put_len(out, chunk.len());
+                out.put_slice(chunk);
+                1 + h + chunk.len()
+            }
+        };
+        if let Some(f) = f {
+            self.cache.insert(f, chunk.to_vec());
+        }
+        Report {
+            sent: Sent::Lit(codec.unwrap_or(Codec::None)),
+            raw: chunk.len(),
+            wire,
+        }
+    }
+
+    /// Compresses `chunk` into the scratch buffer if that pays; returns the codec used.
+    fn compress(
+        &mut self,
+        chunk: &[u8],
+        policy: &Policy,
+        pressure: Pressure,
+        hint: &mut Hint,
+    ) -> Option<Codec> {
+        let codec = match policy.compression {
+            Compression::None => return None,
+            Compression::Lz4 => Codec::Lz4,
+            Compression::Zstd => Codec::Zstd,
+            Compression::Adaptive => {
+                if hint.skip > 0 {
+                    hint.skip -= 1;
+                    return None;
+                }
+                if policy.latency || pressure == Pressure::CpuBound {
+                    Codec::Lz4
+                } else {
+                    // Before spending zstd's CPU, a 4 KiB LZ4 trial tells noise apart.
+                    let sample = &chunk[..chunk.len().min(4096)];
+                    if !self.lz4(sample) || !pays(sample.len(), self.scratch.len()) {
+                        hint.incompressible();
+                        return None;
+                    }
+                    Codec::Zstd
+                }
+            }
+        };
+        let ok = match codec {
+            Codec::Lz4 => self.lz4(chunk),
+            _ => match self.zstd.as_mut() {
+                Some(z) => {
+                    self.scratch.clear();
+                    self.scratch
+                        .reserve(zstd::zstd_safe::compress_bound(chunk.len()));
+                    z.compress_to_buffer(chunk, &mut self.scratch).is_ok()
+                }
+                None => false,
+            },
+        };
+        if ok && pays(chunk.len(), self.scratch.len()) {
+            hint.compressible();
+            Some(codec)
+        } else {
+            hint.incompressible();
+            None
+        }
+    }
+
+    fn lz4(&mut self, data: &[u8]) -> bool {
+        self.scratch
+            .resize(lz4_flex::block::get_maximum_output_size(data.len()), 0);
+        match lz4_flex::block::compress_into(data, &mut self.scratch) {
+            Ok(n) => {
+                self.scratch.truncate(n);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+}
+
+/// Compression pays when it saves its header and at least 3% of the chunk.
+fn pays(raw: usize, compressed: usize) -> bool {
+    compressed + 4 + raw / 32 < raw
+}
+
+/// Appends a raw record (bytes sent as they are, not cached) to `out`.
+pub fn encode_raw(data: &[u8], out: &mut impl BufMut) -> Report {
+    out.put_u8(TAG_RAW);
+    let h = put_len(out, data.len());
+    out.put_slice(data);
+    Report {
+        sent: Sent::Raw,
+        raw: data.len(),
+        wire: 1 + h + data.len(),
+    }
+}
+
+/// One direction of one stream, encoded as a whole: chunking state, a mirror and counts.
 pub struct Encoder {
     cfg: CodecConfig,
-    cache: ChunkCache,
+    mirror: Mirror,
+    hint: Hint,
     pending: Vec<u8>,
     stats: EncodeStats,
-    /// One zstd context for the encoder's life: creating one per chunk cost more than compressing.
-    zstd: Option<zstd::bulk::Compressor<'static>>,
 }
 
 impl Encoder {
     pub fn new(cfg: CodecConfig) -> Self {
         Encoder {
-            cache: ChunkCache::new(cfg.cache_bytes),
-            zstd: zstd::bulk::Compressor::new(cfg.zstd_level).ok(),
+            mirror: Mirror::new(cfg.cache_bytes, cfg.zstd_level),
+            hint: Hint::default(),
             cfg,
             pending: Vec::new(),
             stats: EncodeStats::default(),
@@ -146,7 +446,7 @@ impl Encoder {
 
     /// The mirror cache (for its size and evictions).
     pub fn cache(&self) -> &ChunkCache {
-        &self.cache
+        self.mirror.cache()
     }
 
     /// Bytes held back waiting for a chunk boundary.
@@ -157,109 +457,63 @@ impl Encoder {
     /// Takes stream bytes and appends records to `out`. Without `flush`, the bytes after the last
     /// chunk boundary wait for more data; with it (latency class, end of stream) nothing waits.
     pub fn push(&mut self, data: &[u8], flush: bool, pressure: Pressure, out: &mut Vec<u8>) {
-        self.stats.raw_bytes += data.len() as u64;
         self.pending.extend_from_slice(data);
-        let start = out.len();
-        let mut consumed = 0;
         let pending = std::mem::take(&mut self.pending);
-        let chunks: Vec<(usize, usize)> = fastcdc::v2020::FastCDC::new(
-            &pending,
-            self.cfg.min_chunk,
-            self.cfg.avg_chunk,
-            self.cfg.max_chunk,
-        )
-        .map(|c| (c.offset, c.length))
-        .collect();
-        for (i, (off, len)) in chunks.iter().enumerate() {
-            let last = i + 1 == chunks.len();
+        let policy = self.cfg.policy();
+        let mut consumed = 0;
+        let mut it = chunks(&pending, &self.cfg).peekable();
+        while let Some((off, len)) = it.next() {
+            let last = it.peek().is_none();
             // The last piece ends at the buffer's end, not at a content boundary: it waits, unless
             // it is a full-size chunk or the caller flushes.
-            if last && !flush && *len < self.cfg.max_chunk {
+            if last && !flush && len < self.cfg.max_chunk {
                 break;
             }
-            let chunk = &pending[*off..off + len];
-            if last && *len < self.cfg.min_chunk {
-                put_raw(out, chunk);
+            let chunk = &pending[off..off + len];
+            let r = if last && len < self.cfg.min_chunk {
+                encode_raw(chunk, out)
             } else {
-                self.emit_chunk(chunk, pressure, out);
-            }
+                self.mirror
+                    .encode_chunk(chunk, &policy, pressure, &mut self.hint, out)
+            };
+            self.stats.add(&r);
             consumed = off + len;
         }
+        drop(it);
         self.pending = pending[consumed..].to_vec();
-        self.stats.wire_bytes += (out.len() - start) as u64;
-    }
-
-    fn emit_chunk(&mut self, chunk: &[u8], pressure: Pressure, out: &mut Vec<u8>) {
-        let f = fingerprint(chunk);
-        if self.cfg.dedup && self.cache.contains(&f) {
-            self.cache.touch(&f);
-            out.push(TAG_REF);
-            out.extend_from_slice(&f);
-            out.extend_from_slice(&(chunk.len() as u32).to_be_bytes());
-            self.stats.hit_chunks += 1;
-            self.stats.hit_bytes += chunk.len() as u64;
-            return;
-        }
-        let codec = self.choose(chunk, pressure);
-        let compressed = match codec {
-            Codec::None => None,
-            Codec::Lz4 => Some(lz4_flex::block::compress(chunk)),
-            Codec::Zstd => self.zstd.as_mut().and_then(|z| z.compress(chunk).ok()),
-        };
-        out.push(TAG_LIT);
-        match compressed {
-            // Compression must pay for its own header (4 bytes) and then some.
-            Some(c) if c.len() + 64 < chunk.len() => {
-                out.push(codec.to_u8());
-                out.extend_from_slice(&(chunk.len() as u32).to_be_bytes());
-                out.extend_from_slice(&(c.len() as u32).to_be_bytes());
-                out.extend_from_slice(&c);
-                self.stats.codec_bytes[codec.to_u8() as usize] += chunk.len() as u64;
-            }
-            _ => {
-                out.push(Codec::None.to_u8());
-                out.extend_from_slice(&(chunk.len() as u32).to_be_bytes());
-                out.extend_from_slice(chunk);
-                self.stats.codec_bytes[0] += chunk.len() as u64;
-            }
-        }
-        self.stats.miss_chunks += 1;
-        self.stats.miss_bytes += chunk.len() as u64;
-        if self.cfg.dedup {
-            self.cache.insert(f, chunk.to_vec());
-        }
-    }
-
-    /// Picks the codec for a chunk: a 4 KiB LZ4 trial tells incompressible data (encrypted,
-    /// already compressed) apart at almost no cost; then link pressure decides between LZ4 and zstd.
-    fn choose(&self, chunk: &[u8], pressure: Pressure) -> Codec {
-        match self.cfg.compression {
-            Compression::None => Codec::None,
-            Compression::Lz4 => Codec::Lz4,
-            Compression::Zstd => Codec::Zstd,
-            Compression::Adaptive => {
-                let sample = &chunk[..chunk.len().min(4096)];
-                let trial = lz4_flex::block::compress(sample);
-                if trial.len() * 100 > sample.len() * 95 {
-                    Codec::None
-                } else if pressure == Pressure::LinkBound {
-                    Codec::Zstd
-                } else {
-                    Codec::Lz4
-                }
-            }
-        }
     }
 }
 
-fn put_raw(out: &mut Vec<u8>, data: &[u8]) {
-    out.push(TAG_RAW);
-    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-    out.extend_from_slice(data);
+/// Writes a length as a little-endian base-128 varint (at most 3 bytes for lengths up to
+/// [`MAX_RECORD`]); returns its size. Records of 8 KiB chunks thus carry 3 bytes of header.
+fn put_len(out: &mut impl BufMut, mut n: usize) -> usize {
+    let mut k = 0;
+    loop {
+        k += 1;
+        if n < 0x80 {
+            out.put_u8(n as u8);
+            return k;
+        }
+        out.put_u8((n as u8 & 0x7f) | 0x80);
+        n >>= 7;
+    }
 }
 
-fn be32(b: &[u8]) -> usize {
-    u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize
+/// Reads a varint length at `at`: (length, bytes used). More than 3 bytes is malformed, more
+/// than [`MAX_RECORD`] too large, both before anything is allocated.
+fn get_len(buf: &[u8], at: usize) -> Result<(usize, usize), CodecError> {
+    let mut n = 0usize;
+    for i in 0..3 {
+        let b = *buf.get(at + i).ok_or(CodecError::Incomplete)?;
+        n |= usize::from(b & 0x7f) << (7 * i);
+        if b & 0x80 == 0 {
+            if n > MAX_RECORD {
+                return Err(CodecError::TooLarge(n));
+            }
+            return Ok((n, i + 1));
+        }
+    }
+    Err(CodecError::Malformed("length longer than 3 bytes"))
 }
 
 /// One direction's decoder with its cache.
@@ -271,9 +525,14 @@ pub struct Decoder {
 
 impl Decoder {
     pub fn new(cfg: &CodecConfig) -> Self {
+        Self::with_capacity(cfg.cache_bytes, cfg.dedup)
+    }
+
+    /// A decoder whose cache holds `cache_bytes`; without `dedup` nothing is cached.
+    pub fn with_capacity(cache_bytes: usize, dedup: bool) -> Self {
         Decoder {
-            cache: ChunkCache::new(cfg.cache_bytes),
-            dedup: cfg.dedup,
+            cache: ChunkCache::new(cache_bytes),
+            dedup,
             zstd: zstd::bulk::Decompressor::new().ok(),
         }
     }
@@ -288,11 +547,31 @@ impl Decoder {
         &mut self.cache
     }
 
+    /// Adds a chunk the peer re-sent after a miss; false (and nothing added) unless it matches
+    /// its fingerprint.
+    pub fn insert_verified(&mut self, f: Fingerprint, data: &[u8]) -> bool {
+        if data.len() > MAX_RECORD || fingerprint(data) != f {
+            return false;
+        }
+        self.cache.insert(f, data.to_vec());
+        true
+    }
+
     /// Decodes the first whole record of `buf`, appending its bytes to `out`; returns how many
-    /// input bytes it used. Lengths are checked before anything is allocated.
+    /// input bytes it used. Lengths are checked before anything is allocated. On a miss nothing
+    /// is used or appended.
     pub fn decode_record(&mut self, buf: &[u8], out: &mut Vec<u8>) -> Result<usize, CodecError> {
-        let Some(&tag) = buf.first() else {
+        let Some(&first) = buf.first() else {
             return Err(CodecError::Incomplete);
+        };
+        let (tag, cache) = match first {
+            TAG_LIT | TAG_LIT_LZ4 | TAG_LIT_ZSTD => (first, self.dedup),
+            t if t & NO_CACHE != 0
+                && matches!(t & !NO_CACHE, TAG_LIT | TAG_LIT_LZ4 | TAG_LIT_ZSTD) =>
+            {
+                (t & !NO_CACHE, false)
+            }
+            t => (t, false),
         };
         let need = |n: usize| {
             if buf.len() < n {
@@ -301,22 +580,20 @@ impl Decoder {
                 Ok(())
             }
         };
+
         match tag {
             TAG_RAW => {
-                need(5)?;
-                let len = be32(&buf[1..5]);
-                if len > MAX_RECORD {
-                    return Err(CodecError::TooLarge(len));
-                }
-                need(5 + len)?;
-                out.extend_from_slice(&buf[5..5 + len]);
-                Ok(5 + len)
+                let (len, h) = get_len(buf, 1)?;
+                let at = 1 + h;
+                need(at + len)?;
+                out.extend_from_slice(&buf[at..at + len]);
+                Ok(at + len)
             }
             TAG_REF => {
-                need(21)?;
+                need(17)?;
                 let mut f = [0u8; 16];
                 f.copy_from_slice(&buf[1..17]);
-                let len = be32(&buf[17..21]);
+                let (len, h) = get_len(buf, 17)?;
                 let chunk = self.cache.get(&f).ok_or(CodecError::Miss(f))?;
                 if chunk.len() != len {
                     return Err(CodecError::Malformed(
@@ -324,47 +601,44 @@ impl Decoder {
                     ));
                 }
                 out.extend_from_slice(chunk);
-                Ok(21)
+                Ok(17 + h)
             }
             TAG_LIT => {
-                need(6)?;
-                let codec = Codec::from_u8(buf[1])?;
-                let raw_len = be32(&buf[2..6]);
-                if raw_len > MAX_RECORD {
-                    return Err(CodecError::TooLarge(raw_len));
+                let (len, h) = get_len(buf, 1)?;
+                let at = 1 + h;
+                need(at + len)?;
+                let chunk = &buf[at..at + len];
+                out.extend_from_slice(chunk);
+                if cache {
+                    self.cache.insert(fingerprint(chunk), chunk.to_vec());
                 }
-                let (chunk, used) = if codec == Codec::None {
-                    need(6 + raw_len)?;
-                    (buf[6..6 + raw_len].to_vec(), 6 + raw_len)
+                Ok(at + len)
+            }
+            TAG_LIT_LZ4 | TAG_LIT_ZSTD => {
+                let (raw_len, h1) = get_len(buf, 1)?;
+                let (clen, h2) = get_len(buf, 1 + h1)?;
+                let at = 1 + h1 + h2;
+                need(at + clen)?;
+                let payload = &buf[at..at + clen];
+                // Decompression is bounded by the announced size: a bomb is an error.
+                let chunk = if tag == TAG_LIT_LZ4 {
+                    lz4_flex::block::decompress(payload, raw_len)
+                        .map_err(|_| CodecError::Decompress)?
                 } else {
-                    need(10)?;
-                    let clen = be32(&buf[6..10]);
-                    if clen > MAX_RECORD {
-                        return Err(CodecError::TooLarge(clen));
-                    }
-                    need(10 + clen)?;
-                    let payload = &buf[10..10 + clen];
-                    // Decompression is bounded by the announced size: a bomb is an error.
-                    let chunk = match codec {
-                        Codec::Lz4 => lz4_flex::block::decompress(payload, raw_len)
-                            .map_err(|_| CodecError::Decompress)?,
-                        _ => self
-                            .zstd
-                            .as_mut()
-                            .ok_or(CodecError::Decompress)?
-                            .decompress(payload, raw_len)
-                            .map_err(|_| CodecError::Decompress)?,
-                    };
-                    if chunk.len() != raw_len {
-                        return Err(CodecError::Decompress);
-                    }
-                    (chunk, 10 + clen)
+                    self.zstd
+                        .as_mut()
+                        .ok_or(CodecError::Decompress)?
+                        .decompress(payload, raw_len)
+                        .map_err(|_| CodecError::Decompress)?
                 };
+                if chunk.len() != raw_len {
+                    return Err(CodecError::Decompress);
+                }
                 out.extend_from_slice(&chunk);
-                if self.dedup {
+                if cache {
                     self.cache.insert(fingerprint(&chunk), chunk);
                 }
-                Ok(used)
+                Ok(at + clen)
             }
             _ => Err(CodecError::Malformed("unknown record")),
         }

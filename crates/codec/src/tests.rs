@@ -92,6 +92,7 @@ proptest! {
         pieces in proptest::collection::vec(1usize..70_000, 1..5),
         flush_each in any::<bool>(),
         comp in prop_oneof![Just(Compression::None), Just(Compression::Lz4), Just(Compression::Zstd), Just(Compression::Adaptive)],
+        dedup in any::<bool>(),
     ) {
         let mut data = Vec::new();
         for (kind, len, seed) in &parts {
@@ -101,8 +102,11 @@ proptest! {
                 _ => { let d = data.clone(); data.extend(d.iter().take(*len)); }
             }
         }
-        let cfg = CodecConfig { compression: comp, cache_bytes: 1 << 20, ..CodecConfig::default() };
-        let (mut enc, mut dec) = pair(&cfg);
+        let cfg = CodecConfig { compression: comp, cache_bytes: 1 << 20, dedup, ..CodecConfig::default() };
+        let enc_ = Encoder::new(cfg.clone());
+        // The decoder caches unless a record says not to: with dedup off, nothing may enter it.
+        let dec_ = Decoder::with_capacity(cfg.cache_bytes, true);
+        let (mut enc, mut dec) = (enc_, dec_);
         let (out, _) = round_trip(&cfg, &mut enc, &mut dec, &data, &pieces, flush_each);
         prop_assert!(out == data);
         prop_assert_eq!(enc.cache().size(), dec.cache().size());
@@ -221,16 +225,20 @@ fn restarted_or_damaged_receiver_misses_instead_of_misreading() {
 fn hostile_records_are_errors_not_allocations() {
     let mut dec = Decoder::new(&CodecConfig::default());
     let mut out = Vec::new();
-    // A raw record claiming 4 GiB.
+    // A raw record claiming 2 MiB, and one whose length never ends.
     assert_eq!(
-        dec.decode_record(&[TAG_RAW, 0xff, 0xff, 0xff, 0xff], &mut out),
-        Err(CodecError::TooLarge(u32::MAX as usize))
+        dec.decode_record(&[TAG_RAW, 0xff, 0xff, 0x7f], &mut out),
+        Err(CodecError::TooLarge((1 << 21) - 1))
     );
+    assert!(matches!(
+        dec.decode_record(&[TAG_RAW, 0xff, 0xff, 0xff, 0xff], &mut out),
+        Err(CodecError::Malformed(_))
+    ));
     // A zstd bomb: 8 MiB of zeros claimed to be 1 KiB.
     let bomb = zstd::bulk::compress(&vec![0u8; 8 << 20], 3).expect("compress");
-    let mut rec = vec![TAG_LIT, Codec::Zstd.to_u8()];
-    rec.extend_from_slice(&1024u32.to_be_bytes());
-    rec.extend_from_slice(&(bomb.len() as u32).to_be_bytes());
+    let mut rec = vec![TAG_LIT_ZSTD];
+    put_len(&mut rec, 1024);
+    put_len(&mut rec, bomb.len());
     rec.extend_from_slice(&bomb);
     assert_eq!(
         dec.decode_record(&rec, &mut out),
@@ -238,9 +246,9 @@ fn hostile_records_are_errors_not_allocations() {
     );
     // The same for LZ4.
     let bomb = lz4_flex::block::compress(&vec![0u8; 1 << 20]);
-    let mut rec = vec![TAG_LIT, Codec::Lz4.to_u8()];
-    rec.extend_from_slice(&1024u32.to_be_bytes());
-    rec.extend_from_slice(&(bomb.len() as u32).to_be_bytes());
+    let mut rec = vec![TAG_LIT_LZ4];
+    put_len(&mut rec, 1024);
+    put_len(&mut rec, bomb.len());
     rec.extend_from_slice(&bomb);
     assert_eq!(
         dec.decode_record(&rec, &mut out),

@@ -72,6 +72,8 @@ pub enum ResetCode {
     Shutdown,
     /// Too many streams.
     Refused,
+    /// Stream bytes could not be rebuilt (a chunk the peer no longer holds, or bad records).
+    DataLost,
     /// A code this version does not know.
     Other(u16),
 }
@@ -85,6 +87,7 @@ impl ResetCode {
             ResetCode::ProtocolViolation => 4,
             ResetCode::Shutdown => 5,
             ResetCode::Refused => 6,
+            ResetCode::DataLost => 7,
             ResetCode::Other(v) => v,
         }
     }
@@ -96,6 +99,7 @@ impl ResetCode {
             4 => ResetCode::ProtocolViolation,
             5 => ResetCode::Shutdown,
             6 => ResetCode::Refused,
+            7 => ResetCode::DataLost,
             v => ResetCode::Other(v),
         }
     }
@@ -109,6 +113,7 @@ impl ResetCode {
             ResetCode::ProtocolViolation => "protocol_violation",
             ResetCode::Shutdown => "shutdown",
             ResetCode::Refused => "refused",
+            ResetCode::DataLost => "data_lost",
             ResetCode::Other(_) => "other",
         }
     }
@@ -183,6 +188,10 @@ pub mod setting {
     pub const TOKEN: u16 = 5;
     /// On a second connection's hello: attach it as the latency lane of the link with this token.
     pub const ATTACH: u16 = 6;
+    /// Bytes of the sender's shared chunk cache (its decoder's): the peer's encoder mirrors it.
+    pub const CACHE_BYTES: u16 = 7;
+    /// Bytes of each of the sender's service-scoped chunk caches.
+    pub const SERVICE_CACHE_BYTES: u16 = 8;
 }
 
 impl Hello {
@@ -231,6 +240,30 @@ pub enum Frame {
     Pong { payload: u64 },
     /// The sender closes the link: no new frames follow.
     GoAway { code: CloseCode, reason: String },
+    /// Optimized stream bytes: `records` of the codec that rebuild `raw_len` bytes at `offset`,
+    /// against the link's shared cache or (`scoped`) the stream's service's own.
+    Coded {
+        stream: StreamId,
+        offset: u64,
+        fin: bool,
+        scoped: bool,
+        raw_len: u32,
+        records: Bytes,
+    },
+    /// A reference could not be resolved: the receiver asks for the chunk of `fingerprint` in the
+    /// cache `scope` (empty: the link's shared cache; else a service's own).
+    Need {
+        stream: StreamId,
+        scope: String,
+        fingerprint: [u8; 16],
+    },
+    /// The answer to [`Frame::Need`]: the chunk's bytes, or none if the sender no longer has it.
+    Chunk {
+        stream: StreamId,
+        scope: String,
+        fingerprint: [u8; 16],
+        data: Bytes,
+    },
 }
 
 mod kind {
@@ -242,9 +275,13 @@ mod kind {
     pub const PING: u8 = 6;
     pub const PONG: u8 = 7;
     pub const GOAWAY: u8 = 8;
+    pub const CODED: u8 = 9;
+    pub const NEED: u8 = 10;
+    pub const CHUNK: u8 = 11;
 }
 
 const FLAG_FIN: u8 = 1;
+const FLAG_SCOPED: u8 = 2;
 
 impl Frame {
     /// Checks whether `buf` starts with a whole frame whose payload is at most `max_payload` bytes.
@@ -254,7 +291,7 @@ impl Frame {
             return Err(FrameError::Incomplete);
         }
         let kind = buf[0];
-        if !(kind::HELLO..=kind::GOAWAY).contains(&kind) {
+        if !(kind::HELLO..=kind::CHUNK).contains(&kind) {
             return Err(FrameError::UnknownKind(kind));
         }
         let len = u32::from_be_bytes([buf[6], buf[7], buf[8], buf[9]]);
@@ -353,6 +390,43 @@ impl Frame {
                 let reason = get_name(&mut p)?;
                 Frame::GoAway { code, reason }
             }
+            kind::CODED => {
+                nonzero(stream)?;
+                let offset = get_u64(&mut p)?;
+                let raw_len = get_u32(&mut p)?;
+                if offset.checked_add(u64::from(raw_len)).is_none() {
+                    return Err(FrameError::Malformed("offset overflow"));
+                }
+                Frame::Coded {
+                    stream,
+                    offset,
+                    fin: flags & FLAG_FIN != 0,
+                    scoped: flags & FLAG_SCOPED != 0,
+                    raw_len,
+                    records: p.split_off(0),
+                }
+            }
+            kind::NEED => {
+                nonzero(stream)?;
+                let fingerprint = get_fingerprint(&mut p)?;
+                let scope = get_name(&mut p)?;
+                Frame::Need {
+                    stream,
+                    scope,
+                    fingerprint,
+                }
+            }
+            kind::CHUNK => {
+                nonzero(stream)?;
+                let fingerprint = get_fingerprint(&mut p)?;
+                let scope = get_name(&mut p)?;
+                Frame::Chunk {
+                    stream,
+                    scope,
+                    fingerprint,
+                    data: p.split_off(0),
+                }
+            }
             other => return Err(FrameError::UnknownKind(other)),
         };
         if p.has_remaining() {
@@ -373,6 +447,9 @@ impl Frame {
                 Frame::Reset { reason, .. } => 2 + 1 + name_len(reason),
                 Frame::MaxData { .. } | Frame::Ping { .. } | Frame::Pong { .. } => 8,
                 Frame::GoAway { reason, .. } => 2 + 1 + name_len(reason),
+                Frame::Coded { records, .. } => 8 + 4 + records.len(),
+                Frame::Need { scope, .. } => 16 + 1 + name_len(scope),
+                Frame::Chunk { scope, data, .. } => 16 + 1 + name_len(scope) + data.len(),
             }
     }
 
@@ -391,6 +468,14 @@ impl Frame {
             Frame::Ping { .. } => (kind::PING, 0, StreamId::LINK),
             Frame::Pong { .. } => (kind::PONG, 0, StreamId::LINK),
             Frame::GoAway { .. } => (kind::GOAWAY, 0, StreamId::LINK),
+            Frame::Coded {
+                stream,
+                fin,
+                scoped,
+                ..
+            } => (kind::CODED, coded_flags(*fin, *scoped), *stream),
+            Frame::Need { stream, .. } => (kind::NEED, 0, *stream),
+            Frame::Chunk { stream, .. } => (kind::CHUNK, 0, *stream),
         };
         out.put_u8(kind);
         out.put_u8(flags);
@@ -429,6 +514,32 @@ impl Frame {
                 out.put_u16(code.to_u16());
                 put_name(out, reason);
             }
+            Frame::Coded {
+                offset,
+                raw_len,
+                records,
+                ..
+            } => {
+                out.put_u64(*offset);
+                out.put_u32(*raw_len);
+                out.extend_from_slice(records);
+            }
+            Frame::Need {
+                scope, fingerprint, ..
+            } => {
+                out.extend_from_slice(fingerprint);
+                put_name(out, scope);
+            }
+            Frame::Chunk {
+                scope,
+                fingerprint,
+                data,
+                ..
+            } => {
+                out.extend_from_slice(fingerprint);
+                put_name(out, scope);
+                out.extend_from_slice(data);
+            }
         }
         let len = (out.len() - start) as u32;
         out[len_at..len_at + 4].copy_from_slice(&len.to_be_bytes());
@@ -454,6 +565,34 @@ pub fn encode_data_header(
 /// Overhead of a data frame on top of its payload.
 pub const DATA_OVERHEAD: usize = HEADER_LEN + 8;
 
+/// Overhead of a coded frame on top of its records.
+pub const CODED_OVERHEAD: usize = HEADER_LEN + 12;
+
+/// Writes the header of a coded frame with a zero payload length, returning where the length
+/// sits; [`finish_coded`] fills it in once the records are appended.
+pub fn begin_coded(out: &mut BytesMut, stream: StreamId, offset: u64) -> usize {
+    out.put_u8(kind::CODED);
+    out.put_u8(0);
+    out.put_u32(stream.0);
+    let at = out.len();
+    out.put_u32(0);
+    out.put_u64(offset);
+    out.put_u32(0);
+    at
+}
+
+fn coded_flags(fin: bool, scoped: bool) -> u8 {
+    (if fin { FLAG_FIN } else { 0 }) | if scoped { FLAG_SCOPED } else { 0 }
+}
+
+/// Completes a coded frame begun at `at`: its flags, raw length and payload length.
+pub fn finish_coded(out: &mut BytesMut, at: usize, fin: bool, scoped: bool, raw_len: u32) {
+    let payload = (out.len() - at - 4) as u32;
+    out[at - 5] = coded_flags(fin, scoped);
+    out[at..at + 4].copy_from_slice(&payload.to_be_bytes());
+    out[at + 12..at + 16].copy_from_slice(&raw_len.to_be_bytes());
+}
+
 fn nonzero(stream: StreamId) -> Result<(), FrameError> {
     if stream == StreamId::LINK {
         Err(FrameError::Malformed("stream id 0 on a stream frame"))
@@ -467,6 +606,20 @@ fn get_u8(p: &mut Bytes) -> Result<u8, FrameError> {
         return Err(FrameError::Malformed("truncated field"));
     }
     Ok(p.get_u8())
+}
+fn get_u32(p: &mut Bytes) -> Result<u32, FrameError> {
+    if p.remaining() < 4 {
+        return Err(FrameError::Malformed("truncated field"));
+    }
+    Ok(p.get_u32())
+}
+fn get_fingerprint(p: &mut Bytes) -> Result<[u8; 16], FrameError> {
+    if p.remaining() < 16 {
+        return Err(FrameError::Malformed("truncated fingerprint"));
+    }
+    let mut f = [0u8; 16];
+    p.copy_to_slice(&mut f);
+    Ok(f)
 }
 fn get_u16(p: &mut Bytes) -> Result<u16, FrameError> {
     if p.remaining() < 2 {
@@ -567,6 +720,40 @@ mod tests {
                 code: CloseCode::from_u16(c),
                 reason
             }),
+            (
+                sid.clone(),
+                0u64..u64::MAX / 2,
+                any::<(bool, bool)>(),
+                any::<u32>(),
+                proptest::collection::vec(any::<u8>(), 0..2000)
+            )
+                .prop_map(|(stream, offset, (fin, scoped), raw_len, d)| Frame::Coded {
+                    stream,
+                    offset,
+                    fin,
+                    scoped,
+                    raw_len,
+                    records: Bytes::from(d)
+                }),
+            (sid.clone(), arb_name(), any::<[u8; 16]>()).prop_map(
+                |(stream, scope, fingerprint)| Frame::Need {
+                    stream,
+                    scope,
+                    fingerprint
+                }
+            ),
+            (
+                sid.clone(),
+                arb_name(),
+                any::<[u8; 16]>(),
+                proptest::collection::vec(any::<u8>(), 0..2000)
+            )
+                .prop_map(|(stream, scope, fingerprint, d)| Frame::Chunk {
+                    stream,
+                    scope,
+                    fingerprint,
+                    data: Bytes::from(d)
+                }),
         ]
     }
 
@@ -646,6 +833,25 @@ mod tests {
         let mut b = BytesMut::new();
         encode_data_header(&mut b, StreamId(7), 99, true, 5);
         b.extend_from_slice(b"hello");
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn coded_header_matches_encode() {
+        let f = Frame::Coded {
+            stream: StreamId(9),
+            offset: 1 << 40,
+            fin: true,
+            scoped: true,
+            raw_len: 123_456,
+            records: Bytes::from_static(b"records"),
+        };
+        let mut a = BytesMut::new();
+        f.encode(&mut a);
+        let mut b = BytesMut::new();
+        let at = begin_coded(&mut b, StreamId(9), 1 << 40);
+        b.extend_from_slice(b"records");
+        finish_coded(&mut b, at, true, true, 123_456);
         assert_eq!(a, b);
     }
 

@@ -5,11 +5,15 @@
 //! Nothing in this crate touches sockets, threads or clocks: it consumes bytes and `now` values and
 //! emits bytes and events, so it is tested deterministically (see `tests/pair.rs`) and fuzzed.
 
+pub mod coding;
 pub mod error;
 pub mod flow;
 pub mod frame;
 pub mod link;
 
+pub use coding::{
+    CacheStat, CodecCount, CodecSettings, Compression, Pressure, Scope, StreamPolicy,
+};
 pub use error::{FrameError, LinkError, StreamError};
 pub use frame::{Class, CloseCode, Frame, Hello, ResetCode, StreamId};
 pub use link::{Event, LANES, LATENCY_LANE, Link, LinkConfig, MAIN_LANE, ReadOutcome, WireCount};

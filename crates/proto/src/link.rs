@@ -10,6 +10,10 @@ use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
 
+use crate::coding::{
+    self, CacheStat, CodecCount, CodecSettings, Contexts, Pressure, RecvCoded, SendCoder,
+    StreamPolicy,
+};
 use crate::error::{FrameError, LinkError, StreamError};
 use crate::flow::{RecvWindow, SendCredit};
 use crate::frame::{self, Class, CloseCode, Frame, Hello, ResetCode, StreamId, setting};
@@ -29,6 +33,11 @@ pub const MAIN_LANE: usize = 0;
 pub const LATENCY_LANE: usize = 1;
 /// Hello capability bit: the sender accepts a latency lane.
 pub const CAP_LATENCY_LANE: u64 = 1;
+/// Hello capability bit: the sender decodes optimized (`Coded`) frames.
+pub const CAP_CODEC: u64 = 2;
+
+/// Most chunk answers (re-sent chunks) queued for the peer at once.
+const MAX_ANSWERS: usize = 1024;
 
 /// Bytes a bulk stream may send in one scheduling turn before the next stream gets its turn.
 const BULK_QUANTUM: usize = 32 * 1024;
@@ -60,6 +69,8 @@ pub struct LinkConfig {
     pub latency_lane: bool,
     /// Random token the listener hands out in its hello; a latency lane must present it.
     pub token: u64,
+    /// The optimization codec: `None` sends and accepts stream bytes as they are.
+    pub codec: Option<CodecSettings>,
 }
 
 impl LinkConfig {
@@ -78,6 +89,7 @@ impl LinkConfig {
             idle_timeout: Duration::from_secs(30),
             latency_lane: true,
             token: 0,
+            codec: None,
         }
     }
 }
@@ -151,6 +163,9 @@ struct Stream {
     window: RecvWindow,
     fin_received: bool,
     read_done: bool,
+    // Optimization, when the stream's service uses it.
+    coder: Option<Box<SendCoder>>,
+    coded_in: Option<Box<RecvCoded>>,
 }
 
 impl Stream {
@@ -176,13 +191,42 @@ impl Stream {
             window: RecvWindow::new(recv_window),
             fin_received: false,
             read_done: false,
+            coder: None,
+            coded_in: None,
         }
     }
 
     /// True if the scheduler has something to send for this stream, ignoring link credit.
+    /// An optimized stream's bytes wait for a chunk boundary (a whole chunk) or a flush, and
+    /// for credit to cover its next chunk.
     fn wants_send(&self) -> bool {
-        (self.send_queued > 0 && self.credit.available() > 0)
-            || (self.fin_requested && !self.fin_sent && self.send_queued == 0)
+        let fin_only = self.fin_requested && !self.fin_sent && self.send_queued == 0;
+        match &self.coder {
+            None => (self.send_queued > 0 && self.credit.available() > 0) || fin_only,
+            Some(c) => {
+                let ready = self.send_queued >= c.max_chunk || c.flush_at > self.credit.sent();
+                (self.send_queued > 0 && ready && self.credit.available() >= self.min_credit())
+                    || fin_only
+            }
+        }
+    }
+
+    /// Credit the next frame needs: any byte for a plain stream, its next chunk for a coded one.
+    fn min_credit(&self) -> u64 {
+        match &self.coder {
+            None => 1,
+            Some(c) => self.send_queued.min(c.max_chunk) as u64,
+        }
+    }
+
+    /// True when the peer's end of the stream may be read: fin arrived and everything before it
+    /// was rebuilt.
+    fn fin_ready(&self) -> bool {
+        self.fin_received && self.coded_in.as_ref().is_none_or(|c| c.is_empty())
+    }
+
+    fn readable(&self) -> bool {
+        !self.recv_queue.is_empty() || self.fin_ready()
     }
 }
 
@@ -230,6 +274,12 @@ pub struct Link {
     ping_sent: Option<(u64, Instant)>,
     rtt: Option<Duration>,
     close_error: Option<LinkError>,
+    /// Codec caches, when the codec is configured.
+    codecs: Option<Contexts>,
+    policies: HashMap<Arc<str>, StreamPolicy>,
+    pressure: Pressure,
+    /// Chunk answers queued for the peer.
+    answers: usize,
 }
 
 impl Link {
@@ -239,17 +289,25 @@ impl Link {
             version: VERSION,
             min_version: MIN_VERSION,
             site: cfg.site.clone(),
-            capabilities: if cfg.latency_lane {
+            capabilities: (if cfg.latency_lane {
                 CAP_LATENCY_LANE
             } else {
                 0
-            },
+            }) | if cfg.codec.is_some() { CAP_CODEC } else { 0 },
             settings: vec![
                 (setting::STREAM_WINDOW, u64::from(cfg.stream_window)),
                 (setting::LINK_WINDOW, cfg.link_window),
                 (setting::MAX_FRAME, u64::from(cfg.max_frame)),
                 (setting::MAX_STREAMS, u64::from(cfg.max_streams)),
                 (setting::TOKEN, cfg.token),
+                (
+                    setting::CACHE_BYTES,
+                    cfg.codec.as_ref().map_or(0, |c| c.cache_bytes),
+                ),
+                (
+                    setting::SERVICE_CACHE_BYTES,
+                    cfg.codec.as_ref().map_or(0, |c| c.service_cache_bytes),
+                ),
             ],
         };
         let link_window = RecvWindow::new(cfg.link_window);
@@ -282,8 +340,65 @@ impl Link {
             ping_sent: None,
             rtt: None,
             close_error: None,
+            codecs: cfg.codec.clone().map(Contexts::new),
+            policies: HashMap::new(),
+            pressure: Pressure::CpuBound,
+            answers: 0,
             cfg,
         }
+    }
+
+    /// Sets how each service's streams are optimized on the way out (replaces the previous
+    /// table). A service not in the table uses the default policy; one with neither compression
+    /// nor dedup is sent as it is.
+    pub fn set_policies<I: IntoIterator<Item = (S, StreamPolicy)>, S: AsRef<str>>(
+        &mut self,
+        policies: I,
+    ) {
+        self.policies = policies
+            .into_iter()
+            .map(|(s, p)| (Arc::from(s.as_ref()), p))
+            .collect();
+    }
+
+    /// Tells the encoder what limits throughput now (the runtime watches its socket writes).
+    pub fn set_pressure(&mut self, p: Pressure) {
+        self.pressure = p;
+    }
+
+    /// The send side's codec state for a new stream, if its bytes are to be optimized.
+    fn coder_for(&self, service: &str, class: Class) -> Option<Box<SendCoder>> {
+        let ctx = self.codecs.as_ref()?;
+        let chunking = ctx.chunking.as_ref()?;
+        let p = self.policies.get(service).copied().unwrap_or_default();
+        if p.compression == coding::Compression::None && !p.dedup {
+            return None;
+        }
+        let mut c = SendCoder::new(&p, class == Class::Latency);
+        c.max_chunk = chunking.max_chunk;
+        Some(Box::new(c))
+    }
+
+    /// Drains the per-service codec counts accumulated since the last call.
+    pub fn take_codec_counts(&mut self) -> Vec<(Arc<str>, CodecCount)> {
+        self.codecs
+            .as_mut()
+            .map(|c| c.counts.drain().collect())
+            .unwrap_or_default()
+    }
+
+    /// Size and evictions of every chunk cache of the link.
+    pub fn cache_stats(&self) -> Vec<CacheStat> {
+        self.codecs
+            .as_ref()
+            .map(Contexts::cache_stats)
+            .unwrap_or_default()
+    }
+
+    /// Test hook: damages every chunk our decoders hold; returns how many.
+    #[doc(hidden)]
+    pub fn corrupt_caches_for_test(&mut self) -> usize {
+        self.codecs.as_mut().map_or(0, Contexts::corrupt_decoders)
     }
 
     /// Sets the service names the peer may open streams to (replaces the previous set).
@@ -315,7 +430,11 @@ impl Link {
     pub fn buffered_bytes(&self) -> usize {
         self.streams
             .values()
-            .map(|s| s.send_queued + s.recv_queue.iter().map(Bytes::len).sum::<usize>())
+            .map(|s| {
+                s.send_queued
+                    + s.recv_queue.iter().map(Bytes::len).sum::<usize>()
+                    + s.coded_in.as_ref().map_or(0, |c| c.buffered())
+            })
             .sum()
     }
 
@@ -368,16 +487,15 @@ impl Link {
         } else {
             MAIN_LANE
         };
-        self.streams.insert(
-            id,
-            Stream::new(
-                class,
-                lane,
-                service.clone(),
-                self.peer_stream_window,
-                u64::from(self.cfg.stream_window),
-            ),
+        let mut s = Stream::new(
+            class,
+            lane,
+            service.clone(),
+            self.peer_stream_window,
+            u64::from(self.cfg.stream_window),
         );
+        s.coder = self.coder_for(&service, class);
+        self.streams.insert(id, s);
         self.ctrl[lane].push_back(Frame::Open {
             stream: id,
             class,
@@ -425,8 +543,25 @@ impl Link {
         if let Some(s) = self.streams.get_mut(&id) {
             s.send_queued += chunk.len();
             s.send_queue.push_back(chunk);
+            // A latency stream never waits for a chunk boundary: what was written goes out.
+            if s.class == Class::Latency
+                && let Some(c) = s.coder.as_mut()
+            {
+                c.flush_at = s.credit.sent() + s.send_queued as u64;
+            }
         }
         self.schedule(id);
+    }
+
+    /// Sends everything written so far without waiting for a chunk boundary (the runtime calls
+    /// this when the application paused). Only optimized bulk streams ever wait.
+    pub fn flush(&mut self, id: StreamId) {
+        if let Some(s) = self.streams.get_mut(&id)
+            && let Some(c) = s.coder.as_mut()
+        {
+            c.flush_at = s.credit.sent() + s.send_queued as u64;
+            self.schedule(id);
+        }
     }
 
     /// Ends the stream's send side once queued bytes are sent (a TCP half-close).
@@ -436,6 +571,9 @@ impl Link {
             return Ok(());
         }
         s.fin_requested = true;
+        if let Some(c) = s.coder.as_mut() {
+            c.flush_at = s.credit.sent() + s.send_queued as u64;
+        }
         self.schedule(id);
         Ok(())
     }
@@ -472,7 +610,7 @@ impl Link {
             }
             return Ok(ReadOutcome::Data(b));
         }
-        if s.fin_received {
+        if s.fin_ready() {
             s.read_done = true;
             self.maybe_remove(id);
             return Ok(ReadOutcome::Fin);
@@ -630,11 +768,15 @@ impl Link {
         while let Some(f) = self.ctrl[lane].pop_front() {
             let before = out.len();
             f.encode(out);
-            // A service's wire bytes are its streams' Open and Data frames, counted alike each way.
-            if let Frame::Open { stream, .. } = &f
+            // A service's wire bytes are its streams' Open, Data, Coded and Chunk frames, counted
+            // alike each way.
+            if let Frame::Open { stream, .. } | Frame::Chunk { stream, .. } = &f
                 && let Some(s) = self.streams.get(stream)
             {
                 self.wire.entry(s.service.clone()).or_default().out += (out.len() - before) as u64;
+            }
+            if matches!(f, Frame::Chunk { .. }) {
+                self.answers = self.answers.saturating_sub(1);
             }
         }
         if self.state == State::Handshake || self.state == State::Closed {
@@ -650,11 +792,14 @@ impl Link {
                     None => break,
                 },
             };
-            let quantum = if queue_is_latency {
-                self.peer_max_frame
-            } else {
-                BULK_QUANTUM.min(self.peer_max_frame)
-            };
+            // Optimized frames carry records, which cost CPU to make: a coded bulk stream's turn is
+            // a whole frame, which also keeps framing overhead under a thousandth.
+            let quantum =
+                if queue_is_latency || self.streams.get(&id).is_some_and(|s| s.coder.is_some()) {
+                    self.peer_max_frame
+                } else {
+                    BULK_QUANTUM.min(self.peer_max_frame)
+                };
             let link_avail = self.link_credit.available();
             let Some(s) = self.streams.get_mut(&id) else {
                 continue;
@@ -663,26 +808,84 @@ impl Link {
             if !s.wants_send() {
                 continue;
             }
-            let n = (s.send_queued as u64)
-                .min(s.credit.available())
-                .min(link_avail)
-                .min(quantum as u64) as usize;
-            let fin = s.fin_requested && n == s.send_queued;
             let before = out.len();
-            frame::encode_data_header(out, id, s.credit.sent(), fin, n);
-            let mut left = n;
-            while left > 0 {
-                let Some(front) = s.send_queue.front_mut() else {
+            let (n, fin) = if let Some(coder) = s.coder.as_mut() {
+                let need = s.send_queued.min(coder.max_chunk) as u64;
+                if link_avail < need {
+                    // Wait for link credit to cover the next chunk, keeping the stream's turn.
+                    s.scheduled = true;
+                    if queue_is_latency {
+                        self.ready_latency[lane].push_front(id);
+                    } else {
+                        self.ready_bulk[lane].push_front(id);
+                    }
                     break;
-                };
-                let take = left.min(front.len());
-                out.extend_from_slice(&front[..take]);
-                front.advance(take);
-                if front.is_empty() {
-                    s.send_queue.pop_front();
                 }
-                left -= take;
-            }
+                let Some(ctx) = self.codecs.as_mut() else {
+                    continue;
+                };
+                let Some(chunking) = ctx.chunking.clone() else {
+                    continue;
+                };
+                let scope: Arc<str> = if coder.scoped {
+                    s.service.clone()
+                } else {
+                    Arc::from("")
+                };
+                let sent = s.credit.sent();
+                let at = frame::begin_coded(out, id, sent);
+                let lim = coding::Limits {
+                    budget: (s.credit.available().min(link_avail) as usize).min(coding::RAW_TURN),
+                    quantum,
+                    room: self.peer_max_frame.saturating_sub(4),
+                };
+                let mut stats = coding::EncodeStats::default();
+                let n = coding::emit(
+                    coder,
+                    &mut s.send_queue,
+                    sent,
+                    &chunking,
+                    ctx.mirror(lane, &scope),
+                    self.pressure,
+                    &lim,
+                    out,
+                    &mut stats,
+                );
+                let fin = s.fin_requested && n == s.send_queued;
+                if n == 0 && !fin {
+                    // Nothing may go yet: the stream waits for a boundary, a flush or credit.
+                    out.truncate(before);
+                    continue;
+                }
+                frame::finish_coded(out, at, fin, coder.scoped, n as u32);
+                ctx.counts
+                    .entry(s.service.clone())
+                    .or_default()
+                    .sent
+                    .merge(&stats);
+                (n, fin)
+            } else {
+                let n = (s.send_queued as u64)
+                    .min(s.credit.available())
+                    .min(link_avail)
+                    .min(quantum as u64) as usize;
+                let fin = s.fin_requested && n == s.send_queued;
+                frame::encode_data_header(out, id, s.credit.sent(), fin, n);
+                let mut left = n;
+                while left > 0 {
+                    let Some(front) = s.send_queue.front_mut() else {
+                        break;
+                    };
+                    let take = left.min(front.len());
+                    out.extend_from_slice(&front[..take]);
+                    front.advance(take);
+                    if front.is_empty() {
+                        s.send_queue.pop_front();
+                    }
+                    left -= take;
+                }
+                (n, fin)
+            };
             s.send_queued -= n;
             s.credit.consume(n as u64);
             if fin {
@@ -936,7 +1139,214 @@ impl Link {
                 Ok(())
             }
             Frame::GoAway { code, reason } => Err(LinkError::PeerClosed { code, reason }),
+            Frame::Coded {
+                stream,
+                offset,
+                fin,
+                scoped,
+                raw_len,
+                records,
+            } => self.on_coded(stream, offset, fin, scoped, raw_len, records, wire, lane),
+            Frame::Need {
+                stream,
+                scope,
+                fingerprint,
+            } => {
+                let Some(ctx) = self.codecs.as_ref() else {
+                    return Err(LinkError::Protocol("chunk request without a codec".into()));
+                };
+                if self.answers >= MAX_ANSWERS {
+                    return Err(LinkError::Protocol("too many chunk requests".into()));
+                }
+                let data = ctx.resend(lane, &scope)(&fingerprint).unwrap_or_default();
+                if let Some(s) = self.streams.get(&stream)
+                    && !data.is_empty()
+                    && let Some(ctx) = self.codecs.as_mut()
+                {
+                    ctx.counts.entry(s.service.clone()).or_default().resent += 1;
+                }
+                self.answers += 1;
+                self.ctrl[lane].push_back(Frame::Chunk {
+                    stream,
+                    scope,
+                    fingerprint,
+                    data,
+                });
+                Ok(())
+            }
+            Frame::Chunk {
+                scope,
+                fingerprint,
+                data,
+                ..
+            } => self.on_chunk(lane, &scope, fingerprint, &data),
         }
+    }
+
+    /// Optimized stream bytes: charged to credit by their raw length, then decoded in arrival
+    /// order so our cache sees what the peer's mirror saw.
+    #[allow(clippy::too_many_arguments)]
+    fn on_coded(
+        &mut self,
+        id: StreamId,
+        offset: u64,
+        fin: bool,
+        scoped: bool,
+        raw_len: u32,
+        records: Bytes,
+        wire: usize,
+        lane: usize,
+    ) -> Result<(), LinkError> {
+        if self.codecs.is_none() {
+            return Err(LinkError::Protocol("coded frame without a codec".into()));
+        }
+        let n = u64::from(raw_len);
+        self.link_window.on_receive(n).map_err(|e| {
+            LinkError::Protocol(format!(
+                "peer exceeded link credit ({} > {})",
+                e.received, e.limit
+            ))
+        })?;
+        let Some(s) = self.streams.get_mut(&id) else {
+            if !self.was_open(id) {
+                return Err(LinkError::Protocol(format!("data for unknown stream {id}")));
+            }
+            // A stream we already closed: still decode what uses the shared cache, so it stays
+            // in step with the peer's mirror; drop the bytes and give the link credit back.
+            if !scoped && let Some(ctx) = self.codecs.as_mut() {
+                let mut rc = RecvCoded::default();
+                rc.push(records, raw_len, fin, false);
+                let _ = ctx.decode(&mut rc, lane, &Arc::from(""));
+            }
+            if let Some(max) = self.link_window.on_consume(n) {
+                self.ctrl[MAIN_LANE].push_back(Frame::MaxData {
+                    stream: StreamId::LINK,
+                    max,
+                });
+            }
+            return Ok(());
+        };
+        self.wire.entry(s.service.clone()).or_default().inbound += wire as u64;
+        let violation = if s.fin_received {
+            Some("data after fin".to_string())
+        } else if offset != s.window.received() {
+            Some(format!("offset {offset}, expected {}", s.window.received()))
+        } else if lane != s.lane {
+            Some("data on the wrong lane".to_string())
+        } else if let Err(e) = s.window.on_receive(n) {
+            Some(format!(
+                "stream credit exceeded ({} > {})",
+                e.received, e.limit
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = violation {
+            return Err(LinkError::Protocol(format!("stream {id}: {why}")));
+        }
+        s.coded_in
+            .get_or_insert_with(Box::default)
+            .push(records, raw_len, fin, scoped);
+        if fin {
+            s.fin_received = true;
+        }
+        self.decode_stream(id);
+        Ok(())
+    }
+
+    /// Decodes what a stream has waiting. A miss asks the peer for the chunk and stalls the
+    /// stream; records that do not rebuild reset it. Never hands over a wrong byte.
+    fn decode_stream(&mut self, id: StreamId) {
+        let Some(s) = self.streams.get_mut(&id) else {
+            return;
+        };
+        let before = !s.recv_queue.is_empty() || s.fin_ready();
+        let (Some(rc), Some(ctx)) = (s.coded_in.as_mut(), self.codecs.as_mut()) else {
+            return;
+        };
+        match ctx.decode(rc, s.lane, &s.service) {
+            Ok(got) => {
+                s.recv_queue.extend(got.data);
+                if let Some((fingerprint, scoped)) = got.need {
+                    ctx.counts.entry(s.service.clone()).or_default().needs += 1;
+                    self.ctrl[s.lane].push_back(Frame::Need {
+                        stream: id,
+                        scope: if scoped {
+                            s.service.to_string()
+                        } else {
+                            String::new()
+                        },
+                        fingerprint,
+                    });
+                }
+                if !before && s.readable() {
+                    self.events.push_back(Event::Readable(id));
+                }
+            }
+            Err(why) => {
+                let reason = format!("cannot rebuild stream data: {why}");
+                self.reset(id, ResetCode::DataLost, &reason);
+                self.events.push_back(Event::Reset {
+                    stream: id,
+                    code: ResetCode::DataLost,
+                    reason,
+                });
+            }
+        }
+    }
+
+    /// A chunk the peer re-sent after we asked: checked against its fingerprint, cached, and the
+    /// streams waiting for it resume. An empty answer means the peer lost it: they fail.
+    fn on_chunk(
+        &mut self,
+        lane: usize,
+        scope: &str,
+        fingerprint: coding::Fingerprint,
+        data: &[u8],
+    ) -> Result<(), LinkError> {
+        let Some(ctx) = self.codecs.as_mut() else {
+            return Err(LinkError::Protocol("chunk without a codec".into()));
+        };
+        let scope: Arc<str> = Arc::from(scope);
+        let ok = !data.is_empty() && ctx.decoder(lane, &scope).insert_verified(fingerprint, data);
+        if !data.is_empty() && !ok {
+            return Err(LinkError::Protocol(
+                "re-sent chunk does not match its fingerprint".into(),
+            ));
+        }
+        let waiting: Vec<StreamId> = self
+            .streams
+            .iter_mut()
+            .filter(|(_, s)| s.lane == lane)
+            .filter_map(|(id, s)| {
+                let rc = s.coded_in.as_mut()?;
+                let (f, scoped) = rc.stall?;
+                let same = f == fingerprint
+                    && if scoped {
+                        *s.service == *scope
+                    } else {
+                        scope.is_empty()
+                    };
+                if same {
+                    rc.stall = None;
+                }
+                same.then_some(*id)
+            })
+            .collect();
+        for id in waiting {
+            if ok {
+                self.decode_stream(id);
+            } else {
+                let reason = "a chunk was lost on both sides".to_string();
+                self.reset(id, ResetCode::DataLost, &reason);
+                self.events.push_back(Event::Reset {
+                    stream: id,
+                    code: ResetCode::DataLost,
+                    reason,
+                });
+            }
+        }
+        Ok(())
     }
 
     fn on_hello(&mut self, h: Hello, now: Instant) -> Result<(), LinkError> {
@@ -968,6 +1378,15 @@ impl Link {
         self.peer_max_streams = get(setting::MAX_STREAMS, 100).min(u64::from(u32::MAX)) as u32;
         self.peer_token = get(setting::TOKEN, 0);
         self.peer_caps = h.capabilities;
+        if h.capabilities & CAP_CODEC != 0
+            && let Some(ctx) = self.codecs.as_mut()
+        {
+            ctx.on_peer(
+                get(setting::CACHE_BYTES, 0),
+                get(setting::SERVICE_CACHE_BYTES, 0),
+                self.peer_max_frame,
+            );
+        }
         let version = h.version.min(VERSION);
         self.state = State::Open;
         self.next_ping = Some(now + self.cfg.keepalive);
@@ -1018,16 +1437,15 @@ impl Link {
         }
         self.peer_streams += 1;
         self.wire.entry(name.clone()).or_default().inbound += wire as u64;
-        self.streams.insert(
-            id,
-            Stream::new(
-                class,
-                lane,
-                name.clone(),
-                self.peer_stream_window,
-                u64::from(self.cfg.stream_window),
-            ),
+        let mut s = Stream::new(
+            class,
+            lane,
+            name.clone(),
+            self.peer_stream_window,
+            u64::from(self.cfg.stream_window),
         );
+        s.coder = self.coder_for(&name, class);
+        self.streams.insert(id, s);
         self.events.push_back(Event::Opened {
             stream: id,
             class,
@@ -1069,6 +1487,8 @@ impl Link {
             Some("data after fin".to_string())
         } else if offset != s.window.received() {
             Some(format!("offset {offset}, expected {}", s.window.received()))
+        } else if s.coded_in.as_ref().is_some_and(|c| !c.is_empty()) {
+            Some("plain data while coded data waits".to_string())
         } else if let Err(e) = s.window.on_receive(n) {
             Some(format!(
                 "stream credit exceeded ({} > {})",
