@@ -282,7 +282,8 @@ impl Pair {
         )
     }
 
-    fn start_extra(east_services: &str, west_services: &str, extra: &str) -> Pair {
+    /// Like [`start`](Self::start), with `extra` top-level YAML in both configs.
+    pub fn start_extra(east_services: &str, west_services: &str, extra: &str) -> Pair {
         let certs = Certs::new(&["west", "east"]);
         let east = Daemon::start(
             "east",
@@ -363,7 +364,11 @@ pub fn read_all(r: &mut impl Read) -> std::io::Result<(u64, blake3::Hash)> {
 
 /// A loopback TCP server running `handle` on its own thread for each connection.
 pub fn server(handle: impl Fn(TcpStream) + Send + Sync + 'static) -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    serve_on(TcpListener::bind("127.0.0.1:0").expect("bind"), handle)
+}
+
+/// Like [`server`] on a given listener (one bound inside a namespace, for instance).
+pub fn serve_on(l: TcpListener, handle: impl Fn(TcpStream) + Send + Sync + 'static) -> SocketAddr {
     let addr = l.local_addr().expect("addr");
     let handle = Arc::new(handle);
     std::thread::spawn(move || {
@@ -396,7 +401,12 @@ pub fn west_yaml(link: SocketAddr, certs: &Certs, services: &str) -> String {
 /// client's bytes to EOF, then writes a 32-byte hash of what it got followed by the reply pattern
 /// and closes. Exercises both directions and the client's half-close.
 pub fn hash_server() -> SocketAddr {
-    server(|mut s| {
+    server(hash_handler)
+}
+
+/// One connection of [`hash_server`].
+pub fn hash_handler(mut s: TcpStream) {
+    {
         let mut hdr = [0u8; 16];
         if s.read_exact(&mut hdr).is_err() {
             return;
@@ -411,7 +421,7 @@ pub fn hash_server() -> SocketAddr {
         }
         let _ = send_pattern(&mut s, seed ^ 0xABCD, reply);
         let _ = s.shutdown(Shutdown::Write);
-    })
+    }
 }
 
 /// The client side of [`hash_server`]: sends `up` bytes, half-closes, checks the server's hash of
@@ -524,4 +534,50 @@ pub fn is_reset(e: &std::io::Error) -> bool {
             | std::io::ErrorKind::BrokenPipe
             | std::io::ErrorKind::ConnectionAborted
     )
+}
+
+/// One scrape of a daemon's `/metrics`.
+pub fn scrape(addr: SocketAddr) -> String {
+    scrape_on(TcpStream::connect(addr).expect("connect admin"))
+}
+
+/// A scrape over a connection already made (from inside a namespace, for instance).
+pub fn scrape_on(mut s: TcpStream) -> String {
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("request");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("response");
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    out
+}
+
+/// The value of a series (name with labels and a trailing space) in a scrape; 0 if absent.
+pub fn value(text: &str, series: &str) -> u64 {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        })
+        .unwrap_or(0.0) as u64
+}
+
+/// A per-service, per-direction series name, ready for [`value`].
+pub fn series(metric: &str, service: &str, dir: &str) -> String {
+    format!("{metric}{{service=\"{service}\",direction=\"{dir}\"}} ")
+}
+
+/// Waits until `f` holds on fresh scrapes of both daemons (counters trail the sockets slightly).
+pub fn eventually(
+    west: SocketAddr,
+    east: SocketAddr,
+    f: impl Fn(&str, &str) -> bool,
+) -> (String, String) {
+    let end = Instant::now() + Duration::from_secs(6);
+    loop {
+        let (w, e) = (scrape(west), scrape(east));
+        if f(&w, &e) || Instant::now() > end {
+            return (w, e);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

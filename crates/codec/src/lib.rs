@@ -516,11 +516,21 @@ fn get_len(buf: &[u8], at: usize) -> Result<(usize, usize), CodecError> {
     Err(CodecError::Malformed("length longer than 3 bytes"))
 }
 
+/// What a decoder rebuilt: chunks found in its cache (hits) and chunks that came as data.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DecodeStats {
+    pub hit_chunks: u64,
+    pub hit_bytes: u64,
+    pub lit_chunks: u64,
+    pub lit_bytes: u64,
+}
+
 /// One direction's decoder with its cache.
 pub struct Decoder {
     cache: ChunkCache,
     dedup: bool,
     zstd: Option<zstd::bulk::Decompressor<'static>>,
+    stats: DecodeStats,
 }
 
 impl Decoder {
@@ -534,7 +544,13 @@ impl Decoder {
             cache: ChunkCache::new(cache_bytes),
             dedup,
             zstd: zstd::bulk::Decompressor::new().ok(),
+            stats: DecodeStats::default(),
         }
+    }
+
+    /// Counts of what was rebuilt so far.
+    pub fn stats(&self) -> DecodeStats {
+        self.stats
     }
 
     pub fn cache(&self) -> &ChunkCache {
@@ -601,6 +617,8 @@ impl Decoder {
                     ));
                 }
                 out.extend_from_slice(chunk);
+                self.stats.hit_chunks += 1;
+                self.stats.hit_bytes += len as u64;
                 Ok(17 + h)
             }
             TAG_LIT => {
@@ -609,6 +627,8 @@ impl Decoder {
                 need(at + len)?;
                 let chunk = &buf[at..at + len];
                 out.extend_from_slice(chunk);
+                self.stats.lit_chunks += 1;
+                self.stats.lit_bytes += len as u64;
                 if cache {
                     self.cache.insert(fingerprint(chunk), chunk.to_vec());
                 }
@@ -635,6 +655,8 @@ impl Decoder {
                     return Err(CodecError::Decompress);
                 }
                 out.extend_from_slice(&chunk);
+                self.stats.lit_chunks += 1;
+                self.stats.lit_bytes += raw_len as u64;
                 if cache {
                     self.cache.insert(fingerprint(&chunk), chunk);
                 }

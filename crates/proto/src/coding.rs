@@ -13,7 +13,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use wanopt_codec::{self as codec, CodecConfig, CodecError, Decoder, Hint, Mirror, Policy};
 
 pub use wanopt_codec::cache::Fingerprint;
-pub use wanopt_codec::{Compression, EncodeStats, Pressure};
+pub use wanopt_codec::{Compression, DecodeStats, EncodeStats, Pressure};
 
 use crate::link::LATENCY_LANE;
 
@@ -81,6 +81,8 @@ pub(crate) const RAW_TURN: usize = 256 * 1024;
 pub struct CodecCount {
     /// What the encoder did with the bytes we sent.
     pub sent: EncodeStats,
+    /// What our decoder rebuilt for the service's streams.
+    pub received: DecodeStats,
     /// References we could not resolve and asked the peer for.
     pub needs: u64,
     /// Chunks we re-sent because the peer asked.
@@ -364,6 +366,7 @@ impl Contexts {
         while let Some(p) = rc.frames.front_mut() {
             let scope = if p.scoped { service } else { &link_scope };
             let dec = self.decoder(lane, scope);
+            let before = dec.stats();
             let mut out = Vec::new();
             let mut miss = None;
             while !p.records.is_empty() {
@@ -377,6 +380,12 @@ impl Contexts {
                     Err(e) => return Err(e.to_string()),
                 }
             }
+            let after = dec.stats();
+            let r = &mut self.counts.entry(service.clone()).or_default().received;
+            r.hit_chunks += after.hit_chunks - before.hit_chunks;
+            r.hit_bytes += after.hit_bytes - before.hit_bytes;
+            r.lit_chunks += after.lit_chunks - before.lit_chunks;
+            r.lit_bytes += after.lit_bytes - before.lit_bytes;
             let n = out.len() as u64;
             if n > p.remaining {
                 return Err("records rebuild more bytes than announced".into());

@@ -554,14 +554,20 @@ impl Link {
     }
 
     /// Sends everything written so far without waiting for a chunk boundary (the runtime calls
-    /// this when the application paused). Only optimized bulk streams ever wait.
-    pub fn flush(&mut self, id: StreamId) {
+    /// this when the application paused). Only optimized bulk streams ever wait; returns true if
+    /// this one had bytes waiting (there may be frames to send now).
+    pub fn flush(&mut self, id: StreamId) -> bool {
         if let Some(s) = self.streams.get_mut(&id)
             && let Some(c) = s.coder.as_mut()
         {
-            c.flush_at = s.credit.sent() + s.send_queued as u64;
-            self.schedule(id);
+            let end = s.credit.sent() + s.send_queued as u64;
+            if c.flush_at < end {
+                c.flush_at = end;
+                self.schedule(id);
+                return true;
+            }
         }
+        false
     }
 
     /// Ends the stream's send side once queued bytes are sent (a TCP half-close).

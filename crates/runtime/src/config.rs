@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use serde::Deserialize;
-use wanopt_proto::Class;
+use wanopt_proto::{Class, CodecSettings, Compression, Scope, StreamPolicy};
 
 use crate::units::{parse_duration, parse_rate, parse_size};
 
@@ -90,12 +90,31 @@ struct RawService {
     allow: Option<Vec<String>>,
     target: Option<String>,
     class: Option<String>,
+    compression: Option<String>,
+    dedup: Option<Toggle>,
+    dedup_scope: Option<String>,
 }
 
-/// Reserved for the optimization issue (dedup, compression); only an empty map is accepted now.
+/// `on`/`off` or a YAML boolean.
 #[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Toggle {
+    Bool(bool),
+    Word(String),
+}
+
+#[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawOptimize {}
+struct RawOptimize {
+    enabled: Option<bool>,
+    memory: Option<String>,
+    service_memory: Option<String>,
+    chunk: Option<String>,
+    compression: Option<String>,
+    zstd_level: Option<i32>,
+    dedup: Option<Toggle>,
+    dedup_scope: Option<String>,
+}
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -134,6 +153,7 @@ pub struct Config {
     pub link: LinkSettings,
     pub tls: TlsPaths,
     pub services: Vec<Service>,
+    pub optimize: Optimize,
     /// Metrics endpoint address (served once the operations issue lands; validated now).
     pub admin: Option<SocketAddr>,
     pub state_dir: PathBuf,
@@ -165,6 +185,8 @@ pub struct LinkSettings {
     pub peer: String,
     /// Bottleneck bandwidth in bits per second (sizes buffers and windows).
     pub bandwidth_bps: u64,
+    /// True when the config states the bandwidth (else it is an assumed default).
+    pub bandwidth_stated: bool,
     pub rtt: Duration,
     pub congestion: String,
     pub send_buffer: BufferSize,
@@ -203,6 +225,19 @@ pub struct Service {
     pub name: String,
     pub class: Class,
     pub kind: ServiceKind,
+    /// How this service's bytes are optimized on the way to the peer (this side's choice).
+    pub policy: StreamPolicy,
+}
+
+/// The optimization codec's settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Optimize {
+    /// Off: the link neither offers nor accepts optimized frames; bytes travel as they are.
+    pub enabled: bool,
+    /// Cache sizes and chunking, announced to the peer in the hello.
+    pub codec: CodecSettings,
+    /// The policy of services that set none of their own.
+    pub default: StreamPolicy,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -287,6 +322,33 @@ fn parse_buffer(s: &str) -> Result<BufferSize, String> {
         return Err(format!("{s:?}: must be auto or between 4KiB and 2GiB"));
     }
     Ok(BufferSize::Bytes(n as usize))
+}
+
+fn parse_compression(s: &str) -> Result<Compression, String> {
+    match s {
+        "none" => Ok(Compression::None),
+        "lz4" => Ok(Compression::Lz4),
+        "zstd" => Ok(Compression::Zstd),
+        "adaptive" => Ok(Compression::Adaptive),
+        _ => Err(format!("{s:?} is not none, lz4, zstd or adaptive")),
+    }
+}
+
+fn parse_toggle(t: &Toggle) -> Result<bool, String> {
+    match t {
+        Toggle::Bool(b) => Ok(*b),
+        Toggle::Word(w) if w == "on" => Ok(true),
+        Toggle::Word(w) if w == "off" => Ok(false),
+        Toggle::Word(w) => Err(format!("{w:?} is not on or off")),
+    }
+}
+
+fn parse_scope(s: &str) -> Result<Scope, String> {
+    match s {
+        "link" => Ok(Scope::Link),
+        "service" => Ok(Scope::Service),
+        _ => Err(format!("{s:?} is not link or service")),
+    }
 }
 
 fn parse_host_port(s: &str) -> Result<String, String> {
@@ -436,6 +498,7 @@ impl Config {
             role,
             peer: l.peer.clone(),
             bandwidth_bps,
+            bandwidth_stated: l.bandwidth.is_some(),
             rtt,
             congestion,
             send_buffer,
@@ -463,6 +526,56 @@ impl Config {
             ca: cx.resolve(&raw.tls.ca),
             cert: cx.resolve(&raw.tls.cert),
             key: cx.resolve(&raw.tls.key),
+        };
+
+        let ro = raw.optimize.as_ref();
+        let none = None;
+        let o = |f: fn(&RawOptimize) -> &Option<String>| ro.map_or(&none, f);
+        let memory = cx.opt("optimize.memory", o(|r| &r.memory), 256 << 20, |s| {
+            in_range(parse_size(s)?, 0, 64 << 30)
+        })?;
+        let service_memory = cx.opt(
+            "optimize.service_memory",
+            o(|r| &r.service_memory),
+            64 << 20,
+            |s| in_range(parse_size(s)?, 0, 64 << 30),
+        )?;
+        let avg_chunk = cx.opt("optimize.chunk", o(|r| &r.chunk), 8 * 1024, |s| {
+            let n = parse_size(s)?;
+            let r = wanopt_codec::AVG_CHUNK_RANGE;
+            in_range(n, *r.start() as u64, *r.end() as u64)
+        })? as usize;
+        let zstd_level = match ro.and_then(|r| r.zstd_level) {
+            None => 3,
+            Some(l) => in_range(l, 1, 19).map_err(|m| cx.err("optimize.zstd_level", m))?,
+        };
+        let default = StreamPolicy {
+            compression: cx.opt(
+                "optimize.compression",
+                o(|r| &r.compression),
+                Compression::Adaptive,
+                parse_compression,
+            )?,
+            dedup: match ro.and_then(|r| r.dedup.as_ref()) {
+                None => true,
+                Some(t) => parse_toggle(t).map_err(|m| cx.err("optimize.dedup", m))?,
+            },
+            scope: cx.opt(
+                "optimize.dedup_scope",
+                o(|r| &r.dedup_scope),
+                Scope::Link,
+                parse_scope,
+            )?,
+        };
+        let optimize = Optimize {
+            enabled: ro.and_then(|r| r.enabled).unwrap_or(true),
+            codec: CodecSettings {
+                cache_bytes: memory,
+                service_cache_bytes: service_memory,
+                avg_chunk,
+                zstd_level,
+            },
+            default,
         };
 
         let mut services = Vec::new();
@@ -521,10 +634,29 @@ impl Config {
                     ));
                 }
             };
+            let policy = StreamPolicy {
+                compression: cx.opt(
+                    &field("compression"),
+                    &s.compression,
+                    default.compression,
+                    parse_compression,
+                )?,
+                dedup: match &s.dedup {
+                    None => default.dedup,
+                    Some(t) => parse_toggle(t).map_err(|m| cx.err(field("dedup"), m))?,
+                },
+                scope: cx.opt(
+                    &field("dedup_scope"),
+                    &s.dedup_scope,
+                    default.scope,
+                    parse_scope,
+                )?,
+            };
             services.push(Service {
                 name: s.name.clone(),
                 class,
                 kind,
+                policy,
             });
         }
 
@@ -532,7 +664,6 @@ impl Config {
             None => None,
             Some(a) => Some(parse_sockaddr(&a.listen).map_err(|m| cx.err("admin.listen", m))?),
         };
-        let _ = &raw.optimize;
         let state_dir = raw
             .state_dir
             .as_deref()
@@ -561,7 +692,6 @@ impl Config {
         };
 
         let rl = raw.limits.as_ref();
-        let none = None;
         let lim = |f: fn(&RawLimits) -> &Option<String>| rl.map_or(&none, f);
         let bdp = link.bdp_bytes();
         let max_streams = match rl.and_then(|r| r.max_streams) {
@@ -649,6 +779,7 @@ impl Config {
             link,
             tls,
             services,
+            optimize,
             admin,
             state_dir,
             log_level,
@@ -716,6 +847,13 @@ impl Config {
                 Class::Bulk => "bulk",
             };
             let _ = writeln!(o, "  - name: {}\n    class: {class}", s.name);
+            let _ = writeln!(
+                o,
+                "    compression: {}\n    dedup: {}\n    dedup_scope: {}",
+                compression_name(s.policy.compression),
+                if s.policy.dedup { "on" } else { "off" },
+                scope_name(s.policy.scope)
+            );
             match &s.kind {
                 ServiceKind::Listen { addr, allow } => {
                     let _ = writeln!(o, "    listen: {addr}");
@@ -727,6 +865,19 @@ impl Config {
                 }
             }
         }
+        let op = &self.optimize;
+        let _ = writeln!(
+            o,
+            "optimize:\n  enabled: {}\n  memory: {}  # bytes of the shared cache, each way\n  service_memory: {}\n  chunk: {}\n  zstd_level: {}\n  compression: {}\n  dedup: {}\n  dedup_scope: {}",
+            op.enabled,
+            op.codec.cache_bytes,
+            op.codec.service_cache_bytes,
+            op.codec.avg_chunk,
+            op.codec.zstd_level,
+            compression_name(op.default.compression),
+            if op.default.dedup { "on" } else { "off" },
+            scope_name(op.default.scope)
+        );
         if let Some(a) = self.admin {
             let _ = writeln!(o, "admin:\n  listen: {a}");
         }
@@ -751,9 +902,75 @@ impl Config {
     }
 }
 
+fn compression_name(c: Compression) -> &'static str {
+    match c {
+        Compression::None => "none",
+        Compression::Lz4 => "lz4",
+        Compression::Zstd => "zstd",
+        Compression::Adaptive => "adaptive",
+    }
+}
+
+fn scope_name(s: Scope) -> &'static str {
+    match s {
+        Scope::Link => "link",
+        Scope::Service => "service",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn optimize_defaults_and_per_service_overrides() {
+        let c = parse("").expect("valid");
+        assert!(c.optimize.enabled);
+        assert_eq!(c.optimize.codec.cache_bytes, 256 << 20);
+        assert_eq!(c.optimize.default, StreamPolicy::default());
+        let c = parse(
+            "optimize:\n  memory: 1GiB\n  chunk: 16KiB\n  compression: lz4\n  dedup_scope: service\nservices:\n  - name: dg\n    listen: 127.0.0.1:1522\n    class: latency\n    compression: none\n    dedup: off\n  - name: rman\n    target: db:1521\n    dedup: true\n",
+        )
+        .expect("valid");
+        assert_eq!(c.optimize.codec.cache_bytes, 1 << 30);
+        assert_eq!(c.optimize.codec.avg_chunk, 16 * 1024);
+        assert_eq!(
+            c.services[0].policy,
+            StreamPolicy {
+                compression: Compression::None,
+                dedup: false,
+                scope: Scope::Service
+            }
+        );
+        assert_eq!(
+            c.services[1].policy,
+            StreamPolicy {
+                compression: Compression::Lz4,
+                dedup: true,
+                scope: Scope::Service
+            }
+        );
+        let d = c.describe();
+        assert!(
+            d.contains("dedup_scope: service") && d.contains("compression: none"),
+            "{d}"
+        );
+        assert_eq!(field_err("optimize:\n  chunk: 100\n"), "optimize.chunk");
+        assert_eq!(
+            field_err("optimize:\n  compression: gzip\n"),
+            "optimize.compression"
+        );
+        assert_eq!(
+            field_err("optimize:\n  zstd_level: 40\n"),
+            "optimize.zstd_level"
+        );
+        assert_eq!(field_err("optimize:\n  dedup: maybe\n"), "optimize.dedup");
+        assert_eq!(
+            field_err("services:\n  - name: a\n    target: x:1\n    dedup_scope: global\n"),
+            "services[0].dedup_scope"
+        );
+        assert!(parse("optimize:\n  bogus: 1\n").is_err());
+    }
 
     const MIN: &str = "site: west\nlink:\n  connect: 127.0.0.1:7400\n  peer: east\ntls:\n  ca: certs/ca.pem\n  cert: certs/west.pem\n  key: certs/west.key\n";
 

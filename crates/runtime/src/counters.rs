@@ -276,6 +276,152 @@ impl SocketMetrics {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DedupLabel {
+    service: String,
+    direction: &'static str,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CodecLabel {
+    service: String,
+    codec: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CacheLabel {
+    tier: &'static str,
+    lane: &'static str,
+    scope: String,
+    role: &'static str,
+}
+
+/// The optimization codec: dedup hits and misses, bytes per codec, re-sent chunks and caches.
+/// Bytes after dedup are raw bytes minus hit bytes.
+#[derive(Debug, Clone, Default)]
+pub struct CodecMetrics {
+    dedup_bytes: Family<DedupLabel, Counter>,
+    dedup_chunks: Family<DedupLabel, Counter>,
+    codec_bytes: Family<CodecLabel, Counter>,
+    resends: Family<ServiceDir, Counter>,
+    cache_bytes: Family<CacheLabel, Gauge>,
+    cache_chunks: Family<CacheLabel, Gauge>,
+    cache_evictions: Family<CacheLabel, Gauge>,
+}
+
+impl CodecMetrics {
+    pub fn register(r: &mut Registry) -> Self {
+        let m = CodecMetrics::default();
+        r.register(
+            "wanopt_dedup_bytes",
+            "Raw bytes of chunks found in the cache (result=hit, sent as a reference) or sent as data (miss), per service and direction",
+            m.dedup_bytes.clone(),
+        );
+        r.register(
+            "wanopt_dedup_chunks",
+            "Chunks found in the cache (hit) or sent as data (miss), per service and direction",
+            m.dedup_chunks.clone(),
+        );
+        r.register(
+            "wanopt_codec_bytes",
+            "Raw bytes sent to the peer with each compression (none, lz4, zstd), per service",
+            m.codec_bytes.clone(),
+        );
+        r.register(
+            "wanopt_dedup_resends",
+            "Chunks re-sent after the receiver missed them (out: we re-sent, in: we asked)",
+            m.resends.clone(),
+        );
+        r.register(
+            "wanopt_cache_bytes",
+            "Bytes held in a chunk cache of the current link (role: mirror of the peer's, or decoder)",
+            m.cache_bytes.clone(),
+        );
+        r.register(
+            "wanopt_cache_chunks",
+            "Chunks held in a chunk cache of the current link",
+            m.cache_chunks.clone(),
+        );
+        r.register(
+            "wanopt_cache_evictions",
+            "Chunks a cache of the current link evicted to stay within its size",
+            m.cache_evictions.clone(),
+        );
+        m
+    }
+
+    /// Adds one service's codec counts from the link.
+    pub fn record(&self, service: &str, c: &wanopt_proto::CodecCount) {
+        let d = |direction, result| DedupLabel {
+            service: service.to_string(),
+            direction,
+            result,
+        };
+        let s = &c.sent;
+        let r = &c.received;
+        for (dir, result, bytes, chunks) in [
+            (OUT, "hit", s.hit_bytes, s.hit_chunks),
+            (OUT, "miss", s.miss_bytes, s.miss_chunks),
+            (IN, "hit", r.hit_bytes, r.hit_chunks),
+            (IN, "miss", r.lit_bytes, r.lit_chunks),
+        ] {
+            if bytes > 0 || chunks > 0 {
+                self.dedup_bytes
+                    .get_or_create(&d(dir, result))
+                    .inc_by(bytes);
+                self.dedup_chunks
+                    .get_or_create(&d(dir, result))
+                    .inc_by(chunks);
+            }
+        }
+        for (codec, n) in ["none", "lz4", "zstd"].into_iter().zip(s.codec_bytes) {
+            if n > 0 {
+                self.codec_bytes
+                    .get_or_create(&CodecLabel {
+                        service: service.to_string(),
+                        codec,
+                    })
+                    .inc_by(n);
+            }
+        }
+        for (direction, n) in [(OUT, c.resent), (IN, c.needs)] {
+            if n > 0 {
+                self.resends
+                    .get_or_create(&ServiceDir {
+                        service: service.to_string(),
+                        direction,
+                    })
+                    .inc_by(n);
+            }
+        }
+    }
+
+    /// Sets the cache gauges from the current link.
+    pub fn record_caches(&self, stats: &[wanopt_proto::CacheStat]) {
+        for st in stats {
+            let l = CacheLabel {
+                tier: "memory",
+                lane: if st.lane == wanopt_proto::LATENCY_LANE {
+                    "latency"
+                } else {
+                    "main"
+                },
+                scope: if st.scope.is_empty() {
+                    "link".to_string()
+                } else {
+                    st.scope.to_string()
+                },
+                role: st.role,
+            };
+            let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+            self.cache_bytes.get_or_create(&l).set(g(st.bytes));
+            self.cache_chunks.get_or_create(&l).set(g(st.chunks));
+            self.cache_evictions.get_or_create(&l).set(g(st.evictions));
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CertLabel {
     cert: &'static str,
 }
@@ -314,6 +460,7 @@ pub struct Counters {
     pub link: LinkCounters,
     pub sockets: SocketMetrics,
     pub certs: CertMetrics,
+    pub codec: CodecMetrics,
 }
 
 impl Default for Counters {
@@ -341,7 +488,9 @@ impl Counters {
         let link = LinkCounters::register(&mut registry);
         let sockets = SocketMetrics::register(&mut registry);
         let certs = CertMetrics::register(&mut registry);
+        let codec = CodecMetrics::register(&mut registry);
         Counters {
+            codec,
             registry,
             services,
             cache: Mutex::new(HashMap::new()),

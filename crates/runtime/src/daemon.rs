@@ -165,6 +165,12 @@ impl LinkHandle {
             add(&sc.wire_out, c.out);
             add(&sc.wire_in, c.inbound);
         }
+        for (svc, c) in g.link.take_codec_counts() {
+            // Bytes of streams already closed are decoded (to keep the cache in step) under "".
+            if !svc.is_empty() {
+                self.peer.counters.codec.record(&svc, &c);
+            }
+        }
     }
 
     /// Registers a new outgoing stream.
@@ -456,6 +462,10 @@ fn apply_reload(peer: &Arc<Peer>, new: Config, listeners: &mut HashMap<String, L
     if new.state_dir != old.state_dir {
         needs_restart.push("state_dir");
     }
+    // Cache sizes and chunking are agreed in the link hello; services' own policies apply at once.
+    if new.optimize != old.optimize {
+        needs_restart.push("optimize");
+    }
     if !needs_restart.is_empty() {
         warn!(sections = %needs_restart.join(", "), "reload: these sections changed and need a restart (systemctl restart); applying the services only");
     }
@@ -521,7 +531,10 @@ fn apply_reload(peer: &Arc<Peer>, new: Config, listeners: &mut HashMap<String, L
         .map(|s| s.name.clone())
         .collect();
     if let Some(h) = peer.current.borrow().clone() {
-        h.with(|l| l.set_services(&targets));
+        h.with(|l| {
+            l.set_services(&targets);
+            l.set_policies(policies(&merged));
+        });
     }
     let changed: Vec<&str> = new
         .services
@@ -539,6 +552,14 @@ fn apply_reload(peer: &Arc<Peer>, new: Config, listeners: &mut HashMap<String, L
     crate::notify::status("config reloaded");
 }
 
+/// Each service's optimization policy, for the link's outgoing streams.
+fn policies(cfg: &Config) -> Vec<(String, wanopt_proto::StreamPolicy)> {
+    cfg.services
+        .iter()
+        .map(|s| (s.name.clone(), s.policy))
+        .collect()
+}
+
 fn link_config(cfg: &Config) -> LinkConfig {
     let mut c = LinkConfig::new(
         &cfg.site,
@@ -553,6 +574,13 @@ fn link_config(cfg: &Config) -> LinkConfig {
     c.idle_timeout = cfg.limits.idle_timeout;
     c.latency_lane = cfg.link.latency_lane;
     c.token = rand::random();
+    if cfg.optimize.enabled {
+        c.codec = Some(cfg.optimize.codec.clone());
+        // Frames must hold the largest chunk (four times the average) and its record.
+        c.max_frame = c
+            .max_frame
+            .max(u32::try_from(cfg.optimize.codec.avg_chunk * 4 + 4096).unwrap_or(u32::MAX));
+    }
     c
 }
 
@@ -857,6 +885,7 @@ async fn run_link<S>(
         ServiceKind::Target { .. } => Some(s.name.as_str()),
         ServiceKind::Listen { .. } => None,
     }));
+    link.set_policies(policies(&peer.cfg()));
     let h = Arc::new(LinkHandle {
         inner: Mutex::new(Inner {
             link,
@@ -954,6 +983,8 @@ async fn sample_sockets(h: Arc<LinkHandle>) {
                 }
             }
         }
+        let caches = lock(&h.inner).link.cache_stats();
+        h.peer.counters.codec.record_caches(&caches);
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
 }
@@ -1051,6 +1082,10 @@ async fn read_link<R: AsyncRead + Unpin>(
 /// Writes one lane's frames; the main lane also runs the link's timers (pings, idle timeout).
 async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W, lane: usize) -> String {
     let mut buf = BytesMut::with_capacity(2 * TRANSMIT_BATCH);
+    let mut pressure = Pressure::new(&h.peer.cfg().link);
+    if pressure.link_bound {
+        h.with(|l| l.set_pressure(wanopt_proto::Pressure::LinkBound));
+    }
     loop {
         let (closed, deadline) = {
             let mut g = lock(&h.inner);
@@ -1065,12 +1100,19 @@ async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W, lane: 
         };
         if !buf.is_empty() {
             add(&h.peer.counters.link.wire_out, buf.len() as u64);
+            let started = Instant::now();
             if let Err(e) = wr.write_all(&buf).await {
                 return format!("write: {e}");
             }
             buf.clear();
             if let Err(e) = wr.flush().await {
                 return format!("write: {e}");
+            }
+            if lane == MAIN_LANE
+                && let Some(p) = pressure.wrote(started)
+            {
+                debug!(link = h.id, pressure = ?p, "link pressure changed");
+                h.with(|l| l.set_pressure(p));
             }
             continue;
         }
@@ -1091,6 +1133,66 @@ async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W, lane: 
             _ = h.tx[lane].notified() => {}
             _ = sleep => h.with(|l| l.handle_timeout(Instant::now())),
         }
+    }
+}
+
+/// Tells whether the link or the CPU limits throughput. A stated bandwidth well below what one
+/// core compresses with zstd (a WAN) settles it: the link. Otherwise it is measured from the
+/// share of time the main lane's writer waits for the socket: mostly waiting means the link is
+/// the bottleneck (spend CPU on ratio), rarely waiting means the CPU is (prefer the cheap codec).
+/// Hysteresis keeps it steady.
+struct Pressure {
+    window_start: Instant,
+    waited: Duration,
+    link_bound: bool,
+    fixed: bool,
+}
+
+impl Pressure {
+    const WINDOW: Duration = Duration::from_millis(250);
+    /// Below this stated bandwidth, zstd at a few percent of a core always pays.
+    const WAN_BPS: u64 = 400_000_000;
+
+    fn new(link: &crate::config::LinkSettings) -> Self {
+        let wan = link.bandwidth_stated && link.bandwidth_bps < Self::WAN_BPS;
+        Pressure {
+            window_start: Instant::now(),
+            waited: Duration::ZERO,
+            link_bound: wan,
+            fixed: wan,
+        }
+    }
+
+    /// Records a write that started at `started`; returns the new pressure when it changes.
+    fn wrote(&mut self, started: Instant) -> Option<wanopt_proto::Pressure> {
+        if self.fixed {
+            return None;
+        }
+        let now = Instant::now();
+        self.waited += now.saturating_duration_since(started);
+        let span = now.saturating_duration_since(self.window_start);
+        if span < Self::WINDOW {
+            return None;
+        }
+        let share = self.waited.as_secs_f64() / span.as_secs_f64();
+        self.window_start = now;
+        self.waited = Duration::ZERO;
+        let bound = if share > 0.5 {
+            true
+        } else if share < 0.2 {
+            false
+        } else {
+            self.link_bound
+        };
+        if bound == self.link_bound {
+            return None;
+        }
+        self.link_bound = bound;
+        Some(if bound {
+            wanopt_proto::Pressure::LinkBound
+        } else {
+            wanopt_proto::Pressure::CpuBound
+        })
     }
 }
 
@@ -1232,6 +1334,9 @@ async fn pump(
                     return Ok::<(), String>(());
                 }
                 add(&c.raw_out, n as u64);
+                // A read that did not fill the room offered drained the socket: the client paused,
+                // so an optimized stream must not hold its last bytes back for a chunk boundary.
+                let drained = buf.len() < buf.capacity();
                 // Hand the bytes over without copying; the buffer's spare room is kept for reads.
                 let mut chunk = buf.split().freeze();
                 while !chunk.is_empty() {
@@ -1246,6 +1351,9 @@ async fn pump(
                     } else {
                         h.kick();
                     }
+                }
+                if drained && h.with(|l| l.flush(id)) {
+                    h.kick();
                 }
             }
         };
