@@ -2,8 +2,10 @@
 //!
 //! Each direction of a link has one cache per side: the sender's encoder keeps a mirror of the
 //! receiver's decoder cache. Both apply the same inserts and touches in the same (frame) order, and
-//! eviction depends only on that order, so the two stay identical by construction. Every chunk read
-//! back is checked against its fingerprint; a damaged entry is dropped and reported as a miss.
+//! eviction depends only on that order, so the two stay identical by construction. The mirror keeps
+//! only fingerprints and lengths ([`ChunkCache::insert_len`]); the decoder keeps the bytes. Every
+//! chunk read back is checked against its fingerprint; a damaged entry is dropped and reported as a
+//! miss.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -20,7 +22,9 @@ pub fn fingerprint(data: &[u8]) -> Fingerprint {
 
 #[derive(Debug)]
 struct Entry {
-    data: Vec<u8>,
+    /// The chunk's bytes; `None` in an index-only cache (a mirror).
+    data: Option<Vec<u8>>,
+    len: usize,
     stamp: u64,
 }
 
@@ -91,47 +95,61 @@ impl ChunkCache {
     /// Returns a held chunk after checking it against its fingerprint; a damaged one is removed
     /// and `None` returned (a miss, never wrong data). Counts as a use.
     pub fn get(&mut self, f: &Fingerprint) -> Option<&[u8]> {
-        let ok = self.entries.get(f).map(|e| fingerprint(&e.data) == *f)?;
+        let ok = self
+            .entries
+            .get(f)
+            .map(|e| e.data.as_deref().is_some_and(|d| fingerprint(d) == *f))?;
         if !ok {
             self.remove(f);
             return None;
         }
         self.bump(f);
-        self.entries.get(f).map(|e| e.data.as_slice())
+        self.entries.get(f).and_then(|e| e.data.as_deref())
     }
 
     /// Returns a held chunk after checking it against its fingerprint, without counting as a use.
     pub fn peek(&self, f: &Fingerprint) -> Option<&[u8]> {
-        let e = self.entries.get(f)?;
-        (fingerprint(&e.data) == *f).then_some(e.data.as_slice())
+        let d = self.entries.get(f)?.data.as_deref()?;
+        (fingerprint(d) == *f).then_some(d)
     }
 
     /// Inserts a chunk (or refreshes it), evicting the least recently used chunks to fit.
     /// Chunks larger than the whole cache are not kept.
     pub fn insert(&mut self, f: Fingerprint, data: Vec<u8>) {
+        let len = data.len();
+        self.put(f, Some(data), len);
+    }
+
+    /// Like [`insert`](Self::insert) for an index-only cache: the chunk's length, not its bytes.
+    pub fn insert_len(&mut self, f: Fingerprint, len: usize) {
+        self.put(f, None, len);
+    }
+
+    fn put(&mut self, f: Fingerprint, data: Option<Vec<u8>>, len: usize) {
         if self.entries.contains_key(&f) {
             self.bump(&f);
             return;
         }
-        if data.len() > self.capacity {
+        if len > self.capacity {
             return;
         }
-        while self.size + data.len() > self.capacity {
+        while self.size + len > self.capacity {
             let Some((_, victim)) = self.order.pop_first() else {
                 break;
             };
             if let Some(e) = self.entries.remove(&victim) {
-                self.size -= e.data.len();
+                self.size -= e.len;
                 self.evictions += 1;
             }
         }
         self.clock += 1;
-        self.size += data.len();
+        self.size += len;
         self.order.insert(self.clock, f);
         self.entries.insert(
             f,
             Entry {
                 data,
+                len,
                 stamp: self.clock,
             },
         );
@@ -141,7 +159,7 @@ impl ChunkCache {
     fn remove(&mut self, f: &Fingerprint) {
         if let Some(e) = self.entries.remove(f) {
             self.order.remove(&e.stamp);
-            self.size -= e.data.len();
+            self.size -= e.len;
         }
     }
 
@@ -149,7 +167,7 @@ impl ChunkCache {
     #[doc(hidden)]
     pub fn corrupt_all_for_test(&mut self) -> usize {
         for e in self.entries.values_mut() {
-            if let Some(b) = e.data.first_mut() {
+            if let Some(b) = e.data.as_mut().and_then(|d| d.first_mut()) {
                 *b ^= 0xff;
             }
         }
@@ -160,7 +178,7 @@ impl ChunkCache {
     #[doc(hidden)]
     pub fn corrupt_for_test(&mut self, f: &Fingerprint) {
         if let Some(e) = self.entries.get_mut(f)
-            && let Some(b) = e.data.first_mut()
+            && let Some(b) = e.data.as_mut().and_then(|d| d.first_mut())
         {
             *b ^= 0xff;
         }

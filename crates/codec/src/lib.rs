@@ -259,19 +259,67 @@ impl Hint {
     }
 }
 
-/// The encoding side of one cache: a mirror of the peer decoder's cache (same capacity, same
-/// inserts and touches in the same order) plus reusable compression state.
+/// The encoding side of one cache: an index-only mirror of the peer decoder's cache (same
+/// capacity, same inserts and touches in the same order), the bytes of recently referenced chunks
+/// (to answer a miss), and reusable compression state.
 pub struct Mirror {
     cache: ChunkCache,
+    recent: Recent,
     zstd: Option<zstd::bulk::Compressor<'static>>,
     scratch: Vec<u8>,
 }
 
+/// The bytes of the chunks sent as references most recently, bounded in bytes: the receiver asks
+/// for one only if it could not resolve it, within about a round trip of receiving it.
+struct Recent {
+    capacity: usize,
+    size: usize,
+    seq: u64,
+    map: std::collections::HashMap<Fingerprint, (u64, bytes::Bytes)>,
+    order: std::collections::VecDeque<(u64, Fingerprint)>,
+}
+
+impl Recent {
+    fn put(&mut self, f: Fingerprint, data: &[u8]) {
+        if data.len() > self.capacity {
+            return;
+        }
+        self.seq += 1;
+        match self.map.get_mut(&f) {
+            Some(e) => e.0 = self.seq,
+            None => {
+                self.size += data.len();
+                self.map
+                    .insert(f, (self.seq, bytes::Bytes::copy_from_slice(data)));
+            }
+        }
+        self.order.push_back((self.seq, f));
+        while self.size > self.capacity || self.order.len() > 4 * self.map.len() + 64 {
+            let Some((seq, victim)) = self.order.pop_front() else {
+                break;
+            };
+            if self.map.get(&victim).is_some_and(|e| e.0 == seq)
+                && let Some((_, d)) = self.map.remove(&victim)
+            {
+                self.size -= d.len();
+            }
+        }
+    }
+}
+
 impl Mirror {
-    /// A mirror of a peer cache of `cache_bytes`, compressing with zstd at `zstd_level`.
-    pub fn new(cache_bytes: usize, zstd_level: i32) -> Self {
+    /// A mirror of a peer cache of `cache_bytes`, keeping up to `resend_bytes` of recently
+    /// referenced chunks, compressing with zstd at `zstd_level`.
+    pub fn new(cache_bytes: usize, resend_bytes: usize, zstd_level: i32) -> Self {
         Mirror {
             cache: ChunkCache::new(cache_bytes),
+            recent: Recent {
+                capacity: resend_bytes,
+                size: 0,
+                seq: 0,
+                map: std::collections::HashMap::new(),
+                order: std::collections::VecDeque::new(),
+            },
             // One zstd context for the mirror's life: creating one per chunk cost more than compressing.
             zstd: zstd::bulk::Compressor::new(zstd_level).ok(),
             scratch: Vec::new(),
@@ -283,9 +331,14 @@ impl Mirror {
         &self.cache
     }
 
-    /// A held chunk's bytes, verified, without counting as a use (to answer the peer's miss).
-    pub fn chunk(&self, f: &Fingerprint) -> Option<&[u8]> {
-        self.cache.peek(f)
+    /// Bytes held to answer misses.
+    pub fn resend_bytes(&self) -> usize {
+        self.recent.size
+    }
+
+    /// The bytes of a recently referenced chunk, to answer the peer's miss.
+    pub fn chunk(&self, f: &Fingerprint) -> Option<&bytes::Bytes> {
+        self.recent.map.get(f).map(|(_, d)| d)
     }
 
     /// Appends the record for one chunk to `out`.
@@ -301,6 +354,7 @@ impl Mirror {
             let f = fingerprint(chunk);
             if self.cache.contains(&f) {
                 self.cache.touch(&f);
+                self.recent.put(f, chunk);
                 out.put_u8(TAG_REF);
                 out.put_slice(&f);
                 let wire = 17 + put_len(out, chunk.len());
@@ -330,7 +384,7 @@ impl Mirror {
             }
         };
         if let Some(f) = f {
-            self.cache.insert(f, chunk.to_vec());
+            self.cache.insert_len(f, chunk.len());
         }
         Report {
             sent: Sent::Lit(codec.unwrap_or(Codec::None)),
@@ -432,7 +486,7 @@ pub struct Encoder {
 impl Encoder {
     pub fn new(cfg: CodecConfig) -> Self {
         Encoder {
-            mirror: Mirror::new(cfg.cache_bytes, cfg.zstd_level),
+            mirror: Mirror::new(cfg.cache_bytes, 64 << 20, cfg.zstd_level),
             hint: Hint::default(),
             cfg,
             pending: Vec::new(),

@@ -73,6 +73,9 @@ impl Default for CodecSettings {
 /// The latency lane's caches are this fraction of the main lane's.
 pub const LATENCY_SHARE: u64 = 8;
 
+/// Most bytes of referenced chunks a mirror keeps to answer misses, whatever the peer's window.
+const MAX_RESEND: u64 = 256 << 20;
+
 /// Most bytes a bulk stream's chunker looks at in one scheduling turn.
 pub(crate) const RAW_TURN: usize = 256 * 1024;
 
@@ -267,6 +270,7 @@ pub(crate) struct Contexts {
     pub chunking: Option<CodecConfig>,
     peer_cache: u64,
     peer_service_cache: u64,
+    resend: usize,
     mirrors: HashMap<(usize, Arc<str>), Mirror>,
     decoders: HashMap<(usize, Arc<str>), Decoder>,
     pub counts: HashMap<Arc<str>, CodecCount>,
@@ -298,6 +302,7 @@ impl Contexts {
             chunking: None,
             peer_cache: 0,
             peer_service_cache: 0,
+            resend: 0,
             mirrors: HashMap::new(),
             decoders: HashMap::new(),
             counts: HashMap::new(),
@@ -307,7 +312,16 @@ impl Contexts {
     /// Takes the peer's announced cache sizes and frame limit. Our mirrors never exceed our own
     /// limits; a smaller mirror holds a subset of the peer's cache (LRU keeps the most recent
     /// chunks that fit), so it never claims a chunk the peer has evicted.
-    pub fn on_peer(&mut self, cache: u64, service_cache: u64, peer_max_frame: usize) {
+    /// Chunks sent as references are kept for a miss as long as they could still be in flight:
+    /// the peer's link window, plus slack for a round trip.
+    pub fn on_peer(
+        &mut self,
+        cache: u64,
+        service_cache: u64,
+        peer_max_frame: usize,
+        peer_link_window: u64,
+    ) {
+        self.resend = usize::try_from(peer_link_window.min(MAX_RESEND)).unwrap_or(0) + (16 << 20);
         self.peer_cache = cache.min(self.own.cache_bytes);
         self.peer_service_cache = service_cache.min(self.own.service_cache_bytes);
         // A chunk and its record must fit in one frame of the peer's size.
@@ -328,10 +342,10 @@ impl Contexts {
         } else {
             self.peer_service_cache
         };
-        let level = self.own.zstd_level;
+        let (level, resend) = (self.own.zstd_level, self.resend);
         self.mirrors
             .entry((lane, scope.clone()))
-            .or_insert_with(|| Mirror::new(lane_share(size, lane), level))
+            .or_insert_with(|| Mirror::new(lane_share(size, lane), resend, level))
     }
 
     pub fn decoder(&mut self, lane: usize, scope: &Arc<str>) -> &mut Decoder {
@@ -348,7 +362,7 @@ impl Contexts {
     /// The bytes of a chunk the peer asked for, if our mirror still holds it.
     pub fn resend(&self, lane: usize, scope: &str) -> impl Fn(&Fingerprint) -> Option<Bytes> + '_ {
         let m = self.mirrors.get(&(lane, Arc::from(scope)));
-        move |f| m.and_then(|m| m.chunk(f)).map(Bytes::copy_from_slice)
+        move |f| m.and_then(|m| m.chunk(f)).cloned()
     }
 
     /// Decodes a stream's waiting frames until they run out or a reference misses.

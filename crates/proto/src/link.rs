@@ -1391,6 +1391,7 @@ impl Link {
                 get(setting::CACHE_BYTES, 0),
                 get(setting::SERVICE_CACHE_BYTES, 0),
                 self.peer_max_frame,
+                get(setting::LINK_WINDOW, 1 << 20),
             );
         }
         let version = h.version.min(VERSION);
