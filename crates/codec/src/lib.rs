@@ -266,7 +266,9 @@ pub struct Mirror {
     cache: ChunkCache,
     recent: Recent,
     zstd: Option<zstd::bulk::Compressor<'static>>,
+    /// Compression output: the first `clen` bytes.
     scratch: Vec<u8>,
+    clen: usize,
 }
 
 /// The bytes of the chunks sent as references most recently, bounded in bytes: the receiver asks
@@ -323,6 +325,7 @@ impl Mirror {
             // One zstd context for the mirror's life: creating one per chunk cost more than compressing.
             zstd: zstd::bulk::Compressor::new(zstd_level).ok(),
             scratch: Vec::new(),
+            clen: 0,
         }
     }
 
@@ -371,10 +374,11 @@ impl Mirror {
         let codec = self.compress(chunk, policy, pressure, hint);
         let wire = match codec {
             Some(codec) => {
+                let c = &self.scratch[..self.clen];
                 out.put_u8(codec.tag(f.is_some()));
-                let h = put_len(out, chunk.len()) + put_len(out, self.scratch.len());
-                out.put_slice(&self.scratch);
-                1 + h + self.scratch.len()
+                let h = put_len(out, chunk.len()) + put_len(out, c.len());
+                out.put_slice(c);
+                1 + h + c.len()
             }
             None => {
                 out.put_u8(Codec::None.tag(f.is_some()));
@@ -415,7 +419,7 @@ impl Mirror {
                 } else {
                     // Before spending zstd's CPU, a 4 KiB LZ4 trial tells noise apart.
                     let sample = &chunk[..chunk.len().min(4096)];
-                    if !self.lz4(sample) || !pays(sample.len(), self.scratch.len()) {
+                    if !self.lz4(sample) || !pays(sample.len(), self.clen) {
                         hint.incompressible();
                         return None;
                     }
@@ -430,12 +434,14 @@ impl Mirror {
                     self.scratch.clear();
                     self.scratch
                         .reserve(zstd::zstd_safe::compress_bound(chunk.len()));
-                    z.compress_to_buffer(chunk, &mut self.scratch).is_ok()
+                    let ok = z.compress_to_buffer(chunk, &mut self.scratch).is_ok();
+                    self.clen = self.scratch.len();
+                    ok
                 }
                 None => false,
             },
         };
-        if ok && pays(chunk.len(), self.scratch.len()) {
+        if ok && pays(chunk.len(), self.clen) {
             hint.compressible();
             Some(codec)
         } else {
@@ -445,11 +451,14 @@ impl Mirror {
     }
 
     fn lz4(&mut self, data: &[u8]) -> bool {
-        self.scratch
-            .resize(lz4_flex::block::get_maximum_output_size(data.len()), 0);
-        match lz4_flex::block::compress_into(data, &mut self.scratch) {
+        // Grow only: zeroing the buffer for every chunk cost a tenth of the compression.
+        let need = lz4_flex::block::get_maximum_output_size(data.len());
+        if self.scratch.len() < need {
+            self.scratch.resize(need, 0);
+        }
+        match lz4_flex::block::compress_into(data, &mut self.scratch[..need]) {
             Ok(n) => {
-                self.scratch.truncate(n);
+                self.clen = n;
                 true
             }
             Err(_) => false,
@@ -511,11 +520,26 @@ impl Encoder {
     /// Takes stream bytes and appends records to `out`. Without `flush`, the bytes after the last
     /// chunk boundary wait for more data; with it (latency class, end of stream) nothing waits.
     pub fn push(&mut self, data: &[u8], flush: bool, pressure: Pressure, out: &mut Vec<u8>) {
-        self.pending.extend_from_slice(data);
-        let pending = std::mem::take(&mut self.pending);
+        // Chunk the caller's bytes in place when nothing waits; copy only what must wait.
+        let waiting = std::mem::take(&mut self.pending);
+        let joined;
+        let src: &[u8] = if waiting.is_empty() {
+            data
+        } else {
+            let mut w = waiting;
+            w.extend_from_slice(data);
+            joined = w;
+            &joined
+        };
+        let consumed = self.encode(src, flush, pressure, out);
+        self.pending.extend_from_slice(&src[consumed..]);
+    }
+
+    /// Encodes the whole chunks of `src` (and with `flush` the rest); returns the bytes used.
+    fn encode(&mut self, src: &[u8], flush: bool, pressure: Pressure, out: &mut Vec<u8>) -> usize {
         let policy = self.cfg.policy();
         let mut consumed = 0;
-        let mut it = chunks(&pending, &self.cfg).peekable();
+        let mut it = chunks(src, &self.cfg).peekable();
         while let Some((off, len)) = it.next() {
             let last = it.peek().is_none();
             // The last piece ends at the buffer's end, not at a content boundary: it waits, unless
@@ -523,7 +547,7 @@ impl Encoder {
             if last && !flush && len < self.cfg.max_chunk {
                 break;
             }
-            let chunk = &pending[off..off + len];
+            let chunk = &src[off..off + len];
             let r = if last && len < self.cfg.min_chunk {
                 encode_raw(chunk, out)
             } else {
@@ -533,8 +557,7 @@ impl Encoder {
             self.stats.add(&r);
             consumed = off + len;
         }
-        drop(it);
-        self.pending = pending[consumed..].to_vec();
+        consumed
     }
 }
 
