@@ -1,0 +1,268 @@
+//! The `wanopt-replay` binary: subcommands, or an oratcptest command line pasted as is.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use wanopt_replay::args::{self, Oratcp};
+use wanopt_replay::client::{self, ClientOpts, Limit};
+use wanopt_replay::server::{self, ServerOpts};
+use wanopt_replay::workload::{self, Workload};
+
+#[derive(Parser)]
+#[command(
+    name = "wanopt-replay",
+    version,
+    about = "Benchmark a WAN path: oratcptest-compatible client and server, and synthetic database workloads",
+    after_help = "oratcptest command lines work as pasted:\n  wanopt-replay -server -port=5555\n  wanopt-replay HOST -port=5555 -mode=sync -length=8k -duration=10s -interval=2s\nSizes: k/m/g are powers of 1024. Times: 250ms, 10s, 5min, 1h."
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Receive test messages (oratcptest -server).
+    Server {
+        /// Port to listen on.
+        #[arg(long)]
+        port: u16,
+        /// Address to listen on.
+        #[arg(long, default_value = "0.0.0.0")]
+        bind: std::net::IpAddr,
+        /// File written (and synced) per message when a client asks for -write.
+        #[arg(long, default_value = "oratcp.tmp")]
+        file: PathBuf,
+        /// Socket receive buffer size (k/m/g); system default when absent.
+        #[arg(long, value_parser = args::size)]
+        sockbuf: Option<u64>,
+    },
+    /// Send test messages to a server (oratcptest client mode).
+    Client {
+        /// The server host (or a tunnel's local address).
+        host: String,
+        #[arg(long)]
+        port: u16,
+        /// sync: wait for each acknowledgement; async: do not.
+        #[arg(long, default_value = "sync", value_parser = args::mode)]
+        mode: client::Mode,
+        /// Message payload length (k/m/g); 1m by default, 0 with --rtt.
+        #[arg(long, value_parser = args::size)]
+        length: Option<u64>,
+        /// Payload lengths uniformly between 512 bytes and --length.
+        #[arg(long)]
+        random_length: bool,
+        /// Delay between messages (a bare number is milliseconds).
+        #[arg(long, default_value = "0")]
+        delay: String,
+        /// Delays uniformly between zero and --delay.
+        #[arg(long)]
+        random_delay: bool,
+        /// Number of TCP connections.
+        #[arg(long, default_value_t = 1)]
+        num_conn: usize,
+        /// random, zero, or a file whose contents are sent.
+        #[arg(long, default_value = "random")]
+        payload: String,
+        /// Test length: a time (10s, 5min) or bytes (1g); forever when absent.
+        #[arg(long, value_parser = args::limit)]
+        duration: Option<Limit>,
+        /// Statistics interval.
+        #[arg(long, default_value = "10s")]
+        interval: String,
+        /// Round-trip mode: SYNC with empty messages.
+        #[arg(long)]
+        rtt: bool,
+        /// The server writes and syncs each message before acknowledging.
+        #[arg(long)]
+        write: bool,
+        /// Socket send buffer size (k/m/g).
+        #[arg(long, value_parser = args::size)]
+        sockbuf: Option<u64>,
+        /// Network timeout.
+        #[arg(long)]
+        timeout: Option<String>,
+        /// Repeat every EVERY for TOTAL, as EVERY/TOTAL (1h/24h).
+        #[arg(long, value_parser = args::freq)]
+        freq: Option<(std::time::Duration, std::time::Duration)>,
+        /// Also write the report to this file.
+        #[arg(long)]
+        output: Option<PathBuf>,
+        /// Print one JSON summary instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Seed of random payloads, lengths and delays.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// Write a deterministic synthetic workload (its model: `wanopt-replay gen --help`).
+    #[command(long_about = workload::MODEL)]
+    Gen {
+        /// redo, rman or trail.
+        #[arg(value_parser = workload::Workload::parse)]
+        workload: Workload,
+        /// Bytes to write (k/m/g).
+        #[arg(long, default_value = "64m", value_parser = args::size)]
+        size: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// rman only: the fraction of blocks changed since version 1 (0.1 = 10%).
+        #[arg(long, default_value_t = 0.0)]
+        changed: f64,
+        /// Output file (stdout when absent).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    let r = if args::is_oratcptest(&raw) {
+        match args::parse_oratcptest(&raw) {
+            Ok(Oratcp::Help) => {
+                let _ = <Cli as clap::CommandFactory>::command().print_long_help();
+                Ok(())
+            }
+            Ok(Oratcp::Server(s)) => run_server(&s),
+            Ok(Oratcp::Client(c)) => run_client(&c),
+            Err(e) => {
+                eprintln!("wanopt-replay: {e}");
+                return ExitCode::from(64);
+            }
+        }
+    } else {
+        let cli = Cli::parse();
+        run(cli.cmd)
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("wanopt-replay: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_server(s: &ServerOpts) -> Result<()> {
+    let l = server::bind(s).with_context(|| format!("cannot listen on {}", s.bind))?;
+    println!(
+        "OraTcpTest-compatible server started on {}.",
+        l.local_addr()?
+    );
+    server::serve(l, s);
+    Ok(())
+}
+
+fn run_client(c: &ClientOpts) -> Result<()> {
+    client::run(c)?;
+    Ok(())
+}
+
+fn run(cmd: Cmd) -> Result<()> {
+    match cmd {
+        Cmd::Server {
+            port,
+            bind,
+            file,
+            sockbuf,
+        } => run_server(&ServerOpts {
+            bind: SocketAddr::new(bind, port),
+            file,
+            sockbuf: sockbuf.map(|n| n as usize).filter(|n| *n > 0),
+        }),
+        Cmd::Client {
+            host,
+            port,
+            mode,
+            length,
+            random_length,
+            delay,
+            random_delay,
+            num_conn,
+            payload,
+            duration,
+            interval,
+            rtt,
+            write,
+            sockbuf,
+            timeout,
+            freq,
+            output,
+            json,
+            seed,
+        } => {
+            // Build the equivalent oratcptest line so both syntaxes share one set of checks.
+            let mut a = vec![host, format!("-port={port}")];
+            if let Some(l) = length {
+                a.push(format!("-length={l}"));
+            }
+            a.push(format!("-delay={delay}"));
+            a.push(format!("-num_conn={num_conn}"));
+            a.push(format!("-payload={payload}"));
+            a.push(format!("-interval={interval}"));
+            a.push(format!("-seed={seed}"));
+            if random_length {
+                a.push("-random_length".into());
+            }
+            if random_delay {
+                a.push("-random_delay".into());
+            }
+            if rtt {
+                a.push("-rtt".into());
+            }
+            if write {
+                a.push("-write".into());
+            }
+            if json {
+                a.push("-json".into());
+            }
+            if let Some(s) = sockbuf {
+                a.push(format!("-sockbuf={s}"));
+            }
+            if let Some(t) = timeout {
+                a.push(format!("-timeout={t}"));
+            }
+            if let Some(o) = &output {
+                a.push(format!("-output={}", o.display()));
+            }
+            let mut c = match args::parse_oratcptest(&a) {
+                Ok(Oratcp::Client(c)) => c,
+                Ok(_) => anyhow::bail!("not a client command line"),
+                Err(e) => anyhow::bail!(e),
+            };
+            c.mode = if rtt { client::Mode::Sync } else { mode };
+            c.duration = duration.unwrap_or(Limit::Forever);
+            c.freq = freq;
+            if c.length == 0 && matches!(c.duration, Limit::Bytes(_)) {
+                anyhow::bail!("a byte --duration needs a non-zero --length");
+            }
+            run_client(&c)
+        }
+        Cmd::Gen {
+            workload,
+            size,
+            seed,
+            changed,
+            output,
+        } => {
+            if !(0.0..=1.0).contains(&changed) {
+                anyhow::bail!("--changed must be between 0 and 1");
+            }
+            let g = workload::Generator::new(workload, seed, changed);
+            match output {
+                Some(p) => {
+                    let f = std::fs::File::create(&p)
+                        .with_context(|| format!("cannot create {}", p.display()))?;
+                    let mut w = std::io::BufWriter::new(f);
+                    g.write(&mut w, size)?;
+                    std::io::Write::flush(&mut w)?;
+                }
+                None => g.write(&mut std::io::stdout().lock(), size)?,
+            }
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! `wanopt-replay` end to end: oratcptest command lines as pasted, SYNC and ASYNC runs on loopback
+//! with exact byte counts (checked by the server), JSON output, a wrong port, a run through the
+//! tunnel, and deterministic generators.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+
+/// A running `wanopt-replay` server, killed on drop.
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts a server the way oratcptest's users do, on an ephemeral loopback port.
+fn server() -> Server {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut child = Command::new(bin("wanopt-replay"))
+        .args(["-server", "127.0.0.1", "-port=0"])
+        .arg(format!("-file={}", dir.path().join("oratcp.tmp").display()))
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn server");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("banner");
+    let addr = line
+        .trim()
+        .trim_end_matches('.')
+        .rsplit(' ')
+        .next()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    Server {
+        child,
+        addr,
+        _dir: dir,
+    }
+}
+
+fn client(args: &[String]) -> (bool, String, String) {
+    let out = Command::new(bin("wanopt-replay"))
+        .args(args)
+        .output()
+        .expect("run client");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn line(addr: SocketAddr, rest: &str) -> Vec<String> {
+    let mut v = vec![addr.ip().to_string(), format!("-port={}", addr.port())];
+    v.extend(rest.split_whitespace().map(String::from));
+    v
+}
+
+#[test]
+fn sync_run_with_disk_writes_reports_like_oratcptest() {
+    let s = server();
+    let (ok, out, err) = client(&line(
+        s.addr,
+        "-mode=SYNC -length=8k -duration=4m -interval=1s -write",
+    ));
+    assert!(ok, "{out}\n{err}");
+    for want in [
+        "[Requesting a test]",
+        "Message payload        = 8 kbytes",
+        "Transport mode         = SYNC",
+        "Disk write             = YES",
+        "The server is ready.",
+        "Test finished.",
+        "Avg. throughput =",
+        "Avg. latency =",
+        "(disk-write",
+        "Latency p50 / p99 / p99.9 / max =",
+        "Bytes sent = 4194304 in 512 messages (server confirmed)",
+    ] {
+        assert!(out.contains(want), "missing {want:?} in\n{out}");
+    }
+}
+
+#[test]
+fn async_runs_over_several_connections_count_every_byte() {
+    let s = server();
+    let mut args = line(
+        s.addr,
+        "-mode=async -num_conn=3 -length=64k -random_length -duration=10m -interval=1s -payload=zero",
+    );
+    args.push("-json".into());
+    let (ok, out, err) = client(&args);
+    assert!(ok, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("one JSON report");
+    assert_eq!(v["bytes"], 10 << 20, "{v}");
+    assert_eq!(v["mode"], "ASYNC");
+    assert_eq!(v["connections"], 3);
+    assert_eq!(v["verified"], true);
+    assert!(v["messages"].as_u64().expect("messages") > 160, "{v}");
+    assert!(v["latency_ms"].is_null(), "no latency in ASYNC mode");
+
+    // The subcommand spelling of a SYNC round-trip test, timed.
+    let (ok, out, err) = client(&[
+        "client".into(),
+        s.addr.ip().to_string(),
+        "--port".into(),
+        s.addr.port().to_string(),
+        "--rtt".into(),
+        "--duration".into(),
+        "1s".into(),
+        "--interval".into(),
+        "500ms".into(),
+        "--json".into(),
+    ]);
+    assert!(ok, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["bytes"], 0);
+    assert!(v["messages"].as_u64().expect("n") > 10, "{v}");
+    assert!(v["latency_ms"]["p99"].as_f64().expect("p99") > 0.0, "{v}");
+    assert!(v["seconds"].as_f64().expect("s") >= 1.0);
+}
+
+#[test]
+fn wrong_port_and_bad_options_are_clear_errors() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let free = l.local_addr().expect("addr");
+    drop(l);
+    let (ok, _, err) = client(&line(free, "-duration=1s"));
+    assert!(!ok);
+    assert!(
+        err.contains("cannot connect to 127.0.0.1:") && err.contains("refused"),
+        "{err}"
+    );
+    let out = Command::new(bin("wanopt-replay"))
+        .args(["somehost", "-port=1", "-mode=fast"])
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("SYNC or ASYNC"));
+    // A server that is not a wanopt-replay server.
+    let (ok, _, err) = client(&line(hash_server(), "-duration=1s"));
+    assert!(!ok);
+    assert!(err.contains("not a wanopt-replay server"), "{err}");
+}
+
+#[test]
+fn runs_through_the_tunnel_to_a_server_behind_it() {
+    let s = server();
+    let p = Pair::start(
+        &format!("  - name: dg\n    target: {}\n    class: latency\n", s.addr),
+        "  - name: dg\n    listen: 127.0.0.1:0\n    class: latency\n",
+    );
+    let addr = p.west.bound("dg");
+    let mut args = line(
+        addr,
+        "-mode=sync -length=8020 -duration=2m -interval=1s -write",
+    );
+    args.push("-json".into());
+    let (ok, out, err) = client(&args);
+    assert!(ok, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["bytes"], 2 << 20);
+    assert_eq!(v["verified"], true);
+    assert!(v["disk_write_ms"]["mean"].as_f64().is_some(), "{v}");
+    std::thread::sleep(Duration::from_millis(100));
+}
+
+#[test]
+fn generators_are_deterministic_for_a_seed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gen_file = |w: &str, seed: &str, extra: &[&str], name: &str| {
+        let path = dir.path().join(name);
+        let st = Command::new(bin("wanopt-replay"))
+            .args(["gen", w, "--size", "3m", "--seed", seed, "-o"])
+            .arg(&path)
+            .args(extra)
+            .status()
+            .expect("gen");
+        assert!(st.success());
+        std::fs::read(&path).expect("read")
+    };
+    for w in ["redo", "rman", "trail"] {
+        let a = gen_file(w, "5", &[], &format!("{w}-a"));
+        let b = gen_file(w, "5", &[], &format!("{w}-b"));
+        let c = gen_file(w, "6", &[], &format!("{w}-c"));
+        assert_eq!(a.len(), 3 << 20);
+        assert!(a == b, "{w}: same seed, different bytes");
+        assert!(a != c, "{w}: the seed is ignored");
+    }
+    let v1 = gen_file("rman", "5", &[], "v1");
+    let v2 = gen_file("rman", "5", &["--changed", "0.1"], "v2");
+    let changed = v1
+        .chunks(8192)
+        .zip(v2.chunks(8192))
+        .filter(|(a, b)| a != b)
+        .count();
+    assert!(
+        (20..=60).contains(&changed),
+        "{changed} of 384 blocks changed"
+    );
+    let out = Command::new(bin("wanopt-replay"))
+        .args(["gen", "redo", "--help"])
+        .output()
+        .expect("help");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("LGWR"));
+}
