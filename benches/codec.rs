@@ -1,12 +1,13 @@
 //! Encode pipeline throughput of the optimization codec on one core: chunking, fingerprints,
 //! cache lookups and compression, on database-like (compressible) and random (incompressible)
-//! data, generated here until `wanopt-replay gen` exists.
+//! data, and on `wanopt-replay gen`'s redo, rman and trail workloads.
 //!
 //! Run: `cargo bench --bench codec` (`-- --mib N` of data per case, default 256).
 
 use std::time::Instant;
 
 use wanopt_codec::{CodecConfig, Compression, Decoder, Encoder, Pressure};
+use wanopt_replay::workload::{Generator, Workload};
 
 fn xorshift(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -121,6 +122,15 @@ fn main() {
         Compression::Adaptive,
         Pressure::LinkBound,
     );
+    // The workloads of `wanopt-replay gen`, as the link sees them when it is the bottleneck.
+    for (name, w) in [
+        ("gen redo, adaptive (link-bound)", Workload::Redo),
+        ("gen rman, adaptive (link-bound)", Workload::Rman),
+        ("gen trail, adaptive (link-bound)", Workload::Trail),
+    ] {
+        let d = Generator::new(w, 1, 0.0).bytes(mib.min(128) << 20);
+        run(name, &d, Compression::Adaptive, Pressure::LinkBound);
+    }
     run(
         "incompressible, adaptive",
         &noise,
