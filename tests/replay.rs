@@ -218,3 +218,148 @@ fn generators_are_deterministic_for_a_seed() {
         .expect("help");
     assert!(String::from_utf8_lossy(&out.stdout).contains("LGWR"));
 }
+
+/// Starts a `wanopt-replay` subcommand that prints its listening address on its first line.
+fn spawn_listening(args: &[&str], marker: &str) -> (Child, SocketAddr) {
+    let mut child = Command::new(bin("wanopt-replay"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut first = String::new();
+    out.read_line(&mut first).expect("first line");
+    // Keep draining stdout so the child never blocks on a full pipe.
+    std::thread::spawn(move || for _ in out.lines() {});
+    let addr = first
+        .split(marker)
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no address after {marker:?} in {first:?}"));
+    (child, addr)
+}
+
+/// A PostgreSQL server for the record test: `.ci/run` starts one with `pg_ctlcluster` and sets
+/// `WANOPT_PG_PORT` and `PGPASSWORD`; elsewhere the test skips with a reason.
+fn postgres() -> Option<u16> {
+    match std::env::var("WANOPT_PG_PORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+    {
+        Some(p) => Some(p),
+        None if std::env::var("WANOPT_REQUIRE_POSTGRES").as_deref() == Ok("1") => {
+            panic!("WANOPT_REQUIRE_POSTGRES=1 but WANOPT_PG_PORT is not set")
+        }
+        None => {
+            eprintln!(
+                "skipping: no PostgreSQL (set WANOPT_PG_PORT and PGPASSWORD, as .ci/run does)"
+            );
+            None
+        }
+    }
+}
+
+#[test]
+fn a_recorded_psql_session_replays_byte_for_byte_through_the_tunnel() {
+    let Some(pg) = postgres() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trace = dir.path().join("psql.trace");
+    let trace_s = trace.to_str().expect("utf-8 path");
+    // Record a real request/response session: psql through the recording proxy.
+    let (mut rec, addr) = spawn_listening(
+        &[
+            "record",
+            "--listen",
+            "127.0.0.1:0",
+            "--target",
+            &format!("127.0.0.1:{pg}"),
+            "--trace",
+            trace_s,
+            "--connections",
+            "1",
+        ],
+        "recording on ",
+    );
+    let out = Command::new("psql")
+        .arg(format!(
+            "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=disable",
+            addr.port()
+        ))
+        .args([
+            "-Atc",
+            "create temp table t as select g, md5(g::text) as h from generate_series(1, 20000) g; \
+             select count(*), sum(length(h)) from t; select h from t order by g limit 3000;",
+        ])
+        .output()
+        .expect("psql");
+    assert!(
+        out.status.success(),
+        "psql: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("\n20000|640000\n"), "{text}");
+    assert!(rec.wait().expect("record exits").success());
+    let recorded = std::fs::metadata(&trace).expect("trace").len();
+    assert!(
+        recorded > 100_000,
+        "the trace holds the session: {recorded} bytes"
+    );
+
+    // Replay it through a tunnel to a sink playing the server, then directly.
+    let (mut sink, sink_addr) = spawn_listening(
+        &[
+            "sink",
+            "--listen",
+            "127.0.0.1:0",
+            "--trace",
+            trace_s,
+            "--once",
+        ],
+        "listening on ",
+    );
+    let p = Pair::start(
+        &format!("  - name: pg\n    target: {sink_addr}\n"),
+        "  - name: pg\n    listen: 127.0.0.1:0\n",
+    );
+    let (ok, out, err) = client(&[
+        "replay".into(),
+        p.west.bound("pg").to_string(),
+        "--trace".into(),
+        trace_s.into(),
+        "--json".into(),
+    ]);
+    assert!(ok, "{out}\n{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["connections"], 1);
+    assert!(v["bytes_to_client"].as_u64().expect("n") > 100_000, "{v}");
+    assert_eq!(v["verified"], true);
+    assert!(sink.wait().expect("sink exits").success());
+
+    // A damaged or truncated trace is refused with a message, never replayed.
+    let bytes = std::fs::read(&trace).expect("read");
+    for (name, damaged) in [
+        ("flipped", {
+            let mut d = bytes.clone();
+            d[bytes.len() / 2] ^= 0x40;
+            d
+        }),
+        ("truncated", bytes[..bytes.len() - 40].to_vec()),
+    ] {
+        let bad = dir.path().join(name);
+        std::fs::write(&bad, damaged).expect("write");
+        let (ok, _, err) = client(&[
+            "replay".into(),
+            sink_addr.to_string(),
+            "--trace".into(),
+            bad.to_str().expect("path").into(),
+        ]);
+        assert!(!ok);
+        assert!(
+            err.contains("cannot use the trace")
+                && (err.contains("damaged") || err.contains("truncated")),
+            "{name}: {err}"
+        );
+    }
+}

@@ -8,7 +8,10 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use wanopt_replay::args::{self, Oratcp};
 use wanopt_replay::client::{self, ClientOpts, Limit};
+use wanopt_replay::record::{self, RecordOpts};
+use wanopt_replay::replay;
 use wanopt_replay::server::{self, ServerOpts};
+use wanopt_replay::trace;
 use wanopt_replay::workload::{self, Workload};
 
 #[derive(Parser)]
@@ -98,6 +101,55 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+    /// Record real traffic: a transparent proxy from --listen to --target writing a trace.
+    Record {
+        /// Address clients connect to (point the real client here).
+        #[arg(long)]
+        listen: SocketAddr,
+        /// The real server, host:port.
+        #[arg(long)]
+        target: String,
+        /// Trace file to write.
+        #[arg(long)]
+        trace: PathBuf,
+        /// Stop after this many connections have finished (default: until Ctrl-C).
+        #[arg(long)]
+        connections: Option<usize>,
+        /// Stop after this long.
+        #[arg(long, value_parser = |s: &str| args::time(s, std::time::Duration::from_secs(1)))]
+        duration: Option<std::time::Duration>,
+    },
+    /// Play a trace's client side to a sink through a path (a tunnel's local port, or direct).
+    Replay {
+        /// host:port of the path (the sink, directly or through the tunnel).
+        addr: String,
+        #[arg(long)]
+        trace: PathBuf,
+        /// asap: as fast as causality allows; recorded: also keep the recorded timing.
+        #[arg(long, default_value = "asap", value_parser = replay::Pace::parse)]
+        pace: replay::Pace,
+        /// Longest wait for the peer's bytes.
+        #[arg(long, default_value = "30s", value_parser = |s: &str| args::time(s, std::time::Duration::from_secs(1)))]
+        timeout: std::time::Duration,
+        /// Print a JSON summary.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Play a trace's server side for `replay` clients.
+    Sink {
+        /// Address to listen on.
+        #[arg(long)]
+        listen: SocketAddr,
+        #[arg(long)]
+        trace: PathBuf,
+        #[arg(long, default_value = "asap", value_parser = replay::Pace::parse)]
+        pace: replay::Pace,
+        #[arg(long, default_value = "30s", value_parser = |s: &str| args::time(s, std::time::Duration::from_secs(1)))]
+        timeout: std::time::Duration,
+        /// Exit once every connection of the trace was served.
+        #[arg(long)]
+        once: bool,
+    },
     /// Write a deterministic synthetic workload (its model: `wanopt-replay gen --help`).
     #[command(long_about = workload::MODEL)]
     Gen {
@@ -144,6 +196,20 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// A flag set by SIGINT or SIGTERM, so a recording ends with a complete trace.
+fn stop_on_signal() -> &'static std::sync::atomic::AtomicBool {
+    static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    extern "C" fn on_signal(_: libc::c_int) {
+        STOP.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    &STOP
 }
 
 fn run_server(s: &ServerOpts) -> Result<()> {
@@ -240,6 +306,79 @@ fn run(cmd: Cmd) -> Result<()> {
                 anyhow::bail!("a byte --duration needs a non-zero --length");
             }
             run_client(&c)
+        }
+        Cmd::Record {
+            listen,
+            target,
+            trace,
+            connections,
+            duration,
+        } => {
+            let opts = RecordOpts {
+                listen,
+                target,
+                trace,
+                connections,
+                duration,
+            };
+            let l = record::bind(&opts)?;
+            println!(
+                "recording on {} -> {} into {} (Ctrl-C ends the recording)",
+                l.local_addr()?,
+                opts.target,
+                opts.trace.display()
+            );
+            let stop = stop_on_signal();
+            let sum = record::record(l, &opts, stop)?;
+            println!(
+                "recorded {} connections: {} bytes to the server, {} to the client, {:.3} s",
+                sum.connections, sum.bytes_to_server, sum.bytes_to_client, sum.seconds
+            );
+            Ok(())
+        }
+        Cmd::Replay {
+            addr,
+            trace: path,
+            pace,
+            timeout,
+            json,
+        } => {
+            let events = trace::load(&path)
+                .with_context(|| format!("cannot use the trace {}", path.display()))?;
+            let sum = replay::replay(&addr, &events, pace, timeout).map_err(anyhow::Error::msg)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&sum)?);
+            } else {
+                println!(
+                    "replayed {} connections through {addr}: {} bytes to the server, {} to the client, every byte verified\n{:.3} s (recorded: {:.3} s)",
+                    sum.connections,
+                    sum.bytes_to_server,
+                    sum.bytes_to_client,
+                    sum.seconds,
+                    sum.recorded_seconds
+                );
+            }
+            Ok(())
+        }
+        Cmd::Sink {
+            listen,
+            trace: path,
+            pace,
+            timeout,
+            once,
+        } => {
+            let events = trace::load(&path)
+                .with_context(|| format!("cannot use the trace {}", path.display()))?;
+            let l = std::net::TcpListener::bind(listen)
+                .with_context(|| format!("cannot listen on {listen}"))?;
+            println!(
+                "sink for {} listening on {}",
+                path.display(),
+                l.local_addr()?
+            );
+            let n = replay::sink(l, &events, pace, timeout, once).map_err(anyhow::Error::msg)?;
+            println!("served {n} connections");
+            Ok(())
         }
         Cmd::Gen {
             workload,
