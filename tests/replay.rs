@@ -363,3 +363,64 @@ fn a_recorded_psql_session_replays_byte_for_byte_through_the_tunnel() {
         );
     }
 }
+
+#[test]
+fn compare_puts_direct_and_tunnel_side_by_side_with_the_tunnels_gain() {
+    let s = server();
+    let p = Pair::start_with_admin(
+        &format!("  - name: dg\n    target: {}\n", s.addr),
+        "  - name: dg\n    listen: 127.0.0.1:0\n",
+    );
+    let direct = format!("direct-cubic={},cc=cubic", s.addr);
+    let tunnel = format!(
+        "tunnel={},metrics=http://{}/metrics",
+        p.west.bound("dg"),
+        p.west.bound("admin")
+    );
+    let run = |workload: &str, json: bool| {
+        let mut a: Vec<String> = [
+            "compare",
+            "--path",
+            &direct,
+            "--path",
+            &tunnel,
+            "--workload",
+            workload,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        if json {
+            a.push("--json".into());
+        }
+        let (ok, out, err) = client(&a);
+        assert!(ok, "{out}\n{err}");
+        out
+    };
+    let out = run("gen:redo:16m", true);
+    let rows: serde_json::Value = serde_json::from_str(&out).expect("json rows");
+    assert_eq!(rows[0]["path"], "direct-cubic");
+    assert_eq!(rows[0]["bytes"], 16 << 20);
+    assert_eq!(rows[1]["bytes"], 16 << 20);
+    assert!(rows[0]["gain"].is_null(), "no metrics for the direct path");
+    // The tunnel's daemon saw the raw bytes (plus the test protocol's framing) and sent fewer.
+    let raw = rows[1]["raw_bytes"].as_u64().expect("raw");
+    assert!((16 << 20..(16 << 20) + 100_000).contains(&raw), "{rows}");
+    let gain = rows[1]["gain"].as_f64().expect("gain");
+    assert!(gain > 1.5, "redo should shrink through the tunnel: {rows}");
+
+    let table = run(
+        "oratcp:-mode=sync -length=8k -duration=1s -interval=1s",
+        false,
+    );
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 3, "{table}");
+    assert!(
+        lines[0].contains("speedup") && lines[0].contains("p99 ms") && lines[0].contains("gain")
+    );
+    assert!(
+        lines[1].starts_with("direct-cubic") && lines[1].contains("1.00x"),
+        "{table}"
+    );
+    assert!(lines[2].starts_with("tunnel"), "{table}");
+}

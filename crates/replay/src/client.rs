@@ -30,6 +30,11 @@ pub enum Payload {
     Random,
     Zero,
     File(PathBuf),
+    /// Bytes in memory (a generated workload), sent in order and repeated if the test is longer.
+    Bytes {
+        name: String,
+        data: Arc<Vec<u8>>,
+    },
 }
 
 /// How long a test runs.
@@ -69,6 +74,10 @@ pub struct ClientOpts {
     pub output: Option<PathBuf>,
     /// Print one JSON summary instead of text.
     pub json: bool,
+    /// Print nothing (a caller reports; `compare`).
+    pub quiet: bool,
+    /// Congestion control of the client's sockets (`cubic`, `bbr`); the system default if unset.
+    pub congestion: Option<String>,
     /// Seed of random payloads, lengths and delays.
     pub seed: u64,
 }
@@ -92,6 +101,8 @@ impl Default for ClientOpts {
             freq: None,
             output: None,
             json: false,
+            quiet: false,
+            congestion: None,
             seed: 1,
         }
     }
@@ -248,6 +259,7 @@ fn header(o: &ClientOpts) -> String {
             Payload::Random => "RANDOM".to_string(),
             Payload::Zero => "ZERO".to_string(),
             Payload::File(p) => p.display().to_string(),
+            Payload::Bytes { name, .. } => name.clone(),
         },
         o.num_conn,
         o.sockbuf
@@ -294,12 +306,12 @@ pub fn run(opts: &ClientOpts) -> Result<Report, ClientError> {
         None => None,
     };
     let mut out = Out {
-        json: opts.json,
+        json: opts.json || opts.quiet,
         file,
     };
     let Some((every, total)) = opts.freq else {
         let r = run_once(opts, &mut out)?;
-        if opts.json {
+        if opts.json && !opts.quiet {
             println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
         }
         return Ok(r);
@@ -309,7 +321,7 @@ pub fn run(opts: &ClientOpts) -> Result<Report, ClientError> {
     loop {
         let round = Instant::now();
         last = run_once(opts, &mut out)?;
-        if opts.json {
+        if opts.json && !opts.quiet {
             println!("{}", serde_json::to_string(&last).unwrap_or_default());
         }
         let next = round + every;
@@ -334,6 +346,14 @@ fn connect(opts: &ClientOpts) -> Result<TcpStream, ClientError> {
                 .map_err(|e| ClientError::Connect(opts.addr.clone(), e))?;
         if let Some(n) = opts.sockbuf {
             let _ = sock.set_send_buffer_size(n);
+        }
+        if let Some(cc) = &opts.congestion {
+            sock.set_tcp_congestion(cc.as_bytes()).map_err(|e| {
+                ClientError::Connect(
+                    opts.addr.clone(),
+                    std::io::Error::new(e.kind(), format!("congestion control {cc}: {e}")),
+                )
+            })?;
         }
         match sock.connect_timeout(&a.into(), timeout) {
             Ok(()) => {
@@ -364,6 +384,7 @@ fn run_once(opts: &ClientOpts, out: &mut Out) -> Result<Report, ClientError> {
             }
             Some(Arc::new(d))
         }
+        Payload::Bytes { data, .. } if !data.is_empty() => Some(data.clone()),
         _ => None,
     };
     out.line(&header(opts))?;
@@ -586,13 +607,16 @@ fn sender(
         match (&o.payload, file_payload) {
             (Payload::Random, _) => rng.fill(payload),
             (Payload::Zero, _) => payload.fill(0),
-            (Payload::File(_), Some(f)) => {
-                for b in payload.iter_mut() {
-                    *b = f[file_off];
-                    file_off = (file_off + 1) % f.len();
+            (Payload::File(_) | Payload::Bytes { .. }, Some(f)) => {
+                let mut at = 0;
+                while at < payload.len() {
+                    let n = (payload.len() - at).min(f.len() - file_off);
+                    payload[at..at + n].copy_from_slice(&f[file_off..file_off + n]);
+                    at += n;
+                    file_off = (file_off + n) % f.len();
                 }
             }
-            (Payload::File(_), None) => {}
+            (Payload::File(_) | Payload::Bytes { .. }, None) => payload.fill(0),
         }
         buf[..4].copy_from_slice(&len.to_be_bytes());
         let t = Instant::now();

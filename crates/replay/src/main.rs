@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use wanopt_replay::args::{self, Oratcp};
 use wanopt_replay::client::{self, ClientOpts, Limit};
+use wanopt_replay::compare;
 use wanopt_replay::record::{self, RecordOpts};
 use wanopt_replay::replay;
 use wanopt_replay::server::{self, ServerOpts};
@@ -149,6 +150,23 @@ enum Cmd {
         /// Exit once every connection of the trace was served.
         #[arg(long)]
         once: bool,
+    },
+    /// Run one workload over two or more paths and print them side by side.
+    Compare {
+        /// NAME=HOST:PORT[,cc=cubic|bbr][,metrics=http://HOST:PORT/metrics], in table order
+        /// (speedups are against the first).
+        #[arg(long = "path", required = true, value_parser = compare::parse_path)]
+        paths: Vec<compare::PathSpec>,
+        /// oratcp:"-mode=sync -length=8k -duration=10s" or gen:redo:64m[:SEED] (both against a
+        /// `wanopt-replay server` behind each path) or trace:FILE (against a `sink`).
+        #[arg(long)]
+        workload: String,
+        /// Count only this service in the tunnel's metrics (default: all services).
+        #[arg(long)]
+        service: Option<String>,
+        /// Print JSON rows instead of the table.
+        #[arg(long)]
+        json: bool,
     },
     /// Write a deterministic synthetic workload (its model: `wanopt-replay gen --help`).
     #[command(long_about = workload::MODEL)]
@@ -378,6 +396,25 @@ fn run(cmd: Cmd) -> Result<()> {
             );
             let n = replay::sink(l, &events, pace, timeout, once).map_err(anyhow::Error::msg)?;
             println!("served {n} connections");
+            Ok(())
+        }
+        Cmd::Compare {
+            paths,
+            workload,
+            service,
+            json,
+        } => {
+            if paths.len() < 2 {
+                anyhow::bail!("compare needs at least two --path");
+            }
+            let job = compare::parse_job(&workload).map_err(anyhow::Error::msg)?;
+            let rows =
+                compare::compare(&paths, &job, service.as_deref()).map_err(anyhow::Error::msg)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                print!("{}", compare::table(&rows));
+            }
             Ok(())
         }
         Cmd::Gen {

@@ -1,0 +1,297 @@
+//! `wanopt-replay compare`: one workload over two or more paths in one run, side by side: bytes,
+//! time, throughput, speedup over the first path, latency percentiles, and for a tunnel path the
+//! raw and wire bytes its daemon counted (the bandwidth gain), read from its metrics endpoint.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::args::{Oratcp, parse_oratcptest};
+use crate::client::{self, ClientOpts, Limit, Mode, Payload};
+use crate::trace::Event;
+use crate::workload::{Generator, Workload};
+
+/// One path to measure: `NAME=HOST:PORT[,cc=cubic][,metrics=http://HOST:PORT/metrics]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathSpec {
+    pub name: String,
+    pub addr: String,
+    pub congestion: Option<String>,
+    pub metrics: Option<String>,
+}
+
+pub fn parse_path(s: &str) -> Result<PathSpec, String> {
+    let (name, rest) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not NAME=HOST:PORT[,cc=..][,metrics=URL]"))?;
+    let mut parts = rest.split(',');
+    let addr = parts.next().unwrap_or_default().to_string();
+    if name.is_empty() || !addr.contains(':') {
+        return Err(format!("{s:?}: give a name and a host:port"));
+    }
+    let mut p = PathSpec {
+        name: name.to_string(),
+        addr,
+        congestion: None,
+        metrics: None,
+    };
+    for opt in parts {
+        match opt.split_once('=') {
+            Some(("cc", v)) => p.congestion = Some(v.to_ascii_lowercase()),
+            Some(("metrics", v)) => p.metrics = Some(v.to_string()),
+            _ => return Err(format!("{opt:?}: path options are cc=NAME and metrics=URL")),
+        }
+    }
+    Ok(p)
+}
+
+/// What runs over each path.
+#[derive(Debug, Clone)]
+pub enum Job {
+    /// oratcptest client options, against a `wanopt-replay server` behind each path.
+    Oratcp(Box<ClientOpts>),
+    /// A generated workload streamed in 1 MiB messages (ASYNC), against a server.
+    Gen(Workload, Arc<Vec<u8>>),
+    /// A trace replayed against a `wanopt-replay sink` behind each path.
+    Trace(Arc<Vec<Event>>),
+}
+
+/// `oratcp:-mode=sync -length=8k -duration=10s`, `gen:redo:64m[:SEED]` or `trace:FILE`.
+pub fn parse_job(s: &str) -> Result<Job, String> {
+    let (kind, rest) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?} is not oratcp:OPTIONS, gen:WORKLOAD:SIZE or trace:FILE"))?;
+    match kind {
+        "oratcp" => {
+            let mut a = vec!["path".to_string(), "-port=1".to_string()];
+            a.extend(rest.split_whitespace().map(String::from));
+            match parse_oratcptest(&a)? {
+                Oratcp::Client(c) if c.duration != Limit::Forever => Ok(Job::Oratcp(Box::new(c))),
+                Oratcp::Client(_) => Err("an oratcp workload needs -duration".into()),
+                _ => Err("oratcp: client options only".into()),
+            }
+        }
+        "gen" => {
+            let mut it = rest.split(':');
+            let w = Workload::parse(it.next().unwrap_or_default())?;
+            let size = crate::args::size(it.next().unwrap_or("64m"))?;
+            let seed = it.next().map_or(Ok(1), |v| {
+                v.parse().map_err(|_| format!("{v:?} is not a seed"))
+            })?;
+            let size = usize::try_from(size)
+                .ok()
+                .filter(|n| *n > 0 && *n <= 16 << 30)
+                .ok_or("gen size must be 1 byte to 16g")?;
+            Ok(Job::Gen(
+                w,
+                Arc::new(Generator::new(w, seed, 0.0).bytes(size)),
+            ))
+        }
+        "trace" => crate::trace::load(std::path::Path::new(rest))
+            .map(|e| Job::Trace(Arc::new(e)))
+            .map_err(|e| format!("cannot use the trace {rest}: {e}")),
+        _ => Err(format!("{kind:?}: the workload is oratcp:, gen: or trace:")),
+    }
+}
+
+/// One row of the table.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub path: String,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub mbytes_per_s: f64,
+    pub speedup: f64,
+    pub latency_ms: Option<client::LatencySummary>,
+    /// Raw and wire bytes the path's daemon counted during the run (toward its peer).
+    pub raw_bytes: Option<u64>,
+    pub wire_bytes: Option<u64>,
+    pub gain: Option<f64>,
+}
+
+/// Sums `wanopt_raw_bytes_total` and `wanopt_wire_bytes_total` with `direction="out"` (for one
+/// service, or all) from a daemon's metrics endpoint.
+pub fn scrape(url: &str, service: Option<&str>) -> Result<(u64, u64), String> {
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| format!("{url}: only http:// metrics URLs"))?;
+    let (hostport, path) = rest.split_once('/').unwrap_or((rest, "metrics"));
+    let mut s = TcpStream::connect(hostport).map_err(|e| format!("metrics {url}: {e}"))?;
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    write!(
+        s,
+        "GET /{path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| format!("metrics {url}: {e}"))?;
+    let mut body = String::new();
+    s.take(64 << 20)
+        .read_to_string(&mut body)
+        .map_err(|e| format!("metrics {url}: {e}"))?;
+    if !body.starts_with("HTTP/1.1 200") {
+        return Err(format!(
+            "metrics {url}: {}",
+            body.lines().next().unwrap_or("no answer")
+        ));
+    }
+    let sum = |metric: &str| -> u64 {
+        body.lines()
+            .filter(|l| l.starts_with(metric) && l.contains("direction=\"out\""))
+            .filter(|l| service.is_none_or(|svc| l.contains(&format!("service=\"{svc}\""))))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .map(|v| v as u64)
+            .sum()
+    };
+    Ok((
+        sum("wanopt_raw_bytes_total{"),
+        sum("wanopt_wire_bytes_total{"),
+    ))
+}
+
+/// Runs the job over every path, in order, and returns the rows.
+pub fn compare(paths: &[PathSpec], job: &Job, service: Option<&str>) -> Result<Vec<Row>, String> {
+    let mut rows: Vec<Row> = Vec::new();
+    for p in paths {
+        let before = match &p.metrics {
+            Some(u) => Some(scrape(u, service)?),
+            None => None,
+        };
+        let (bytes, seconds, latency) = match job {
+            Job::Oratcp(c) => {
+                let mut c = (**c).clone();
+                c.addr = p.addr.clone();
+                c.congestion = p.congestion.clone();
+                c.quiet = true;
+                c.json = false;
+                c.freq = None;
+                c.output = None;
+                let r = client::run(&c).map_err(|e| format!("{}: {e}", p.name))?;
+                (r.bytes, r.seconds, r.latency_ms)
+            }
+            Job::Gen(w, data) => {
+                let c = ClientOpts {
+                    addr: p.addr.clone(),
+                    mode: Mode::Async,
+                    length: 1 << 20,
+                    duration: Limit::Bytes(data.len() as u64),
+                    interval: Duration::from_secs(3600),
+                    payload: Payload::Bytes {
+                        name: format!("gen {w:?}").to_lowercase(),
+                        data: data.clone(),
+                    },
+                    congestion: p.congestion.clone(),
+                    quiet: true,
+                    ..ClientOpts::default()
+                };
+                let r = client::run(&c).map_err(|e| format!("{}: {e}", p.name))?;
+                (r.bytes, r.seconds, None)
+            }
+            Job::Trace(events) => {
+                let r = crate::replay::replay(
+                    &p.addr,
+                    events,
+                    crate::replay::Pace::Asap,
+                    Duration::from_secs(60),
+                )
+                .map_err(|e| format!("{}: {e}", p.name))?;
+                (r.bytes_to_server + r.bytes_to_client, r.seconds, None)
+            }
+        };
+        // The daemon's counters trail its sockets briefly.
+        let counted = match (&p.metrics, before) {
+            (Some(u), Some((r0, w0))) => {
+                std::thread::sleep(Duration::from_millis(300));
+                let (r1, w1) = scrape(u, service)?;
+                Some((r1.saturating_sub(r0), w1.saturating_sub(w0)))
+            }
+            _ => None,
+        };
+        let base = rows.first().map_or(seconds, |r| r.seconds);
+        rows.push(Row {
+            path: p.name.clone(),
+            bytes,
+            seconds,
+            mbytes_per_s: crate::stats::mbytes_per_s(bytes, seconds),
+            speedup: if seconds > 0.0 { base / seconds } else { 0.0 },
+            latency_ms: latency,
+            raw_bytes: counted.map(|c| c.0),
+            wire_bytes: counted.map(|c| c.1),
+            gain: counted.and_then(|(r, w)| (w > 0).then(|| r as f64 / w as f64)),
+        });
+    }
+    Ok(rows)
+}
+
+/// The side-by-side table.
+pub fn table(rows: &[Row]) -> String {
+    let mut s = format!(
+        "{:<16} {:>13} {:>9} {:>10} {:>8} {:>9} {:>9} {:>9} {:>13} {:>13} {:>7}\n",
+        "path",
+        "bytes",
+        "time s",
+        "Mbytes/s",
+        "speedup",
+        "p50 ms",
+        "p99 ms",
+        "p99.9 ms",
+        "raw bytes",
+        "wire bytes",
+        "gain"
+    );
+    let opt = |v: Option<f64>, w: usize| v.map_or(format!("{:>w$}", "-"), |x| format!("{x:>w$.3}"));
+    for r in rows {
+        let l = r.latency_ms.as_ref();
+        s += &format!(
+            "{:<16} {:>13} {:>9.3} {:>10.3} {:>7.2}x {} {} {} {:>13} {:>13} {}\n",
+            r.path,
+            r.bytes,
+            r.seconds,
+            r.mbytes_per_s,
+            r.speedup,
+            opt(l.map(|l| l.p50), 9),
+            opt(l.map(|l| l.p99), 9),
+            opt(l.map(|l| l.p999), 9),
+            r.raw_bytes.map_or("-".into(), |v| v.to_string()),
+            r.wire_bytes.map_or("-".into(), |v| v.to_string()),
+            r.gain
+                .map_or(format!("{:>7}", "-"), |g| format!("{g:>6.2}x")),
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_and_jobs_parse() {
+        let p = parse_path("tunnel=127.0.0.1:15555,metrics=http://127.0.0.1:9464/metrics")
+            .expect("path");
+        assert_eq!(p.addr, "127.0.0.1:15555");
+        assert_eq!(p.metrics.as_deref(), Some("http://127.0.0.1:9464/metrics"));
+        assert_eq!(
+            parse_path("direct=db:5555,cc=CUBIC")
+                .expect("cc")
+                .congestion
+                .as_deref(),
+            Some("cubic")
+        );
+        for bad in ["nohost", "x=", "x=host", "x=h:1,speed=9"] {
+            assert!(parse_path(bad).is_err(), "{bad}");
+        }
+        assert!(
+            matches!(parse_job("gen:redo:1m"), Ok(Job::Gen(Workload::Redo, d)) if d.len() == 1 << 20)
+        );
+        assert!(matches!(
+            parse_job("oratcp:-mode=sync -length=8k -duration=2s"),
+            Ok(Job::Oratcp(_))
+        ));
+        assert!(parse_job("oratcp:-mode=sync").is_err(), "needs a duration");
+        assert!(parse_job("gen:nope:1m").is_err());
+        assert!(parse_job("trace:/does/not/exist").is_err());
+        assert!(parse_job("ftp:x").is_err());
+    }
+}
