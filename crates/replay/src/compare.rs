@@ -153,7 +153,9 @@ pub fn scrape(url: &str, service: Option<&str>) -> Result<(u64, u64), String> {
 /// Runs the job over every path, in order, and returns the rows.
 pub fn compare(paths: &[PathSpec], job: &Job, service: Option<&str>) -> Result<Vec<Row>, String> {
     let mut rows: Vec<Row> = Vec::new();
+    let mut bar = crate::progress::Progress::steps("compare: paths done", paths.len() as u64);
     for p in paths {
+        bar.add(0);
         let before = match &p.metrics {
             Some(u) => Some(scrape(u, service)?),
             None => None,
@@ -220,7 +222,9 @@ pub fn compare(paths: &[PathSpec], job: &Job, service: Option<&str>) -> Result<V
             wire_bytes: counted.map(|c| c.1),
             gain: counted.and_then(|(r, w)| (w > 0).then(|| r as f64 / w as f64)),
         });
+        bar.add(1);
     }
+    bar.finish();
     Ok(rows)
 }
 

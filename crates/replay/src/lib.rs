@@ -7,6 +7,7 @@
 pub mod args;
 pub mod client;
 pub mod compare;
+pub mod progress;
 pub mod proto;
 pub mod record;
 pub mod replay;

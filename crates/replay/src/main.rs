@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use wanopt_replay::args::{self, Oratcp};
 use wanopt_replay::client::{self, ClientOpts, Limit};
 use wanopt_replay::compare;
+use wanopt_replay::progress::Progress;
 use wanopt_replay::record::{self, RecordOpts};
 use wanopt_replay::replay;
 use wanopt_replay::server::{self, ServerOpts};
@@ -428,16 +429,18 @@ fn run(cmd: Cmd) -> Result<()> {
                 anyhow::bail!("--changed must be between 0 and 1");
             }
             let g = workload::Generator::new(workload, seed, changed);
+            let mut bar = Progress::new("gen", size);
             match output {
                 Some(p) => {
                     let f = std::fs::File::create(&p)
                         .with_context(|| format!("cannot create {}", p.display()))?;
                     let mut w = std::io::BufWriter::new(f);
-                    g.write(&mut w, size)?;
+                    g.write_with(&mut w, size, |n| bar.add(n))?;
                     std::io::Write::flush(&mut w)?;
                 }
-                None => g.write(&mut std::io::stdout().lock(), size)?,
+                None => g.write_with(&mut std::io::stdout().lock(), size, |n| bar.add(n))?,
             }
+            bar.finish();
             Ok(())
         }
     }

@@ -151,6 +151,16 @@ impl Generator {
 
     /// Writes exactly `size` bytes of the workload.
     pub fn write(&self, w: &mut impl Write, size: u64) -> io::Result<()> {
+        self.write_with(w, size, |_| {})
+    }
+
+    /// Like [`write`](Self::write), calling `progress` with each piece's length.
+    pub fn write_with(
+        &self,
+        w: &mut impl Write,
+        size: u64,
+        mut progress: impl FnMut(u64),
+    ) -> io::Result<()> {
         let mut left = size;
         let mut piece = Vec::with_capacity(1 << 20);
         let mut state = State::new(self.seed);
@@ -169,6 +179,7 @@ impl Generator {
             let n = (piece.len() as u64).min(left) as usize;
             w.write_all(&piece[..n])?;
             left -= n as u64;
+            progress(n as u64);
         }
         Ok(())
     }
