@@ -420,3 +420,69 @@ fn latency_lane_can_be_turned_off() {
     assert_eq!(relay.connections(), 1);
     assert_eq!(west.count("latency lane attached"), 0);
 }
+
+/// A link that stays idle from the moment it comes up keeps itself alive with pings (both sides
+/// arm their timers when the peer's hello arrives) and carries the first stream long after the
+/// idle timeout would have declared a silent peer dead. It needs a round trip longer than the
+/// writer's first turn, so it runs across wansim (100 ms).
+#[test]
+fn an_idle_link_pings_and_stays_up() {
+    if !wansim::available_or_skip("idle link across wansim") {
+        return;
+    }
+    let wan = wansim::Wan::start(
+        &format!("wi{}", std::process::id() % 100_000),
+        wansim::preset("t3-100ms-clean").expect("preset"),
+    )
+    .expect("wansim");
+    let east_ip = wansim::Site::East.addr();
+    let l = wan
+        .in_site(wansim::Site::East, move || {
+            std::net::TcpListener::bind((east_ip, 9200))
+        })
+        .expect("east")
+        .expect("bind");
+    let srv = serve_on(l, hash_handler);
+    let certs = Certs::new(&["west", "east"]);
+    let tune = |y: String| {
+        y.replace("  reconnect_min:", "  keepalive: 200ms\n  reconnect_min:")
+            .replace("limits:\n", "limits:\n  idle_timeout: 1s\n")
+    };
+    let east = Daemon::start_in(
+        Some(&wan.netns(wansim::Site::East)),
+        "east",
+        &tune(site_yaml(
+            "east",
+            "west",
+            &format!("listen: {east_ip}:7400"),
+            &certs,
+            &format!("  - name: svc\n    target: {srv}\n"),
+            "",
+        )),
+    );
+    east.bound("link");
+    let west = Daemon::start_in(
+        Some(&wan.netns(wansim::Site::West)),
+        "west",
+        &tune(site_yaml(
+            "west",
+            "east",
+            &format!("connect: {east_ip}:7400"),
+            &certs,
+            "  - name: svc\n    listen: 127.0.0.1:0\n",
+            "",
+        )),
+    );
+    west.wait_log("link up", Duration::from_secs(10));
+    std::thread::sleep(Duration::from_secs(3));
+    let addr = west.bound("svc");
+    wan.in_site(wansim::Site::West, move || {
+        hash_client(addr, 9, 100_000, 100_000)
+    })
+    .expect("west")
+    .expect("the first stream, 3 s later");
+    for d in [&west, &east] {
+        assert_eq!(d.count("link down"), 0, "{}", d.log().join("\n"));
+        assert_eq!(d.count("peer closed the link"), 0, "{}", d.log().join("\n"));
+    }
+}

@@ -81,6 +81,8 @@ struct LinkHandle {
     inner: Mutex<Inner>,
     /// Wakes each lane's writer: there may be frames to send.
     tx: [Notify; LANES],
+    /// The timer deadline the main lane's writer sleeps until (`None`: no timer armed).
+    armed: Mutex<Option<Instant>>,
     /// The latency lane's task, ended with the link.
     lane_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// Each lane's socket while it is open, for `TCP_INFO`; cleared before the socket is closed.
@@ -97,7 +99,14 @@ impl LinkHandle {
         let wants: [bool; LANES] = {
             let g = lock(&self.inner);
             let closed = g.link.is_closed();
-            std::array::from_fn(|l| closed || g.link.wants_transmit_lane(l))
+            // The main lane's writer also runs the link's timers: wake it when they moved
+            // earlier than what it sleeps until (the peer's hello arms them, for one).
+            let timer = g.link.poll_timeout();
+            let armed = *lock(&self.armed);
+            let rearm = timer.is_some_and(|t| armed.is_none_or(|a| t < a));
+            std::array::from_fn(|l| {
+                closed || g.link.wants_transmit_lane(l) || (l == MAIN_LANE && rearm)
+            })
         };
         for (t, w) in self.tx.iter().zip(wants) {
             if w {
@@ -894,6 +903,7 @@ async fn run_link<S>(
             up: false,
         }),
         tx: Default::default(),
+        armed: Mutex::new(None),
         lane_task: Mutex::new(None),
         fds: Mutex::new([Some(fd), None]),
         peer: peer.clone(),
@@ -1092,7 +1102,10 @@ async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W, lane: 
             g.link.poll_transmit_lane(lane, &mut buf, TRANSMIT_BATCH);
             h.dispatch(&mut g);
             let deadline = if lane == MAIN_LANE {
-                g.link.poll_timeout()
+                let d = g.link.poll_timeout();
+                // Set under the link's lock, as `kick` reads it, so no re-arm is missed.
+                *lock(&h.armed) = d;
+                d
             } else {
                 None
             };

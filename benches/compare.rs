@@ -1,0 +1,138 @@
+//! The appliance comparison: `wanopt-replay compare` across a wansim WAN (default `t3-100ms-0.5`:
+//! 45 Mbit/s, 100 ms RTT, 0.5% loss, the F5 brief's setting), direct with CUBIC (a stock host),
+//! direct with BBR, and through the wanopt pair. Workloads come from `wanopt-replay gen`: redo
+//! (Data Guard ASYNC-like streaming), an RMAN backup sent twice (the second is a repeated
+//! duplicate), and 8 KiB SYNC round trips.
+//!
+//! Run (as root): `cargo build --release --workspace && cargo bench --bench compare`
+//! Options: `-- --preset NAME --mib N` (default 16 MiB per streaming workload).
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::net::{SocketAddr, TcpListener};
+use std::time::Duration;
+
+use common::{Certs, Daemon, site_yaml};
+use wanopt_replay::compare::{self, Job, PathSpec};
+use wanopt_replay::server::{self, ServerOpts};
+use wansim::{Site, Wan};
+
+fn main() {
+    if !wansim::available_or_skip("compare across wansim") {
+        return;
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let get = |k: &str| {
+        args.iter()
+            .position(|a| a == k)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let preset = get("--preset").unwrap_or_else(|| "t3-100ms-0.5".into());
+    let mib: usize = get("--mib").and_then(|v| v.parse().ok()).unwrap_or(16);
+    let wan = Wan::start(
+        &format!("wc{}", std::process::id() % 100_000),
+        wansim::preset(&preset).expect("preset"),
+    )
+    .expect("wansim");
+    let east_ip = std::net::IpAddr::V4(Site::East.addr());
+    // The test server, in east.
+    let opts = ServerOpts {
+        bind: SocketAddr::new(east_ip, 5555),
+        file: std::env::temp_dir().join("wanopt-bench-oratcp.tmp"),
+        sockbuf: None,
+    };
+    let l: TcpListener = {
+        let o = opts.clone();
+        wan.in_site(Site::East, move || server::bind(&o))
+            .expect("east")
+            .expect("bind")
+    };
+    std::thread::spawn(move || server::serve(l, &opts));
+
+    let certs = Certs::new(&["west", "east"]);
+    let east = Daemon::start_in(
+        Some(&wan.netns(Site::East)),
+        "east",
+        &site_yaml(
+            "east",
+            "west",
+            &format!("listen: {east_ip}:7400"),
+            &certs,
+            &format!("  - name: bench\n    target: {east_ip}:5555\n"),
+            "optimize:\n  memory: 1GiB\n",
+        ),
+    );
+    east.bound("link");
+    let west = Daemon::start_in(
+        Some(&wan.netns(Site::West)),
+        "west",
+        &site_yaml(
+            "west",
+            "east",
+            &format!("connect: {east_ip}:7400"),
+            &certs,
+            "  - name: bench\n    listen: 127.0.0.1:0\n",
+            "admin:\n  listen: 127.0.0.1:0\noptimize:\n  memory: 1GiB\n",
+        )
+        .replace(
+            "  congestion: bbr\n",
+            "  congestion: bbr\n  bandwidth: 45mbit\n  rtt: 100ms\n",
+        ),
+    );
+    west.wait_log("link up", Duration::from_secs(20));
+    let (tunnel, admin) = (west.bound("bench"), west.bound("admin"));
+    let direct = SocketAddr::new(east_ip, 5555);
+    let paths = vec![
+        PathSpec {
+            name: "direct-cubic".into(),
+            addr: direct.to_string(),
+            congestion: Some("cubic".into()),
+            metrics: None,
+        },
+        PathSpec {
+            name: "direct-bbr".into(),
+            addr: direct.to_string(),
+            congestion: Some("bbr".into()),
+            metrics: None,
+        },
+        PathSpec {
+            name: "wanopt".into(),
+            addr: tunnel.to_string(),
+            congestion: None,
+            metrics: Some(format!("http://{admin}/metrics")),
+        },
+    ];
+    println!("{preset}: direct (CUBIC, BBR) against the wanopt pair; one run, same workloads\n");
+    for (title, spec) in [
+        (
+            "redo (gen redo, streamed like ASYNC transport)",
+            format!("gen:redo:{mib}m"),
+        ),
+        (
+            "RMAN backup, first copy (gen rman)",
+            format!("gen:rman:{}m", mib * 2),
+        ),
+        (
+            "RMAN backup, the same again (a repeated duplicate)",
+            format!("gen:rman:{}m", mib * 2),
+        ),
+        (
+            "SYNC 8 KiB round trips",
+            "oratcp:-mode=sync -length=8k -duration=20s".to_string(),
+        ),
+    ] {
+        let job: Job = compare::parse_job(&spec).expect("workload");
+        let p = paths.clone();
+        let rows = wan
+            .in_site(Site::West, move || {
+                compare::compare(&p, &job, Some("bench"))
+            })
+            .expect("west")
+            .expect("compare");
+        println!("{title}\n{}", compare::table(&rows));
+    }
+    let (a, b) = wan.counters();
+    println!("wansim west->east: {a}\nwansim east->west: {b}");
+}
