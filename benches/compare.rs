@@ -60,7 +60,9 @@ fn main() {
             "west",
             &format!("listen: {east_ip}:7400"),
             &certs,
-            &format!("  - name: bench\n    target: {east_ip}:5555\n"),
+            &format!(
+                "  - name: bench\n    target: {east_ip}:5555\n  - name: sync\n    target: {east_ip}:5555\n    class: latency\n"
+            ),
             "optimize:\n  memory: 1GiB\n",
         ),
     );
@@ -73,7 +75,7 @@ fn main() {
             "east",
             &format!("connect: {east_ip}:7400"),
             &certs,
-            "  - name: bench\n    listen: 127.0.0.1:0\n",
+            "  - name: bench\n    listen: 127.0.0.1:0\n  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n",
             "admin:\n  listen: 127.0.0.1:0\noptimize:\n  memory: 1GiB\n",
         )
         .replace(
@@ -83,6 +85,7 @@ fn main() {
     );
     west.wait_log("link up", Duration::from_secs(20));
     let (tunnel, admin) = (west.bound("bench"), west.bound("admin"));
+    let sync = west.bound("sync");
     let direct = SocketAddr::new(east_ip, 5555);
     let paths = vec![
         PathSpec {
@@ -105,29 +108,37 @@ fn main() {
         },
     ];
     println!("{preset}: direct (CUBIC, BBR) against the wanopt pair; one run, same workloads\n");
-    for (title, spec) in [
+    let workloads = [
         (
             "redo (gen redo, streamed like ASYNC transport)",
             format!("gen:redo:{mib}m"),
+            "bench",
         ),
         (
             "RMAN backup, first copy (gen rman)",
             format!("gen:rman:{}m", mib * 2),
+            "bench",
         ),
         (
             "RMAN backup, the same again (a repeated duplicate)",
             format!("gen:rman:{}m", mib * 2),
+            "bench",
         ),
         (
-            "SYNC 8 KiB round trips",
+            "SYNC 8 KiB round trips (a latency-class service)",
             "oratcp:-mode=sync -length=8k -duration=20s".to_string(),
+            "sync",
         ),
-    ] {
+    ];
+    for (title, spec, service) in workloads {
         let job: Job = compare::parse_job(&spec).expect("workload");
-        let p = paths.clone();
+        let mut p = paths.clone();
+        if service == "sync" {
+            p[2].addr = sync.to_string();
+        }
         let rows = wan
             .in_site(Site::West, move || {
-                compare::compare(&p, &job, Some("bench"))
+                compare::compare(&p, &job, Some(service))
             })
             .expect("west")
             .expect("compare");
