@@ -96,6 +96,28 @@ fn sync_run_with_disk_writes_reports_like_oratcptest() {
 }
 
 #[test]
+fn repeated_tests_with_freq_write_every_report_to_the_output_file() {
+    let s = server();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out_file = dir.path().join("report.txt");
+    let mut args = line(
+        s.addr,
+        "-mode=sync -length=4k -duration=300ms -interval=100ms -freq=1s/2s",
+    );
+    args.push(format!("-output={}", out_file.display()));
+    let (ok, out, err) = client(&args);
+    assert!(ok, "{out}\n{err}");
+    let report = std::fs::read_to_string(&out_file).expect("output file");
+    assert_eq!(report.matches("Test finished.").count(), 2, "{report}");
+    assert_eq!(report.matches("[Requesting a test]").count(), 2);
+    assert_eq!(
+        out.matches("Test finished.").count(),
+        2,
+        "stdout has them too"
+    );
+}
+
+#[test]
 fn async_runs_over_several_connections_count_every_byte() {
     let s = server();
     let mut args = line(

@@ -311,8 +311,12 @@ pub fn replay(
         ..Default::default()
     };
     let mut first_err = None;
+    let mut bar =
+        crate::progress::Progress::steps("replay: connections done", threads.len() as u64);
     for t in threads {
-        match t.join() {
+        let r = t.join();
+        bar.add(1);
+        match r {
             Ok(Ok(p)) => {
                 sum.connections += 1;
                 sum.bytes_to_server += p.sent;
@@ -326,6 +330,7 @@ pub fn replay(
             }
         }
     }
+    bar.finish();
     sum.seconds = start.elapsed().as_secs_f64();
     match first_err {
         Some(e) => Err(e),
