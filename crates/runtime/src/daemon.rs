@@ -677,6 +677,10 @@ async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
             };
             match attach {
                 None => {
+                    sockopt::pace_main_lane(
+                        &socket2::SockRef::from(tls.get_ref().0),
+                        &peer.cfg().link,
+                    );
                     let fd = tls.get_ref().0.as_raw_fd();
                     run_link(peer, tls, fd, addr, buf).await
                 }
@@ -832,6 +836,7 @@ async fn connect_loop(peer: Arc<Peer>) {
             Ok((tls, addr)) => {
                 record_peer_expiry(&peer, tls.get_ref().1.peer_certificates());
                 sockopt::log_effective(&socket2::SockRef::from(tls.get_ref().0), &peer.cfg().link);
+                sockopt::pace_main_lane(&socket2::SockRef::from(tls.get_ref().0), &peer.cfg().link);
                 let fd = tls.get_ref().0.as_raw_fd();
                 run_link(peer.clone(), tls, fd, addr, BytesMut::new()).await;
                 if started.elapsed() > Duration::from_secs(5) {
