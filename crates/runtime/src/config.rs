@@ -699,7 +699,10 @@ impl Config {
             Some(n) => in_range(n, 1, 1 << 20).map_err(|m| cx.err("limits.max_streams", m))?,
         };
         // Defaults: a stream may fill the pipe on its own; the link holds a few streams' worth.
-        let default_stream_window = bdp.clamp(1 << 20, 64 << 20) * 2;
+        // With dedup a stream's raw bytes can outrun the link many times over (credit counts raw
+        // bytes), so optimized links start at 16 MiB: 160 MB/s of raw bytes per stream at 100 ms.
+        let floor = if optimize.enabled { 8 << 20 } else { 1 << 20 };
+        let default_stream_window = bdp.clamp(floor, 64 << 20) * 2;
         let stream_window = cx.opt(
             "limits.stream_window",
             lim(|r| &r.stream_window),
