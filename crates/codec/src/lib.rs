@@ -10,6 +10,7 @@
 //! together for one stream (tests, benches). Nothing here does I/O.
 
 pub mod cache;
+pub mod disk;
 
 use bytes::BufMut;
 use cache::{ChunkCache, Fingerprint, fingerprint};

@@ -1,0 +1,332 @@
+//! Storage for the cache's disk tier: chunks appended to segment files in one directory (mode
+//! 0700, files 0600), optionally encrypted at rest with AES-256-GCM. Every chunk read back is
+//! checked against its fingerprint: a damaged, truncated, missing or wrongly keyed record reads
+//! as `None` (a miss), never as data. Not yet wired into the link's caches.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
+use ring::rand::{SecureRandom, SystemRandom};
+
+use crate::MAX_RECORD;
+use crate::cache::{Fingerprint, fingerprint};
+
+const MAGIC: [u8; 4] = *b"WOC1";
+/// Record header: magic, fingerprint, stored length.
+const HEADER: usize = 4 + 16 + 4;
+const TAG_LEN: usize = 16;
+
+/// Where a chunk was stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Loc {
+    pub seg: u32,
+    pub off: u64,
+    /// Bytes stored after the header (nonce and tag included when encrypted).
+    pub len: u32,
+}
+
+/// A disk store that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    #[error("cache directory {0}: {1}")]
+    Dir(PathBuf, std::io::Error),
+    #[error("cache segment {0}: {1}")]
+    Segment(PathBuf, std::io::Error),
+    #[error("chunk of {0} bytes exceeds the limit")]
+    TooLarge(usize),
+    #[error("encryption failed")]
+    Crypto,
+}
+
+/// Append-only segment files of chunks.
+pub struct DiskStore {
+    dir: PathBuf,
+    key: Option<LessSafeKey>,
+    rng: SystemRandom,
+    seg_bytes: u64,
+    /// The segment being appended to: number, file, length.
+    current: Option<(u32, File, u64)>,
+    next_seg: u32,
+}
+
+impl std::fmt::Debug for DiskStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskStore")
+            .field("dir", &self.dir)
+            .field("encrypted", &self.key.is_some())
+            .finish()
+    }
+}
+
+fn seg_name(n: u32) -> String {
+    format!("seg-{n:08}.dat")
+}
+
+impl DiskStore {
+    /// Opens (creating) the store in `dir`; new segments roll over at `seg_bytes`. With `key`,
+    /// chunks are encrypted at rest. Segment numbers continue after the highest one present.
+    pub fn open(dir: &Path, key: Option<[u8; 32]>, seg_bytes: u64) -> Result<Self, DiskError> {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| DiskError::Dir(dir.to_path_buf(), e))?;
+        let mut next = 0u32;
+        for e in std::fs::read_dir(dir).map_err(|e| DiskError::Dir(dir.to_path_buf(), e))? {
+            let name = e
+                .map_err(|e| DiskError::Dir(dir.to_path_buf(), e))?
+                .file_name();
+            if let Some(n) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("seg-"))
+                .and_then(|n| n.strip_suffix(".dat"))
+                .and_then(|n| n.parse::<u32>().ok())
+            {
+                next = next.max(n.saturating_add(1));
+            }
+        }
+        let key = match key {
+            Some(k) => Some(LessSafeKey::new(
+                UnboundKey::new(&AES_256_GCM, &k).map_err(|_| DiskError::Crypto)?,
+            )),
+            None => None,
+        };
+        Ok(DiskStore {
+            dir: dir.to_path_buf(),
+            key,
+            rng: SystemRandom::new(),
+            seg_bytes: seg_bytes.max(1 << 20),
+            current: None,
+            next_seg: next,
+        })
+    }
+
+    fn path(&self, seg: u32) -> PathBuf {
+        self.dir.join(seg_name(seg))
+    }
+
+    /// Appends a chunk; returns where it went.
+    pub fn append(&mut self, f: &Fingerprint, data: &[u8]) -> Result<Loc, DiskError> {
+        if data.len() > MAX_RECORD {
+            return Err(DiskError::TooLarge(data.len()));
+        }
+        let body = match &self.key {
+            None => data.to_vec(),
+            Some(k) => {
+                let mut nonce = [0u8; NONCE_LEN];
+                self.rng.fill(&mut nonce).map_err(|_| DiskError::Crypto)?;
+                let mut ct = data.to_vec();
+                k.seal_in_place_append_tag(
+                    Nonce::assume_unique_for_key(nonce),
+                    Aad::from(aad(f, data.len())),
+                    &mut ct,
+                )
+                .map_err(|_| DiskError::Crypto)?;
+                let mut b = nonce.to_vec();
+                b.extend_from_slice(&ct);
+                b
+            }
+        };
+        let full = self
+            .current
+            .as_ref()
+            .is_none_or(|(_, _, len)| *len + (HEADER + body.len()) as u64 > self.seg_bytes);
+        if full {
+            let n = self.next_seg;
+            let p = self.path(n);
+            let file = OpenOptions::new()
+                .create(true)
+                .append(true)
+                .mode(0o600)
+                .open(&p)
+                .map_err(|e| DiskError::Segment(p.clone(), e))?;
+            self.next_seg = n.saturating_add(1);
+            self.current = Some((n, file, 0));
+        }
+        let Some((seg, file, len)) = self.current.as_mut() else {
+            return Err(DiskError::Crypto);
+        };
+        let mut rec = Vec::with_capacity(HEADER + body.len());
+        rec.extend_from_slice(&MAGIC);
+        rec.extend_from_slice(f);
+        rec.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        rec.extend_from_slice(&body);
+        let off = *len;
+        file.write_all(&rec)
+            .map_err(|e| DiskError::Segment(self.dir.join(seg_name(*seg)), e))?;
+        *len += rec.len() as u64;
+        Ok(Loc {
+            seg: *seg,
+            off,
+            len: body.len() as u32,
+        })
+    }
+
+    /// Reads a chunk back, or `None` if it is missing, damaged or not the chunk of `f`.
+    pub fn read(&self, loc: Loc, f: &Fingerprint) -> Option<Vec<u8>> {
+        let max = MAX_RECORD
+            + if self.key.is_some() {
+                NONCE_LEN + TAG_LEN
+            } else {
+                0
+            };
+        if loc.len as usize > max {
+            return None;
+        }
+        let file = File::open(self.path(loc.seg)).ok()?;
+        let mut hdr = [0u8; HEADER];
+        file.read_exact_at(&mut hdr, loc.off).ok()?;
+        let stored = u32::from_be_bytes([hdr[20], hdr[21], hdr[22], hdr[23]]);
+        if hdr[..4] != MAGIC || hdr[4..20] != f[..] || stored != loc.len {
+            return None;
+        }
+        let mut body = vec![0u8; loc.len as usize];
+        file.read_exact_at(&mut body, loc.off + HEADER as u64)
+            .ok()?;
+        let data = match &self.key {
+            None => body,
+            Some(k) => {
+                if body.len() < NONCE_LEN + TAG_LEN {
+                    return None;
+                }
+                let mut nonce = [0u8; NONCE_LEN];
+                nonce.copy_from_slice(&body[..NONCE_LEN]);
+                let mut ct = body[NONCE_LEN..].to_vec();
+                let n = ct.len() - TAG_LEN;
+                k.open_in_place(
+                    Nonce::assume_unique_for_key(nonce),
+                    Aad::from(aad(f, n)),
+                    &mut ct,
+                )
+                .ok()?;
+                ct.truncate(n);
+                ct
+            }
+        };
+        (fingerprint(&data) == *f).then_some(data)
+    }
+
+    /// Deletes a segment (all its chunks read as misses from then on).
+    pub fn remove_segment(&mut self, seg: u32) {
+        if self.current.as_ref().is_some_and(|(n, _, _)| *n == seg) {
+            self.current = None;
+        }
+        let _ = std::fs::remove_file(self.path(seg));
+    }
+}
+
+fn aad(f: &Fingerprint, len: usize) -> [u8; 20] {
+    let mut a = [0u8; 20];
+    a[..16].copy_from_slice(f);
+    a[16..].copy_from_slice(&(len as u32).to_be_bytes());
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn chunk(i: u8, len: usize) -> Vec<u8> {
+        (0..len).map(|j| (j as u8).wrapping_mul(31) ^ i).collect()
+    }
+
+    #[test]
+    fn chunks_round_trip_plain_and_encrypted_in_private_files() {
+        for key in [None, Some([7u8; 32])] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let mut s = DiskStore::open(&dir.path().join("cache"), key, 1 << 20).expect("open");
+            let mut locs = Vec::new();
+            for i in 0..300u16 {
+                let d = chunk(i as u8, 4000 + i as usize);
+                let f = fingerprint(&d);
+                locs.push((s.append(&f, &d).expect("append"), f, d));
+            }
+            for (loc, f, d) in &locs {
+                assert_eq!(s.read(*loc, f).as_deref(), Some(&d[..]));
+            }
+            assert!(locs.iter().any(|(l, _, _)| l.seg > 0), "segments roll over");
+            let meta = std::fs::metadata(dir.path().join("cache").join(seg_name(0))).expect("seg");
+            assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+            let dmeta = std::fs::metadata(dir.path().join("cache")).expect("dir");
+            assert_eq!(dmeta.permissions().mode() & 0o777, 0o700);
+            // The bytes on disk are not the chunk's when encrypted.
+            let raw = std::fs::read(dir.path().join("cache").join(seg_name(0))).expect("raw");
+            let first = &locs[0].2;
+            let found = raw.windows(64).any(|w| w == &first[..64]);
+            assert_eq!(found, key.is_none());
+            // A reopened store appends after the existing segments.
+            drop(s);
+            let mut s = DiskStore::open(&dir.path().join("cache"), key, 1 << 20).expect("reopen");
+            let d = chunk(9, 100);
+            let loc = s.append(&fingerprint(&d), &d).expect("append");
+            assert!(loc.seg > locs.last().map_or(0, |l| l.0.seg));
+            assert_eq!(
+                s.read(locs[5].0, &locs[5].1).as_deref(),
+                Some(&locs[5].2[..])
+            );
+        }
+    }
+
+    #[test]
+    fn damage_of_any_kind_reads_as_a_miss() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key = Some([3u8; 32]);
+        let mut s = DiskStore::open(dir.path(), key, 1 << 20).expect("open");
+        let d = chunk(1, 8192);
+        let f = fingerprint(&d);
+        let loc = s.append(&f, &d).expect("append");
+        let d2 = chunk(2, 8192);
+        let f2 = fingerprint(&d2);
+        let loc2 = s.append(&f2, &d2).expect("append");
+        // The wrong fingerprint, a wrong length, a wrong key.
+        assert_eq!(s.read(loc, &f2), None);
+        assert_eq!(
+            s.read(
+                Loc {
+                    len: loc.len + 1,
+                    ..loc
+                },
+                &f
+            ),
+            None
+        );
+        assert_eq!(
+            s.read(
+                Loc {
+                    len: u32::MAX,
+                    ..loc
+                },
+                &f
+            ),
+            None,
+            "no huge allocation"
+        );
+        let other = DiskStore::open(dir.path(), Some([4u8; 32]), 1 << 20).expect("open");
+        assert_eq!(other.read(loc, &f), None);
+        let plain = DiskStore::open(dir.path(), None, 1 << 20).expect("open");
+        assert_eq!(plain.read(loc, &f), None);
+        // A flipped bit anywhere in the record.
+        let p = dir.path().join(seg_name(loc.seg));
+        let good = std::fs::read(&p).expect("read");
+        for at in [0, 10, 30, 100, 5000, (loc.len as usize + HEADER) - 1] {
+            let mut bad = good.clone();
+            bad[at] ^= 0x10;
+            std::fs::write(&p, &bad).expect("write");
+            assert_eq!(s.read(loc, &f), None, "flip at {at}");
+            assert_eq!(
+                s.read(loc2, &f2).as_deref(),
+                Some(&d2[..]),
+                "others unharmed"
+            );
+        }
+        // Truncated, then missing.
+        std::fs::write(&p, &good[..good.len() - 10]).expect("write");
+        assert_eq!(s.read(loc2, &f2), None);
+        s.remove_segment(loc.seg);
+        assert_eq!(s.read(loc, &f), None);
+    }
+}
