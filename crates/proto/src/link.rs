@@ -1207,49 +1207,19 @@ impl Link {
             return Err(LinkError::Protocol("coded frame without a codec".into()));
         }
         let n = u64::from(raw_len);
-        self.link_window.on_receive(n).map_err(|e| {
-            LinkError::Protocol(format!(
-                "peer exceeded link credit ({} > {})",
-                e.received, e.limit
-            ))
+        let open = self.admit(id, offset, n, wire, |s| {
+            (lane != s.lane).then(|| "data on the wrong lane".to_string())
         })?;
-        let Some(s) = self.streams.get_mut(&id) else {
-            if !self.was_open(id) {
-                return Err(LinkError::Protocol(format!("data for unknown stream {id}")));
-            }
+        let (Some(s), true) = (self.streams.get_mut(&id), open) else {
             // A stream we already closed: still decode what uses the shared cache, so it stays
-            // in step with the peer's mirror; drop the bytes and give the link credit back.
+            // in step with the peer's mirror.
             if !scoped && let Some(ctx) = self.codecs.as_mut() {
                 let mut rc = RecvCoded::default();
                 rc.push(records, raw_len, fin, false);
                 let _ = ctx.decode(&mut rc, lane, &Arc::from(""));
             }
-            if let Some(max) = self.link_window.on_consume(n) {
-                self.ctrl[MAIN_LANE].push_back(Frame::MaxData {
-                    stream: StreamId::LINK,
-                    max,
-                });
-            }
             return Ok(());
         };
-        self.wire.entry(s.service.clone()).or_default().inbound += wire as u64;
-        let violation = if s.fin_received {
-            Some("data after fin".to_string())
-        } else if offset != s.window.received() {
-            Some(format!("offset {offset}, expected {}", s.window.received()))
-        } else if lane != s.lane {
-            Some("data on the wrong lane".to_string())
-        } else if let Err(e) = s.window.on_receive(n) {
-            Some(format!(
-                "stream credit exceeded ({} > {})",
-                e.received, e.limit
-            ))
-        } else {
-            None
-        };
-        if let Some(why) = violation {
-            return Err(LinkError::Protocol(format!("stream {id}: {why}")));
-        }
         s.coded_in
             .get_or_insert_with(Box::default)
             .push(records, raw_len, fin, scoped);
@@ -1461,15 +1431,17 @@ impl Link {
         Ok(())
     }
 
-    fn on_data(
+    /// Charges `n` stream bytes at `offset` to the link and stream windows and checks their order
+    /// (and `check`, for what only one frame kind requires). Returns false for a stream already
+    /// closed: its bytes are dropped and their link credit given back.
+    fn admit(
         &mut self,
         id: StreamId,
         offset: u64,
-        fin: bool,
-        data: Bytes,
+        n: u64,
         wire: usize,
-    ) -> Result<(), LinkError> {
-        let n = data.len() as u64;
+        check: impl FnOnce(&Stream) -> Option<String>,
+    ) -> Result<bool, LinkError> {
         self.link_window.on_receive(n).map_err(|e| {
             LinkError::Protocol(format!(
                 "peer exceeded link credit ({} > {})",
@@ -1480,22 +1452,21 @@ impl Link {
             if !self.was_open(id) {
                 return Err(LinkError::Protocol(format!("data for unknown stream {id}")));
             }
-            // A stream we already closed: drop the bytes but give the link credit back.
             if let Some(max) = self.link_window.on_consume(n) {
                 self.ctrl[MAIN_LANE].push_back(Frame::MaxData {
                     stream: StreamId::LINK,
                     max,
                 });
             }
-            return Ok(());
+            return Ok(false);
         };
         self.wire.entry(s.service.clone()).or_default().inbound += wire as u64;
         let violation = if s.fin_received {
             Some("data after fin".to_string())
         } else if offset != s.window.received() {
             Some(format!("offset {offset}, expected {}", s.window.received()))
-        } else if s.coded_in.as_ref().is_some_and(|c| !c.is_empty()) {
-            Some("plain data while coded data waits".to_string())
+        } else if let Some(why) = check(s) {
+            Some(why)
         } else if let Err(e) = s.window.on_receive(n) {
             Some(format!(
                 "stream credit exceeded ({} > {})",
@@ -1504,9 +1475,30 @@ impl Link {
         } else {
             None
         };
-        if let Some(why) = violation {
-            return Err(LinkError::Protocol(format!("stream {id}: {why}")));
+        match violation {
+            Some(why) => Err(LinkError::Protocol(format!("stream {id}: {why}"))),
+            None => Ok(true),
         }
+    }
+
+    fn on_data(
+        &mut self,
+        id: StreamId,
+        offset: u64,
+        fin: bool,
+        data: Bytes,
+        wire: usize,
+    ) -> Result<(), LinkError> {
+        let n = data.len() as u64;
+        let open = self.admit(id, offset, n, wire, |s| {
+            s.coded_in
+                .as_ref()
+                .is_some_and(|c| !c.is_empty())
+                .then(|| "plain data while coded data waits".to_string())
+        })?;
+        let (Some(s), true) = (self.streams.get_mut(&id), open) else {
+            return Ok(());
+        };
         let was_empty = s.recv_queue.is_empty() && !s.fin_received;
         if !data.is_empty() {
             s.recv_queue.push_back(data);
