@@ -11,9 +11,8 @@
 mod common;
 
 use std::net::{SocketAddr, TcpListener};
-use std::time::Duration;
 
-use common::{Certs, Daemon, site_yaml};
+use common::{link_lines, wan_pair};
 use wanopt_replay::compare::{self, Job, PathSpec};
 use wanopt_replay::server::{self, ServerOpts};
 use wansim::{Site, Wan};
@@ -51,39 +50,21 @@ fn main() {
     };
     std::thread::spawn(move || server::serve(l, &opts));
 
-    let certs = Certs::new(&["west", "east"]);
-    let east = Daemon::start_in(
-        Some(&wan.netns(Site::East)),
-        "east",
-        &site_yaml(
-            "east",
-            "west",
-            &format!("listen: {east_ip}:7400"),
-            &certs,
-            &format!(
-                "  - name: bench\n    target: {east_ip}:5555\n  - name: sync\n    target: {east_ip}:5555\n    class: latency\n"
+    let p = wan_pair(
+        &wan,
+        &format!(
+            "  - name: bench\n    target: {east_ip}:5555\n  - name: sync\n    target: {east_ip}:5555\n    class: latency\n"
+        ),
+        "  - name: bench\n    listen: 127.0.0.1:0\n  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n",
+        |site, y| match site {
+            "west" => link_lines(
+                format!("{y}admin:\n  listen: 127.0.0.1:0\noptimize:\n  memory: 1GiB\n"),
+                "  bandwidth: 45mbit\n  rtt: 100ms\n",
             ),
-            "optimize:\n  memory: 1GiB\n",
-        ),
+            _ => format!("{y}optimize:\n  memory: 1GiB\n"),
+        },
     );
-    east.bound("link");
-    let west = Daemon::start_in(
-        Some(&wan.netns(Site::West)),
-        "west",
-        &site_yaml(
-            "west",
-            "east",
-            &format!("connect: {east_ip}:7400"),
-            &certs,
-            "  - name: bench\n    listen: 127.0.0.1:0\n  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n",
-            "admin:\n  listen: 127.0.0.1:0\noptimize:\n  memory: 1GiB\n",
-        )
-        .replace(
-            "  congestion: bbr\n",
-            "  congestion: bbr\n  bandwidth: 45mbit\n  rtt: 100ms\n",
-        ),
-    );
-    west.wait_log("link up", Duration::from_secs(20));
+    let west = &p.west;
     let (tunnel, admin) = (west.bound("bench"), west.bound("admin"));
     let sync = west.bound("sync");
     let direct = SocketAddr::new(east_ip, 5555);

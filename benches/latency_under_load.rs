@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Certs, Daemon, site_yaml};
+use common::{link_lines, wan_pair};
 use wansim::{Site, Wan};
 
 const RR: usize = 8 * 1024;
@@ -121,38 +121,26 @@ fn main() {
     let east_ip = std::net::IpAddr::V4(Site::East.addr());
     east_servers(&wan, east_ip);
 
-    let certs = Certs::new(&["west", "east"]);
-    let east = Daemon::start_in(
-        Some(&wan.netns(Site::East)),
-        "east",
-        &site_yaml(
-            "east",
-            "west",
-            &format!("listen: {}:7400", Site::East.addr()),
-            &certs,
-            &format!(
-                "  - name: lat\n    target: {east_ip}:9000\n    class: latency\n  - name: bulk\n    target: {east_ip}:9001\n"
-            ),
-            "",
+    let lanes = format!(
+        "  bandwidth: 45mbit\n  rtt: 100ms\n  latency_lane: {}\n  lane_congestion: {}\n",
+        std::env::var("WANOPT_BENCH_LANE").map_or(true, |v| v != "off"),
+        std::env::var("WANOPT_BENCH_LANE_CC").unwrap_or_else(|_| "cubic".into())
+    );
+    let p = wan_pair(
+        &wan,
+        &format!(
+            "  - name: lat\n    target: {east_ip}:9000\n    class: latency\n  - name: bulk\n    target: {east_ip}:9001\n"
         ),
+        "  - name: lat\n    listen: 127.0.0.1:0\n    class: latency\n  - name: bulk\n    listen: 127.0.0.1:0\n",
+        |site, y| {
+            if site == "west" {
+                link_lines(y, &lanes)
+            } else {
+                y
+            }
+        },
     );
-    east.bound("link");
-    let west = Daemon::start_in(
-        Some(&wan.netns(Site::West)),
-        "west",
-        &site_yaml(
-            "west",
-            "east",
-            &format!("connect: {}:7400", Site::East.addr()),
-            &certs,
-            "  - name: lat\n    listen: 127.0.0.1:0\n    class: latency\n  - name: bulk\n    listen: 127.0.0.1:0\n",
-            "",
-        )
-        .replace("  congestion: bbr\n", &format!("  congestion: bbr\n  bandwidth: 45mbit\n  rtt: 100ms\n  latency_lane: {}\n  lane_congestion: {}\n",
-            std::env::var("WANOPT_BENCH_LANE").map_or(true, |v| v != "off"),
-            std::env::var("WANOPT_BENCH_LANE_CC").unwrap_or_else(|_| "cubic".into()))),
-    );
-    west.wait_log("link up", Duration::from_secs(20));
+    let west = &p.west;
     let (t_lat, t_bulk) = (west.bound("lat"), west.bound("bulk"));
     let (d_lat, d_bulk) = (
         SocketAddr::new(east_ip, 9000),

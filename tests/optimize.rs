@@ -179,38 +179,20 @@ fn redo_across_a_t3_is_compressed_with_zstd() {
         .expect("east")
         .expect("bind");
     let srv = serve_on(l, hash_handler);
-    let certs = Certs::new(&["west", "east"]);
-    let admin = "admin:\n  listen: 127.0.0.1:0\n";
-    let east = Daemon::start_in(
-        Some(&wan.netns(Site::East)),
-        "east",
-        &site_yaml(
-            "east",
-            "west",
-            &format!("listen: {east_ip}:7400"),
-            &certs,
-            &format!("  - name: dg\n    target: {srv}\n"),
-            admin,
-        ),
+    let p = wan_pair(
+        &wan,
+        &format!("  - name: dg\n    target: {srv}\n"),
+        "  - name: dg\n    listen: 127.0.0.1:0\n",
+        |site, y| {
+            let y = format!("{y}admin:\n  listen: 127.0.0.1:0\n");
+            if site == "west" {
+                link_lines(y, "  bandwidth: 45mbit\n  rtt: 100ms\n")
+            } else {
+                y
+            }
+        },
     );
-    east.bound("link");
-    let west = Daemon::start_in(
-        Some(&wan.netns(Site::West)),
-        "west",
-        &site_yaml(
-            "west",
-            "east",
-            &format!("connect: {east_ip}:7400"),
-            &certs,
-            "  - name: dg\n    listen: 127.0.0.1:0\n",
-            admin,
-        )
-        .replace(
-            "  congestion: bbr\n",
-            "  congestion: bbr\n  bandwidth: 45mbit\n  rtt: 100ms\n",
-        ),
-    );
-    west.wait_log("link up", Duration::from_secs(20));
+    let west = &p.west;
     let (dg, wa) = (west.bound("dg"), west.bound("admin"));
     let len = 48u64 << 20;
     // `wanopt-replay gen redo`: its model and measured compressibility are in its --help.

@@ -443,37 +443,16 @@ fn an_idle_link_pings_and_stays_up() {
         .expect("east")
         .expect("bind");
     let srv = serve_on(l, hash_handler);
-    let certs = Certs::new(&["west", "east"]);
-    let tune = |y: String| {
-        y.replace("  reconnect_min:", "  keepalive: 200ms\n  reconnect_min:")
-            .replace("limits:\n", "limits:\n  idle_timeout: 1s\n")
-    };
-    let east = Daemon::start_in(
-        Some(&wan.netns(wansim::Site::East)),
-        "east",
-        &tune(site_yaml(
-            "east",
-            "west",
-            &format!("listen: {east_ip}:7400"),
-            &certs,
-            &format!("  - name: svc\n    target: {srv}\n"),
-            "",
-        )),
+    let p = wan_pair(
+        &wan,
+        &format!("  - name: svc\n    target: {srv}\n"),
+        "  - name: svc\n    listen: 127.0.0.1:0\n",
+        |_, y| {
+            link_lines(y, "  keepalive: 200ms\n")
+                .replace("limits:\n", "limits:\n  idle_timeout: 1s\n")
+        },
     );
-    east.bound("link");
-    let west = Daemon::start_in(
-        Some(&wan.netns(wansim::Site::West)),
-        "west",
-        &tune(site_yaml(
-            "west",
-            "east",
-            &format!("connect: {east_ip}:7400"),
-            &certs,
-            "  - name: svc\n    listen: 127.0.0.1:0\n",
-            "",
-        )),
-    );
-    west.wait_log("link up", Duration::from_secs(10));
+    let (west, east) = (&p.west, &p.east);
     std::thread::sleep(Duration::from_secs(3));
     let addr = west.bound("svc");
     wan.in_site(wansim::Site::West, move || {

@@ -581,3 +581,59 @@ pub fn eventually(
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// An east/west pair across a wansim WAN, each daemon in its site's namespace; east listens on
+/// its site address, port 7400. `tune(site, yaml)` edits each config before it starts.
+pub struct WanPair {
+    pub certs: Certs,
+    pub east: Daemon,
+    pub west: Daemon,
+}
+
+pub fn wan_pair(
+    wan: &wansim::Wan,
+    east_services: &str,
+    west_services: &str,
+    tune: impl Fn(&str, String) -> String,
+) -> WanPair {
+    let certs = Certs::new(&["west", "east"]);
+    let east_ip = wansim::Site::East.addr();
+    let east = Daemon::start_in(
+        Some(&wan.netns(wansim::Site::East)),
+        "east",
+        &tune(
+            "east",
+            site_yaml(
+                "east",
+                "west",
+                &format!("listen: {east_ip}:7400"),
+                &certs,
+                east_services,
+                "",
+            ),
+        ),
+    );
+    east.bound("link");
+    let west = Daemon::start_in(
+        Some(&wan.netns(wansim::Site::West)),
+        "west",
+        &tune(
+            "west",
+            site_yaml(
+                "west",
+                "east",
+                &format!("connect: {east_ip}:7400"),
+                &certs,
+                west_services,
+                "",
+            ),
+        ),
+    );
+    west.wait_log("link up", Duration::from_secs(20));
+    WanPair { certs, east, west }
+}
+
+/// Adds lines (indented by two spaces) to a config's `link:` section.
+pub fn link_lines(yaml: String, lines: &str) -> String {
+    yaml.replacen("link:\n", &format!("link:\n{lines}"), 1)
+}
