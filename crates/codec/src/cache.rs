@@ -1,13 +1,19 @@
-//! The chunk cache, bounded in bytes, with a deterministic least-recently-used policy.
+//! The chunk cache, bounded in bytes, with a deterministic least-recently-used policy, in one or
+//! two tiers: memory alone, or memory in front of a disk [`ChunkStore`].
 //!
 //! Each direction of a link has one cache per side: the sender's encoder keeps a mirror of the
 //! receiver's decoder cache. Both apply the same inserts and touches in the same (frame) order, and
-//! eviction depends only on that order, so the two stay identical by construction. The mirror keeps
-//! only fingerprints and lengths ([`ChunkCache::insert_len`]); the decoder keeps the bytes. Every
-//! chunk read back is checked against its fingerprint; a damaged entry is dropped and reported as a
-//! miss.
+//! eviction depends only on that order and the capacity, so the two stay identical by construction.
+//! The mirror keeps only fingerprints and lengths ([`ChunkCache::insert_len`]); the decoder keeps
+//! the bytes: with a disk tier, every chunk is written through to disk and memory holds the most
+//! recently used ones. Where the bytes live is the decoder's business and does not change what the
+//! cache holds. Every chunk read back, from memory or disk, is checked against its fingerprint; a
+//! damaged or lost entry is dropped and reported as a miss. A [`Snapshot`] of the index (order,
+//! lengths, disk locations) with its digest lets both sides resume the same cache after a restart.
 
 use std::collections::{BTreeMap, HashMap};
+
+use crate::store::{ChunkStore, Loc};
 
 /// A chunk fingerprint: the first 16 bytes (128 bits) of its BLAKE3 hash.
 pub type Fingerprint = [u8; 16];
@@ -22,14 +28,58 @@ pub fn fingerprint(data: &[u8]) -> Fingerprint {
 
 #[derive(Debug)]
 struct Entry {
-    /// The chunk's bytes; `None` in an index-only cache (a mirror).
-    data: Option<Vec<u8>>,
+    /// The chunk's bytes when held in memory (never in a mirror).
+    mem: Option<Vec<u8>>,
+    /// Where the chunk is on disk, with a disk tier.
+    loc: Option<Loc>,
     len: usize,
     stamp: u64,
 }
 
+/// One disk segment's bookkeeping.
+#[derive(Debug, Default)]
+struct Seg {
+    /// Bytes the segment's file holds.
+    total: u64,
+    /// Bytes of its records that entries still point to.
+    live: u64,
+    /// Chunks written to it (some since evicted or moved: checked against the entry).
+    members: Vec<Fingerprint>,
+}
+
+struct DiskTier {
+    store: Box<dyn ChunkStore>,
+    /// Most bytes the store's files may hold.
+    limit: u64,
+    files: u64,
+    segs: BTreeMap<u32, Seg>,
+    /// Chunks copied forward out of a segment being reclaimed.
+    moved: u64,
+    /// Chunks that could not be read back (damaged, lost) and were dropped.
+    lost: u64,
+    /// Segments reclaimed.
+    reclaimed: u64,
+}
+
+/// Sizes and counts of one cache's tiers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierStats {
+    /// Chunk bytes held in memory, and how many chunks.
+    pub mem_bytes: u64,
+    pub mem_chunks: u64,
+    /// Chunks whose bytes left memory for the disk tier only.
+    pub mem_evictions: u64,
+    /// Bytes of the disk tier's files (live and not yet reclaimed).
+    pub disk_bytes: u64,
+    /// Chunks in the index that live on disk.
+    pub disk_chunks: u64,
+    /// Disk segments reclaimed, chunks moved while reclaiming, chunks dropped unreadable.
+    pub disk_reclaimed: u64,
+    pub disk_moved: u64,
+    pub disk_lost: u64,
+}
+
 /// A byte-bounded LRU map from fingerprint to chunk.
-#[derive(Debug)]
 pub struct ChunkCache {
     capacity: usize,
     size: usize,
@@ -38,10 +88,39 @@ pub struct ChunkCache {
     /// Recency order: stamp -> fingerprint (oldest first).
     order: BTreeMap<u64, Fingerprint>,
     evictions: u64,
+    mem_limit: usize,
+    mem_size: usize,
+    /// Recency order of the entries whose bytes are in memory.
+    mem_order: BTreeMap<u64, Fingerprint>,
+    mem_evictions: u64,
+    disk: Option<DiskTier>,
+}
+
+impl std::fmt::Debug for ChunkCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkCache")
+            .field("capacity", &self.capacity)
+            .field("size", &self.size)
+            .field("chunks", &self.entries.len())
+            .field("disk", &self.disk.is_some())
+            .finish()
+    }
+}
+
+/// The share of a disk tier's byte limit that holds live chunks; the rest is room to reclaim
+/// segments without ever exceeding the limit.
+pub fn disk_capacity(limit: u64) -> u64 {
+    limit / 4 * 3
+}
+
+/// The size of a disk tier's segments for a byte limit: small enough that reclaiming one frees a
+/// useful share, large enough that files stay few.
+pub fn segment_size(limit: u64) -> u64 {
+    (limit / 32).clamp(1 << 20, 64 << 20)
 }
 
 impl ChunkCache {
-    /// A cache holding at most `capacity` bytes of chunk data.
+    /// A memory-only cache holding at most `capacity` bytes of chunk data.
     pub fn new(capacity: usize) -> Self {
         ChunkCache {
             capacity,
@@ -50,7 +129,48 @@ impl ChunkCache {
             entries: HashMap::new(),
             order: BTreeMap::new(),
             evictions: 0,
+            mem_limit: capacity,
+            mem_size: 0,
+            mem_order: BTreeMap::new(),
+            mem_evictions: 0,
+            disk: None,
         }
+    }
+
+    /// A two-tier cache: chunks are written through to `store`, whose files stay within
+    /// `disk_limit` bytes; the index holds [`disk_capacity`] of that, and memory keeps the bytes
+    /// of the most recently used chunks up to `mem_limit`.
+    pub fn tiered(mem_limit: usize, disk_limit: u64, store: Box<dyn ChunkStore>) -> Self {
+        let capacity = usize::try_from(disk_capacity(disk_limit)).unwrap_or(usize::MAX);
+        let mut c = ChunkCache::new(capacity);
+        c.mem_limit = mem_limit.min(capacity);
+        let mut segs = BTreeMap::new();
+        let mut files = 0;
+        for (n, bytes) in store.segments() {
+            files += bytes;
+            segs.insert(
+                n,
+                Seg {
+                    total: bytes,
+                    ..Seg::default()
+                },
+            );
+        }
+        c.disk = Some(DiskTier {
+            store,
+            limit: disk_limit,
+            files,
+            segs,
+            moved: 0,
+            lost: 0,
+            reclaimed: 0,
+        });
+        c
+    }
+
+    /// Bytes the cache holds at most.
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     /// Bytes of chunk data held.
@@ -73,6 +193,29 @@ impl ChunkCache {
         self.evictions
     }
 
+    /// True if the cache has a disk tier.
+    pub fn has_disk(&self) -> bool {
+        self.disk.is_some()
+    }
+
+    /// Sizes and counts per tier.
+    pub fn tier_stats(&self) -> TierStats {
+        let mut t = TierStats {
+            mem_bytes: self.mem_size as u64,
+            mem_chunks: self.mem_order.len() as u64,
+            mem_evictions: self.mem_evictions,
+            ..TierStats::default()
+        };
+        if let Some(d) = &self.disk {
+            t.disk_bytes = d.files;
+            t.disk_chunks = self.entries.values().filter(|e| e.loc.is_some()).count() as u64;
+            t.disk_reclaimed = d.reclaimed;
+            t.disk_moved = d.moved;
+            t.disk_lost = d.lost;
+        }
+        t
+    }
+
     /// True if the chunk is held (does not count as a use).
     pub fn contains(&self, f: &Fingerprint) -> bool {
         self.entries.contains_key(f)
@@ -82,6 +225,10 @@ impl ChunkCache {
         self.clock += 1;
         if let Some(e) = self.entries.get_mut(f) {
             self.order.remove(&e.stamp);
+            if e.mem.is_some() {
+                self.mem_order.remove(&e.stamp);
+                self.mem_order.insert(self.clock, *f);
+            }
             e.stamp = self.clock;
             self.order.insert(self.clock, *f);
         }
@@ -92,24 +239,52 @@ impl ChunkCache {
         self.bump(f);
     }
 
-    /// Returns a held chunk after checking it against its fingerprint; a damaged one is removed
-    /// and `None` returned (a miss, never wrong data). Counts as a use.
+    /// Returns a held chunk after checking it against its fingerprint, reading it from disk if
+    /// it is not in memory; a damaged or unreadable one is removed and `None` returned (a miss,
+    /// never wrong data). Counts as a use.
     pub fn get(&mut self, f: &Fingerprint) -> Option<&[u8]> {
-        let ok = self
-            .entries
-            .get(f)
-            .map(|e| e.data.as_deref().is_some_and(|d| fingerprint(d) == *f))?;
+        let e = self.entries.get(f)?;
+        let read = match (&e.mem, e.loc, self.disk.as_mut()) {
+            (Some(d), _, _) => Ok(fingerprint(d) == *f),
+            (None, Some(loc), Some(disk)) => match disk.store.read(loc, f) {
+                Some(data) if data.len() == e.len => Err(data),
+                _ => {
+                    disk.lost += 1;
+                    Ok(false)
+                }
+            },
+            _ => Ok(false),
+        };
+        let ok = match read {
+            Ok(ok) => ok,
+            Err(data) => {
+                self.promote(f, data);
+                true
+            }
+        };
         if !ok {
             self.remove(f);
             return None;
         }
         self.bump(f);
-        self.entries.get(f).and_then(|e| e.data.as_deref())
+        self.shrink_mem(Some(f));
+        self.entries.get(f).and_then(|e| e.mem.as_deref())
     }
 
-    /// Returns a held chunk after checking it against its fingerprint, without counting as a use.
+    fn promote(&mut self, f: &Fingerprint, data: Vec<u8>) {
+        if let Some(e) = self.entries.get_mut(f)
+            && e.mem.is_none()
+        {
+            self.mem_size += data.len();
+            self.mem_order.insert(e.stamp, *f);
+            e.mem = Some(data);
+        }
+    }
+
+    /// Returns a chunk held in memory after checking it against its fingerprint, without counting
+    /// as a use.
     pub fn peek(&self, f: &Fingerprint) -> Option<&[u8]> {
-        let d = self.entries.get(f)?.data.as_deref()?;
+        let d = self.entries.get(f)?.mem.as_deref()?;
         (fingerprint(d) == *f).then_some(d)
     }
 
@@ -134,60 +309,374 @@ impl ChunkCache {
             return;
         }
         while self.size + len > self.capacity {
-            let Some((_, victim)) = self.order.pop_first() else {
+            let Some((&stamp, &victim)) = self.order.first_key_value() else {
                 break;
             };
-            if let Some(e) = self.entries.remove(&victim) {
-                self.size -= e.len;
-                self.evictions += 1;
-            }
+            self.order.remove(&stamp);
+            self.remove(&victim);
+            self.evictions += 1;
         }
         self.clock += 1;
+        let loc = match (&data, self.disk.as_mut()) {
+            (Some(d), Some(disk)) => disk.append(&f, d),
+            _ => None,
+        };
+        let mem = if self.mem_limit > 0 { data } else { None };
+        if mem.is_some() {
+            self.mem_size += len;
+            self.mem_order.insert(self.clock, f);
+        }
         self.size += len;
         self.order.insert(self.clock, f);
         self.entries.insert(
             f,
             Entry {
-                data,
+                mem,
+                loc,
                 len,
                 stamp: self.clock,
             },
         );
+        self.shrink_mem(Some(&f));
+        self.reclaim();
         debug_assert!(self.size <= self.capacity);
+        debug_assert!(self.mem_size <= self.mem_limit.max(len));
+    }
+
+    /// Keeps memory within its limit: the least recently used chunks keep only their disk copy
+    /// (or, without one, leave the cache). `keep` is never dropped.
+    fn shrink_mem(&mut self, keep: Option<&Fingerprint>) {
+        while self.mem_size > self.mem_limit {
+            let Some((&stamp, &victim)) = self.mem_order.first_key_value() else {
+                break;
+            };
+            if Some(&victim) == keep {
+                break;
+            }
+            self.mem_order.remove(&stamp);
+            let Some(e) = self.entries.get_mut(&victim) else {
+                continue;
+            };
+            if let Some(d) = e.mem.take() {
+                self.mem_size -= d.len();
+            }
+            self.mem_evictions += 1;
+            if e.loc.is_none() {
+                self.remove(&victim);
+                self.evictions += 1;
+            }
+        }
+    }
+
+    /// Reclaims disk segments while the files would exceed their limit: the segment with the
+    /// least live data goes, its live chunks copied forward first.
+    fn reclaim(&mut self) {
+        for _ in 0..4 {
+            let Some(disk) = self.disk.as_mut() else {
+                return;
+            };
+            if disk.files + disk.store.segment_limit() <= disk.limit {
+                return;
+            }
+            let newest = disk.segs.keys().next_back().copied();
+            let Some(victim) = disk
+                .segs
+                .iter()
+                .filter(|(n, _)| Some(**n) != newest)
+                .min_by_key(|(_, s)| s.live)
+                .map(|(n, _)| *n)
+            else {
+                return;
+            };
+            let Some(seg) = disk.segs.remove(&victim) else {
+                return;
+            };
+            disk.files = disk.files.saturating_sub(seg.total);
+            let mut lost = Vec::new();
+            for f in seg.members {
+                let Some(e) = self.entries.get_mut(&f) else {
+                    continue;
+                };
+                if e.loc.is_none_or(|l| l.seg != victim) {
+                    continue;
+                }
+                let data = match &e.mem {
+                    Some(d) => Some(d.clone()),
+                    None => e.loc.and_then(|l| disk.store.read(l, &f)),
+                };
+                e.loc = data.and_then(|d| disk.append(&f, &d));
+                disk.moved += 1;
+                if e.loc.is_none() && e.mem.is_none() {
+                    lost.push(f);
+                }
+            }
+            disk.store.remove_segment(victim);
+            disk.reclaimed += 1;
+            disk.lost += lost.len() as u64;
+            for f in lost {
+                self.remove(&f);
+            }
+        }
     }
 
     fn remove(&mut self, f: &Fingerprint) {
         if let Some(e) = self.entries.remove(f) {
             self.order.remove(&e.stamp);
             self.size -= e.len;
+            if let Some(d) = e.mem {
+                self.mem_order.remove(&e.stamp);
+                self.mem_size -= d.len();
+            }
+            if let (Some(loc), Some(disk)) = (e.loc, self.disk.as_mut())
+                && let Some(s) = disk.segs.get_mut(&loc.seg)
+            {
+                s.live = s.live.saturating_sub(loc.stored());
+            }
         }
     }
 
-    /// Test hook: damages every held chunk in place; returns how many.
+    /// The index as it stands: chunks oldest first, with their disk locations.
+    pub fn snapshot(&self) -> Snapshot {
+        let entries = self
+            .order
+            .values()
+            .filter_map(|f| {
+                let e = self.entries.get(f)?;
+                Some(SnapEntry {
+                    fingerprint: *f,
+                    len: e.len as u32,
+                    loc: e.loc,
+                })
+            })
+            .collect();
+        Snapshot {
+            capacity: self.capacity as u64,
+            entries,
+        }
+    }
+
+    /// The digest of the index (see [`Snapshot::digest`]).
+    pub fn digest(&self) -> Fingerprint {
+        self.snapshot().digest()
+    }
+
+    /// Loads a snapshot into an empty cache of the same capacity: the same chunks in the same
+    /// order, so it behaves as the cache it was taken from. Entries whose bytes are not on this
+    /// cache's disk tier are left out (the peer's references to them become misses).
+    pub fn restore(&mut self, snap: &Snapshot) -> Result<(), SnapshotError> {
+        if snap.capacity != self.capacity as u64 || !self.entries.is_empty() {
+            return Err(SnapshotError::Mismatch);
+        }
+        let total: u64 = snap.entries.iter().map(|e| u64::from(e.len)).sum();
+        if total > snap.capacity {
+            return Err(SnapshotError::Malformed("entries exceed the capacity"));
+        }
+        for s in &snap.entries {
+            let len = s.len as usize;
+            let loc = match (&mut self.disk, s.loc) {
+                (Some(disk), Some(loc)) => match disk.segs.get_mut(&loc.seg) {
+                    Some(seg) if loc.off + loc.stored() <= seg.total => {
+                        seg.live += loc.stored();
+                        seg.members.push(s.fingerprint);
+                        Some(loc)
+                    }
+                    _ => None,
+                },
+                _ => None,
+            };
+            if self.disk.is_some() && loc.is_none() {
+                continue;
+            }
+            if self.entries.contains_key(&s.fingerprint) {
+                return Err(SnapshotError::Malformed("a chunk listed twice"));
+            }
+            self.clock += 1;
+            self.size += len;
+            self.order.insert(self.clock, s.fingerprint);
+            self.entries.insert(
+                s.fingerprint,
+                Entry {
+                    mem: None,
+                    loc,
+                    len,
+                    stamp: self.clock,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// Test hook: damages every chunk held in memory; returns how many.
     #[doc(hidden)]
     pub fn corrupt_all_for_test(&mut self) -> usize {
         for e in self.entries.values_mut() {
-            if let Some(b) = e.data.as_mut().and_then(|d| d.first_mut()) {
+            if let Some(b) = e.mem.as_mut().and_then(|d| d.first_mut()) {
                 *b ^= 0xff;
             }
         }
         self.entries.len()
     }
 
-    /// Test hook: damages a held chunk in place, as a bad disk or memory would.
+    /// Test hook: damages a chunk held in memory, as a bad disk or memory would.
     #[doc(hidden)]
     pub fn corrupt_for_test(&mut self, f: &Fingerprint) {
         if let Some(e) = self.entries.get_mut(f)
-            && let Some(b) = e.data.as_mut().and_then(|d| d.first_mut())
+            && let Some(b) = e.mem.as_mut().and_then(|d| d.first_mut())
         {
             *b ^= 0xff;
         }
     }
 }
 
+impl DiskTier {
+    fn append(&mut self, f: &Fingerprint, data: &[u8]) -> Option<Loc> {
+        let loc = self.store.append(f, data)?;
+        let seg = self.segs.entry(loc.seg).or_default();
+        seg.total += loc.stored();
+        seg.live += loc.stored();
+        seg.members.push(*f);
+        self.files += loc.stored();
+        Some(loc)
+    }
+}
+
+/// One chunk of a [`Snapshot`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SnapEntry {
+    pub fingerprint: Fingerprint,
+    pub len: u32,
+    pub loc: Option<Loc>,
+}
+
+/// A cache's index: its capacity and its chunks, least recently used first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    pub capacity: u64,
+    pub entries: Vec<SnapEntry>,
+}
+
+/// A snapshot that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("malformed cache index: {0}")]
+    Malformed(&'static str),
+    #[error("cache index does not match this cache")]
+    Mismatch,
+}
+
+const SNAP_MAGIC: [u8; 8] = *b"WOINDEX1";
+const SNAP_ENTRY: usize = 16 + 4 + 1 + 4 + 8 + 4;
+
+impl Snapshot {
+    /// What identifies the cache's state on both sides: a hash of the capacity and of every
+    /// chunk's fingerprint and length in recency order. Disk locations are the decoder's own and
+    /// are left out, so a mirror and the cache it mirrors have the same digest.
+    pub fn digest(&self) -> Fingerprint {
+        let mut h = blake3::Hasher::new();
+        h.update(b"wanopt cache index");
+        h.update(&self.capacity.to_be_bytes());
+        for e in &self.entries {
+            h.update(&e.fingerprint);
+            h.update(&e.len.to_be_bytes());
+        }
+        let mut f = [0u8; 16];
+        f.copy_from_slice(&h.finalize().as_bytes()[..16]);
+        f
+    }
+
+    /// The snapshot as bytes: a header, fixed-size entries and a checksum of everything.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(8 + 8 + 8 + self.entries.len() * SNAP_ENTRY + 32);
+        out.extend_from_slice(&SNAP_MAGIC);
+        out.extend_from_slice(&self.capacity.to_be_bytes());
+        out.extend_from_slice(&(self.entries.len() as u64).to_be_bytes());
+        for e in &self.entries {
+            out.extend_from_slice(&e.fingerprint);
+            out.extend_from_slice(&e.len.to_be_bytes());
+            let l = e.loc.unwrap_or(Loc {
+                seg: 0,
+                off: 0,
+                len: 0,
+            });
+            out.push(u8::from(e.loc.is_some()));
+            out.extend_from_slice(&l.seg.to_be_bytes());
+            out.extend_from_slice(&l.off.to_be_bytes());
+            out.extend_from_slice(&l.len.to_be_bytes());
+        }
+        let sum = blake3::hash(&out);
+        out.extend_from_slice(sum.as_bytes());
+        out
+    }
+
+    /// Parses [`encode`](Self::encode)'s bytes. Anything damaged, truncated or inconsistent is an
+    /// error; the entry count is checked against the length before anything is allocated.
+    pub fn decode(buf: &[u8]) -> Result<Snapshot, SnapshotError> {
+        const HEAD: usize = 8 + 8 + 8;
+        if buf.len() < HEAD + 32 || buf[..8] != SNAP_MAGIC {
+            return Err(SnapshotError::Malformed("not a cache index"));
+        }
+        let (body, sum) = buf.split_at(buf.len() - 32);
+        if blake3::hash(body).as_bytes()[..] != sum[..] {
+            return Err(SnapshotError::Malformed("checksum mismatch"));
+        }
+        let u64_at = |at: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&body[at..at + 8]);
+            u64::from_be_bytes(b)
+        };
+        let u32_at = |at: usize| {
+            let mut b = [0u8; 4];
+            b.copy_from_slice(&body[at..at + 4]);
+            u32::from_be_bytes(b)
+        };
+        let capacity = u64_at(8);
+        let n = u64_at(16);
+        if Some(body.len() - HEAD)
+            != usize::try_from(n)
+                .ok()
+                .and_then(|n| n.checked_mul(SNAP_ENTRY))
+        {
+            return Err(SnapshotError::Malformed(
+                "entry count does not match the length",
+            ));
+        }
+        let mut entries = Vec::with_capacity(n as usize);
+        let mut total = 0u64;
+        for i in 0..n as usize {
+            let at = HEAD + i * SNAP_ENTRY;
+            let mut fingerprint = [0u8; 16];
+            fingerprint.copy_from_slice(&body[at..at + 16]);
+            let len = u32_at(at + 16);
+            total += u64::from(len);
+            let loc = match body[at + 20] {
+                0 => None,
+                1 => Some(Loc {
+                    seg: u32_at(at + 21),
+                    off: u64_at(at + 25),
+                    len: u32_at(at + 33),
+                }),
+                _ => return Err(SnapshotError::Malformed("bad location flag")),
+            };
+            if len as usize > crate::MAX_RECORD {
+                return Err(SnapshotError::Malformed("chunk too large"));
+            }
+            entries.push(SnapEntry {
+                fingerprint,
+                len,
+                loc,
+            });
+        }
+        if total > capacity {
+            return Err(SnapshotError::Malformed("entries exceed the capacity"));
+        }
+        Ok(Snapshot { capacity, entries })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::MemStore;
 
     #[test]
     fn lru_evicts_oldest_and_stays_bounded() {
@@ -220,5 +709,134 @@ mod tests {
         assert_eq!(c.get(&f), None);
         assert!(!c.contains(&f));
         assert_eq!(c.size(), 0);
+    }
+
+    fn chunk(i: u32) -> Vec<u8> {
+        let mut x = u64::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..2000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_disk_tier_holds_what_memory_cannot_within_its_limit() {
+        let store = MemStore::new(1 << 20);
+        let limit = 8 << 20;
+        let mut c = ChunkCache::tiered(100_000, limit, Box::new(store.clone()));
+        let mut mirror = ChunkCache::new(c.capacity());
+        for round in 0..3 {
+            for i in 0..4000 {
+                // A working set that fits the disk tier, and a stream of one-off chunks.
+                let id = if i % 2 == 0 {
+                    i % 1000
+                } else {
+                    100_000 * (round + 1) + i
+                };
+                let d = chunk(id);
+                let f = fingerprint(&d);
+                if mirror.contains(&f) {
+                    mirror.touch(&f);
+                    assert_eq!(c.get(&f), Some(&d[..]), "round {round} chunk {id}");
+                } else {
+                    mirror.insert_len(f, d.len());
+                    c.insert(f, d);
+                }
+                assert!(c.tier_stats().mem_bytes <= 100_000);
+                assert!(store.bytes() <= limit, "files within the limit");
+            }
+        }
+        let t = c.tier_stats();
+        assert!(t.disk_reclaimed > 0 && t.disk_moved > 0, "{t:?}");
+        assert_eq!(t.disk_lost, 0);
+        assert_eq!(c.digest(), mirror.digest(), "the mirror stays in step");
+        assert_eq!(c.evictions(), mirror.evictions());
+    }
+
+    #[test]
+    fn lost_or_damaged_disk_chunks_are_misses() {
+        let store = MemStore::new(1 << 20);
+        let mut c = ChunkCache::tiered(0, 16 << 20, Box::new(store.clone()));
+        let chunks: Vec<Vec<u8>> = (0..100).map(chunk).collect();
+        for d in &chunks {
+            c.insert(fingerprint(d), d.clone());
+        }
+        assert_eq!(c.tier_stats().mem_bytes, 0);
+        store.corrupt(7);
+        for (i, d) in chunks.iter().enumerate() {
+            let got = c.get(&fingerprint(d)).map(<[u8]>::to_vec);
+            if i == 7 {
+                assert_eq!(got, None);
+            } else {
+                assert_eq!(got.as_deref(), Some(&d[..]));
+            }
+        }
+        assert_eq!(c.tier_stats().disk_lost, 1);
+        assert!(!c.contains(&fingerprint(&chunks[7])));
+    }
+
+    #[test]
+    fn a_snapshot_restores_the_same_cache_and_rejects_damage() {
+        let store = MemStore::new(1 << 20);
+        let mut c = ChunkCache::tiered(50_000, 4 << 20, Box::new(store.clone()));
+        let mut mirror = ChunkCache::new(c.capacity());
+        for i in 0..2000 {
+            let d = chunk(i % 700);
+            let f = fingerprint(&d);
+            if mirror.contains(&f) {
+                mirror.touch(&f);
+                assert!(c.get(&f).is_some());
+            } else {
+                mirror.insert_len(f, d.len());
+                c.insert(f, d);
+            }
+        }
+        let snap = c.snapshot();
+        let bytes = snap.encode();
+        assert_eq!(Snapshot::decode(&bytes), Ok(snap.clone()));
+        assert_eq!(snap.digest(), mirror.snapshot().digest());
+
+        // Both sides restored: the same digest, and they go on in step.
+        let mut c2 = ChunkCache::tiered(50_000, 4 << 20, Box::new(store.clone()));
+        c2.restore(&snap).expect("restore");
+        let mut m2 = ChunkCache::new(mirror.capacity());
+        m2.restore(&Snapshot::decode(&mirror.snapshot().encode()).expect("decode"))
+            .expect("restore");
+        assert_eq!(c2.digest(), m2.digest());
+        for i in 0..300 {
+            let d = chunk(i);
+            let f = fingerprint(&d);
+            if m2.contains(&f) {
+                m2.touch(&f);
+                assert_eq!(c2.get(&f), Some(&d[..]));
+            } else {
+                m2.insert_len(f, d.len());
+                c2.insert(f, d);
+            }
+        }
+        assert_eq!(c2.digest(), m2.digest());
+
+        // Another capacity is a mismatch; every truncation and flipped bit is an error.
+        assert_eq!(
+            ChunkCache::new(1000).restore(&snap),
+            Err(SnapshotError::Mismatch)
+        );
+        let small = Snapshot {
+            capacity: 100,
+            entries: snap.entries[..3].to_vec(),
+        }
+        .encode();
+        for cut in 0..small.len() {
+            assert!(Snapshot::decode(&small[..cut]).is_err());
+        }
+        for at in 0..small.len() {
+            let mut bad = small.clone();
+            bad[at] ^= 1;
+            assert!(Snapshot::decode(&bad).is_err(), "flip at {at}");
+        }
     }
 }

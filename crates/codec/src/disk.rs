@@ -1,7 +1,7 @@
 //! Storage for the cache's disk tier: chunks appended to segment files in one directory (mode
 //! 0700, files 0600), optionally encrypted at rest with AES-256-GCM. Every chunk read back is
 //! checked against its fingerprint: a damaged, truncated, missing or wrongly keyed record reads
-//! as `None` (a miss), never as data. Not yet wired into the link's caches.
+//! as `None` (a miss), never as data.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -13,20 +13,13 @@ use ring::rand::{SecureRandom, SystemRandom};
 
 use crate::MAX_RECORD;
 use crate::cache::{Fingerprint, fingerprint};
+pub use crate::store::Loc;
+use crate::store::{ChunkStore, RECORD_HEADER};
 
 const MAGIC: [u8; 4] = *b"WOC1";
 /// Record header: magic, fingerprint, stored length.
-const HEADER: usize = 4 + 16 + 4;
+const HEADER: usize = RECORD_HEADER as usize;
 const TAG_LEN: usize = 16;
-
-/// Where a chunk was stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Loc {
-    pub seg: u32,
-    pub off: u64,
-    /// Bytes stored after the header (nonce and tag included when encrypted).
-    pub len: u32,
-}
 
 /// A disk store that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +43,8 @@ pub struct DiskStore {
     /// The segment being appended to: number, file, length.
     current: Option<(u32, File, u64)>,
     next_seg: u32,
+    /// Open segments for reading.
+    readers: std::collections::HashMap<u32, File>,
 }
 
 impl std::fmt::Debug for DiskStore {
@@ -79,12 +74,7 @@ impl DiskStore {
             let name = e
                 .map_err(|e| DiskError::Dir(dir.to_path_buf(), e))?
                 .file_name();
-            if let Some(n) = name
-                .to_str()
-                .and_then(|n| n.strip_prefix("seg-"))
-                .and_then(|n| n.strip_suffix(".dat"))
-                .and_then(|n| n.parse::<u32>().ok())
-            {
+            if let Some(n) = name.to_str().and_then(seg_number) {
                 next = next.max(n.saturating_add(1));
             }
         }
@@ -101,6 +91,7 @@ impl DiskStore {
             seg_bytes: seg_bytes.max(1 << 20),
             current: None,
             next_seg: next,
+            readers: std::collections::HashMap::new(),
         })
     }
 
@@ -167,6 +158,11 @@ impl DiskStore {
 
     /// Reads a chunk back, or `None` if it is missing, damaged or not the chunk of `f`.
     pub fn read(&self, loc: Loc, f: &Fingerprint) -> Option<Vec<u8>> {
+        let file = File::open(self.path(loc.seg)).ok()?;
+        self.read_in(&file, loc, f)
+    }
+
+    fn read_in(&self, file: &File, loc: Loc, f: &Fingerprint) -> Option<Vec<u8>> {
         let max = MAX_RECORD
             + if self.key.is_some() {
                 NONCE_LEN + TAG_LEN
@@ -176,7 +172,6 @@ impl DiskStore {
         if loc.len as usize > max {
             return None;
         }
-        let file = File::open(self.path(loc.seg)).ok()?;
         let mut hdr = [0u8; HEADER];
         file.read_exact_at(&mut hdr, loc.off).ok()?;
         let stored = u32::from_be_bytes([hdr[20], hdr[21], hdr[22], hdr[23]]);
@@ -209,13 +204,75 @@ impl DiskStore {
         (fingerprint(&data) == *f).then_some(data)
     }
 
+    /// Flushes every segment to stable storage, so an index written afterwards only names chunks
+    /// that survive a crash.
+    pub fn sync(&self) -> Result<(), DiskError> {
+        for (n, _) in ChunkStore::segments(self) {
+            let p = self.path(n);
+            if let Ok(f) = File::open(&p) {
+                f.sync_all().map_err(|e| DiskError::Segment(p, e))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Deletes a segment (all its chunks read as misses from then on).
     pub fn remove_segment(&mut self, seg: u32) {
         if self.current.as_ref().is_some_and(|(n, _, _)| *n == seg) {
             self.current = None;
         }
+        self.readers.remove(&seg);
         let _ = std::fs::remove_file(self.path(seg));
     }
+}
+
+impl ChunkStore for DiskStore {
+    fn append(&mut self, f: &Fingerprint, data: &[u8]) -> Option<Loc> {
+        DiskStore::append(self, f, data).ok()
+    }
+
+    fn read(&mut self, loc: Loc, f: &Fingerprint) -> Option<Vec<u8>> {
+        if !self.readers.contains_key(&loc.seg) {
+            // A handful of open segments at a time is plenty: reads cluster in recent ones.
+            if self.readers.len() >= 16 {
+                self.readers.clear();
+            }
+            let file = File::open(self.path(loc.seg)).ok()?;
+            self.readers.insert(loc.seg, file);
+        }
+        let file = self.readers.get(&loc.seg)?;
+        self.read_in(file, loc, f)
+    }
+
+    fn remove_segment(&mut self, seg: u32) {
+        DiskStore::remove_segment(self, seg);
+    }
+
+    fn segments(&self) -> Vec<(u32, u64)> {
+        let Ok(dir) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        let mut v: Vec<(u32, u64)> = dir
+            .flatten()
+            .filter_map(|e| {
+                let n = seg_number(e.file_name().to_str()?)?;
+                Some((n, e.metadata().ok()?.len()))
+            })
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    fn segment_limit(&self) -> u64 {
+        self.seg_bytes
+    }
+}
+
+fn seg_number(name: &str) -> Option<u32> {
+    name.strip_prefix("seg-")?
+        .strip_suffix(".dat")?
+        .parse::<u32>()
+        .ok()
 }
 
 fn aad(f: &Fingerprint, len: usize) -> [u8; 20] {
@@ -328,5 +385,41 @@ mod tests {
         assert_eq!(s.read(loc2, &f2), None);
         s.remove_segment(loc.seg);
         assert_eq!(s.read(loc, &f), None);
+    }
+
+    #[test]
+    fn a_tiered_cache_on_disk_survives_a_restart_and_reads_damage_as_misses() {
+        use crate::cache::ChunkCache;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let open = || {
+            let s = DiskStore::open(dir.path(), Some([5u8; 32]), 1 << 20).expect("open");
+            Box::new(s)
+        };
+        let chunks: Vec<Vec<u8>> = (0..400u16)
+            .map(|i| chunk(i as u8 ^ (i >> 8) as u8, 3000 + i as usize))
+            .collect();
+        let mut c = ChunkCache::tiered(64 * 1024, 32 << 20, open());
+        for d in &chunks {
+            c.insert(fingerprint(d), d.clone());
+        }
+        let snap = c.snapshot();
+        drop(c);
+        // Damage one record on disk, then restart.
+        let loc = snap.entries[10].loc.expect("on disk");
+        let p = dir.path().join(seg_name(loc.seg));
+        let mut raw = std::fs::read(&p).expect("read");
+        raw[(loc.off + loc.stored()) as usize - 1] ^= 1;
+        std::fs::write(&p, raw).expect("write");
+        let mut c = ChunkCache::tiered(64 * 1024, 32 << 20, open());
+        c.restore(&snap).expect("restore");
+        assert_eq!(c.digest(), snap.digest());
+        for (i, d) in chunks.iter().enumerate() {
+            let f = fingerprint(d);
+            let got = c.get(&f).map(<[u8]>::to_vec);
+            assert_eq!(got.is_some(), i != 10, "chunk {i}");
+            if let Some(g) = got {
+                assert_eq!(g, *d);
+            }
+        }
     }
 }

@@ -11,6 +11,7 @@
 
 pub mod cache;
 pub mod disk;
+pub mod store;
 
 use bytes::BufMut;
 use cache::{ChunkCache, Fingerprint, fingerprint};
@@ -335,6 +336,11 @@ impl Mirror {
         &self.cache
     }
 
+    /// The mirrored cache, to restore a snapshot into.
+    pub fn cache_mut(&mut self) -> &mut ChunkCache {
+        &mut self.cache
+    }
+
     /// Bytes held to answer misses.
     pub fn resend_bytes(&self) -> usize {
         self.recent.size
@@ -618,8 +624,13 @@ impl Decoder {
 
     /// A decoder whose cache holds `cache_bytes`; without `dedup` nothing is cached.
     pub fn with_capacity(cache_bytes: usize, dedup: bool) -> Self {
+        Self::with_cache(ChunkCache::new(cache_bytes), dedup)
+    }
+
+    /// A decoder using `cache` (a two-tier one, or one restored from a snapshot).
+    pub fn with_cache(cache: ChunkCache, dedup: bool) -> Self {
         Decoder {
-            cache: ChunkCache::new(cache_bytes),
+            cache,
             dedup,
             zstd: zstd::bulk::Decompressor::new().ok(),
             stats: DecodeStats::default(),
