@@ -102,16 +102,18 @@ fn dedup(text: &str, service: &str, dir: &str, result: &str) -> u64 {
 #[test]
 fn repeated_backup_costs_a_fraction_on_the_wire() {
     let srv = hash_server();
-    // Compression off for this service: the figures are dedup's alone. The cache must hold
-    // the whole backup for its repeat to hit.
-    let mem = format!(
-        "optimize:\n  memory: {}MiB\n",
-        backup_mib() + backup_mib() / 4
+    // Compression off for this service: the figures are dedup's alone. Memory holds a sliver of
+    // the backup; the disk tier holds all of it, so the repeat hits from disk.
+    let state = tempfile::tempdir().expect("tempdir");
+    let extra = format!(
+        "admin:\n  listen: 127.0.0.1:0\nstate_dir: {}\noptimize:\n  memory: 64MiB\n  disk:\n    bytes: {}MiB\n",
+        state.path().display(),
+        (backup_mib() * 2).max(128)
     );
     let p = Pair::start_extra(
         &format!("  - name: rman\n    target: {srv}\n"),
         "  - name: rman\n    listen: 127.0.0.1:0\n    compression: none\n",
-        &format!("admin:\n  listen: 127.0.0.1:0\n{mem}"),
+        &extra,
     );
     let addr = p.west.bound("rman");
     let len = backup_mib() << 20;
@@ -148,12 +150,14 @@ fn repeated_backup_costs_a_fraction_on_the_wire() {
         ) > 0,
         "{w}"
     );
-    assert!(
-        e.contains(
-            "wanopt_cache_bytes{tier=\"memory\",lane=\"main\",scope=\"link\",role=\"decoder\"}"
-        ),
-        "{e}"
-    );
+    for tier in ["memory", "disk"] {
+        assert!(
+            e.contains(&format!(
+                "wanopt_cache_bytes{{tier=\"{tier}\",lane=\"main\",scope=\"link\",role=\"decoder\"}}"
+            )),
+            "{e}"
+        );
+    }
     assert_eq!(
         value(&e, &series("wanopt_dedup_resends_total", "rman", "in")),
         0,
@@ -313,4 +317,154 @@ fn receiver_restarted_with_an_empty_cache_never_misreads() {
         0
     );
     drop(west);
+}
+
+/// Files under `dir` whose names end with `suffix`, with their modes.
+fn files_ending(dir: &std::path::Path, suffix: &str) -> Vec<(std::path::PathBuf, u32)> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            v.extend(files_ending(&p, suffix));
+        } else if p.to_str().is_some_and(|n| n.ends_with(suffix)) {
+            let mode = e.metadata().map_or(0, |m| m.permissions().mode() & 0o777);
+            v.push((p, mode));
+        }
+    }
+    v
+}
+
+#[test]
+fn the_disk_tier_keeps_dedup_across_restarts_and_damage_is_resent() {
+    let srv = hash_server();
+    let certs = Certs::new(&["west", "east"]);
+    let (east_state, west_state) = (
+        tempfile::tempdir().expect("tempdir"),
+        tempfile::tempdir().expect("tempdir"),
+    );
+    // East encrypts its chunks at rest; west (whose disk tier stays empty here) does not.
+    let key = east_state.path().join("cache.key");
+    std::fs::write(&key, [0x42u8; 32]).expect("key");
+    // Memory far below the backup: the repeat can only hit from the disk tier.
+    let optimize = |state: &std::path::Path, key: Option<&std::path::Path>| {
+        format!(
+            "admin:\n  listen: 127.0.0.1:0\nstate_dir: {}\noptimize:\n  memory: 16MiB\n  disk:\n    bytes: 512MiB\n    checkpoint: 1s\n{}",
+            state.display(),
+            key.map_or(String::new(), |k| format!(
+                "    key_file: {}\n",
+                k.display()
+            ))
+        )
+    };
+    let east_yaml = site_yaml(
+        "east",
+        "west",
+        "listen: 127.0.0.1:0",
+        &certs,
+        &format!("  - name: rman\n    target: {srv}\n"),
+        &optimize(east_state.path(), Some(&key)),
+    );
+    let start = || {
+        let east = Daemon::start("east", &east_yaml);
+        let link = east.bound("link");
+        let west = Daemon::start(
+            "west",
+            &site_yaml(
+                "west",
+                "east",
+                &format!("connect: {link}"),
+                &certs,
+                "  - name: rman\n    listen: 127.0.0.1:0\n    compression: none\n",
+                &optimize(west_state.path(), None),
+            ),
+        );
+        east.wait_log("link up", Duration::from_secs(10));
+        west.wait_log("link up", Duration::from_secs(10));
+        (east, west)
+    };
+    let len = 192u64 << 20;
+    let wire = |east: &Daemon, west: &Daemon| {
+        let (w, _) = eventually(west.bound("admin"), east.bound("admin"), |w, e| {
+            let out = value(w, &series("wanopt_wire_bytes_total", "rman", "out"));
+            out > 0 && out == value(e, &series("wanopt_wire_bytes_total", "rman", "in"))
+        });
+        value(&w, &series("wanopt_wire_bytes_total", "rman", "out"))
+    };
+    let stop = |mut east: Daemon, mut west: Daemon| {
+        // West sends; shutting it down first has both sides save where the cache stands.
+        assert!(west.stop(libc::SIGTERM).success());
+        assert!(east.stop(libc::SIGTERM).success());
+    };
+
+    let (east, west) = start();
+    send_backup(west.bound("rman"), 9, len, None).expect("first");
+    let first = wire(&east, &west);
+    send_backup(west.bound("rman"), 9, len, None).expect("repeat");
+    let repeat = wire(&east, &west) - first;
+    stop(east, west);
+    let segs = files_ending(&east_state.path().join("cache/west"), ".dat");
+    assert!(
+        !segs.is_empty() && segs.iter().all(|(_, m)| *m == 0o600),
+        "{segs:?}"
+    );
+    assert!(!files_ending(&east_state.path().join("cache/west"), ".idx").is_empty());
+    assert!(!files_ending(&west_state.path().join("cache/east"), ".idx").is_empty());
+    // Encrypted at rest: the first block's bytes appear nowhere in east's files.
+    let mut block = vec![0u8; BLOCK];
+    backup_block(9, 0, None, &mut block);
+    for (p, _) in &segs {
+        let raw = std::fs::read(p).expect("segment");
+        assert!(
+            !raw.windows(64).any(|w| w == &block[..64]),
+            "plaintext in {p:?}"
+        );
+    }
+
+    // Restarted: the backup again costs a sliver, from the saved cache.
+    let (east, west) = start();
+    east.wait_log("found saved cache states", Duration::from_secs(5));
+    send_backup(west.bound("rman"), 9, len, None).expect("after restart");
+    let resumed = wire(&east, &west);
+    let w = scrape(west.bound("admin"));
+    assert_eq!(
+        value(&w, &series("wanopt_dedup_resends_total", "rman", "out")),
+        0
+    );
+    stop(east, west);
+
+    // Damage east's chunk files: every read of a damaged chunk is a miss, asked for and re-sent.
+    for (p, _) in &segs {
+        let Ok(mut raw) = std::fs::read(p) else {
+            continue;
+        };
+        for at in (100..raw.len()).step_by(256 * 1024) {
+            raw[at] ^= 0x20;
+        }
+        std::fs::write(p, raw).expect("damage");
+    }
+    let (east, west) = start();
+    send_backup(west.bound("rman"), 9, len, None).expect("after damage: exact");
+    let w = scrape(west.bound("admin"));
+    let resent = value(&w, &series("wanopt_dedup_resends_total", "rman", "out"));
+    // East reports the damage it read past.
+    let unreadable =
+        "wanopt_cache_unreadable{tier=\"disk\",lane=\"main\",scope=\"link\",role=\"decoder\"} ";
+    let (_, e) = eventually(west.bound("admin"), east.bound("admin"), |_, e| {
+        value(e, unreadable) > 0
+    });
+    assert!(value(&e, unreadable) > 0);
+    eprintln!(
+        "{len} bytes with 16 MiB of memory and a 512 MiB disk tier: first {first} wire bytes, repeat {repeat} ({:.2}%), after a restart {resumed} ({:.2}%), {resent} chunks re-sent after damage",
+        repeat as f64 * 100.0 / first as f64,
+        resumed as f64 * 100.0 / first as f64
+    );
+    assert!(first >= len);
+    assert!(repeat * 100 <= first * 3, "repeat: {repeat} of {first}");
+    assert!(
+        resumed * 100 <= first * 3,
+        "after restart: {resumed} of {first}"
+    );
+    assert!(resent > 0, "damaged chunks were re-sent");
+    stop(east, west);
 }

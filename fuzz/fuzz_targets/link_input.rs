@@ -26,6 +26,7 @@ fuzz_target!(|data: &[u8]| {
         site: "west".into(),
         capabilities: 2,
         settings: vec![(1, 65536), (2, 1 << 20), (3, 65536), (4, 8), (7, 1 << 20), (8, 1 << 19)],
+        caches: vec![],
     })
     .encode(&mut hello);
     let _ = link.handle_input(&hello, now);

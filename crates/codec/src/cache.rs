@@ -64,6 +64,8 @@ struct DiskTier {
 /// Sizes and counts of one cache's tiers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TierStats {
+    /// True if the cache has a disk tier.
+    pub disk: bool,
     /// Chunk bytes held in memory, and how many chunks.
     pub mem_bytes: u64,
     pub mem_chunks: u64,
@@ -188,6 +190,11 @@ impl ChunkCache {
         self.entries.is_empty()
     }
 
+    /// A counter of inserts and uses: it changes whenever the cache's state does.
+    pub fn clock(&self) -> u64 {
+        self.clock
+    }
+
     /// Chunks evicted so far.
     pub fn evictions(&self) -> u64 {
         self.evictions
@@ -207,6 +214,7 @@ impl ChunkCache {
             ..TierStats::default()
         };
         if let Some(d) = &self.disk {
+            t.disk = true;
             t.disk_bytes = d.files;
             t.disk_chunks = self.entries.values().filter(|e| e.loc.is_some()).count() as u64;
             t.disk_reclaimed = d.reclaimed;

@@ -10,11 +10,14 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use bytes::{Buf, Bytes, BytesMut};
+use wanopt_codec::cache::{ChunkCache, Snapshot};
 use wanopt_codec::{self as codec, CodecConfig, CodecError, Decoder, Hint, Mirror, Policy};
 
-pub use wanopt_codec::cache::Fingerprint;
+pub use wanopt_codec::cache::{Fingerprint, TierStats};
+pub use wanopt_codec::store::ChunkStore;
 pub use wanopt_codec::{Compression, DecodeStats, EncodeStats, Pressure};
 
+use crate::frame::{self, CacheOffer};
 use crate::link::LATENCY_LANE;
 
 /// Which cache a service's chunks go to.
@@ -53,6 +56,12 @@ pub struct CodecSettings {
     pub cache_bytes: u64,
     /// Bytes of each service-scoped cache of the main lane.
     pub service_cache_bytes: u64,
+    /// With a disk tier (see [`CacheStorage`]): bytes its files may take for the shared cache and
+    /// for each service-scoped one (0: memory only). The cache then holds
+    /// [`disk_capacity`](wanopt_codec::cache::disk_capacity) of it, and memory keeps the most
+    /// recently used part.
+    pub disk_bytes: u64,
+    pub service_disk_bytes: u64,
     /// Average chunk size of what we send.
     pub avg_chunk: usize,
     /// zstd level when zstd is chosen.
@@ -64,14 +73,73 @@ impl Default for CodecSettings {
         CodecSettings {
             cache_bytes: 256 << 20,
             service_cache_bytes: 64 << 20,
+            disk_bytes: 0,
+            service_disk_bytes: 0,
             avg_chunk: 8 * 1024,
             zstd_level: 3,
         }
     }
 }
 
+impl CodecSettings {
+    /// Memory and disk limits of our cache for a lane and scope (`""`: the shared cache).
+    fn limits(&self, lane: usize, shared: bool) -> (u64, u64) {
+        let (mem, disk) = if shared {
+            (self.cache_bytes, self.disk_bytes)
+        } else {
+            (self.service_cache_bytes, self.service_disk_bytes)
+        };
+        (lane_share(mem, lane), lane_share(disk, lane))
+    }
+
+    /// Bytes our cache of a lane and scope holds: the disk tier's capacity if it has one.
+    pub fn capacity(&self, lane: usize, shared: bool) -> u64 {
+        match self.limits(lane, shared) {
+            (mem, 0) => mem,
+            (_, disk) => codec::cache::disk_capacity(disk),
+        }
+    }
+}
+
 /// The latency lane's caches are this fraction of the main lane's.
 pub const LATENCY_SHARE: u64 = 8;
+
+/// Which side of a cache a saved state belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Our encoder's mirror of the peer's cache.
+    Mirror,
+    /// Our decoder's cache.
+    Decoder,
+}
+
+impl Role {
+    /// A short lowercase label, for file names and metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            Role::Mirror => "mirror",
+            Role::Decoder => "decoder",
+        }
+    }
+}
+
+/// Saved states of one of our caches, newest first.
+#[derive(Debug, Clone)]
+pub struct SavedCache {
+    pub role: Role,
+    pub lane: usize,
+    pub scope: Arc<str>,
+    pub states: Vec<Arc<Snapshot>>,
+}
+
+/// Where the daemon keeps a link's caches beyond memory: disk tiers for our decoders, and the
+/// states saved at checkpoints (written by the runtime on [`Event::Checkpoint`](crate::Event)).
+pub trait CacheStorage: Send + Sync + std::fmt::Debug {
+    /// States saved for this peer.
+    fn saved(&self) -> Vec<SavedCache>;
+    /// The disk store of our decoder cache of a lane and scope, if it has a disk tier.
+    fn store(&self, lane: usize, scope: &str) -> Option<Box<dyn ChunkStore>>;
+}
 
 /// Most bytes of referenced chunks a mirror keeps to answer misses, whatever the peer's window.
 const MAX_RESEND: u64 = 256 << 20;
@@ -103,6 +171,8 @@ pub struct CacheStat {
     pub bytes: u64,
     pub chunks: u64,
     pub evictions: u64,
+    /// Where a decoder's bytes are: memory and disk.
+    pub tiers: TierStats,
 }
 
 /// The send side of one optimized stream.
@@ -271,9 +341,16 @@ pub(crate) struct Contexts {
     peer_cache: u64,
     peer_service_cache: u64,
     resend: usize,
-    mirrors: HashMap<(usize, Arc<str>), Mirror>,
-    decoders: HashMap<(usize, Arc<str>), Decoder>,
+    mirrors: HashMap<Key, Mirror>,
+    decoders: HashMap<Key, Decoder>,
     pub counts: HashMap<Arc<str>, CodecCount>,
+    storage: Option<Arc<dyn CacheStorage>>,
+    /// States we saved, offered in our hello.
+    saved: HashMap<(Role, Key), Vec<Arc<Snapshot>>>,
+    /// States both sides agreed to resume, taken when the cache is first used.
+    resume: HashMap<(Role, Key), Arc<Snapshot>>,
+    /// Each mirror's clock at its last checkpoint: it changed since if it differs.
+    checkpointed: HashMap<Key, u64>,
 }
 
 impl std::fmt::Debug for Contexts {
@@ -286,17 +363,36 @@ impl std::fmt::Debug for Contexts {
     }
 }
 
-fn lane_share(bytes: u64, lane: usize) -> usize {
-    let b = if lane == LATENCY_LANE {
+fn lane_share(bytes: u64, lane: usize) -> u64 {
+    if lane == LATENCY_LANE {
         bytes / LATENCY_SHARE
     } else {
         bytes
-    };
-    usize::try_from(b).unwrap_or(usize::MAX)
+    }
 }
 
+fn to_usize(n: u64) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+type Key = (usize, Arc<str>);
+
 impl Contexts {
-    pub fn new(own: CodecSettings) -> Self {
+    pub fn new(own: CodecSettings, storage: Option<Arc<dyn CacheStorage>>) -> Self {
+        let mut saved = HashMap::new();
+        for c in storage.iter().flat_map(|s| s.saved()) {
+            // Only states of our cache as configured now can be resumed by our decoders.
+            let cap = own.capacity(c.lane, c.scope.is_empty());
+            let states: Vec<_> = c
+                .states
+                .into_iter()
+                .filter(|s| c.role == Role::Mirror || s.capacity == cap)
+                .take(frame::MAX_DIGESTS)
+                .collect();
+            if !states.is_empty() && c.lane < crate::LANES {
+                saved.insert((c.role, (c.lane, c.scope)), states);
+            }
+        }
         Contexts {
             own,
             chunking: None,
@@ -306,7 +402,56 @@ impl Contexts {
             mirrors: HashMap::new(),
             decoders: HashMap::new(),
             counts: HashMap::new(),
+            storage,
+            saved,
+            resume: HashMap::new(),
+            checkpointed: HashMap::new(),
         }
+    }
+
+    /// Our saved states, for the hello.
+    pub fn offers(&self) -> Vec<CacheOffer> {
+        let mut v: Vec<CacheOffer> = self
+            .saved
+            .iter()
+            .map(|((role, (lane, scope)), states)| CacheOffer {
+                decoder: *role == Role::Decoder,
+                lane: *lane as u8,
+                scope: scope.to_string(),
+                digests: states.iter().map(|s| s.digest()).collect(),
+            })
+            .collect();
+        v.sort_by(|a, b| (a.decoder, a.lane, &a.scope).cmp(&(b.decoder, b.lane, &b.scope)));
+        v.truncate(frame::MAX_OFFERS);
+        v
+    }
+
+    /// Chooses the states to resume from the peer's offers: for each cache, the newest state the
+    /// receiving side offers that the sending side has too. Both sides choose alike.
+    fn choose(&mut self, peer: &[CacheOffer]) {
+        for o in peer {
+            let key: Key = (usize::from(o.lane), Arc::from(o.scope.as_str()));
+            // Their decoder and our mirror, or their mirror and our decoder.
+            let (role, ours) = if o.decoder {
+                (Role::Mirror, self.saved.get(&(Role::Mirror, key.clone())))
+            } else {
+                (Role::Decoder, self.saved.get(&(Role::Decoder, key.clone())))
+            };
+            let Some(ours) = ours else {
+                continue;
+            };
+            let pick = if o.decoder {
+                o.digests
+                    .iter()
+                    .find_map(|d| ours.iter().find(|s| s.digest() == *d))
+            } else {
+                ours.iter().find(|s| o.digests.contains(&s.digest()))
+            };
+            if let Some(s) = pick {
+                self.resume.insert((role, key), s.clone());
+            }
+        }
+        self.saved.clear();
     }
 
     /// Takes the peer's announced cache sizes and frame limit. Our mirrors never exceed our own
@@ -320,10 +465,13 @@ impl Contexts {
         service_cache: u64,
         peer_max_frame: usize,
         peer_link_window: u64,
+        offers: &[CacheOffer],
     ) {
         self.resend = usize::try_from(peer_link_window.min(MAX_RESEND)).unwrap_or(0) + (16 << 20);
-        self.peer_cache = cache.min(self.own.cache_bytes);
-        self.peer_service_cache = service_cache.min(self.own.service_cache_bytes);
+        // A mirror costs about 64 bytes of memory per chunk: never more than our own cache.
+        self.peer_cache = cache.min(self.own.capacity(crate::MAIN_LANE, true));
+        self.peer_service_cache = service_cache.min(self.own.capacity(crate::MAIN_LANE, false));
+        self.choose(offers);
         // A chunk and its record must fit in one frame of the peer's size.
         let room = peer_max_frame.saturating_sub(crate::frame::CODED_OVERHEAD + 64);
         let avg = self.own.avg_chunk.min(room / 4);
@@ -343,20 +491,73 @@ impl Contexts {
             self.peer_service_cache
         };
         let (level, resend) = (self.own.zstd_level, self.resend);
-        self.mirrors
-            .entry((lane, scope.clone()))
-            .or_insert_with(|| Mirror::new(lane_share(size, lane), resend, level))
+        let key = (lane, scope.clone());
+        let resume = self.resume.remove(&(Role::Mirror, key.clone()));
+        self.mirrors.entry(key).or_insert_with(|| {
+            let mut m = Mirror::new(to_usize(lane_share(size, lane)), resend, level);
+            if let Some(s) = resume {
+                // A state of another size cannot be resumed: start empty (the peer's cache then
+                // holds more than we assume, which only costs dedup).
+                let _ = m.cache_mut().restore(&s);
+            }
+            m
+        })
     }
 
     pub fn decoder(&mut self, lane: usize, scope: &Arc<str>) -> &mut Decoder {
-        let size = if scope.is_empty() {
-            self.own.cache_bytes
-        } else {
-            self.own.service_cache_bytes
-        };
-        self.decoders
-            .entry((lane, scope.clone()))
-            .or_insert_with(|| Decoder::with_capacity(lane_share(size, lane), true))
+        let key = (lane, scope.clone());
+        let resume = self.resume.remove(&(Role::Decoder, key.clone()));
+        let (mem, disk) = self.own.limits(lane, scope.is_empty());
+        let storage = self.storage.clone();
+        self.decoders.entry(key).or_insert_with(|| {
+            let store = (disk > 0)
+                .then(|| storage.and_then(|s| s.store(lane, scope)))
+                .flatten();
+            let mut cache = match store {
+                Some(st) => ChunkCache::tiered(to_usize(mem), disk, st),
+                None => ChunkCache::new(to_usize(mem)),
+            };
+            if let Some(s) = resume {
+                // Chunks whose bytes are gone become misses, which the peer answers.
+                let _ = cache.restore(&s);
+            }
+            Decoder::with_cache(cache, true)
+        })
+    }
+
+    /// Our decoder of a lane and scope, if it was ever used.
+    pub fn existing_decoder(&mut self, lane: usize, scope: &Arc<str>) -> Option<&mut Decoder> {
+        self.decoders.get_mut(&(lane, scope.clone()))
+    }
+
+    /// The mirrors changed since their last checkpoint, as (lane, scope).
+    pub fn dirty_mirrors(&self) -> Vec<Key> {
+        self.mirrors
+            .iter()
+            .filter(|(k, m)| self.checkpointed.get(*k).copied().unwrap_or(0) != m.cache().clock())
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    /// Takes a checkpoint of a mirror: its state now, which the frame emitted at this point of
+    /// the lane tells the peer to save too.
+    pub fn checkpoint_mirror(&mut self, lane: usize, scope: &str) -> Option<Arc<Snapshot>> {
+        let key: Key = (lane, Arc::from(scope));
+        let m = self.mirrors.get(&key)?;
+        self.checkpointed.insert(key, m.cache().clock());
+        Some(Arc::new(m.cache().snapshot()))
+    }
+
+    /// Our decoder's state, if it is the one the peer's checkpoint names.
+    pub fn checkpoint_decoder(
+        &mut self,
+        lane: usize,
+        scope: &str,
+        digest: &Fingerprint,
+    ) -> Option<Arc<Snapshot>> {
+        let d = self.decoders.get(&(lane, Arc::from(scope)))?;
+        let s = d.cache().snapshot();
+        (s.digest() == *digest).then(|| Arc::new(s))
     }
 
     /// The bytes of a chunk the peer asked for, if our mirror still holds it.
@@ -432,6 +633,7 @@ impl Contexts {
                 bytes: c.size() as u64,
                 chunks: c.len() as u64,
                 evictions: c.evictions(),
+                tiers: c.tier_stats(),
             };
         self.mirrors
             .iter()

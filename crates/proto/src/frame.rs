@@ -172,7 +172,27 @@ pub struct Hello {
     pub capabilities: u64,
     /// Settings as (id, value) pairs; unknown ids are ignored, so later versions can add some.
     pub settings: Vec<(u16, u64)>,
+    /// Saved chunk-cache states the sender can resume, so a restart keeps its dedup.
+    pub caches: Vec<CacheOffer>,
 }
+
+/// Saved states of one chunk cache that a side can resume: both sides resume the newest state
+/// that the receiving side offers and the sending side also has.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheOffer {
+    /// True for the receiving side's cache (its decoder), false for the sending side's mirror.
+    pub decoder: bool,
+    /// The lane whose frames feed the cache.
+    pub lane: u8,
+    /// Empty for the link's shared cache, else the service name.
+    pub scope: String,
+    /// Digests of the saved states, newest first.
+    pub digests: Vec<[u8; 16]>,
+}
+
+/// Most cache offers a hello may carry, and most saved states per offer.
+pub const MAX_OFFERS: usize = 512;
+pub const MAX_DIGESTS: usize = 4;
 
 /// Setting ids carried in [`Hello::settings`].
 pub mod setting {
@@ -264,6 +284,9 @@ pub enum Frame {
         fingerprint: [u8; 16],
         data: Bytes,
     },
+    /// The sender saved its mirror of the cache `scope` of this lane, whose state has `digest`;
+    /// the receiver saves its cache too if its digest is the same.
+    Checkpoint { scope: String, digest: [u8; 16] },
 }
 
 mod kind {
@@ -278,6 +301,7 @@ mod kind {
     pub const CODED: u8 = 9;
     pub const NEED: u8 = 10;
     pub const CHUNK: u8 = 11;
+    pub const CHECKPOINT: u8 = 12;
 }
 
 const FLAG_FIN: u8 = 1;
@@ -291,7 +315,7 @@ impl Frame {
             return Err(FrameError::Incomplete);
         }
         let kind = buf[0];
-        if !(kind::HELLO..=kind::CHUNK).contains(&kind) {
+        if !(kind::HELLO..=kind::CHECKPOINT).contains(&kind) {
             return Err(FrameError::UnknownKind(kind));
         }
         let len = u32::from_be_bytes([buf[6], buf[7], buf[8], buf[9]]);
@@ -333,12 +357,37 @@ impl Frame {
                 for _ in 0..n {
                     settings.push((get_u16(&mut p)?, get_u64(&mut p)?));
                 }
+                let n = get_u16(&mut p)? as usize;
+                if n > MAX_OFFERS {
+                    return Err(FrameError::Malformed("too many cache offers"));
+                }
+                let mut caches = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let decoder = get_u8(&mut p)? != 0;
+                    let lane = get_u8(&mut p)?;
+                    let scope = get_name(&mut p)?;
+                    let k = get_u8(&mut p)? as usize;
+                    if k > MAX_DIGESTS {
+                        return Err(FrameError::Malformed("too many cache digests"));
+                    }
+                    let mut digests = Vec::with_capacity(k);
+                    for _ in 0..k {
+                        digests.push(get_fingerprint(&mut p)?);
+                    }
+                    caches.push(CacheOffer {
+                        decoder,
+                        lane,
+                        scope,
+                        digests,
+                    });
+                }
                 Frame::Hello(Hello {
                     version,
                     min_version,
                     site,
                     capabilities,
                     settings,
+                    caches,
                 })
             }
             kind::OPEN => {
@@ -427,6 +476,11 @@ impl Frame {
                     data: p.split_off(0),
                 }
             }
+            kind::CHECKPOINT => {
+                let digest = get_fingerprint(&mut p)?;
+                let scope = get_name(&mut p)?;
+                Frame::Checkpoint { scope, digest }
+            }
             other => return Err(FrameError::UnknownKind(other)),
         };
         if p.has_remaining() {
@@ -440,7 +494,20 @@ impl Frame {
         HEADER_LEN
             + match self {
                 Frame::Hello(h) => {
-                    2 + 2 + 1 + name_len(&h.site) + 8 + 2 + h.settings.len().min(MAX_SETTINGS) * 10
+                    2 + 2
+                        + 1
+                        + name_len(&h.site)
+                        + 8
+                        + 2
+                        + h.settings.len().min(MAX_SETTINGS) * 10
+                        + 2
+                        + h.caches
+                            .iter()
+                            .take(MAX_OFFERS)
+                            .map(|c| {
+                                3 + name_len(&c.scope) + 1 + 16 * c.digests.len().min(MAX_DIGESTS)
+                            })
+                            .sum::<usize>()
                 }
                 Frame::Open { service, .. } => 1 + 1 + name_len(service),
                 Frame::Data { data, .. } => 8 + data.len(),
@@ -450,6 +517,7 @@ impl Frame {
                 Frame::Coded { records, .. } => 8 + 4 + records.len(),
                 Frame::Need { scope, .. } => 16 + 1 + name_len(scope),
                 Frame::Chunk { scope, data, .. } => 16 + 1 + name_len(scope) + data.len(),
+                Frame::Checkpoint { scope, .. } => 16 + 1 + name_len(scope),
             }
     }
 
@@ -476,6 +544,7 @@ impl Frame {
             } => (kind::CODED, coded_flags(*fin, *scoped), *stream),
             Frame::Need { stream, .. } => (kind::NEED, 0, *stream),
             Frame::Chunk { stream, .. } => (kind::CHUNK, 0, *stream),
+            Frame::Checkpoint { .. } => (kind::CHECKPOINT, 0, StreamId::LINK),
         };
         out.put_u8(kind);
         out.put_u8(flags);
@@ -494,6 +563,18 @@ impl Frame {
                 for (id, v) in &h.settings[..n] {
                     out.put_u16(*id);
                     out.put_u64(*v);
+                }
+                let n = h.caches.len().min(MAX_OFFERS);
+                out.put_u16(n as u16);
+                for c in &h.caches[..n] {
+                    out.put_u8(u8::from(c.decoder));
+                    out.put_u8(c.lane);
+                    put_name(out, &c.scope);
+                    let k = c.digests.len().min(MAX_DIGESTS);
+                    out.put_u8(k as u8);
+                    for d in &c.digests[..k] {
+                        out.extend_from_slice(d);
+                    }
                 }
             }
             Frame::Open { class, service, .. } => {
@@ -539,6 +620,10 @@ impl Frame {
                 out.extend_from_slice(fingerprint);
                 put_name(out, scope);
                 out.extend_from_slice(data);
+            }
+            Frame::Checkpoint { scope, digest } => {
+                out.extend_from_slice(digest);
+                put_name(out, scope);
             }
         }
         let len = (out.len() - start) as u32;
@@ -672,17 +757,37 @@ mod tests {
                 any::<u16>(),
                 arb_name(),
                 any::<u64>(),
-                proptest::collection::vec((any::<u16>(), any::<u64>()), 0..8)
+                proptest::collection::vec((any::<u16>(), any::<u64>()), 0..8),
+                proptest::collection::vec(
+                    (
+                        any::<bool>(),
+                        any::<u8>(),
+                        arb_name(),
+                        proptest::collection::vec(any::<[u8; 16]>(), 0..=MAX_DIGESTS)
+                    ),
+                    0..4
+                )
             )
-                .prop_map(|(version, min_version, site, capabilities, settings)| {
-                    Frame::Hello(Hello {
-                        version,
-                        min_version,
-                        site,
-                        capabilities,
-                        settings,
-                    })
-                }),
+                .prop_map(
+                    |(version, min_version, site, capabilities, settings, caches)| {
+                        Frame::Hello(Hello {
+                            version,
+                            min_version,
+                            site,
+                            capabilities,
+                            settings,
+                            caches: caches
+                                .into_iter()
+                                .map(|(decoder, lane, scope, digests)| CacheOffer {
+                                    decoder,
+                                    lane,
+                                    scope,
+                                    digests,
+                                })
+                                .collect(),
+                        })
+                    }
+                ),
             (
                 sid.clone(),
                 prop_oneof![Just(Class::Latency), Just(Class::Bulk)],
@@ -754,6 +859,8 @@ mod tests {
                     fingerprint,
                     data: Bytes::from(d)
                 }),
+            (arb_name(), any::<[u8; 16]>())
+                .prop_map(|(scope, digest)| Frame::Checkpoint { scope, digest }),
         ]
     }
 

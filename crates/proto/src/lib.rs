@@ -12,8 +12,10 @@ pub mod frame;
 pub mod link;
 
 pub use coding::{
-    CacheStat, CodecCount, CodecSettings, Compression, Pressure, Scope, StreamPolicy,
+    CacheStat, CacheStorage, ChunkStore, CodecCount, CodecSettings, Compression, Pressure, Role,
+    SavedCache, Scope, StreamPolicy, TierStats,
 };
 pub use error::{FrameError, LinkError, StreamError};
-pub use frame::{Class, CloseCode, Frame, Hello, ResetCode, StreamId};
+pub use frame::{CacheOffer, Class, CloseCode, Frame, Hello, ResetCode, StreamId};
 pub use link::{Event, LANES, LATENCY_LANE, Link, LinkConfig, MAIN_LANE, ReadOutcome, WireCount};
+pub use wanopt_codec::cache::Snapshot;

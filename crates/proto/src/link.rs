@@ -11,12 +11,13 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, Bytes, BytesMut};
 
 use crate::coding::{
-    self, CacheStat, CodecCount, CodecSettings, Contexts, Pressure, RecvCoded, SendCoder,
-    StreamPolicy,
+    self, CacheStat, CacheStorage, CodecCount, CodecSettings, Contexts, Pressure, RecvCoded, Role,
+    SendCoder, StreamPolicy,
 };
 use crate::error::{FrameError, LinkError, StreamError};
 use crate::flow::{RecvWindow, SendCredit};
 use crate::frame::{self, Class, CloseCode, Frame, Hello, ResetCode, StreamId, setting};
+use wanopt_codec::cache::Snapshot;
 
 /// Highest protocol version this build speaks.
 pub const VERSION: u16 = 1;
@@ -35,6 +36,9 @@ pub const LATENCY_LANE: usize = 1;
 pub const CAP_LATENCY_LANE: u64 = 1;
 /// Hello capability bit: the sender decodes optimized (`Coded`) frames.
 pub const CAP_CODEC: u64 = 2;
+
+/// Largest hello accepted: room for the most cache offers with the longest names.
+const HELLO_MAX: u32 = 192 * 1024;
 
 /// Most chunk answers (re-sent chunks) queued for the peer at once.
 const MAX_ANSWERS: usize = 1024;
@@ -71,6 +75,10 @@ pub struct LinkConfig {
     pub token: u64,
     /// The optimization codec: `None` sends and accepts stream bytes as they are.
     pub codec: Option<CodecSettings>,
+    /// Disk tiers and saved cache states; `None` keeps caches in memory for the link's life.
+    pub cache_storage: Option<Arc<dyn CacheStorage>>,
+    /// How often a changed cache is checkpointed (with `cache_storage`).
+    pub checkpoint_interval: Duration,
 }
 
 impl LinkConfig {
@@ -90,6 +98,8 @@ impl LinkConfig {
             latency_lane: true,
             token: 0,
             codec: None,
+            cache_storage: None,
+            checkpoint_interval: Duration::from_secs(60),
         }
     }
 }
@@ -121,6 +131,15 @@ pub enum Event {
     Done(StreamId),
     /// The link is closed; every stream is gone.
     Closed(Option<LinkError>),
+    /// Save this state of a cache: both sides reached it at the same point of a lane, so after
+    /// a restart they can resume it (see [`CacheStorage`]). A decoder's state names chunks on its
+    /// disk tier, which must be flushed before the state is written.
+    Checkpoint {
+        role: Role,
+        lane: usize,
+        scope: Arc<str>,
+        state: Arc<Snapshot>,
+    },
 }
 
 /// The result of reading a stream.
@@ -280,12 +299,18 @@ pub struct Link {
     pressure: Pressure,
     /// Chunk answers queued for the peer.
     answers: usize,
+    next_checkpoint: Option<Instant>,
 }
 
 impl Link {
     /// A new link; its hello is queued as the first frame to transmit.
     pub fn new(cfg: LinkConfig) -> Self {
+        let codecs = cfg
+            .codec
+            .clone()
+            .map(|c| Contexts::new(c, cfg.cache_storage.clone()));
         let hello = Hello {
+            caches: codecs.as_ref().map(Contexts::offers).unwrap_or_default(),
             version: VERSION,
             min_version: MIN_VERSION,
             site: cfg.site.clone(),
@@ -302,11 +327,15 @@ impl Link {
                 (setting::TOKEN, cfg.token),
                 (
                     setting::CACHE_BYTES,
-                    cfg.codec.as_ref().map_or(0, |c| c.cache_bytes),
+                    cfg.codec
+                        .as_ref()
+                        .map_or(0, |c| c.capacity(MAIN_LANE, true)),
                 ),
                 (
                     setting::SERVICE_CACHE_BYTES,
-                    cfg.codec.as_ref().map_or(0, |c| c.service_cache_bytes),
+                    cfg.codec
+                        .as_ref()
+                        .map_or(0, |c| c.capacity(MAIN_LANE, false)),
                 ),
             ],
         };
@@ -340,10 +369,11 @@ impl Link {
             ping_sent: None,
             rtt: None,
             close_error: None,
-            codecs: cfg.codec.clone().map(Contexts::new),
+            codecs,
             policies: HashMap::new(),
             pressure: Pressure::CpuBound,
             answers: 0,
+            next_checkpoint: None,
             cfg,
         }
     }
@@ -639,6 +669,10 @@ impl Link {
         if self.state == State::Closed {
             return;
         }
+        if self.cfg.cache_storage.is_some() && self.state != State::Handshake {
+            // Both sides save where they are, so a restart resumes the caches from here.
+            self.checkpoint();
+        }
         self.ctrl[MAIN_LANE].push_back(Frame::GoAway {
             code,
             reason: reason.to_string(),
@@ -667,9 +701,24 @@ impl Link {
             return None;
         }
         let idle = self.last_heard.map(|t| t + self.cfg.idle_timeout);
-        match (idle, self.next_ping) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
+        [idle, self.next_ping, self.next_checkpoint]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// Queues a checkpoint of every cache that changed since its last one, on its lane.
+    fn checkpoint(&mut self) {
+        let Some(ctx) = self.codecs.as_ref() else {
+            return;
+        };
+        for (lane, scope) in ctx.dirty_mirrors() {
+            if lane == MAIN_LANE || self.lane_attached {
+                self.ctrl[lane].push_back(Frame::Checkpoint {
+                    scope: scope.to_string(),
+                    digest: [0; 16],
+                });
+            }
         }
     }
 
@@ -693,6 +742,15 @@ impl Link {
                 self.ping_sent = Some((self.ping_seq, now));
             }
             self.next_ping = Some(now + self.cfg.keepalive);
+        }
+        if self.cfg.cache_storage.is_some() && self.state != State::Handshake {
+            let due = *self
+                .next_checkpoint
+                .get_or_insert(now + self.cfg.checkpoint_interval);
+            if now >= due {
+                self.checkpoint();
+                self.next_checkpoint = Some(now + self.cfg.checkpoint_interval);
+            }
         }
     }
 
@@ -731,8 +789,9 @@ impl Link {
         self.last_heard = Some(now);
         loop {
             let max = if self.state == State::Handshake {
-                // Before the hello, only a hello-sized frame is acceptable.
-                4096
+                // Before the hello, only a hello-sized frame is acceptable (its cache offers
+                // included).
+                HELLO_MAX
             } else {
                 self.cfg.max_frame + 8
             };
@@ -771,7 +830,25 @@ impl Link {
         if lane >= LANES {
             return 0;
         }
-        while let Some(f) = self.ctrl[lane].pop_front() {
+        while let Some(mut f) = self.ctrl[lane].pop_front() {
+            if let Frame::Checkpoint { scope, digest } = &mut f {
+                // The mirror's state at this point of the lane is what the peer's cache will be
+                // when it reads this frame.
+                let Some(state) = self
+                    .codecs
+                    .as_mut()
+                    .and_then(|c| c.checkpoint_mirror(lane, scope))
+                else {
+                    continue;
+                };
+                *digest = state.digest();
+                self.events.push_back(Event::Checkpoint {
+                    role: Role::Mirror,
+                    lane,
+                    scope: Arc::from(scope.as_str()),
+                    state,
+                });
+            }
             let before = out.len();
             f.encode(out);
             // A service's wire bytes are its streams' Open, Data, Coded and Chunk frames, counted
@@ -955,6 +1032,7 @@ impl Link {
             site: self.cfg.site.clone(),
             capabilities: CAP_LATENCY_LANE,
             settings: vec![(setting::ATTACH, token)],
+            caches: Vec::new(),
         })
     }
 
@@ -1186,6 +1264,22 @@ impl Link {
                 data,
                 ..
             } => self.on_chunk(lane, &scope, fingerprint, &data),
+            Frame::Checkpoint { scope, digest } => {
+                let Some(ctx) = self.codecs.as_mut() else {
+                    return Err(LinkError::Protocol("checkpoint without a codec".into()));
+                };
+                // Saved only if our cache is exactly what the peer's mirror was (a stream
+                // stalled on a miss, for one, leaves it behind).
+                if let Some(state) = ctx.checkpoint_decoder(lane, &scope, &digest) {
+                    self.events.push_back(Event::Checkpoint {
+                        role: Role::Decoder,
+                        lane,
+                        scope: Arc::from(scope.as_str()),
+                        state,
+                    });
+                }
+                Ok(())
+            }
         }
     }
 
@@ -1284,7 +1378,11 @@ impl Link {
             return Err(LinkError::Protocol("chunk without a codec".into()));
         };
         let scope: Arc<str> = Arc::from(scope);
-        let ok = !data.is_empty() && ctx.decoder(lane, &scope).insert_verified(fingerprint, data);
+        // Only a cache we asked from: a peer's scope names never create caches (or directories).
+        let ok = !data.is_empty()
+            && ctx
+                .existing_decoder(lane, &scope)
+                .is_some_and(|d| d.insert_verified(fingerprint, data));
         if !data.is_empty() && !ok {
             return Err(LinkError::Protocol(
                 "re-sent chunk does not match its fingerprint".into(),
@@ -1362,6 +1460,7 @@ impl Link {
                 get(setting::SERVICE_CACHE_BYTES, 0),
                 self.peer_max_frame,
                 get(setting::LINK_WINDOW, 1 << 20),
+                &h.caches,
             );
         }
         let version = h.version.min(VERSION);

@@ -3,14 +3,16 @@
 //! leaked: no stream left open and no byte left buffered on either side.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
+use wanopt_proto::{CacheStorage, ChunkStore, SavedCache};
 use wanopt_proto::{
     Class, CloseCode, CodecCount, CodecSettings, Compression, Event, Frame, Hello, LANES, Link,
-    LinkConfig, LinkError, ReadOutcome, ResetCode, Scope, StreamId, StreamPolicy,
+    LinkConfig, LinkError, ReadOutcome, ResetCode, Role, Scope, Snapshot, StreamId, StreamPolicy,
 };
 
 /// One direction of the emulated wire.
@@ -57,6 +59,8 @@ struct App {
     paused: bool,
     /// When each stream's first byte arrived (virtual time).
     first_byte: HashMap<StreamId, Instant>,
+    /// Cache states the link asked to save.
+    checkpoints: Vec<(Role, usize, Arc<str>, Arc<Snapshot>)>,
 }
 
 struct Side {
@@ -191,6 +195,12 @@ fn step_side(side: &mut Side, pipes: &mut [Pipe; LANES], now: Instant) -> bool {
             Event::Refused { service, .. } => side.app.refused.push(service),
             Event::Reset { stream, code, .. } => side.app.resets.push((stream, code)),
             Event::Closed(e) => side.app.closed = Some(e),
+            Event::Checkpoint {
+                role,
+                lane,
+                scope,
+                state,
+            } => side.app.checkpoints.push((role, lane, scope, state)),
             Event::Readable(_) | Event::Writable(_) | Event::Done(_) => {}
         }
     }
@@ -454,6 +464,7 @@ fn version_mismatch_is_a_clear_error_on_both_sides() {
         site: "west".into(),
         capabilities: 0,
         settings: vec![],
+        caches: vec![],
     })
     .encode(&mut buf);
     let err = link.handle_input(&buf, now).expect_err("mismatch");
@@ -987,4 +998,140 @@ proptest! {
         // Half the streams repeat an earlier one's seed (exchange_streams seeds by index).
         exchange_streams(coded_pair(cache, laned), &sizes)?;
     }
+}
+
+// ---- Caches that survive a restart ----
+
+/// A side's storage as the daemon keeps it: disk stores (in memory here, damageable) and the
+/// states saved at checkpoints, newest first.
+#[derive(Debug, Default)]
+struct TestStorage {
+    stores: Mutex<HashMap<(usize, String), wanopt_codec::store::MemStore>>,
+    saved: Mutex<Vec<SavedCache>>,
+}
+
+impl TestStorage {
+    fn mem(&self, lane: usize, scope: &str) -> wanopt_codec::store::MemStore {
+        self.stores
+            .lock()
+            .expect("lock")
+            .entry((lane, scope.to_string()))
+            .or_insert_with(|| wanopt_codec::store::MemStore::new(1 << 20))
+            .clone()
+    }
+
+    /// Keeps what a side's link asked to save, as the runtime writes it to disk.
+    fn keep(&self, app: &mut App) {
+        let mut saved = self.saved.lock().expect("lock");
+        for (role, lane, scope, state) in app.checkpoints.drain(..) {
+            match saved
+                .iter_mut()
+                .find(|c| c.role == role && c.lane == lane && c.scope == scope)
+            {
+                Some(c) => c.states.insert(0, state),
+                None => saved.push(SavedCache {
+                    role,
+                    lane,
+                    scope,
+                    states: vec![state],
+                }),
+            }
+        }
+    }
+}
+
+impl CacheStorage for TestStorage {
+    fn saved(&self) -> Vec<SavedCache> {
+        self.saved.lock().expect("lock").clone()
+    }
+    fn store(&self, lane: usize, scope: &str) -> Option<Box<dyn ChunkStore>> {
+        Some(Box::new(self.mem(lane, scope)))
+    }
+}
+
+/// A coded pair with disk tiers (16 MiB of files, 64 KiB of memory) on both sides.
+fn stored_pair(ws: &Arc<TestStorage>, es: &Arc<TestStorage>) -> Pair {
+    let settings = || CodecSettings {
+        cache_bytes: 64 * 1024,
+        disk_bytes: 16 << 20,
+        ..codec(1 << 20)
+    };
+    let (w, e) = (ws.clone(), es.clone());
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        50_000_000,
+        |c| {
+            c.codec = Some(settings());
+            c.cache_storage = Some(w);
+        },
+        |c| {
+            c.codec = Some(settings());
+            c.cache_storage = Some(e);
+        },
+    );
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up);
+    p
+}
+
+/// Closes the link as a daemon shutting down does, and keeps what both sides saved.
+fn shut_down(mut p: Pair, ws: &TestStorage, es: &TestStorage) {
+    p.west.link.close(CloseCode::Normal, "shutdown");
+    p.drive(Duration::from_secs(1));
+    ws.keep(&mut p.west.app);
+    es.keep(&mut p.east.app);
+}
+
+#[test]
+fn caches_resume_after_a_restart_and_damage_is_resent_never_misread() {
+    let (ws, es) = (
+        Arc::new(TestStorage::default()),
+        Arc::new(TestStorage::default()),
+    );
+    let data = pattern(11, 4 << 20);
+
+    let mut p = stored_pair(&ws, &es);
+    let first = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    assert!(
+        first > data.len() as u64,
+        "incompressible data is sent in full"
+    );
+    shut_down(p, &ws, &es);
+    let (wsaved, esaved) = (ws.saved(), es.saved());
+    assert!(wsaved.iter().any(|c| c.role == Role::Mirror), "{wsaved:?}");
+    let digest = |v: &[SavedCache], role| {
+        v.iter()
+            .find(|c| c.role == role && c.lane == 0 && c.scope.is_empty())
+            .map(|c| c.states[0].digest())
+    };
+    assert_eq!(
+        digest(&wsaved, Role::Mirror),
+        digest(&esaved, Role::Decoder),
+        "both sides saved the same state"
+    );
+
+    // Restarted: the same data costs a sliver of the first transfer, from the disk tier.
+    let mut p = stored_pair(&ws, &es);
+    let again = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    assert!(
+        again * 50 < first,
+        "repeat after restart: {again} of {first}"
+    );
+    assert_eq!(counts(&mut p.west.link).needs, 0);
+    shut_down(p, &ws, &es);
+
+    // Every chunk on the receiver's disk damaged: references miss, are asked for and re-sent.
+    es.mem(0, "").corrupt_all();
+    let mut p = stored_pair(&ws, &es);
+    send_once(&mut p, "e-svc", Class::Bulk, &data);
+    assert!(counts(&mut p.east.link).needs > 0, "misses were asked for");
+    shut_down(p, &ws, &es);
+
+    // A receiver that lost its saved states starts afresh: nothing is resumed, nothing misread.
+    let es2 = Arc::new(TestStorage::default());
+    let mut p = stored_pair(&ws, &es2);
+    let fresh = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    assert!(fresh > data.len() as u64);
+    assert_eq!(counts(&mut p.east.link).needs, 0);
+    p.assert_no_leaks();
 }

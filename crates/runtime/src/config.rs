@@ -114,6 +114,16 @@ struct RawOptimize {
     zstd_level: Option<i32>,
     dedup: Option<Toggle>,
     dedup_scope: Option<String>,
+    disk: Option<RawDisk>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDisk {
+    bytes: Option<String>,
+    service_bytes: Option<String>,
+    key_file: Option<String>,
+    checkpoint: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -238,6 +248,50 @@ pub struct Optimize {
     pub codec: CodecSettings,
     /// The policy of services that set none of their own.
     pub default: StreamPolicy,
+    /// The caches' disk tier: `None` keeps them in memory only.
+    pub disk: Option<DiskTier>,
+}
+
+/// The disk tier of the chunk caches, under `state_dir/cache/<peer>`.
+#[derive(Clone, PartialEq)]
+pub struct DiskTier {
+    /// How often changed caches are saved (and at shutdown).
+    pub checkpoint: Duration,
+    /// AES-256-GCM key for chunks at rest, read from `key_file`.
+    pub key: Option<[u8; 32]>,
+    pub key_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for DiskTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskTier")
+            .field("checkpoint", &self.checkpoint)
+            .field("key_file", &self.key_file)
+            .finish()
+    }
+}
+
+/// Reads a cache key: 32 bytes, raw or as 64 hexadecimal digits.
+fn read_key(path: &Path) -> Result<[u8; 32], String> {
+    let raw = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    if raw.len() > 4096 {
+        return Err(format!("{} is not a 32-byte key", path.display()));
+    }
+    let text = std::str::from_utf8(&raw).map(str::trim).unwrap_or("");
+    let mut key = [0u8; 32];
+    if text.len() == 64 && text.bytes().all(|b| b.is_ascii_hexdigit()) {
+        for (i, k) in key.iter_mut().enumerate() {
+            *k = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).map_err(|e| e.to_string())?;
+        }
+    } else if raw.len() == 32 {
+        key.copy_from_slice(&raw);
+    } else {
+        return Err(format!(
+            "{} must hold 32 bytes, raw or as 64 hex digits (head -c 32 /dev/urandom > FILE)",
+            path.display()
+        ));
+    }
+    Ok(key)
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -567,15 +621,92 @@ impl Config {
                 parse_scope,
             )?,
         };
+        let rd = ro.and_then(|r| r.disk.as_ref());
+        let d = |f: fn(&RawDisk) -> &Option<String>| rd.map_or(&none, f);
+        let disk_size = |s: &str| {
+            let n = parse_size(s)?;
+            if n != 0 && n < 16 << 20 {
+                return Err("must be 0 (no disk tier) or at least 16MiB".to_string());
+            }
+            in_range(n, 0, 1 << 46)
+        };
+        let disk_bytes = cx.opt("optimize.disk.bytes", d(|r| &r.bytes), 0, disk_size)?;
+        let service_disk_bytes = cx.opt(
+            "optimize.disk.service_bytes",
+            d(|r| &r.service_bytes),
+            if disk_bytes > 0 {
+                (disk_bytes / 8).max(2 * service_memory).max(16 << 20)
+            } else {
+                0
+            },
+            disk_size,
+        )?;
+        // The disk tier holds everything memory does, and three quarters of its files are chunks.
+        for (field, disk, mem, mem_field) in [
+            ("optimize.disk.bytes", disk_bytes, memory, "optimize.memory"),
+            (
+                "optimize.disk.service_bytes",
+                service_disk_bytes,
+                service_memory,
+                "optimize.service_memory",
+            ),
+        ] {
+            let cap = wanopt_codec::cache::disk_capacity(disk);
+            if disk != 0 && cap < mem {
+                return Err(cx.err(
+                    field,
+                    format!(
+                        "{disk} bytes of files hold {cap} bytes of chunks, less than \
+                         {mem_field} ({mem}): make it at least 4/3 of that"
+                    ),
+                ));
+            }
+        }
+        let disk = if disk_bytes > 0 || service_disk_bytes > 0 {
+            let key_file = rd
+                .and_then(|r| r.key_file.as_deref())
+                .map(|p| cx.resolve(p));
+            let key = match &key_file {
+                Some(p) => Some(read_key(p).map_err(|m| cx.err("optimize.disk.key_file", m))?),
+                None => None,
+            };
+            Some(DiskTier {
+                checkpoint: cx.opt(
+                    "optimize.disk.checkpoint",
+                    d(|r| &r.checkpoint),
+                    Duration::from_secs(60),
+                    |s| {
+                        let t = parse_duration(s)?;
+                        if t < Duration::from_millis(100) || t > Duration::from_secs(86_400) {
+                            return Err("must be between 100ms and 24h".into());
+                        }
+                        Ok(t)
+                    },
+                )?,
+                key,
+                key_file,
+            })
+        } else {
+            if let Some(k) = rd.and_then(|r| r.key_file.as_ref()) {
+                return Err(cx.err(
+                    "optimize.disk.key_file",
+                    format!("{k:?} is set but the disk tier is off (optimize.disk.bytes: 0)"),
+                ));
+            }
+            None
+        };
         let optimize = Optimize {
             enabled: ro.and_then(|r| r.enabled).unwrap_or(true),
             codec: CodecSettings {
                 cache_bytes: memory,
                 service_cache_bytes: service_memory,
+                disk_bytes,
+                service_disk_bytes,
                 avg_chunk,
                 zstd_level,
             },
             default,
+            disk,
         };
 
         let mut services = Vec::new();
@@ -881,6 +1012,21 @@ impl Config {
             if op.default.dedup { "on" } else { "off" },
             scope_name(op.default.scope)
         );
+        if let Some(d) = &op.disk {
+            let key = d.key_file.as_ref().map_or_else(
+                || "none  # chunks are stored unencrypted".to_string(),
+                |p| p.display().to_string(),
+            );
+            let _ = writeln!(
+                o,
+                "  disk:  # under {}/cache/{}\n    bytes: {}\n    service_bytes: {}\n    checkpoint: {}ms\n    key_file: {key}",
+                self.state_dir.display(),
+                self.link.peer,
+                op.codec.disk_bytes,
+                op.codec.service_disk_bytes,
+                d.checkpoint.as_millis(),
+            );
+        }
         if let Some(a) = self.admin {
             let _ = writeln!(o, "admin:\n  listen: {a}");
         }
@@ -985,6 +1131,67 @@ mod tests {
         match parse(extra) {
             Err(ConfigError::Field { field, .. }) => field,
             other => panic!("expected a field error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_disk_tier_is_checked_and_its_key_read() {
+        let c = parse("").expect("valid");
+        assert!(c.optimize.disk.is_none() && c.optimize.codec.disk_bytes == 0);
+        let c = parse("optimize:\n  disk:\n    bytes: 8GiB\n").expect("valid");
+        assert_eq!(c.optimize.codec.disk_bytes, 8 << 30);
+        assert_eq!(c.optimize.codec.service_disk_bytes, 1 << 30);
+        assert_eq!(
+            c.optimize.disk.as_ref().map(|d| d.checkpoint),
+            Some(Duration::from_secs(60))
+        );
+        assert!(c.describe().contains("disk:"), "{}", c.describe());
+        // The disk tier must hold what memory does.
+        assert_eq!(
+            field_err("optimize:\n  memory: 1GiB\n  disk:\n    bytes: 1GiB\n"),
+            "optimize.disk.bytes"
+        );
+        assert_eq!(
+            field_err("optimize:\n  disk:\n    bytes: 1MiB\n"),
+            "optimize.disk.bytes"
+        );
+        assert_eq!(
+            field_err("optimize:\n  disk:\n    bytes: 1GiB\n    checkpoint: 1ms\n"),
+            "optimize.disk.checkpoint"
+        );
+        assert_eq!(
+            field_err("optimize:\n  disk:\n    key_file: k\n"),
+            "optimize.disk.key_file"
+        );
+        assert!(parse("optimize:\n  disk:\n    size: 1GiB\n").is_err());
+        // Keys: 32 raw bytes or 64 hex digits; anything else, or a missing file, names the field.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let raw = dir.path().join("raw.key");
+        std::fs::write(&raw, [7u8; 32]).expect("write");
+        let hex = dir.path().join("hex.key");
+        std::fs::write(&hex, format!("{}\n", "07".repeat(32))).expect("write");
+        let short = dir.path().join("short.key");
+        std::fs::write(&short, b"secret").expect("write");
+        for (k, ok) in [
+            (&raw, true),
+            (&hex, true),
+            (&short, false),
+            (&dir.path().join("none"), false),
+        ] {
+            let y = format!(
+                "optimize:\n  disk:\n    bytes: 1GiB\n    key_file: {}\n",
+                k.display()
+            );
+            match parse(&y) {
+                Ok(c) => {
+                    assert!(ok, "{k:?}");
+                    assert_eq!(c.optimize.disk.and_then(|d| d.key), Some([7u8; 32]));
+                }
+                Err(e) => {
+                    assert!(!ok, "{k:?}: {e}");
+                    assert_eq!(field_err(&y), "optimize.disk.key_file");
+                }
+            }
         }
     }
 

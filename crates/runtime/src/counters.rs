@@ -307,6 +307,7 @@ pub struct CodecMetrics {
     cache_bytes: Family<CacheLabel, Gauge>,
     cache_chunks: Family<CacheLabel, Gauge>,
     cache_evictions: Family<CacheLabel, Gauge>,
+    cache_unreadable: Family<CacheLabel, Gauge>,
 }
 
 impl CodecMetrics {
@@ -344,8 +345,14 @@ impl CodecMetrics {
         );
         r.register(
             "wanopt_cache_evictions",
-            "Chunks a cache of the current link evicted to stay within its size",
+            "Chunks a cache of the current link evicted to stay within its size (tier memory of a \
+             cache with a disk tier: chunks whose bytes moved to disk only)",
             m.cache_evictions.clone(),
+        );
+        r.register(
+            "wanopt_cache_unreadable",
+            "Chunks of a disk tier that read back damaged or missing, treated as misses",
+            m.cache_unreadable.clone(),
         );
         m
     }
@@ -399,7 +406,7 @@ impl CodecMetrics {
     /// Sets the cache gauges from the current link.
     pub fn record_caches(&self, stats: &[wanopt_proto::CacheStat]) {
         for st in stats {
-            let l = CacheLabel {
+            let mut l = CacheLabel {
                 tier: "memory",
                 lane: if st.lane == wanopt_proto::LATENCY_LANE {
                     "latency"
@@ -414,8 +421,21 @@ impl CodecMetrics {
                 role: st.role,
             };
             let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-            self.cache_bytes.get_or_create(&l).set(g(st.bytes));
-            self.cache_chunks.get_or_create(&l).set(g(st.chunks));
+            let t = &st.tiers;
+            if t.disk {
+                self.cache_bytes.get_or_create(&l).set(g(t.mem_bytes));
+                self.cache_chunks.get_or_create(&l).set(g(t.mem_chunks));
+                self.cache_evictions
+                    .get_or_create(&l)
+                    .set(g(t.mem_evictions));
+                l.tier = "disk";
+                self.cache_bytes.get_or_create(&l).set(g(t.disk_bytes));
+                self.cache_chunks.get_or_create(&l).set(g(t.disk_chunks));
+                self.cache_unreadable.get_or_create(&l).set(g(t.disk_lost));
+            } else {
+                self.cache_bytes.get_or_create(&l).set(g(st.bytes));
+                self.cache_chunks.get_or_create(&l).set(g(st.chunks));
+            }
             self.cache_evictions.get_or_create(&l).set(g(st.evictions));
         }
     }

@@ -24,6 +24,7 @@ use wanopt_proto::{
     MAIN_LANE, ReadOutcome, ResetCode, StreamError, StreamId,
 };
 
+use crate::cachedir::CacheDir;
 use crate::config::{Config, LinkRole, Service, ServiceKind};
 use crate::counters::{Counters, ServiceCounters, add};
 use crate::sockopt;
@@ -45,6 +46,8 @@ pub enum DaemonError {
     },
     #[error(transparent)]
     Tls(#[from] tls::TlsError),
+    #[error(transparent)]
+    Cache(#[from] crate::cachedir::CacheDirError),
 }
 
 /// Wakeups and the reset reason of one stream.
@@ -167,6 +170,16 @@ impl LinkHandle {
                     }
                 }
                 Event::Closed(_) => {}
+                Event::Checkpoint {
+                    role,
+                    lane,
+                    scope,
+                    state,
+                } => {
+                    if let Some(c) = &self.peer.caches {
+                        c.save(role, lane, &scope, state);
+                    }
+                }
             }
         }
         for (svc, c) in g.link.take_wire_counts() {
@@ -217,6 +230,8 @@ struct Peer {
     current: watch::Sender<Option<Arc<LinkHandle>>>,
     shutdown: watch::Receiver<bool>,
     next_link_id: std::sync::atomic::AtomicU64,
+    /// The chunk caches' disk tier and saved states, when configured.
+    caches: Option<Arc<CacheDir>>,
 }
 
 impl Peer {
@@ -306,9 +321,24 @@ impl Daemon {
                 service_listeners.push((s.clone(), l));
             }
         }
+        let caches = match (&cfg.optimize.disk, cfg.optimize.enabled) {
+            (Some(d), true) => {
+                let c = CacheDir::open(
+                    &cfg.state_dir,
+                    &cfg.link.peer,
+                    cfg.optimize.codec.clone(),
+                    d.key,
+                )?;
+                info!(dir = %c.root().display(), bytes = cfg.optimize.codec.disk_bytes,
+                      encrypted = d.key.is_some(), "chunk caches have a disk tier");
+                Some(Arc::new(c))
+            }
+            _ => None,
+        };
         let (shutdown_tx, shutdown) = watch::channel(false);
         let (current, _) = watch::channel(None);
         let peer = Arc::new(Peer {
+            caches,
             cfg: std::sync::RwLock::new(cfg),
             tls: std::sync::RwLock::new(tls),
             counters,
@@ -417,6 +447,10 @@ impl Daemon {
                 tokio::time::timeout(Duration::from_secs(2), rx.wait_for(|c| c.is_none())).await;
         }
         link_task.abort();
+        if let Some(c) = &peer.caches {
+            // The states saved as the link closed are what the next start resumes.
+            c.flush(Duration::from_secs(30)).await;
+        }
         for (name, c) in peer.counters.snapshot() {
             info!(service = %name, raw_out = c.raw_out, raw_in = c.raw_in, wire_out = c.wire_out, wire_in = c.wire_in,
                   opened = c.opened, refused = c.refused, "service totals");
@@ -569,7 +603,7 @@ fn policies(cfg: &Config) -> Vec<(String, wanopt_proto::StreamPolicy)> {
         .collect()
 }
 
-fn link_config(cfg: &Config) -> LinkConfig {
+fn link_config(cfg: &Config, caches: Option<&Arc<CacheDir>>) -> LinkConfig {
     let mut c = LinkConfig::new(
         &cfg.site,
         &cfg.link.peer,
@@ -585,6 +619,10 @@ fn link_config(cfg: &Config) -> LinkConfig {
     c.token = rand::random();
     if cfg.optimize.enabled {
         c.codec = Some(cfg.optimize.codec.clone());
+        if let (Some(d), Some(dir)) = (&cfg.optimize.disk, caches) {
+            c.cache_storage = Some(dir.clone());
+            c.checkpoint_interval = d.checkpoint;
+        }
         // Frames must hold the largest chunk (four times the average) and its record.
         c.max_frame = c
             .max_frame
@@ -894,7 +932,7 @@ async fn run_link<S>(
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let id = peer.next_link_id.fetch_add(1, Relaxed);
-    let mut link = Link::new(link_config(&peer.cfg()));
+    let mut link = Link::new(link_config(&peer.cfg(), peer.caches.as_ref()));
     link.set_services(peer.cfg().services.iter().filter_map(|s| match s.kind {
         ServiceKind::Target { .. } => Some(s.name.as_str()),
         ServiceKind::Listen { .. } => None,

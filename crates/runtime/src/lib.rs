@@ -4,9 +4,10 @@
 //! [`config`] parses and validates the YAML config, [`tls`] builds the rustls configs and mints
 //! certificates, [`sockopt`] tunes sockets, [`daemon`] runs the link and the services,
 //! [`counters`] keeps raw and wire byte counts per service as Prometheus metrics, and [`admin`]
-//! serves them over HTTP.
+//! serves them over HTTP. [`cachedir`] keeps the chunk caches' disk tiers and saved states.
 
 pub mod admin;
+pub mod cachedir;
 pub mod config;
 pub mod counters;
 pub mod daemon;

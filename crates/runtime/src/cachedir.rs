@@ -1,0 +1,326 @@
+//! The chunk caches' home on disk, under `state_dir/cache/<peer>`: one directory per cache and
+//! side (`decoder-<lane>-<scope>` holds our decoder's segment files and saved states,
+//! `mirror-<lane>-<scope>` the saved states of our mirror of the peer's cache). It implements the
+//! protocol core's [`CacheStorage`], and writes the states the link asks to save, flushing a
+//! decoder's segments before its state names them, so a crash never leaves a state that points at
+//! unwritten chunks. Everything read back is verified: a damaged state is skipped with a warning.
+
+use std::collections::HashMap;
+use std::fs::{DirBuilder, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tracing::{info, warn};
+use wanopt_codec::cache::segment_size;
+use wanopt_codec::disk::DiskStore;
+use wanopt_proto::{CacheStorage, ChunkStore, CodecSettings, Role, SavedCache, Snapshot};
+
+use crate::config::valid_name;
+
+/// Saved states kept per cache: the newest few, so a side that missed the last one can still
+/// agree on an earlier one with its peer.
+const KEEP_STATES: usize = 3;
+/// Largest state file read back (about 28 million chunks).
+const MAX_STATE_FILE: u64 = 1 << 30;
+
+/// One peer's cache directory.
+pub struct CacheDir {
+    root: PathBuf,
+    key: Option<[u8; 32]>,
+    codec: CodecSettings,
+    /// Decoder stores, shared by the links to this peer one after another.
+    stores: Mutex<HashMap<PathBuf, Arc<Mutex<DiskStore>>>>,
+    seq: AtomicU64,
+    pending: AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+impl std::fmt::Debug for CacheDir {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CacheDir")
+            .field("root", &self.root)
+            .field("encrypted", &self.key.is_some())
+            .finish()
+    }
+}
+
+/// A cache directory that cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("cache directory {path}: {source}")]
+pub struct CacheDirError {
+    path: PathBuf,
+    source: std::io::Error,
+}
+
+fn dir_name(role: Role, lane: usize, scope: &str) -> Option<String> {
+    let scope = if scope.is_empty() {
+        "link".to_string()
+    } else if valid_name(scope) {
+        format!("svc-{scope}")
+    } else {
+        return None;
+    };
+    Some(format!("{}-{lane}-{scope}", role.label()))
+}
+
+fn parse_dir_name(name: &str) -> Option<(Role, usize, String)> {
+    let (role, rest) = if let Some(r) = name.strip_prefix("decoder-") {
+        (Role::Decoder, r)
+    } else {
+        (Role::Mirror, name.strip_prefix("mirror-")?)
+    };
+    let (lane, scope) = rest.split_once('-')?;
+    let lane: usize = lane.parse().ok()?;
+    let scope = match scope {
+        "link" => String::new(),
+        s => s
+            .strip_prefix("svc-")
+            .filter(|s| valid_name(s))?
+            .to_string(),
+    };
+    (lane < wanopt_proto::LANES).then_some((role, lane, scope))
+}
+
+fn state_seq(name: &str) -> Option<u64> {
+    name.strip_prefix("state-")?
+        .strip_suffix(".idx")?
+        .parse()
+        .ok()
+}
+
+fn private_dir(p: &Path) -> Result<(), CacheDirError> {
+    DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(p)
+        .map_err(|source| CacheDirError {
+            path: p.to_path_buf(),
+            source,
+        })
+}
+
+/// The saved states in a directory, newest first, as (sequence, path).
+fn states_in(dir: &Path) -> Vec<(u64, PathBuf)> {
+    let mut v: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| Some((state_seq(e.file_name().to_str()?)?, e.path())))
+        .collect();
+    v.sort_unstable_by_key(|s| std::cmp::Reverse(s.0));
+    v
+}
+
+impl CacheDir {
+    /// Opens (creating, mode 0700) the cache directory of one peer.
+    pub fn open(
+        state_dir: &Path,
+        peer: &str,
+        codec: CodecSettings,
+        key: Option<[u8; 32]>,
+    ) -> Result<CacheDir, CacheDirError> {
+        let root = state_dir.join("cache").join(peer);
+        private_dir(&root)?;
+        let mut seq = 0;
+        for e in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            if let Some((s, _)) = states_in(&e.path()).first() {
+                seq = seq.max(*s);
+            }
+        }
+        Ok(CacheDir {
+            root,
+            key,
+            codec,
+            stores: Mutex::default(),
+            seq: AtomicU64::new(seq),
+            pending: AtomicUsize::new(0),
+            idle: tokio::sync::Notify::new(),
+        })
+    }
+
+    /// The directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn decoder_store(&self, dir: &Path, limit: u64) -> Option<Arc<Mutex<DiskStore>>> {
+        let mut stores = self.stores.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(s) = stores.get(dir) {
+            return Some(s.clone());
+        }
+        match DiskStore::open(dir, self.key, segment_size(limit)) {
+            Ok(s) => {
+                let s = Arc::new(Mutex::new(s));
+                stores.insert(dir.to_path_buf(), s.clone());
+                Some(s)
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot open the cache's disk tier; this cache stays in memory");
+                None
+            }
+        }
+    }
+
+    /// Writes a saved state in the background; [`flush`](Self::flush) waits for it.
+    pub fn save(self: &Arc<Self>, role: Role, lane: usize, scope: &str, state: Arc<Snapshot>) {
+        let Some(name) = dir_name(role, lane, scope) else {
+            return;
+        };
+        let dir = self.root.join(name);
+        let seq = self.seq.fetch_add(1, SeqCst) + 1;
+        self.pending.fetch_add(1, SeqCst);
+        let me = self.clone();
+        let job = move || {
+            if let Err(e) = me.write_state(role, &dir, seq, &state) {
+                warn!(dir = %dir.display(), error = %e, "cannot save the cache state");
+            }
+            if me.pending.fetch_sub(1, SeqCst) == 1 {
+                me.idle.notify_waiters();
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => {
+                h.spawn_blocking(job);
+            }
+            Err(_) => job(),
+        }
+    }
+
+    fn write_state(
+        &self,
+        role: Role,
+        dir: &Path,
+        seq: u64,
+        state: &Snapshot,
+    ) -> std::io::Result<()> {
+        private_dir(dir).map_err(|e| e.source)?;
+        if role == Role::Decoder {
+            // The chunks the state names must be on disk before the state is.
+            for e in std::fs::read_dir(dir)?.flatten() {
+                if e.file_name().to_str().is_some_and(|n| n.ends_with(".dat")) {
+                    File::open(e.path())?.sync_all()?;
+                }
+            }
+        }
+        let tmp = dir.join(format!(".state-{seq:016}.tmp"));
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(&state.encode())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, dir.join(format!("state-{seq:016}.idx")))?;
+        File::open(dir)?.sync_all()?;
+        for (_, old) in states_in(dir).into_iter().skip(KEEP_STATES) {
+            let _ = std::fs::remove_file(old);
+        }
+        Ok(())
+    }
+
+    /// Waits until every state asked for so far is written, at most `limit`.
+    pub async fn flush(&self, limit: Duration) {
+        let wait = async {
+            loop {
+                let idle = self.idle.notified();
+                if self.pending.load(SeqCst) == 0 {
+                    return;
+                }
+                idle.await;
+            }
+        };
+        if tokio::time::timeout(limit, wait).await.is_err() {
+            warn!("cache states still being written at shutdown");
+        }
+    }
+}
+
+impl CacheStorage for CacheDir {
+    fn saved(&self) -> Vec<SavedCache> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(&self.root)
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let Some((role, lane, scope)) = e.file_name().to_str().and_then(parse_dir_name) else {
+                continue;
+            };
+            let mut states = Vec::new();
+            for (_, p) in states_in(&e.path()).into_iter().take(KEEP_STATES) {
+                let read = File::open(&p).and_then(|f| {
+                    let len = f.metadata()?.len();
+                    if len > MAX_STATE_FILE {
+                        return Err(std::io::Error::other("too large"));
+                    }
+                    std::fs::read(&p)
+                });
+                match read.map(|b| Snapshot::decode(&b)) {
+                    Ok(Ok(s)) => states.push(Arc::new(s)),
+                    Ok(Err(e)) => {
+                        warn!(file = %p.display(), error = %e, "skipping a damaged cache state")
+                    }
+                    Err(e) => warn!(file = %p.display(), error = %e, "cannot read a cache state"),
+                }
+            }
+            if !states.is_empty() {
+                out.push(SavedCache {
+                    role,
+                    lane,
+                    scope: scope.into(),
+                    states,
+                });
+            }
+        }
+        if !out.is_empty() {
+            info!(dir = %self.root.display(), caches = out.len(), "found saved cache states");
+        }
+        out
+    }
+
+    fn store(&self, lane: usize, scope: &str) -> Option<Box<dyn ChunkStore>> {
+        let limit = if scope.is_empty() {
+            self.codec.disk_bytes
+        } else {
+            self.codec.service_disk_bytes
+        };
+        if limit == 0 {
+            return None;
+        }
+        let limit = if lane == wanopt_proto::LATENCY_LANE {
+            limit / wanopt_proto::coding::LATENCY_SHARE
+        } else {
+            limit
+        };
+        let dir = self.root.join(dir_name(Role::Decoder, lane, scope)?);
+        let s = self.decoder_store(&dir, limit)?;
+        Some(Box::new(s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_hostile_scopes_get_no_directory() {
+        for (role, lane, scope) in [
+            (Role::Decoder, 0, ""),
+            (Role::Mirror, 1, "redo"),
+            (Role::Decoder, 1, "rman-2"),
+        ] {
+            let n = dir_name(role, lane, scope).expect("name");
+            assert_eq!(parse_dir_name(&n), Some((role, lane, scope.to_string())));
+        }
+        for bad in ["../etc", "a/b", "UP", ".", "-x"] {
+            assert_eq!(dir_name(Role::Decoder, 0, bad), None, "{bad}");
+        }
+        assert_eq!(parse_dir_name("decoder-9-link"), None);
+        assert_eq!(parse_dir_name("mirror-0-svc-../x"), None);
+    }
+}
