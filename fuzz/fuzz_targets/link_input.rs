@@ -25,7 +25,14 @@ fuzz_target!(|data: &[u8]| {
         min_version: 1,
         site: "west".into(),
         capabilities: 2,
-        settings: vec![(1, 65536), (2, 1 << 20), (3, 65536), (4, 8), (7, 1 << 20), (8, 1 << 19)],
+        settings: vec![
+            (1, 65536),
+            (2, 1 << 20),
+            (3, 65536),
+            (4, 8),
+            (7, 1 << 20),
+            (8, 1 << 19),
+        ],
         caches: vec![],
     })
     .encode(&mut hello);

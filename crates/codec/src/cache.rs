@@ -483,7 +483,12 @@ impl ChunkCache {
             let len = s.len as usize;
             let loc = match (&mut self.disk, s.loc) {
                 (Some(disk), Some(loc)) => match disk.segs.get_mut(&loc.seg) {
-                    Some(seg) if loc.off + loc.stored() <= seg.total => {
+                    Some(seg)
+                        if loc
+                            .off
+                            .checked_add(loc.stored())
+                            .is_some_and(|end| end <= seg.total) =>
+                    {
                         seg.live += loc.stored();
                         seg.members.push(s.fingerprint);
                         Some(loc)
@@ -649,6 +654,7 @@ impl Snapshot {
             ));
         }
         let mut entries = Vec::with_capacity(n as usize);
+        let mut seen = std::collections::HashSet::with_capacity(n as usize);
         let mut total = 0u64;
         for i in 0..n as usize {
             let at = HEAD + i * SNAP_ENTRY;
@@ -657,7 +663,8 @@ impl Snapshot {
             let len = u32_at(at + 16);
             total += u64::from(len);
             let loc = match body[at + 20] {
-                0 => None,
+                0 if body[at + 21..at + SNAP_ENTRY].iter().all(|b| *b == 0) => None,
+                0 => return Err(SnapshotError::Malformed("location without its flag")),
                 1 => Some(Loc {
                     seg: u32_at(at + 21),
                     off: u64_at(at + 25),
@@ -667,6 +674,9 @@ impl Snapshot {
             };
             if len as usize > crate::MAX_RECORD {
                 return Err(SnapshotError::Malformed("chunk too large"));
+            }
+            if !seen.insert(fingerprint) {
+                return Err(SnapshotError::Malformed("a chunk listed twice"));
             }
             entries.push(SnapEntry {
                 fingerprint,
@@ -845,6 +855,31 @@ mod tests {
             let mut bad = small.clone();
             bad[at] ^= 1;
             assert!(Snapshot::decode(&bad).is_err(), "flip at {at}");
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn snapshots_round_trip(
+            raw in proptest::collection::vec(
+                (proptest::prelude::any::<[u8; 16]>(), 0u32..=1 << 20, proptest::option::of((proptest::prelude::any::<u32>(), proptest::prelude::any::<u64>(), proptest::prelude::any::<u32>()))),
+                0..50,
+            ),
+            extra in 0u64..1 << 40,
+        ) {
+            let mut seen = std::collections::HashSet::new();
+            let entries: Vec<SnapEntry> = raw
+                .into_iter()
+                .filter(|(f, _, _)| seen.insert(*f))
+                .map(|(fingerprint, len, loc)| SnapEntry {
+                    fingerprint,
+                    len,
+                    loc: loc.map(|(seg, off, len)| Loc { seg, off, len }),
+                })
+                .collect();
+            let capacity = entries.iter().map(|e| u64::from(e.len)).sum::<u64>() + extra;
+            let snap = Snapshot { capacity, entries };
+            proptest::prop_assert_eq!(Snapshot::decode(&snap.encode()), Ok(snap));
         }
     }
 }

@@ -382,11 +382,13 @@ impl Contexts {
         let mut saved = HashMap::new();
         for c in storage.iter().flat_map(|s| s.saved()) {
             // Only states of our cache as configured now can be resumed by our decoders.
+            // (and a decoder without a disk tier has no bytes to resume).
             let cap = own.capacity(c.lane, c.scope.is_empty());
+            let disk = own.limits(c.lane, c.scope.is_empty()).1 > 0;
             let states: Vec<_> = c
                 .states
                 .into_iter()
-                .filter(|s| c.role == Role::Mirror || s.capacity == cap)
+                .filter(|s| c.role == Role::Mirror || (disk && s.capacity == cap))
                 .take(frame::MAX_DIGESTS)
                 .collect();
             if !states.is_empty() && c.lane < crate::LANES {
@@ -556,6 +558,10 @@ impl Contexts {
         digest: &Fingerprint,
     ) -> Option<Arc<Snapshot>> {
         let d = self.decoders.get(&(lane, Arc::from(scope)))?;
+        // A cache in memory only has nothing to resume after a restart.
+        if !d.cache().has_disk() {
+            return None;
+        }
         let s = d.cache().snapshot();
         (s.digest() == *digest).then(|| Arc::new(s))
     }

@@ -1049,11 +1049,12 @@ impl CacheStorage for TestStorage {
     }
 }
 
-/// A coded pair with disk tiers (16 MiB of files, 64 KiB of memory) on both sides.
+/// A coded pair with disk tiers (16 MiB of files each, 64 KiB of memory) on both sides.
 fn stored_pair(ws: &Arc<TestStorage>, es: &Arc<TestStorage>) -> Pair {
     let settings = || CodecSettings {
         cache_bytes: 64 * 1024,
         disk_bytes: 16 << 20,
+        service_disk_bytes: 16 << 20,
         ..codec(1 << 20)
     };
     let (w, e) = (ws.clone(), es.clone());
@@ -1133,5 +1134,45 @@ fn caches_resume_after_a_restart_and_damage_is_resent_never_misread() {
     let fresh = send_once(&mut p, "e-svc", Class::Bulk, &data);
     assert!(fresh > data.len() as u64);
     assert_eq!(counts(&mut p.east.link).needs, 0);
+    p.assert_no_leaks();
+}
+
+#[test]
+fn service_scoped_caches_resume_too() {
+    let (ws, es) = (
+        Arc::new(TestStorage::default()),
+        Arc::new(TestStorage::default()),
+    );
+    let data = pattern(12, 2 << 20);
+    let scoped = || {
+        [(
+            "e-svc",
+            StreamPolicy {
+                scope: Scope::Service,
+                ..StreamPolicy::default()
+            },
+        )]
+    };
+    let mut p = stored_pair(&ws, &es);
+    p.west.link.set_policies(scoped());
+    let first = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    shut_down(p, &ws, &es);
+    assert!(
+        es.saved()
+            .iter()
+            .any(|c| c.role == Role::Decoder && &*c.scope == "e-svc"),
+        "the service's own cache was saved"
+    );
+    let mut p = stored_pair(&ws, &es);
+    p.west.link.set_policies(scoped());
+    let again = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    assert!(again * 50 < first, "{again} of {first}");
+    // The shared cache never saw the service's chunks.
+    assert!(
+        es.saved()
+            .iter()
+            .filter(|c| c.scope.is_empty() && c.role == Role::Decoder)
+            .all(|c| c.states.iter().all(|s| s.entries.is_empty())),
+    );
     p.assert_no_leaks();
 }
