@@ -2,10 +2,16 @@
 //! cache lookups and compression, on database-like (compressible) and random (incompressible)
 //! data, and on `wanopt-replay gen`'s redo, rman and trail workloads.
 //!
+//! The last lines measure the receiver's cache tiers: decoding into memory only, and into 32 MiB
+//! of memory in front of a disk tier (plain and encrypted), for new chunks (written through) and
+//! for a repeat (references read back from the disk tier), as ratios to memory only.
+//!
 //! Run: `cargo bench --bench codec` (`-- --mib N` of data per case, default 256).
 
 use std::time::Instant;
 
+use wanopt_codec::cache::ChunkCache;
+use wanopt_codec::disk::DiskStore;
 use wanopt_codec::{CodecConfig, Compression, Decoder, Encoder, Pressure};
 use wanopt_replay::workload::{Generator, Workload};
 
@@ -97,6 +103,57 @@ fn stages(name: &str, data: &[u8]) {
     );
 }
 
+/// Decode throughput of new chunks and of their repeat, per cache tier setup.
+fn tiers(data: &[u8]) {
+    let cfg = CodecConfig {
+        compression: Compression::None,
+        cache_bytes: 2 * data.len() + (64 << 20),
+        ..CodecConfig::default()
+    };
+    let mut enc = Encoder::new(cfg.clone());
+    let (mut first, mut repeat) = (Vec::new(), Vec::new());
+    enc.push(data, true, Pressure::CpuBound, &mut first);
+    enc.push(data, true, Pressure::CpuBound, &mut repeat);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let limit = cfg.cache_bytes as u64 / 3 * 4;
+    let seg = wanopt_codec::cache::segment_size(limit);
+    let mut base = (0.0, 0.0);
+    for (name, key) in [
+        ("memory only", None),
+        ("disk tier", Some(None)),
+        ("disk tier, encrypted", Some(Some([9u8; 32]))),
+    ] {
+        let cache = match key {
+            None => ChunkCache::new(cfg.cache_bytes),
+            Some(k) => {
+                let d = dir.path().join(name.replace([' ', ','], "-"));
+                let store = DiskStore::open(&d, k, seg).expect("store");
+                ChunkCache::tiered(32 << 20, limit, Box::new(store))
+            }
+        };
+        let mut dec = Decoder::with_cache(cache, true);
+        let mut speeds = [0.0; 2];
+        for (i, wire) in [&first, &repeat].into_iter().enumerate() {
+            let mut out = vec![1u8; data.len() + 4096];
+            out.clear();
+            let t = Instant::now();
+            dec.decode(wire, &mut out).expect("decode");
+            speeds[i] = data.len() as f64 / t.elapsed().as_secs_f64() / 1e6;
+            assert!(out == data, "round trip");
+        }
+        if key.is_none() {
+            base = (speeds[0], speeds[1]);
+        }
+        println!(
+            "decode into {name:<22} new {:>7.0} MB/s ({:.2}x)   repeat {:>7.0} MB/s ({:.2}x)",
+            speeds[0],
+            speeds[0] / base.0,
+            speeds[1],
+            speeds[1] / base.1
+        );
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let mib: usize = args
@@ -143,4 +200,5 @@ fn main() {
         Compression::None,
         Pressure::CpuBound,
     );
+    tiers(&noise);
 }

@@ -443,6 +443,14 @@ impl ChunkCache {
         }
     }
 
+    /// Hands the disk tier's buffered chunks to the operating system, so a state saved next only
+    /// names chunks that are in files.
+    pub fn flush(&mut self) {
+        if let Some(d) = self.disk.as_mut() {
+            d.store.flush();
+        }
+    }
+
     /// The index as it stands: chunks oldest first, with their disk locations.
     pub fn snapshot(&self) -> Snapshot {
         let entries = self

@@ -45,7 +45,12 @@ pub struct DiskStore {
     next_seg: u32,
     /// Open segments for reading.
     readers: std::collections::HashMap<u32, File>,
+    /// Records appended to the current segment but not yet written.
+    buf: Vec<u8>,
 }
+
+/// Bytes of records gathered before they are written: one write per this many, not per chunk.
+pub const WRITE_BUFFER: usize = 1 << 20;
 
 impl std::fmt::Debug for DiskStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -92,6 +97,7 @@ impl DiskStore {
             current: None,
             next_seg: next,
             readers: std::collections::HashMap::new(),
+            buf: Vec::with_capacity(WRITE_BUFFER + MAX_RECORD),
         })
     }
 
@@ -99,33 +105,25 @@ impl DiskStore {
         self.dir.join(seg_name(seg))
     }
 
-    /// Appends a chunk; returns where it went.
+    /// Appends a chunk; returns where it went. Records gather in a buffer that is written when it
+    /// holds [`WRITE_BUFFER`] bytes, when the segment rolls over, on [`flush`](Self::flush), and
+    /// before a read that needs them.
     pub fn append(&mut self, f: &Fingerprint, data: &[u8]) -> Result<Loc, DiskError> {
         if data.len() > MAX_RECORD {
             return Err(DiskError::TooLarge(data.len()));
         }
-        let body = match &self.key {
-            None => data.to_vec(),
-            Some(k) => {
-                let mut nonce = [0u8; NONCE_LEN];
-                self.rng.fill(&mut nonce).map_err(|_| DiskError::Crypto)?;
-                let mut ct = data.to_vec();
-                k.seal_in_place_append_tag(
-                    Nonce::assume_unique_for_key(nonce),
-                    Aad::from(aad(f, data.len())),
-                    &mut ct,
-                )
-                .map_err(|_| DiskError::Crypto)?;
-                let mut b = nonce.to_vec();
-                b.extend_from_slice(&ct);
-                b
-            }
-        };
+        let body_len = data.len()
+            + if self.key.is_some() {
+                NONCE_LEN + TAG_LEN
+            } else {
+                0
+            };
         let full = self
             .current
             .as_ref()
-            .is_none_or(|(_, _, len)| *len + (HEADER + body.len()) as u64 > self.seg_bytes);
+            .is_none_or(|(_, _, len)| *len + (HEADER + body_len) as u64 > self.seg_bytes);
         if full {
+            self.flush()?;
             let n = self.next_seg;
             let p = self.path(n);
             let file = OpenOptions::new()
@@ -137,29 +135,78 @@ impl DiskStore {
             self.next_seg = n.saturating_add(1);
             self.current = Some((n, file, 0));
         }
-        let Some((seg, file, len)) = self.current.as_mut() else {
+        let Some((seg, _, len)) = self.current.as_mut() else {
             return Err(DiskError::Crypto);
         };
-        let mut rec = Vec::with_capacity(HEADER + body.len());
-        rec.extend_from_slice(&MAGIC);
-        rec.extend_from_slice(f);
-        rec.extend_from_slice(&(body.len() as u32).to_be_bytes());
-        rec.extend_from_slice(&body);
-        let off = *len;
-        file.write_all(&rec)
-            .map_err(|e| DiskError::Segment(self.dir.join(seg_name(*seg)), e))?;
-        *len += rec.len() as u64;
+        let (seg, off) = (*seg, *len);
+        let at = self.buf.len();
+        self.buf.extend_from_slice(&MAGIC);
+        self.buf.extend_from_slice(f);
+        self.buf.extend_from_slice(&(body_len as u32).to_be_bytes());
+        match &self.key {
+            None => self.buf.extend_from_slice(data),
+            Some(k) => {
+                let mut nonce = [0u8; NONCE_LEN];
+                let sealed = self.rng.fill(&mut nonce).ok().and_then(|()| {
+                    self.buf.extend_from_slice(&nonce);
+                    let from = self.buf.len();
+                    self.buf.extend_from_slice(data);
+                    k.seal_in_place_separate_tag(
+                        Nonce::assume_unique_for_key(nonce),
+                        Aad::from(aad(f, data.len())),
+                        &mut self.buf[from..],
+                    )
+                    .ok()
+                });
+                let Some(tag) = sealed else {
+                    self.buf.truncate(at);
+                    return Err(DiskError::Crypto);
+                };
+                self.buf.extend_from_slice(tag.as_ref());
+            }
+        }
+        if let Some((_, _, len)) = self.current.as_mut() {
+            *len += (HEADER + body_len) as u64;
+        }
+        if self.buf.len() >= WRITE_BUFFER {
+            self.flush()?;
+        }
         Ok(Loc {
-            seg: *seg,
+            seg,
             off,
-            len: body.len() as u32,
+            len: body_len as u32,
         })
     }
 
+    /// Writes the buffered records to their segment file (to the page cache; see [`sync`](Self::sync)).
+    pub fn flush(&mut self) -> Result<(), DiskError> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let Some((seg, file, _)) = self.current.as_mut() else {
+            self.buf.clear();
+            return Ok(());
+        };
+        let r = file.write_all(&self.buf);
+        self.buf.clear();
+        r.map_err(|e| DiskError::Segment(self.dir.join(seg_name(*seg)), e))
+    }
+
     /// Reads a chunk back, or `None` if it is missing, damaged or not the chunk of `f`.
-    pub fn read(&self, loc: Loc, f: &Fingerprint) -> Option<Vec<u8>> {
-        let file = File::open(self.path(loc.seg)).ok()?;
-        self.read_in(&file, loc, f)
+    pub fn read(&mut self, loc: Loc, f: &Fingerprint) -> Option<Vec<u8>> {
+        if self.current.as_ref().is_some_and(|(n, _, _)| *n == loc.seg) && !self.buf.is_empty() {
+            self.flush().ok()?;
+        }
+        if !self.readers.contains_key(&loc.seg) {
+            // A handful of open segments at a time is plenty: reads cluster in recent ones.
+            if self.readers.len() >= 16 {
+                self.readers.clear();
+            }
+            let file = File::open(self.path(loc.seg)).ok()?;
+            self.readers.insert(loc.seg, file);
+        }
+        let file = self.readers.get(&loc.seg)?;
+        self.read_in(file, loc, f)
     }
 
     fn read_in(&self, file: &File, loc: Loc, f: &Fingerprint) -> Option<Vec<u8>> {
@@ -206,7 +253,8 @@ impl DiskStore {
 
     /// Flushes every segment to stable storage, so an index written afterwards only names chunks
     /// that survive a crash.
-    pub fn sync(&self) -> Result<(), DiskError> {
+    pub fn sync(&mut self) -> Result<(), DiskError> {
+        self.flush()?;
         for (n, _) in ChunkStore::segments(self) {
             let p = self.path(n);
             if let Ok(f) = File::open(&p) {
@@ -226,22 +274,23 @@ impl DiskStore {
     }
 }
 
+impl Drop for DiskStore {
+    fn drop(&mut self) {
+        let _ = self.flush();
+    }
+}
+
 impl ChunkStore for DiskStore {
     fn append(&mut self, f: &Fingerprint, data: &[u8]) -> Option<Loc> {
         DiskStore::append(self, f, data).ok()
     }
 
     fn read(&mut self, loc: Loc, f: &Fingerprint) -> Option<Vec<u8>> {
-        if !self.readers.contains_key(&loc.seg) {
-            // A handful of open segments at a time is plenty: reads cluster in recent ones.
-            if self.readers.len() >= 16 {
-                self.readers.clear();
-            }
-            let file = File::open(self.path(loc.seg)).ok()?;
-            self.readers.insert(loc.seg, file);
-        }
-        let file = self.readers.get(&loc.seg)?;
-        self.read_in(file, loc, f)
+        DiskStore::read(self, loc, f)
+    }
+
+    fn flush(&mut self) {
+        let _ = DiskStore::flush(self);
     }
 
     fn remove_segment(&mut self, seg: u32) {
@@ -362,9 +411,10 @@ mod tests {
             None,
             "no huge allocation"
         );
-        let other = DiskStore::open(dir.path(), Some([4u8; 32]), 1 << 20).expect("open");
+        s.flush().expect("flush");
+        let mut other = DiskStore::open(dir.path(), Some([4u8; 32]), 1 << 20).expect("open");
         assert_eq!(other.read(loc, &f), None);
-        let plain = DiskStore::open(dir.path(), None, 1 << 20).expect("open");
+        let mut plain = DiskStore::open(dir.path(), None, 1 << 20).expect("open");
         assert_eq!(plain.read(loc, &f), None);
         // A flipped bit anywhere in the record.
         let p = dir.path().join(seg_name(loc.seg));

@@ -36,6 +36,8 @@ pub trait ChunkStore: Send {
     fn read(&mut self, loc: Loc, f: &Fingerprint) -> Option<Vec<u8>>;
     /// Deletes a segment.
     fn remove_segment(&mut self, seg: u32);
+    /// Hands buffered records to the operating system (before a saved state names them).
+    fn flush(&mut self) {}
     /// The segments present and their sizes in bytes.
     fn segments(&self) -> Vec<(u32, u64)>;
     /// The size at which a segment is full.

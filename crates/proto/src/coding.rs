@@ -557,11 +557,12 @@ impl Contexts {
         scope: &str,
         digest: &Fingerprint,
     ) -> Option<Arc<Snapshot>> {
-        let d = self.decoders.get(&(lane, Arc::from(scope)))?;
+        let d = self.decoders.get_mut(&(lane, Arc::from(scope)))?;
         // A cache in memory only has nothing to resume after a restart.
         if !d.cache().has_disk() {
             return None;
         }
+        d.cache_mut().flush();
         let s = d.cache().snapshot();
         (s.digest() == *digest).then(|| Arc::new(s))
     }
