@@ -1,7 +1,7 @@
 //! Dedup and compression through the real daemons: a repeated backup costs a few percent of the
 //! first on the wire, a slightly changed one a fraction; redo across a T3 is compressed with zstd;
 //! concurrent streams sharing chunks arrive exact; a receiver restarted with an empty cache never
-//! misreads. Sizes: `WANOPT_TEST_BACKUP_MIB` (default 1024).
+//! misreads; the disk tier keeps dedup across restarts and crashes, and damage to it is re-sent. Sizes: `WANOPT_TEST_BACKUP_MIB` (default 1024).
 
 mod common;
 
@@ -466,5 +466,21 @@ fn the_disk_tier_keeps_dedup_across_restarts_and_damage_is_resent() {
         "after restart: {resumed} of {first}"
     );
     assert!(resent > 0, "damaged chunks were re-sent");
+
+    // A crash: both daemons killed; the states saved at the last periodic checkpoint survive.
+    let small = 32u64 << 20;
+    send_backup(west.bound("rman"), 10, small, None).expect("before the crash");
+    std::thread::sleep(Duration::from_secs(3));
+    let (mut east, mut west) = (east, west);
+    west.stop(libc::SIGKILL);
+    east.stop(libc::SIGKILL);
+    let (east, west) = start();
+    send_backup(west.bound("rman"), 10, small, None).expect("after the crash");
+    let after = wire(&east, &west);
+    eprintln!("after a crash: {after} wire bytes for a repeat of {small} bytes");
+    assert!(
+        after * 100 <= small * 3,
+        "after a crash: {after} of {small}"
+    );
     stop(east, west);
 }
