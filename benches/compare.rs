@@ -5,7 +5,8 @@
 //! duplicate), and 8 KiB SYNC round trips.
 //!
 //! Run (as root): `cargo build --release --workspace && cargo bench --bench compare`
-//! Options: `-- --preset NAME --mib N` (default 16 MiB per streaming workload).
+//! Options: `-- --preset NAME --mib N` (default 16 MiB per streaming workload), `--only WORD`
+//! (the workloads whose title contains WORD, such as `sync`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -30,6 +31,7 @@ fn main() {
     };
     let preset = get("--preset").unwrap_or_else(|| "t3-100ms-0.5".into());
     let mib: usize = get("--mib").and_then(|v| v.parse().ok()).unwrap_or(16);
+    let only = get("--only").map(|w| w.to_lowercase());
     let wan = Wan::start(
         &format!("wc{}", std::process::id() % 100_000),
         wansim::preset(&preset).expect("preset"),
@@ -112,6 +114,17 @@ fn main() {
         ),
     ];
     for (title, spec, service) in workloads {
+        if only
+            .as_ref()
+            .is_some_and(|w| !title.to_lowercase().contains(w))
+        {
+            continue;
+        }
+        if service == "sync" {
+            // Which connection carries latency-class streams decides their delay.
+            let lanes = common::value(&common::scrape(admin), "wanopt_link_lanes ");
+            println!("link connections in use: {lanes} (2: the latency lane is up)");
+        }
         let job: Job = compare::parse_job(&spec).expect("workload");
         let mut p = paths.clone();
         if service == "sync" {

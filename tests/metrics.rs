@@ -153,10 +153,7 @@ fn grafana_dashboard_uses_only_real_metrics() {
     walk(&dash, &mut exprs);
     assert!(exprs.len() >= 10, "{exprs:?}");
     let srv = hash_server();
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr");
+    let (_hold, closed) = refusing_port();
     let p = Pair::start_with_admin(
         &format!("  - name: svc\n    target: {srv}\n  - name: dead\n    target: {closed}\n"),
         "  - name: svc\n    listen: 127.0.0.1:0\n  - name: dead\n    listen: 127.0.0.1:0\n",

@@ -112,10 +112,7 @@ fn half_close_is_carried_each_way() {
 /// A target that refuses closes the client promptly, with an error (not a clean end).
 #[test]
 fn refused_target_resets_the_client_promptly() {
-    let closed = TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr");
+    let (_hold, closed) = refusing_port();
     let p = Pair::start(
         &format!("  - name: dead\n    target: {closed}\n"),
         "  - name: dead\n    listen: 127.0.0.1:0\n",

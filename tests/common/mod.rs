@@ -637,3 +637,18 @@ pub fn wan_pair(
 pub fn link_lines(yaml: String, lines: &str) -> String {
     yaml.replacen("link:\n", &format!("link:\n{lines}"), 1)
 }
+
+/// A loopback port that refuses connections and stays that way while the returned socket lives:
+/// the socket holds the port (bound, never listening), so no other test can take it over.
+pub fn refusing_port() -> (socket2::Socket, SocketAddr) {
+    let s =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .expect("bind");
+    let addr = s
+        .local_addr()
+        .expect("addr")
+        .as_socket()
+        .expect("inet address");
+    (s, addr)
+}
