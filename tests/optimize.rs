@@ -470,7 +470,41 @@ fn the_disk_tier_keeps_dedup_across_restarts_and_damage_is_resent() {
     // A crash: both daemons killed; the states saved at the last periodic checkpoint survive.
     let small = 32u64 << 20;
     send_backup(west.bound("rman"), 10, small, None).expect("before the crash");
-    std::thread::sleep(Duration::from_secs(3));
+    // Kill only once a periodic checkpoint after this transfer is on disk on both sides: the
+    // digest in the file names of west's newest mirror state appears among east's states.
+    let digests = |dir: std::path::PathBuf| -> Vec<String> {
+        let mut v: Vec<(String, String)> = files_ending(&dir, ".idx")
+            .into_iter()
+            .filter_map(|(p, _)| {
+                let n = p.file_name()?.to_str()?.to_string();
+                let mut parts = n.trim_end_matches(".idx").rsplitn(2, '-');
+                Some((n.clone(), parts.next()?.to_string()))
+            })
+            .collect();
+        v.sort();
+        v.into_iter().rev().map(|(_, d)| d).collect()
+    };
+    let mirror_dir = west_state.path().join("cache/east/mirror-0-link");
+    let decoder_dir = east_state.path().join("cache/west/decoder-0-link");
+    // (A checkpoint taken during the transfer may still be landing: let it.)
+    std::thread::sleep(Duration::from_millis(1500));
+    let before = digests(mirror_dir.clone()).first().cloned();
+    let end = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let newest = digests(mirror_dir.clone()).first().cloned();
+        if newest != before
+            && newest
+                .as_ref()
+                .is_some_and(|d| digests(decoder_dir.clone()).contains(d))
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "no checkpoint after the transfer"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let (mut east, mut west) = (east, west);
     west.stop(libc::SIGKILL);
     east.stop(libc::SIGKILL);

@@ -123,20 +123,31 @@ impl Role {
     }
 }
 
+/// A saved state of a cache, as listed (the state itself is loaded only if it is resumed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SavedState {
+    /// [`Snapshot::digest`] of the state.
+    pub digest: Fingerprint,
+    /// The capacity of the cache it was taken from.
+    pub capacity: u64,
+}
+
 /// Saved states of one of our caches, newest first.
 #[derive(Debug, Clone)]
 pub struct SavedCache {
     pub role: Role,
     pub lane: usize,
     pub scope: Arc<str>,
-    pub states: Vec<Arc<Snapshot>>,
+    pub states: Vec<SavedState>,
 }
 
 /// Where the daemon keeps a link's caches beyond memory: disk tiers for our decoders, and the
 /// states saved at checkpoints (written by the runtime on [`Event::Checkpoint`](crate::Event)).
 pub trait CacheStorage: Send + Sync + std::fmt::Debug {
-    /// States saved for this peer.
+    /// States saved for this peer (listed, not loaded).
     fn saved(&self) -> Vec<SavedCache>;
+    /// Loads a saved state; `None` if it is gone or damaged (its digest is checked here too).
+    fn load(&self, role: Role, lane: usize, scope: &str, digest: &Fingerprint) -> Option<Snapshot>;
     /// The disk store of our decoder cache of a lane and scope, if it has a disk tier.
     fn store(&self, lane: usize, scope: &str) -> Option<Box<dyn ChunkStore>>;
 }
@@ -346,9 +357,9 @@ pub(crate) struct Contexts {
     pub counts: HashMap<Arc<str>, CodecCount>,
     storage: Option<Arc<dyn CacheStorage>>,
     /// States we saved, offered in our hello.
-    saved: HashMap<(Role, Key), Vec<Arc<Snapshot>>>,
-    /// States both sides agreed to resume, taken when the cache is first used.
-    resume: HashMap<(Role, Key), Arc<Snapshot>>,
+    saved: HashMap<(Role, Key), Vec<SavedState>>,
+    /// States both sides agreed to resume, loaded when the cache is first used.
+    resume: HashMap<(Role, Key), Fingerprint>,
     /// Each mirror's clock at its last checkpoint: it changed since if it differs.
     checkpointed: HashMap<Key, u64>,
 }
@@ -369,6 +380,20 @@ fn lane_share(bytes: u64, lane: usize) -> u64 {
     } else {
         bytes
     }
+}
+
+/// Loads an agreed state; a state that cannot be loaded leaves the cache empty (which costs
+/// dedup, never correctness: see [`Contexts::mirror`] and [`Contexts::decoder`]).
+fn load(
+    storage: Option<&dyn CacheStorage>,
+    role: Role,
+    lane: usize,
+    scope: &str,
+    digest: &Fingerprint,
+) -> Option<Snapshot> {
+    storage?
+        .load(role, lane, scope, digest)
+        .filter(|s| s.digest() == *digest)
 }
 
 fn to_usize(n: u64) -> usize {
@@ -420,7 +445,7 @@ impl Contexts {
                 decoder: *role == Role::Decoder,
                 lane: *lane as u8,
                 scope: scope.to_string(),
-                digests: states.iter().map(|s| s.digest()).collect(),
+                digests: states.iter().map(|s| s.digest).collect(),
             })
             .collect();
         v.sort_by(|a, b| (a.decoder, a.lane, &a.scope).cmp(&(b.decoder, b.lane, &b.scope)));
@@ -445,12 +470,15 @@ impl Contexts {
             let pick = if o.decoder {
                 o.digests
                     .iter()
-                    .find_map(|d| ours.iter().find(|s| s.digest() == *d))
+                    .find(|d| ours.iter().any(|s| s.digest == **d))
+                    .copied()
             } else {
-                ours.iter().find(|s| o.digests.contains(&s.digest()))
+                ours.iter()
+                    .find(|s| o.digests.contains(&s.digest))
+                    .map(|s| s.digest)
             };
-            if let Some(s) = pick {
-                self.resume.insert((role, key), s.clone());
+            if let Some(d) = pick {
+                self.resume.insert((role, key), d);
             }
         }
         self.saved.clear();
@@ -495,9 +523,12 @@ impl Contexts {
         let (level, resend) = (self.own.zstd_level, self.resend);
         let key = (lane, scope.clone());
         let resume = self.resume.remove(&(Role::Mirror, key.clone()));
+        let storage = self.storage.clone();
         self.mirrors.entry(key).or_insert_with(|| {
             let mut m = Mirror::new(to_usize(lane_share(size, lane)), resend, level);
-            if let Some(s) = resume {
+            if let Some(s) =
+                resume.and_then(|d| load(storage.as_deref(), Role::Mirror, lane, scope, &d))
+            {
                 // A state of another size cannot be resumed: start empty (the peer's cache then
                 // holds more than we assume, which only costs dedup).
                 let _ = m.cache_mut().restore(&s);
@@ -513,13 +544,15 @@ impl Contexts {
         let storage = self.storage.clone();
         self.decoders.entry(key).or_insert_with(|| {
             let store = (disk > 0)
-                .then(|| storage.and_then(|s| s.store(lane, scope)))
+                .then(|| storage.as_ref().and_then(|s| s.store(lane, scope)))
                 .flatten();
             let mut cache = match store {
                 Some(st) => ChunkCache::tiered(to_usize(mem), disk, st),
                 None => ChunkCache::new(to_usize(mem)),
             };
-            if let Some(s) = resume {
+            if let Some(s) =
+                resume.and_then(|d| load(storage.as_deref(), Role::Decoder, lane, scope, &d))
+            {
                 // Chunks whose bytes are gone become misses, which the peer answers.
                 let _ = cache.restore(&s);
             }

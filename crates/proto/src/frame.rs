@@ -192,7 +192,7 @@ pub struct CacheOffer {
 
 /// Most cache offers a hello may carry, and most saved states per offer.
 pub const MAX_OFFERS: usize = 512;
-pub const MAX_DIGESTS: usize = 4;
+pub const MAX_DIGESTS: usize = 8;
 
 /// Setting ids carried in [`Hello::settings`].
 pub mod setting {

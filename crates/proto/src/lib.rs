@@ -13,7 +13,7 @@ pub mod link;
 
 pub use coding::{
     CacheStat, CacheStorage, ChunkStore, CodecCount, CodecSettings, Compression, Pressure, Role,
-    SavedCache, Scope, StreamPolicy, TierStats,
+    SavedCache, SavedState, Scope, StreamPolicy, TierStats,
 };
 pub use error::{FrameError, LinkError, StreamError};
 pub use frame::{CacheOffer, Class, CloseCode, Frame, Hello, ResetCode, StreamId};

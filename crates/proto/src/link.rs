@@ -38,7 +38,7 @@ pub const CAP_LATENCY_LANE: u64 = 1;
 pub const CAP_CODEC: u64 = 2;
 
 /// Largest hello accepted: room for the most cache offers with the longest names.
-const HELLO_MAX: u32 = 192 * 1024;
+const HELLO_MAX: u32 = 256 * 1024;
 
 /// Most chunk answers (re-sent chunks) queued for the peer at once.
 const MAX_ANSWERS: usize = 1024;

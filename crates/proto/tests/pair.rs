@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-use wanopt_proto::{CacheStorage, ChunkStore, SavedCache};
+use wanopt_proto::{CacheStorage, ChunkStore, SavedCache, SavedState};
 use wanopt_proto::{
     Class, CloseCode, CodecCount, CodecSettings, Compression, Event, Frame, Hello, LANES, Link,
     LinkConfig, LinkError, ReadOutcome, ResetCode, Role, Scope, Snapshot, StreamId, StreamPolicy,
@@ -1008,6 +1008,7 @@ proptest! {
 struct TestStorage {
     stores: Mutex<HashMap<(usize, String), wanopt_codec::store::MemStore>>,
     saved: Mutex<Vec<SavedCache>>,
+    states: Mutex<HashMap<[u8; 16], Arc<Snapshot>>>,
 }
 
 impl TestStorage {
@@ -1023,7 +1024,12 @@ impl TestStorage {
     /// Keeps what a side's link asked to save, as the runtime writes it to disk.
     fn keep(&self, app: &mut App) {
         let mut saved = self.saved.lock().expect("lock");
-        for (role, lane, scope, state) in app.checkpoints.drain(..) {
+        for (role, lane, scope, snap) in app.checkpoints.drain(..) {
+            let state = SavedState {
+                digest: snap.digest(),
+                capacity: snap.capacity,
+            };
+            self.states.lock().expect("lock").insert(state.digest, snap);
             match saved
                 .iter_mut()
                 .find(|c| c.role == role && c.lane == lane && c.scope == scope)
@@ -1043,6 +1049,13 @@ impl TestStorage {
 impl CacheStorage for TestStorage {
     fn saved(&self) -> Vec<SavedCache> {
         self.saved.lock().expect("lock").clone()
+    }
+    fn load(&self, _: Role, _: usize, _: &str, digest: &[u8; 16]) -> Option<Snapshot> {
+        self.states
+            .lock()
+            .expect("lock")
+            .get(digest)
+            .map(|s| (**s).clone())
     }
     fn store(&self, lane: usize, scope: &str) -> Option<Box<dyn ChunkStore>> {
         Some(Box::new(self.mem(lane, scope)))
@@ -1103,7 +1116,7 @@ fn caches_resume_after_a_restart_and_damage_is_resent_never_misread() {
     let digest = |v: &[SavedCache], role| {
         v.iter()
             .find(|c| c.role == role && c.lane == 0 && c.scope.is_empty())
-            .map(|c| c.states[0].digest())
+            .map(|c| c.states[0].digest)
     };
     assert_eq!(
         digest(&wsaved, Role::Mirror),
@@ -1172,7 +1185,10 @@ fn service_scoped_caches_resume_too() {
         es.saved()
             .iter()
             .filter(|c| c.scope.is_empty() && c.role == Role::Decoder)
-            .all(|c| c.states.iter().all(|s| s.entries.is_empty())),
+            .all(|c| c.states.iter().all(|s| {
+                es.load(Role::Decoder, 0, "", &s.digest)
+                    .is_some_and(|s| s.entries.is_empty())
+            })),
     );
     p.assert_no_leaks();
 }

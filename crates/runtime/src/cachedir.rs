@@ -17,13 +17,25 @@ use std::time::Duration;
 use tracing::{info, warn};
 use wanopt_codec::cache::segment_size;
 use wanopt_codec::disk::DiskStore;
-use wanopt_proto::{CacheStorage, ChunkStore, CodecSettings, Role, SavedCache, Snapshot};
+use wanopt_proto::coding::Fingerprint;
+use wanopt_proto::{
+    CacheStorage, ChunkStore, CodecSettings, Role, SavedCache, SavedState, Snapshot,
+};
 
 use crate::config::valid_name;
 
 /// Saved states kept per cache: the newest few, so a side that missed the last one can still
-/// agree on an earlier one with its peer.
-const KEEP_STATES: usize = 3;
+/// agree on an earlier one with its peer. A mirror's states are small and saved at once, while
+/// the decoder's wait for its segments to reach the disk, so the mirror side keeps more.
+const KEEP_DECODER_STATES: usize = 3;
+const KEEP_MIRROR_STATES: usize = wanopt_proto::frame::MAX_DIGESTS;
+
+fn keep(role: Role) -> usize {
+    match role {
+        Role::Decoder => KEEP_DECODER_STATES,
+        Role::Mirror => KEEP_MIRROR_STATES,
+    }
+}
 /// Largest state file read back (about 28 million chunks).
 const MAX_STATE_FILE: u64 = 1 << 30;
 
@@ -85,11 +97,29 @@ fn parse_dir_name(name: &str) -> Option<(Role, usize, String)> {
     (lane < wanopt_proto::LANES).then_some((role, lane, scope))
 }
 
-fn state_seq(name: &str) -> Option<u64> {
-    name.strip_prefix("state-")?
+/// A saved state's file name: `state-<sequence>-<capacity>-<digest>.idx`, so states can be listed
+/// and offered without reading them.
+fn state_name(seq: u64, st: &SavedState) -> String {
+    let hex: String = st.digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("state-{seq:016}-{}-{hex}.idx", st.capacity)
+}
+
+fn parse_state_name(name: &str) -> Option<(u64, SavedState)> {
+    let mut parts = name
+        .strip_prefix("state-")?
         .strip_suffix(".idx")?
-        .parse()
-        .ok()
+        .split('-');
+    let seq = parts.next()?.parse().ok()?;
+    let capacity = parts.next()?.parse().ok()?;
+    let hex = parts.next()?;
+    if hex.len() != 32 || parts.next().is_some() {
+        return None;
+    }
+    let mut digest = [0u8; 16];
+    for (i, d) in digest.iter_mut().enumerate() {
+        *d = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some((seq, SavedState { digest, capacity }))
 }
 
 fn private_dir(p: &Path) -> Result<(), CacheDirError> {
@@ -103,13 +133,16 @@ fn private_dir(p: &Path) -> Result<(), CacheDirError> {
         })
 }
 
-/// The saved states in a directory, newest first, as (sequence, path).
-fn states_in(dir: &Path) -> Vec<(u64, PathBuf)> {
-    let mut v: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+/// The saved states in a directory, newest first, as (sequence, state, path).
+fn states_in(dir: &Path) -> Vec<(u64, SavedState, PathBuf)> {
+    let mut v: Vec<(u64, SavedState, PathBuf)> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()
         .flatten()
-        .filter_map(|e| Some((state_seq(e.file_name().to_str()?)?, e.path())))
+        .filter_map(|e| {
+            let (seq, st) = parse_state_name(e.file_name().to_str()?)?;
+            Some((seq, st, e.path()))
+        })
         .collect();
     v.sort_unstable_by_key(|s| std::cmp::Reverse(s.0));
     v
@@ -127,7 +160,7 @@ impl CacheDir {
         private_dir(&root)?;
         let mut seq = 0;
         for e in std::fs::read_dir(&root).into_iter().flatten().flatten() {
-            if let Some((s, _)) = states_in(&e.path()).first() {
+            if let Some((s, _, _)) = states_in(&e.path()).first() {
                 seq = seq.max(*s);
             }
         }
@@ -206,6 +239,10 @@ impl CacheDir {
                 }
             }
         }
+        let st = SavedState {
+            digest: state.digest(),
+            capacity: state.capacity,
+        };
         let tmp = dir.join(format!(".state-{seq:016}.tmp"));
         let mut f = OpenOptions::new()
             .write(true)
@@ -215,9 +252,9 @@ impl CacheDir {
             .open(&tmp)?;
         f.write_all(&state.encode())?;
         f.sync_all()?;
-        std::fs::rename(&tmp, dir.join(format!("state-{seq:016}.idx")))?;
+        std::fs::rename(&tmp, dir.join(state_name(seq, &st)))?;
         File::open(dir)?.sync_all()?;
-        for (_, old) in states_in(dir).into_iter().skip(KEEP_STATES) {
+        for (_, _, old) in states_in(dir).into_iter().skip(keep(role)) {
             let _ = std::fs::remove_file(old);
         }
         Ok(())
@@ -251,23 +288,11 @@ impl CacheStorage for CacheDir {
             let Some((role, lane, scope)) = e.file_name().to_str().and_then(parse_dir_name) else {
                 continue;
             };
-            let mut states = Vec::new();
-            for (_, p) in states_in(&e.path()).into_iter().take(KEEP_STATES) {
-                let read = File::open(&p).and_then(|f| {
-                    let len = f.metadata()?.len();
-                    if len > MAX_STATE_FILE {
-                        return Err(std::io::Error::other("too large"));
-                    }
-                    std::fs::read(&p)
-                });
-                match read.map(|b| Snapshot::decode(&b)) {
-                    Ok(Ok(s)) => states.push(Arc::new(s)),
-                    Ok(Err(e)) => {
-                        warn!(file = %p.display(), error = %e, "skipping a damaged cache state")
-                    }
-                    Err(e) => warn!(file = %p.display(), error = %e, "cannot read a cache state"),
-                }
-            }
+            let states: Vec<SavedState> = states_in(&e.path())
+                .into_iter()
+                .take(keep(role))
+                .map(|(_, st, _)| st)
+                .collect();
             if !states.is_empty() {
                 out.push(SavedCache {
                     role,
@@ -281,6 +306,36 @@ impl CacheStorage for CacheDir {
             info!(dir = %self.root.display(), caches = out.len(), "found saved cache states");
         }
         out
+    }
+
+    fn load(&self, role: Role, lane: usize, scope: &str, digest: &Fingerprint) -> Option<Snapshot> {
+        let dir = self.root.join(dir_name(role, lane, scope)?);
+        let (_, _, p) = states_in(&dir)
+            .into_iter()
+            .find(|(_, st, _)| st.digest == *digest)?;
+        let read = File::open(&p).and_then(|f| {
+            if f.metadata()?.len() > MAX_STATE_FILE {
+                return Err(std::io::Error::other("too large"));
+            }
+            std::fs::read(&p)
+        });
+        let snap = match read.map(|b| Snapshot::decode(&b)) {
+            Ok(Ok(s)) if s.digest() == *digest => s,
+            Ok(Ok(_)) => {
+                warn!(file = %p.display(), "a cache state does not match its name; starting this cache empty");
+                return None;
+            }
+            Ok(Err(e)) => {
+                warn!(file = %p.display(), error = %e, "a damaged cache state; starting this cache empty");
+                return None;
+            }
+            Err(e) => {
+                warn!(file = %p.display(), error = %e, "cannot read a cache state; starting this cache empty");
+                return None;
+            }
+        };
+        info!(cache = %dir.display(), chunks = snap.entries.len(), "resumed a saved cache state");
+        Some(snap)
     }
 
     fn store(&self, lane: usize, scope: &str) -> Option<Box<dyn ChunkStore>> {
@@ -321,6 +376,18 @@ mod tests {
             assert_eq!(dir_name(Role::Decoder, 0, bad), None, "{bad}");
         }
         assert_eq!(parse_dir_name("decoder-9-link"), None);
+        let st = SavedState {
+            digest: [0xa5; 16],
+            capacity: 3 << 30,
+        };
+        assert_eq!(parse_state_name(&state_name(42, &st)), Some((42, st)));
+        for bad in [
+            "state-1-2-00.idx",
+            "state-x-2-a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5.idx",
+            "state-1.idx",
+        ] {
+            assert_eq!(parse_state_name(bad), None, "{bad}");
+        }
         assert_eq!(parse_dir_name("mirror-0-svc-../x"), None);
     }
 }
