@@ -1,12 +1,14 @@
 //! Tunnel core benchmark, all paths in one run on loopback: one bulk stream's throughput and an
-//! 8 KiB request/response round trip, through direct TCP (CUBIC set explicitly, and BBR), a stunnel
-//! pair (TLS only, Debian's `stunnel4`) and a wanoptd pair (optimization off). Prints a table and the
-//! ratios the tunnel-core issue names.
+//! 8 KiB request/response round trip, through direct TCP (CUBIC set explicitly, and BBR), two
+//! chained plain relays (the floor of any two-proxy path), a stunnel pair (TLS only, Debian's
+//! `stunnel4`) and a wanoptd pair (optimization off). Prints a table and the ratios the
+//! tunnel-core issue names.
 //!
 //! Run: `cargo build --release --workspace && cargo bench --bench tunnel`
 //! Options (after `--`): `--bytes N` per bulk run (default 2 GiB), `--rounds N` round trips
-//! (default 5000), `--repeat N` interleaved repetitions (default 3; the median is reported),
-//! `--only PATH` to measure one path beside `direct cubic` (for profiling). The tunnel's link uses
+//! (default 20000, in 10 slices interleaved across the paths), `--repeat N` interleaved repetitions (default 3; the median is reported),
+//! `--only PATH` to measure one path beside `direct cubic` (for profiling), `--optimize` to run the
+//! pair with dedup and compression on. The tunnel's link uses
 //! BBR like the shipped configs; `WANOPT_TEST_CONGESTION=cubic` sets another congestion control.
 
 #[path = "../tests/common/mod.rs"]
@@ -55,6 +57,44 @@ fn sink() -> SocketAddr {
                     }
                 }
             });
+        }
+    });
+    addr
+}
+
+/// The floor of any relaying proxy: a plain TCP relay with a blocking thread per direction (no
+/// event loop, no framing, no encryption). Two chained make the tunnel's topology (client, west,
+/// east, target), so their added round-trip time is what two extra loopback hops cost here.
+fn plain_relay(target: SocketAddr) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(c) = c else { continue };
+            let Ok(t) = TcpStream::connect(target) else {
+                continue;
+            };
+            let _ = c.set_nodelay(true);
+            let _ = t.set_nodelay(true);
+            let (Ok(c2), Ok(t2)) = (c.try_clone(), t.try_clone()) else {
+                continue;
+            };
+            for (mut from, mut to) in [(c, t), (t2, c2)] {
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        match from.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => {
+                                if to.write_all(&buf[..n]).is_err() {
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                });
+            }
         }
     });
     addr
@@ -204,14 +244,17 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     let bytes = arg("--bytes", 2 << 30);
-    let rounds = arg("--rounds", 5000) as usize;
+    let rounds = arg("--rounds", 20000) as usize;
     let repeat = arg("--repeat", 3) as usize;
     let target = sink();
-    let pair = Pair::start(
+    // The issue's comparison is the tunnel alone: optimization off (`--optimize` turns it on).
+    let optimize = std::env::args().any(|a| a == "--optimize");
+    let pair = Pair::start_extra(
         &format!(
             "  - name: bench\n    target: {target}\n  - name: sync\n    target: {target}\n    class: latency\n"
         ),
         "  - name: bench\n    listen: 127.0.0.1:0\n  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n",
+        &format!("optimize:\n  enabled: {optimize}\n"),
     );
     let tunnel = pair.west.bound("bench");
     let st = stunnel(&pair.certs, target);
@@ -219,9 +262,11 @@ fn main() {
         eprintln!("stunnel4 is not installed (apt-get install stunnel4): its column is left out");
     }
     // (name, address, congestion control of the client socket, processes doing the relaying)
+    let relays = plain_relay(plain_relay(target));
     let mut paths: Vec<(&str, SocketAddr, Option<&str>, Vec<u32>)> = vec![
         ("direct cubic", target, Some("cubic"), vec![]),
         ("direct bbr", target, Some("bbr"), vec![]),
+        ("2 plain relays", relays, None, vec![]),
         (
             "wanopt",
             tunnel,
@@ -245,8 +290,9 @@ fn main() {
         paths.retain(|p| p.0 == only || p.0 == "direct cubic");
     }
     println!(
-        "loopback, one bulk stream of {} MiB x{repeat} (median), {rounds} round trips of 8 KiB",
-        bytes >> 20
+        "loopback, one bulk stream of {} MiB x{repeat} (median), {rounds} round trips of 8 KiB, optimization {}",
+        bytes >> 20,
+        if optimize { "on" } else { "off" }
     );
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
     let mut cpu = vec![0.0f64; paths.len()];
@@ -257,10 +303,17 @@ fn main() {
             cpu[i] += pids.iter().map(|p| common::cpu_seconds(*p)).sum::<f64>() - before;
         }
     }
-    let rtts: Vec<Vec<Duration>> = paths
-        .iter()
-        .map(|(_, a, cc, _)| round_trips(*a, *cc, rounds))
-        .collect();
+    // Round trips in interleaved slices, so a noisy moment of the machine hits every path alike.
+    let slices = 10;
+    let mut rtts: Vec<Vec<Duration>> = vec![Vec::new(); paths.len()];
+    for _ in 0..slices {
+        for (i, (_, a, cc, _)) in paths.iter().enumerate() {
+            rtts[i].extend(round_trips(*a, *cc, rounds / slices));
+        }
+    }
+    for r in &mut rtts {
+        r.sort();
+    }
     println!(
         "{:<14} {:>10} {:>14} {:>12} {:>12} {:>12}",
         "path", "MB/s", "relay CPU s/GB", "rtt p50 µs", "rtt p99 µs", "p99.9 µs"
@@ -320,4 +373,12 @@ fn main() {
         "8 KiB round trip added over direct:   {:.1} µs at the median  (target <= 100)",
         wan_p50 - direct_p50
     );
+    if let Some(r) = paths.iter().position(|p| p.0 == "2 plain relays") {
+        let relay_p50 = pct(&rtts[r], 0.5).as_secs_f64() * 1e6;
+        println!(
+            "  of which two plain relays (the floor of any two-proxy path) add {:.1} µs; wanopt adds {:.1} µs beyond them",
+            relay_p50 - direct_p50,
+            wan_p50 - relay_p50
+        );
+    }
 }
