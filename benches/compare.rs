@@ -121,8 +121,20 @@ fn main() {
             continue;
         }
         if service == "sync" {
-            // Which connection carries latency-class streams decides their delay.
-            let lanes = common::value(&common::scrape(admin), "wanopt_link_lanes ");
+            // Which connection carries latency-class streams decides their delay: give the
+            // latency lane a moment to come up, and say whether it did.
+            let lanes = wan
+                .in_site(Site::West, move || {
+                    let end = std::time::Instant::now() + std::time::Duration::from_secs(5);
+                    loop {
+                        let n = common::value(&common::scrape(admin), "wanopt_link_lanes ");
+                        if n >= 2 || std::time::Instant::now() > end {
+                            return n;
+                        }
+                        std::thread::sleep(std::time::Duration::from_millis(100));
+                    }
+                })
+                .expect("west");
             println!("link connections in use: {lanes} (2: the latency lane is up)");
         }
         let job: Job = compare::parse_job(&spec).expect("workload");

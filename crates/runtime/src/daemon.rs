@@ -681,7 +681,8 @@ async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
         let acceptor = tokio_rustls::TlsAcceptor::from(peer.tls().server);
         tokio::spawn(async move {
             let sock = socket2::SockRef::from(&tcp);
-            sockopt::tune_link_socket(&sock, &peer.cfg().link);
+            // Congestion control stays the listener's (the lane's) until the hello shows the role.
+            sockopt::tune_link_options(&sock, &peer.cfg().link);
             let hs = tokio::time::timeout(
                 peer.cfg().limits.handshake_timeout,
                 acceptor.accept(wire(tcp)),
@@ -708,10 +709,6 @@ async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
                 warn!(from = %addr, error = %e, "rejected link: wrong peer");
                 return;
             }
-            sockopt::log_effective(
-                &socket2::SockRef::from(tls.get_ref().0.get_ref()),
-                &peer.cfg().link,
-            );
             let mut tls = tls;
             let (mut buf, first, n) =
                 match read_first_frame(&mut tls, peer.cfg().limits.handshake_timeout).await {
@@ -728,10 +725,9 @@ async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
             };
             match attach {
                 None => {
-                    sockopt::pace_main_lane(
-                        &socket2::SockRef::from(tls.get_ref().0.get_ref()),
-                        &peer.cfg().link,
-                    );
+                    let sock = socket2::SockRef::from(tls.get_ref().0.get_ref());
+                    sockopt::tune_main_lane(&sock, &peer.cfg().link);
+                    sockopt::log_effective(&sock, &peer.cfg().link);
                     let fd = tls.get_ref().0.get_ref().as_raw_fd();
                     run_link(peer, tls, fd, addr, buf).await
                 }
@@ -803,7 +799,8 @@ fn open_lane(
         let Ok(name) = tls::server_name(&peer.cfg().link.peer) else {
             return;
         };
-        let (mut tls, addr) = match dial(&peer, &target, &connector, name).await {
+        let cc = peer.cfg().link.lane_congestion.clone();
+        let (mut tls, addr) = match dial(&peer, &target, &connector, name, &cc).await {
             Ok(x) => x,
             Err(e) => {
                 warn!(link = h.id, error = %e, "cannot open the latency lane; latency streams share the main connection");
@@ -886,14 +883,15 @@ async fn connect_loop(peer: Arc<Peer>) {
         let started = Instant::now();
         // Built per attempt, so certificates re-read by a reload are used from the next dial.
         let connector = tokio_rustls::TlsConnector::from(peer.tls().client);
-        match dial(&peer, &target, &connector, name.clone()).await {
+        let cc = peer.cfg().link.congestion.clone();
+        match dial(&peer, &target, &connector, name.clone(), &cc).await {
             Ok((tls, addr)) => {
                 record_peer_expiry(&peer, tls.get_ref().1.peer_certificates());
                 sockopt::log_effective(
                     &socket2::SockRef::from(tls.get_ref().0.get_ref()),
                     &peer.cfg().link,
                 );
-                sockopt::pace_main_lane(
+                sockopt::tune_main_lane(
                     &socket2::SockRef::from(tls.get_ref().0.get_ref()),
                     &peer.cfg().link,
                 );
@@ -922,6 +920,7 @@ async fn dial(
     target: &str,
     connector: &tokio_rustls::TlsConnector,
     name: rustls::pki_types::ServerName<'static>,
+    cc: &str,
 ) -> Result<(tokio_rustls::client::TlsStream<Wire>, SocketAddr), String> {
     let limits = &peer.cfg().limits;
     let addr = tokio::net::lookup_host(target)
@@ -931,7 +930,7 @@ async fn dial(
         .ok_or_else(|| format!("resolve {target}: no address"))?;
     let tcp = tokio::time::timeout(
         limits.connect_timeout,
-        sockopt::link_connect(addr, &peer.cfg().link),
+        sockopt::link_connect(addr, &peer.cfg().link, cc),
     )
     .await
     .map_err(|_| format!("connect {addr}: timed out"))?

@@ -47,9 +47,24 @@ pub fn check_buffer_sysctls(link: &LinkSettings) {
     }
 }
 
-/// Applies the link options to a socket before it connects or listens.
-pub fn tune_link_socket(sock: &SockRef<'_>, link: &LinkSettings) {
-    set_congestion(sock, &link.congestion);
+/// Applies the link options and congestion control `cc` to a socket before it connects or
+/// listens.
+///
+/// The congestion control a connection is established with matters beyond its own use: BBR turns
+/// on the kernel's internal pacing when the connection comes up, and switching to another
+/// algorithm later does not turn it off. A latency lane born BBR and switched to CUBIC would pace
+/// each 8 KiB message at CUBIC's window-limited rate (about 1 Mbit/s at 100 ms after a loss:
+/// measured +20-30 ms per SYNC round trip). So lanes are dialled, and the listener listens, with
+/// the lane's congestion control; an accepted connection switches to the main lane's only once
+/// its hello shows it is the main lane (switching to BBR turns pacing on, as BBR wants).
+pub fn tune_link_socket(sock: &SockRef<'_>, link: &LinkSettings, cc: &str) {
+    set_congestion(sock, cc);
+    tune_link_options(sock, link);
+}
+
+/// The link options other than congestion control (accepted sockets keep the listener's until
+/// their role is known).
+pub fn tune_link_options(sock: &SockRef<'_>, link: &LinkSettings) {
     if let Err(e) = sock.set_tcp_nodelay(true) {
         warn!(error = %e, "cannot set TCP_NODELAY on the link socket");
     }
@@ -81,17 +96,20 @@ pub fn tune_link_socket(sock: &SockRef<'_>, link: &LinkSettings) {
     }
 }
 
-/// Switches a link socket that turned out to be the latency lane to the lane's congestion control.
-/// Caps the main lane's sending rate (`link.max_rate`), once a connection is known to be the main
-/// lane. Never on the listener or the latency lane: asking for a pacing cap turns on the kernel's
-/// own pacing for the socket for good, and a window-limited latency lane would then spread each
-/// small message over tens of milliseconds (measured: +31 ms per 8 KiB round trip at 100 ms).
-pub fn pace_main_lane(sock: &SockRef<'_>, link: &LinkSettings) {
+/// Once a connection is known to be the main lane: its congestion control (`link.congestion`),
+/// and a cap on its sending rate (`link.max_rate`). Never on the listener or the latency lane:
+/// asking for a pacing cap turns on the kernel's own pacing for the socket for good, and a
+/// window-limited latency lane would then spread each small message over tens of milliseconds
+/// (measured: +31 ms per 8 KiB round trip at 100 ms).
+pub fn tune_main_lane(sock: &SockRef<'_>, link: &LinkSettings) {
+    set_congestion(sock, &link.congestion);
     if let Some(bps) = link.max_rate_bps {
         set_max_pacing_rate(sock, bps / 8);
     }
 }
 
+/// Sets the latency lane's congestion control (a no-op when it was born with it, as it should be:
+/// see [`tune_link_socket`]).
 pub fn tune_lane_socket(sock: &SockRef<'_>, link: &LinkSettings) {
     set_congestion(sock, &link.lane_congestion);
 }
@@ -213,7 +231,7 @@ pub fn link_listener(
 ) -> std::io::Result<tokio::net::TcpListener> {
     let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
     sock.set_reuse_address(true)?;
-    tune_link_socket(&SockRef::from(&sock), link);
+    tune_link_socket(&SockRef::from(&sock), link, &link.lane_congestion);
     sock.bind(&addr.into())?;
     sock.listen(128)?;
     sock.set_nonblocking(true)?;
@@ -224,11 +242,12 @@ pub fn link_listener(
 pub async fn link_connect(
     addr: SocketAddr,
     link: &LinkSettings,
+    cc: &str,
 ) -> std::io::Result<tokio::net::TcpStream> {
     let raw = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
     raw.set_nonblocking(true)?;
     let sock = tokio::net::TcpSocket::from_std_stream(raw.into());
-    tune_link_socket(&SockRef::from(&sock), link);
+    tune_link_socket(&SockRef::from(&sock), link, cc);
     sock.connect(addr).await
 }
 
@@ -245,6 +264,47 @@ pub fn local_listener(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListen
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn congestion(fd: &impl std::os::fd::AsFd) -> String {
+        let v = SockRef::from(fd).tcp_congestion().unwrap_or_default();
+        String::from_utf8_lossy(&v)
+            .trim_end_matches('\0')
+            .to_string()
+    }
+
+    /// Lanes are born with the lane's congestion control (so BBR never turns on pacing for
+    /// them); an accepted connection keeps the listener's until it is known to be the main lane.
+    #[tokio::test]
+    async fn lanes_are_born_with_their_congestion_control() {
+        let available =
+            read_sysctl("net.ipv4.tcp_available_congestion_control").unwrap_or_default();
+        if !(available.contains("bbr") && available.contains("cubic")) {
+            eprintln!("skipping: the kernel lacks bbr or cubic ({available})");
+            return;
+        }
+        let cfg = crate::Config::parse(
+            "site: west\nlink:\n  listen: 127.0.0.1:0\n  peer: east\n  congestion: bbr\n  lane_congestion: cubic\ntls:\n  ca: c\n  cert: c\n  key: k\n",
+            std::path::Path::new("/tmp/x.yaml"),
+        )
+        .expect("config");
+        let l = link_listener("127.0.0.1:0".parse().expect("addr"), &cfg.link).expect("listen");
+        assert_eq!(congestion(&l), "cubic");
+        let addr = l.local_addr().expect("addr");
+        let (lane, main) = tokio::join!(link_connect(addr, &cfg.link, "cubic"), l.accept());
+        let (lane, (accepted, _)) = (lane.expect("connect"), main.expect("accept"));
+        assert_eq!(congestion(&lane), "cubic");
+        assert_eq!(
+            congestion(&accepted),
+            "cubic",
+            "inherited from the listener"
+        );
+        tune_main_lane(&SockRef::from(&accepted), &cfg.link);
+        assert_eq!(congestion(&accepted), "bbr");
+        let main = link_connect(addr, &cfg.link, &cfg.link.congestion)
+            .await
+            .expect("connect");
+        assert_eq!(congestion(&main), "bbr");
+    }
 
     #[test]
     fn triple_parsing() {
