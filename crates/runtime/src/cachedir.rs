@@ -49,6 +49,8 @@ pub struct CacheDir {
     seq: AtomicU64,
     pending: AtomicUsize,
     idle: tokio::sync::Notify,
+    /// Held (`flock`) while the directory is in use: two daemons must never share one.
+    _lock: File,
 }
 
 impl std::fmt::Debug for CacheDir {
@@ -66,6 +68,30 @@ impl std::fmt::Debug for CacheDir {
 pub struct CacheDirError {
     path: PathBuf,
     source: std::io::Error,
+}
+
+/// Takes the directory's lock file, or fails if another process holds it.
+fn lock_dir(root: &Path) -> Result<File, CacheDirError> {
+    use std::os::fd::AsRawFd;
+    let path = root.join(".lock");
+    let err = |source| CacheDirError {
+        path: path.clone(),
+        source,
+    };
+    let f = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(err)?;
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(err(std::io::Error::other(
+            "in use by another wanoptd (two daemons must not share a state_dir for the same peer)",
+        )));
+    }
+    Ok(f)
 }
 
 fn dir_name(role: Role, lane: usize, scope: &str) -> Option<String> {
@@ -158,6 +184,7 @@ impl CacheDir {
     ) -> Result<CacheDir, CacheDirError> {
         let root = state_dir.join("cache").join(peer);
         private_dir(&root)?;
+        let lock = lock_dir(&root)?;
         let mut seq = 0;
         for e in std::fs::read_dir(&root).into_iter().flatten().flatten() {
             if let Some((s, _, _)) = states_in(&e.path()).first() {
@@ -172,6 +199,7 @@ impl CacheDir {
             seq: AtomicU64::new(seq),
             pending: AtomicUsize::new(0),
             idle: tokio::sync::Notify::new(),
+            _lock: lock,
         })
     }
 
@@ -361,6 +389,18 @@ impl CacheStorage for CacheDir {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_directory_is_used_by_one_daemon_at_a_time() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let codec = CodecSettings::default();
+        let a = CacheDir::open(dir.path(), "east", codec.clone(), None).expect("first");
+        let e = CacheDir::open(dir.path(), "east", codec.clone(), None).expect_err("second");
+        assert!(e.to_string().contains("in use"), "{e}");
+        assert!(CacheDir::open(dir.path(), "west", codec.clone(), None).is_ok());
+        drop(a);
+        assert!(CacheDir::open(dir.path(), "east", codec, None).is_ok());
+    }
 
     #[test]
     fn names_round_trip_and_hostile_scopes_get_no_directory() {
