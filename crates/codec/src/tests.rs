@@ -280,3 +280,38 @@ fn latency_flushes_never_hold_bytes_back() {
         assert!(out == msg);
     }
 }
+
+#[test]
+fn flushed_tails_are_compressed_when_it_pays_and_never_cached() {
+    let cfg = CodecConfig::default();
+    let mut enc = Encoder::new(cfg.clone());
+    let mut dec = Decoder::new(&cfg);
+    // A 3 KiB redo-like write (shorter than a chunk), flushed as a latency stream does.
+    let write: Vec<u8> = b"UPDATE ORDERS SET STATUS='SHIPPED' WHERE ID=42;"
+        .iter()
+        .cycle()
+        .take(3000)
+        .copied()
+        .collect();
+    for round in 0..2 {
+        let mut wire = Vec::new();
+        enc.push(&write, true, Pressure::CpuBound, &mut wire);
+        assert!(
+            wire.len() < write.len() / 4,
+            "round {round}: {} of {}",
+            wire.len(),
+            write.len()
+        );
+        let mut out = Vec::new();
+        assert_eq!(dec.decode(&wire, &mut out), Ok(wire.len()));
+        assert_eq!(out, write);
+    }
+    assert!(
+        enc.cache().is_empty() && dec.cache().is_empty(),
+        "tails are not cached"
+    );
+    // A tiny tail goes raw.
+    let mut wire = Vec::new();
+    enc.push(b"COMMIT;", true, Pressure::CpuBound, &mut wire);
+    assert_eq!(wire.len(), 1 + 1 + 7);
+}

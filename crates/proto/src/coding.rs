@@ -277,7 +277,7 @@ pub(crate) fn emit(
         }
         let chunk = &avail[off..off + len];
         let r = if last && len < chunking.min_chunk {
-            codec::encode_raw(chunk, out)
+            codec::encode_tail(mirror, chunk, &coder.policy, pressure, &mut coder.hint, out)
         } else {
             mirror.encode_chunk(chunk, &coder.policy, pressure, &mut coder.hint, out)
         };
