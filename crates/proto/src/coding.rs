@@ -362,6 +362,8 @@ pub(crate) struct Contexts {
     resume: HashMap<(Role, Key), Fingerprint>,
     /// Each mirror's clock at its last checkpoint: it changed since if it differs.
     checkpointed: HashMap<Key, u64>,
+    /// Each decoder's clock when a peer's checkpoint was last judged against it.
+    judged: HashMap<Key, u64>,
 }
 
 impl std::fmt::Debug for Contexts {
@@ -433,6 +435,7 @@ impl Contexts {
             saved,
             resume: HashMap::new(),
             checkpointed: HashMap::new(),
+            judged: HashMap::new(),
         }
     }
 
@@ -590,11 +593,19 @@ impl Contexts {
         scope: &str,
         digest: &Fingerprint,
     ) -> Option<Arc<Snapshot>> {
-        let d = self.decoders.get_mut(&(lane, Arc::from(scope)))?;
+        let key: Key = (lane, Arc::from(scope));
+        let d = self.decoders.get_mut(&key)?;
         // A cache in memory only has nothing to resume after a restart.
         if !d.cache().has_disk() {
             return None;
         }
+        // A peer repeating checkpoints without sending anything in between costs nothing: the
+        // state did not change, it was judged (and saved, if it matched) already.
+        let clock = d.cache().clock();
+        if self.judged.get(&key).is_some_and(|c| *c == clock) {
+            return None;
+        }
+        self.judged.insert(key, clock);
         d.cache_mut().flush();
         let s = d.cache().snapshot();
         (s.digest() == *digest).then(|| Arc::new(s))

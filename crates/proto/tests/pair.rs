@@ -1192,3 +1192,48 @@ fn service_scoped_caches_resume_too() {
     );
     p.assert_no_leaks();
 }
+
+#[test]
+fn repeated_checkpoints_from_a_peer_cost_nothing_and_save_once() {
+    let (ws, es) = (
+        Arc::new(TestStorage::default()),
+        Arc::new(TestStorage::default()),
+    );
+    let mut p = stored_pair(&ws, &es);
+    send_once(&mut p, "e-svc", Class::Bulk, &pattern(13, 1 << 20));
+    // West's periodic checkpoint (60 s by default), in virtual time with the link kept alive.
+    for _ in 0..13 {
+        p.now += Duration::from_secs(5);
+        p.west.link.handle_timeout(p.now);
+        p.east.link.handle_timeout(p.now);
+        p.drive(Duration::from_secs(1));
+    }
+    let saved: Vec<_> = p
+        .east
+        .app
+        .checkpoints
+        .iter()
+        .filter(|c| c.0 == Role::Decoder)
+        .map(|c| c.3.digest())
+        .collect();
+    assert_eq!(saved.len(), 1, "the decoder saved its state once");
+    // The same checkpoint again and again (a misbehaving peer): judged once, never saved again.
+    let mut buf = BytesMut::new();
+    Frame::Checkpoint {
+        scope: String::new(),
+        digest: saved[0],
+    }
+    .encode(&mut buf);
+    let before = p.east.app.checkpoints.len();
+    for _ in 0..100 {
+        let mut b = buf.clone();
+        p.east
+            .link
+            .handle_lane_input(0, &mut b, p.now)
+            .expect("a checkpoint is a valid frame");
+    }
+    p.drive(Duration::from_millis(10));
+    assert!(p.east.link.is_open());
+    assert_eq!(p.east.app.checkpoints.len(), before);
+    p.assert_no_leaks();
+}
