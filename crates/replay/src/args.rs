@@ -20,13 +20,18 @@ pub enum Oratcp {
     Help,
 }
 
-/// A size with powers of 1024: `8k`, `8020`, `1m`, `2g`, `16kb`.
+/// A size with powers of 1024: `8k`, `8020`, `1m`, `2g`, `16kb`, `64MiB`.
 pub fn size(s: &str) -> Result<u64, String> {
     let l = s.trim().to_ascii_lowercase();
     let l = l
         .strip_suffix("bytes")
         .or_else(|| l.strip_suffix("byte"))
         .unwrap_or(&l);
+    // `64MiB`, as in the daemon's config, means the same as `64m`.
+    let l = l
+        .strip_suffix("ib")
+        .filter(|r| r.ends_with(['k', 'm', 'g', 't']))
+        .unwrap_or(l);
     let l = l.strip_suffix('b').filter(|r| !r.is_empty()).unwrap_or(l);
     let (num, mult) = match l.chars().last() {
         Some('k') => (&l[..l.len() - 1], 1u64 << 10),
@@ -38,7 +43,7 @@ pub fn size(s: &str) -> Result<u64, String> {
     let v: f64 = num
         .trim()
         .parse()
-        .map_err(|_| format!("{s:?} is not a size (8020, 8k, 1m, 2g)"))?;
+        .map_err(|_| format!("{s:?} is not a size (8020, 8k, 1m, 64MiB, 2g)"))?;
     let b = v * mult as f64;
     if !b.is_finite() || b < 0.0 || b > u64::MAX as f64 {
         return Err(format!("{s:?} is out of range"));
@@ -252,6 +257,9 @@ mod tests {
         assert_eq!(size("8020"), Ok(8020));
         assert_eq!(size("1m"), Ok(1 << 20));
         assert_eq!(size("2G"), Ok(2 << 30));
+        assert_eq!(size("64MiB"), Ok(64 << 20));
+        assert_eq!(size("16kib"), Ok(16 << 10));
+        assert!(size("5ib").is_err());
         assert_eq!(size("16kb"), Ok(16384));
         assert!(size("lots").is_err());
         assert_eq!(
