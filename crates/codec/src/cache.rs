@@ -96,6 +96,8 @@ pub struct ChunkCache {
     mem_order: BTreeMap<u64, Fingerprint>,
     mem_evictions: u64,
     disk: Option<DiskTier>,
+    /// Entries whose bytes are on disk (kept, not counted: the index may hold millions).
+    on_disk: u64,
 }
 
 impl std::fmt::Debug for ChunkCache {
@@ -136,6 +138,7 @@ impl ChunkCache {
             mem_order: BTreeMap::new(),
             mem_evictions: 0,
             disk: None,
+            on_disk: 0,
         }
     }
 
@@ -216,7 +219,11 @@ impl ChunkCache {
         if let Some(d) = &self.disk {
             t.disk = true;
             t.disk_bytes = d.files;
-            t.disk_chunks = self.entries.values().filter(|e| e.loc.is_some()).count() as u64;
+            t.disk_chunks = self.on_disk;
+            debug_assert_eq!(
+                self.on_disk,
+                self.entries.values().filter(|e| e.loc.is_some()).count() as u64
+            );
             t.disk_reclaimed = d.reclaimed;
             t.disk_moved = d.moved;
             t.disk_lost = d.lost;
@@ -329,6 +336,7 @@ impl ChunkCache {
             (Some(d), Some(disk)) => disk.append(&f, d),
             _ => None,
         };
+        self.on_disk += u64::from(loc.is_some());
         let mem = if self.mem_limit > 0 { data } else { None };
         if mem.is_some() {
             self.mem_size += len;
@@ -413,6 +421,7 @@ impl ChunkCache {
                     None => e.loc.and_then(|l| disk.store.read(l, &f)),
                 };
                 e.loc = data.and_then(|d| disk.append(&f, &d));
+                self.on_disk -= u64::from(e.loc.is_none());
                 disk.moved += 1;
                 if e.loc.is_none() && e.mem.is_none() {
                     lost.push(f);
@@ -435,6 +444,7 @@ impl ChunkCache {
                 self.mem_order.remove(&e.stamp);
                 self.mem_size -= d.len();
             }
+            self.on_disk -= u64::from(e.loc.is_some());
             if let (Some(loc), Some(disk)) = (e.loc, self.disk.as_mut())
                 && let Some(s) = disk.segs.get_mut(&loc.seg)
             {
@@ -513,6 +523,7 @@ impl ChunkCache {
             }
             self.clock += 1;
             self.size += len;
+            self.on_disk += u64::from(loc.is_some());
             self.order.insert(self.clock, s.fingerprint);
             self.entries.insert(
                 s.fingerprint,
@@ -738,15 +749,7 @@ mod tests {
     }
 
     fn chunk(i: u32) -> Vec<u8> {
-        let mut x = u64::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..2000)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect()
+        crate::tests::xorshift(u64::from(i), 2000)
     }
 
     #[test]

@@ -6,7 +6,7 @@ use proptest::prelude::*;
 
 use super::*;
 
-fn xorshift(seed: u64, len: usize) -> Vec<u8> {
+pub(crate) fn xorshift(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..len)
         .map(|_| {
