@@ -2,7 +2,9 @@
 //! 8 KiB request/response round trip, through direct TCP (CUBIC set explicitly, and BBR), two
 //! chained plain relays (the floor of any two-proxy path), a stunnel pair (TLS only, Debian's
 //! `stunnel4`) and a wanoptd pair (optimization off). Prints a table and the ratios the
-//! tunnel-core issue names.
+//! tunnel-core issue names. The sink and each plain relay are processes of their own (this binary
+//! run again), like the daemons and stunnel; the last column is the relaying processes' CPU time
+//! per round trip, a steadier figure than the latency on a noisy machine.
 //!
 //! Run: `cargo build --release --workspace && cargo bench --bench tunnel`
 //! Options (after `--`): `--bytes N` per bulk run (default 2 GiB), `--rounds N` round trips
@@ -22,6 +24,52 @@ use std::time::{Duration, Instant};
 use common::{Certs, Pair};
 
 const RR_SIZE: usize = 8 * 1024;
+
+/// A helper process: this bench's binary run again as `--child sink` or `--child relay TARGET`.
+/// Every endpoint of a real path is its own process (the database server, each proxy), and a
+/// switch between processes costs more than one between threads of one process, so the sink and
+/// the plain relays run apart from the measuring client, like the daemons and stunnel.
+struct Child2 {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Child2 {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_child(args: &[String]) -> Child2 {
+    let exe = std::env::current_exe().expect("own path");
+    let mut child = Command::new(exe)
+        .arg("--child")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn helper process");
+    let mut line = String::new();
+    let out = child.stdout.take().expect("helper stdout");
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line)
+        .expect("helper address");
+    let addr = line.trim().parse().expect("helper printed its address");
+    Child2 { child, addr }
+}
+
+/// Runs as a helper process: serves until the parent closes our stdin (or kills us).
+fn child_main(args: &[String]) {
+    let addr = match args.first().map(String::as_str) {
+        Some("sink") => sink(),
+        Some("relay") => plain_relay(args[1].parse().expect("relay target")),
+        _ => panic!("unknown helper {args:?}"),
+    };
+    println!("{addr}");
+    let _ = std::io::stdout().flush();
+    let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+    std::process::exit(0);
+}
 
 /// The sink: first byte selects the mode. `B`: read to EOF, answer the byte count.
 /// `R`: echo fixed 8 KiB messages until EOF.
@@ -63,8 +111,9 @@ fn sink() -> SocketAddr {
 }
 
 /// The floor of any relaying proxy: a plain TCP relay with a blocking thread per direction (no
-/// event loop, no framing, no encryption). Two chained make the tunnel's topology (client, west,
-/// east, target), so their added round-trip time is what two extra loopback hops cost here.
+/// event loop, no framing, no encryption). Two chained, each its own process, make the tunnel's
+/// topology (client, west, east, target), so their added round-trip time is what two extra
+/// loopback hops cost here.
 fn plain_relay(target: SocketAddr) -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = l.local_addr().expect("addr");
@@ -243,10 +292,15 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--child") {
+        return child_main(&args[i + 1..]);
+    }
     let bytes = arg("--bytes", 2 << 30);
     let rounds = arg("--rounds", 20000) as usize;
     let repeat = arg("--repeat", 3) as usize;
-    let target = sink();
+    let sink_proc = spawn_child(&["sink".into()]);
+    let target = sink_proc.addr;
     // The issue's comparison is the tunnel alone: optimization off (`--optimize` turns it on).
     let optimize = std::env::args().any(|a| a == "--optimize");
     let pair = Pair::start_extra(
@@ -262,11 +316,18 @@ fn main() {
         eprintln!("stunnel4 is not installed (apt-get install stunnel4): its column is left out");
     }
     // (name, address, congestion control of the client socket, processes doing the relaying)
-    let relays = plain_relay(plain_relay(target));
+    let relay_east = spawn_child(&["relay".into(), target.to_string()]);
+    let relay_west = spawn_child(&["relay".into(), relay_east.addr.to_string()]);
+    let relays = relay_west.addr;
     let mut paths: Vec<(&str, SocketAddr, Option<&str>, Vec<u32>)> = vec![
         ("direct cubic", target, Some("cubic"), vec![]),
         ("direct bbr", target, Some("bbr"), vec![]),
-        ("2 plain relays", relays, None, vec![]),
+        (
+            "2 plain relays",
+            relays,
+            None,
+            vec![relay_west.child.id(), relay_east.child.id()],
+        ),
         (
             "wanopt",
             tunnel,
@@ -306,17 +367,20 @@ fn main() {
     // Round trips in interleaved slices, so a noisy moment of the machine hits every path alike.
     let slices = 10;
     let mut rtts: Vec<Vec<Duration>> = vec![Vec::new(); paths.len()];
+    let mut rr_cpu = vec![0.0f64; paths.len()];
     for _ in 0..slices {
-        for (i, (_, a, cc, _)) in paths.iter().enumerate() {
+        for (i, (_, a, cc, pids)) in paths.iter().enumerate() {
+            let before: f64 = pids.iter().map(|p| common::cpu_seconds(*p)).sum();
             rtts[i].extend(round_trips(*a, *cc, rounds / slices));
+            rr_cpu[i] += pids.iter().map(|p| common::cpu_seconds(*p)).sum::<f64>() - before;
         }
     }
     for r in &mut rtts {
         r.sort();
     }
     println!(
-        "{:<14} {:>10} {:>14} {:>12} {:>12} {:>12}",
-        "path", "MB/s", "relay CPU s/GB", "rtt p50 µs", "rtt p99 µs", "p99.9 µs"
+        "{:<14} {:>10} {:>14} {:>12} {:>12} {:>12} {:>12}",
+        "path", "MB/s", "relay CPU s/GB", "rtt p50 µs", "rtt p99 µs", "p99.9 µs", "CPU µs/rtt"
     );
     let gb = (bytes * repeat as u64) as f64 / 1e9;
     let mut med = Vec::new();
@@ -324,19 +388,23 @@ fn main() {
         let m = median(rates[i].clone());
         med.push(m);
         let r = &rtts[i];
-        let cpu_gb = if pids.is_empty() {
-            "-".to_string()
+        let (cpu_gb, cpu_rtt) = if pids.is_empty() {
+            ("-".to_string(), "-".to_string())
         } else {
-            format!("{:.2}", cpu[i] / gb)
+            (
+                format!("{:.2}", cpu[i] / gb),
+                format!("{:.1}", rr_cpu[i] * 1e6 / r.len() as f64),
+            )
         };
         println!(
-            "{:<14} {:>10.0} {:>14} {:>12.1} {:>12.1} {:>12.1}",
+            "{:<14} {:>10.0} {:>14} {:>12.1} {:>12.1} {:>12.1} {:>12}",
             name,
             m / 1e6,
             cpu_gb,
             pct(r, 0.5).as_secs_f64() * 1e6,
             pct(r, 0.99).as_secs_f64() * 1e6,
-            pct(r, 0.999).as_secs_f64() * 1e6
+            pct(r, 0.999).as_secs_f64() * 1e6,
+            cpu_rtt
         );
     }
     let Some(w) = paths.iter().position(|p| p.0 == "wanopt") else {

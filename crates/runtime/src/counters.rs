@@ -523,6 +523,10 @@ impl Counters {
     /// The counters of a service, created on first use.
     pub fn service(&self, name: &str) -> Arc<ServiceCounters> {
         let mut m = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        // Looked up on every dispatch of the link's counts: no allocation when it exists.
+        if let Some(c) = m.get(name) {
+            return c.clone();
+        }
         m.entry(name.to_string())
             .or_insert_with(|| Arc::new(self.services.service(name)))
             .clone()

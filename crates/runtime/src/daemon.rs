@@ -107,18 +107,26 @@ impl LinkHandle {
     /// Wakes the writers of the lanes that have frames to send (or must notice the link closed);
     /// an idle lane's writer is left asleep, which saves a task switch on the latency path.
     fn kick(&self) {
-        let wants: [bool; LANES] = {
-            let g = lock(&self.inner);
-            let closed = g.link.is_closed();
-            // The main lane's writer also runs the link's timers: wake it when they moved
-            // earlier than what it sleeps until (the peer's hello arms them, for one).
-            let timer = g.link.poll_timeout();
-            let armed = *lock(&self.armed);
-            let rearm = timer.is_some_and(|t| armed.is_none_or(|a| t < a));
-            std::array::from_fn(|l| {
-                closed || g.link.wants_transmit_lane(l) || (l == MAIN_LANE && rearm)
-            })
-        };
+        let wants = self.wants(&lock(&self.inner));
+        self.wake(wants);
+    }
+
+    /// Which lanes' writers [`kick`](Self::kick) would wake, decided under the link's lock that
+    /// the caller already holds (one lock round trip less on the latency path).
+    fn wants(&self, g: &Inner) -> [bool; LANES] {
+        let closed = g.link.is_closed();
+        // The main lane's writer also runs the link's timers: wake it when they moved
+        // earlier than what it sleeps until (the peer's hello arms them, for one).
+        let timer = g.link.poll_timeout();
+        let armed = *lock(&self.armed);
+        let rearm = timer.is_some_and(|t| armed.is_none_or(|a| t < a));
+        std::array::from_fn(|l| {
+            closed || g.link.wants_transmit_lane(l) || (l == MAIN_LANE && rearm)
+        })
+    }
+
+    /// Wakes the writers chosen by [`wants`](Self::wants), after the link's lock is released.
+    fn wake(&self, wants: [bool; LANES]) {
         for (t, w) in self.tx.iter().zip(wants) {
             if w {
                 t.notify_one();
@@ -1097,7 +1105,7 @@ async fn read_link<R: AsyncRead + Unpin>(
             };
             add(&peer.counters.link.wire_in, n as u64);
         }
-        let (opened, up, closed, err) = {
+        let (opened, up, closed, err, wants) = {
             let mut g = lock(&h.inner);
             let r = g.link.handle_lane_input(lane, &mut buf, Instant::now());
             h.dispatch(&mut g);
@@ -1106,9 +1114,10 @@ async fn read_link<R: AsyncRead + Unpin>(
                 g.up,
                 g.link.is_closed(),
                 r.err(),
+                h.wants(&g),
             )
         };
-        h.kick();
+        h.wake(wants);
         match err {
             Some(LinkError::PeerClosed {
                 code: CloseCode::Normal,
@@ -1156,6 +1165,8 @@ async fn read_link<R: AsyncRead + Unpin>(
 /// Writes one lane's frames; the main lane also runs the link's timers (pings, idle timeout).
 async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W, lane: usize) -> String {
     let mut buf = BytesMut::with_capacity(2 * TRANSMIT_BATCH);
+    let mut timer = Box::pin(tokio::time::sleep(Duration::from_secs(3600)));
+    let mut timer_at: Option<Instant> = None;
     let mut pressure = Pressure::new(&h.peer.cfg().link);
     if pressure.link_bound {
         h.with(|l| l.set_pressure(wanopt_proto::Pressure::LinkBound));
@@ -1200,15 +1211,20 @@ async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W, lane: 
                 .close_error()
                 .map_or_else(|| "closed".to_string(), ToString::to_string);
         }
-        let sleep = async {
-            match deadline {
-                Some(d) => tokio::time::sleep_until(d.into()).await,
-                None => std::future::pending().await,
-            }
-        };
+        // One timer for the writer's life, moved only when the deadline does: registering a new
+        // one on every wait cost a timer-wheel insert and removal per frame.
+        if let Some(d) = deadline
+            && timer_at != Some(d)
+        {
+            timer.as_mut().reset(d.into());
+            timer_at = Some(d);
+        }
         tokio::select! {
             _ = h.tx[lane].notified() => {}
-            _ = sleep => h.with(|l| l.handle_timeout(Instant::now())),
+            _ = &mut timer, if deadline.is_some() => {
+                timer_at = None;
+                h.with(|l| l.handle_timeout(Instant::now()));
+            }
         }
     }
 }
@@ -1415,22 +1431,26 @@ async fn pump(
                 // so an optimized stream must not hold its last bytes back for a chunk boundary.
                 let drained = buf.len() < buf.capacity();
                 // Hand the bytes over without copying; the buffer's spare room is kept for reads.
+                // The flush of a drained read goes with its last bytes: one lock, one wakeup.
                 let mut chunk = buf.split().freeze();
                 while !chunk.is_empty() {
-                    let k = h
-                        .with(|l| l.write_bytes(id, &mut chunk))
-                        .map_err(|_| sig.reason())?;
+                    let (k, wants) = {
+                        let mut g = lock(&h.inner);
+                        let k = g.link.write_bytes(id, &mut chunk);
+                        if drained && chunk.is_empty() {
+                            g.link.flush(id);
+                        }
+                        h.dispatch(&mut g);
+                        (k.map_err(|_| sig.reason())?, h.wants(&g))
+                    };
                     if k == 0 {
                         tokio::select! {
                             _ = sig.writable.notified() => {}
                             _ = sig.gone.notified() => return Err(sig.reason()),
                         }
                     } else {
-                        h.kick();
+                        h.wake(wants);
                     }
-                }
-                if drained && h.with(|l| l.flush(id)) {
-                    h.kick();
                 }
             }
         };
