@@ -445,7 +445,6 @@ fn main() {
         "8 KiB round trip added over direct:   {:.1} µs at the median  (target <= 100)",
         wan_p50 - direct_p50
     );
-
     if let Some(r) = paths.iter().position(|p| p.0 == "2 plain relays") {
         let relay_p50 = pct(&rtts[r], 0.5).as_secs_f64() * 1e6;
         println!(
