@@ -553,19 +553,40 @@ impl Encoder {
     /// Takes stream bytes and appends records to `out`. Without `flush`, the bytes after the last
     /// chunk boundary wait for more data; with it (latency class, end of stream) nothing waits.
     pub fn push(&mut self, data: &[u8], flush: bool, pressure: Pressure, out: &mut Vec<u8>) {
-        // Chunk the caller's bytes in place when nothing waits; copy only what must wait.
-        let waiting = std::mem::take(&mut self.pending);
-        let joined;
-        let src: &[u8] = if waiting.is_empty() {
-            data
-        } else {
-            let mut w = waiting;
-            w.extend_from_slice(data);
-            joined = w;
-            &joined
-        };
-        let consumed = self.encode(src, flush, pressure, out);
-        self.pending.extend_from_slice(&src[consumed..]);
+        let mut data = data;
+        // Chunks are cut in the caller's bytes. Only a chunk that spans the waiting bytes and
+        // the new ones is put together, from a copy of just enough of the new bytes to cut it.
+        while !self.pending.is_empty() {
+            let owned = self.pending.len();
+            let take = self.cfg.max_chunk.saturating_sub(owned).min(data.len());
+            let last = take == data.len();
+            let mut joined = std::mem::take(&mut self.pending);
+            joined.extend_from_slice(&data[..take]);
+            let consumed = self.encode(&joined, flush && last, pressure, out);
+            if last {
+                joined.drain(..consumed);
+                self.pending = joined;
+                return;
+            }
+            if consumed >= owned {
+                // The waiting bytes went; go on in the caller's bytes where the chunk ended.
+                data = &data[consumed - owned..];
+            } else if consumed > 0 {
+                joined.truncate(owned);
+                joined.drain(..consumed);
+                self.pending = joined;
+            } else {
+                // Not reached (a whole chunk's worth always holds a boundary), but never spin.
+                joined.truncate(owned);
+                joined.extend_from_slice(data);
+                let consumed = self.encode(&joined, flush, pressure, out);
+                joined.drain(..consumed);
+                self.pending = joined;
+                return;
+            }
+        }
+        let consumed = self.encode(data, flush, pressure, out);
+        self.pending.extend_from_slice(&data[consumed..]);
     }
 
     /// Encodes the whole chunks of `src` (and with `flush` the rest); returns the bytes used.

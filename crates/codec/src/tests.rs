@@ -113,6 +113,43 @@ proptest! {
         prop_assert_eq!(enc.pending(), 0);
     }
 
+    /// Chunk boundaries depend on the content only: the records of a stream written in any
+    /// pieces (without flushes) are the chunks of the whole stream cut at once.
+    #[test]
+    fn boundaries_do_not_depend_on_write_sizes(
+        seed in any::<u64>(),
+        len in 1usize..300_000,
+        pieces in proptest::collection::vec(1usize..70_000, 1..6),
+    ) {
+        let data: Vec<u8> = db_blocks(len / 8192 + 1, seed)
+            .iter()
+            .zip(xorshift(seed, len))
+            .map(|(a, b)| if b < 200 { *a } else { b })
+            .collect();
+        let cfg = CodecConfig::default();
+        let (mut enc, mut dec) = pair(&cfg);
+        let mut wire = Vec::new();
+        let mut off = 0;
+        for n in pieces.iter().cycle() {
+            if off == data.len() {
+                break;
+            }
+            let n = (*n).min(data.len() - off);
+            enc.push(&data[off..off + n], false, Pressure::CpuBound, &mut wire);
+            off += n;
+        }
+        enc.push(&[], true, Pressure::CpuBound, &mut wire);
+        let (mut out, mut lens, mut at) = (Vec::new(), Vec::new(), 0);
+        while at < wire.len() {
+            let before = out.len();
+            at += dec.decode_record(&wire[at..], &mut out).expect("decodes");
+            lens.push(out.len() - before);
+        }
+        prop_assert!(out == data);
+        let whole: Vec<usize> = chunks(&data, &cfg).map(|(_, l)| l).collect();
+        prop_assert_eq!(lens, whole);
+    }
+
     #[test]
     fn garbage_never_panics_or_overallocates(data in proptest::collection::vec(any::<u8>(), 0..512)) {
         let mut dec = Decoder::new(&CodecConfig::default());
