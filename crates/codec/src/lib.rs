@@ -562,12 +562,15 @@ impl Encoder {
             let last = take == data.len();
             let mut joined = std::mem::take(&mut self.pending);
             joined.extend_from_slice(&data[..take]);
-            let consumed = self.encode(&joined, flush && last, pressure, out);
             if last {
+                let consumed = self.encode(&joined, flush, pressure, out);
                 joined.drain(..consumed);
                 self.pending = joined;
                 return;
             }
+            // A whole chunk's worth: its first chunk is complete. Only that one is encoded here;
+            // the ones after it are cut in place, not scanned twice.
+            let consumed = self.encode_first(&joined, pressure, out);
             if consumed >= owned {
                 // The waiting bytes went; go on in the caller's bytes where the chunk ended.
                 data = &data[consumed - owned..];
@@ -587,6 +590,19 @@ impl Encoder {
         }
         let consumed = self.encode(data, flush, pressure, out);
         self.pending.extend_from_slice(&data[consumed..]);
+    }
+
+    /// Encodes the first chunk of `src`, which holds at least one whole chunk; returns its length.
+    fn encode_first(&mut self, src: &[u8], pressure: Pressure, out: &mut Vec<u8>) -> usize {
+        let Some((_, len)) = chunks(src, &self.cfg).next() else {
+            return 0;
+        };
+        let policy = self.cfg.policy();
+        let r = self
+            .mirror
+            .encode_chunk(&src[..len], &policy, pressure, &mut self.hint, out);
+        self.stats.add(&r);
+        len
     }
 
     /// Encodes the whole chunks of `src` (and with `flush` the rest); returns the bytes used.

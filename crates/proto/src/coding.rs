@@ -288,10 +288,12 @@ pub(crate) fn emit(
                 }
             }
             let owned = coder.stage.len() - coder.pos - peek;
+            // Only the spanning chunk: the ones after it are cut in place, not scanned twice.
             let (used, stop) = cx.cut(
                 &coder.stage[coder.pos..],
                 flush,
                 budget,
+                true,
                 &coder.policy,
                 &mut coder.hint,
             );
@@ -322,7 +324,7 @@ pub(crate) fn emit(
                 continue;
             }
             let front = front.clone();
-            let (used, stop) = cx.cut(&front, flush, budget, &coder.policy, &mut coder.hint);
+            let (used, stop) = cx.cut(&front, flush, budget, false, &coder.policy, &mut coder.hint);
             advance_front(queue, used);
             match stop {
                 Stop::Limit => break,
@@ -391,12 +393,15 @@ struct Cut<'a> {
 }
 
 impl Cut<'_> {
-    /// Encodes the chunks of `view`, which starts at a chunk boundary; returns the bytes used.
+    /// Encodes the chunks of `view` (with `first`, only its first), which starts at a chunk
+    /// boundary; returns the bytes used.
+    #[allow(clippy::too_many_arguments)]
     fn cut(
         &mut self,
         view: &[u8],
         flush: usize,
         budget: usize,
+        first: bool,
         policy: &Policy,
         hint: &mut Hint,
     ) -> (usize, Stop) {
@@ -430,6 +435,9 @@ impl Cut<'_> {
             t.raw += len;
             t.wire += r.wire;
             used = off + len;
+            if first {
+                break;
+            }
         }
         (used, Stop::End)
     }
