@@ -306,7 +306,21 @@ impl Wan {
                 "dev",
                 "wan0",
             ])?;
-            sys::ip(&["-n", &ns, "link", "set", "wan0", "mtu", "1500", "up"])?;
+            // The device's own queue (500 packets by default) holds what a site sends while the
+            // emulator's reader is not scheduled; 4096 rides out a ~250 ms stall at 16k packets/s,
+            // so the emulated queue, not the host's scheduler, decides what is dropped.
+            sys::ip(&[
+                "-n",
+                &ns,
+                "link",
+                "set",
+                "wan0",
+                "mtu",
+                "1500",
+                "txqueuelen",
+                "4096",
+                "up",
+            ])?;
             sys::ip(&["-n", &ns, "link", "set", "lo", "up"])?;
             tuns.push(tun.fd);
         }
