@@ -859,17 +859,18 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// Bytes with repeats and runs, so that chunks both compress and repeat.
+    /// Noise with runs of one byte, so that chunks both compress and not (fingerprints of a
+    /// counter serve as the deterministic noise).
     fn data(seed: u64, len: usize) -> Vec<u8> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let mut v = Vec::with_capacity(len);
-        while v.len() < len {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            match x % 4 {
-                0 => v.extend_from_slice(&[(x >> 8) as u8; 37]),
-                _ => v.extend_from_slice(&x.to_le_bytes()),
+        let mut v = Vec::with_capacity(len + 64);
+        for i in 0u64.. {
+            if v.len() >= len {
+                break;
+            }
+            let f = codec::cache::fingerprint(&[seed.to_le_bytes(), i.to_le_bytes()].concat());
+            match f[0] % 4 {
+                0 => v.extend_from_slice(&[f[1]; 37]),
+                _ => v.extend_from_slice(&f),
             }
         }
         v.truncate(len);
