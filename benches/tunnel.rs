@@ -12,6 +12,10 @@
 //! `--only PATH` to measure one path beside `direct cubic` (for profiling), `--optimize` to run the
 //! pair with dedup and compression on. The tunnel's link uses
 //! BBR like the shipped configs; `WANOPT_TEST_CONGESTION=cubic` sets another congestion control.
+//!
+//! On a VM whose idle vCPUs halt at once (`haltpoll.guest_halt_poll_ns=0`), waking a process on
+//! the other vCPU dominates every path's round trip. `taskset -c 0 cargo bench --bench tunnel`
+//! runs everything on one vCPU, which takes those wakeups out and leaves each path's own cost.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
