@@ -262,29 +262,9 @@ fn spawn_listening(args: &[&str], marker: &str) -> (Child, SocketAddr) {
     (child, addr)
 }
 
-/// A PostgreSQL server for the record test: `.ci/run` starts one with `pg_ctlcluster` and sets
-/// `WANOPT_PG_PORT` and `PGPASSWORD`; elsewhere the test skips with a reason.
-fn postgres() -> Option<u16> {
-    match std::env::var("WANOPT_PG_PORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-    {
-        Some(p) => Some(p),
-        None if std::env::var("WANOPT_REQUIRE_POSTGRES").as_deref() == Ok("1") => {
-            panic!("WANOPT_REQUIRE_POSTGRES=1 but WANOPT_PG_PORT is not set")
-        }
-        None => {
-            eprintln!(
-                "skipping: no PostgreSQL (set WANOPT_PG_PORT and PGPASSWORD, as .ci/run does)"
-            );
-            None
-        }
-    }
-}
-
 #[test]
 fn a_recorded_psql_session_replays_byte_for_byte_through_the_tunnel() {
-    let Some(pg) = postgres() else { return };
+    let Some(pg) = common::pg::port() else { return };
     let dir = tempfile::tempdir().expect("tempdir");
     let trace = dir.path().join("psql.trace");
     let trace_s = trace.to_str().expect("utf-8 path");

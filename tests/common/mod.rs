@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod pg;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -284,25 +286,31 @@ impl Pair {
 
     /// Like [`start`](Self::start), with `extra` top-level YAML in both configs.
     pub fn start_extra(east_services: &str, west_services: &str, extra: &str) -> Pair {
+        Self::start_link(east_services, west_services, extra, "")
+    }
+
+    /// Like [`start_extra`](Self::start_extra), with `link` lines (such as
+    /// `"\n  bandwidth: 45mbit"`) added to both `link:` sections.
+    pub fn start_link(east_services: &str, west_services: &str, extra: &str, link: &str) -> Pair {
         let certs = Certs::new(&["west", "east"]);
         let east = Daemon::start(
             "east",
             &site_yaml(
                 "east",
                 "west",
-                "listen: 127.0.0.1:0",
+                &format!("listen: 127.0.0.1:0{link}"),
                 &certs,
                 east_services,
                 extra,
             ),
         );
-        let link = east.bound("link");
+        let addr = east.bound("link");
         let west = Daemon::start(
             "west",
             &site_yaml(
                 "west",
                 "east",
-                &format!("connect: {link}"),
+                &format!("connect: {addr}{link}"),
                 &certs,
                 west_services,
                 extra,

@@ -1,0 +1,230 @@
+//! A real PostgreSQL primary's WAL streamed through the tunnel: `pg_receivewal` at west pulls the
+//! WAL of the server behind east's `pg` service while `pgbench` writes to the server directly.
+//! Every complete segment received is compared byte for byte with the server's own file, and the
+//! east daemon's counters give the raw and wire bytes of the stream.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{Pair, scrape, series, value};
+
+/// The PostgreSQL server to use: `.ci/run` starts one with `pg_ctlcluster` and sets
+/// `WANOPT_PG_PORT` and `PGPASSWORD`; elsewhere the caller skips with the printed reason.
+pub fn port() -> Option<u16> {
+    match std::env::var("WANOPT_PG_PORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+    {
+        Some(p) => Some(p),
+        None if std::env::var("WANOPT_REQUIRE_POSTGRES").as_deref() == Ok("1") => {
+            panic!("WANOPT_REQUIRE_POSTGRES=1 but WANOPT_PG_PORT is not set")
+        }
+        None => {
+            eprintln!(
+                "skipping: no PostgreSQL (set WANOPT_PG_PORT and PGPASSWORD, as .ci/run does)"
+            );
+            None
+        }
+    }
+}
+
+/// Runs one SQL statement as `postgres` on `db`, directly (not through the tunnel).
+pub fn psql(pg: u16, db: &str, sql: &str) -> Result<String, String> {
+    let out = Command::new("psql")
+        .args(["-X", "-q", "-At", "-h", "127.0.0.1", "-U", "postgres"])
+        .args(["-p", &pg.to_string(), "-d", db, "-c", sql])
+        .output()
+        .map_err(|e| format!("psql: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "psql {sql:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// What one streaming run measured.
+#[derive(Debug)]
+pub struct WalRun {
+    /// Raw WAL-stream bytes east read from the server, and what it put on the link for them.
+    pub raw: u64,
+    pub wire: u64,
+    /// Complete segments received and found identical to the server's.
+    pub segments: usize,
+    /// pgbench's transactions per second.
+    pub tps: f64,
+}
+
+/// Settings of one run.
+pub struct WalLoad {
+    /// pgbench's scale factor (100,000 accounts each) and its run.
+    pub scale: u32,
+    pub clients: u32,
+    pub seconds: u32,
+    /// Whether the replication connection itself uses TLS (`sslmode=require`) inside the tunnel.
+    pub ssl: bool,
+    /// Database that pgbench (re)creates.
+    pub db: &'static str,
+}
+
+struct Receiver(Child);
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Streams WAL from the server at `pg` through `pair` (east must have a `pg` service whose target
+/// is the server, west a `pg` service listening; both an admin endpoint) while pgbench runs.
+pub fn stream_wal(pair: &Pair, pg: u16, load: &WalLoad) -> Result<WalRun, String> {
+    let db = load.db;
+    psql(pg, "postgres", &format!("DROP DATABASE IF EXISTS {db}"))?;
+    psql(pg, "postgres", &format!("CREATE DATABASE {db}"))?;
+    run(Command::new("pgbench")
+        .args(["-i", "-q", "-h", "127.0.0.1", "-U", "postgres"])
+        .args(["-p", &pg.to_string(), "-s", &load.scale.to_string(), db]))?;
+    let data = PathBuf::from(psql(pg, "postgres", "SHOW data_directory")?);
+    // A checkpoint now keeps the next timed one (which may recycle segments) beyond the run; the
+    // switch starts a fresh segment, where pg_receivewal begins.
+    psql(pg, "postgres", "CHECKPOINT")?;
+    psql(pg, "postgres", "SELECT pg_switch_wal()")?;
+
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let west: SocketAddr = pair.west.bound("pg");
+    let east_admin = pair.east.bound("admin");
+    let before = counters(east_admin);
+    let conninfo = format!(
+        "host={} port={} user=postgres sslmode={}",
+        west.ip(),
+        west.port(),
+        if load.ssl { "require" } else { "disable" }
+    );
+    let _receiver = Receiver(
+        Command::new("pg_receivewal")
+            .args(["-n", "--no-sync", "-d", &conninfo, "-D"])
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("pg_receivewal: {e}"))?,
+    );
+    // Wait until the replication connection is through the tunnel.
+    wait_for(Duration::from_secs(20), || {
+        counters(east_admin).0 > before.0 || has_files(dir.path())
+    })?;
+
+    let out = run(Command::new("pgbench")
+        .args([
+            "-n",
+            "-h",
+            "127.0.0.1",
+            "-U",
+            "postgres",
+            "-p",
+            &pg.to_string(),
+        ])
+        .args([
+            "-c",
+            &load.clients.to_string(),
+            "-j",
+            &load.clients.to_string(),
+        ])
+        .args(["-T", &load.seconds.to_string(), db]))?;
+    let tps = out
+        .lines()
+        .find_map(|l| l.strip_prefix("tps = "))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+
+    // The stream has caught up once east's counters stop moving. Read them before the switch
+    // below, whose zero-filled segment end would flatter the ratio.
+    let mut last = counters(east_admin);
+    let mut still = Instant::now();
+    let end = Instant::now() + Duration::from_secs(60);
+    while still.elapsed() < Duration::from_secs(2) {
+        if Instant::now() > end {
+            return Err("the WAL stream did not settle".into());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let now = counters(east_admin);
+        if now != last {
+            last = now;
+            still = Instant::now();
+        }
+    }
+    let (raw, wire) = (last.0 - before.0, last.1 - before.1);
+
+    // Complete the segment in progress, so every byte pgbench caused is in a whole segment.
+    let final_seg = psql(pg, "postgres", "SELECT pg_walfile_name(pg_switch_wal())")?;
+    wait_for(Duration::from_secs(30), || {
+        dir.path().join(&final_seg).exists()
+    })?;
+    let mut segments = 0;
+    for entry in std::fs::read_dir(dir.path()).map_err(|e| e.to_string())? {
+        let path = entry.map_err(|e| e.to_string())?.path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        if name.ends_with(".partial") {
+            continue;
+        }
+        let ours = std::fs::read(&path).map_err(|e| format!("{name}: {e}"))?;
+        let theirs = std::fs::read(data.join("pg_wal").join(&name))
+            .map_err(|e| format!("the server's {name}: {e}"))?;
+        if ours != theirs {
+            return Err(format!("segment {name} differs from the server's"));
+        }
+        segments += 1;
+    }
+    let _ = psql(pg, "postgres", &format!("DROP DATABASE IF EXISTS {db}"));
+    Ok(WalRun {
+        raw,
+        wire,
+        segments,
+        tps,
+    })
+}
+
+/// East's raw and wire bytes sent for the `pg` service.
+fn counters(admin: SocketAddr) -> (u64, u64) {
+    let text = scrape(admin);
+    (
+        value(&text, &series("wanopt_raw_bytes_total", "pg", "out")),
+        value(&text, &series("wanopt_wire_bytes_total", "pg", "out")),
+    )
+}
+
+fn has_files(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some())
+}
+
+fn wait_for(limit: Duration, mut f: impl FnMut() -> bool) -> Result<(), String> {
+    let end = Instant::now() + limit;
+    while !f() {
+        if Instant::now() > end {
+            return Err(format!("timed out after {limit:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+/// Runs a command to completion; its stdout, or its stderr as the error.
+fn run(cmd: &mut Command) -> Result<String, String> {
+    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{cmd:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
