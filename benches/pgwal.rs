@@ -6,17 +6,31 @@
 //! brief's T3 (loopback carries the bytes). Every complete segment received is checked against
 //! the server's own file.
 //!
+//! Then a standby catching up across a wansim WAN (default `t3-100ms-0.5`, the F5 brief's link),
+//! like the brief's "Streams catch-up": pgbench writes for a while with no standby connected (a
+//! replication slot keeps the WAL), then `pg_receivewal` in the west site fetches the backlog
+//! directly (the server's sending socket set to CUBIC, then BBR) or through the wanopt pair, and
+//! the time until it holds the last segment is measured.
+//!
 //! Needs a PostgreSQL server, as `.ci/run` starts one: `WANOPT_PG_PORT=5432 PGPASSWORD=...`,
-//! run as root (the server's WAL files are read for the check).
+//! run as root (the server's WAL files are read for the check; wansim needs namespaces).
 //! Run: `cargo build --release --workspace && cargo bench --bench pgwal`
-//! Options: `-- --scale N` (pgbench scale, default 10), `--seconds N` (default 30),
-//! `--clients N` (default 4).
+//! Options: `-- --scale N` (pgbench scale, default 10), `--seconds N` (load of the ratio run,
+//! default 30), `--clients N` (default 4), `--backlog-seconds N` (load that builds the catch-up
+//! backlog, default 5), `--limit N` (seconds a catch-up may take, default 240), `--preset NAME`,
+//! `--only ratio|wan`.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use common::Pair;
-use common::pg::{self, WalLoad};
+use std::io::Write;
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::pg::{self, Backlog, WalLoad};
+use common::{Pair, link_lines, wan_pair};
+use wansim::{Site, Wan};
 
 fn main() {
     let Some(port) = pg::port() else { return };
@@ -33,6 +47,29 @@ fn main() {
         get("--seconds", 30),
         get("--clients", 4),
     );
+    let text = |k: &str| {
+        args.iter()
+            .position(|a| a == k)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let only = text("--only");
+    if only.as_deref() != Some("wan") {
+        ratio(port, scale, seconds, clients);
+    }
+    if only.as_deref() != Some("ratio") {
+        let load = Backlog {
+            clients,
+            seconds: get("--backlog-seconds", 5),
+            limit: Duration::from_secs(u64::from(get("--limit", 240))),
+        };
+        let preset = text("--preset").unwrap_or_else(|| "t3-100ms-0.5".into());
+        catch_up_across_wan(port, scale, &load, &preset);
+    }
+}
+
+/// WAL's wire/raw through the pair, in clear and with PostgreSQL's own TLS.
+fn ratio(port: u16, scale: u32, seconds: u32, clients: u32) {
     println!(
         "PostgreSQL WAL through the tunnel: pgbench scale {scale}, {clients} clients, {seconds} s; stated link 45 Mbit/s"
     );
@@ -69,5 +106,121 @@ fn main() {
             ),
             Err(e) => println!("{title:<34} failed: {e}"),
         }
+    }
+}
+
+/// The backlog's catch-up time across the WAN: direct (CUBIC, BBR) and through the pair.
+fn catch_up_across_wan(port: u16, scale: u32, load: &Backlog, preset: &str) {
+    if !wansim::available_or_skip("PostgreSQL catch-up across wansim") {
+        return;
+    }
+    let wan = Wan::start(
+        &format!("pg{}", std::process::id() % 100_000),
+        wansim::preset(preset).expect("preset"),
+    )
+    .expect("wansim");
+    // The server is on this host's loopback; a relay in the east site stands in for it there.
+    // Its sockets face the WAN on the direct paths, so it sets their congestion control.
+    let east_ip = std::net::IpAddr::V4(Site::East.addr());
+    let l = wan
+        .in_site(Site::East, move || TcpListener::bind((east_ip, 0)))
+        .expect("east")
+        .expect("bind the relay");
+    let relay = l.local_addr().expect("relay address");
+    let congestion: Arc<Mutex<Option<&'static str>>> = Arc::new(Mutex::new(None));
+    let cc = congestion.clone();
+    std::thread::spawn(move || {
+        for s in l.incoming().map_while(Result::ok) {
+            let cc = *cc.lock().expect("congestion");
+            if let Some(name) = cc {
+                socket2::SockRef::from(&s)
+                    .set_tcp_congestion(name.as_bytes())
+                    .expect("set congestion control");
+            }
+            let _ = s.set_nodelay(true);
+            if let Ok(up) = TcpStream::connect(("127.0.0.1", port)) {
+                let _ = up.set_nodelay(true);
+                pipe(s, up);
+            }
+        }
+    });
+    let db = "wanopt_bench_catchup";
+    pg::prepare(port, db, scale).expect("pgbench -i");
+    let pair = wan_pair(
+        &wan,
+        &format!("  - name: pg\n    target: {relay}\n"),
+        "  - name: pg\n    listen: 127.0.0.1:0\n",
+        |_, y| link_lines(y, "  bandwidth: 45mbit\n  rtt: 100ms\n"),
+    );
+    let tunnel = pair.west.bound("pg");
+    println!(
+        "\n{preset}: a standby fetching {} s of pgbench WAL ({} clients) it missed; limit {} s",
+        load.seconds,
+        load.clients,
+        load.limit.as_secs()
+    );
+    println!(
+        "{:<14} {:>10} {:>12} {:>10} {:>9} {:>9}",
+        "path", "backlog MB", "catch-up s", "MB/s", "speedup", "segments"
+    );
+    let mut base = None;
+    for (i, (name, addr, cc)) in [
+        ("direct cubic", relay, Some("cubic")),
+        ("direct bbr", relay, Some("bbr")),
+        ("wanopt", tunnel, None),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        *congestion.lock().expect("congestion") = cc;
+        let conninfo = format!(
+            "host={} port={} user=postgres sslmode=disable",
+            addr.ip(),
+            addr.port()
+        );
+        let r = pg::catch_up(
+            port,
+            db,
+            load,
+            wan.command(Site::West, "pg_receivewal"),
+            &conninfo,
+            &format!("wanopt_bench_{i}"),
+        );
+        match r {
+            Ok(r) => {
+                let mb = r.backlog as f64 / 1e6;
+                let secs = r.seconds.unwrap_or(load.limit.as_secs_f64());
+                let rate = mb / secs;
+                let base_rate = *base.get_or_insert(rate);
+                println!(
+                    "{:<14} {:>10.1} {:>12} {:>10.2} {:>9} {:>9}",
+                    name,
+                    mb,
+                    r.seconds
+                        .map_or_else(|| format!("> {secs:.0}"), |s| format!("{s:.1}")),
+                    rate,
+                    format!("{:.1}x", rate / base_rate),
+                    r.segments
+                );
+            }
+            Err(e) => println!("{name:<14} failed: {e}"),
+        }
+        let _ = std::io::stdout().flush();
+    }
+    let _ = pg::psql(port, "postgres", &format!("DROP DATABASE IF EXISTS {db}"));
+    let (a, b) = wan.counters();
+    println!("wansim west->east: {a}\nwansim east->west: {b}");
+}
+
+/// Copies both ways between two sockets until each side ends.
+fn pipe(a: TcpStream, b: TcpStream) {
+    for (mut from, mut to) in [
+        (a.try_clone().expect("clone"), b.try_clone().expect("clone")),
+        (b, a),
+    ] {
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut from, &mut to);
+            let _ = to.shutdown(Shutdown::Write);
+        });
     }
 }

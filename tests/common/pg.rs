@@ -83,11 +83,7 @@ impl Drop for Receiver {
 /// is the server, west a `pg` service listening; both an admin endpoint) while pgbench runs.
 pub fn stream_wal(pair: &Pair, pg: u16, load: &WalLoad) -> Result<WalRun, String> {
     let db = load.db;
-    psql(pg, "postgres", &format!("DROP DATABASE IF EXISTS {db}"))?;
-    psql(pg, "postgres", &format!("CREATE DATABASE {db}"))?;
-    run(Command::new("pgbench")
-        .args(["-i", "-q", "-h", "127.0.0.1", "-U", "postgres"])
-        .args(["-p", &pg.to_string(), "-s", &load.scale.to_string(), db]))?;
+    prepare(pg, db, load.scale)?;
     let data = PathBuf::from(psql(pg, "postgres", "SHOW data_directory")?);
     // A checkpoint now keeps the next timed one (which may recycle segments) beyond the run; the
     // switch starts a fresh segment, where pg_receivewal begins.
@@ -227,4 +223,130 @@ fn run(cmd: &mut Command) -> Result<String, String> {
         ));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Creates (again) database `db` with pgbench's tables at `scale`.
+pub fn prepare(pg: u16, db: &str, scale: u32) -> Result<(), String> {
+    psql(pg, "postgres", &format!("DROP DATABASE IF EXISTS {db}"))?;
+    psql(pg, "postgres", &format!("CREATE DATABASE {db}"))?;
+    run(Command::new("pgbench")
+        .args(["-i", "-q", "-h", "127.0.0.1", "-U", "postgres"])
+        .args(["-p", &pg.to_string(), "-s", &scale.to_string(), db]))?;
+    Ok(())
+}
+
+/// A standby catching up: how much WAL it had to fetch and how long that took.
+#[derive(Debug)]
+pub struct CatchUp {
+    pub backlog: u64,
+    /// Seconds from the receiver's start until it held the last backlog segment; `None` when
+    /// it did not within the limit.
+    pub seconds: Option<f64>,
+    /// Complete segments received by the end.
+    pub segments: usize,
+}
+
+/// The load that builds a backlog, and how long the catch-up may take.
+#[derive(Debug, Clone, Copy)]
+pub struct Backlog {
+    pub clients: u32,
+    pub seconds: u32,
+    pub limit: Duration,
+}
+
+/// A physical replication slot, dropped with this guard.
+struct Slot<'a> {
+    pg: u16,
+    name: &'a str,
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        let _ = psql(
+            self.pg,
+            "postgres",
+            &format!("SELECT pg_drop_replication_slot('{}')", self.name),
+        );
+    }
+}
+
+/// The catch-up of a standby that was away: `pgbench` loads `db` while nothing receives (a
+/// replication slot keeps the WAL), then `receiver` (a `pg_receivewal` command, perhaps run
+/// inside a namespace) streams from the slot with `conninfo`, and the time until it has the whole
+/// backlog is measured, up to the load's `limit`. `name` names the slot.
+pub fn catch_up(
+    pg: u16,
+    db: &str,
+    load: &Backlog,
+    mut receiver: Command,
+    conninfo: &str,
+    name: &str,
+) -> Result<CatchUp, String> {
+    let Backlog {
+        clients,
+        seconds: load_seconds,
+        limit,
+    } = *load;
+    psql(pg, "postgres", "CHECKPOINT")?;
+    psql(
+        pg,
+        "postgres",
+        &format!("SELECT pg_create_physical_replication_slot('{name}', true)"),
+    )?;
+    let _slot = Slot { pg, name };
+    run(Command::new("pgbench")
+        .args([
+            "-n",
+            "-h",
+            "127.0.0.1",
+            "-U",
+            "postgres",
+            "-p",
+            &pg.to_string(),
+        ])
+        .args(["-c", &clients.to_string(), "-j", &clients.to_string()])
+        .args(["-T", &load_seconds.to_string(), db]))?;
+    // End the backlog on a segment boundary: the receiver has it all once that segment's file
+    // is complete.
+    let last = psql(pg, "postgres", "SELECT pg_walfile_name(pg_switch_wal())")?;
+    let backlog: u64 = psql(
+        pg,
+        "postgres",
+        &format!(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint \
+             FROM pg_replication_slots WHERE slot_name = '{name}'"
+        ),
+    )?
+    .parse()
+    .map_err(|e| format!("backlog: {e}"))?;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    let _receiver = Receiver(
+        receiver
+            .args(["-n", "--no-sync", "--slot", name, "-d", conninfo, "-D"])
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("pg_receivewal: {e}"))?,
+    );
+    let done = dir.path().join(&last);
+    let mut seconds = None;
+    while started.elapsed() < limit {
+        if done.exists() {
+            seconds = Some(started.elapsed().as_secs_f64());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let segments = std::fs::read_dir(dir.path())
+        .map_err(|e| e.to_string())?
+        .filter_map(Result::ok)
+        .filter(|e| !e.file_name().to_string_lossy().ends_with(".partial"))
+        .count();
+    Ok(CatchUp {
+        backlog,
+        seconds,
+        segments,
+    })
 }
