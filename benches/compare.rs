@@ -6,7 +6,7 @@
 //!
 //! Run (as root): `cargo build --release --workspace && cargo bench --bench compare`
 //! Options: `-- --preset NAME --mib N` (default 16 MiB per streaming workload), `--only WORD`
-//! (the workloads whose title contains WORD, such as `sync`).
+//! (the workloads whose title contains WORD, such as `sync`), `--sync-seconds N` (default 20).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -32,6 +32,10 @@ fn main() {
     let preset = get("--preset").unwrap_or_else(|| "t3-100ms-0.5".into());
     let mib: usize = get("--mib").and_then(|v| v.parse().ok()).unwrap_or(16);
     let only = get("--only").map(|w| w.to_lowercase());
+    // About ten round trips a second at 100 ms: p99 of a 20 s run is its second-worst sample.
+    let sync_secs: u32 = get("--sync-seconds")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
     let wan = Wan::start(
         &format!("wc{}", std::process::id() % 100_000),
         wansim::preset(&preset).expect("preset"),
@@ -109,7 +113,7 @@ fn main() {
         ),
         (
             "SYNC 8 KiB round trips (a latency-class service)",
-            "oratcp:-mode=sync -length=8k -duration=20s".to_string(),
+            format!("oratcp:-mode=sync -length=8k -duration={sync_secs}s"),
             "sync",
         ),
     ];
