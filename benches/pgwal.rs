@@ -190,7 +190,8 @@ fn catch_up_across_wan(port: u16, scale: u32, load: &Backlog, preset: &str) {
             Ok(r) => {
                 let mb = r.backlog as f64 / 1e6;
                 let secs = r.seconds.unwrap_or(load.limit.as_secs_f64());
-                let rate = mb / secs;
+                // Cut off by the limit: the rate of what had arrived by then.
+                let rate = r.received as f64 / 1e6 / secs;
                 let base_rate = *base.get_or_insert(rate);
                 println!(
                     "{:<14} {:>10.1} {:>12} {:>10.2} {:>9} {:>9}",
@@ -199,7 +200,11 @@ fn catch_up_across_wan(port: u16, scale: u32, load: &Backlog, preset: &str) {
                     r.seconds
                         .map_or_else(|| format!("> {secs:.0}"), |s| format!("{s:.1}")),
                     rate,
-                    format!("{:.1}x", rate / base_rate),
+                    if base_rate > 0.0 {
+                        format!("{:.1}x", rate / base_rate)
+                    } else {
+                        "-".into()
+                    },
                     r.segments
                 );
             }

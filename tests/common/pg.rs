@@ -244,6 +244,8 @@ pub struct CatchUp {
     pub seconds: Option<f64>,
     /// Complete segments received by the end.
     pub segments: usize,
+    /// Backlog bytes the receiver had written by the end (as it last reported to the server).
+    pub received: u64,
 }
 
 /// The load that builds a backlog, and how long the catch-up may take.
@@ -260,13 +262,36 @@ struct Slot<'a> {
     name: &'a str,
 }
 
+impl Slot<'_> {
+    /// Drops the slot if it exists, ending the walsender that may still hold it: a slot left
+    /// behind would keep the server's WAL forever.
+    fn remove(pg: u16, name: &str) -> Result<(), String> {
+        let end = Instant::now() + Duration::from_secs(10);
+        loop {
+            let r = psql(
+                pg,
+                "postgres",
+                &format!(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+                     WHERE slot_name = '{name}' AND active_pid IS NOT NULL; \
+                     SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                     WHERE slot_name = '{name}'"
+                ),
+            );
+            match r {
+                Ok(_) => return Ok(()),
+                Err(e) if Instant::now() > end => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(200)),
+            }
+        }
+    }
+}
+
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
-        let _ = psql(
-            self.pg,
-            "postgres",
-            &format!("SELECT pg_drop_replication_slot('{}')", self.name),
-        );
+        if let Err(e) = Self::remove(self.pg, self.name) {
+            eprintln!("could not drop replication slot {}: {e}", self.name);
+        }
     }
 }
 
@@ -287,6 +312,8 @@ pub fn catch_up(
         seconds: load_seconds,
         limit,
     } = *load;
+    // A slot of this name left by an interrupted run would start the stream too early.
+    Slot::remove(pg, name)?;
     psql(pg, "postgres", "CHECKPOINT")?;
     psql(
         pg,
@@ -309,21 +336,34 @@ pub fn catch_up(
     // End the backlog on a segment boundary: the receiver has it all once that segment's file
     // is complete.
     let last = psql(pg, "postgres", "SELECT pg_walfile_name(pg_switch_wal())")?;
+    let start = psql(
+        pg,
+        "postgres",
+        &format!("SELECT restart_lsn FROM pg_replication_slots WHERE slot_name = '{name}'"),
+    )?;
     let backlog: u64 = psql(
         pg,
         "postgres",
-        &format!(
-            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint \
-             FROM pg_replication_slots WHERE slot_name = '{name}'"
-        ),
+        &format!("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '{start}')::bigint"),
     )?
     .parse()
     .map_err(|e| format!("backlog: {e}"))?;
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let conninfo = format!("{conninfo} application_name={name}");
     let started = Instant::now();
     let _receiver = Receiver(
         receiver
-            .args(["-n", "--no-sync", "--slot", name, "-d", conninfo, "-D"])
+            .args([
+                "-n",
+                "--no-sync",
+                "-s",
+                "1",
+                "--slot",
+                name,
+                "-d",
+                &conninfo,
+                "-D",
+            ])
             .arg(dir.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -339,6 +379,20 @@ pub fn catch_up(
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+    let received = if seconds.is_some() {
+        backlog
+    } else {
+        psql(
+            pg,
+            "postgres",
+            &format!(
+                "SELECT coalesce(pg_wal_lsn_diff(write_lsn, '{start}'), 0)::bigint \
+                 FROM pg_stat_replication WHERE application_name = '{name}'"
+            ),
+        )?
+        .parse()
+        .unwrap_or(0)
+    };
     let segments = std::fs::read_dir(dir.path())
         .map_err(|e| e.to_string())?
         .filter_map(Result::ok)
@@ -348,5 +402,6 @@ pub fn catch_up(
         backlog,
         seconds,
         segments,
+        received,
     })
 }
