@@ -154,7 +154,10 @@ pub fn stream_wal(pair: &Pair, pg: u16, load: &WalLoad) -> Result<WalRun, String
             still = Instant::now();
         }
     }
-    let (raw, wire) = (last.0 - before.0, last.1 - before.1);
+    let (raw, wire) = (
+        last.0.saturating_sub(before.0),
+        last.1.saturating_sub(before.1),
+    );
 
     // Complete the segment in progress, so every byte pgbench caused is in a whole segment.
     let final_seg = psql(pg, "postgres", "SELECT pg_walfile_name(pg_switch_wal())")?;
