@@ -8,6 +8,9 @@
 //!
 //! Run: `cargo bench --bench codec` (`-- --mib N` of data per case, default 256).
 
+#[path = "../tests/common/args.rs"]
+mod args;
+
 use std::time::Instant;
 
 use wanopt_codec::cache::ChunkCache;
@@ -155,13 +158,7 @@ fn tiers(data: &[u8]) {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let mib: usize = args
-        .iter()
-        .position(|a| a == "--mib")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(256);
+    let mib: usize = args::Args::new().get("--mib", 256);
     let db = db_like(mib << 20);
     let noise = xorshift(7, mib << 20);
     println!("one core, {mib} MiB per case, 64 KiB writes, first transfer (empty cache)");

@@ -23,20 +23,12 @@ fn main() {
     if !wansim::available_or_skip("compare across wansim") {
         return;
     }
-    let args: Vec<String> = std::env::args().collect();
-    let get = |k: &str| {
-        args.iter()
-            .position(|a| a == k)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
-    let preset = get("--preset").unwrap_or_else(|| "t3-100ms-0.5".into());
-    let mib: usize = get("--mib").and_then(|v| v.parse().ok()).unwrap_or(16);
-    let only = get("--only").map(|w| w.to_lowercase());
+    let args = common::args::Args::new();
+    let preset = args.get("--preset", "t3-100ms-0.5".to_string());
+    let mib: usize = args.get("--mib", 16);
+    let only = args.text("--only").map(|w| w.to_lowercase());
     // About ten round trips a second at 100 ms: p99 of a 20 s run is its second-worst sample.
-    let sync_secs: u32 = get("--sync-seconds")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20);
+    let sync_secs: u32 = args.get("--sync-seconds", 20);
     let wan = Wan::start(
         &format!("wc{}", std::process::id() % 100_000),
         wansim::preset(&preset).expect("preset"),

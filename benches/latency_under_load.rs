@@ -104,15 +104,9 @@ fn main() {
     if !wansim::available_or_skip("latency under load") {
         return;
     }
-    let args: Vec<String> = std::env::args().collect();
-    let get = |k: &str| {
-        args.iter()
-            .position(|a| a == k)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
-    let preset = get("--preset").unwrap_or_else(|| "t3-100ms-1".into());
-    let rounds: usize = get("--rounds").and_then(|v| v.parse().ok()).unwrap_or(100);
+    let args = common::args::Args::new();
+    let preset = args.get("--preset", "t3-100ms-1".to_string());
+    let rounds: usize = args.get("--rounds", 100);
     let wan = Wan::start(
         &format!("wl{}", std::process::id() % 100_000),
         wansim::preset(&preset).expect("preset"),

@@ -281,15 +281,6 @@ fn stunnel(certs: &Certs, target: SocketAddr) -> Option<Stunnel> {
     })
 }
 
-fn arg(name: &str, default: u64) -> u64 {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -300,13 +291,14 @@ fn main() {
     if let Some(i) = args.iter().position(|a| a == "--child") {
         return child_main(&args[i + 1..]);
     }
-    let bytes = arg("--bytes", 2 << 30);
-    let rounds = arg("--rounds", 20000) as usize;
-    let repeat = arg("--repeat", 3) as usize;
+    let opts = common::args::Args::new();
+    let bytes = opts.size("--bytes", 2 << 30);
+    let rounds: usize = opts.get("--rounds", 20000);
+    let repeat: usize = opts.get("--repeat", 3);
     let sink_proc = spawn_child(&["sink".into()]);
     let target = sink_proc.addr;
     // The comparison is the tunnel alone: optimization off (`--optimize` turns it on).
-    let optimize = std::env::args().any(|a| a == "--optimize");
+    let optimize = opts.flag("--optimize");
     let pair = Pair::start_extra(
         &format!(
             "  - name: bench\n    target: {target}\n  - name: sync\n    target: {target}\n    class: latency\n"
@@ -353,7 +345,7 @@ fn main() {
         );
     }
     // `--only NAME` keeps one path (for profiling); ratios need `direct cubic` and the others.
-    if let Some(only) = std::env::args().skip_while(|a| a != "--only").nth(1) {
+    if let Some(only) = opts.text("--only") {
         paths.retain(|p| p.0 == only || p.0 == "direct cubic");
     }
     println!(

@@ -4,6 +4,9 @@
 //!
 //! Run (as root): `cargo bench --bench wansim` (`-- --seconds N` per measurement, default 8).
 
+#[path = "../tests/common/args.rs"]
+mod args;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
@@ -84,13 +87,7 @@ fn main() {
     if !wansim::available_or_skip("wansim bench") {
         return;
     }
-    let args: Vec<String> = std::env::args().collect();
-    let secs: u64 = args
-        .iter()
-        .position(|a| a == "--seconds")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(8);
+    let secs: u64 = args::Args::new().get("--seconds", 8);
 
     let oc3 = LinkParams::symmetric(DirParams {
         rate_bps: Some(135_000_000),

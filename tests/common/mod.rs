@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod args;
 pub mod pg;
 
 use std::io::{BufRead, BufReader, Read, Write};
