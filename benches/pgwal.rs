@@ -1,8 +1,9 @@
-//! Real redo: a PostgreSQL primary's WAL under `pgbench` (TPC-B-like), streamed by
-//! `pg_receivewal` through the wanopt pair as a standby would pull it. Reports the tunnel's wire
-//! bytes over raw bytes from its counters, with the replication connection in clear inside the
-//! tunnel and, for contrast, with its own TLS (`sslmode=require`), which leaves nothing to
-//! compress. The daemons state a 45 Mbit/s link, so the encoder works as it would on the F5
+//! Real redo: a PostgreSQL primary's WAL, streamed by `pg_receivewal` through the wanopt pair as
+//! a standby would pull it, under two workloads: pgbench's TPC-B-like one (rows of blank filler)
+//! and an order entry after Swingbench's new order process, the load of F5's Data Guard test.
+//! Reports the tunnel's wire bytes over raw bytes from its counters, with the replication
+//! connection in clear inside the tunnel and, for contrast, with its own TLS
+//! (`sslmode=require`), which leaves nothing to compress. The daemons state a 45 Mbit/s link, so the encoder works as it would on the F5
 //! brief's T3 (loopback carries the bytes). Every complete segment received is checked against
 //! the server's own file.
 //!
@@ -15,10 +16,11 @@
 //! Needs a PostgreSQL server, as `.ci/run` starts one: `WANOPT_PG_PORT=5432 PGPASSWORD=...`,
 //! run as root (the server's WAL files are read for the check; wansim needs namespaces).
 //! Run: `cargo build --release --workspace && cargo bench --bench pgwal`
-//! Options: `-- --scale N` (pgbench scale, default 10), `--seconds N` (load of the ratio run,
-//! default 30), `--clients N` (default 4), `--backlog-seconds N` (load that builds the catch-up
-//! backlog, default 5), `--limit N` (seconds a catch-up may take, default 240), `--preset NAME`,
-//! `--only ratio|wan`.
+//! Options: `-- --scale N` (default 10: pgbench's scale, or 10,000 customers each for orders),
+//! `--seconds N` (each ratio run's load, default 30), `--clients N` (default 4),
+//! `--workload orders|tpcb` (the catch-up's, default orders), `--backlog-seconds N` (load that
+//! builds the catch-up backlog, default 5), `--limit N` (seconds a catch-up may take, default
+//! 240), `--preset NAME`, `--only ratio|wan`.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -28,58 +30,55 @@ use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::pg::{self, Backlog, WalLoad};
+use common::args::Args;
+use common::pg::{self, Backlog, WalLoad, Workload};
 use common::{Pair, link_lines, wan_pair};
 use wansim::{Site, Wan};
 
 fn main() {
     let Some(port) = pg::port() else { return };
-    let args: Vec<String> = std::env::args().collect();
-    let get = |k: &str, d: u32| {
-        args.iter()
-            .position(|a| a == k)
-            .and_then(|i| args.get(i + 1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
-    };
+    let args = Args::new();
     let (scale, seconds, clients) = (
-        get("--scale", 10),
-        get("--seconds", 30),
-        get("--clients", 4),
+        args.get("--scale", 10),
+        args.get("--seconds", 30),
+        args.get("--clients", 4),
     );
-    let text = |k: &str| {
-        args.iter()
-            .position(|a| a == k)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
-    let only = text("--only");
-    if only.as_deref() != Some("wan") {
+    let only = args.choice("--only", &["all", "ratio", "wan"], "all");
+    let workload = Workload::parse(&args.choice("--workload", &["orders", "tpcb"], "orders"))
+        .expect("a listed workload");
+    if only != "wan" {
         ratio(port, scale, seconds, clients);
     }
-    if only.as_deref() != Some("ratio") {
+    if only != "ratio" {
         let load = Backlog {
+            workload,
+            scale,
             clients,
-            seconds: get("--backlog-seconds", 5),
-            limit: Duration::from_secs(u64::from(get("--limit", 240))),
+            seconds: args.get("--backlog-seconds", 5),
+            limit: Duration::from_secs(args.get("--limit", 240)),
         };
-        let preset = text("--preset").unwrap_or_else(|| "t3-100ms-0.5".into());
-        catch_up_across_wan(port, scale, &load, &preset);
+        let preset = args.get("--preset", "t3-100ms-0.5".to_string());
+        catch_up_across_wan(port, &load, &preset);
     }
 }
 
 /// WAL's wire/raw through the pair, in clear and with PostgreSQL's own TLS.
 fn ratio(port: u16, scale: u32, seconds: u32, clients: u32) {
     println!(
-        "PostgreSQL WAL through the tunnel: pgbench scale {scale}, {clients} clients, {seconds} s; stated link 45 Mbit/s"
+        "PostgreSQL WAL through the tunnel: scale {scale}, {clients} clients, {seconds} s each; stated link 45 Mbit/s"
     );
     println!(
         "{:<34} {:>8} {:>9} {:>9} {:>9} {:>9}",
         "replication connection", "tps", "raw MB", "wire MB", "wire/raw", "segments"
     );
-    for (title, ssl) in [
-        ("in clear inside the tunnel", false),
-        ("with its own TLS (sslmode=require)", true),
+    for (title, workload, ssl) in [
+        ("tpcb, in clear inside the tunnel", Workload::Tpcb, false),
+        (
+            "orders, in clear inside the tunnel",
+            Workload::Orders,
+            false,
+        ),
+        ("orders, with its own TLS", Workload::Orders, true),
     ] {
         let pair = Pair::start_link(
             &format!("  - name: pg\n    target: 127.0.0.1:{port}\n"),
@@ -88,6 +87,7 @@ fn ratio(port: u16, scale: u32, seconds: u32, clients: u32) {
             "\n  bandwidth: 45mbit\n  rtt: 100ms",
         );
         let load = WalLoad {
+            workload,
             scale,
             clients,
             seconds,
@@ -110,7 +110,7 @@ fn ratio(port: u16, scale: u32, seconds: u32, clients: u32) {
 }
 
 /// The backlog's catch-up time across the WAN: direct (CUBIC, BBR) and through the pair.
-fn catch_up_across_wan(port: u16, scale: u32, load: &Backlog, preset: &str) {
+fn catch_up_across_wan(port: u16, load: &Backlog, preset: &str) {
     if !wansim::available_or_skip("PostgreSQL catch-up across wansim") {
         return;
     }
@@ -145,7 +145,7 @@ fn catch_up_across_wan(port: u16, scale: u32, load: &Backlog, preset: &str) {
         }
     });
     let db = "wanopt_bench_catchup";
-    pg::prepare(port, db, scale).expect("pgbench -i");
+    pg::prepare(port, db, load.workload, load.scale).expect("prepare the database");
     let pair = wan_pair(
         &wan,
         &format!("  - name: pg\n    target: {relay}\n"),
@@ -154,8 +154,9 @@ fn catch_up_across_wan(port: u16, scale: u32, load: &Backlog, preset: &str) {
     );
     let tunnel = pair.west.bound("pg");
     println!(
-        "\n{preset}: a standby fetching {} s of pgbench WAL ({} clients) it missed; limit {} s",
+        "\n{preset}: a standby fetching {} s of {} WAL ({} clients) it missed; limit {} s",
         load.seconds,
+        load.workload.name(),
         load.clients,
         load.limit.as_secs()
     );

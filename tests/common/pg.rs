@@ -1,7 +1,9 @@
 //! A real PostgreSQL primary's WAL streamed through the tunnel: `pg_receivewal` at west pulls the
 //! WAL of the server behind east's `pg` service while `pgbench` writes to the server directly.
 //! Every complete segment received is compared byte for byte with the server's own file, and the
-//! east daemon's counters give the raw and wire bytes of the stream.
+//! east daemon's counters give the raw and wire bytes of the stream. Two workloads write the WAL:
+//! pgbench's built-in TPC-B-like one, and an order entry after the Swingbench "new order process"
+//! F5 ran in its Data Guard test (`tests/data/pg_*.sql`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -46,6 +48,44 @@ pub fn psql(pg: u16, db: &str, sql: &str) -> Result<String, String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
+/// What writes the WAL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Workload {
+    /// pgbench's built-in TPC-B-like transactions on its own tables (`scale` x 100,000 accounts,
+    /// whose rows are mostly blank filler).
+    Tpcb,
+    /// Order entry (`scale` x 10,000 customers): an order, one to five items and their stock
+    /// per transaction, as Swingbench's new order process does.
+    Orders,
+}
+
+impl Workload {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "tpcb" => Ok(Self::Tpcb),
+            "orders" => Ok(Self::Orders),
+            _ => Err(format!("unknown workload {s:?} (tpcb or orders)")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Tpcb => "tpcb",
+            Self::Orders => "orders",
+        }
+    }
+
+    fn customers(scale: u32) -> String {
+        (u64::from(scale.max(1)) * 10_000).to_string()
+    }
+}
+
+fn data_file(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
 /// What one streaming run measured.
 #[derive(Debug)]
 pub struct WalRun {
@@ -60,7 +100,8 @@ pub struct WalRun {
 
 /// Settings of one run.
 pub struct WalLoad {
-    /// pgbench's scale factor (100,000 accounts each) and its run.
+    pub workload: Workload,
+    /// The workload's scale (see [`Workload`]) and its run.
     pub scale: u32,
     pub clients: u32,
     pub seconds: u32,
@@ -83,7 +124,7 @@ impl Drop for Receiver {
 /// is the server, west a `pg` service listening; both an admin endpoint) while pgbench runs.
 pub fn stream_wal(pair: &Pair, pg: u16, load: &WalLoad) -> Result<WalRun, String> {
     let db = load.db;
-    prepare(pg, db, load.scale)?;
+    prepare(pg, db, load.workload, load.scale)?;
     let data = PathBuf::from(psql(pg, "postgres", "SHOW data_directory")?);
     // A checkpoint now keeps the next timed one (which may recycle segments) beyond the run; the
     // switch starts a fresh segment, where pg_receivewal begins.
@@ -114,23 +155,14 @@ pub fn stream_wal(pair: &Pair, pg: u16, load: &WalLoad) -> Result<WalRun, String
         counters(east_admin).0 > before.0 || has_files(dir.path())
     })?;
 
-    let out = run(Command::new("pgbench")
-        .args([
-            "-n",
-            "-h",
-            "127.0.0.1",
-            "-U",
-            "postgres",
-            "-p",
-            &pg.to_string(),
-        ])
-        .args([
-            "-c",
-            &load.clients.to_string(),
-            "-j",
-            &load.clients.to_string(),
-        ])
-        .args(["-T", &load.seconds.to_string(), db]))?;
+    let out = write_load(
+        pg,
+        db,
+        load.workload,
+        load.scale,
+        load.clients,
+        load.seconds,
+    )?;
     let tps = out
         .lines()
         .find_map(|l| l.strip_prefix("tps = "))
@@ -228,14 +260,51 @@ fn run(cmd: &mut Command) -> Result<String, String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// Creates (again) database `db` with pgbench's tables at `scale`.
-pub fn prepare(pg: u16, db: &str, scale: u32) -> Result<(), String> {
+/// Creates (again) database `db` with the workload's tables at `scale`.
+pub fn prepare(pg: u16, db: &str, workload: Workload, scale: u32) -> Result<(), String> {
     psql(pg, "postgres", &format!("DROP DATABASE IF EXISTS {db}"))?;
     psql(pg, "postgres", &format!("CREATE DATABASE {db}"))?;
-    run(Command::new("pgbench")
-        .args(["-i", "-q", "-h", "127.0.0.1", "-U", "postgres"])
-        .args(["-p", &pg.to_string(), "-s", &scale.to_string(), db]))?;
+    match workload {
+        Workload::Tpcb => run(Command::new("pgbench")
+            .args(["-i", "-q", "-h", "127.0.0.1", "-U", "postgres"])
+            .args(["-p", &pg.to_string(), "-s", &scale.to_string(), db]))?,
+        Workload::Orders => run(Command::new("psql")
+            .args(["-X", "-q", "-h", "127.0.0.1", "-U", "postgres"])
+            .args(["-p", &pg.to_string(), "-d", db, "-v", "ON_ERROR_STOP=1"])
+            .args(["-v", &format!("customers={}", Workload::customers(scale))])
+            .arg("-f")
+            .arg(data_file("pg_orders_schema.sql")))?,
+    };
     Ok(())
+}
+
+/// Runs the workload on `db` (made by [`prepare`]) for `seconds`, directly; pgbench's report.
+fn write_load(
+    pg: u16,
+    db: &str,
+    workload: Workload,
+    scale: u32,
+    clients: u32,
+    seconds: u32,
+) -> Result<String, String> {
+    let mut cmd = Command::new("pgbench");
+    cmd.args([
+        "-n",
+        "-h",
+        "127.0.0.1",
+        "-U",
+        "postgres",
+        "-p",
+        &pg.to_string(),
+    ])
+    .args(["-c", &clients.to_string(), "-j", &clients.to_string()])
+    .args(["-T", &seconds.to_string()]);
+    if workload == Workload::Orders {
+        cmd.args(["-D", &format!("customers={}", Workload::customers(scale))])
+            .arg("-f")
+            .arg(data_file("pg_new_order.sql"));
+    }
+    run(cmd.arg(db))
 }
 
 /// A standby catching up: how much WAL it had to fetch and how long that took.
@@ -254,6 +323,9 @@ pub struct CatchUp {
 /// The load that builds a backlog, and how long the catch-up may take.
 #[derive(Debug, Clone, Copy)]
 pub struct Backlog {
+    /// The workload on the database [`prepare`] made, at the scale it was made with.
+    pub workload: Workload,
+    pub scale: u32,
     pub clients: u32,
     pub seconds: u32,
     pub limit: Duration,
@@ -311,6 +383,8 @@ pub fn catch_up(
     name: &str,
 ) -> Result<CatchUp, String> {
     let Backlog {
+        workload,
+        scale,
         clients,
         seconds: load_seconds,
         limit,
@@ -324,18 +398,7 @@ pub fn catch_up(
         &format!("SELECT pg_create_physical_replication_slot('{name}', true)"),
     )?;
     let _slot = Slot { pg, name };
-    run(Command::new("pgbench")
-        .args([
-            "-n",
-            "-h",
-            "127.0.0.1",
-            "-U",
-            "postgres",
-            "-p",
-            &pg.to_string(),
-        ])
-        .args(["-c", &clients.to_string(), "-j", &clients.to_string()])
-        .args(["-T", &load_seconds.to_string(), db]))?;
+    write_load(pg, db, workload, scale, clients, load_seconds)?;
     // End the backlog on a segment boundary: the receiver has it all once that segment's file
     // is complete.
     let last = psql(pg, "postgres", "SELECT pg_walfile_name(pg_switch_wal())")?;
