@@ -352,3 +352,199 @@ fn flushed_tails_are_compressed_when_it_pays_and_never_cached() {
     enc.push(b"COMMIT;", true, Pressure::CpuBound, &mut wire);
     assert_eq!(wire.len(), 1 + 1 + 7);
 }
+
+/// Redo-like writes of a few hundred bytes: each a record header with a counter, an address and
+/// a timestamp, then a row with a few varying fields.
+fn redo_writes(n: usize) -> Vec<Vec<u8>> {
+    (0..n as u64)
+        .map(|i| {
+            let mut w = Vec::new();
+            for r in 0..(2 + i % 4) {
+                let seq = i * 8 + r;
+                w.extend_from_slice(&(0x5c00_0000 + seq * 97).to_le_bytes());
+                w.extend_from_slice(&((seq * 7919) % 65_536).to_le_bytes());
+                w.extend_from_slice(&(1_700_000_000_000 + seq * 311).to_le_bytes());
+                let row = format!(
+                    "INSERT|ORDERS|{seq:010}|CUST{:06}|{}|WH{:02}|TOTAL {:>8.2}|STATUS OPEN|",
+                    (seq * 2_654_435_761) % 100_000,
+                    ["online", "direct"][(seq % 2) as usize],
+                    seq % 20,
+                    (seq * 7 % 100_000) as f64 / 3.0
+                );
+                w.extend_from_slice(row.as_bytes());
+            }
+            w
+        })
+        .collect()
+}
+
+/// Sends each write flushed (as live redo arrives), link-bound; returns the wire bytes, after
+/// checking the round trip.
+fn flushed_writes(writes: &[Vec<u8>], context: bool) -> usize {
+    let cfg = CodecConfig {
+        context,
+        ..CodecConfig::default()
+    };
+    let (mut enc, mut dec) = pair(&cfg);
+    let mut wire = 0;
+    for w in writes {
+        let mut rec = Vec::new();
+        enc.push(w, true, Pressure::LinkBound, &mut rec);
+        let mut out = Vec::new();
+        assert_eq!(dec.decode(&rec, &mut out), Ok(rec.len()));
+        assert!(&out == w, "a write came back different");
+        wire += rec.len();
+    }
+    wire
+}
+
+#[test]
+fn small_writes_compress_in_their_streams_context() {
+    let writes = redo_writes(2000);
+    let raw: usize = writes.iter().map(Vec::len).sum();
+    let alone = flushed_writes(&writes, false);
+    let in_context = flushed_writes(&writes, true);
+    eprintln!("{raw} raw bytes: {alone} alone, {in_context} in context");
+    assert!(
+        in_context * 2 < alone,
+        "context {in_context} vs alone {alone}"
+    );
+}
+
+/// A context record of `data` as a fresh mirror's first record would be.
+fn context_record(data: &[u8]) -> (Vec<u8>, Mirror, Hint) {
+    let mut m = Mirror::new(1 << 20, 1 << 20, 3);
+    let mut hint = Hint::default();
+    let policy = Policy {
+        compression: Compression::Zstd,
+        ..Policy::default()
+    };
+    let mut rec = Vec::new();
+    m.encode_chunk(data, &policy, Pressure::LinkBound, &mut hint, &mut rec);
+    assert_eq!(rec[0] & !NO_CACHE, TAG_LIT_CONTEXT | FRESH);
+    (rec, m, hint)
+}
+
+#[test]
+fn context_records_are_bounded_and_fail_cleanly() {
+    let data = db_blocks(1, 3);
+    let (rec, mut m, mut hint) = context_record(&data);
+    let mut dec = Decoder::with_capacity(1 << 20, true);
+    let mut out = Vec::new();
+
+    // A record that continues a context the decoder never saw start.
+    let mut next = Vec::new();
+    let policy = Policy {
+        compression: Compression::Zstd,
+        dedup: false,
+        ..Policy::default()
+    };
+    m.encode_chunk(
+        &db_blocks(1, 4),
+        &policy,
+        Pressure::LinkBound,
+        &mut hint,
+        &mut next,
+    );
+    assert_eq!(next[0], TAG_LIT_CONTEXT | NO_CACHE);
+    assert!(matches!(
+        dec.decode_record(&next, &mut out),
+        Err(CodecError::Malformed(_))
+    ));
+    // In order, both decode; the decoder's context then holds one slot.
+    assert_eq!(dec.decode_record(&rec, &mut out), Ok(rec.len()));
+    assert_eq!(dec.decode_record(&next, &mut out), Ok(next.len()));
+    assert_eq!(out.len(), 2 * 8192);
+    assert_eq!(dec.contexts(), 1);
+
+    // A record announcing fewer bytes than its payload holds, or more: an error, and the
+    // context is dropped, so nothing of it can reach the next record.
+    for claim in [8191, 8193] {
+        let (rec, _, _) = context_record(&data);
+        let mut bad = vec![rec[0]];
+        let (_, h1) = get_len(&rec, 1).expect("len");
+        put_len(&mut bad, claim);
+        bad.extend_from_slice(&rec[1 + h1..]);
+        let mut s = StreamContext::default();
+        assert_eq!(
+            dec.decode_record_in(&bad, &mut Vec::new(), &mut s),
+            Err(CodecError::Decompress),
+            "claim {claim}"
+        );
+        assert!(s.dctx.is_none());
+    }
+    // A bomb: 8 MiB of zeros claimed to be 1 KiB.
+    let mut m = Mirror::new(1 << 20, 1 << 20, 3);
+    let mut hint = Hint::default();
+    let mut big = Vec::new();
+    m.compress_in_context(&vec![0u8; 8 << 20], &mut hint)
+        .expect("compress");
+    big.extend_from_slice(&m.scratch[..m.clen]);
+    let mut rec = vec![TAG_LIT_CONTEXT | FRESH];
+    put_len(&mut rec, 1024);
+    put_len(&mut rec, big.len());
+    rec.extend_from_slice(&big);
+    assert_eq!(
+        dec.decode_record_in(&rec, &mut Vec::new(), &mut StreamContext::default()),
+        Err(CodecError::Decompress)
+    );
+
+    // At most DECODER_CONTEXTS at once; a closed stream gives its slot back.
+    let mut dec = Decoder::with_capacity(1 << 20, false);
+    let (rec, _, _) = context_record(&data);
+    let mut streams: Vec<StreamContext> = Vec::new();
+    for _ in 0..DECODER_CONTEXTS {
+        let mut s = StreamContext::default();
+        assert_eq!(
+            dec.decode_record_in(&rec, &mut Vec::new(), &mut s),
+            Ok(rec.len())
+        );
+        streams.push(s);
+    }
+    let mut s = StreamContext::default();
+    assert!(matches!(
+        dec.decode_record_in(&rec, &mut Vec::new(), &mut s),
+        Err(CodecError::Malformed(_))
+    ));
+    streams.pop();
+    assert_eq!(
+        dec.decode_record_in(&rec, &mut Vec::new(), &mut s),
+        Ok(rec.len())
+    );
+    assert_eq!(dec.contexts(), DECODER_CONTEXTS);
+    drop(streams);
+    drop(s);
+    assert_eq!(dec.contexts(), 0);
+}
+
+#[test]
+fn streams_beyond_the_mirrors_contexts_compress_alone() {
+    let mut m = Mirror::new(1 << 20, 1 << 20, 3);
+    let policy = Policy {
+        compression: Compression::Zstd,
+        dedup: false,
+        ..Policy::default()
+    };
+    let mut dec = Decoder::with_capacity(1 << 20, false);
+    let mut hints: Vec<(Hint, StreamContext)> = Vec::new();
+    for i in 0..MIRROR_CONTEXTS + 3 {
+        let mut h = Hint::default();
+        let mut s = StreamContext::default();
+        let data = db_blocks(1, i as u64);
+        let mut rec = Vec::new();
+        m.encode_chunk(&data, &policy, Pressure::LinkBound, &mut h, &mut rec);
+        let expect = if i < MIRROR_CONTEXTS {
+            TAG_LIT_CONTEXT | FRESH
+        } else {
+            TAG_LIT_ZSTD
+        };
+        assert_eq!(rec[0] & !NO_CACHE, expect, "stream {i}");
+        let mut out = Vec::new();
+        assert_eq!(dec.decode_record_in(&rec, &mut out, &mut s), Ok(rec.len()));
+        assert!(out == data);
+        hints.push((h, s));
+    }
+    assert_eq!(m.contexts(), MIRROR_CONTEXTS);
+    hints.clear();
+    assert_eq!(m.contexts(), 0);
+}

@@ -11,7 +11,9 @@ use std::sync::Arc;
 
 use bytes::{Buf, Bytes, BytesMut};
 use wanopt_codec::cache::{ChunkCache, Snapshot};
-use wanopt_codec::{self as codec, CodecConfig, CodecError, Decoder, Hint, Mirror, Policy};
+use wanopt_codec::{
+    self as codec, CodecConfig, CodecError, Decoder, Hint, Mirror, Policy, StreamContext,
+};
 
 pub use wanopt_codec::cache::{Fingerprint, TierStats};
 pub use wanopt_codec::store::ChunkStore;
@@ -208,6 +210,8 @@ impl SendCoder {
                 dedup: policy.dedup,
                 compression: policy.compression,
                 latency,
+                // Only once the peer says it decodes them.
+                context: false,
             },
             scoped: policy.scope == Scope::Service,
             hint: Hint::default(),
@@ -456,6 +460,8 @@ struct Pending {
 #[derive(Debug, Default)]
 pub(crate) struct RecvCoded {
     frames: VecDeque<Pending>,
+    /// The stream's zstd context, fed its records in order (a stall resumes where it stopped).
+    context: StreamContext,
     /// The chunk this stream waits for, and whether it is in the service's own cache.
     pub stall: Option<(Fingerprint, bool)>,
 }
@@ -783,7 +789,7 @@ impl Contexts {
             let mut out = Vec::new();
             let mut miss = None;
             while !p.records.is_empty() {
-                match dec.decode_record(&p.records, &mut out) {
+                match dec.decode_record_in(&p.records, &mut out, &mut rc.context) {
                     Ok(n) => p.records.advance(n),
                     Err(CodecError::Miss(f)) => {
                         miss = Some((f, p.scoped));
@@ -815,7 +821,11 @@ impl Contexts {
             if p.remaining != 0 {
                 return Err("records rebuild fewer bytes than announced".into());
             }
-            got.fin |= p.fin;
+            if p.fin {
+                // Nothing follows the stream's last frame: its context can go now.
+                got.fin = true;
+                rc.context = StreamContext::default();
+            }
             rc.frames.pop_front();
         }
         Ok(got)

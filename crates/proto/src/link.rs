@@ -36,6 +36,8 @@ pub const LATENCY_LANE: usize = 1;
 pub const CAP_LATENCY_LANE: u64 = 1;
 /// Hello capability bit: the sender decodes optimized (`Coded`) frames.
 pub const CAP_CODEC: u64 = 2;
+/// Hello capability bit: the sender decodes zstd literals compressed in their stream's context.
+pub const CAP_CONTEXT: u64 = 4;
 
 /// Largest hello accepted: room for the most cache offers with the longest names.
 const HELLO_MAX: u32 = 256 * 1024;
@@ -318,7 +320,11 @@ impl Link {
                 CAP_LATENCY_LANE
             } else {
                 0
-            }) | if cfg.codec.is_some() { CAP_CODEC } else { 0 },
+            }) | if cfg.codec.is_some() {
+                CAP_CODEC | CAP_CONTEXT
+            } else {
+                0
+            },
             settings: vec![
                 (setting::STREAM_WINDOW, u64::from(cfg.stream_window)),
                 (setting::LINK_WINDOW, cfg.link_window),
@@ -406,6 +412,7 @@ impl Link {
         }
         let mut c = SendCoder::new(&p, class == Class::Latency);
         c.max_chunk = chunking.max_chunk;
+        c.policy.context = self.peer_caps & CAP_CONTEXT != 0;
         Some(Box::new(c))
     }
 

@@ -12,7 +12,8 @@ use proptest::test_runner::TestCaseError;
 use wanopt_proto::{CacheStorage, ChunkStore, SavedCache, SavedState};
 use wanopt_proto::{
     Class, CloseCode, CodecCount, CodecSettings, Compression, Event, Frame, Hello, LANES, Link,
-    LinkConfig, LinkError, ReadOutcome, ResetCode, Role, Scope, Snapshot, StreamId, StreamPolicy,
+    LinkConfig, LinkError, Pressure, ReadOutcome, ResetCode, Role, Scope, Snapshot, StreamId,
+    StreamPolicy,
 };
 
 /// One direction of the emulated wire.
@@ -812,15 +813,37 @@ fn incompressible_data_grows_by_at_most_a_thousandth() {
     p.assert_no_leaks();
 }
 
+/// Both sides as on a WAN link: zstd, in each stream's context.
+fn link_bound(p: &mut Pair) {
+    p.west.link.set_pressure(Pressure::LinkBound);
+    p.east.link.set_pressure(Pressure::LinkBound);
+}
+
 #[test]
 fn a_miss_is_asked_for_and_resent_never_misread() {
+    for wan in [false, true] {
+        a_miss_is_resent(wan);
+    }
+}
+
+fn a_miss_is_resent(wan: bool) {
     let mut p = coded_pair(64 << 20, false);
-    let data = db_blocks(256, 2);
-    send_once(&mut p, "e-svc", Class::Bulk, &data);
+    if wan {
+        link_bound(&mut p);
+    }
+    let known = db_blocks(256, 2);
+    send_once(&mut p, "e-svc", Class::Bulk, &known);
     // East's memory goes bad: every chunk it holds is damaged.
     assert!(p.east.link.corrupt_caches_for_test() > 0);
     let _ = counts(&mut p.east.link);
-    send_once(&mut p, "e-svc", Class::Bulk, &data);
+    // The damaged chunks (references that miss) between new ones (literals, in the stream's
+    // context when link-bound): the stalled stream resumes in step with its context.
+    let mut v = Vec::new();
+    for i in 0..16 {
+        v.extend_from_slice(&known[i * 64 * 1024..(i + 1) * 64 * 1024]);
+        v.extend_from_slice(&db_blocks(4, 100 + i as u64));
+    }
+    send_once(&mut p, "e-svc", Class::Bulk, &Bytes::from(v));
     let east = counts(&mut p.east.link);
     let west = counts(&mut p.west.link);
     assert!(east.needs > 0, "the damaged chunks were asked for");
@@ -994,9 +1017,14 @@ proptest! {
         sizes in proptest::collection::vec((0usize..200_000, 0usize..50_000, any::<bool>()), 1..10),
         laned in any::<bool>(),
         cache in prop_oneof![Just(64u64 * 1024), Just(16u64 << 20)],
+        wan in any::<bool>(),
     ) {
         // Half the streams repeat an earlier one's seed (exchange_streams seeds by index).
-        exchange_streams(coded_pair(cache, laned), &sizes)?;
+        let mut p = coded_pair(cache, laned);
+        if wan {
+            link_bound(&mut p);
+        }
+        exchange_streams(p, &sizes)?;
     }
 }
 
