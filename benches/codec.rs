@@ -6,7 +6,9 @@
 //! of memory in front of a disk tier (plain and encrypted), for new chunks (written through) and
 //! for a repeat (references read back from the disk tier), as ratios to memory only.
 //!
-//! Run: `cargo bench --bench codec` (`-- --mib N` of data per case, default 256).
+//! Run: `cargo bench --bench codec` (`-- --mib N` of data per case, default 256;
+//! `--zstd-level N`, default the codec's; `--no-context` compresses every zstd piece alone). A `--wal FILE` (PostgreSQL WAL segments, `cat`
+//! together) adds real redo, sent as live redo arrives: 2 KiB writes, each flushed.
 
 #[path = "../tests/common/args.rs"]
 mod args;
@@ -56,9 +58,27 @@ fn db_like(len: usize) -> Vec<u8> {
     v
 }
 
+/// The zstd level of every case, and whether zstd pieces share their stream's context.
+static LEVEL: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+static CONTEXT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
 fn run(name: &str, data: &[u8], compression: Compression, pressure: Pressure) {
+    run_writes(name, data, compression, pressure, 64 * 1024, false);
+}
+
+/// Encodes `data` in writes of `write` bytes (each flushed with `flush`), then decodes it.
+fn run_writes(
+    name: &str,
+    data: &[u8],
+    compression: Compression,
+    pressure: Pressure,
+    write: usize,
+    flush: bool,
+) {
     let cfg = CodecConfig {
         compression,
+        zstd_level: *LEVEL.get_or_init(|| CodecConfig::default().zstd_level),
+        context: *CONTEXT.get_or_init(|| true),
         ..CodecConfig::default()
     };
     let mut enc = Encoder::new(cfg.clone());
@@ -66,8 +86,8 @@ fn run(name: &str, data: &[u8], compression: Compression, pressure: Pressure) {
     let mut wire = vec![1u8; data.len() + data.len() / 100 + 4096];
     wire.clear();
     let t = Instant::now();
-    for piece in data.chunks(64 * 1024) {
-        enc.push(piece, false, pressure, &mut wire);
+    for piece in data.chunks(write) {
+        enc.push(piece, flush, pressure, &mut wire);
     }
     enc.push(&[], true, pressure, &mut wire);
     let secs = t.elapsed().as_secs_f64();
@@ -158,10 +178,36 @@ fn tiers(data: &[u8]) {
 }
 
 fn main() {
-    let mib: usize = args::Args::new().get("--mib", 256);
+    let args = args::Args::new();
+    let mib: usize = args.get("--mib", 256);
+    let level = *LEVEL.get_or_init(|| args.get("--zstd-level", CodecConfig::default().zstd_level));
+    let context = *CONTEXT.get_or_init(|| !args.flag("--no-context"));
     let db = db_like(mib << 20);
     let noise = xorshift(7, mib << 20);
-    println!("one core, {mib} MiB per case, 64 KiB writes, first transfer (empty cache)");
+    println!(
+        "one core, {mib} MiB per case, 64 KiB writes, first transfer (empty cache), zstd level {level}{}",
+        if context { "" } else { ", no stream contexts" }
+    );
+    if let Some(path) = args.text("--wal") {
+        let wal = std::fs::read(&path).unwrap_or_else(|e| panic!("--wal {path}: {e}"));
+        run_writes(
+            "PostgreSQL WAL, live 2 KiB writes",
+            &wal,
+            Compression::Adaptive,
+            Pressure::LinkBound,
+            2048,
+            true,
+        );
+        // What per-write LZ-class compression (an appliance's LZO) leaves of the same bytes.
+        run_writes(
+            "the same, lz4 write by write",
+            &wal,
+            Compression::Lz4,
+            Pressure::LinkBound,
+            2048,
+            true,
+        );
+    }
     stages("db-like stages", &db);
     stages("incompressible stages", &noise);
     run(
@@ -177,6 +223,15 @@ fn main() {
         Pressure::LinkBound,
     );
     // The workloads of `wanopt-replay gen`, as the link sees them when it is the bottleneck.
+    let redo = Generator::new(Workload::Redo, 1, 0.0).bytes(mib.min(128) << 20);
+    run_writes(
+        "gen redo, live 2 KiB writes (link-bound)",
+        &redo,
+        Compression::Adaptive,
+        Pressure::LinkBound,
+        2048,
+        true,
+    );
     for (name, w) in [
         ("gen redo, adaptive (link-bound)", Workload::Redo),
         ("gen rman, adaptive (link-bound)", Workload::Rman),

@@ -9,11 +9,13 @@
 //! resolve or verify is a [`CodecError::Miss`], never wrong data. [`Encoder`] strings the pieces
 //! together for one stream (tests, benches). Nothing here does I/O.
 //!
-//! zstd literals of one stream may share a compression context: each is flushed on its own, but
-//! matches reach back into the stream's earlier zstd literals (a 128 KiB window). Live redo comes
-//! in writes of a few hundred bytes, which alone compress poorly; in context they compress like
-//! the whole stream. Both ends keep the context per stream ([`Hint`] and [`StreamContext`]) and
-//! feed it the same records in the stream's order, so it needs no agreement beyond that.
+//! A stream's flushed tails (the bytes where its writer paused, shorter than a chunk) share a
+//! zstd context when zstd is chosen: each goes out flushed on its own, but its matches reach back
+//! into the stream's earlier tails (a 128 KiB window). Live redo comes in writes of a few hundred
+//! bytes to a few KiB, which alone compress poorly; in context they compress like the whole
+//! stream. Whole chunks are compressed alone: there a context bought nothing and cost a third of
+//! the speed. Both ends keep the context per stream ([`Hint`] and [`StreamContext`]) and feed it
+//! the same records in the stream's order, so it needs no agreement beyond that.
 
 pub mod cache;
 pub mod disk;
@@ -310,7 +312,16 @@ pub struct Hint {
     skip: u32,
     backoff: u32,
     context: Option<SendContext>,
+    /// Chunks still to be treated as part of a live stream, counted down from [`LIVE_CHUNKS`]
+    /// at each flushed tail.
+    live: u32,
 }
+
+/// After a flushed tail, this many chunks count as live: they are compressed in the stream's
+/// context too. A stream that pauses this often is live redo, whose every piece gains from the
+/// context (pgbench's WAL: 0.108 of the raw bytes with all pieces in context, 0.144 with tails
+/// only); a steady bulk stream never pauses, and its chunks compress alone (a third faster).
+pub const LIVE_CHUNKS: u32 = 32;
 
 impl std::fmt::Debug for Hint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -318,6 +329,7 @@ impl std::fmt::Debug for Hint {
             .field("skip", &self.skip)
             .field("backoff", &self.backoff)
             .field("context", &self.context.is_some())
+            .field("live", &self.live)
             .finish()
     }
 }
@@ -451,6 +463,22 @@ impl Mirror {
         hint: &mut Hint,
         out: &mut impl BufMut,
     ) -> Report {
+        // A live stream's chunks join its tails' context; a steady bulk stream's go alone.
+        let live = policy.context && hint.live > 0;
+        hint.live = hint.live.saturating_sub(1);
+        self.encode_piece(chunk, policy, pressure, hint, out, live)
+    }
+
+    /// Appends the record for a chunk or a tail to `out`; a tail may use the stream's context.
+    fn encode_piece(
+        &mut self,
+        chunk: &[u8],
+        policy: &Policy,
+        pressure: Pressure,
+        hint: &mut Hint,
+        out: &mut impl BufMut,
+        in_context: bool,
+    ) -> Report {
         let f = if policy.dedup {
             let f = fingerprint(chunk);
             if self.cache.contains(&f) {
@@ -469,7 +497,7 @@ impl Mirror {
         } else {
             None
         };
-        let codec = self.compress(chunk, policy, pressure, hint);
+        let codec = self.compress(chunk, policy, pressure, hint, in_context);
         let wire = match codec {
             Some(codec) => {
                 let c = &self.scratch[..self.clen];
@@ -503,13 +531,15 @@ impl Mirror {
         }
     }
 
-    /// Compresses `chunk` into the scratch buffer if that pays; returns the codec used.
+    /// Compresses `chunk` into the scratch buffer if that pays (with zstd in the stream's context
+    /// if `in_context`); returns the codec used.
     fn compress(
         &mut self,
         chunk: &[u8],
         policy: &Policy,
         pressure: Pressure,
         hint: &mut Hint,
+        in_context: bool,
     ) -> Option<Codec> {
         self.context = None;
         let codec = match policy.compression {
@@ -523,7 +553,7 @@ impl Mirror {
                 }
                 if policy.latency || pressure == Pressure::CpuBound {
                     Codec::Lz4
-                } else if policy.context && chunk.len() < SMALL {
+                } else if in_context && chunk.len() < SMALL {
                     // A small piece alone says little: in context it compresses like its
                     // stream, and the context's own result judges it.
                     Codec::Zstd
@@ -539,7 +569,7 @@ impl Mirror {
             }
         };
         if codec == Codec::Zstd
-            && policy.context
+            && in_context
             && let Some(fresh) = self.compress_in_context(chunk, hint)
         {
             // The context has taken the chunk: it must go as compressed, paying or not (the
@@ -587,6 +617,12 @@ impl Mirror {
             cctx.set_parameter(CParameter::CompressionLevel(self.zstd_level))
                 .ok()?;
             cctx.set_parameter(CParameter::WindowLog(CONTEXT_WINDOW_LOG))
+                .ok()?;
+            // Tables sized to the window: on WAL, larger ones found nothing more (measured at
+            // levels 3 to 9) and cost memory in every context.
+            cctx.set_parameter(CParameter::HashLog(CONTEXT_WINDOW_LOG))
+                .ok()?;
+            cctx.set_parameter(CParameter::ChainLog(CONTEXT_WINDOW_LOG - 1))
                 .ok()?;
             hint.context = Some(SendContext {
                 cctx,
@@ -671,7 +707,10 @@ pub fn encode_tail(
         dedup: false,
         ..*policy
     };
-    mirror.encode_chunk(tail, &once, pressure, hint, out)
+    if in_context {
+        hint.live = LIVE_CHUNKS;
+    }
+    mirror.encode_piece(tail, &once, pressure, hint, out, in_context)
 }
 
 /// Appends a raw record (bytes sent as they are, not cached) to `out`.

@@ -411,7 +411,12 @@ fn small_writes_compress_in_their_streams_context() {
     );
 }
 
-/// A context record of `data` as a fresh mirror's first record would be.
+/// A 2 KiB flushed write of database-like bytes.
+fn write_of(seed: u64) -> Vec<u8> {
+    db_blocks(1, seed)[..2048].to_vec()
+}
+
+/// A context record of the tail `data` as a fresh mirror's first record would be.
 fn context_record(data: &[u8]) -> (Vec<u8>, Mirror, Hint) {
     let mut m = Mirror::new(1 << 20, 1 << 20, 3);
     let mut hint = Hint::default();
@@ -420,14 +425,21 @@ fn context_record(data: &[u8]) -> (Vec<u8>, Mirror, Hint) {
         ..Policy::default()
     };
     let mut rec = Vec::new();
-    m.encode_chunk(data, &policy, Pressure::LinkBound, &mut hint, &mut rec);
-    assert_eq!(rec[0] & !NO_CACHE, TAG_LIT_CONTEXT | FRESH);
+    encode_tail(
+        &mut m,
+        data,
+        &policy,
+        Pressure::LinkBound,
+        &mut hint,
+        &mut rec,
+    );
+    assert_eq!(rec[0], TAG_LIT_CONTEXT | FRESH | NO_CACHE);
     (rec, m, hint)
 }
 
 #[test]
 fn context_records_are_bounded_and_fail_cleanly() {
-    let data = db_blocks(1, 3);
+    let data = write_of(3);
     let (rec, mut m, mut hint) = context_record(&data);
     let mut dec = Decoder::with_capacity(1 << 20, true);
     let mut out = Vec::new();
@@ -439,8 +451,9 @@ fn context_records_are_bounded_and_fail_cleanly() {
         dedup: false,
         ..Policy::default()
     };
-    m.encode_chunk(
-        &db_blocks(1, 4),
+    encode_tail(
+        &mut m,
+        &write_of(4),
         &policy,
         Pressure::LinkBound,
         &mut hint,
@@ -454,12 +467,36 @@ fn context_records_are_bounded_and_fail_cleanly() {
     // In order, both decode; the decoder's context then holds one slot.
     assert_eq!(dec.decode_record(&rec, &mut out), Ok(rec.len()));
     assert_eq!(dec.decode_record(&next, &mut out), Ok(next.len()));
-    assert_eq!(out.len(), 2 * 8192);
+    assert_eq!(out.len(), 2 * 2048);
     assert_eq!(dec.contexts(), 1);
+    // Whole chunks after flushed tails join the context (the stream is live), until
+    // LIVE_CHUNKS of them came without a tail; a steady stream's go alone.
+    for i in 0..=LIVE_CHUNKS {
+        let mut whole = Vec::new();
+        let block = db_blocks(1, 5 + u64::from(i));
+        m.encode_chunk(&block, &policy, Pressure::LinkBound, &mut hint, &mut whole);
+        let want = if i < LIVE_CHUNKS {
+            TAG_LIT_CONTEXT
+        } else {
+            TAG_LIT_ZSTD
+        };
+        assert_eq!(whole[0], want | NO_CACHE, "chunk {i}");
+        assert_eq!(dec.decode_record(&whole, &mut out), Ok(whole.len()));
+        assert!(out[out.len() - 8192..] == block[..]);
+    }
+    let mut whole = Vec::new();
+    m.encode_chunk(
+        &db_blocks(1, 5),
+        &policy,
+        Pressure::LinkBound,
+        &mut Hint::default(),
+        &mut whole,
+    );
+    assert_eq!(whole[0], TAG_LIT_ZSTD | NO_CACHE);
 
     // A record announcing fewer bytes than its payload holds, or more: an error, and the
     // context is dropped, so nothing of it can reach the next record.
-    for claim in [8191, 8193] {
+    for claim in [2047, 2049] {
         let (rec, _, _) = context_record(&data);
         let mut bad = vec![rec[0]];
         let (_, h1) = get_len(&rec, 1).expect("len");
@@ -530,9 +567,16 @@ fn streams_beyond_the_mirrors_contexts_compress_alone() {
     for i in 0..MIRROR_CONTEXTS + 3 {
         let mut h = Hint::default();
         let mut s = StreamContext::default();
-        let data = db_blocks(1, i as u64);
+        let data = write_of(i as u64);
         let mut rec = Vec::new();
-        m.encode_chunk(&data, &policy, Pressure::LinkBound, &mut h, &mut rec);
+        encode_tail(
+            &mut m,
+            &data,
+            &policy,
+            Pressure::LinkBound,
+            &mut h,
+            &mut rec,
+        );
         let expect = if i < MIRROR_CONTEXTS {
             TAG_LIT_CONTEXT | FRESH
         } else {

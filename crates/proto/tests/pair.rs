@@ -851,6 +851,46 @@ fn a_miss_is_resent(wan: bool) {
     p.assert_no_leaks();
 }
 
+/// Live writes flushed one by one (their tails compressed in the stream's zstd context) queue
+/// behind references that miss: the stalled stream resumes in step with its context.
+#[test]
+fn flushed_writes_in_context_resume_after_a_miss() {
+    let mut p = coded_pair(64 << 20, false);
+    link_bound(&mut p);
+    let known = db_blocks(256, 2);
+    send_once(&mut p, "e-svc", Class::Bulk, &known);
+    assert!(p.east.link.corrupt_caches_for_test() > 0);
+    let _ = counts(&mut p.east.link);
+    let id = p.west.link.open("e-svc", Class::Bulk).expect("open");
+    p.west.app.received.entry(id).or_default();
+    let mut want = Vec::new();
+    for i in 0..16 {
+        for piece in [
+            known.slice(i * 64 * 1024..(i + 1) * 64 * 1024),
+            db_blocks(1, 500 + i as u64).slice(..1500 + i * 37),
+        ] {
+            let mut at = 0;
+            while at < piece.len() {
+                at += p.west.link.write(id, &piece[at..]).expect("write");
+                p.drive(Duration::from_millis(2));
+            }
+            assert!(p.west.link.flush(id));
+            want.extend_from_slice(&piece);
+        }
+        p.drive(Duration::from_millis(5));
+    }
+    p.west.app.to_send.insert(id, (Bytes::new(), true));
+    p.drive(Duration::from_secs(30));
+    assert!(p.east.app.received[&id] == want[..], "bytes differ");
+    assert!(
+        counts(&mut p.east.link).needs > 0,
+        "the damaged chunks were asked for"
+    );
+    p.east.app.to_send.insert(id, (Bytes::new(), true));
+    p.drive(Duration::from_secs(5));
+    p.assert_no_leaks();
+}
+
 #[test]
 fn evictions_under_a_tiny_cache_stay_in_step() {
     let mut p = coded_pair(256 * 1024, false);

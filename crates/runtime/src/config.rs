@@ -15,6 +15,9 @@ use wanopt_proto::{Class, CodecSettings, Compression, Scope, StreamPolicy};
 
 use crate::units::{parse_duration, parse_rate, parse_size};
 
+/// Stated link bandwidth up to which `optimize.zstd_level` defaults to 6 instead of 3.
+pub const ZSTD_6_UP_TO_BPS: u64 = 50_000_000;
+
 /// A config that cannot be used; the message names the field.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -600,6 +603,11 @@ impl Config {
             in_range(n, *r.start() as u64, *r.end() as u64)
         })? as usize;
         let zstd_level = match ro.and_then(|r| r.zstd_level) {
+            // A stated link of up to 50 Mbit/s (a T3) leaves a core time for level 6: 41 to 78
+            // MB/s here on redo, WAL, backups and trails (`cargo bench --bench codec`), 2 to 5
+            // times what a full T3 needs, for 2 to 6% fewer bytes than level 3 (live WAL: 0.320
+            // against 0.339); faster links keep level 3, about twice as fast.
+            None if link.bandwidth_stated && link.bandwidth_bps <= ZSTD_6_UP_TO_BPS => 6,
             None => 3,
             Some(l) => in_range(l, 1, 19).map_err(|m| cx.err("optimize.zstd_level", m))?,
         };
@@ -1193,6 +1201,24 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn zstd_level_defaults_by_the_stated_bandwidth() {
+        let level = |link: &str, extra: &str| {
+            let y = MIN.replace("  peer: east\n", &format!("  peer: east\n{link}"));
+            Config::parse(&format!("{y}{extra}"), Path::new("/etc/wanopt/west.yaml"))
+                .expect("valid")
+                .optimize
+                .codec
+                .zstd_level
+        };
+        assert_eq!(level("", ""), 3, "no bandwidth stated");
+        assert_eq!(level("  bandwidth: 45mbit\n", ""), 6);
+        assert_eq!(level("  bandwidth: 50mbit\n", ""), 6);
+        assert_eq!(level("  bandwidth: 100mbit\n", ""), 3);
+        let set = "optimize:\n  zstd_level: 2\n";
+        assert_eq!(level("  bandwidth: 45mbit\n", set), 2);
     }
 
     #[test]
