@@ -44,8 +44,7 @@ fn main() {
         args.get("--clients", 4),
     );
     let only = args.choice("--only", &["all", "ratio", "wan"], "all");
-    let workload = Workload::parse(&args.choice("--workload", &["orders", "tpcb"], "orders"))
-        .expect("a listed workload");
+    let workload = args.get("--workload", Workload::Orders);
     if only != "wan" {
         ratio(port, scale, seconds, clients);
     }

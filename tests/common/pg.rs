@@ -59,15 +59,19 @@ pub enum Workload {
     Orders,
 }
 
-impl Workload {
-    pub fn parse(s: &str) -> Result<Self, String> {
+impl std::str::FromStr for Workload {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "tpcb" => Ok(Self::Tpcb),
             "orders" => Ok(Self::Orders),
             _ => Err(format!("unknown workload {s:?} (tpcb or orders)")),
         }
     }
+}
 
+impl Workload {
     pub fn name(self) -> &'static str {
         match self {
             Self::Tpcb => "tpcb",
