@@ -9,6 +9,7 @@ pub mod coding;
 pub mod error;
 pub mod flow;
 pub mod frame;
+pub mod lane;
 pub mod link;
 
 pub use coding::{
@@ -17,5 +18,6 @@ pub use coding::{
 };
 pub use error::{FrameError, LinkError, StreamError};
 pub use frame::{CacheOffer, Class, CloseCode, Frame, Hello, ResetCode, StreamId};
-pub use link::{Event, LANES, LATENCY_LANE, Link, LinkConfig, MAIN_LANE, ReadOutcome, WireCount};
+pub use lane::{LANES, LATENCY_LANE, MAIN_LANE};
+pub use link::{Event, Link, LinkConfig, MIN_VERSION, ReadOutcome, VERSION, WireCount};
 pub use wanopt_codec::cache::Snapshot;

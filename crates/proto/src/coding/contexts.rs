@@ -1,0 +1,379 @@
+//! The caches of one link, one per lane and scope: mirrors of the peer's caches (send side) and
+//! our own decoders (receive side), the saved states both sides agree to resume, checkpoints, and
+//! the decoding of a stream's waiting frames against them.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use bytes::{Buf, Bytes};
+use wanopt_codec::cache::{ChunkCache, Snapshot};
+use wanopt_codec::{self as codec, CodecConfig, CodecError, Decoder, Mirror, StreamContext};
+
+use super::recv::{Decoded, RecvCoded};
+use super::{
+    CacheStat, CacheStorage, CodecCount, CodecSettings, Fingerprint, Role, SavedState, lane_share,
+};
+use crate::frame::{self, CacheOffer};
+use crate::lane::{LANES, MAIN_LANE};
+
+/// Most bytes of referenced chunks a mirror keeps to answer misses, whatever the peer's window.
+const MAX_RESEND: u64 = 256 << 20;
+
+/// The caches of one link: mirrors of the peer's (send side) and our own (receive side).
+pub(crate) struct Contexts {
+    own: CodecSettings,
+    /// Chunking of what we send, fitted to the peer's frame size; `None` if the peer cannot decode.
+    pub chunking: Option<CodecConfig>,
+    peer_cache: u64,
+    peer_service_cache: u64,
+    resend: usize,
+    mirrors: HashMap<Key, Mirror>,
+    decoders: HashMap<Key, Decoder>,
+    pub counts: HashMap<Arc<str>, CodecCount>,
+    storage: Option<Arc<dyn CacheStorage>>,
+    /// States we saved, offered in our hello.
+    saved: HashMap<(Role, Key), Vec<SavedState>>,
+    /// States both sides agreed to resume, loaded when the cache is first used.
+    resume: HashMap<(Role, Key), Fingerprint>,
+    /// Each mirror's clock at its last checkpoint: it changed since if it differs.
+    checkpointed: HashMap<Key, u64>,
+    /// Each decoder's clock when a peer's checkpoint was last judged against it.
+    judged: HashMap<Key, u64>,
+}
+
+impl std::fmt::Debug for Contexts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Contexts")
+            .field("chunking", &self.chunking)
+            .field("mirrors", &self.mirrors.len())
+            .field("decoders", &self.decoders.len())
+            .finish()
+    }
+}
+
+/// Loads an agreed state; a state that cannot be loaded leaves the cache empty (which costs
+/// dedup, never correctness: see [`Contexts::mirror`] and [`Contexts::decoder`]).
+fn load(
+    storage: Option<&dyn CacheStorage>,
+    role: Role,
+    lane: usize,
+    scope: &str,
+    digest: &Fingerprint,
+) -> Option<Snapshot> {
+    storage?
+        .load(role, lane, scope, digest)
+        .filter(|s| s.digest() == *digest)
+}
+
+fn to_usize(n: u64) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+type Key = (usize, Arc<str>);
+
+impl Contexts {
+    pub fn new(own: CodecSettings, storage: Option<Arc<dyn CacheStorage>>) -> Self {
+        let mut saved = HashMap::new();
+        for c in storage.iter().flat_map(|s| s.saved()) {
+            // Only states of our cache as configured now can be resumed by our decoders.
+            // (and a decoder without a disk tier has no bytes to resume).
+            let cap = own.capacity(c.lane, c.scope.is_empty());
+            let disk = own.limits(c.lane, c.scope.is_empty()).1 > 0;
+            let states: Vec<_> = c
+                .states
+                .into_iter()
+                .filter(|s| c.role == Role::Mirror || (disk && s.capacity == cap))
+                .take(frame::MAX_DIGESTS)
+                .collect();
+            if !states.is_empty() && c.lane < LANES {
+                saved.insert((c.role, (c.lane, c.scope)), states);
+            }
+        }
+        Contexts {
+            own,
+            chunking: None,
+            peer_cache: 0,
+            peer_service_cache: 0,
+            resend: 0,
+            mirrors: HashMap::new(),
+            decoders: HashMap::new(),
+            counts: HashMap::new(),
+            storage,
+            saved,
+            resume: HashMap::new(),
+            checkpointed: HashMap::new(),
+            judged: HashMap::new(),
+        }
+    }
+
+    /// Our saved states, for the hello.
+    pub fn offers(&self) -> Vec<CacheOffer> {
+        let mut v: Vec<CacheOffer> = self
+            .saved
+            .iter()
+            .map(|((role, (lane, scope)), states)| CacheOffer {
+                decoder: *role == Role::Decoder,
+                lane: *lane as u8,
+                scope: scope.to_string(),
+                digests: states.iter().map(|s| s.digest).collect(),
+            })
+            .collect();
+        v.sort_by(|a, b| (a.decoder, a.lane, &a.scope).cmp(&(b.decoder, b.lane, &b.scope)));
+        v.truncate(frame::MAX_OFFERS);
+        v
+    }
+
+    /// Chooses the states to resume from the peer's offers: for each cache, the newest state the
+    /// receiving side offers that the sending side has too. Both sides choose alike.
+    fn choose(&mut self, peer: &[CacheOffer]) {
+        for o in peer {
+            let key: Key = (usize::from(o.lane), Arc::from(o.scope.as_str()));
+            // Their decoder and our mirror, or their mirror and our decoder.
+            let (role, ours) = if o.decoder {
+                (Role::Mirror, self.saved.get(&(Role::Mirror, key.clone())))
+            } else {
+                (Role::Decoder, self.saved.get(&(Role::Decoder, key.clone())))
+            };
+            let Some(ours) = ours else {
+                continue;
+            };
+            let pick = if o.decoder {
+                o.digests
+                    .iter()
+                    .find(|d| ours.iter().any(|s| s.digest == **d))
+                    .copied()
+            } else {
+                ours.iter()
+                    .find(|s| o.digests.contains(&s.digest))
+                    .map(|s| s.digest)
+            };
+            if let Some(d) = pick {
+                self.resume.insert((role, key), d);
+            }
+        }
+        self.saved.clear();
+    }
+
+    /// Takes the peer's announced cache sizes and frame limit. Our mirrors never exceed our own
+    /// limits; a smaller mirror holds a subset of the peer's cache (LRU keeps the most recent
+    /// chunks that fit), so it never claims a chunk the peer has evicted.
+    /// Chunks sent as references are kept for a miss as long as they could still be in flight:
+    /// the peer's link window, plus slack for a round trip.
+    pub fn on_peer(
+        &mut self,
+        cache: u64,
+        service_cache: u64,
+        peer_max_frame: usize,
+        peer_link_window: u64,
+        offers: &[CacheOffer],
+    ) {
+        self.resend = usize::try_from(peer_link_window.min(MAX_RESEND)).unwrap_or(0) + (16 << 20);
+        // A mirror costs about 64 bytes of memory per chunk: never more than our own cache.
+        self.peer_cache = cache.min(self.own.capacity(MAIN_LANE, true));
+        self.peer_service_cache = service_cache.min(self.own.capacity(MAIN_LANE, false));
+        self.choose(offers);
+        // A chunk and its record must fit in one frame of the peer's size.
+        let room = peer_max_frame.saturating_sub(frame::CODED_OVERHEAD + 64);
+        let avg = self.own.avg_chunk.min(room / 4);
+        self.chunking = (avg >= *codec::AVG_CHUNK_RANGE.start()).then(|| {
+            CodecConfig {
+                zstd_level: self.own.zstd_level,
+                ..CodecConfig::default()
+            }
+            .with_avg_chunk(avg)
+        });
+    }
+
+    pub fn mirror(&mut self, lane: usize, scope: &Arc<str>) -> &mut Mirror {
+        let size = if scope.is_empty() {
+            self.peer_cache
+        } else {
+            self.peer_service_cache
+        };
+        let (level, resend) = (self.own.zstd_level, self.resend);
+        let key = (lane, scope.clone());
+        let resume = self.resume.remove(&(Role::Mirror, key.clone()));
+        let storage = self.storage.clone();
+        self.mirrors.entry(key).or_insert_with(|| {
+            let mut m = Mirror::new(to_usize(lane_share(size, lane)), resend, level);
+            if let Some(s) =
+                resume.and_then(|d| load(storage.as_deref(), Role::Mirror, lane, scope, &d))
+            {
+                // A state of another size cannot be resumed: start empty (the peer's cache then
+                // holds more than we assume, which only costs dedup).
+                let _ = m.cache_mut().restore(&s);
+            }
+            m
+        })
+    }
+
+    pub fn decoder(&mut self, lane: usize, scope: &Arc<str>) -> &mut Decoder {
+        let key = (lane, scope.clone());
+        let resume = self.resume.remove(&(Role::Decoder, key.clone()));
+        let (mem, disk) = self.own.limits(lane, scope.is_empty());
+        let storage = self.storage.clone();
+        self.decoders.entry(key).or_insert_with(|| {
+            let store = (disk > 0)
+                .then(|| storage.as_ref().and_then(|s| s.store(lane, scope)))
+                .flatten();
+            let mut cache = match store {
+                Some(st) => ChunkCache::tiered(to_usize(mem), disk, st),
+                None => ChunkCache::new(to_usize(mem)),
+            };
+            if let Some(s) =
+                resume.and_then(|d| load(storage.as_deref(), Role::Decoder, lane, scope, &d))
+            {
+                // Chunks whose bytes are gone become misses, which the peer answers.
+                let _ = cache.restore(&s);
+            }
+            Decoder::with_cache(cache, true)
+        })
+    }
+
+    /// Our decoder of a lane and scope, if it was ever used.
+    pub fn existing_decoder(&mut self, lane: usize, scope: &Arc<str>) -> Option<&mut Decoder> {
+        self.decoders.get_mut(&(lane, scope.clone()))
+    }
+
+    /// The mirrors changed since their last checkpoint, as (lane, scope).
+    pub fn dirty_mirrors(&self) -> Vec<Key> {
+        self.mirrors
+            .iter()
+            .filter(|(k, m)| self.checkpointed.get(*k).copied().unwrap_or(0) != m.cache().clock())
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    /// Takes a checkpoint of a mirror: its state now, which the frame emitted at this point of
+    /// the lane tells the peer to save too.
+    pub fn checkpoint_mirror(&mut self, lane: usize, scope: &str) -> Option<Arc<Snapshot>> {
+        let key: Key = (lane, Arc::from(scope));
+        let m = self.mirrors.get(&key)?;
+        self.checkpointed.insert(key, m.cache().clock());
+        Some(Arc::new(m.cache().snapshot()))
+    }
+
+    /// Our decoder's state, if it is the one the peer's checkpoint names.
+    pub fn checkpoint_decoder(
+        &mut self,
+        lane: usize,
+        scope: &str,
+        digest: &Fingerprint,
+    ) -> Option<Arc<Snapshot>> {
+        let key: Key = (lane, Arc::from(scope));
+        let d = self.decoders.get_mut(&key)?;
+        // A cache in memory only has nothing to resume after a restart.
+        if !d.cache().has_disk() {
+            return None;
+        }
+        // A peer repeating checkpoints without sending anything in between costs nothing: the
+        // state did not change, it was judged (and saved, if it matched) already.
+        let clock = d.cache().clock();
+        if self.judged.get(&key).is_some_and(|c| *c == clock) {
+            return None;
+        }
+        self.judged.insert(key, clock);
+        d.cache_mut().flush();
+        let s = d.cache().snapshot();
+        (s.digest() == *digest).then(|| Arc::new(s))
+    }
+
+    /// The bytes of a chunk the peer asked for, if our mirror still holds it.
+    pub fn resend(&self, lane: usize, scope: &str) -> impl Fn(&Fingerprint) -> Option<Bytes> + '_ {
+        let m = self.mirrors.get(&(lane, Arc::from(scope)));
+        move |f| m.and_then(|m| m.chunk(f)).cloned()
+    }
+
+    /// Decodes a stream's waiting frames until they run out or a reference misses.
+    pub fn decode(
+        &mut self,
+        rc: &mut RecvCoded,
+        lane: usize,
+        service: &Arc<str>,
+    ) -> Result<Decoded, String> {
+        let mut got = Decoded::default();
+        if rc.stall.is_some() {
+            return Ok(got);
+        }
+        let link_scope: Arc<str> = Arc::from("");
+        while let Some(p) = rc.frames.front_mut() {
+            let scope = if p.scoped { service } else { &link_scope };
+            let dec = self.decoder(lane, scope);
+            let before = dec.stats();
+            let mut out = Vec::new();
+            let mut miss = None;
+            while !p.records.is_empty() {
+                match dec.decode_record_in(&p.records, &mut out, &mut rc.context) {
+                    Ok(n) => p.records.advance(n),
+                    Err(CodecError::Miss(f)) => {
+                        miss = Some((f, p.scoped));
+                        break;
+                    }
+                    Err(CodecError::Incomplete) => return Err("truncated record".into()),
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+            let after = dec.stats();
+            let r = &mut self.counts.entry(service.clone()).or_default().received;
+            r.hit_chunks += after.hit_chunks - before.hit_chunks;
+            r.hit_bytes += after.hit_bytes - before.hit_bytes;
+            r.lit_chunks += after.lit_chunks - before.lit_chunks;
+            r.lit_bytes += after.lit_bytes - before.lit_bytes;
+            let n = out.len() as u64;
+            if n > p.remaining {
+                return Err("records rebuild more bytes than announced".into());
+            }
+            p.remaining -= n;
+            if !out.is_empty() {
+                got.data.push(Bytes::from(out));
+            }
+            if let Some(m) = miss {
+                rc.stall = Some(m);
+                got.need = Some(m);
+                return Ok(got);
+            }
+            if p.remaining != 0 {
+                return Err("records rebuild fewer bytes than announced".into());
+            }
+            if p.fin {
+                // Nothing follows the stream's last frame: its context can go now.
+                got.fin = true;
+                rc.context = StreamContext::default();
+            }
+            rc.frames.pop_front();
+        }
+        Ok(got)
+    }
+
+    /// Sizes of every cache, for gauges.
+    pub fn cache_stats(&self) -> Vec<CacheStat> {
+        let stat =
+            |(lane, scope): &(usize, Arc<str>), role, c: &codec::cache::ChunkCache| CacheStat {
+                lane: *lane,
+                scope: scope.clone(),
+                role,
+                bytes: c.size() as u64,
+                chunks: c.len() as u64,
+                evictions: c.evictions(),
+                tiers: c.tier_stats(),
+            };
+        self.mirrors
+            .iter()
+            .map(|(k, m)| stat(k, "mirror", m.cache()))
+            .chain(
+                self.decoders
+                    .iter()
+                    .map(|(k, d)| stat(k, "decoder", d.cache())),
+            )
+            .collect()
+    }
+
+    /// Test hook: damages a chunk in our decoder caches, as bad memory would.
+    pub fn corrupt_decoders(&mut self) -> usize {
+        let mut n = 0;
+        for d in self.decoders.values_mut() {
+            n += d.cache_mut().corrupt_all_for_test();
+        }
+        n
+    }
+}

@@ -1,0 +1,495 @@
+//! Stream optimization on the link: chunking state per stream on the send side, decoding state
+//! per stream on the receive side, and the caches they share, one per lane and scope.
+//!
+//! Chunks are encoded when the scheduler emits a frame and decoded when the frame arrives, so the
+//! sender's mirror of each cache sees the same inserts and touches, in the same order, as the
+//! receiver's cache. The latency lane has caches of its own, because frames of different lanes
+//! have no fixed order relative to each other.
+
+mod contexts;
+mod emit;
+mod recv;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use wanopt_codec as codec;
+use wanopt_codec::cache::Snapshot;
+
+pub use wanopt_codec::cache::{Fingerprint, TierStats};
+pub use wanopt_codec::store::ChunkStore;
+pub use wanopt_codec::{Compression, DecodeStats, EncodeStats, Pressure};
+
+use self::contexts::Contexts;
+pub(crate) use self::emit::SendCoder;
+use self::emit::{Limits, RAW_TURN};
+pub(crate) use self::recv::{Decoded, RecvCoded};
+use crate::error::LinkError;
+use crate::frame::{self, CacheOffer, Class, Frame, StreamId};
+use crate::lane::{CAP_CONTEXT, LATENCY_LANE};
+
+/// Which cache a service's chunks go to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// The link's shared cache: most dedup, but services can learn about each other's data
+    /// from compressed sizes.
+    Link,
+    /// A cache of the service's own.
+    Service,
+}
+
+/// How a service's stream bytes are optimized on the way to the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamPolicy {
+    pub compression: Compression,
+    pub dedup: bool,
+    pub scope: Scope,
+}
+
+impl Default for StreamPolicy {
+    fn default() -> Self {
+        StreamPolicy {
+            compression: Compression::Adaptive,
+            dedup: true,
+            scope: Scope::Link,
+        }
+    }
+}
+
+/// Codec settings of a link side. Cache sizes are announced in the hello: the peer's encoder
+/// mirrors caches of exactly these sizes (or less, if its own limit is lower).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CodecSettings {
+    /// Bytes of the shared cache of the main lane (the latency lane's is an eighth of it).
+    pub cache_bytes: u64,
+    /// Bytes of each service-scoped cache of the main lane.
+    pub service_cache_bytes: u64,
+    /// With a disk tier (see [`CacheStorage`]): bytes its files may take for the shared cache and
+    /// for each service-scoped one (0: memory only). The cache then holds
+    /// [`disk_capacity`](wanopt_codec::cache::disk_capacity) of it, and memory keeps the most
+    /// recently used part.
+    pub disk_bytes: u64,
+    pub service_disk_bytes: u64,
+    /// Average chunk size of what we send.
+    pub avg_chunk: usize,
+    /// zstd level when zstd is chosen.
+    pub zstd_level: i32,
+}
+
+impl Default for CodecSettings {
+    fn default() -> Self {
+        CodecSettings {
+            cache_bytes: 256 << 20,
+            service_cache_bytes: 64 << 20,
+            disk_bytes: 0,
+            service_disk_bytes: 0,
+            avg_chunk: 8 * 1024,
+            zstd_level: 3,
+        }
+    }
+}
+
+impl CodecSettings {
+    /// Memory and disk limits of our cache for a lane and scope (`""`: the shared cache).
+    fn limits(&self, lane: usize, shared: bool) -> (u64, u64) {
+        let (mem, disk) = if shared {
+            (self.cache_bytes, self.disk_bytes)
+        } else {
+            (self.service_cache_bytes, self.service_disk_bytes)
+        };
+        (lane_share(mem, lane), lane_share(disk, lane))
+    }
+
+    /// Bytes our cache of a lane and scope holds: the disk tier's capacity if it has one.
+    pub fn capacity(&self, lane: usize, shared: bool) -> u64 {
+        match self.limits(lane, shared) {
+            (mem, 0) => mem,
+            (_, disk) => codec::cache::disk_capacity(disk),
+        }
+    }
+}
+
+/// The latency lane's caches are this fraction of the main lane's.
+pub const LATENCY_SHARE: u64 = 8;
+
+pub(crate) fn lane_share(bytes: u64, lane: usize) -> u64 {
+    if lane == LATENCY_LANE {
+        bytes / LATENCY_SHARE
+    } else {
+        bytes
+    }
+}
+
+/// Which side of a cache a saved state belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Our encoder's mirror of the peer's cache.
+    Mirror,
+    /// Our decoder's cache.
+    Decoder,
+}
+
+impl Role {
+    /// A short lowercase label, for file names and metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            Role::Mirror => "mirror",
+            Role::Decoder => "decoder",
+        }
+    }
+}
+
+/// A saved state of a cache, as listed (the state itself is loaded only if it is resumed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SavedState {
+    /// [`Snapshot::digest`] of the state.
+    pub digest: Fingerprint,
+    /// The capacity of the cache it was taken from.
+    pub capacity: u64,
+}
+
+/// Saved states of one of our caches, newest first.
+#[derive(Debug, Clone)]
+pub struct SavedCache {
+    pub role: Role,
+    pub lane: usize,
+    pub scope: Arc<str>,
+    pub states: Vec<SavedState>,
+}
+
+/// Where the daemon keeps a link's caches beyond memory: disk tiers for our decoders, and the
+/// states saved at checkpoints (written by the runtime on [`Event::Checkpoint`](crate::Event)).
+pub trait CacheStorage: Send + Sync + std::fmt::Debug {
+    /// States saved for this peer (listed, not loaded).
+    fn saved(&self) -> Vec<SavedCache>;
+    /// Loads a saved state; `None` if it is gone or damaged (its digest is checked here too).
+    fn load(&self, role: Role, lane: usize, scope: &str, digest: &Fingerprint) -> Option<Snapshot>;
+    /// The disk store of our decoder cache of a lane and scope, if it has a disk tier.
+    fn store(&self, lane: usize, scope: &str) -> Option<Box<dyn ChunkStore>>;
+}
+
+/// Codec counts of one service's streams, for the daemon's counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CodecCount {
+    /// What the encoder did with the bytes we sent.
+    pub sent: EncodeStats,
+    /// What our decoder rebuilt for the service's streams.
+    pub received: DecodeStats,
+    /// References we could not resolve and asked the peer for.
+    pub needs: u64,
+    /// Chunks we re-sent because the peer asked.
+    pub resent: u64,
+}
+
+/// Size and evictions of one cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheStat {
+    pub lane: usize,
+    /// Empty for the shared cache, else the service name.
+    pub scope: Arc<str>,
+    /// `mirror` (the encoder's copy of the peer's cache) or `decoder`.
+    pub role: &'static str,
+    pub bytes: u64,
+    pub chunks: u64,
+    pub evictions: u64,
+    /// Where a decoder's bytes are: memory and disk.
+    pub tiers: TierStats,
+}
+
+/// Most chunk answers (re-sent chunks) queued for the peer at once.
+const MAX_ANSWERS: usize = 1024;
+
+/// The codec as the link sees it: the caches of both directions, each service's policy, what
+/// limits throughput now, and the chunk answers queued. The link hands it a stream's queued bytes
+/// and the codec frames that arrive; it hands back frames to queue and bytes to deliver. Without
+/// codec settings it does nothing, and a codec frame from the peer is a protocol error.
+#[derive(Debug)]
+pub(crate) struct Coding {
+    ctx: Option<Contexts>,
+    policies: HashMap<Arc<str>, StreamPolicy>,
+    pressure: Pressure,
+    answers: usize,
+    /// The peer decodes context records.
+    peer_context: bool,
+}
+
+/// A stream's turn at sending coded bytes.
+pub(crate) struct CodedTurn<'a> {
+    pub id: StreamId,
+    pub lane: usize,
+    pub service: &'a Arc<str>,
+    /// Stream offset of the first unsent byte.
+    pub sent: u64,
+    /// Bytes queued, and whether the stream ends after them.
+    pub queued: usize,
+    pub fin_requested: bool,
+    /// Raw bytes the stream and link credit allow.
+    pub budget: usize,
+    /// Record bytes after which the turn ends (fairness); at least one chunk always goes.
+    pub quantum: usize,
+    /// Record bytes a frame holds at most.
+    pub room: usize,
+}
+
+/// What one coded turn sent: raw bytes covered, and whether the frame ends the stream.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Emitted {
+    pub raw: usize,
+    pub fin: bool,
+}
+
+fn no_codec(what: &str) -> LinkError {
+    LinkError::Protocol(format!("{what} without a codec"))
+}
+
+impl Coding {
+    pub fn new(settings: Option<CodecSettings>, storage: Option<Arc<dyn CacheStorage>>) -> Self {
+        Coding {
+            ctx: settings.map(|c| Contexts::new(c, storage)),
+            policies: HashMap::new(),
+            pressure: Pressure::CpuBound,
+            answers: 0,
+            peer_context: false,
+        }
+    }
+
+    /// Our saved states, for the hello.
+    pub fn offers(&self) -> Vec<CacheOffer> {
+        self.ctx.as_ref().map(Contexts::offers).unwrap_or_default()
+    }
+
+    pub fn set_policies(&mut self, policies: HashMap<Arc<str>, StreamPolicy>) {
+        self.policies = policies;
+    }
+
+    pub fn set_pressure(&mut self, p: Pressure) {
+        self.pressure = p;
+    }
+
+    /// Takes what the peer's hello says about its codec (`caps`, cache sizes, saved states).
+    pub fn on_peer(
+        &mut self,
+        caps: u64,
+        cache: u64,
+        service_cache: u64,
+        max_frame: usize,
+        link_window: u64,
+        offers: &[CacheOffer],
+    ) {
+        self.peer_context = caps & CAP_CONTEXT != 0;
+        if caps & crate::lane::CAP_CODEC != 0
+            && let Some(ctx) = self.ctx.as_mut()
+        {
+            ctx.on_peer(cache, service_cache, max_frame, link_window, offers);
+        }
+    }
+
+    /// The encoder state for a new stream, if its service's bytes are to be optimized.
+    pub fn coder_for(&self, service: &str, class: Class) -> Option<Box<SendCoder>> {
+        let chunking = self.ctx.as_ref()?.chunking.as_ref()?;
+        let p = self.policies.get(service).copied().unwrap_or_default();
+        if p.compression == Compression::None && !p.dedup {
+            return None;
+        }
+        let mut c = SendCoder::new(&p, class == Class::Latency);
+        c.max_chunk = chunking.max_chunk;
+        c.policy.context = self.peer_context;
+        Some(Box::new(c))
+    }
+
+    /// Encodes a stream's next chunks as one coded frame into `out`. `None`, with `out`
+    /// untouched, when nothing may go yet: the stream waits for a boundary, a flush or credit.
+    pub fn emit_frame(
+        &mut self,
+        t: CodedTurn<'_>,
+        coder: &mut SendCoder,
+        queue: &mut VecDeque<Bytes>,
+        out: &mut BytesMut,
+    ) -> Option<Emitted> {
+        let ctx = self.ctx.as_mut()?;
+        let chunking = ctx.chunking.clone()?;
+        let scope: Arc<str> = if coder.scoped {
+            t.service.clone()
+        } else {
+            Arc::from("")
+        };
+        let before = out.len();
+        let at = frame::begin_coded(out, t.id, t.sent);
+        let lim = Limits {
+            budget: t.budget.min(RAW_TURN),
+            quantum: t.quantum,
+            room: t.room,
+        };
+        let mut stats = EncodeStats::default();
+        let raw = emit::emit(
+            coder,
+            queue,
+            t.sent,
+            &chunking,
+            ctx.mirror(t.lane, &scope),
+            self.pressure,
+            &lim,
+            out,
+            &mut stats,
+        );
+        let fin = t.fin_requested && raw == t.queued;
+        if raw == 0 && !fin {
+            out.truncate(before);
+            return None;
+        }
+        frame::finish_coded(out, at, fin, coder.scoped, raw as u32);
+        ctx.counts
+            .entry(t.service.clone())
+            .or_default()
+            .sent
+            .merge(&stats);
+        Some(Emitted { raw, fin })
+    }
+
+    /// Checks that a coded frame may be received at all.
+    pub fn accept_coded(&self) -> Result<(), LinkError> {
+        if self.ctx.is_none() {
+            return Err(no_codec("coded frame"));
+        }
+        Ok(())
+    }
+
+    /// Decodes what a stream has waiting, until it runs out or a reference misses (counted).
+    pub fn decode(
+        &mut self,
+        rc: &mut RecvCoded,
+        lane: usize,
+        service: &Arc<str>,
+    ) -> Result<Decoded, String> {
+        let Some(ctx) = self.ctx.as_mut() else {
+            return Ok(Decoded::default());
+        };
+        let got = ctx.decode(rc, lane, service)?;
+        if got.need.is_some() {
+            ctx.counts.entry(service.clone()).or_default().needs += 1;
+        }
+        Ok(got)
+    }
+
+    /// Decodes a frame of a stream we already closed: what it puts in the shared cache keeps our
+    /// cache in step with the peer's mirror (a scoped frame touches only its service's cache,
+    /// which nothing else reads, so it is dropped).
+    pub fn decode_orphan(&mut self, lane: usize, records: Bytes, raw_len: u32, fin: bool) {
+        if let Some(ctx) = self.ctx.as_mut() {
+            let mut rc = RecvCoded::default();
+            rc.push(records, raw_len, fin, false);
+            let _ = ctx.decode(&mut rc, lane, &Arc::from(""));
+        }
+    }
+
+    /// Our answer to the peer's `Need`: the chunk's bytes if our mirror still holds them, none if
+    /// not. `service` is the asking stream's, for the counts.
+    pub fn answer(
+        &mut self,
+        stream: StreamId,
+        lane: usize,
+        scope: String,
+        fingerprint: Fingerprint,
+        service: Option<&Arc<str>>,
+    ) -> Result<Frame, LinkError> {
+        let Some(ctx) = self.ctx.as_mut() else {
+            return Err(no_codec("chunk request"));
+        };
+        if self.answers >= MAX_ANSWERS {
+            return Err(LinkError::Protocol("too many chunk requests".into()));
+        }
+        let data = ctx.resend(lane, &scope)(&fingerprint).unwrap_or_default();
+        if let Some(svc) = service
+            && !data.is_empty()
+        {
+            ctx.counts.entry(svc.clone()).or_default().resent += 1;
+        }
+        self.answers += 1;
+        Ok(Frame::Chunk {
+            stream,
+            scope,
+            fingerprint,
+            data,
+        })
+    }
+
+    /// A chunk answer went out.
+    pub fn answered(&mut self) {
+        self.answers = self.answers.saturating_sub(1);
+    }
+
+    /// A chunk the peer re-sent after we asked, checked against its fingerprint and cached.
+    /// `Ok(false)`: an empty answer, the peer lost the chunk too.
+    pub fn chunk_arrived(
+        &mut self,
+        lane: usize,
+        scope: &Arc<str>,
+        fingerprint: Fingerprint,
+        data: &[u8],
+    ) -> Result<bool, LinkError> {
+        let Some(ctx) = self.ctx.as_mut() else {
+            return Err(no_codec("chunk"));
+        };
+        if data.is_empty() {
+            return Ok(false);
+        }
+        // Only a cache we asked from: a peer's scope names never create caches (or directories).
+        let ok = ctx
+            .existing_decoder(lane, scope)
+            .is_some_and(|d| d.insert_verified(fingerprint, data));
+        if !ok {
+            return Err(LinkError::Protocol(
+                "re-sent chunk does not match its fingerprint".into(),
+            ));
+        }
+        Ok(true)
+    }
+
+    /// The mirrors changed since their last checkpoint, as (lane, scope).
+    pub fn dirty_mirrors(&self) -> Vec<(usize, Arc<str>)> {
+        self.ctx
+            .as_ref()
+            .map(Contexts::dirty_mirrors)
+            .unwrap_or_default()
+    }
+
+    /// A mirror's state as a `Checkpoint` frame leaves: what the peer's cache will be when it
+    /// reads the frame.
+    pub fn checkpoint_mirror(&mut self, lane: usize, scope: &str) -> Option<Arc<Snapshot>> {
+        self.ctx.as_mut()?.checkpoint_mirror(lane, scope)
+    }
+
+    /// The peer's checkpoint: our decoder's state, if it is the one the digest names (a stream
+    /// stalled on a miss, for one, leaves it behind).
+    pub fn checkpoint_decoder(
+        &mut self,
+        lane: usize,
+        scope: &str,
+        digest: &Fingerprint,
+    ) -> Result<Option<Arc<Snapshot>>, LinkError> {
+        let Some(ctx) = self.ctx.as_mut() else {
+            return Err(no_codec("checkpoint"));
+        };
+        Ok(ctx.checkpoint_decoder(lane, scope, digest))
+    }
+
+    /// Drains the per-service counts accumulated since the last call.
+    pub fn take_counts(&mut self) -> Vec<(Arc<str>, CodecCount)> {
+        self.ctx
+            .as_mut()
+            .map(|c| c.counts.drain().collect())
+            .unwrap_or_default()
+    }
+
+    pub fn cache_stats(&self) -> Vec<CacheStat> {
+        self.ctx
+            .as_ref()
+            .map(Contexts::cache_stats)
+            .unwrap_or_default()
+    }
+
+    pub fn corrupt_decoders(&mut self) -> usize {
+        self.ctx.as_mut().map_or(0, Contexts::corrupt_decoders)
+    }
+}

@@ -1,0 +1,20 @@
+//! Lanes and hello capability bits: constants the link, the codec wiring and the runtime all use,
+//! kept apart so none of them has to import another for them.
+//!
+//! A lane is one TCP connection inside a link. Lane 0 carries the hello, control and bulk frames;
+//! lane 1, when attached, carries latency-class streams, so they never wait behind bulk's loss
+//! recovery or its unsent bytes in the kernel.
+
+/// Lanes of a link.
+pub const LANES: usize = 2;
+/// The main lane.
+pub const MAIN_LANE: usize = 0;
+/// The latency lane.
+pub const LATENCY_LANE: usize = 1;
+
+/// Hello capability bit: the sender accepts a latency lane.
+pub const CAP_LATENCY_LANE: u64 = 1;
+/// Hello capability bit: the sender decodes optimized (`Coded`) frames.
+pub const CAP_CODEC: u64 = 2;
+/// Hello capability bit: the sender decodes zstd literals compressed in their stream's context.
+pub const CAP_CONTEXT: u64 = 4;

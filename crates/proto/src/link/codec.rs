@@ -1,0 +1,169 @@
+//! The codec's frames on the link: `Coded` frames charged to credit and queued on their stream's
+//! receive half, decoded in arrival order; `Need` answered, `Chunk` resuming the streams stalled on
+//! it, `Checkpoint` judged against our decoder. The codec decisions are [`Coding`]'s; this file
+//! only ties them to streams, control queues and events.
+//!
+//! [`Coding`]: crate::coding::Coding
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::{Event, Link};
+use crate::coding::{Fingerprint, Role};
+use crate::error::LinkError;
+use crate::frame::{Frame, ResetCode, StreamId};
+
+impl Link {
+    /// Optimized stream bytes: charged to credit by their raw length, then decoded in arrival
+    /// order so our cache sees what the peer's mirror saw.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_coded(
+        &mut self,
+        id: StreamId,
+        offset: u64,
+        fin: bool,
+        scoped: bool,
+        raw_len: u32,
+        records: Bytes,
+        wire: usize,
+        lane: usize,
+    ) -> Result<(), LinkError> {
+        self.coding.accept_coded()?;
+        let open = self.admit(id, offset, u64::from(raw_len), wire, |s| {
+            (lane != s.lane).then(|| "data on the wrong lane".to_string())
+        })?;
+        let (Some(s), true) = (self.streams.get_mut(&id), open) else {
+            // A stream we already closed: still decode what uses the shared cache, so it stays
+            // in step with the peer's mirror.
+            if !scoped {
+                self.coding.decode_orphan(lane, records, raw_len, fin);
+            }
+            return Ok(());
+        };
+        s.recv
+            .coded
+            .get_or_insert_with(Box::default)
+            .push(records, raw_len, fin, scoped);
+        if fin {
+            s.recv.fin_received = true;
+        }
+        self.decode_stream(id);
+        Ok(())
+    }
+
+    /// Decodes what a stream has waiting. A miss asks the peer for the chunk and stalls the
+    /// stream; records that do not rebuild reset it. Never hands over a wrong byte.
+    fn decode_stream(&mut self, id: StreamId) {
+        let Some(s) = self.streams.get_mut(&id) else {
+            return;
+        };
+        let before = s.recv.readable();
+        let Some(rc) = s.recv.coded.as_mut() else {
+            return;
+        };
+        match self.coding.decode(rc, s.lane, &s.service) {
+            Ok(got) => {
+                s.recv.queue.extend(got.data);
+                if let Some((fingerprint, scoped)) = got.need {
+                    self.ctrl[s.lane].push_back(Frame::Need {
+                        stream: id,
+                        scope: if scoped {
+                            s.service.to_string()
+                        } else {
+                            String::new()
+                        },
+                        fingerprint,
+                    });
+                }
+                if !before && s.recv.readable() {
+                    self.events.push_back(Event::Readable(id));
+                }
+            }
+            Err(why) => self.fail_stream(
+                id,
+                ResetCode::DataLost,
+                format!("cannot rebuild stream data: {why}"),
+            ),
+        }
+    }
+
+    pub(super) fn on_need(
+        &mut self,
+        stream: StreamId,
+        lane: usize,
+        scope: String,
+        fingerprint: Fingerprint,
+    ) -> Result<(), LinkError> {
+        let service = self.streams.get(&stream).map(|s| s.service.clone());
+        let answer = self
+            .coding
+            .answer(stream, lane, scope, fingerprint, service.as_ref())?;
+        self.ctrl[lane].push_back(answer);
+        Ok(())
+    }
+
+    /// A chunk the peer re-sent after we asked: checked against its fingerprint, cached, and the
+    /// streams waiting for it resume. An empty answer means the peer lost it: they fail.
+    pub(super) fn on_chunk(
+        &mut self,
+        lane: usize,
+        scope: &str,
+        fingerprint: Fingerprint,
+        data: &[u8],
+    ) -> Result<(), LinkError> {
+        let scope: Arc<str> = Arc::from(scope);
+        let ok = self.coding.chunk_arrived(lane, &scope, fingerprint, data)?;
+        let waiting: Vec<StreamId> = self
+            .streams
+            .map
+            .iter_mut()
+            .filter(|(_, s)| s.lane == lane)
+            .filter_map(|(id, s)| {
+                let rc = s.recv.coded.as_mut()?;
+                let (f, scoped) = rc.stall?;
+                let same = f == fingerprint
+                    && if scoped {
+                        *s.service == *scope
+                    } else {
+                        scope.is_empty()
+                    };
+                if same {
+                    rc.stall = None;
+                }
+                same.then_some(*id)
+            })
+            .collect();
+        for id in waiting {
+            if ok {
+                self.decode_stream(id);
+            } else {
+                self.fail_stream(
+                    id,
+                    ResetCode::DataLost,
+                    "a chunk was lost on both sides".into(),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The peer's checkpoint: saved on our side only if our cache is exactly what the peer's
+    /// mirror was at this point of the lane.
+    pub(super) fn on_checkpoint(
+        &mut self,
+        lane: usize,
+        scope: String,
+        digest: &Fingerprint,
+    ) -> Result<(), LinkError> {
+        if let Some(state) = self.coding.checkpoint_decoder(lane, &scope, digest)? {
+            self.events.push_back(Event::Checkpoint {
+                role: Role::Decoder,
+                lane,
+                scope: Arc::from(scope.as_str()),
+                state,
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,113 @@
+//! The hello each side sends first, and what we take from the peer's: the version both speak,
+//! its windows and limits, its capabilities and its latency-lane token. Cache sizes and offers
+//! are the codec's (see [`crate::coding`]).
+
+use crate::error::LinkError;
+use crate::frame::{self, CacheOffer, Hello, setting};
+use crate::lane::{CAP_CODEC, CAP_CONTEXT, CAP_LATENCY_LANE, MAIN_LANE};
+
+use super::LinkConfig;
+
+/// Highest protocol version this build speaks.
+pub const VERSION: u16 = 1;
+/// Lowest protocol version this build speaks.
+pub const MIN_VERSION: u16 = 1;
+
+/// Largest hello accepted: room for the most cache offers with the longest names.
+pub(super) const HELLO_MAX: u32 = 256 * 1024;
+
+/// Our hello, with the saved cache states we offer.
+pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>) -> Hello {
+    let mut capabilities = 0;
+    if cfg.latency_lane {
+        capabilities |= CAP_LATENCY_LANE;
+    }
+    if cfg.codec.is_some() {
+        capabilities |= CAP_CODEC | CAP_CONTEXT;
+    }
+    let cache = |shared| {
+        cfg.codec
+            .as_ref()
+            .map_or(0, |c| c.capacity(MAIN_LANE, shared))
+    };
+    Hello {
+        caches,
+        version: VERSION,
+        min_version: MIN_VERSION,
+        site: cfg.site.clone(),
+        capabilities,
+        settings: vec![
+            (setting::STREAM_WINDOW, u64::from(cfg.stream_window)),
+            (setting::LINK_WINDOW, cfg.link_window),
+            (setting::MAX_FRAME, u64::from(cfg.max_frame)),
+            (setting::MAX_STREAMS, u64::from(cfg.max_streams)),
+            (setting::TOKEN, cfg.token),
+            (setting::CACHE_BYTES, cache(true)),
+            (setting::SERVICE_CACHE_BYTES, cache(false)),
+        ],
+    }
+}
+
+/// The first frame of a latency-lane connection (connecting side): it presents the token.
+pub(super) fn lane(site: &str, token: u64) -> Hello {
+    Hello {
+        version: VERSION,
+        min_version: MIN_VERSION,
+        site: site.to_string(),
+        capabilities: CAP_LATENCY_LANE,
+        settings: vec![(setting::ATTACH, token)],
+        caches: Vec::new(),
+    }
+}
+
+/// What the peer's hello says, with defaults for settings it left out.
+#[derive(Debug, Clone, Default)]
+pub(super) struct PeerParams {
+    pub version: u16,
+    pub stream_window: u64,
+    pub link_window: u64,
+    pub max_frame: usize,
+    pub max_streams: u32,
+    pub token: u64,
+    pub caps: u64,
+    pub cache_bytes: u64,
+    pub service_cache_bytes: u64,
+}
+
+impl PeerParams {
+    /// Checks the peer's hello (a version both speak, the site we expect) and reads its settings.
+    pub fn from_hello(h: &Hello, expected_site: &str) -> Result<Self, LinkError> {
+        if h.version < MIN_VERSION || h.min_version > VERSION || h.min_version > h.version {
+            return Err(LinkError::VersionMismatch {
+                ours: VERSION,
+                ours_min: MIN_VERSION,
+                theirs: h.version,
+                theirs_min: h.min_version,
+            });
+        }
+        if h.site != expected_site {
+            return Err(LinkError::WrongPeer {
+                expected: expected_site.to_string(),
+                got: h.site.clone(),
+            });
+        }
+        let get = |id: u16, default: u64| h.setting(id).unwrap_or(default);
+        Ok(PeerParams {
+            version: h.version.min(VERSION),
+            stream_window: get(setting::STREAM_WINDOW, 256 * 1024),
+            link_window: get(setting::LINK_WINDOW, 1 << 20),
+            max_frame: get(setting::MAX_FRAME, 16 * 1024)
+                .clamp(1024, u64::from(frame::MAX_PAYLOAD_HARD) - 8)
+                as usize,
+            max_streams: get(setting::MAX_STREAMS, 100).min(u64::from(u32::MAX)) as u32,
+            token: get(setting::TOKEN, 0),
+            caps: h.capabilities,
+            cache_bytes: get(setting::CACHE_BYTES, 0),
+            service_cache_bytes: get(setting::SERVICE_CACHE_BYTES, 0),
+        })
+    }
+
+    pub fn has(&self, cap: u64) -> bool {
+        self.caps & cap != 0
+    }
+}

@@ -1,0 +1,327 @@
+//! Frames from the peer: check-then-parse from a lane's bytes, then one handler per frame kind.
+//! Any violation fails the whole link (a GoAway says why); a stream's own trouble resets only it.
+
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+
+use super::hello::{HELLO_MAX, PeerParams};
+use super::timer::Timer;
+use super::{Event, Link, State};
+use crate::error::{FrameError, LinkError};
+use crate::flow::SendCredit;
+use crate::frame::{Class, Frame, Hello, ResetCode, StreamId};
+use crate::lane::{LANES, LATENCY_LANE, MAIN_LANE};
+
+impl Link {
+    /// Consumes bytes read from the peer. On error the link is closed (a GoAway is queued and
+    /// [`Event::Closed`] emitted) and the error returned.
+    pub fn handle_input(&mut self, data: &[u8], now: Instant) -> Result<(), LinkError> {
+        let mut buf = std::mem::take(&mut self.inbuf);
+        buf.extend_from_slice(data);
+        let r = self.handle_input_buf(&mut buf, now);
+        self.inbuf = buf;
+        r
+    }
+
+    /// Consumes whole frames from the front of `buf` (the caller's read buffer of the main lane, so
+    /// data payloads are not copied), leaving a partial frame in it for the next call.
+    pub fn handle_input_buf(&mut self, buf: &mut BytesMut, now: Instant) -> Result<(), LinkError> {
+        self.handle_lane_input(MAIN_LANE, buf, now)
+    }
+
+    /// Like [`handle_input_buf`](Self::handle_input_buf) for the bytes of one lane.
+    pub fn handle_lane_input(
+        &mut self,
+        lane: usize,
+        buf: &mut BytesMut,
+        now: Instant,
+    ) -> Result<(), LinkError> {
+        if lane >= LANES || (lane == LATENCY_LANE && !self.lane_attached) {
+            return Err(self.fail(LinkError::Protocol(
+                "input on a lane that is not attached".into(),
+            )));
+        }
+        if self.state == State::Closed {
+            buf.clear();
+            return Ok(());
+        }
+        self.timers.set(Timer::Idle, now + self.cfg.idle_timeout);
+        loop {
+            let max = if self.state == State::Handshake {
+                // Before the hello, only a hello-sized frame is acceptable (its cache offers
+                // included).
+                HELLO_MAX
+            } else {
+                self.cfg.max_frame + 8
+            };
+            let n = match Frame::check(buf, max) {
+                Ok(n) => n,
+                Err(FrameError::Incomplete) => return Ok(()),
+                Err(e) => return Err(self.fail(LinkError::Frame(e))),
+            };
+            let bytes = buf.split_to(n).freeze();
+            let f = match Frame::parse(bytes) {
+                Ok(f) => f,
+                Err(e) => return Err(self.fail(LinkError::Frame(e))),
+            };
+            self.link_wire_in += n as u64;
+            if let Err(e) = self.on_frame(f, n, now, lane) {
+                return Err(self.fail(e));
+            }
+            if self.state == State::Closed {
+                buf.clear();
+                return Ok(());
+            }
+        }
+    }
+
+    fn on_frame(
+        &mut self,
+        f: Frame,
+        wire: usize,
+        now: Instant,
+        lane: usize,
+    ) -> Result<(), LinkError> {
+        if self.state == State::Handshake {
+            return match f {
+                Frame::Hello(h) => self.on_hello(h, now),
+                Frame::GoAway { code, reason } => Err(LinkError::PeerClosed { code, reason }),
+                _ => Err(LinkError::Protocol("first frame is not a hello".into())),
+            };
+        }
+        match f {
+            Frame::Hello(_) => Err(LinkError::Protocol("second hello".into())),
+            Frame::Open {
+                stream,
+                class,
+                service,
+            } => self.on_open(stream, class, service, wire, lane),
+            Frame::Data {
+                stream,
+                offset,
+                fin,
+                data,
+            } => self.on_data(stream, offset, fin, data, wire),
+            Frame::Reset {
+                stream,
+                code,
+                reason,
+            } => self.on_reset(stream, code, reason),
+            Frame::MaxData { stream, max } => self.on_max_data(stream, max),
+            Frame::Ping { payload } => {
+                self.ctrl[MAIN_LANE].push_back(Frame::Pong { payload });
+                Ok(())
+            }
+            Frame::Pong { payload } => {
+                let k = &mut self.keepalive;
+                if let Some((seq, at)) = k.sent
+                    && seq == payload
+                {
+                    k.rtt = Some(now.saturating_duration_since(at));
+                    k.sent = None;
+                }
+                Ok(())
+            }
+            Frame::GoAway { code, reason } => Err(LinkError::PeerClosed { code, reason }),
+            Frame::Coded {
+                stream,
+                offset,
+                fin,
+                scoped,
+                raw_len,
+                records,
+            } => self.on_coded(stream, offset, fin, scoped, raw_len, records, wire, lane),
+            Frame::Need {
+                stream,
+                scope,
+                fingerprint,
+            } => self.on_need(stream, lane, scope, fingerprint),
+            Frame::Chunk {
+                scope,
+                fingerprint,
+                data,
+                ..
+            } => self.on_chunk(lane, &scope, fingerprint, &data),
+            Frame::Checkpoint { scope, digest } => self.on_checkpoint(lane, scope, &digest),
+        }
+    }
+
+    fn on_hello(&mut self, h: Hello, now: Instant) -> Result<(), LinkError> {
+        let p = PeerParams::from_hello(&h, &self.cfg.peer)?;
+        self.link_credit = SendCredit::new(p.link_window);
+        self.coding.on_peer(
+            p.caps,
+            p.cache_bytes,
+            p.service_cache_bytes,
+            p.max_frame,
+            p.link_window,
+            &h.caches,
+        );
+        let version = p.version;
+        self.peer = p;
+        self.state = State::Open;
+        self.timers.set(Timer::Ping, now + self.cfg.keepalive);
+        self.events.push_back(Event::Up { peer: h, version });
+        Ok(())
+    }
+
+    fn on_open(
+        &mut self,
+        id: StreamId,
+        class: Class,
+        service: String,
+        wire: usize,
+        lane: usize,
+    ) -> Result<(), LinkError> {
+        if !self.streams.accept_peer_id(id, lane) {
+            return Err(LinkError::Protocol(format!("bad stream id {id} in open")));
+        }
+        let mut refuse = |code, reason: String| {
+            self.ctrl[lane].push_back(Frame::Reset {
+                stream: id,
+                code,
+                reason,
+            });
+        };
+        if self.state != State::Open {
+            refuse(ResetCode::Shutdown, "shutting down".into());
+            return Ok(());
+        }
+        let Some(name) = self.services.get(service.as_str()).cloned() else {
+            refuse(
+                ResetCode::UnknownService,
+                format!("no service named {service:?}"),
+            );
+            self.events.push_back(Event::Refused {
+                stream: id,
+                service,
+            });
+            return Ok(());
+        };
+        if self.streams.peer_open >= self.cfg.max_streams {
+            refuse(ResetCode::Refused, "too many streams".into());
+            return Ok(());
+        }
+        self.streams.peer_open += 1;
+        self.wire.entry(name.clone()).or_default().inbound += wire as u64;
+        self.insert_stream(id, class, lane, name.clone());
+        self.events.push_back(Event::Opened {
+            stream: id,
+            class,
+            service: name,
+        });
+        Ok(())
+    }
+
+    fn on_reset(&mut self, id: StreamId, code: ResetCode, reason: String) -> Result<(), LinkError> {
+        if self.remove_stream(id).is_some() {
+            self.events.push_back(Event::Reset {
+                stream: id,
+                code,
+                reason,
+            });
+        } else if !self.streams.was_open(id) {
+            return Err(LinkError::Protocol(format!("reset of unknown stream {id}")));
+        }
+        Ok(())
+    }
+
+    fn on_max_data(&mut self, id: StreamId, max: u64) -> Result<(), LinkError> {
+        if id == StreamId::LINK {
+            self.link_credit.raise(max);
+        } else if let Some(s) = self.streams.get_mut(&id) {
+            if s.send.credit.raise(max) {
+                self.streams.schedule(id);
+            }
+        } else if !self.streams.was_open(id) {
+            return Err(LinkError::Protocol(format!(
+                "credit for unknown stream {id}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Charges `n` stream bytes at `offset` to the link and stream windows and checks their order
+    /// (and `check`, for what only one frame kind requires). Returns false for a stream already
+    /// closed: its bytes are dropped and their link credit given back.
+    pub(super) fn admit(
+        &mut self,
+        id: StreamId,
+        offset: u64,
+        n: u64,
+        wire: usize,
+        check: impl FnOnce(&super::Stream) -> Option<String>,
+    ) -> Result<bool, LinkError> {
+        self.link_window.on_receive(n).map_err(|e| {
+            LinkError::Protocol(format!(
+                "peer exceeded link credit ({} > {})",
+                e.received, e.limit
+            ))
+        })?;
+        let Some(s) = self.streams.get_mut(&id) else {
+            if !self.streams.was_open(id) {
+                return Err(LinkError::Protocol(format!("data for unknown stream {id}")));
+            }
+            if let Some(max) = self.link_window.on_consume(n) {
+                self.ctrl[MAIN_LANE].push_back(Frame::MaxData {
+                    stream: StreamId::LINK,
+                    max,
+                });
+            }
+            return Ok(false);
+        };
+        self.wire.entry(s.service.clone()).or_default().inbound += wire as u64;
+        let violation = if s.recv.fin_received {
+            Some("data after fin".to_string())
+        } else if offset != s.recv.window.received() {
+            Some(format!(
+                "offset {offset}, expected {}",
+                s.recv.window.received()
+            ))
+        } else if let Some(why) = check(s) {
+            Some(why)
+        } else if let Err(e) = s.recv.window.on_receive(n) {
+            Some(format!(
+                "stream credit exceeded ({} > {})",
+                e.received, e.limit
+            ))
+        } else {
+            None
+        };
+        match violation {
+            Some(why) => Err(LinkError::Protocol(format!("stream {id}: {why}"))),
+            None => Ok(true),
+        }
+    }
+
+    fn on_data(
+        &mut self,
+        id: StreamId,
+        offset: u64,
+        fin: bool,
+        data: Bytes,
+        wire: usize,
+    ) -> Result<(), LinkError> {
+        let n = data.len() as u64;
+        let open = self.admit(id, offset, n, wire, |s| {
+            s.recv
+                .coded_waiting()
+                .then(|| "plain data while coded data waits".to_string())
+        })?;
+        let (Some(s), true) = (self.streams.get_mut(&id), open) else {
+            return Ok(());
+        };
+        let was_empty = s.recv.queue.is_empty() && !s.recv.fin_received;
+        if !data.is_empty() {
+            s.recv.queue.push_back(data);
+        }
+        if fin {
+            s.recv.fin_received = true;
+        }
+        if was_empty && (n > 0 || fin) {
+            self.events.push_back(Event::Readable(id));
+        }
+        Ok(())
+    }
+}

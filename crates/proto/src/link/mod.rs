@@ -1,0 +1,652 @@
+//! The link state machine: hello exchange, stream multiplexing, flow control and scheduling.
+//!
+//! A [`Link`] consumes the bytes read from the peer ([`Link::handle_input`]) and produces the bytes to
+//! send ([`Link::poll_transmit`]); the application side writes and reads stream bytes and learns what
+//! changed from [`Link::poll_event`]. Time comes in as `now` arguments; nothing here does I/O.
+//! Frames in are handled in `input.rs`, frames out are scheduled in `transmit.rs`, the codec's frames
+//! are wired to the streams in `codec.rs`, and each stream's halves live in `streams/`.
+
+mod codec;
+mod hello;
+mod input;
+mod streams;
+mod timer;
+mod transmit;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+
+use crate::coding::{
+    CacheStat, CacheStorage, CodecCount, CodecSettings, Coding, Pressure, Role, StreamPolicy,
+};
+use crate::error::{LinkError, StreamError};
+use crate::flow::{RecvWindow, SendCredit};
+use crate::frame::{Class, CloseCode, Frame, Hello, ResetCode, StreamId};
+use crate::lane::{CAP_LATENCY_LANE, LANES, LATENCY_LANE, MAIN_LANE};
+use wanopt_codec::cache::Snapshot;
+
+use hello::PeerParams;
+pub use hello::{MIN_VERSION, VERSION};
+use streams::{RecvHalf, SendHalf, Stream, Streams};
+use timer::{Timer, TimerTable};
+
+/// Settings of one link, from the daemon's config.
+#[derive(Debug, Clone)]
+pub struct LinkConfig {
+    /// Our site name, sent in the hello.
+    pub site: String,
+    /// The site name the peer must announce.
+    pub peer: String,
+    /// True on the side that connected: it numbers its streams odd, the listener even.
+    pub initiator: bool,
+    /// Receive window we grant each stream, in bytes.
+    pub stream_window: u32,
+    /// Receive window we grant the whole link, in bytes.
+    pub link_window: u64,
+    /// Largest data payload we accept in one frame.
+    pub max_frame: u32,
+    /// Most concurrent streams we accept from the peer.
+    pub max_streams: u32,
+    /// Bytes of a stream we buffer before its writer is told to wait.
+    pub send_buffer: usize,
+    /// Interval between pings when the link is quiet.
+    pub keepalive: Duration,
+    /// The link is declared dead after hearing nothing from the peer for this long.
+    pub idle_timeout: Duration,
+    /// Offer (listener) or use (connector) a second connection for latency-class streams.
+    pub latency_lane: bool,
+    /// Random token the listener hands out in its hello; a latency lane must present it.
+    pub token: u64,
+    /// The optimization codec: `None` sends and accepts stream bytes as they are.
+    pub codec: Option<CodecSettings>,
+    /// Disk tiers and saved cache states; `None` keeps caches in memory for the link's life.
+    pub cache_storage: Option<Arc<dyn CacheStorage>>,
+    /// How often a changed cache is checkpointed (with `cache_storage`).
+    pub checkpoint_interval: Duration,
+}
+
+impl LinkConfig {
+    /// Defaults suited to tests and small deployments; the daemon derives its own from config.
+    pub fn new(site: &str, peer: &str, initiator: bool) -> Self {
+        LinkConfig {
+            site: site.to_string(),
+            peer: peer.to_string(),
+            initiator,
+            stream_window: 4 << 20,
+            link_window: 64 << 20,
+            max_frame: 64 * 1024,
+            max_streams: 4096,
+            send_buffer: 256 * 1024,
+            keepalive: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(30),
+            latency_lane: true,
+            token: 0,
+            codec: None,
+            cache_storage: None,
+            checkpoint_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+/// What the application learns from the link.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// The peer's hello arrived and matched: streams may be opened.
+    Up { peer: Hello, version: u16 },
+    /// The peer opened a stream to one of our services.
+    Opened {
+        stream: StreamId,
+        class: Class,
+        service: Arc<str>,
+    },
+    /// The peer asked for a service we do not have; it was refused.
+    Refused { stream: StreamId, service: String },
+    /// A stream has bytes (or its end) to read.
+    Readable(StreamId),
+    /// A stream that was full can take more bytes.
+    Writable(StreamId),
+    /// The peer reset a stream, or the link reset it for a protocol violation.
+    Reset {
+        stream: StreamId,
+        code: ResetCode,
+        reason: String,
+    },
+    /// A stream finished both ways and every byte was handed over; it is gone.
+    Done(StreamId),
+    /// The link is closed; every stream is gone.
+    Closed(Option<LinkError>),
+    /// Save this state of a cache: both sides reached it at the same point of a lane, so after
+    /// a restart they can resume it (see [`CacheStorage`]). A decoder's state names chunks on its
+    /// disk tier, which must be flushed before the state is written.
+    Checkpoint {
+        role: Role,
+        lane: usize,
+        scope: Arc<str>,
+        state: Arc<Snapshot>,
+    },
+}
+
+/// The result of reading a stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadOutcome {
+    /// The next bytes of the stream.
+    Data(Bytes),
+    /// Nothing to read yet; an [`Event::Readable`] follows when there is.
+    Blocked,
+    /// The peer finished sending and every byte was read.
+    Fin,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Handshake,
+    Open,
+    /// We refuse new streams from the peer and open none; existing ones go on.
+    Draining,
+    /// A GoAway is queued or sent; nothing more is accepted.
+    Closed,
+}
+
+/// Wire bytes (frame bytes before TLS) attributed to a service, each way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WireCount {
+    /// Frame bytes sent to the peer.
+    pub out: u64,
+    /// Frame bytes received from the peer.
+    pub inbound: u64,
+}
+
+/// Keepalive pings and the round-trip time they measure.
+#[derive(Debug, Default)]
+struct Keepalive {
+    seq: u64,
+    /// The ping being timed: its payload and when it was queued.
+    sent: Option<(u64, Instant)>,
+    rtt: Option<Duration>,
+}
+
+/// One link to one peer, without I/O.
+#[derive(Debug)]
+pub struct Link {
+    cfg: LinkConfig,
+    state: State,
+    services: HashSet<Arc<str>>,
+    streams: Streams,
+    /// What the peer's hello said (defaults until it arrives).
+    peer: PeerParams,
+    link_credit: SendCredit,
+    link_window: RecvWindow,
+    /// Control frames waiting, per lane; they go before any stream's data.
+    ctrl: [VecDeque<Frame>; LANES],
+    events: VecDeque<Event>,
+    inbuf: BytesMut,
+    /// True once the latency lane is attached (both sides).
+    lane_attached: bool,
+    wire: HashMap<Arc<str>, WireCount>,
+    link_wire_out: u64,
+    link_wire_in: u64,
+    timers: TimerTable,
+    keepalive: Keepalive,
+    close_error: Option<LinkError>,
+    /// The codec's caches and policies (inert without codec settings).
+    coding: Coding,
+}
+
+impl Link {
+    /// A new link; its hello is queued as the first frame to transmit.
+    pub fn new(cfg: LinkConfig) -> Self {
+        let coding = Coding::new(cfg.codec.clone(), cfg.cache_storage.clone());
+        let hello = hello::ours(&cfg, coding.offers());
+        Link {
+            state: State::Handshake,
+            services: HashSet::new(),
+            streams: Streams::new(cfg.initiator),
+            peer: PeerParams {
+                max_frame: 16 * 1024,
+                ..PeerParams::default()
+            },
+            link_credit: SendCredit::new(0),
+            link_window: RecvWindow::new(cfg.link_window),
+            ctrl: [VecDeque::from([Frame::Hello(hello)]), VecDeque::new()],
+            events: VecDeque::new(),
+            inbuf: BytesMut::new(),
+            lane_attached: false,
+            wire: HashMap::new(),
+            link_wire_out: 0,
+            link_wire_in: 0,
+            timers: TimerTable::default(),
+            keepalive: Keepalive::default(),
+            close_error: None,
+            coding,
+            cfg,
+        }
+    }
+
+    /// Sets how each service's streams are optimized on the way out (replaces the previous
+    /// table). A service not in the table uses the default policy; one with neither compression
+    /// nor dedup is sent as it is.
+    pub fn set_policies<I: IntoIterator<Item = (S, StreamPolicy)>, S: AsRef<str>>(
+        &mut self,
+        policies: I,
+    ) {
+        self.coding.set_policies(
+            policies
+                .into_iter()
+                .map(|(s, p)| (Arc::from(s.as_ref()), p))
+                .collect(),
+        );
+    }
+
+    /// Tells the encoder what limits throughput now (the runtime watches its socket writes).
+    pub fn set_pressure(&mut self, p: Pressure) {
+        self.coding.set_pressure(p);
+    }
+
+    /// Drains the per-service codec counts accumulated since the last call.
+    pub fn take_codec_counts(&mut self) -> Vec<(Arc<str>, CodecCount)> {
+        self.coding.take_counts()
+    }
+
+    /// Size and evictions of every chunk cache of the link.
+    pub fn cache_stats(&self) -> Vec<CacheStat> {
+        self.coding.cache_stats()
+    }
+
+    /// Test hook: damages every chunk our decoders hold; returns how many.
+    #[doc(hidden)]
+    pub fn corrupt_caches_for_test(&mut self) -> usize {
+        self.coding.corrupt_decoders()
+    }
+
+    /// Sets the service names the peer may open streams to (replaces the previous set).
+    pub fn set_services<I: IntoIterator<Item = S>, S: AsRef<str>>(&mut self, names: I) {
+        self.services = names.into_iter().map(|s| Arc::from(s.as_ref())).collect();
+    }
+
+    /// True once the peer's hello was accepted and until the link closes or drains.
+    pub fn is_open(&self) -> bool {
+        self.state == State::Open
+    }
+
+    /// True once the link is closed (after an error, a GoAway either way).
+    pub fn is_closed(&self) -> bool {
+        self.state == State::Closed
+    }
+
+    /// The error that closed the link, if it closed with one.
+    pub fn close_error(&self) -> Option<&LinkError> {
+        self.close_error.as_ref()
+    }
+
+    /// Number of streams still open in either direction.
+    pub fn stream_count(&self) -> usize {
+        self.streams.map.len()
+    }
+
+    /// Bytes held for streams: unsent plus received but unread. Zero when nothing leaked.
+    pub fn buffered_bytes(&self) -> usize {
+        self.streams.buffered()
+    }
+
+    /// Bytes still queued to send on one stream.
+    pub fn send_queued(&self, id: StreamId) -> usize {
+        self.streams.get(&id).map_or(0, |s| s.send.queued)
+    }
+
+    /// Latest measured round-trip time of the link's pings.
+    pub fn rtt(&self) -> Option<Duration> {
+        self.keepalive.rtt
+    }
+
+    /// Frame bytes sent and received on the whole link.
+    pub fn link_wire(&self) -> (u64, u64) {
+        (self.link_wire_out, self.link_wire_in)
+    }
+
+    /// Drains the per-service wire byte counts accumulated since the last call.
+    pub fn take_wire_counts(&mut self) -> Vec<(Arc<str>, WireCount)> {
+        self.wire
+            .drain()
+            .filter(|(_, c)| c.out != 0 || c.inbound != 0)
+            .collect()
+    }
+
+    /// Next event for the application, if any.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// Opens a stream to the peer's service `service`.
+    pub fn open(&mut self, service: &str, class: Class) -> Result<StreamId, StreamError> {
+        if self.state != State::Open {
+            return Err(StreamError::LinkClosed);
+        }
+        if self.streams.ours() as u64 >= u64::from(self.peer.max_streams) {
+            return Err(StreamError::TooMany);
+        }
+        let id = self.streams.next_id().ok_or(StreamError::TooMany)?;
+        let service: Arc<str> = Arc::from(service);
+        let lane = if class == Class::Latency && self.lane_attached {
+            LATENCY_LANE
+        } else {
+            MAIN_LANE
+        };
+        self.insert_stream(id, class, lane, service.clone());
+        self.ctrl[lane].push_back(Frame::Open {
+            stream: id,
+            class,
+            service: service.to_string(),
+        });
+        Ok(id)
+    }
+
+    fn insert_stream(&mut self, id: StreamId, class: Class, lane: usize, service: Arc<str>) {
+        let coder = self.coding.coder_for(&service, class);
+        let s = Stream {
+            class,
+            lane,
+            service,
+            send: SendHalf::new(self.peer.stream_window, coder),
+            recv: RecvHalf::new(u64::from(self.cfg.stream_window)),
+            scheduled: false,
+        };
+        self.streams.map.insert(id, s);
+    }
+
+    /// Queues bytes on a stream; returns how many were taken (0 when its send buffer is full, and an
+    /// [`Event::Writable`] follows when there is room).
+    pub fn write(&mut self, id: StreamId, data: &[u8]) -> Result<usize, StreamError> {
+        let n = self.room(id, data.len())?;
+        if n > 0 {
+            self.enqueue(id, Bytes::copy_from_slice(&data[..n]));
+        }
+        Ok(n)
+    }
+
+    /// Like [`write`](Self::write) but takes ownership of the bytes, avoiding a copy: takes the
+    /// first `n` bytes (returned) and leaves the rest in `data`.
+    pub fn write_bytes(&mut self, id: StreamId, data: &mut Bytes) -> Result<usize, StreamError> {
+        let n = self.room(id, data.len())?;
+        if n > 0 {
+            let chunk = data.split_to(n);
+            self.enqueue(id, chunk);
+        }
+        Ok(n)
+    }
+
+    /// How many of `want` bytes the stream's send buffer takes now; marks it blocked if none.
+    fn room(&mut self, id: StreamId, want: usize) -> Result<usize, StreamError> {
+        let cap = self.cfg.send_buffer;
+        self.stream_mut(id)?.send.room(id, cap, want)
+    }
+
+    fn enqueue(&mut self, id: StreamId, chunk: Bytes) {
+        if let Some(s) = self.streams.get_mut(&id) {
+            s.send.push(chunk, s.class == Class::Latency);
+        }
+        self.streams.schedule(id);
+    }
+
+    /// Sends everything written so far without waiting for a chunk boundary (the runtime calls
+    /// this when the application paused). Only optimized bulk streams ever wait; returns true if
+    /// this one had bytes waiting (there may be frames to send now).
+    pub fn flush(&mut self, id: StreamId) -> bool {
+        let moved = self
+            .streams
+            .get_mut(&id)
+            .is_some_and(|s| s.send.flush_all());
+        if moved {
+            self.streams.schedule(id);
+        }
+        moved
+    }
+
+    /// Ends the stream's send side once queued bytes are sent (a TCP half-close).
+    pub fn finish(&mut self, id: StreamId) -> Result<(), StreamError> {
+        if self.stream_mut(id)?.send.finish() {
+            self.streams.schedule(id);
+        }
+        Ok(())
+    }
+
+    /// Aborts a stream both ways and tells the peer why. Unknown streams are ignored.
+    pub fn reset(&mut self, id: StreamId, code: ResetCode, reason: &str) {
+        if let Some(s) = self.remove_stream(id)
+            && self.state != State::Closed
+        {
+            self.ctrl[s.lane].push_back(Frame::Reset {
+                stream: id,
+                code,
+                reason: reason.to_string(),
+            });
+        }
+    }
+
+    /// Takes the next received bytes of a stream, returning credit to the peer.
+    pub fn read(&mut self, id: StreamId) -> Result<ReadOutcome, StreamError> {
+        let s = self.streams.get_mut(&id).ok_or(StreamError::Unknown(id))?;
+        if let Some(b) = s.recv.queue.pop_front() {
+            let n = b.len() as u64;
+            if let Some(max) = s.recv.window.on_consume(n)
+                && !s.recv.fin_received
+            {
+                self.ctrl[s.lane].push_back(Frame::MaxData { stream: id, max });
+            }
+            if let Some(max) = self.link_window.on_consume(n) {
+                self.ctrl[MAIN_LANE].push_back(Frame::MaxData {
+                    stream: StreamId::LINK,
+                    max,
+                });
+            }
+            return Ok(ReadOutcome::Data(b));
+        }
+        if s.recv.fin_ready() {
+            s.recv.read_done = true;
+            self.maybe_remove(id);
+            return Ok(ReadOutcome::Fin);
+        }
+        if self.state == State::Closed {
+            return Err(StreamError::LinkClosed);
+        }
+        Ok(ReadOutcome::Blocked)
+    }
+
+    /// Stops accepting new streams either way; existing streams go on (graceful shutdown).
+    pub fn drain(&mut self) {
+        if self.state == State::Open || self.state == State::Handshake {
+            self.state = State::Draining;
+        }
+    }
+
+    /// Closes the link: a GoAway is queued and every stream is dropped.
+    pub fn close(&mut self, code: CloseCode, reason: &str) {
+        if self.state == State::Closed {
+            return;
+        }
+        if self.cfg.cache_storage.is_some() && self.state != State::Handshake {
+            // Both sides save where they are, so a restart resumes the caches from here.
+            self.checkpoint();
+        }
+        self.ctrl[MAIN_LANE].push_back(Frame::GoAway {
+            code,
+            reason: reason.to_string(),
+        });
+        self.shut(None);
+    }
+
+    /// Records that the connection carrying the link failed: every stream is reset.
+    pub fn connection_lost(&mut self, reason: &str) {
+        if self.state != State::Closed {
+            self.shut(Some(LinkError::Transport(reason.to_string())));
+            for c in &mut self.ctrl {
+                c.clear();
+            }
+        }
+    }
+
+    /// True while the stream exists (not yet finished both ways, reset or closed with the link).
+    pub fn contains(&self, id: StreamId) -> bool {
+        self.streams.map.contains_key(&id)
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) wants to be called next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.state == State::Closed {
+            return None;
+        }
+        self.timers.next()
+    }
+
+    /// Runs the timers due at `now`: the idle timeout fails the link, a keepalive ping is sent,
+    /// changed caches are checkpointed.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.state == State::Closed {
+            return;
+        }
+        // A link that has heard nothing yet starts its idle clock at the first call.
+        self.timers
+            .get_or_set(Timer::Idle, now + self.cfg.idle_timeout);
+        if self.timers.expired(Timer::Idle, now) {
+            self.fail(LinkError::Timeout);
+            return;
+        }
+        self.timers.get_or_set(Timer::Ping, now);
+        if self.timers.expired(Timer::Ping, now) {
+            let k = &mut self.keepalive;
+            k.seq += 1;
+            self.ctrl[MAIN_LANE].push_back(Frame::Ping { payload: k.seq });
+            if k.sent.is_none() {
+                k.sent = Some((k.seq, now));
+            }
+            self.timers.set(Timer::Ping, now + self.cfg.keepalive);
+        }
+        if self.cfg.cache_storage.is_some() && self.state != State::Handshake {
+            let every = self.cfg.checkpoint_interval;
+            self.timers.get_or_set(Timer::Checkpoint, now + every);
+            if self.timers.expired(Timer::Checkpoint, now) {
+                self.checkpoint();
+                self.timers.set(Timer::Checkpoint, now + every);
+            }
+        }
+    }
+
+    /// Queues a checkpoint of every cache that changed since its last one, on its lane.
+    fn checkpoint(&mut self) {
+        for (lane, scope) in self.coding.dirty_mirrors() {
+            if lane == MAIN_LANE || self.lane_attached {
+                self.ctrl[lane].push_back(Frame::Checkpoint {
+                    scope: scope.to_string(),
+                    digest: [0; 16],
+                });
+            }
+        }
+    }
+
+    /// The connecting side: after the peer's hello, whether to open a latency lane, and the token
+    /// to present on it.
+    pub fn lane_offer(&self) -> Option<u64> {
+        (self.cfg.initiator
+            && self.cfg.latency_lane
+            && self.state == State::Open
+            && !self.lane_attached
+            && self.peer.has(CAP_LATENCY_LANE))
+        .then_some(self.peer.token)
+    }
+
+    /// The first frame to send on a new latency-lane connection (connecting side).
+    pub fn lane_hello(&self, token: u64) -> Frame {
+        Frame::Hello(hello::lane(&self.cfg.site, token))
+    }
+
+    /// Attaches the latency lane. The connecting side calls this once its lane connection is up;
+    /// the listening side once a connection presented `token` (checked here against its own).
+    /// Latency-class streams opened from now on use the lane.
+    pub fn attach_lane(&mut self, token: u64) -> bool {
+        let ok = self.state == State::Open
+            && !self.lane_attached
+            && self.cfg.latency_lane
+            && if self.cfg.initiator {
+                token == self.peer.token
+            } else {
+                token == self.cfg.token && self.peer.has(CAP_LATENCY_LANE)
+            };
+        if ok {
+            self.lane_attached = true;
+        }
+        ok
+    }
+
+    /// True while the latency lane is attached.
+    pub fn lane_attached(&self) -> bool {
+        self.lane_attached
+    }
+
+    fn stream_mut(&mut self, id: StreamId) -> Result<&mut Stream, StreamError> {
+        if self.state == State::Closed {
+            return Err(StreamError::LinkClosed);
+        }
+        self.streams.get_mut(&id).ok_or(StreamError::Unknown(id))
+    }
+
+    /// Removes a stream that finished both ways.
+    fn maybe_remove(&mut self, id: StreamId) {
+        if self.streams.get(&id).is_some_and(Stream::done) && self.remove_stream(id).is_some() {
+            self.events.push_back(Event::Done(id));
+        }
+    }
+
+    /// Removes a stream and returns the link credit its unread bytes held.
+    fn remove_stream(&mut self, id: StreamId) -> Option<Stream> {
+        let s = self.streams.remove(id)?;
+        let unread = s.recv.window.buffered();
+        if unread > 0
+            && let Some(max) = self.link_window.on_consume(unread)
+        {
+            self.ctrl[MAIN_LANE].push_back(Frame::MaxData {
+                stream: StreamId::LINK,
+                max,
+            });
+        }
+        Some(s)
+    }
+
+    /// Resets a stream whose data cannot be delivered, telling both the peer and the application.
+    fn fail_stream(&mut self, id: StreamId, code: ResetCode, reason: String) {
+        self.reset(id, code, &reason);
+        self.events.push_back(Event::Reset {
+            stream: id,
+            code,
+            reason,
+        });
+    }
+
+    fn fail(&mut self, e: LinkError) -> LinkError {
+        if self.state != State::Closed {
+            if !matches!(e, LinkError::PeerClosed { .. }) {
+                self.ctrl[MAIN_LANE].push_back(Frame::GoAway {
+                    code: e.close_code(),
+                    reason: e.to_string(),
+                });
+            }
+            self.shut(Some(e.clone()));
+        }
+        e
+    }
+
+    fn shut(&mut self, err: Option<LinkError>) {
+        self.state = State::Closed;
+        self.timers.stop_all();
+        for id in self.streams.clear() {
+            self.events.push_back(Event::Reset {
+                stream: id,
+                code: ResetCode::Shutdown,
+                reason: "link closed".to_string(),
+            });
+        }
+        self.close_error = err.clone();
+        self.events.push_back(Event::Closed(err));
+    }
+}

@@ -1,0 +1,190 @@
+//! A link's streams: each one a [`Stream`] with a send and a receive half, the ids either side
+//! has used, and the scheduler's ready queues (latency and bulk, per lane). A stream is in a ready
+//! queue at most once (`scheduled`).
+
+mod recv;
+mod send;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+pub(crate) use recv::RecvHalf;
+pub(crate) use send::SendHalf;
+
+use crate::frame::{Class, StreamId};
+use crate::lane::LANES;
+
+#[derive(Debug)]
+pub(crate) struct Stream {
+    pub class: Class,
+    /// The lane all of this stream's frames travel on (fixed at open, so they stay in order).
+    pub lane: usize,
+    pub service: Arc<str>,
+    pub send: SendHalf,
+    pub recv: RecvHalf,
+    /// True while the stream is in a ready queue.
+    pub scheduled: bool,
+}
+
+impl Stream {
+    /// True once both directions are finished.
+    pub fn done(&self) -> bool {
+        self.send.fin_sent && self.recv.read_done
+    }
+}
+
+/// Which ready queue a stream waits in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Queue {
+    Latency,
+    Bulk,
+}
+
+/// The streams of one link and the ids in use.
+#[derive(Debug)]
+pub(crate) struct Streams {
+    pub map: HashMap<StreamId, Stream>,
+    /// True on the connecting side: its ids are odd, the listener's even.
+    initiator: bool,
+    next_local: u32,
+    /// Highest stream id the peer has opened on each lane (ids below it that are absent are closed).
+    peer_max_id: [u32; LANES],
+    /// Streams the peer opened that are still open.
+    pub peer_open: u32,
+    ready_latency: [VecDeque<StreamId>; LANES],
+    ready_bulk: [VecDeque<StreamId>; LANES],
+}
+
+impl Streams {
+    pub fn new(initiator: bool) -> Self {
+        Streams {
+            map: HashMap::new(),
+            initiator,
+            next_local: if initiator { 1 } else { 2 },
+            peer_max_id: [0; LANES],
+            peer_open: 0,
+            ready_latency: Default::default(),
+            ready_bulk: Default::default(),
+        }
+    }
+
+    pub fn get(&self, id: &StreamId) -> Option<&Stream> {
+        self.map.get(id)
+    }
+
+    pub fn get_mut(&mut self, id: &StreamId) -> Option<&mut Stream> {
+        self.map.get_mut(id)
+    }
+
+    pub fn is_peer_id(&self, id: StreamId) -> bool {
+        (id.0 % 2 == 1) != self.initiator
+    }
+
+    /// Streams we opened that are still open.
+    pub fn ours(&self) -> usize {
+        self.map.keys().filter(|id| !self.is_peer_id(**id)).count()
+    }
+
+    /// The id for a new local stream, if any is left.
+    pub fn next_id(&mut self) -> Option<StreamId> {
+        let id = StreamId(self.next_local);
+        self.next_local = self.next_local.checked_add(2)?;
+        Some(id)
+    }
+
+    /// Checks a peer's new id (ids rise on each lane; opens may arrive in any order across
+    /// lanes) and records it.
+    pub fn accept_peer_id(&mut self, id: StreamId, lane: usize) -> bool {
+        if !self.is_peer_id(id) || id.0 <= self.peer_max_id[lane] || self.map.contains_key(&id) {
+            return false;
+        }
+        self.peer_max_id[lane] = id.0;
+        true
+    }
+
+    /// True for an id that was in use once and is closed now: late frames for it are ignored.
+    pub fn was_open(&self, id: StreamId) -> bool {
+        if self.is_peer_id(id) {
+            self.peer_max_id.iter().any(|m| id.0 <= *m)
+        } else {
+            id.0 < self.next_local
+        }
+    }
+
+    /// Removes a stream, counting it off the peer's open streams if the peer opened it.
+    pub fn remove(&mut self, id: StreamId) -> Option<Stream> {
+        let s = self.map.remove(&id)?;
+        if self.is_peer_id(id) {
+            self.peer_open = self.peer_open.saturating_sub(1);
+        }
+        Some(s)
+    }
+
+    /// Puts a stream in its ready queue if it has something to send and is not queued yet.
+    pub fn schedule(&mut self, id: StreamId) {
+        if let Some(s) = self.map.get_mut(&id)
+            && !s.scheduled
+            && s.send.wants_send()
+        {
+            s.scheduled = true;
+            let (q, lane) = match s.class {
+                Class::Latency => (Queue::Latency, s.lane),
+                Class::Bulk => (Queue::Bulk, s.lane),
+            };
+            self.queue(q, lane).push_back(id);
+        }
+    }
+
+    fn queue(&mut self, q: Queue, lane: usize) -> &mut VecDeque<StreamId> {
+        match q {
+            Queue::Latency => &mut self.ready_latency[lane],
+            Queue::Bulk => &mut self.ready_bulk[lane],
+        }
+    }
+
+    /// The next stream whose turn it is on a lane: latency first, then bulk.
+    pub fn next_ready(&mut self, lane: usize) -> Option<(Queue, StreamId)> {
+        if let Some(id) = self.ready_latency[lane].pop_front() {
+            return Some((Queue::Latency, id));
+        }
+        self.ready_bulk[lane]
+            .pop_front()
+            .map(|id| (Queue::Bulk, id))
+    }
+
+    /// Queues a stream again: at the back after its turn, or at the front to keep its turn.
+    pub fn requeue(&mut self, q: Queue, lane: usize, id: StreamId, front: bool) {
+        if let Some(s) = self.map.get_mut(&id) {
+            s.scheduled = true;
+        }
+        let queue = self.queue(q, lane);
+        if front {
+            queue.push_front(id);
+        } else {
+            queue.push_back(id);
+        }
+    }
+
+    /// True if a stream of this lane waits for its turn.
+    pub fn any_ready(&self, lane: usize) -> bool {
+        !self.ready_latency[lane].is_empty() || !self.ready_bulk[lane].is_empty()
+    }
+
+    /// Drops every stream and queued turn; returns the ids that were open.
+    pub fn clear(&mut self) -> Vec<StreamId> {
+        for l in 0..LANES {
+            self.ready_bulk[l].clear();
+            self.ready_latency[l].clear();
+        }
+        self.peer_open = 0;
+        self.map.drain().map(|(id, _)| id).collect()
+    }
+
+    /// Bytes held for streams: unsent plus received but not handed over.
+    pub fn buffered(&self) -> usize {
+        self.map
+            .values()
+            .map(|s| s.send.queued + s.recv.buffered())
+            .sum()
+    }
+}

@@ -1,0 +1,174 @@
+//! The scheduler: what goes out on a lane, in order. Control frames first, then latency-class
+//! streams, then bulk streams round robin in 32 KiB quanta (a whole frame for an optimized
+//! stream), each within its stream's and the link's credit.
+
+use std::sync::Arc;
+
+use bytes::BytesMut;
+
+use super::streams::Queue;
+use super::{Event, Link, State};
+use crate::coding::{CodedTurn, Role};
+use crate::frame::{self, Frame, StreamId};
+use crate::lane::LANES;
+
+/// Bytes a bulk stream may send in one scheduling turn before the next stream gets its turn.
+const BULK_QUANTUM: usize = 32 * 1024;
+
+/// How a stream's turn ended.
+enum Turn {
+    /// It sent a frame, or had nothing to send: go on with the next stream.
+    Next,
+    /// It needs more link credit than is left: nothing else goes on this lane now.
+    Stop,
+}
+
+impl Link {
+    /// Appends frames to `out` until it holds at least `limit` bytes or nothing is left to send.
+    /// Control frames go first, then latency-class streams, then bulk streams round robin.
+    /// Returns the number of bytes appended.
+    pub fn poll_transmit(&mut self, out: &mut BytesMut, limit: usize) -> usize {
+        self.poll_transmit_lane(crate::lane::MAIN_LANE, out, limit)
+    }
+
+    /// Like [`poll_transmit`](Self::poll_transmit) for one lane: its control frames, then its
+    /// streams' data (latency first, then bulk).
+    pub fn poll_transmit_lane(&mut self, lane: usize, out: &mut BytesMut, limit: usize) -> usize {
+        if lane >= LANES {
+            return 0;
+        }
+        let start = out.len();
+        self.transmit_control(lane, out);
+        if matches!(self.state, State::Open | State::Draining) {
+            while out.len() < limit && self.link_credit.available() > 0 {
+                let Some((queue, id)) = self.streams.next_ready(lane) else {
+                    break;
+                };
+                if let Turn::Stop = self.transmit_stream(lane, queue, id, out) {
+                    break;
+                }
+            }
+        }
+        let n = out.len() - start;
+        self.link_wire_out += n as u64;
+        n
+    }
+
+    /// True if some lane would produce bytes now.
+    pub fn wants_transmit(&self) -> bool {
+        (0..LANES).any(|l| self.wants_transmit_lane(l))
+    }
+
+    /// True if [`poll_transmit_lane`](Self::poll_transmit_lane) would produce bytes now.
+    pub fn wants_transmit_lane(&self, lane: usize) -> bool {
+        lane < LANES
+            && (!self.ctrl[lane].is_empty()
+                || (matches!(self.state, State::Open | State::Draining)
+                    && self.link_credit.available() > 0
+                    && self.streams.any_ready(lane)))
+    }
+
+    /// Encodes the lane's queued control frames. A `Checkpoint` takes the mirror's state as it
+    /// leaves: that is what the peer's cache will be when it reads the frame.
+    fn transmit_control(&mut self, lane: usize, out: &mut BytesMut) {
+        while let Some(mut f) = self.ctrl[lane].pop_front() {
+            if let Frame::Checkpoint { scope, digest } = &mut f {
+                let Some(state) = self.coding.checkpoint_mirror(lane, scope) else {
+                    continue;
+                };
+                *digest = state.digest();
+                self.events.push_back(Event::Checkpoint {
+                    role: Role::Mirror,
+                    lane,
+                    scope: Arc::from(scope.as_str()),
+                    state,
+                });
+            }
+            let before = out.len();
+            f.encode(out);
+            // A service's wire bytes are its streams' Open, Data, Coded and Chunk frames, counted
+            // alike each way.
+            if let Frame::Open { stream, .. } | Frame::Chunk { stream, .. } = &f
+                && let Some(s) = self.streams.get(stream)
+            {
+                self.wire.entry(s.service.clone()).or_default().out += (out.len() - before) as u64;
+            }
+            if matches!(f, Frame::Chunk { .. }) {
+                self.coding.answered();
+            }
+        }
+    }
+
+    /// One stream's turn: a `Data` or `Coded` frame, as credit and the quantum allow.
+    fn transmit_stream(
+        &mut self,
+        lane: usize,
+        queue: Queue,
+        id: StreamId,
+        out: &mut BytesMut,
+    ) -> Turn {
+        let link_avail = self.link_credit.available();
+        let peer_max_frame = self.peer.max_frame;
+        let Some(s) = self.streams.get_mut(&id) else {
+            return Turn::Next;
+        };
+        s.scheduled = false;
+        if !s.send.wants_send() {
+            return Turn::Next;
+        }
+        // Optimized frames carry records, which cost CPU to make: a coded bulk stream's turn is a
+        // whole frame, which also keeps framing overhead under a thousandth.
+        let quantum = if queue == Queue::Latency || s.send.coder.is_some() {
+            peer_max_frame
+        } else {
+            BULK_QUANTUM.min(peer_max_frame)
+        };
+        let before = out.len();
+        let sent = s.send.credit.sent();
+        let need = s.send.min_credit();
+        let (n, fin) = if let Some(coder) = s.send.coder.as_mut() {
+            if link_avail < need {
+                // Wait for link credit to cover the next chunk, keeping the stream's turn.
+                self.streams.requeue(queue, lane, id, true);
+                return Turn::Stop;
+            }
+            let turn = CodedTurn {
+                id,
+                lane,
+                service: &s.service,
+                sent,
+                queued: s.send.queued,
+                fin_requested: s.send.fin_requested,
+                budget: s.send.credit.available().min(link_avail) as usize,
+                quantum,
+                room: peer_max_frame.saturating_sub(4),
+            };
+            match self.coding.emit_frame(turn, coder, &mut s.send.queue, out) {
+                Some(e) => (e.raw, e.fin),
+                None => return Turn::Next,
+            }
+        } else {
+            let n = (s.send.queued as u64)
+                .min(s.send.credit.available())
+                .min(link_avail)
+                .min(quantum as u64) as usize;
+            let fin = s.send.fin_requested && n == s.send.queued;
+            frame::encode_data_header(out, id, sent, fin, n);
+            s.send.take_into(n, out);
+            (n, fin)
+        };
+        if s.send.on_sent(n, fin, self.cfg.send_buffer) {
+            self.events.push_back(Event::Writable(id));
+        }
+        self.wire.entry(s.service.clone()).or_default().out += (out.len() - before) as u64;
+        let again = s.send.wants_send();
+        self.link_credit.consume(n as u64);
+        if again {
+            self.streams.requeue(queue, lane, id, false);
+        }
+        if fin {
+            self.maybe_remove(id);
+        }
+        Turn::Next
+    }
+}
