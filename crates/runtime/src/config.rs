@@ -15,9 +15,6 @@ use wanopt_proto::{Class, CodecSettings, Compression, Scope, StreamPolicy};
 
 use crate::units::{parse_duration, parse_rate, parse_size};
 
-/// Stated link bandwidth up to which `optimize.zstd_level` defaults to 6 instead of 3.
-pub const ZSTD_6_UP_TO_BPS: u64 = 50_000_000;
-
 /// A config that cannot be used; the message names the field.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -167,7 +164,7 @@ pub struct Config {
     pub tls: TlsPaths,
     pub services: Vec<Service>,
     pub optimize: Optimize,
-    /// Metrics endpoint address (served once the operations issue lands; validated now).
+    /// Address of the admin endpoint (Prometheus metrics and `wanoptd stats`).
     pub admin: Option<SocketAddr>,
     pub state_dir: PathBuf,
     /// Log level filter (`RUST_LOG` overrides it).
@@ -603,12 +600,7 @@ impl Config {
             in_range(n, *r.start() as u64, *r.end() as u64)
         })? as usize;
         let zstd_level = match ro.and_then(|r| r.zstd_level) {
-            // A stated link of up to 50 Mbit/s (a T3) leaves a core time for level 6: 41 to 78
-            // MB/s here on redo, WAL, backups and trails (`cargo bench --bench codec`), 2 to 5
-            // times what a full T3 needs, for 2 to 6% fewer bytes than level 3 (live WAL: 0.320
-            // against 0.339); faster links keep level 3, about twice as fast.
-            None if link.bandwidth_stated && link.bandwidth_bps <= ZSTD_6_UP_TO_BPS => 6,
-            None => 3,
+            None => crate::policy::default_zstd_level(&link),
             Some(l) => in_range(l, 1, 19).map_err(|m| cx.err("optimize.zstd_level", m))?,
         };
         let default = StreamPolicy {

@@ -11,9 +11,17 @@ pub mod cachedir;
 pub mod config;
 pub mod counters;
 pub mod daemon;
+mod driver;
+mod establish;
 pub mod notify;
+mod peer;
+pub mod policy;
+mod pressure;
+mod reload;
+mod services;
 pub mod sockopt;
 pub mod stats;
+mod supervisor;
 pub mod tls;
 
 pub use config::{Config, ConfigError};

@@ -1,0 +1,512 @@
+//! The link driver: one live link's sans-IO [`Link`] behind a mutex, with a reader and a writer
+//! task per lane moving its bytes, the wakeups of each stream, and `TCP_INFO` sampling. Readers
+//! only read: what needs a decision (a link came up, a peer opened a stream, the link ended) goes
+//! to the peer's supervisor as a [`LinkMsg`]. The lock is never held across an `.await`.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{Notify, mpsc};
+use tracing::{debug, info, warn};
+use wanopt_proto::{
+    Class, CloseCode, Event, LANES, LATENCY_LANE, Link, LinkError, MAIN_LANE, ResetCode,
+    StreamError, StreamId,
+};
+
+use crate::cachedir::CacheDir;
+use crate::counters::{Counters, add};
+use crate::pressure::Pressure;
+use crate::sockopt;
+
+/// Largest batch of frames handed to TLS at once; small, so latency frames never wait long.
+const TRANSMIT_BATCH: usize = 64 * 1024;
+/// Read size for local sockets and the link.
+pub(crate) const READ_CHUNK: usize = 64 * 1024;
+
+/// A link connection under TLS: reads are buffered, because rustls asks for at most 4 KiB at a
+/// time, which would cost three `recv` calls per 8 KiB record instead of one.
+pub(crate) type Wire = tokio::io::BufReader<TcpStream>;
+
+pub(crate) fn wire(tcp: TcpStream) -> Wire {
+    tokio::io::BufReader::with_capacity(READ_CHUNK, tcp)
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What a link's tasks tell the peer's supervisor.
+pub(crate) enum LinkMsg {
+    /// The peer's hello was accepted on this link.
+    Up(Arc<LinkHandle>, SocketAddr),
+    /// The peer opened a stream to one of our services.
+    Opened {
+        link: Arc<LinkHandle>,
+        stream: StreamId,
+        service: Arc<str>,
+    },
+    /// The link ended (after it was up).
+    Down(Arc<LinkHandle>),
+}
+
+/// What a link needs from its peer, fixed when it starts.
+pub(crate) struct LinkCtx {
+    pub counters: Arc<Counters>,
+    pub caches: Option<Arc<CacheDir>>,
+    pub supervisor: mpsc::UnboundedSender<LinkMsg>,
+    /// The peer's site name, for logs.
+    pub peer: String,
+    pub handshake_timeout: Duration,
+    /// The stated link speed makes the link the bottleneck for good (see [`Pressure`]).
+    pub link_bound: bool,
+}
+
+/// Wakeups and the reset reason of one stream.
+#[derive(Debug, Default)]
+pub(crate) struct StreamSignal {
+    pub readable: Notify,
+    pub writable: Notify,
+    /// Reset, link closed, or finished: the stream is gone from the link.
+    pub gone: Notify,
+    pub reset: Mutex<Option<String>>,
+}
+
+impl StreamSignal {
+    pub fn reason(&self) -> String {
+        lock(&self.reset)
+            .clone()
+            .unwrap_or_else(|| "stream closed".to_string())
+    }
+}
+
+pub(crate) struct Inner {
+    pub link: Link,
+    pub signals: HashMap<StreamId, Arc<StreamSignal>>,
+    opened: Vec<(StreamId, Arc<str>)>,
+    up: bool,
+}
+
+/// One live link: the protocol state machine and the wakeups around it.
+pub(crate) struct LinkHandle {
+    pub inner: Mutex<Inner>,
+    /// Wakes each lane's writer: there may be frames to send.
+    tx: [Notify; LANES],
+    /// The timer deadline the main lane's writer sleeps until (`None`: no timer armed).
+    armed: Mutex<Option<Instant>>,
+    /// The latency lane's task, ended with the link.
+    pub lane_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Each lane's socket while it is open, for `TCP_INFO`; cleared before the socket is closed.
+    fds: Mutex<[Option<std::os::fd::RawFd>; LANES]>,
+    pub ctx: LinkCtx,
+    pub id: u64,
+}
+
+impl LinkHandle {
+    pub fn new(link: Link, fd: std::os::fd::RawFd, ctx: LinkCtx, id: u64) -> Self {
+        LinkHandle {
+            inner: Mutex::new(Inner {
+                link,
+                signals: HashMap::new(),
+                opened: Vec::new(),
+                up: false,
+            }),
+            tx: Default::default(),
+            armed: Mutex::new(None),
+            lane_task: Mutex::new(None),
+            fds: Mutex::new([Some(fd), None]),
+            ctx,
+            id,
+        }
+    }
+
+    /// Wakes the writers of the lanes that have frames to send (or must notice the link closed);
+    /// an idle lane's writer is left asleep, which saves a task switch on the latency path.
+    pub fn kick(&self) {
+        let wants = self.wants(&lock(&self.inner));
+        self.wake(wants);
+    }
+
+    /// Which lanes' writers [`kick`](Self::kick) would wake, decided under the link's lock that
+    /// the caller already holds (one lock round trip less on the latency path).
+    pub fn wants(&self, g: &Inner) -> [bool; LANES] {
+        let closed = g.link.is_closed();
+        // The main lane's writer also runs the link's timers: wake it when they moved
+        // earlier than what it sleeps until (the peer's hello arms them, for one).
+        let timer = g.link.poll_timeout();
+        let armed = *lock(&self.armed);
+        let rearm = timer.is_some_and(|t| armed.is_none_or(|a| t < a));
+        std::array::from_fn(|l| {
+            closed || g.link.wants_transmit_lane(l) || (l == MAIN_LANE && rearm)
+        })
+    }
+
+    /// Wakes the writers chosen by [`wants`](Self::wants), after the link's lock is released.
+    pub fn wake(&self, wants: [bool; LANES]) {
+        for (t, w) in self.tx.iter().zip(wants) {
+            if w {
+                t.notify_one();
+            }
+        }
+    }
+
+    pub fn with<R>(&self, f: impl FnOnce(&mut Link) -> R) -> R {
+        let mut g = lock(&self.inner);
+        let r = f(&mut g.link);
+        self.dispatch(&mut g);
+        r
+    }
+
+    /// Routes the link's events to the stream tasks and counters.
+    pub fn dispatch(&self, g: &mut Inner) {
+        let counters = &self.ctx.counters;
+        while let Some(ev) = g.link.poll_event() {
+            match ev {
+                Event::Up { .. } => g.up = true,
+                Event::Opened {
+                    stream, service, ..
+                } => {
+                    g.signals.insert(stream, Arc::default());
+                    g.opened.push((stream, service));
+                }
+                Event::Refused { stream, service } => {
+                    add(&counters.link.unknown_service, 1);
+                    warn!(link = self.id, stream = %stream, service = %service, "refused stream for unknown service");
+                }
+                Event::Readable(id) => {
+                    if let Some(s) = g.signals.get(&id) {
+                        s.readable.notify_one();
+                    }
+                }
+                Event::Writable(id) => {
+                    if let Some(s) = g.signals.get(&id) {
+                        s.writable.notify_one();
+                    }
+                }
+                Event::Reset {
+                    stream,
+                    code,
+                    reason,
+                } => {
+                    if let Some(s) = g.signals.get(&stream) {
+                        *lock(&s.reset) = Some(format!("{}: {reason}", code.label()));
+                        s.readable.notify_one();
+                        s.writable.notify_one();
+                        s.gone.notify_one();
+                    }
+                }
+                Event::Done(id) => {
+                    if let Some(s) = g.signals.get(&id) {
+                        s.gone.notify_one();
+                    }
+                }
+                Event::Closed(_) => {}
+                Event::Checkpoint {
+                    role,
+                    lane,
+                    scope,
+                    state,
+                } => {
+                    if let Some(c) = &self.ctx.caches {
+                        c.save(role, lane, &scope, state);
+                    }
+                }
+            }
+        }
+        for (svc, c) in g.link.take_wire_counts() {
+            let sc = counters.service(&svc);
+            add(&sc.wire_out, c.out);
+            add(&sc.wire_in, c.inbound);
+        }
+        for (svc, c) in g.link.take_codec_counts() {
+            // Bytes of streams already closed are decoded (to keep the cache in step) under "".
+            if !svc.is_empty() {
+                counters.codec.record(&svc, &c);
+            }
+        }
+    }
+
+    /// Registers a new outgoing stream.
+    pub fn open(
+        &self,
+        service: &str,
+        class: Class,
+    ) -> Result<(StreamId, Arc<StreamSignal>), StreamError> {
+        let mut g = lock(&self.inner);
+        let id = g.link.open(service, class)?;
+        let sig: Arc<StreamSignal> = Arc::default();
+        g.signals.insert(id, sig.clone());
+        drop(g);
+        self.kick();
+        Ok((id, sig))
+    }
+
+    /// The wakeups of a stream the peer opened.
+    pub fn signal(&self, id: StreamId) -> Option<Arc<StreamSignal>> {
+        lock(&self.inner).signals.get(&id).cloned()
+    }
+
+    pub fn forget(&self, id: StreamId) {
+        lock(&self.inner).signals.remove(&id);
+    }
+
+    pub fn reset(&self, id: StreamId, code: ResetCode, reason: &str) {
+        self.with(|l| l.reset(id, code, reason));
+        self.kick();
+    }
+
+    fn tell(&self, m: LinkMsg) {
+        // The supervisor lives as long as the daemon serves; after that nobody listens.
+        let _ = self.ctx.supervisor.send(m);
+    }
+}
+
+/// Runs one authenticated link until it ends: the main lane's reader and writer, and the socket
+/// sampler. The supervisor hears when it comes up and when it goes down.
+pub(crate) async fn run_link<S>(h: Arc<LinkHandle>, stream: S, addr: SocketAddr, initial: BytesMut)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (rd, wr) = tokio::io::split(stream);
+    let reader = read_link(h.clone(), rd, addr, MAIN_LANE, initial);
+    let writer = write_link(h.clone(), wr, MAIN_LANE);
+    let sampler = tokio::spawn(sample_sockets(h.clone()));
+    tokio::pin!(reader, writer);
+    let why = tokio::select! {
+        r = &mut reader => {
+            // Let the writer flush what the reader queued (a GoAway after a protocol error).
+            h.kick();
+            let _ = tokio::time::timeout(Duration::from_secs(1), &mut writer).await;
+            r
+        }
+        w = &mut writer => w,
+    };
+    // Forget the sockets before they close, so no TCP_INFO read can hit a reused descriptor.
+    *lock(&h.fds) = [None, None];
+    sampler.abort();
+    if let Some(t) = lock(&h.lane_task).take() {
+        t.abort();
+    }
+    let mut g = lock(&h.inner);
+    g.link.connection_lost(&why);
+    let close = g.link.close_error().cloned();
+    h.dispatch(&mut g);
+    // Wake every stream: their link is gone.
+    for s in g.signals.values() {
+        s.readable.notify_one();
+        s.writable.notify_one();
+        s.gone.notify_one();
+    }
+    let up = g.up;
+    drop(g);
+    let orderly = matches!(
+        close,
+        Some(LinkError::PeerClosed {
+            code: CloseCode::Normal | CloseCode::Replaced,
+            ..
+        })
+    ) || (close.is_none() && why == "closed");
+    let reason = close.as_ref().map_or(why, ToString::to_string);
+    let peer = &h.ctx.peer;
+    if up {
+        add(&h.ctx.counters.link.disconnects, 1);
+        if orderly {
+            info!(link = h.id, peer = %peer, reason = %reason, "link closed");
+        } else {
+            warn!(link = h.id, peer = %peer, reason = %reason, "link down");
+        }
+        h.tell(LinkMsg::Down(h.clone()));
+    } else {
+        warn!(link = h.id, from = %addr, reason = %reason, "link failed before it came up");
+    }
+}
+
+/// Moves the latency lane's bytes until it or the link ends. Losing the lane fails the link.
+pub(crate) async fn run_lane<S>(
+    h: Arc<LinkHandle>,
+    stream: S,
+    fd: std::os::fd::RawFd,
+    addr: SocketAddr,
+    buf: BytesMut,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (rd, wr) = tokio::io::split(stream);
+    lock(&h.fds)[LATENCY_LANE] = Some(fd);
+    let reader = read_link(h.clone(), rd, addr, LATENCY_LANE, buf);
+    let writer = write_link(h.clone(), wr, LATENCY_LANE);
+    tokio::pin!(reader, writer);
+    let why = tokio::select! {
+        r = &mut reader => r,
+        w = &mut writer => w,
+    };
+    lock(&h.fds)[LATENCY_LANE] = None;
+    if !h.with(|l| l.is_closed()) {
+        h.with(|l| l.connection_lost(&format!("latency lane: {why}")));
+        h.kick();
+    }
+}
+
+/// Samples `TCP_INFO` of the link's sockets into the metrics every two seconds.
+async fn sample_sockets(h: Arc<LinkHandle>) {
+    loop {
+        {
+            // The lock keeps a lane's descriptor from being cleared and closed during the read.
+            let fds = lock(&h.fds);
+            for (lane, name) in [(MAIN_LANE, "main"), (LATENCY_LANE, "latency")] {
+                if let Some(t) = fds[lane].and_then(sockopt::tcp_info) {
+                    h.ctx.counters.sockets.record(name, &t);
+                }
+            }
+        }
+        let caches = lock(&h.inner).link.cache_stats();
+        h.ctx.counters.codec.record_caches(&caches);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+}
+
+/// Reads one lane of a link into its state machine. `buf` may already hold the first bytes.
+async fn read_link<R: AsyncRead + Unpin>(
+    h: Arc<LinkHandle>,
+    mut rd: R,
+    addr: SocketAddr,
+    lane: usize,
+    mut buf: BytesMut,
+) -> String {
+    let counters = h.ctx.counters.clone();
+    let handshake_deadline = tokio::time::Instant::now() + h.ctx.handshake_timeout;
+    // Only the main lane carries the hello; a lane exists only once the link is up.
+    let mut announced = lane != MAIN_LANE;
+    let mut pending = !buf.is_empty();
+    loop {
+        if pending {
+            pending = false;
+        } else {
+            // Data payloads are split off this buffer without copying; make room for the next read.
+            buf.reserve(READ_CHUNK);
+            let read = if announced {
+                rd.read_buf(&mut buf).await
+            } else {
+                match tokio::time::timeout_at(handshake_deadline, rd.read_buf(&mut buf)).await {
+                    Ok(r) => r,
+                    Err(_) => return "no hello from the peer in time".into(),
+                }
+            };
+            let n = match read {
+                Ok(0) => return "peer closed the connection".into(),
+                Ok(n) => n,
+                Err(e) => return format!("read: {e}"),
+            };
+            add(&counters.link.wire_in, n as u64);
+        }
+        let (opened, up, closed, err, wants) = {
+            let mut g = lock(&h.inner);
+            let r = g.link.handle_lane_input(lane, &mut buf, Instant::now());
+            h.dispatch(&mut g);
+            (
+                std::mem::take(&mut g.opened),
+                g.up,
+                g.link.is_closed(),
+                r.err(),
+                h.wants(&g),
+            )
+        };
+        h.wake(wants);
+        match err {
+            Some(LinkError::PeerClosed {
+                code: CloseCode::Normal,
+                reason,
+            }) => {
+                info!(link = h.id, from = %addr, reason = %reason, "peer closed the link");
+            }
+            Some(e) => warn!(link = h.id, from = %addr, error = %e, "link error"),
+            None => {}
+        }
+        if up && !announced && !closed {
+            announced = true;
+            h.tell(LinkMsg::Up(h.clone(), addr));
+        }
+        for (stream, service) in opened {
+            h.tell(LinkMsg::Opened {
+                link: h.clone(),
+                stream,
+                service,
+            });
+        }
+        if closed {
+            return lock(&h.inner)
+                .link
+                .close_error()
+                .map_or_else(|| "closed".to_string(), ToString::to_string);
+        }
+    }
+}
+
+/// Writes one lane's frames; the main lane also runs the link's timers (pings, idle timeout).
+async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W, lane: usize) -> String {
+    let mut buf = BytesMut::with_capacity(2 * TRANSMIT_BATCH);
+    let mut timer = Box::pin(tokio::time::sleep(Duration::from_secs(3600)));
+    let mut timer_at: Option<Instant> = None;
+    let mut pressure = Pressure::new(h.ctx.link_bound, Instant::now());
+    h.with(|l| l.set_pressure(pressure.current()));
+    loop {
+        let (closed, deadline) = {
+            let mut g = lock(&h.inner);
+            g.link.poll_transmit_lane(lane, &mut buf, TRANSMIT_BATCH);
+            h.dispatch(&mut g);
+            let deadline = if lane == MAIN_LANE {
+                let d = g.link.poll_timeout();
+                // Set under the link's lock, as `kick` reads it, so no re-arm is missed.
+                *lock(&h.armed) = d;
+                d
+            } else {
+                None
+            };
+            (g.link.is_closed(), deadline)
+        };
+        if !buf.is_empty() {
+            add(&h.ctx.counters.link.wire_out, buf.len() as u64);
+            let started = Instant::now();
+            if let Err(e) = wr.write_all(&buf).await {
+                return format!("write: {e}");
+            }
+            buf.clear();
+            if let Err(e) = wr.flush().await {
+                return format!("write: {e}");
+            }
+            if lane == MAIN_LANE
+                && let Some(p) = pressure.wrote(started, Instant::now())
+            {
+                debug!(link = h.id, pressure = ?p, "link pressure changed");
+                h.with(|l| l.set_pressure(p));
+            }
+            continue;
+        }
+        if closed {
+            let _ = wr.shutdown().await;
+            return lock(&h.inner)
+                .link
+                .close_error()
+                .map_or_else(|| "closed".to_string(), ToString::to_string);
+        }
+        // One timer for the writer's life, moved only when the deadline does: registering a new
+        // one on every wait cost a timer-wheel insert and removal per frame.
+        if let Some(d) = deadline
+            && timer_at != Some(d)
+        {
+            timer.as_mut().reset(d.into());
+            timer_at = Some(d);
+        }
+        tokio::select! {
+            _ = h.tx[lane].notified() => {}
+            _ = &mut timer, if deadline.is_some() => {
+                timer_at = None;
+                h.with(|l| l.handle_timeout(Instant::now()));
+            }
+        }
+    }
+}

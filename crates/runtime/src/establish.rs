@@ -1,0 +1,297 @@
+//! Link establishment: accepting the peer's TLS connections (listening side) or dialing it with
+//! backoff (connecting side), checking who it is, and telling a new link's main connection from a
+//! latency lane that attaches to the link whose token it presents. Also the accept loop that the
+//! link and service listeners share.
+
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use rand::Rng;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tracing::{info, warn};
+use wanopt_proto::{Frame, FrameError};
+
+use crate::config::LinkRole;
+use crate::counters::add;
+use crate::driver::{self, LinkHandle, Wire, lock, wire};
+use crate::peer::Peer;
+use crate::sockopt;
+use crate::tls;
+
+/// Accepts connections until `on` returns false; a failed accept (out of descriptors, say) is
+/// logged and retried after a pause instead of spinning.
+pub(crate) async fn accept_loop(
+    listener: &TcpListener,
+    what: &str,
+    mut on: impl FnMut(TcpStream, SocketAddr) -> bool,
+) {
+    loop {
+        match listener.accept().await {
+            Ok((sock, from)) => {
+                if !on(sock, from) {
+                    return;
+                }
+            }
+            Err(e) => {
+                warn!(listener = what, error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// Accepts the peer's TLS connections (listening side).
+pub(crate) async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
+    accept_loop(&listener, "link", |tcp, addr| {
+        tokio::spawn(accept_link(peer.clone(), tcp, addr));
+        true
+    })
+    .await;
+}
+
+fn reject(peer: &Peer, addr: SocketAddr, why: &str, error: &dyn std::fmt::Display) {
+    add(&peer.counters.link.rejected, 1);
+    warn!(from = %addr, error = %error, "rejected link: {why}");
+}
+
+/// Authenticates one incoming connection and runs it as a link or attaches it as a lane.
+async fn accept_link(peer: Arc<Peer>, tcp: TcpStream, addr: SocketAddr) {
+    let acceptor = tokio_rustls::TlsAcceptor::from(peer.tls().server);
+    let cfg = peer.cfg();
+    // Congestion control stays the listener's (the lane's) until the hello shows the role.
+    sockopt::tune_link_options(&socket2::SockRef::from(&tcp), &cfg.link);
+    let hs = tokio::time::timeout(cfg.limits.handshake_timeout, acceptor.accept(wire(tcp))).await;
+    let mut tls = match hs {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => return reject(&peer, addr, "TLS handshake failed", &e),
+        Err(_) => return reject(&peer, addr, "TLS handshake timed out", &"timeout"),
+    };
+    record_peer_expiry(&peer, tls.get_ref().1.peer_certificates());
+    if let Err(e) = tls::check_peer_name(tls.get_ref().1.peer_certificates(), &cfg.link.peer) {
+        return reject(&peer, addr, "wrong peer", &e);
+    }
+    let (mut buf, first, n) = match read_first_frame(&mut tls, cfg.limits.handshake_timeout).await {
+        Ok(x) => x,
+        Err(e) => return reject(&peer, addr, "no valid hello", &e),
+    };
+    let attach = match &first {
+        Frame::Hello(h) => h.setting(wanopt_proto::frame::setting::ATTACH),
+        _ => None,
+    };
+    let sock = socket2::SockRef::from(tls.get_ref().0.get_ref());
+    let fd = tls.get_ref().0.get_ref().as_raw_fd();
+    match attach {
+        None => {
+            sockopt::tune_main_lane(&sock, &cfg.link);
+            sockopt::log_effective(&sock, &cfg.link);
+            let h = peer.new_link(fd);
+            // The hello stays in the buffer: the link reads it first.
+            driver::run_link(h, tls, addr, buf).await
+        }
+        Some(token) => {
+            let _ = buf.split_to(n);
+            sockopt::tune_lane_socket(&sock, &cfg.link);
+            accept_lane(peer, tls, fd, addr, token, buf).await;
+        }
+    }
+}
+
+/// Reads the first frame of a new connection (a hello) with a deadline; returns the buffer, which
+/// still holds the frame, and the frame's length.
+async fn read_first_frame<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    deadline: Duration,
+) -> Result<(BytesMut, Frame, usize), String> {
+    let mut buf = BytesMut::with_capacity(4096);
+    let end = tokio::time::Instant::now() + deadline;
+    loop {
+        match Frame::check(&buf, 4096) {
+            Ok(n) => {
+                let f = Frame::parse(bytes::Bytes::copy_from_slice(&buf[..n]))
+                    .map_err(|e| e.to_string())?;
+                return Ok((buf, f, n));
+            }
+            Err(FrameError::Incomplete) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+        match tokio::time::timeout_at(end, rd.read_buf(&mut buf)).await {
+            Err(_) => return Err("no hello in time".into()),
+            Ok(Ok(0)) => return Err("closed before its hello".into()),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(format!("read: {e}")),
+        }
+    }
+}
+
+/// Attaches an incoming second connection as the latency lane of the link whose token it presents.
+async fn accept_lane<S>(
+    peer: Arc<Peer>,
+    stream: S,
+    fd: std::os::fd::RawFd,
+    addr: SocketAddr,
+    token: u64,
+    buf: BytesMut,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    // The lane may arrive before this side has processed the main connection's hello.
+    let mut rx = peer.current.subscribe();
+    let attached = tokio::time::timeout(peer.cfg().limits.handshake_timeout, async {
+        loop {
+            let current = rx.borrow_and_update().clone();
+            if let Some(h) = current
+                && h.with(|l| l.attach_lane(token))
+            {
+                return Some(h);
+            }
+            if rx.changed().await.is_err() {
+                return None;
+            }
+        }
+    })
+    .await;
+    match attached {
+        Ok(Some(h)) => {
+            info!(link = h.id, from = %addr, "latency lane attached");
+            peer.counters.link.lanes.set(2);
+            let task = tokio::spawn(driver::run_lane(h.clone(), stream, fd, addr, buf));
+            *lock(&h.lane_task) = Some(task);
+        }
+        _ => {
+            add(&peer.counters.link.rejected, 1);
+            warn!(from = %addr, "rejected latency lane: no link with its token");
+        }
+    }
+}
+
+/// Opens the latency lane of a link (connecting side), once the supervisor saw it come up.
+pub(crate) async fn open_lane(peer: Arc<Peer>, h: Arc<LinkHandle>, token: u64, target: String) {
+    let cfg = peer.cfg();
+    let connector = tokio_rustls::TlsConnector::from(peer.tls().client);
+    let Ok(name) = tls::server_name(&cfg.link.peer) else {
+        return;
+    };
+    let (mut tls, addr) = match dial(&peer, &target, &connector, name, &cfg.link.lane_congestion)
+        .await
+    {
+        Ok(x) => x,
+        Err(e) => {
+            warn!(link = h.id, error = %e, "cannot open the latency lane; latency streams share the main connection");
+            return;
+        }
+    };
+    sockopt::tune_lane_socket(
+        &socket2::SockRef::from(tls.get_ref().0.get_ref()),
+        &cfg.link,
+    );
+    let mut hello = BytesMut::new();
+    h.with(|l| l.lane_hello(token)).encode(&mut hello);
+    if let Err(e) = tls.write_all(&hello).await {
+        warn!(link = h.id, error = %e, "cannot open the latency lane");
+        return;
+    }
+    if !h.with(|l| l.attach_lane(token)) {
+        return;
+    }
+    info!(link = h.id, addr = %addr, "latency lane attached");
+    peer.counters.link.lanes.set(2);
+    let fd = tls.get_ref().0.get_ref().as_raw_fd();
+    driver::run_lane(h, tls, fd, addr, BytesMut::new()).await;
+}
+
+fn record_peer_expiry(peer: &Peer, certs: Option<&[rustls::pki_types::CertificateDer<'_>]>) {
+    if let Some(t) = certs
+        .and_then(|c| c.first())
+        .and_then(|c| tls::not_after(c))
+    {
+        peer.counters.certs.set("peer", t);
+    }
+}
+
+/// Dials the peer (connecting side) and keeps a link up, with capped exponential backoff and jitter.
+pub(crate) async fn connect_loop(peer: Arc<Peer>) {
+    let LinkRole::Connect(target) = peer.cfg().link.role.clone() else {
+        return;
+    };
+    let name = match tls::server_name(&peer.cfg().link.peer) {
+        Ok(n) => n,
+        Err(e) => {
+            warn!(error = %e, "cannot dial the peer");
+            return;
+        }
+    };
+    let mut backoff = peer.cfg().link.reconnect_min;
+    let mut shutdown = peer.shutdown.clone();
+    loop {
+        if peer.stopping() {
+            return;
+        }
+        let started = Instant::now();
+        // Built per attempt, so certificates re-read by a reload are used from the next dial.
+        let connector = tokio_rustls::TlsConnector::from(peer.tls().client);
+        let cfg = peer.cfg();
+        match dial(
+            &peer,
+            &target,
+            &connector,
+            name.clone(),
+            &cfg.link.congestion,
+        )
+        .await
+        {
+            Ok((tls, addr)) => {
+                record_peer_expiry(&peer, tls.get_ref().1.peer_certificates());
+                let sock = socket2::SockRef::from(tls.get_ref().0.get_ref());
+                sockopt::log_effective(&sock, &cfg.link);
+                sockopt::tune_main_lane(&sock, &cfg.link);
+                let h = peer.new_link(tls.get_ref().0.get_ref().as_raw_fd());
+                driver::run_link(h, tls, addr, BytesMut::new()).await;
+                if started.elapsed() > Duration::from_secs(5) {
+                    backoff = cfg.link.reconnect_min;
+                }
+            }
+            Err(e) => {
+                warn!(peer = %target, error = %e, retry_in_ms = backoff.as_millis() as u64, "cannot reach the peer")
+            }
+        }
+        let jitter = rand::rng().random_range(0.5..1.5);
+        let wait = backoff.mul_f64(jitter);
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown.wait_for(|s| *s) => return,
+        }
+        backoff = (backoff * 2).min(peer.cfg().link.reconnect_max);
+    }
+}
+
+async fn dial(
+    peer: &Peer,
+    target: &str,
+    connector: &tokio_rustls::TlsConnector,
+    name: rustls::pki_types::ServerName<'static>,
+    cc: &str,
+) -> Result<(tokio_rustls::client::TlsStream<Wire>, SocketAddr), String> {
+    let cfg = peer.cfg();
+    let limits = &cfg.limits;
+    let addr = tokio::net::lookup_host(target)
+        .await
+        .map_err(|e| format!("resolve {target}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("resolve {target}: no address"))?;
+    let tcp = tokio::time::timeout(
+        limits.connect_timeout,
+        sockopt::link_connect(addr, &cfg.link, cc),
+    )
+    .await
+    .map_err(|_| format!("connect {addr}: timed out"))?
+    .map_err(|e| format!("connect {addr}: {e}"))?;
+    let tls = tokio::time::timeout(limits.handshake_timeout, connector.connect(name, wire(tcp)))
+        .await
+        .map_err(|_| format!("TLS handshake with {addr}: timed out"))?
+        .map_err(|e| format!("TLS handshake with {addr}: {e}"))?;
+    Ok((tls, addr))
+}

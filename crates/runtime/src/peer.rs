@@ -1,0 +1,157 @@
+//! Everything about one peer: the config and TLS material in force (a reload swaps them), its
+//! counters, its caches' directory, and the current link, which the peer's supervisor publishes
+//! for the service tasks to open streams on. A daemon with several peers holds several.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, RwLock};
+
+use tokio::sync::{mpsc, watch};
+use wanopt_proto::{Link, LinkConfig};
+
+use crate::cachedir::CacheDir;
+use crate::config::{Config, LinkRole, ServiceKind};
+use crate::counters::Counters;
+use crate::driver::{LinkCtx, LinkHandle, LinkMsg};
+use crate::policy;
+use crate::tls::TlsMaterial;
+
+pub(crate) struct Peer {
+    /// The config in force; a reload swaps it (services only) for new streams and clients.
+    cfg: RwLock<Arc<Config>>,
+    /// Certificates and keys; a reload re-reads them for the next connections.
+    tls: RwLock<TlsMaterial>,
+    pub counters: Arc<Counters>,
+    /// The link streams are opened on; only the supervisor changes it.
+    pub current: watch::Sender<Option<Arc<LinkHandle>>>,
+    pub shutdown: watch::Receiver<bool>,
+    next_link_id: AtomicU64,
+    /// The chunk caches' disk tier and saved states, when configured.
+    pub caches: Option<Arc<CacheDir>>,
+    /// Where each link reports to the supervisor.
+    supervisor: mpsc::UnboundedSender<LinkMsg>,
+}
+
+impl Peer {
+    pub fn new(
+        cfg: Arc<Config>,
+        tls: TlsMaterial,
+        counters: Arc<Counters>,
+        caches: Option<Arc<CacheDir>>,
+        shutdown: watch::Receiver<bool>,
+        supervisor: mpsc::UnboundedSender<LinkMsg>,
+    ) -> Self {
+        Peer {
+            cfg: RwLock::new(cfg),
+            tls: RwLock::new(tls),
+            counters,
+            current: watch::channel(None).0,
+            shutdown,
+            next_link_id: 1.into(),
+            caches,
+            supervisor,
+        }
+    }
+
+    pub fn cfg(&self) -> Arc<Config> {
+        self.cfg.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn set_cfg(&self, cfg: Arc<Config>) {
+        *self.cfg.write().unwrap_or_else(|p| p.into_inner()) = cfg;
+    }
+
+    pub fn tls(&self) -> TlsMaterial {
+        self.tls.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn set_tls(&self, m: TlsMaterial) {
+        *self.tls.write().unwrap_or_else(|p| p.into_inner()) = m;
+    }
+
+    /// The target address of one of our `target` services, in the config in force.
+    pub fn target(&self, service: &str) -> Option<String> {
+        self.cfg().services.iter().find_map(|s| match &s.kind {
+            ServiceKind::Target { addr } if s.name == service => Some(addr.clone()),
+            _ => None,
+        })
+    }
+
+    /// A new link on a connection whose main socket is `fd`, set up from the config in force.
+    pub fn new_link(&self, fd: std::os::fd::RawFd) -> Arc<LinkHandle> {
+        let cfg = self.cfg();
+        let mut link = Link::new(link_config(&cfg, self.caches.as_ref()));
+        link.set_services(targets(&cfg));
+        link.set_policies(policies(&cfg));
+        let ctx = LinkCtx {
+            counters: self.counters.clone(),
+            caches: self.caches.clone(),
+            supervisor: self.supervisor.clone(),
+            peer: cfg.link.peer.clone(),
+            handshake_timeout: cfg.limits.handshake_timeout,
+            link_bound: policy::link_bound(&cfg.link),
+        };
+        let id = self.next_link_id.fetch_add(1, Relaxed);
+        Arc::new(LinkHandle::new(link, fd, ctx, id))
+    }
+
+    /// What a reload applies to the current link: the services the peer may open and each
+    /// service's optimization policy.
+    pub fn apply_services(&self, cfg: &Config) {
+        if let Some(h) = self.current.borrow().clone() {
+            h.with(|l| {
+                l.set_services(targets(cfg));
+                l.set_policies(policies(cfg));
+            });
+        }
+    }
+
+    /// True once shutdown began.
+    pub fn stopping(&self) -> bool {
+        *self.shutdown.borrow()
+    }
+}
+
+/// The services the peer may open streams to: our `target` ones.
+fn targets(cfg: &Config) -> Vec<String> {
+    cfg.services
+        .iter()
+        .filter(|s| matches!(s.kind, ServiceKind::Target { .. }))
+        .map(|s| s.name.clone())
+        .collect()
+}
+
+/// Each service's optimization policy, for the link's outgoing streams.
+fn policies(cfg: &Config) -> Vec<(String, wanopt_proto::StreamPolicy)> {
+    cfg.services
+        .iter()
+        .map(|s| (s.name.clone(), s.policy))
+        .collect()
+}
+
+fn link_config(cfg: &Config, caches: Option<&Arc<CacheDir>>) -> LinkConfig {
+    let mut c = LinkConfig::new(
+        &cfg.site,
+        &cfg.link.peer,
+        matches!(cfg.link.role, LinkRole::Connect(_)),
+    );
+    c.stream_window = cfg.limits.stream_window;
+    c.link_window = cfg.limits.link_window;
+    c.max_streams = cfg.limits.max_streams;
+    c.send_buffer = cfg.limits.stream_buffer;
+    c.keepalive = cfg.link.keepalive;
+    c.idle_timeout = cfg.limits.idle_timeout;
+    c.latency_lane = cfg.link.latency_lane;
+    c.token = rand::random();
+    if cfg.optimize.enabled {
+        c.codec = Some(cfg.optimize.codec.clone());
+        if let (Some(d), Some(dir)) = (&cfg.optimize.disk, caches) {
+            c.cache_storage = Some(dir.clone());
+            c.checkpoint_interval = d.checkpoint;
+        }
+        // Frames must hold the largest chunk (four times the average) and its record.
+        c.max_frame = c
+            .max_frame
+            .max(u32::try_from(cfg.optimize.codec.avg_chunk * 4 + 4096).unwrap_or(u32::MAX));
+    }
+    c
+}

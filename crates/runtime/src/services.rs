@@ -1,0 +1,227 @@
+//! The services: local clients of a `listen` service get a stream each, a stream the peer opened
+//! is connected to our target for its service, and one task per stream pumps both directions
+//! between the local socket and the link until both ends finish. Any failure resets the local
+//! socket, so the application sees an error, never a silently truncated stream.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tracing::{debug, info, warn};
+use wanopt_proto::{ReadOutcome, ResetCode, StreamId};
+
+use crate::config::ServiceKind;
+use crate::counters::{ServiceCounters, add};
+use crate::driver::{LinkHandle, READ_CHUNK, StreamSignal, lock};
+use crate::establish::accept_loop;
+use crate::peer::Peer;
+use crate::sockopt;
+
+/// Accepts local clients of a `listen` service and opens a stream for each.
+/// Each client is judged by the service's settings in the config in force when it connects, so a
+/// reload that changes the class or the allow list applies to new clients at once.
+pub(crate) async fn accept_clients(peer: Arc<Peer>, name: String, listener: TcpListener) {
+    let counters = peer.counters.service(&name);
+    accept_loop(&listener, &name.clone(), |sock, from| {
+        let Some(svc) = peer.cfg().services.iter().find(|s| s.name == name).cloned() else {
+            sockopt::abort(&sock);
+            return false;
+        };
+        let ServiceKind::Listen { allow, .. } = &svc.kind else {
+            sockopt::abort(&sock);
+            return false;
+        };
+        if !allow.is_empty() && !allow.iter().any(|n| n.contains(&from.ip())) {
+            add(&counters.streams_refused, 1);
+            warn!(service = %svc.name, from = %from, "refused client outside the allow list");
+            sockopt::abort(&sock);
+            return true;
+        }
+        sockopt::tune_local(&sock);
+        let peer = peer.clone();
+        let counters = counters.clone();
+        tokio::spawn(async move {
+            let mut rx = peer.current.subscribe();
+            let h = match tokio::time::timeout(
+                peer.cfg().limits.link_wait,
+                rx.wait_for(Option::is_some),
+            )
+            .await
+            {
+                Ok(Ok(v)) => v.clone(),
+                _ => None,
+            };
+            let Some(h) = h else {
+                add(&counters.streams_refused, 1);
+                warn!(service = %svc.name, from = %from, "refused client: no link to the peer");
+                sockopt::abort(&sock);
+                return;
+            };
+            match h.open(&svc.name, svc.class) {
+                Ok((id, sig)) => {
+                    add(&counters.streams_opened, 1);
+                    debug!(link = h.id, service = %svc.name, stream = %id, from = %from, "stream opened");
+                    pump(h, id, sig, sock, counters, &svc.name).await;
+                }
+                Err(e) => {
+                    add(&counters.streams_refused, 1);
+                    warn!(service = %svc.name, from = %from, error = %e, "refused client");
+                    sockopt::abort(&sock);
+                }
+            }
+        });
+        true
+    })
+    .await;
+}
+
+/// Connects a stream the peer opened to `target`, our address for its service.
+pub(crate) async fn serve_incoming(
+    h: Arc<LinkHandle>,
+    id: StreamId,
+    service: Arc<str>,
+    target: String,
+    counters: Arc<ServiceCounters>,
+    connect_timeout: Duration,
+) {
+    let Some(sig) = h.signal(id) else { return };
+    let conn = tokio::time::timeout(connect_timeout, TcpStream::connect(&target)).await;
+    let sock = match conn {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            counters.failed("target_refused");
+            let why = format!("connect {target}: {e}");
+            warn!(link = h.id, service = %service, stream = %id, error = %why, "target refused");
+            h.reset(id, ResetCode::TargetRefused, &why);
+            h.forget(id);
+            return;
+        }
+        Err(_) => {
+            counters.failed("target_timeout");
+            let why = format!("connect {target}: timed out");
+            warn!(link = h.id, service = %service, stream = %id, error = %why, "target unreachable");
+            h.reset(id, ResetCode::TargetRefused, &why);
+            h.forget(id);
+            return;
+        }
+    };
+    sockopt::tune_local(&sock);
+    add(&counters.streams_opened, 1);
+    debug!(link = h.id, service = %service, stream = %id, target = %target, "stream connected");
+    pump(h, id, sig, sock, counters, &service).await;
+}
+
+/// Moves bytes both ways between a local socket and a stream until both directions finish.
+/// Any failure closes the socket with a reset, so the application sees an error, never a
+/// silently truncated stream.
+async fn pump(
+    h: Arc<LinkHandle>,
+    id: StreamId,
+    sig: Arc<StreamSignal>,
+    mut sock: TcpStream,
+    c: Arc<ServiceCounters>,
+    service: &str,
+) {
+    c.streams_active.inc();
+    let result = {
+        let (mut rd, mut wr) = sock.split();
+        let up = async {
+            let mut buf = BytesMut::new();
+            loop {
+                buf.reserve(READ_CHUNK);
+                let n = tokio::select! {
+                    r = rd.read_buf(&mut buf) => r.map_err(|e| format!("local read: {e}"))?,
+                    _ = sig.gone.notified() => return Err(sig.reason()),
+                };
+                if n == 0 {
+                    h.with(|l| l.finish(id)).map_err(|_| sig.reason())?;
+                    h.kick();
+                    return Ok::<(), String>(());
+                }
+                add(&c.raw_out, n as u64);
+                // A read that did not fill the room offered drained the socket: the client paused,
+                // so an optimized stream must not hold its last bytes back for a chunk boundary.
+                let drained = buf.len() < buf.capacity();
+                // Hand the bytes over without copying; the buffer's spare room is kept for reads.
+                // The flush of a drained read goes with its last bytes: one lock, one wakeup.
+                let mut chunk = buf.split().freeze();
+                while !chunk.is_empty() {
+                    let (k, wants) = {
+                        let mut g = lock(&h.inner);
+                        let k = g.link.write_bytes(id, &mut chunk);
+                        if drained && chunk.is_empty() {
+                            g.link.flush(id);
+                        }
+                        h.dispatch(&mut g);
+                        (k.map_err(|_| sig.reason())?, h.wants(&g))
+                    };
+                    if k == 0 {
+                        tokio::select! {
+                            _ = sig.writable.notified() => {}
+                            _ = sig.gone.notified() => return Err(sig.reason()),
+                        }
+                    } else {
+                        h.wake(wants);
+                    }
+                }
+            }
+        };
+        let down = async {
+            loop {
+                let r = {
+                    let mut g = lock(&h.inner);
+                    let r = g.link.read(id);
+                    let credit = g.link.wants_transmit();
+                    (r, credit)
+                };
+                match r {
+                    (Ok(ReadOutcome::Data(b)), credit) => {
+                        if credit {
+                            h.kick();
+                        }
+                        wr.write_all(&b)
+                            .await
+                            .map_err(|e| format!("local write: {e}"))?;
+                        add(&c.raw_in, b.len() as u64);
+                    }
+                    (Ok(ReadOutcome::Blocked), _) => sig.readable.notified().await,
+                    (Ok(ReadOutcome::Fin), _) => {
+                        wr.shutdown()
+                            .await
+                            .map_err(|e| format!("local shutdown: {e}"))?;
+                        return Ok::<(), String>(());
+                    }
+                    (Err(_), _) => return Err(sig.reason()),
+                }
+            }
+        };
+        tokio::try_join!(up, down)
+    };
+    let result = match result {
+        // Both ways finished: wait until the link has sent our end too, so a link that dies
+        // before then still fails the client.
+        Ok(_) => loop {
+            if !h.with(|l| l.contains(id)) {
+                break match lock(&sig.reset).clone() {
+                    Some(r) => Err(r),
+                    None => Ok(()),
+                };
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(200), sig.gone.notified()).await;
+        },
+        Err(e) => Err(e),
+    };
+    c.streams_active.dec();
+    match result {
+        Ok(()) => debug!(link = h.id, service, stream = %id, "stream closed"),
+        Err(why) => {
+            c.failed("stream_error");
+            info!(link = h.id, service, stream = %id, reason = %why, "stream failed");
+            sockopt::abort(&sock);
+            h.reset(id, ResetCode::SocketError, &why);
+        }
+    }
+    h.forget(id);
+}

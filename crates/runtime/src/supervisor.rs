@@ -1,0 +1,88 @@
+//! The per-peer supervisor: the one place that decides about links. It hears from the link
+//! tasks ([`LinkMsg`]) and publishes the current link: the newest link that came up wins and the
+//! older one is closed as replaced; the connecting side then opens the latency lane. A stream the
+//! peer opened is connected to our target for its service, looked up once, here.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+use tracing::info;
+use wanopt_proto::{CloseCode, ResetCode};
+
+use crate::config::LinkRole;
+use crate::counters::add;
+use crate::driver::{LinkHandle, LinkMsg, lock};
+use crate::peer::Peer;
+use crate::{establish, services};
+
+/// Runs until every link task and the daemon dropped their senders.
+pub(crate) async fn run(peer: Arc<Peer>, mut rx: mpsc::UnboundedReceiver<LinkMsg>) {
+    while let Some(m) = rx.recv().await {
+        match m {
+            LinkMsg::Up(h, addr) => up(&peer, h, addr),
+            LinkMsg::Opened {
+                link,
+                stream,
+                service,
+            } => match peer.target(&service) {
+                Some(target) => {
+                    let counters = peer.counters.service(&service);
+                    let timeout = peer.cfg().limits.connect_timeout;
+                    tokio::spawn(services::serve_incoming(
+                        link, stream, service, target, counters, timeout,
+                    ));
+                }
+                None => {
+                    // The service was removed by a reload after the link accepted the open.
+                    link.reset(stream, ResetCode::UnknownService, "service removed");
+                    link.forget(stream);
+                }
+            },
+            LinkMsg::Down(h) => down(&peer, &h),
+        }
+    }
+}
+
+fn up(peer: &Arc<Peer>, h: Arc<LinkHandle>, addr: SocketAddr) {
+    let cfg = peer.cfg();
+    add(&peer.counters.link.connects, 1);
+    peer.counters.link.up.set(1);
+    peer.counters.link.lanes.set(1);
+    crate::notify::status(&format!("link up to {} ({addr})", cfg.link.peer));
+    info!(link = h.id, peer = %cfg.link.peer, addr = %addr, "link up");
+    if let Some(old) = peer.current.send_replace(Some(h.clone())) {
+        info!(
+            link = old.id,
+            "closing the older link: a newer one replaced it"
+        );
+        old.with(|l| l.close(CloseCode::Replaced, "a newer link replaced this one"));
+        old.kick();
+    }
+    if let (Some(token), LinkRole::Connect(target)) = (h.with(|l| l.lane_offer()), &cfg.link.role) {
+        let task = tokio::spawn(establish::open_lane(
+            peer.clone(),
+            h.clone(),
+            token,
+            target.clone(),
+        ));
+        *lock(&h.lane_task) = Some(task);
+    }
+}
+
+fn down(peer: &Peer, h: &Arc<LinkHandle>) {
+    peer.current.send_if_modified(|c| {
+        if c.as_ref().is_some_and(|x| Arc::ptr_eq(x, h)) {
+            *c = None;
+            peer.counters.link.up.set(0);
+            peer.counters.link.lanes.set(0);
+            crate::notify::status(&format!(
+                "link to {} down; reconnecting",
+                peer.cfg().link.peer
+            ));
+            true
+        } else {
+            false
+        }
+    });
+}
