@@ -127,6 +127,39 @@ pub enum Compression {
     Adaptive,
 }
 
+impl Compression {
+    /// The config word for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Compression::None => "none",
+            Compression::Lz4 => "lz4",
+            Compression::Zstd => "zstd",
+            Compression::Adaptive => "adaptive",
+        }
+    }
+}
+
+impl std::fmt::Display for Compression {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Compression {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        [
+            Compression::None,
+            Compression::Lz4,
+            Compression::Zstd,
+            Compression::Adaptive,
+        ]
+        .into_iter()
+        .find(|c| c.name() == s)
+        .ok_or_else(|| format!("{s:?} is not none, lz4, zstd or adaptive"))
+    }
+}
+
 /// What currently limits throughput, as the runtime sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pressure {

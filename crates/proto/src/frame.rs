@@ -57,6 +57,26 @@ impl Class {
     }
 }
 
+impl std::fmt::Display for Class {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Class::Latency => "latency",
+            Class::Bulk => "bulk",
+        })
+    }
+}
+
+impl std::str::FromStr for Class {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "latency" => Ok(Class::Latency),
+            "bulk" => Ok(Class::Bulk),
+            _ => Err(format!("{s:?} is not latency or bulk")),
+        }
+    }
+}
+
 /// Why a stream was reset; carried on the wire as a u16.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ResetCode {

@@ -138,7 +138,7 @@ struct RawLog {
     level: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawLimits {
     max_streams: Option<u32>,
@@ -328,6 +328,40 @@ pub fn valid_name(s: &str) -> bool {
         && !s.ends_with('-')
 }
 
+/// The value a field takes when the config leaves it out (bandwidth-derived ones are in
+/// [`policy`](crate::policy) and the `limits` windows in [`parse_limits`]).
+pub mod defaults {
+    use std::time::Duration;
+
+    pub const BANDWIDTH_BPS: u64 = 45_000_000;
+    pub const RTT: Duration = Duration::from_millis(100);
+    pub const CONGESTION: &str = "bbr";
+    pub const LANE_CONGESTION: &str = "cubic";
+    pub const NOTSENT_LOWAT: u32 = 128 * 1024;
+    pub const KEEPALIVE: Duration = Duration::from_secs(5);
+    pub const USER_TIMEOUT: Duration = Duration::from_secs(30);
+    pub const RECONNECT_MIN: Duration = Duration::from_millis(200);
+    pub const RECONNECT_MAX: Duration = Duration::from_secs(10);
+    pub const MEMORY: u64 = 256 << 20;
+    pub const SERVICE_MEMORY: u64 = 64 << 20;
+    pub const CHUNK: u64 = 8 * 1024;
+    pub const CHECKPOINT: Duration = Duration::from_secs(60);
+    pub const MAX_STREAMS: u32 = 4096;
+    pub const STREAM_BUFFER: u64 = 256 * 1024;
+    pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+    pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+    pub const LINK_WAIT: Duration = Duration::from_secs(10);
+    pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+    pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+    pub const THREADS: usize = 1;
+    pub const STATE_DIR: &str = "/var/lib/wanoptd";
+    pub const LOG_LEVEL: &str = "info";
+}
+
+/// Log levels `log.level` accepts.
+const LOG_LEVELS: [&str; 5] = ["error", "warn", "info", "debug", "trace"];
+
+/// Parsing context: the file, for relative paths and error messages.
 struct Ctx<'a> {
     path: &'a Path,
 }
@@ -352,6 +386,29 @@ impl Ctx<'_> {
             Some(s) => f(s).map_err(|m| self.err(field, m)),
         }
     }
+    /// A duration within `lo..=hi`.
+    fn dur(
+        &self,
+        field: &str,
+        v: &Option<String>,
+        default: Duration,
+        lo: Duration,
+        hi: Duration,
+    ) -> Result<Duration, ConfigError> {
+        self.opt(field, v, default, |s| {
+            let x = parse_duration(s)?;
+            if x < lo || x > hi {
+                return Err(format!("must be between {lo:?} and {hi:?}"));
+            }
+            Ok(x)
+        })
+    }
+    fn toggle(&self, field: &str, v: &Option<Toggle>, default: bool) -> Result<bool, ConfigError> {
+        match v {
+            None => Ok(default),
+            Some(t) => parse_toggle(t).map_err(|m| self.err(field, m)),
+        }
+    }
     fn resolve(&self, p: &str) -> PathBuf {
         let p = Path::new(p);
         if p.is_absolute() {
@@ -367,24 +424,26 @@ fn parse_sockaddr(s: &str) -> Result<SocketAddr, String> {
         .map_err(|_| format!("{s:?} is not an IP:port address (for IPv6: [::1]:7400)"))
 }
 
-fn parse_buffer(s: &str) -> Result<BufferSize, String> {
-    if s.eq_ignore_ascii_case("auto") {
-        return Ok(BufferSize::Auto);
+impl std::str::FromStr for BufferSize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.eq_ignore_ascii_case("auto") {
+            return Ok(BufferSize::Auto);
+        }
+        let n = parse_size(s)?;
+        if !(4096..=(1u64 << 31)).contains(&n) {
+            return Err(format!("{s:?}: must be auto or between 4KiB and 2GiB"));
+        }
+        Ok(BufferSize::Bytes(n as usize))
     }
-    let n = parse_size(s)?;
-    if !(4096..=(1u64 << 31)).contains(&n) {
-        return Err(format!("{s:?}: must be auto or between 4KiB and 2GiB"));
-    }
-    Ok(BufferSize::Bytes(n as usize))
 }
 
-fn parse_compression(s: &str) -> Result<Compression, String> {
-    match s {
-        "none" => Ok(Compression::None),
-        "lz4" => Ok(Compression::Lz4),
-        "zstd" => Ok(Compression::Zstd),
-        "adaptive" => Ok(Compression::Adaptive),
-        _ => Err(format!("{s:?} is not none, lz4, zstd or adaptive")),
+impl std::fmt::Display for BufferSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BufferSize::Auto => f.write_str("auto"),
+            BufferSize::Bytes(n) => write!(f, "{n}"),
+        }
     }
 }
 
@@ -397,12 +456,28 @@ fn parse_toggle(t: &Toggle) -> Result<bool, String> {
     }
 }
 
-fn parse_scope(s: &str) -> Result<Scope, String> {
-    match s {
-        "link" => Ok(Scope::Link),
-        "service" => Ok(Scope::Service),
-        _ => Err(format!("{s:?} is not link or service")),
+/// A YAML double-quoted string (addresses such as `[::1]:7400` would otherwise read as lists).
+fn quoted(v: impl std::fmt::Display) -> String {
+    let v = v.to_string();
+    format!("\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\""))
+}
+
+/// A path for a comment line.
+fn one_line(p: &Path) -> String {
+    p.display().to_string().replace(['\n', '\r'], " ")
+}
+
+/// A duration in the largest unit that states it exactly (the config's units go down to µs).
+fn dur(d: Duration) -> String {
+    if d.subsec_nanos().is_multiple_of(1_000_000) {
+        format!("{}ms", d.as_millis())
+    } else {
+        format!("{}us", d.as_micros())
     }
+}
+
+fn on_off(b: bool) -> &'static str {
+    if b { "on" } else { "off" }
 }
 
 fn parse_host_port(s: &str) -> Result<String, String> {
@@ -423,6 +498,480 @@ fn in_range<T: PartialOrd + std::fmt::Display + Copy>(v: T, lo: T, hi: T) -> Res
     } else {
         Ok(v)
     }
+}
+
+fn congestion_name(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > 15 || !s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+        Err(format!(
+            "{s:?} is not a congestion control name (bbr, cubic, reno)"
+        ))
+    } else {
+        Ok(s.to_string())
+    }
+}
+
+fn parse_link(cx: &Ctx<'_>, l: &RawLink, site: &str) -> Result<LinkSettings, ConfigError> {
+    let role = match (&l.listen, &l.connect) {
+        (Some(a), None) => {
+            LinkRole::Listen(parse_sockaddr(a).map_err(|m| cx.err("link.listen", m))?)
+        }
+        (None, Some(c)) => {
+            LinkRole::Connect(parse_host_port(c).map_err(|m| cx.err("link.connect", m))?)
+        }
+        _ => return Err(cx.err("link", "set exactly one of listen or connect")),
+    };
+    if !valid_name(&l.peer) {
+        return Err(cx.err(
+            "link.peer",
+            format!("{:?} must be a lowercase DNS label", l.peer),
+        ));
+    }
+    if l.peer == site {
+        return Err(cx.err("link.peer", "the peer must be another site than this one"));
+    }
+    let bandwidth_bps = cx.opt(
+        "link.bandwidth",
+        &l.bandwidth,
+        defaults::BANDWIDTH_BPS,
+        |s| in_range(parse_rate(s)?, 64_000, 400_000_000_000),
+    )?;
+    let rtt = cx.opt("link.rtt", &l.rtt, defaults::RTT, |s| {
+        let d = parse_duration(s)?;
+        if d > Duration::from_secs(10) {
+            return Err("must be at most 10s".into());
+        }
+        Ok(d)
+    })?;
+    let secs = Duration::from_secs;
+    let ms = Duration::from_millis;
+    let reconnect_min = cx.dur(
+        "link.reconnect_min",
+        &l.reconnect_min,
+        defaults::RECONNECT_MIN,
+        ms(10),
+        secs(60),
+    )?;
+    let reconnect_max = cx.dur(
+        "link.reconnect_max",
+        &l.reconnect_max,
+        defaults::RECONNECT_MAX,
+        ms(10),
+        secs(600),
+    )?;
+    if reconnect_max < reconnect_min {
+        return Err(cx.err("link.reconnect_max", "must not be below link.reconnect_min"));
+    }
+    Ok(LinkSettings {
+        role,
+        peer: l.peer.clone(),
+        bandwidth_bps,
+        bandwidth_stated: l.bandwidth.is_some(),
+        rtt,
+        congestion: cx.opt(
+            "link.congestion",
+            &l.congestion,
+            defaults::CONGESTION.to_string(),
+            congestion_name,
+        )?,
+        send_buffer: cx.opt(
+            "link.send_buffer",
+            &l.send_buffer,
+            BufferSize::Auto,
+            str::parse,
+        )?,
+        recv_buffer: cx.opt(
+            "link.recv_buffer",
+            &l.recv_buffer,
+            BufferSize::Auto,
+            str::parse,
+        )?,
+        notsent_lowat: cx.opt(
+            "link.notsent_lowat",
+            &l.notsent_lowat,
+            defaults::NOTSENT_LOWAT,
+            |s| Ok(in_range(parse_size(s)?, 4096, 64 << 20)? as u32),
+        )?,
+        keepalive: cx.dur(
+            "link.keepalive",
+            &l.keepalive,
+            defaults::KEEPALIVE,
+            ms(100),
+            secs(3600),
+        )?,
+        user_timeout: cx.dur(
+            "link.user_timeout",
+            &l.user_timeout,
+            defaults::USER_TIMEOUT,
+            secs(1),
+            secs(3600),
+        )?,
+        reconnect_min,
+        reconnect_max,
+        latency_lane: l.latency_lane.unwrap_or(true),
+        lane_congestion: cx.opt(
+            "link.lane_congestion",
+            &l.lane_congestion,
+            defaults::LANE_CONGESTION.to_string(),
+            congestion_name,
+        )?,
+        max_rate_bps: match l.max_rate.as_deref() {
+            // Pace only when the operator stated the WAN rate: a default must not cap anyone.
+            None | Some("auto") => l.bandwidth.as_ref().map(|_| bandwidth_bps / 100 * 95),
+            Some("off") => None,
+            Some(r) => Some(
+                parse_rate(r)
+                    .and_then(|v| in_range(v, 64_000, 400_000_000_000))
+                    .map_err(|m| cx.err("link.max_rate", format!("{m} (or auto, off)")))?,
+            ),
+        },
+    })
+}
+
+fn parse_tls(cx: &Ctx<'_>, t: &RawTls) -> TlsPaths {
+    TlsPaths {
+        ca: cx.resolve(&t.ca),
+        cert: cx.resolve(&t.cert),
+        key: cx.resolve(&t.key),
+    }
+}
+
+fn parse_optimize(
+    cx: &Ctx<'_>,
+    ro: Option<&RawOptimize>,
+    link: &LinkSettings,
+) -> Result<Optimize, ConfigError> {
+    let empty = RawOptimize::default();
+    let o = ro.unwrap_or(&empty);
+    let memory = cx.opt("optimize.memory", &o.memory, defaults::MEMORY, |s| {
+        in_range(parse_size(s)?, 0, 64 << 30)
+    })?;
+    let service_memory = cx.opt(
+        "optimize.service_memory",
+        &o.service_memory,
+        defaults::SERVICE_MEMORY,
+        |s| in_range(parse_size(s)?, 0, 64 << 30),
+    )?;
+    let avg_chunk = cx.opt("optimize.chunk", &o.chunk, defaults::CHUNK, |s| {
+        let n = parse_size(s)?;
+        let r = wanopt_codec::AVG_CHUNK_RANGE;
+        in_range(n, *r.start() as u64, *r.end() as u64)
+    })? as usize;
+    let zstd_level = match o.zstd_level {
+        None => crate::policy::default_zstd_level(link),
+        Some(l) => in_range(l, 1, 19).map_err(|m| cx.err("optimize.zstd_level", m))?,
+    };
+    let default = StreamPolicy {
+        compression: cx.opt(
+            "optimize.compression",
+            &o.compression,
+            Compression::Adaptive,
+            str::parse,
+        )?,
+        dedup: cx.toggle("optimize.dedup", &o.dedup, true)?,
+        scope: cx.opt(
+            "optimize.dedup_scope",
+            &o.dedup_scope,
+            Scope::Link,
+            str::parse,
+        )?,
+    };
+    let (disk_bytes, service_disk_bytes, disk) =
+        parse_disk(cx, o.disk.as_ref(), memory, service_memory)?;
+    Ok(Optimize {
+        enabled: o.enabled.unwrap_or(true),
+        codec: CodecSettings {
+            cache_bytes: memory,
+            service_cache_bytes: service_memory,
+            disk_bytes,
+            service_disk_bytes,
+            avg_chunk,
+            zstd_level,
+        },
+        default,
+        disk,
+    })
+}
+
+/// `optimize.disk`: the byte limits of the shared and per-service disk tiers, and the tier's
+/// settings when either is on.
+fn parse_disk(
+    cx: &Ctx<'_>,
+    rd: Option<&RawDisk>,
+    memory: u64,
+    service_memory: u64,
+) -> Result<(u64, u64, Option<DiskTier>), ConfigError> {
+    let empty = RawDisk::default();
+    let d = rd.unwrap_or(&empty);
+    let disk_size = |s: &str| {
+        let n = parse_size(s)?;
+        if n != 0 && n < 16 << 20 {
+            return Err("must be 0 (no disk tier) or at least 16MiB".to_string());
+        }
+        in_range(n, 0, 1 << 46)
+    };
+    let disk_bytes = cx.opt("optimize.disk.bytes", &d.bytes, 0, disk_size)?;
+    let service_disk_bytes = cx.opt(
+        "optimize.disk.service_bytes",
+        &d.service_bytes,
+        if disk_bytes > 0 {
+            (disk_bytes / 8).max(2 * service_memory).max(16 << 20)
+        } else {
+            0
+        },
+        disk_size,
+    )?;
+    // The disk tier holds everything memory does, and three quarters of its files are chunks.
+    for (field, disk, mem, mem_field) in [
+        ("optimize.disk.bytes", disk_bytes, memory, "optimize.memory"),
+        (
+            "optimize.disk.service_bytes",
+            service_disk_bytes,
+            service_memory,
+            "optimize.service_memory",
+        ),
+    ] {
+        let cap = wanopt_codec::cache::disk_capacity(disk);
+        if disk != 0 && cap < mem {
+            return Err(cx.err(
+                field,
+                format!(
+                    "{disk} bytes of files hold {cap} bytes of chunks, less than \
+                     {mem_field} ({mem}): make it at least 4/3 of that"
+                ),
+            ));
+        }
+    }
+    if disk_bytes == 0 && service_disk_bytes == 0 {
+        if let Some(k) = &d.key_file {
+            return Err(cx.err(
+                "optimize.disk.key_file",
+                format!("{k:?} is set but the disk tier is off (optimize.disk.bytes: 0)"),
+            ));
+        }
+        return Ok((0, 0, None));
+    }
+    let key_file = d.key_file.as_deref().map(|p| cx.resolve(p));
+    let key = match &key_file {
+        Some(p) => Some(read_key(p).map_err(|m| cx.err("optimize.disk.key_file", m))?),
+        None => None,
+    };
+    let checkpoint = cx.dur(
+        "optimize.disk.checkpoint",
+        &d.checkpoint,
+        defaults::CHECKPOINT,
+        Duration::from_millis(100),
+        Duration::from_secs(86_400),
+    )?;
+    Ok((
+        disk_bytes,
+        service_disk_bytes,
+        Some(DiskTier {
+            checkpoint,
+            key,
+            key_file,
+        }),
+    ))
+}
+
+fn parse_services(
+    cx: &Ctx<'_>,
+    raw: &[RawService],
+    default: StreamPolicy,
+) -> Result<Vec<Service>, ConfigError> {
+    let mut services = Vec::new();
+    let mut names = HashSet::new();
+    for (i, s) in raw.iter().enumerate() {
+        let svc = parse_service(cx, i, s, default)?;
+        if !names.insert(svc.name.clone()) {
+            return Err(cx.err(
+                format!("services[{i}].name"),
+                format!("service {:?} is defined twice", s.name),
+            ));
+        }
+        services.push(svc);
+    }
+    Ok(services)
+}
+
+fn parse_service(
+    cx: &Ctx<'_>,
+    i: usize,
+    s: &RawService,
+    default: StreamPolicy,
+) -> Result<Service, ConfigError> {
+    let field = |f: &str| format!("services[{i}].{f}");
+    if !valid_name(&s.name) {
+        return Err(cx.err(
+            field("name"),
+            format!("{:?} must be a lowercase DNS label", s.name),
+        ));
+    }
+    let class = cx.opt(&field("class"), &s.class, Class::Bulk, str::parse)?;
+    let kind = match (&s.listen, &s.target) {
+        (Some(a), None) => {
+            let addr = parse_sockaddr(a).map_err(|m| cx.err(field("listen"), m))?;
+            let mut allow = Vec::new();
+            for (j, c) in s.allow.iter().flatten().enumerate() {
+                let net = c
+                    .parse::<IpNet>()
+                    .or_else(|_| c.parse::<IpAddr>().map(IpNet::from))
+                    .map_err(|_| {
+                        cx.err(
+                            format!("services[{i}].allow[{j}]"),
+                            format!("{c:?} is not a CIDR (10.0.0.0/8) or IP"),
+                        )
+                    })?;
+                allow.push(net);
+            }
+            ServiceKind::Listen { addr, allow }
+        }
+        (None, Some(t)) => {
+            if s.allow.is_some() {
+                return Err(cx.err(field("allow"), "allow applies to listen services only"));
+            }
+            ServiceKind::Target {
+                addr: parse_host_port(t).map_err(|m| cx.err(field("target"), m))?,
+            }
+        }
+        _ => {
+            return Err(cx.err(
+                format!("services[{i}]"),
+                "set exactly one of listen or target",
+            ));
+        }
+    };
+    let policy = StreamPolicy {
+        compression: cx.opt(
+            &field("compression"),
+            &s.compression,
+            default.compression,
+            str::parse,
+        )?,
+        dedup: cx.toggle(&field("dedup"), &s.dedup, default.dedup)?,
+        scope: cx.opt(
+            &field("dedup_scope"),
+            &s.dedup_scope,
+            default.scope,
+            str::parse,
+        )?,
+    };
+    Ok(Service {
+        name: s.name.clone(),
+        class,
+        kind,
+        policy,
+    })
+}
+
+fn parse_state_dir(cx: &Ctx<'_>, v: Option<&str>) -> PathBuf {
+    v.map(|p| cx.resolve(p))
+        // systemd's StateDirectory= (wanoptd/%i in the template unit) when the config is silent.
+        .or_else(|| {
+            let dirs = std::env::var("STATE_DIRECTORY").ok()?;
+            dirs.split(':')
+                .next()
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+        })
+        .unwrap_or_else(|| PathBuf::from(defaults::STATE_DIR))
+}
+
+fn parse_log(cx: &Ctx<'_>, l: Option<&RawLog>) -> Result<String, ConfigError> {
+    match l.and_then(|l| l.level.clone()) {
+        None => Ok(defaults::LOG_LEVEL.to_string()),
+        Some(l) if LOG_LEVELS.contains(&l.as_str()) => Ok(l),
+        Some(l) => Err(cx.err(
+            "log.level",
+            format!("{l:?} is not error, warn, info, debug or trace"),
+        )),
+    }
+}
+
+fn parse_limits(
+    cx: &Ctx<'_>,
+    rl: Option<&RawLimits>,
+    link: &LinkSettings,
+    optimized: bool,
+) -> Result<Limits, ConfigError> {
+    let empty = RawLimits::default();
+    let r = rl.unwrap_or(&empty);
+    let secs = Duration::from_secs;
+    let ms = Duration::from_millis;
+    let max_streams = match r.max_streams {
+        None => defaults::MAX_STREAMS,
+        Some(n) => in_range(n, 1, 1 << 20).map_err(|m| cx.err("limits.max_streams", m))?,
+    };
+    // Defaults: a stream may fill the pipe on its own; the link holds a few streams' worth.
+    // With dedup a stream's raw bytes can outrun the link many times over (credit counts raw
+    // bytes), so optimized links start at 16 MiB: 160 MB/s of raw bytes per stream at 100 ms.
+    let floor = if optimized { 8 << 20 } else { 1 << 20 };
+    let default_stream_window = link.bdp_bytes().clamp(floor, 64 << 20) * 2;
+    let stream_window = cx.opt(
+        "limits.stream_window",
+        &r.stream_window,
+        default_stream_window,
+        |s| in_range(parse_size(s)?, 64 * 1024, 1 << 30),
+    )? as u32;
+    let link_window = cx.opt(
+        "limits.link_window",
+        &r.link_window,
+        (u64::from(stream_window) * 4).max(64 << 20),
+        |s| in_range(parse_size(s)?, 256 * 1024, 16 << 30),
+    )?;
+    let idle_timeout = cx.dur(
+        "limits.idle_timeout",
+        &r.idle_timeout,
+        defaults::IDLE_TIMEOUT,
+        secs(1),
+        secs(3600),
+    )?;
+    if idle_timeout <= link.keepalive {
+        return Err(cx.err("limits.idle_timeout", "must be longer than link.keepalive"));
+    }
+    Ok(Limits {
+        threads: match r.threads {
+            None => defaults::THREADS,
+            Some(n) => in_range(n, 1, 256).map_err(|m| cx.err("limits.threads", m))?,
+        },
+        max_streams,
+        stream_window,
+        link_window,
+        stream_buffer: cx.opt(
+            "limits.stream_buffer",
+            &r.stream_buffer,
+            defaults::STREAM_BUFFER,
+            |s| in_range(parse_size(s)?, 16 * 1024, 64 << 20),
+        )? as usize,
+        shutdown_grace: cx.dur(
+            "limits.shutdown_grace",
+            &r.shutdown_grace,
+            defaults::SHUTDOWN_GRACE,
+            ms(0),
+            secs(3600),
+        )?,
+        connect_timeout: cx.dur(
+            "limits.connect_timeout",
+            &r.connect_timeout,
+            defaults::CONNECT_TIMEOUT,
+            ms(10),
+            secs(600),
+        )?,
+        link_wait: cx.dur(
+            "limits.link_wait",
+            &r.link_wait,
+            defaults::LINK_WAIT,
+            ms(0),
+            secs(600),
+        )?,
+        handshake_timeout: cx.dur(
+            "limits.handshake_timeout",
+            &r.handshake_timeout,
+            defaults::HANDSHAKE_TIMEOUT,
+            ms(100),
+            secs(600),
+        )?,
+        idle_timeout,
+    })
 }
 
 impl Config {
@@ -448,515 +997,67 @@ impl Config {
                 format!("{:?} must be a lowercase DNS label (a-z, 0-9, -)", raw.site),
             ));
         }
-
-        let l = &raw.link;
-        let role = match (&l.listen, &l.connect) {
-            (Some(a), None) => {
-                LinkRole::Listen(parse_sockaddr(a).map_err(|m| cx.err("link.listen", m))?)
-            }
-            (None, Some(c)) => {
-                LinkRole::Connect(parse_host_port(c).map_err(|m| cx.err("link.connect", m))?)
-            }
-            _ => return Err(cx.err("link", "set exactly one of listen or connect")),
-        };
-        if !valid_name(&l.peer) {
-            return Err(cx.err(
-                "link.peer",
-                format!("{:?} must be a lowercase DNS label", l.peer),
-            ));
-        }
-        if l.peer == raw.site {
-            return Err(cx.err("link.peer", "the peer must be another site than this one"));
-        }
-        let bandwidth_bps = cx.opt("link.bandwidth", &l.bandwidth, 45_000_000, |s| {
-            in_range(parse_rate(s)?, 64_000, 400_000_000_000)
-        })?;
-        let rtt = cx.opt("link.rtt", &l.rtt, Duration::from_millis(100), |s| {
-            let d = parse_duration(s)?;
-            if d > Duration::from_secs(10) {
-                return Err("must be at most 10s".into());
-            }
-            Ok(d)
-        })?;
-        let cc_name = |s: &str| {
-            if s.is_empty()
-                || s.len() > 15
-                || !s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
-            {
-                Err(format!(
-                    "{s:?} is not a congestion control name (bbr, cubic, reno)"
-                ))
-            } else {
-                Ok(s.to_string())
-            }
-        };
-        let congestion = cx.opt("link.congestion", &l.congestion, "bbr".to_string(), cc_name)?;
-        let lane_congestion = cx.opt(
-            "link.lane_congestion",
-            &l.lane_congestion,
-            "cubic".to_string(),
-            cc_name,
-        )?;
-        let send_buffer = cx.opt(
-            "link.send_buffer",
-            &l.send_buffer,
-            BufferSize::Auto,
-            parse_buffer,
-        )?;
-        let recv_buffer = cx.opt(
-            "link.recv_buffer",
-            &l.recv_buffer,
-            BufferSize::Auto,
-            parse_buffer,
-        )?;
-        let notsent_lowat = cx.opt("link.notsent_lowat", &l.notsent_lowat, 128 * 1024, |s| {
-            Ok(in_range(parse_size(s)?, 4096, 64 << 20)? as u32)
-        })?;
-        let dur = |field: &str, v: &Option<String>, d: Duration, lo: Duration, hi: Duration| {
-            cx.opt(field, v, d, |s| {
-                let x = parse_duration(s)?;
-                if x < lo || x > hi {
-                    return Err(format!("must be between {lo:?} and {hi:?}"));
-                }
-                Ok(x)
-            })
-        };
-        let secs = Duration::from_secs;
-        let ms = Duration::from_millis;
-        let keepalive = dur("link.keepalive", &l.keepalive, secs(5), ms(100), secs(3600))?;
-        let user_timeout = dur(
-            "link.user_timeout",
-            &l.user_timeout,
-            secs(30),
-            secs(1),
-            secs(3600),
-        )?;
-        let reconnect_min = dur(
-            "link.reconnect_min",
-            &l.reconnect_min,
-            ms(200),
-            ms(10),
-            secs(60),
-        )?;
-        let reconnect_max = dur(
-            "link.reconnect_max",
-            &l.reconnect_max,
-            secs(10),
-            ms(10),
-            secs(600),
-        )?;
-        if reconnect_max < reconnect_min {
-            return Err(cx.err("link.reconnect_max", "must not be below link.reconnect_min"));
-        }
-        let link = LinkSettings {
-            role,
-            peer: l.peer.clone(),
-            bandwidth_bps,
-            bandwidth_stated: l.bandwidth.is_some(),
-            rtt,
-            congestion,
-            send_buffer,
-            recv_buffer,
-            notsent_lowat,
-            keepalive,
-            user_timeout,
-            reconnect_min,
-            reconnect_max,
-            latency_lane: l.latency_lane.unwrap_or(true),
-            lane_congestion,
-            max_rate_bps: match l.max_rate.as_deref() {
-                // Pace only when the operator stated the WAN rate: a default must not cap anyone.
-                None | Some("auto") => l.bandwidth.as_ref().map(|_| bandwidth_bps / 100 * 95),
-                Some("off") => None,
-                Some(r) => Some(
-                    parse_rate(r)
-                        .and_then(|v| in_range(v, 64_000, 400_000_000_000))
-                        .map_err(|m| cx.err("link.max_rate", format!("{m} (or auto, off)")))?,
-                ),
-            },
-        };
-
-        let tls = TlsPaths {
-            ca: cx.resolve(&raw.tls.ca),
-            cert: cx.resolve(&raw.tls.cert),
-            key: cx.resolve(&raw.tls.key),
-        };
-
-        let ro = raw.optimize.as_ref();
-        let none = None;
-        let o = |f: fn(&RawOptimize) -> &Option<String>| ro.map_or(&none, f);
-        let memory = cx.opt("optimize.memory", o(|r| &r.memory), 256 << 20, |s| {
-            in_range(parse_size(s)?, 0, 64 << 30)
-        })?;
-        let service_memory = cx.opt(
-            "optimize.service_memory",
-            o(|r| &r.service_memory),
-            64 << 20,
-            |s| in_range(parse_size(s)?, 0, 64 << 30),
-        )?;
-        let avg_chunk = cx.opt("optimize.chunk", o(|r| &r.chunk), 8 * 1024, |s| {
-            let n = parse_size(s)?;
-            let r = wanopt_codec::AVG_CHUNK_RANGE;
-            in_range(n, *r.start() as u64, *r.end() as u64)
-        })? as usize;
-        let zstd_level = match ro.and_then(|r| r.zstd_level) {
-            None => crate::policy::default_zstd_level(&link),
-            Some(l) => in_range(l, 1, 19).map_err(|m| cx.err("optimize.zstd_level", m))?,
-        };
-        let default = StreamPolicy {
-            compression: cx.opt(
-                "optimize.compression",
-                o(|r| &r.compression),
-                Compression::Adaptive,
-                parse_compression,
-            )?,
-            dedup: match ro.and_then(|r| r.dedup.as_ref()) {
-                None => true,
-                Some(t) => parse_toggle(t).map_err(|m| cx.err("optimize.dedup", m))?,
-            },
-            scope: cx.opt(
-                "optimize.dedup_scope",
-                o(|r| &r.dedup_scope),
-                Scope::Link,
-                parse_scope,
-            )?,
-        };
-        let rd = ro.and_then(|r| r.disk.as_ref());
-        let d = |f: fn(&RawDisk) -> &Option<String>| rd.map_or(&none, f);
-        let disk_size = |s: &str| {
-            let n = parse_size(s)?;
-            if n != 0 && n < 16 << 20 {
-                return Err("must be 0 (no disk tier) or at least 16MiB".to_string());
-            }
-            in_range(n, 0, 1 << 46)
-        };
-        let disk_bytes = cx.opt("optimize.disk.bytes", d(|r| &r.bytes), 0, disk_size)?;
-        let service_disk_bytes = cx.opt(
-            "optimize.disk.service_bytes",
-            d(|r| &r.service_bytes),
-            if disk_bytes > 0 {
-                (disk_bytes / 8).max(2 * service_memory).max(16 << 20)
-            } else {
-                0
-            },
-            disk_size,
-        )?;
-        // The disk tier holds everything memory does, and three quarters of its files are chunks.
-        for (field, disk, mem, mem_field) in [
-            ("optimize.disk.bytes", disk_bytes, memory, "optimize.memory"),
-            (
-                "optimize.disk.service_bytes",
-                service_disk_bytes,
-                service_memory,
-                "optimize.service_memory",
-            ),
-        ] {
-            let cap = wanopt_codec::cache::disk_capacity(disk);
-            if disk != 0 && cap < mem {
-                return Err(cx.err(
-                    field,
-                    format!(
-                        "{disk} bytes of files hold {cap} bytes of chunks, less than \
-                         {mem_field} ({mem}): make it at least 4/3 of that"
-                    ),
-                ));
-            }
-        }
-        let disk = if disk_bytes > 0 || service_disk_bytes > 0 {
-            let key_file = rd
-                .and_then(|r| r.key_file.as_deref())
-                .map(|p| cx.resolve(p));
-            let key = match &key_file {
-                Some(p) => Some(read_key(p).map_err(|m| cx.err("optimize.disk.key_file", m))?),
-                None => None,
-            };
-            Some(DiskTier {
-                checkpoint: cx.opt(
-                    "optimize.disk.checkpoint",
-                    d(|r| &r.checkpoint),
-                    Duration::from_secs(60),
-                    |s| {
-                        let t = parse_duration(s)?;
-                        if t < Duration::from_millis(100) || t > Duration::from_secs(86_400) {
-                            return Err("must be between 100ms and 24h".into());
-                        }
-                        Ok(t)
-                    },
-                )?,
-                key,
-                key_file,
-            })
-        } else {
-            if let Some(k) = rd.and_then(|r| r.key_file.as_ref()) {
-                return Err(cx.err(
-                    "optimize.disk.key_file",
-                    format!("{k:?} is set but the disk tier is off (optimize.disk.bytes: 0)"),
-                ));
-            }
-            None
-        };
-        let optimize = Optimize {
-            enabled: ro.and_then(|r| r.enabled).unwrap_or(true),
-            codec: CodecSettings {
-                cache_bytes: memory,
-                service_cache_bytes: service_memory,
-                disk_bytes,
-                service_disk_bytes,
-                avg_chunk,
-                zstd_level,
-            },
-            default,
-            disk,
-        };
-
-        let mut services = Vec::new();
-        let mut names = HashSet::new();
-        for (i, s) in raw.services.iter().enumerate() {
-            let field = |f: &str| format!("services[{i}].{f}");
-            if !valid_name(&s.name) {
-                return Err(cx.err(
-                    field("name"),
-                    format!("{:?} must be a lowercase DNS label", s.name),
-                ));
-            }
-            if !names.insert(s.name.clone()) {
-                return Err(cx.err(
-                    field("name"),
-                    format!("service {:?} is defined twice", s.name),
-                ));
-            }
-            let class = match s.class.as_deref() {
-                None | Some("bulk") => Class::Bulk,
-                Some("latency") => Class::Latency,
-                Some(other) => {
-                    return Err(cx.err(field("class"), format!("{other:?} is not latency or bulk")));
-                }
-            };
-            let kind = match (&s.listen, &s.target) {
-                (Some(a), None) => {
-                    let addr = parse_sockaddr(a).map_err(|m| cx.err(field("listen"), m))?;
-                    let mut allow = Vec::new();
-                    for (j, c) in s.allow.iter().flatten().enumerate() {
-                        let net = c
-                            .parse::<IpNet>()
-                            .or_else(|_| c.parse::<IpAddr>().map(IpNet::from))
-                            .map_err(|_| {
-                                cx.err(
-                                    format!("services[{i}].allow[{j}]"),
-                                    format!("{c:?} is not a CIDR (10.0.0.0/8) or IP"),
-                                )
-                            })?;
-                        allow.push(net);
-                    }
-                    ServiceKind::Listen { addr, allow }
-                }
-                (None, Some(t)) => {
-                    if s.allow.is_some() {
-                        return Err(cx.err(field("allow"), "allow applies to listen services only"));
-                    }
-                    ServiceKind::Target {
-                        addr: parse_host_port(t).map_err(|m| cx.err(field("target"), m))?,
-                    }
-                }
-                _ => {
-                    return Err(cx.err(
-                        format!("services[{i}]"),
-                        "set exactly one of listen or target",
-                    ));
-                }
-            };
-            let policy = StreamPolicy {
-                compression: cx.opt(
-                    &field("compression"),
-                    &s.compression,
-                    default.compression,
-                    parse_compression,
-                )?,
-                dedup: match &s.dedup {
-                    None => default.dedup,
-                    Some(t) => parse_toggle(t).map_err(|m| cx.err(field("dedup"), m))?,
-                },
-                scope: cx.opt(
-                    &field("dedup_scope"),
-                    &s.dedup_scope,
-                    default.scope,
-                    parse_scope,
-                )?,
-            };
-            services.push(Service {
-                name: s.name.clone(),
-                class,
-                kind,
-                policy,
-            });
-        }
-
+        let link = parse_link(&cx, &raw.link, &raw.site)?;
+        let optimize = parse_optimize(&cx, raw.optimize.as_ref(), &link)?;
+        let services = parse_services(&cx, &raw.services, optimize.default)?;
         let admin = match &raw.admin {
             None => None,
             Some(a) => Some(parse_sockaddr(&a.listen).map_err(|m| cx.err("admin.listen", m))?),
         };
-        let state_dir = raw
-            .state_dir
-            .as_deref()
-            .map(|p| cx.resolve(p))
-            // systemd's StateDirectory= (wanoptd/%i in the template unit) when the config is silent.
-            .or_else(|| {
-                let dirs = std::env::var("STATE_DIRECTORY").ok()?;
-                dirs.split(':')
-                    .next()
-                    .filter(|d| !d.is_empty())
-                    .map(PathBuf::from)
-            })
-            .unwrap_or_else(|| PathBuf::from("/var/lib/wanoptd"));
-        let log_level = match raw.log.as_ref().and_then(|l| l.level.clone()) {
-            None => "info".to_string(),
-            Some(l) => {
-                let ok = ["error", "warn", "info", "debug", "trace"].contains(&l.as_str());
-                if !ok {
-                    return Err(cx.err(
-                        "log.level",
-                        format!("{l:?} is not error, warn, info, debug or trace"),
-                    ));
-                }
-                l
-            }
-        };
-
-        let rl = raw.limits.as_ref();
-        let lim = |f: fn(&RawLimits) -> &Option<String>| rl.map_or(&none, f);
-        let bdp = link.bdp_bytes();
-        let max_streams = match rl.and_then(|r| r.max_streams) {
-            None => 4096,
-            Some(n) => in_range(n, 1, 1 << 20).map_err(|m| cx.err("limits.max_streams", m))?,
-        };
-        // Defaults: a stream may fill the pipe on its own; the link holds a few streams' worth.
-        // With dedup a stream's raw bytes can outrun the link many times over (credit counts raw
-        // bytes), so optimized links start at 16 MiB: 160 MB/s of raw bytes per stream at 100 ms.
-        let floor = if optimize.enabled { 8 << 20 } else { 1 << 20 };
-        let default_stream_window = bdp.clamp(floor, 64 << 20) * 2;
-        let stream_window = cx.opt(
-            "limits.stream_window",
-            lim(|r| &r.stream_window),
-            default_stream_window,
-            |s| in_range(parse_size(s)?, 64 * 1024, 1 << 30),
-        )? as u32;
-        let link_window = cx.opt(
-            "limits.link_window",
-            lim(|r| &r.link_window),
-            (u64::from(stream_window) * 4).max(64 << 20),
-            |s| in_range(parse_size(s)?, 256 * 1024, 16 << 30),
-        )?;
-        let stream_buffer = cx.opt(
-            "limits.stream_buffer",
-            lim(|r| &r.stream_buffer),
-            256 * 1024,
-            |s| in_range(parse_size(s)?, 16 * 1024, 64 << 20),
-        )? as usize;
-        let shutdown_grace = dur(
-            "limits.shutdown_grace",
-            lim(|r| &r.shutdown_grace),
-            secs(30),
-            ms(0),
-            secs(3600),
-        )?;
-        let connect_timeout = dur(
-            "limits.connect_timeout",
-            lim(|r| &r.connect_timeout),
-            secs(10),
-            ms(10),
-            secs(600),
-        )?;
-        let link_wait = dur(
-            "limits.link_wait",
-            lim(|r| &r.link_wait),
-            secs(10),
-            ms(0),
-            secs(600),
-        )?;
-        let handshake_timeout = dur(
-            "limits.handshake_timeout",
-            lim(|r| &r.handshake_timeout),
-            secs(10),
-            ms(100),
-            secs(600),
-        )?;
-        let idle_timeout = dur(
-            "limits.idle_timeout",
-            lim(|r| &r.idle_timeout),
-            secs(30),
-            secs(1),
-            secs(3600),
-        )?;
-        if idle_timeout <= keepalive {
-            return Err(cx.err("limits.idle_timeout", "must be longer than link.keepalive"));
-        }
-        let threads = match rl.and_then(|r| r.threads) {
-            None => 1,
-            Some(n) => in_range(n, 1, 256).map_err(|m| cx.err("limits.threads", m))?,
-        };
-        let limits = Limits {
-            threads,
-            max_streams,
-            stream_window,
-            link_window,
-            stream_buffer,
-            shutdown_grace,
-            connect_timeout,
-            link_wait,
-            handshake_timeout,
-            idle_timeout,
-        };
-
+        let limits = parse_limits(&cx, raw.limits.as_ref(), &link, optimize.enabled)?;
         Ok(Config {
             path: path.to_path_buf(),
+            tls: parse_tls(&cx, &raw.tls),
+            state_dir: parse_state_dir(&cx, raw.state_dir.as_deref()),
+            log_level: parse_log(&cx, raw.log.as_ref())?,
             site: raw.site,
             link,
-            tls,
             services,
             optimize,
             admin,
-            state_dir,
-            log_level,
             limits,
         })
     }
 
-    /// The effective config as YAML-like text, every default filled in (`wanoptd check`).
+    /// The effective config as YAML, every default filled in (`wanoptd check`). It parses back
+    /// to the same config; what was left to a default that depends on something else (the
+    /// bandwidth when not stated) is written as a comment.
     pub fn describe(&self) -> String {
         use std::fmt::Write;
         let mut o = String::new();
         let l = &self.link;
-        let _ = writeln!(o, "# effective config of {}", self.path.display());
+        let _ = writeln!(o, "# effective config of {}", one_line(&self.path));
         let _ = writeln!(o, "site: {}", self.site);
         let _ = writeln!(o, "link:");
         match &l.role {
             LinkRole::Listen(a) => {
-                let _ = writeln!(o, "  listen: {a}");
+                let _ = writeln!(o, "  listen: {}", quoted(a));
             }
             LinkRole::Connect(c) => {
-                let _ = writeln!(o, "  connect: {c}");
+                let _ = writeln!(o, "  connect: {}", quoted(c));
             }
         }
         let _ = writeln!(o, "  peer: {}", l.peer);
-        let _ = writeln!(o, "  bandwidth: {}bit  # bits per second", l.bandwidth_bps);
+        let bw = format!("bandwidth: {}bit  # bits per second", l.bandwidth_bps);
+        if l.bandwidth_stated {
+            let _ = writeln!(o, "  {bw}");
+        } else {
+            let _ = writeln!(o, "  # {bw}, assumed: not stated, so nothing is paced");
+        }
         let _ = writeln!(
             o,
-            "  rtt: {}ms  # bandwidth-delay product {} bytes",
-            l.rtt.as_millis(),
+            "  rtt: {}  # bandwidth-delay product {} bytes",
+            dur(l.rtt),
             l.bdp_bytes()
         );
         let _ = writeln!(o, "  congestion: {}", l.congestion);
-        let buf = |b: BufferSize| match b {
-            BufferSize::Auto => "auto".to_string(),
-            BufferSize::Bytes(n) => n.to_string(),
-        };
-        let _ = writeln!(o, "  send_buffer: {}", buf(l.send_buffer));
-        let _ = writeln!(o, "  recv_buffer: {}", buf(l.recv_buffer));
+        let _ = writeln!(o, "  send_buffer: {}", l.send_buffer);
+        let _ = writeln!(o, "  recv_buffer: {}", l.recv_buffer);
         let _ = writeln!(o, "  notsent_lowat: {}", l.notsent_lowat);
-        let _ = writeln!(o, "  keepalive: {}ms", l.keepalive.as_millis());
-        let _ = writeln!(o, "  user_timeout: {}ms", l.user_timeout.as_millis());
-        let _ = writeln!(o, "  reconnect_min: {}ms", l.reconnect_min.as_millis());
-        let _ = writeln!(o, "  reconnect_max: {}ms", l.reconnect_max.as_millis());
+        let _ = writeln!(o, "  keepalive: {}", dur(l.keepalive));
+        let _ = writeln!(o, "  user_timeout: {}", dur(l.user_timeout));
+        let _ = writeln!(o, "  reconnect_min: {}", dur(l.reconnect_min));
+        let _ = writeln!(o, "  reconnect_max: {}", dur(l.reconnect_max));
         let _ = writeln!(o, "  latency_lane: {}", l.latency_lane);
         let _ = writeln!(o, "  lane_congestion: {}", l.lane_congestion);
         match l.max_rate_bps {
@@ -970,32 +1071,32 @@ impl Config {
         let _ = writeln!(
             o,
             "tls:\n  ca: {}\n  cert: {}\n  key: {}",
-            self.tls.ca.display(),
-            self.tls.cert.display(),
-            self.tls.key.display()
+            quoted(self.tls.ca.display()),
+            quoted(self.tls.cert.display()),
+            quoted(self.tls.key.display())
         );
-        let _ = writeln!(o, "services:");
+        let _ = writeln!(
+            o,
+            "services:{}",
+            if self.services.is_empty() { " []" } else { "" }
+        );
         for s in &self.services {
-            let class = match s.class {
-                Class::Latency => "latency",
-                Class::Bulk => "bulk",
-            };
-            let _ = writeln!(o, "  - name: {}\n    class: {class}", s.name);
+            let _ = writeln!(o, "  - name: {}\n    class: {}", s.name, s.class);
             let _ = writeln!(
                 o,
                 "    compression: {}\n    dedup: {}\n    dedup_scope: {}",
-                compression_name(s.policy.compression),
-                if s.policy.dedup { "on" } else { "off" },
-                scope_name(s.policy.scope)
+                s.policy.compression,
+                on_off(s.policy.dedup),
+                s.policy.scope
             );
             match &s.kind {
                 ServiceKind::Listen { addr, allow } => {
-                    let _ = writeln!(o, "    listen: {addr}");
-                    let list: Vec<String> = allow.iter().map(ToString::to_string).collect();
+                    let _ = writeln!(o, "    listen: {}", quoted(addr));
+                    let list: Vec<String> = allow.iter().map(quoted).collect();
                     let _ = writeln!(o, "    allow: [{}]", list.join(", "));
                 }
                 ServiceKind::Target { addr } => {
-                    let _ = writeln!(o, "    target: {addr}");
+                    let _ = writeln!(o, "    target: {}", quoted(addr));
                 }
             }
         }
@@ -1008,29 +1109,33 @@ impl Config {
             op.codec.service_cache_bytes,
             op.codec.avg_chunk,
             op.codec.zstd_level,
-            compression_name(op.default.compression),
-            if op.default.dedup { "on" } else { "off" },
-            scope_name(op.default.scope)
+            op.default.compression,
+            on_off(op.default.dedup),
+            op.default.scope
         );
         if let Some(d) = &op.disk {
-            let key = d.key_file.as_ref().map_or_else(
-                || "none  # chunks are stored unencrypted".to_string(),
-                |p| p.display().to_string(),
-            );
             let _ = writeln!(
                 o,
-                "  disk:  # under {}/cache/{}\n    bytes: {}\n    service_bytes: {}\n    checkpoint: {}ms\n    key_file: {key}",
-                self.state_dir.display(),
+                "  disk:  # under {}/cache/{}\n    bytes: {}\n    service_bytes: {}\n    checkpoint: {}",
+                one_line(&self.state_dir),
                 self.link.peer,
                 op.codec.disk_bytes,
                 op.codec.service_disk_bytes,
-                d.checkpoint.as_millis(),
+                dur(d.checkpoint),
             );
+            match &d.key_file {
+                Some(p) => {
+                    let _ = writeln!(o, "    key_file: {}", quoted(p.display()));
+                }
+                None => {
+                    let _ = writeln!(o, "    # no key_file: chunks are stored unencrypted");
+                }
+            }
         }
         if let Some(a) = self.admin {
-            let _ = writeln!(o, "admin:\n  listen: {a}");
+            let _ = writeln!(o, "admin:\n  listen: {}", quoted(a));
         }
-        let _ = writeln!(o, "state_dir: {}", self.state_dir.display());
+        let _ = writeln!(o, "state_dir: {}", quoted(self.state_dir.display()));
         let _ = writeln!(o, "log:\n  level: {}", self.log_level);
         let m = &self.limits;
         let _ = writeln!(
@@ -1040,30 +1145,14 @@ impl Config {
         );
         let _ = writeln!(
             o,
-            "  shutdown_grace: {}ms\n  connect_timeout: {}ms\n  link_wait: {}ms\n  handshake_timeout: {}ms\n  idle_timeout: {}ms",
-            m.shutdown_grace.as_millis(),
-            m.connect_timeout.as_millis(),
-            m.link_wait.as_millis(),
-            m.handshake_timeout.as_millis(),
-            m.idle_timeout.as_millis()
+            "  shutdown_grace: {}\n  connect_timeout: {}\n  link_wait: {}\n  handshake_timeout: {}\n  idle_timeout: {}",
+            dur(m.shutdown_grace),
+            dur(m.connect_timeout),
+            dur(m.link_wait),
+            dur(m.handshake_timeout),
+            dur(m.idle_timeout)
         );
         o
-    }
-}
-
-fn compression_name(c: Compression) -> &'static str {
-    match c {
-        Compression::None => "none",
-        Compression::Lz4 => "lz4",
-        Compression::Zstd => "zstd",
-        Compression::Adaptive => "adaptive",
-    }
-}
-
-fn scope_name(s: Scope) -> &'static str {
-    match s {
-        Scope::Link => "link",
-        Scope::Service => "service",
     }
 }
 
@@ -1345,6 +1434,89 @@ mod tests {
             ServiceKind::Listen { allow, .. } => assert_eq!(allow.len(), 2),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// `describe` writes what `parse` reads back to the same config.
+    fn assert_round_trip(c: &Config) {
+        let text = c.describe();
+        let back = Config::parse(&text, &c.path)
+            .unwrap_or_else(|e| panic!("describe does not parse back: {e}\n{text}"));
+        assert_eq!(&back, c, "{text}");
+    }
+
+    #[test]
+    fn every_shipped_config_describes_itself_exactly() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).expect("config dir").flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "yaml") {
+                assert_round_trip(&Config::load(&p).expect("shipped config loads"));
+                n += 1;
+            }
+        }
+        assert!(n >= 2, "the west/east pair");
+    }
+
+    #[test]
+    fn configs_with_every_option_describe_themselves_exactly() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key = dir.path().join("cache key");
+        std::fs::write(&key, [9u8; 32]).expect("key");
+        let every = format!(
+            "site: west\nlink:\n  listen: '[::1]:7400'\n  peer: east\n  bandwidth: 1.5gbit\n  rtt: 250us\n  congestion: cubic\n  send_buffer: 16MiB\n  recv_buffer: 8MiB\n  notsent_lowat: 64k\n  keepalive: 1500ms\n  user_timeout: 2m\n  reconnect_min: 50ms\n  reconnect_max: 5m\n  latency_lane: false\n  lane_congestion: reno\n  max_rate: 900mbit\ntls: {{ca: /etc/wanopt/ca.pem, cert: c.pem, key: k.key}}\nservices:\n  - name: dg\n    listen: '[::1]:1522'\n    allow: [10.0.0.0/8, 192.168.1.7, '::1']\n    class: latency\n    compression: none\n    dedup: off\n  - name: rman\n    target: standby.example:1521\n    compression: zstd\n    dedup_scope: service\noptimize:\n  enabled: true\n  memory: 1GiB\n  service_memory: 128MiB\n  chunk: 16KiB\n  zstd_level: 9\n  compression: lz4\n  dedup: on\n  dedup_scope: link\n  disk:\n    bytes: 8GiB\n    service_bytes: 1GiB\n    key_file: '{}'\n    checkpoint: 90s\nadmin:\n  listen: 127.0.0.1:9400\nstate_dir: /var/lib/wanopt west\nlog:\n  level: debug\nlimits:\n  max_streams: 100\n  stream_window: 2MiB\n  link_window: 32MiB\n  stream_buffer: 1MiB\n  shutdown_grace: 0s\n  connect_timeout: 3s\n  link_wait: 0s\n  handshake_timeout: 2s\n  idle_timeout: 10s\n  threads: 4\n",
+            key.display()
+        );
+        let path = Path::new("/etc/wanopt/west.yaml");
+        let c = Config::parse(&every, path).expect("valid");
+        assert!(
+            c.optimize
+                .disk
+                .as_ref()
+                .is_some_and(|d| d.key == Some([9u8; 32]))
+        );
+        assert_round_trip(&c);
+        // Each default alone, and each section's variants.
+        for extra in [
+            "",
+            "optimize:\n  enabled: false\n",
+            "optimize:\n  disk:\n    bytes: 1GiB\n",
+            "optimize:\n  memory: 0\n  dedup: off\n",
+            "services:\n  - name: a\n    listen: 0.0.0.0:1\n  - name: b\n    target: x:2\n    class: latency\n",
+            "limits:\n  idle_timeout: 1h\n  shutdown_grace: 1500us\n",
+        ] {
+            assert_round_trip(&parse(extra).expect("valid"));
+        }
+        for link in [
+            "  bandwidth: 10mbit\n",
+            "  max_rate: off\n",
+            "  bandwidth: 1gbit\n  max_rate: auto\n",
+        ] {
+            let y = MIN.replace("  peer: east\n", &format!("  peer: east\n{link}"));
+            assert_round_trip(&Config::parse(&y, path).expect("valid"));
+        }
+    }
+
+    #[test]
+    fn enums_read_and_write_the_same_words() {
+        for c in [
+            Compression::None,
+            Compression::Lz4,
+            Compression::Zstd,
+            Compression::Adaptive,
+        ] {
+            assert_eq!(c.to_string().parse::<Compression>(), Ok(c));
+        }
+        for c in [Class::Latency, Class::Bulk] {
+            assert_eq!(c.to_string().parse::<Class>(), Ok(c));
+        }
+        for s in [Scope::Link, Scope::Service] {
+            assert_eq!(s.to_string().parse::<Scope>(), Ok(s));
+        }
+        for b in [BufferSize::Auto, BufferSize::Bytes(65536)] {
+            assert_eq!(b.to_string().parse::<BufferSize>(), Ok(b));
+        }
+        assert!("gzip".parse::<Compression>().is_err());
     }
 
     #[test]

@@ -39,6 +39,26 @@ pub enum Scope {
     Service,
 }
 
+impl std::fmt::Display for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Scope::Link => "link",
+            Scope::Service => "service",
+        })
+    }
+}
+
+impl std::str::FromStr for Scope {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "link" => Ok(Scope::Link),
+            "service" => Ok(Scope::Service),
+            _ => Err(format!("{s:?} is not link or service")),
+        }
+    }
+}
+
 /// How a service's stream bytes are optimized on the way to the peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamPolicy {
