@@ -16,9 +16,9 @@ mod args;
 use std::time::Instant;
 
 use wanopt_codec::cache::ChunkCache;
-use wanopt_codec::disk::DiskStore;
 use wanopt_codec::{CodecConfig, Compression, Decoder, Encoder, Pressure};
 use wanopt_replay::workload::{Generator, Workload};
+use wanopt_runtime::disk::DiskStore;
 
 fn xorshift(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;

@@ -12,6 +12,7 @@
 //! lengths, disk locations) with its digest lets both sides resume the same cache after a restart.
 
 use std::collections::{BTreeMap, HashMap};
+use std::task::Poll;
 
 use crate::store::{ChunkStore, Loc};
 
@@ -34,6 +35,17 @@ struct Entry {
     loc: Option<Loc>,
     len: usize,
     stamp: u64,
+}
+
+/// What a [`ChunkCache::lookup`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Lookup<'a> {
+    /// The chunk, verified.
+    Hit(&'a [u8]),
+    /// Not held (or damaged, and dropped).
+    Miss,
+    /// Held, with its bytes on disk: the store is fetching them.
+    Pending,
 }
 
 /// One disk segment's bookkeeping.
@@ -256,14 +268,28 @@ impl ChunkCache {
 
     /// Returns a held chunk after checking it against its fingerprint, reading it from disk if
     /// it is not in memory; a damaged or unreadable one is removed and `None` returned (a miss,
-    /// never wrong data). Counts as a use.
+    /// never wrong data). Counts as a use. A store still fetching the bytes reads as a miss
+    /// here; [`lookup`](Self::lookup) tells the two apart.
     pub fn get(&mut self, f: &Fingerprint) -> Option<&[u8]> {
-        let e = self.entries.get(f)?;
+        match self.lookup(f) {
+            Lookup::Hit(d) => Some(d),
+            Lookup::Miss | Lookup::Pending => None,
+        }
+    }
+
+    /// Like [`get`](Self::get), but a chunk whose bytes the store is still fetching is
+    /// [`Lookup::Pending`]: it stays in the cache, and the caller asks again once the store has
+    /// it (nothing blocks on the disk here).
+    pub fn lookup(&mut self, f: &Fingerprint) -> Lookup<'_> {
+        let Some(e) = self.entries.get(f) else {
+            return Lookup::Miss;
+        };
         let read = match (&e.mem, e.loc, self.disk.as_mut()) {
             (Some(d), _, _) => Ok(fingerprint(d) == *f),
-            (None, Some(loc), Some(disk)) => match disk.store.read(loc, f) {
-                Some(data) if data.len() == e.len => Err(data),
-                _ => {
+            (None, Some(loc), Some(disk)) => match disk.store.try_read(loc, f) {
+                Poll::Pending => return Lookup::Pending,
+                Poll::Ready(Some(data)) if data.len() == e.len => Err(data),
+                Poll::Ready(_) => {
                     disk.lost += 1;
                     Ok(false)
                 }
@@ -279,11 +305,14 @@ impl ChunkCache {
         };
         if !ok {
             self.remove(f);
-            return None;
+            return Lookup::Miss;
         }
         self.bump(f);
         self.shrink_mem(Some(f));
-        self.entries.get(f).and_then(|e| e.mem.as_deref())
+        match self.entries.get(f).and_then(|e| e.mem.as_deref()) {
+            Some(d) => Lookup::Hit(d),
+            None => Lookup::Miss,
+        }
     }
 
     fn promote(&mut self, f: &Fingerprint, data: Vec<u8>) {
@@ -416,11 +445,13 @@ impl ChunkCache {
                 if e.loc.is_none_or(|l| l.seg != victim) {
                     continue;
                 }
-                let data = match &e.mem {
-                    Some(d) => Some(d.clone()),
-                    None => e.loc.and_then(|l| disk.store.read(l, &f)),
+                // Bytes in memory are written again; others are copied by the store itself
+                // (a store with a thread of its own does it there, in order).
+                e.loc = match (&e.mem, e.loc) {
+                    (Some(d), _) => disk.append(&f, d),
+                    (None, Some(l)) => disk.copy(l, &f),
+                    (None, None) => None,
                 };
-                e.loc = data.and_then(|d| disk.append(&f, &d));
                 self.on_disk -= u64::from(e.loc.is_none());
                 disk.moved += 1;
                 if e.loc.is_none() && e.mem.is_none() {
@@ -563,12 +594,22 @@ impl ChunkCache {
 impl DiskTier {
     fn append(&mut self, f: &Fingerprint, data: &[u8]) -> Option<Loc> {
         let loc = self.store.append(f, data)?;
+        self.placed(f, loc);
+        Some(loc)
+    }
+
+    fn copy(&mut self, from: Loc, f: &Fingerprint) -> Option<Loc> {
+        let loc = self.store.copy(from, f)?;
+        self.placed(f, loc);
+        Some(loc)
+    }
+
+    fn placed(&mut self, f: &Fingerprint, loc: Loc) {
         let seg = self.segs.entry(loc.seg).or_default();
         seg.total += loc.stored();
         seg.live += loc.stored();
         seg.members.push(*f);
         self.files += loc.stored();
-        Some(loc)
     }
 }
 

@@ -18,7 +18,6 @@
 //! the same records in the stream's order, so it needs no agreement beyond that.
 
 pub mod cache;
-pub mod disk;
 pub mod store;
 
 use bytes::BufMut;
@@ -267,6 +266,10 @@ pub enum CodecError {
     TooLarge(usize),
     #[error("chunk not in the cache (or damaged there)")]
     Miss(Fingerprint),
+    /// The chunk is cached on disk and the store is reading it: decode the record again once
+    /// the store has it.
+    #[error("chunk being read from disk")]
+    Pending(Fingerprint),
     #[error("decompression failed")]
     Decompress,
 }
@@ -1054,7 +1057,11 @@ impl Decoder {
                 let mut f = [0u8; 16];
                 f.copy_from_slice(&buf[1..17]);
                 let (len, h) = get_len(buf, 17)?;
-                let chunk = self.cache.get(&f).ok_or(CodecError::Miss(f))?;
+                let chunk = match self.cache.lookup(&f) {
+                    cache::Lookup::Hit(c) => c,
+                    cache::Lookup::Miss => return Err(CodecError::Miss(f)),
+                    cache::Lookup::Pending => return Err(CodecError::Pending(f)),
+                };
                 if chunk.len() != len {
                     return Err(CodecError::Malformed(
                         "reference length differs from the chunk",

@@ -1,10 +1,11 @@
 //! Where a two-tier cache keeps chunk bytes beyond memory: the [`ChunkStore`] trait, so the cache
-//! itself stays free of I/O. The daemon uses the disk store ([`crate::disk::DiskStore`]); tests
-//! use [`MemStore`], which they can damage at will. A store appends chunks to numbered segments,
+//! itself stays free of I/O. The daemon's store (segment files, written and read on a thread of
+//! their own) is the runtime's; tests use [`MemStore`], which they can damage at will. A store appends chunks to numbered segments,
 //! reads them back verified, and deletes whole segments.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::Poll;
 
 use crate::cache::{Fingerprint, fingerprint};
 
@@ -34,6 +35,18 @@ pub trait ChunkStore: Send {
     fn append(&mut self, f: &Fingerprint, data: &[u8]) -> Option<Loc>;
     /// Reads a chunk back, checked against its fingerprint.
     fn read(&mut self, loc: Loc, f: &Fingerprint) -> Option<Vec<u8>>;
+    /// Reads without blocking: `Ready(Some)` is the verified chunk, `Ready(None)` a lost or
+    /// damaged one, `Pending` means the store is fetching it (ask again once it says it has
+    /// it). The default is the blocking [`read`](Self::read), for stores in memory.
+    fn try_read(&mut self, loc: Loc, f: &Fingerprint) -> Poll<Option<Vec<u8>>> {
+        Poll::Ready(self.read(loc, f))
+    }
+    /// Copies a stored chunk to the newest segment (reclaiming an old one); the default reads
+    /// it and appends it. `None` if it could not be read or stored.
+    fn copy(&mut self, loc: Loc, f: &Fingerprint) -> Option<Loc> {
+        let data = self.read(loc, f)?;
+        self.append(f, &data)
+    }
     /// Deletes a segment.
     fn remove_segment(&mut self, seg: u32);
     /// Hands buffered records to the operating system (before a saved state names them).
@@ -56,10 +69,23 @@ impl<T: ChunkStore> ChunkStore for Arc<Mutex<T>> {
             .unwrap_or_else(PoisonError::into_inner)
             .read(loc, f)
     }
+    fn try_read(&mut self, loc: Loc, f: &Fingerprint) -> Poll<Option<Vec<u8>>> {
+        self.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .try_read(loc, f)
+    }
+    fn copy(&mut self, loc: Loc, f: &Fingerprint) -> Option<Loc> {
+        self.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .copy(loc, f)
+    }
     fn remove_segment(&mut self, seg: u32) {
         self.lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove_segment(seg);
+    }
+    fn flush(&mut self) {
+        self.lock().unwrap_or_else(PoisonError::into_inner).flush();
     }
     fn segments(&self) -> Vec<(u32, u64)> {
         self.lock()

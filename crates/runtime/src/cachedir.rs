@@ -16,13 +16,13 @@ use std::time::Duration;
 
 use tracing::{info, warn};
 use wanopt_codec::cache::segment_size;
-use wanopt_codec::disk::DiskStore;
 use wanopt_proto::coding::Fingerprint;
 use wanopt_proto::{
     CacheStorage, ChunkStore, CodecSettings, Role, SavedCache, SavedState, Snapshot,
 };
 
 use crate::config::valid_name;
+use crate::store::AsyncStore;
 
 /// Saved states kept per cache: the newest few, so a side that missed the last one can still
 /// agree on an earlier one with its peer. A mirror's states are small and saved at once, while
@@ -45,7 +45,11 @@ pub struct CacheDir {
     key: Option<[u8; 32]>,
     codec: CodecSettings,
     /// Decoder stores, shared by the links to this peer one after another.
-    stores: Mutex<HashMap<PathBuf, Arc<Mutex<DiskStore>>>>,
+    stores: Mutex<HashMap<PathBuf, Arc<Mutex<AsyncStore>>>>,
+    /// The segment files each decoder directory held at start, listed before anything is served.
+    segments: HashMap<PathBuf, Vec<(u32, u64)>>,
+    /// Notified when a store read a chunk a link waits for.
+    ready: Arc<tokio::sync::Notify>,
     seq: AtomicU64,
     pending: AtomicUsize,
     idle: tokio::sync::Notify,
@@ -186,9 +190,17 @@ impl CacheDir {
         private_dir(&root)?;
         let lock = lock_dir(&root)?;
         let mut seq = 0;
+        let mut segments = HashMap::new();
         for e in std::fs::read_dir(&root).into_iter().flatten().flatten() {
             if let Some((s, _, _)) = states_in(&e.path()).first() {
                 seq = seq.max(*s);
+            }
+            if e.file_name()
+                .to_str()
+                .and_then(parse_dir_name)
+                .is_some_and(|(r, _, _)| r == Role::Decoder)
+            {
+                segments.insert(e.path(), crate::disk::segments_in(&e.path()));
             }
         }
         Ok(CacheDir {
@@ -196,6 +208,8 @@ impl CacheDir {
             key,
             codec,
             stores: Mutex::default(),
+            segments,
+            ready: Arc::new(tokio::sync::Notify::new()),
             seq: AtomicU64::new(seq),
             pending: AtomicUsize::new(0),
             idle: tokio::sync::Notify::new(),
@@ -208,19 +222,31 @@ impl CacheDir {
         &self.root
     }
 
-    fn decoder_store(&self, dir: &Path, limit: u64) -> Option<Arc<Mutex<DiskStore>>> {
+    /// Notified when a store has read a chunk that a link waits for.
+    pub fn ready(&self) -> Arc<tokio::sync::Notify> {
+        self.ready.clone()
+    }
+
+    fn decoder_store(&self, dir: &Path, limit: u64) -> Option<Arc<Mutex<AsyncStore>>> {
         let mut stores = self.stores.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(s) = stores.get(dir) {
             return Some(s.clone());
         }
-        match DiskStore::open(dir, self.key, segment_size(limit)) {
+        let existing = self.segments.get(dir).map_or(&[][..], Vec::as_slice);
+        match AsyncStore::open(
+            dir.to_path_buf(),
+            self.key,
+            segment_size(limit),
+            existing,
+            self.ready.clone(),
+        ) {
             Ok(s) => {
                 let s = Arc::new(Mutex::new(s));
                 stores.insert(dir.to_path_buf(), s.clone());
                 Some(s)
             }
             Err(e) => {
-                warn!(error = %e, "cannot open the cache's disk tier; this cache stays in memory");
+                warn!(error = %e, "cannot start the cache's disk tier; this cache stays in memory");
                 None
             }
         }
@@ -232,6 +258,7 @@ impl CacheDir {
             return;
         };
         let dir = self.root.join(name);
+        let store_dir = dir.clone();
         let seq = self.seq.fetch_add(1, SeqCst) + 1;
         self.pending.fetch_add(1, SeqCst);
         let me = self.clone();
@@ -243,11 +270,25 @@ impl CacheDir {
                 me.idle.notify_waiters();
             }
         };
-        match tokio::runtime::Handle::try_current() {
-            Ok(h) => {
+        // A decoder's state goes after the chunks it names, on its store's thread.
+        let store = (role == Role::Decoder)
+            .then(|| {
+                self.stores
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get(&store_dir)
+                    .cloned()
+            })
+            .flatten();
+        match (store, tokio::runtime::Handle::try_current()) {
+            (Some(s), _) => s
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .run_after(Box::new(job)),
+            (None, Ok(h)) => {
                 h.spawn_blocking(job);
             }
-            Err(_) => job(),
+            (None, Err(_)) => job(),
         }
     }
 

@@ -275,6 +275,17 @@ where
     let reader = read_link(h.clone(), rd, addr, MAIN_LANE, initial);
     let writer = write_link(h.clone(), wr, MAIN_LANE);
     let sampler = tokio::spawn(sample_sockets(h.clone()));
+    let store_waiter = h.ctx.caches.as_ref().map(|c| {
+        // Chunks the disk tier read for waiting streams: decode them again.
+        let (h, ready) = (h.clone(), c.ready());
+        tokio::spawn(async move {
+            loop {
+                ready.notified().await;
+                h.with(Link::store_ready);
+                h.kick();
+            }
+        })
+    });
     tokio::pin!(reader, writer);
     let why = tokio::select! {
         r = &mut reader => {
@@ -288,6 +299,9 @@ where
     // Forget the sockets before they close, so no TCP_INFO read can hit a reused descriptor.
     *lock(&h.fds) = [None, None];
     sampler.abort();
+    if let Some(t) = store_waiter {
+        t.abort();
+    }
     if let Some(t) = lock(&h.lane_task).take() {
         t.abort();
     }

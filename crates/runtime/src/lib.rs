@@ -11,6 +11,7 @@ pub mod cachedir;
 pub mod config;
 pub mod counters;
 pub mod daemon;
+pub mod disk;
 mod driver;
 mod establish;
 pub mod notify;
@@ -21,6 +22,7 @@ mod reload;
 mod services;
 pub mod sockopt;
 pub mod stats;
+pub mod store;
 mod supervisor;
 pub mod tls;
 

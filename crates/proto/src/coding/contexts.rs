@@ -302,11 +302,17 @@ impl Contexts {
             let before = dec.stats();
             let mut out = Vec::new();
             let mut miss = None;
+            let mut on_store = false;
             while !p.records.is_empty() {
                 match dec.decode_record_in(&p.records, &mut out, &mut rc.context) {
                     Ok(n) => p.records.advance(n),
                     Err(CodecError::Miss(f)) => {
                         miss = Some((f, p.scoped));
+                        break;
+                    }
+                    Err(CodecError::Pending(f)) => {
+                        miss = Some((f, p.scoped));
+                        on_store = true;
                         break;
                     }
                     Err(CodecError::Incomplete) => return Err("truncated record".into()),
@@ -328,8 +334,13 @@ impl Contexts {
                 got.data.push(Bytes::from(out));
             }
             if let Some(m) = miss {
+                // A chunk on our disk tier is being read: the stream waits for our store, not
+                // the peer.
                 rc.stall = Some(m);
-                got.need = Some(m);
+                rc.on_store = on_store;
+                if !on_store {
+                    got.need = Some(m);
+                }
                 return Ok(got);
             }
             if p.remaining != 0 {

@@ -26,6 +26,8 @@ pub(crate) struct RecvCoded {
     pub(super) context: StreamContext,
     /// The chunk this stream waits for, and whether it is in the service's own cache.
     pub stall: Option<(Fingerprint, bool)>,
+    /// The stall waits for our disk tier's store to read the chunk (else for the peer's answer).
+    pub on_store: bool,
 }
 
 impl RecvCoded {

@@ -88,6 +88,28 @@ impl Link {
         }
     }
 
+    /// Our disk tier's store read chunks that streams were waiting for: those streams decode
+    /// again (one still waiting stalls again; nothing is asked of the peer).
+    pub fn store_ready(&mut self) {
+        let waiting: Vec<StreamId> = self
+            .streams
+            .map
+            .iter_mut()
+            .filter_map(|(id, s)| {
+                let rc = s.recv.coded.as_mut()?;
+                if rc.stall.is_none() || !rc.on_store {
+                    return None;
+                }
+                rc.stall = None;
+                rc.on_store = false;
+                Some(*id)
+            })
+            .collect();
+        for id in waiting {
+            self.decode_stream(id);
+        }
+    }
+
     pub(super) fn on_need(
         &mut self,
         stream: StreamId,
@@ -130,6 +152,7 @@ impl Link {
                     };
                 if same {
                     rc.stall = None;
+                    rc.on_store = false;
                 }
                 same.then_some(*id)
             })

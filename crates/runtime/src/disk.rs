@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
 use ring::rand::{SecureRandom, SystemRandom};
 
-use crate::MAX_RECORD;
-use crate::cache::{Fingerprint, fingerprint};
-pub use crate::store::Loc;
-use crate::store::{ChunkStore, RECORD_HEADER};
+use wanopt_codec::MAX_RECORD;
+use wanopt_codec::cache::{Fingerprint, fingerprint};
+pub use wanopt_codec::store::Loc;
+use wanopt_codec::store::{ChunkStore, RECORD_HEADER};
 
 const MAGIC: [u8; 4] = *b"WOC1";
 /// Record header: magic, fingerprint, stored length.
@@ -135,10 +135,67 @@ impl DiskStore {
             self.next_seg = n.saturating_add(1);
             self.current = Some((n, file, 0));
         }
-        let Some((seg, _, len)) = self.current.as_mut() else {
+        let Some((seg, _, len)) = self.current.as_ref() else {
             return Err(DiskError::Crypto);
         };
         let (seg, off) = (*seg, *len);
+        self.write_record(f, data, body_len)?;
+        Ok(Loc {
+            seg,
+            off,
+            len: body_len as u32,
+        })
+    }
+
+    fn body_len(&self, data: &[u8]) -> usize {
+        data.len()
+            + if self.key.is_some() {
+                NONCE_LEN + TAG_LEN
+            } else {
+                0
+            }
+    }
+
+    /// Writes a chunk where a planner chose to put it (see `store::Layout`): the segment is
+    /// opened if it is not the current one, and the record must go where that segment ends.
+    pub fn write_at(&mut self, loc: Loc, f: &Fingerprint, data: &[u8]) -> Result<(), DiskError> {
+        if data.len() > MAX_RECORD {
+            return Err(DiskError::TooLarge(data.len()));
+        }
+        let body_len = self.body_len(data);
+        if self.current.as_ref().map(|c| c.0) != Some(loc.seg) {
+            self.flush()?;
+            let p = self.path(loc.seg);
+            let file = OpenOptions::new()
+                .create(true)
+                .append(true)
+                .mode(0o600)
+                .open(&p)
+                .map_err(|e| DiskError::Segment(p.clone(), e))?;
+            let len = file
+                .metadata()
+                .map_err(|e| DiskError::Segment(p.clone(), e))?
+                .len();
+            self.next_seg = self.next_seg.max(loc.seg.saturating_add(1));
+            self.current = Some((loc.seg, file, len));
+        }
+        let end = self.current.as_ref().map_or(0, |c| c.2);
+        if end != loc.off || body_len != loc.len as usize {
+            return Err(DiskError::Segment(
+                self.path(loc.seg),
+                std::io::Error::other("record out of place"),
+            ));
+        }
+        self.write_record(f, data, body_len)
+    }
+
+    /// Appends a record to the current segment's write buffer.
+    fn write_record(
+        &mut self,
+        f: &Fingerprint,
+        data: &[u8],
+        body_len: usize,
+    ) -> Result<(), DiskError> {
         let at = self.buf.len();
         self.buf.extend_from_slice(&MAGIC);
         self.buf.extend_from_slice(f);
@@ -171,11 +228,7 @@ impl DiskStore {
         if self.buf.len() >= WRITE_BUFFER {
             self.flush()?;
         }
-        Ok(Loc {
-            seg,
-            off,
-            len: body_len as u32,
-        })
+        Ok(())
     }
 
     /// Writes the buffered records to their segment file (to the page cache; see [`sync`](Self::sync)).
@@ -298,23 +351,28 @@ impl ChunkStore for DiskStore {
     }
 
     fn segments(&self) -> Vec<(u32, u64)> {
-        let Ok(dir) = std::fs::read_dir(&self.dir) else {
-            return Vec::new();
-        };
-        let mut v: Vec<(u32, u64)> = dir
-            .flatten()
-            .filter_map(|e| {
-                let n = seg_number(e.file_name().to_str()?)?;
-                Some((n, e.metadata().ok()?.len()))
-            })
-            .collect();
-        v.sort_unstable();
-        v
+        segments_in(&self.dir)
     }
 
     fn segment_limit(&self) -> u64 {
         self.seg_bytes
     }
+}
+
+/// The segment files in `dir` and their sizes, by number.
+pub fn segments_in(dir: &Path) -> Vec<(u32, u64)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut v: Vec<(u32, u64)> = entries
+        .flatten()
+        .filter_map(|e| {
+            let n = seg_number(e.file_name().to_str()?)?;
+            Some((n, e.metadata().ok()?.len()))
+        })
+        .collect();
+    v.sort_unstable();
+    v
 }
 
 fn seg_number(name: &str) -> Option<u32> {
@@ -439,7 +497,7 @@ mod tests {
 
     #[test]
     fn a_tiered_cache_on_disk_survives_a_restart_and_reads_damage_as_misses() {
-        use crate::cache::ChunkCache;
+        use wanopt_codec::cache::ChunkCache;
         let dir = tempfile::tempdir().expect("tempdir");
         let open = || {
             let s = DiskStore::open(dir.path(), Some([5u8; 32]), 1 << 20).expect("open");
