@@ -112,28 +112,13 @@ impl DiskStore {
         if data.len() > MAX_RECORD {
             return Err(DiskError::TooLarge(data.len()));
         }
-        let body_len = data.len()
-            + if self.key.is_some() {
-                NONCE_LEN + TAG_LEN
-            } else {
-                0
-            };
+        let body_len = self.body_len(data);
         let full = self
             .current
             .as_ref()
             .is_none_or(|(_, _, len)| *len + (HEADER + body_len) as u64 > self.seg_bytes);
         if full {
-            self.flush()?;
-            let n = self.next_seg;
-            let p = self.path(n);
-            let file = OpenOptions::new()
-                .create(true)
-                .append(true)
-                .mode(0o600)
-                .open(&p)
-                .map_err(|e| DiskError::Segment(p.clone(), e))?;
-            self.next_seg = n.saturating_add(1);
-            self.current = Some((n, file, 0));
+            self.open_segment(self.next_seg)?;
         }
         let Some((seg, _, len)) = self.current.as_ref() else {
             return Err(DiskError::Crypto);
@@ -145,6 +130,26 @@ impl DiskStore {
             off,
             len: body_len as u32,
         })
+    }
+
+    /// Makes `seg` the segment appended to (after writing out the current one's buffer),
+    /// creating its file (0600) or continuing at its end.
+    fn open_segment(&mut self, seg: u32) -> Result<(), DiskError> {
+        self.flush()?;
+        let p = self.path(seg);
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&p)
+            .map_err(|e| DiskError::Segment(p.clone(), e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| DiskError::Segment(p.clone(), e))?
+            .len();
+        self.next_seg = self.next_seg.max(seg.saturating_add(1));
+        self.current = Some((seg, file, len));
+        Ok(())
     }
 
     fn body_len(&self, data: &[u8]) -> usize {
@@ -164,20 +169,7 @@ impl DiskStore {
         }
         let body_len = self.body_len(data);
         if self.current.as_ref().map(|c| c.0) != Some(loc.seg) {
-            self.flush()?;
-            let p = self.path(loc.seg);
-            let file = OpenOptions::new()
-                .create(true)
-                .append(true)
-                .mode(0o600)
-                .open(&p)
-                .map_err(|e| DiskError::Segment(p.clone(), e))?;
-            let len = file
-                .metadata()
-                .map_err(|e| DiskError::Segment(p.clone(), e))?
-                .len();
-            self.next_seg = self.next_seg.max(loc.seg.saturating_add(1));
-            self.current = Some((loc.seg, file, len));
+            self.open_segment(loc.seg)?;
         }
         let end = self.current.as_ref().map_or(0, |c| c.2);
         if end != loc.off || body_len != loc.len as usize {

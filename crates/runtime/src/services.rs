@@ -88,29 +88,28 @@ pub(crate) async fn serve_incoming(
 ) {
     let Some(sig) = h.signal(id) else { return };
     let conn = tokio::time::timeout(connect_timeout, TcpStream::connect(&target)).await;
-    let sock = match conn {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
-            counters.failed("target_refused");
-            let why = format!("connect {target}: {e}");
-            warn!(link = h.id, service = %service, stream = %id, error = %why, "target refused");
-            h.reset(id, ResetCode::TargetRefused, &why);
-            h.forget(id);
-            return;
+    let (label, why, msg) = match conn {
+        Ok(Ok(sock)) => {
+            sockopt::tune_local(&sock);
+            add(&counters.streams_opened, 1);
+            debug!(link = h.id, service = %service, stream = %id, target = %target, "stream connected");
+            return pump(h, id, sig, sock, counters, &service).await;
         }
-        Err(_) => {
-            counters.failed("target_timeout");
-            let why = format!("connect {target}: timed out");
-            warn!(link = h.id, service = %service, stream = %id, error = %why, "target unreachable");
-            h.reset(id, ResetCode::TargetRefused, &why);
-            h.forget(id);
-            return;
-        }
+        Ok(Err(e)) => (
+            "target_refused",
+            format!("connect {target}: {e}"),
+            "target refused",
+        ),
+        Err(_) => (
+            "target_timeout",
+            format!("connect {target}: timed out"),
+            "target unreachable",
+        ),
     };
-    sockopt::tune_local(&sock);
-    add(&counters.streams_opened, 1);
-    debug!(link = h.id, service = %service, stream = %id, target = %target, "stream connected");
-    pump(h, id, sig, sock, counters, &service).await;
+    counters.failed(label);
+    warn!(link = h.id, service = %service, stream = %id, error = %why, "{msg}");
+    h.reset(id, ResetCode::TargetRefused, &why);
+    h.forget(id);
 }
 
 /// Moves bytes both ways between a local socket and a stream until both directions finish.

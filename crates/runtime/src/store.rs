@@ -199,11 +199,6 @@ impl AsyncStore {
         self.shared.wake.notify_one();
     }
 
-    /// Chunks kept out of the disk tier because its queue was full.
-    pub fn dropped(&self) -> u64 {
-        self.shared.lock().dropped
-    }
-
     fn push(&self, st: &mut State, job: Job) {
         st.jobs.push_back(job);
         self.shared.wake.notify_one();
@@ -225,6 +220,12 @@ impl ChunkStore for AsyncStore {
         let mut st = self.shared.lock();
         if st.queued_bytes + data.len() > MAX_QUEUED_BYTES {
             st.dropped += 1;
+            if st.dropped.is_power_of_two() {
+                warn!(
+                    dropped = st.dropped,
+                    "the disk tier cannot keep up: chunks stay in memory only"
+                );
+            }
             return None;
         }
         let loc = self.layout.place(self.body(data.len()));

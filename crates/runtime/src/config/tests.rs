@@ -1,0 +1,374 @@
+//! Config parsing: defaults, every error naming its field, and describe round trips.
+use super::*;
+
+#[test]
+fn optimize_defaults_and_per_service_overrides() {
+    let c = parse("").expect("valid");
+    assert!(c.optimize.enabled);
+    assert_eq!(c.optimize.codec.cache_bytes, 256 << 20);
+    assert_eq!(c.optimize.default, StreamPolicy::default());
+    let c = parse(
+        "optimize:\n  memory: 1GiB\n  chunk: 16KiB\n  compression: lz4\n  dedup_scope: service\nservices:\n  - name: dg\n    listen: 127.0.0.1:1522\n    class: latency\n    compression: none\n    dedup: off\n  - name: rman\n    target: db:1521\n    dedup: true\n",
+    )
+    .expect("valid");
+    assert_eq!(c.optimize.codec.cache_bytes, 1 << 30);
+    assert_eq!(c.optimize.codec.avg_chunk, 16 * 1024);
+    assert_eq!(
+        c.services[0].policy,
+        StreamPolicy {
+            compression: Compression::None,
+            dedup: false,
+            scope: Scope::Service
+        }
+    );
+    assert_eq!(
+        c.services[1].policy,
+        StreamPolicy {
+            compression: Compression::Lz4,
+            dedup: true,
+            scope: Scope::Service
+        }
+    );
+    let d = c.describe();
+    assert!(
+        d.contains("dedup_scope: service") && d.contains("compression: none"),
+        "{d}"
+    );
+    assert_eq!(field_err("optimize:\n  chunk: 100\n"), "optimize.chunk");
+    assert_eq!(
+        field_err("optimize:\n  compression: gzip\n"),
+        "optimize.compression"
+    );
+    assert_eq!(
+        field_err("optimize:\n  zstd_level: 40\n"),
+        "optimize.zstd_level"
+    );
+    assert_eq!(field_err("optimize:\n  dedup: maybe\n"), "optimize.dedup");
+    assert_eq!(
+        field_err("services:\n  - name: a\n    target: x:1\n    dedup_scope: global\n"),
+        "services[0].dedup_scope"
+    );
+    assert!(parse("optimize:\n  bogus: 1\n").is_err());
+}
+
+const MIN: &str = "site: west\nlink:\n  connect: 127.0.0.1:7400\n  peer: east\ntls:\n  ca: certs/ca.pem\n  cert: certs/west.pem\n  key: certs/west.key\n";
+
+fn parse(extra: &str) -> Result<Config, ConfigError> {
+    Config::parse(&format!("{MIN}{extra}"), Path::new("/etc/wanopt/west.yaml"))
+}
+
+fn field_err(extra: &str) -> String {
+    match parse(extra) {
+        Err(ConfigError::Field { field, .. }) => field,
+        other => panic!("expected a field error, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_disk_tier_is_checked_and_its_key_read() {
+    let c = parse("").expect("valid");
+    assert!(c.optimize.disk.is_none() && c.optimize.codec.disk_bytes == 0);
+    let c = parse("optimize:\n  disk:\n    bytes: 8GiB\n").expect("valid");
+    assert_eq!(c.optimize.codec.disk_bytes, 8 << 30);
+    assert_eq!(c.optimize.codec.service_disk_bytes, 1 << 30);
+    assert_eq!(
+        c.optimize.disk.as_ref().map(|d| d.checkpoint),
+        Some(Duration::from_secs(60))
+    );
+    assert!(c.describe().contains("disk:"), "{}", c.describe());
+    // The disk tier must hold what memory does.
+    assert_eq!(
+        field_err("optimize:\n  memory: 1GiB\n  disk:\n    bytes: 1GiB\n"),
+        "optimize.disk.bytes"
+    );
+    assert_eq!(
+        field_err("optimize:\n  disk:\n    bytes: 1MiB\n"),
+        "optimize.disk.bytes"
+    );
+    assert_eq!(
+        field_err("optimize:\n  disk:\n    bytes: 1GiB\n    checkpoint: 1ms\n"),
+        "optimize.disk.checkpoint"
+    );
+    assert_eq!(
+        field_err("optimize:\n  disk:\n    key_file: k\n"),
+        "optimize.disk.key_file"
+    );
+    assert!(parse("optimize:\n  disk:\n    size: 1GiB\n").is_err());
+    // Keys: 32 raw bytes or 64 hex digits; anything else, or a missing file, names the field.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let raw = dir.path().join("raw.key");
+    std::fs::write(&raw, [7u8; 32]).expect("write");
+    let hex = dir.path().join("hex.key");
+    std::fs::write(&hex, format!("{}\n", "07".repeat(32))).expect("write");
+    let short = dir.path().join("short.key");
+    std::fs::write(&short, b"secret").expect("write");
+    for (k, ok) in [
+        (&raw, true),
+        (&hex, true),
+        (&short, false),
+        (&dir.path().join("none"), false),
+    ] {
+        let y = format!(
+            "optimize:\n  disk:\n    bytes: 1GiB\n    key_file: {}\n",
+            k.display()
+        );
+        match parse(&y) {
+            Ok(c) => {
+                assert!(ok, "{k:?}");
+                assert_eq!(c.optimize.disk.and_then(|d| d.key), Some([7u8; 32]));
+            }
+            Err(e) => {
+                assert!(!ok, "{k:?}: {e}");
+                assert_eq!(field_err(&y), "optimize.disk.key_file");
+            }
+        }
+    }
+}
+
+#[test]
+fn zstd_level_defaults_by_the_stated_bandwidth() {
+    let level = |link: &str, extra: &str| {
+        let y = MIN.replace("  peer: east\n", &format!("  peer: east\n{link}"));
+        Config::parse(&format!("{y}{extra}"), Path::new("/etc/wanopt/west.yaml"))
+            .expect("valid")
+            .optimize
+            .codec
+            .zstd_level
+    };
+    assert_eq!(level("", ""), 3, "no bandwidth stated");
+    assert_eq!(level("  bandwidth: 45mbit\n", ""), 6);
+    assert_eq!(level("  bandwidth: 50mbit\n", ""), 6);
+    assert_eq!(level("  bandwidth: 100mbit\n", ""), 3);
+    let set = "optimize:\n  zstd_level: 2\n";
+    assert_eq!(level("  bandwidth: 45mbit\n", set), 2);
+}
+
+#[test]
+fn minimal_config_gets_defaults_and_resolved_paths() {
+    let c = parse("").expect("valid");
+    assert_eq!(c.link.congestion, "bbr");
+    assert_eq!(c.link.bandwidth_bps, 45_000_000);
+    assert_eq!(c.link.bdp_bytes(), 562_500);
+    assert_eq!(c.tls.ca, PathBuf::from("/etc/wanopt/certs/ca.pem"));
+    assert_eq!(c.link.send_buffer, BufferSize::Auto);
+    assert_eq!(
+        c.link.max_rate_bps, None,
+        "no pacing unless the bandwidth is stated"
+    );
+    assert!(c.link.latency_lane);
+    assert_eq!(c.link.lane_congestion, "cubic");
+    assert!(c.describe().contains("congestion: bbr"));
+}
+
+#[test]
+fn unknown_keys_are_errors_naming_the_key() {
+    let e = parse("bogus: 1\n").expect_err("unknown key");
+    assert!(e.to_string().contains("bogus"), "{e}");
+    let e = Config::parse(
+        &MIN.replace("peer: east", "peer: east\n  speed: 1"),
+        Path::new("x.yaml"),
+    )
+    .expect_err("unknown");
+    assert!(e.to_string().contains("speed"), "{e}");
+}
+
+#[test]
+fn bad_values_name_their_field() {
+    assert_eq!(
+        field_err("services:\n  - name: dg\n    listen: nowhere\n"),
+        "services[0].listen"
+    );
+    assert_eq!(
+        field_err("services:\n  - name: dg\n    target: db:0\n"),
+        "services[0].target"
+    );
+    assert_eq!(
+        field_err("services:\n  - name: DG\n    target: db:1521\n"),
+        "services[0].name"
+    );
+    assert_eq!(
+        field_err("services:\n  - name: dg\n    target: db:1521\n    class: fast\n"),
+        "services[0].class"
+    );
+    assert_eq!(
+        field_err("services:\n  - name: dg\n    listen: 127.0.0.1:1\n    allow: [banana]\n"),
+        "services[0].allow[0]"
+    );
+    assert_eq!(
+        field_err("services:\n  - name: dg\n    target: a:1\n  - name: dg\n    target: b:1\n"),
+        "services[1].name"
+    );
+    assert_eq!(field_err("services:\n  - name: dg\n"), "services[0]");
+    assert_eq!(
+        field_err("limits:\n  stream_window: 1\n"),
+        "limits.stream_window"
+    );
+    assert_eq!(field_err("log:\n  level: loud\n"), "log.level");
+    assert_eq!(field_err("admin:\n  listen: localhost\n"), "admin.listen");
+    let e = Config::parse(
+        &MIN.replace(
+            "connect: 127.0.0.1:7400",
+            "connect: 127.0.0.1:7400\n  bandwidth: fast",
+        ),
+        Path::new("x"),
+    )
+    .expect_err("bad");
+    assert!(
+        matches!(e, ConfigError::Field { ref field, .. } if field == "link.bandwidth"),
+        "{e}"
+    );
+    let e = Config::parse(
+        &MIN.replace(
+            "connect: 127.0.0.1:7400",
+            "connect: 127.0.0.1:7400\n  listen: 0.0.0.0:1",
+        ),
+        Path::new("x"),
+    )
+    .expect_err("bad");
+    assert!(
+        matches!(e, ConfigError::Field { ref field, .. } if field == "link"),
+        "{e}"
+    );
+}
+
+#[test]
+fn link_rate_and_lane_settings() {
+    let with = |extra: &str| {
+        Config::parse(
+            &MIN.replace("peer: east", &format!("peer: east\n{extra}")),
+            Path::new("x.yaml"),
+        )
+    };
+    let c = with("  max_rate: off\n  latency_lane: false\n  lane_congestion: reno").expect("valid");
+    assert_eq!(c.link.max_rate_bps, None);
+    assert!(!c.link.latency_lane);
+    assert_eq!(c.link.lane_congestion, "reno");
+    assert_eq!(
+        with("  max_rate: 30mbit").expect("valid").link.max_rate_bps,
+        Some(30_000_000)
+    );
+    assert_eq!(
+        with("  bandwidth: 45mbit")
+            .expect("valid")
+            .link
+            .max_rate_bps,
+        Some(42_750_000)
+    );
+    for (extra, field) in [
+        ("  max_rate: warp", "link.max_rate"),
+        ("  lane_congestion: \"b b r\"", "link.lane_congestion"),
+    ] {
+        match with(extra) {
+            Err(ConfigError::Field { field: f, .. }) => assert_eq!(f, field),
+            other => panic!("{extra}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn services_both_ways() {
+    let c = parse("services:\n  - name: dg\n    listen: 127.0.0.1:1522\n    allow: [10.0.0.0/8, 192.168.1.7]\n    class: latency\n  - name: rman\n    target: standby.example:1521\n").expect("valid");
+    assert_eq!(c.services.len(), 2);
+    assert_eq!(c.services[0].class, Class::Latency);
+    match &c.services[0].kind {
+        ServiceKind::Listen { allow, .. } => assert_eq!(allow.len(), 2),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// `describe` writes what `parse` reads back to the same config.
+fn assert_round_trip(c: &Config) {
+    let text = c.describe();
+    let back = Config::parse(&text, &c.path)
+        .unwrap_or_else(|e| panic!("describe does not parse back: {e}\n{text}"));
+    assert_eq!(&back, c, "{text}");
+}
+
+#[test]
+fn every_shipped_config_describes_itself_exactly() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).expect("config dir").flatten() {
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "yaml") {
+            assert_round_trip(&Config::load(&p).expect("shipped config loads"));
+            n += 1;
+        }
+    }
+    assert!(n >= 2, "the west/east pair");
+}
+
+#[test]
+fn configs_with_every_option_describe_themselves_exactly() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let key = dir.path().join("cache key");
+    std::fs::write(&key, [9u8; 32]).expect("key");
+    let every = format!(
+        "site: west\nlink:\n  listen: '[::1]:7400'\n  peer: east\n  bandwidth: 1.5gbit\n  rtt: 250us\n  congestion: cubic\n  send_buffer: 16MiB\n  recv_buffer: 8MiB\n  notsent_lowat: 64k\n  keepalive: 1500ms\n  user_timeout: 2m\n  reconnect_min: 50ms\n  reconnect_max: 5m\n  latency_lane: false\n  lane_congestion: reno\n  max_rate: 900mbit\ntls: {{ca: /etc/wanopt/ca.pem, cert: c.pem, key: k.key}}\nservices:\n  - name: dg\n    listen: '[::1]:1522'\n    allow: [10.0.0.0/8, 192.168.1.7, '::1']\n    class: latency\n    compression: none\n    dedup: off\n  - name: rman\n    target: standby.example:1521\n    compression: zstd\n    dedup_scope: service\noptimize:\n  enabled: true\n  memory: 1GiB\n  service_memory: 128MiB\n  chunk: 16KiB\n  zstd_level: 9\n  compression: lz4\n  dedup: on\n  dedup_scope: link\n  disk:\n    bytes: 8GiB\n    service_bytes: 1GiB\n    key_file: '{}'\n    checkpoint: 90s\nadmin:\n  listen: 127.0.0.1:9400\nstate_dir: /var/lib/wanopt west\nlog:\n  level: debug\nlimits:\n  max_streams: 100\n  stream_window: 2MiB\n  link_window: 32MiB\n  stream_buffer: 1MiB\n  shutdown_grace: 0s\n  connect_timeout: 3s\n  link_wait: 0s\n  handshake_timeout: 2s\n  idle_timeout: 10s\n  threads: 4\n",
+        key.display()
+    );
+    let path = Path::new("/etc/wanopt/west.yaml");
+    let c = Config::parse(&every, path).expect("valid");
+    assert!(
+        c.optimize
+            .disk
+            .as_ref()
+            .is_some_and(|d| d.key == Some([9u8; 32]))
+    );
+    assert_round_trip(&c);
+    // Each default alone, and each section's variants.
+    for extra in [
+        "",
+        "optimize:\n  enabled: false\n",
+        "optimize:\n  disk:\n    bytes: 1GiB\n",
+        "optimize:\n  memory: 0\n  dedup: off\n",
+        "services:\n  - name: a\n    listen: 0.0.0.0:1\n  - name: b\n    target: x:2\n    class: latency\n",
+        "limits:\n  idle_timeout: 1h\n  shutdown_grace: 1500us\n",
+    ] {
+        assert_round_trip(&parse(extra).expect("valid"));
+    }
+    for link in [
+        "  bandwidth: 10mbit\n",
+        "  max_rate: off\n",
+        "  bandwidth: 1gbit\n  max_rate: auto\n",
+    ] {
+        let y = MIN.replace("  peer: east\n", &format!("  peer: east\n{link}"));
+        assert_round_trip(&Config::parse(&y, path).expect("valid"));
+    }
+}
+
+#[test]
+fn enums_read_and_write_the_same_words() {
+    for c in [
+        Compression::None,
+        Compression::Lz4,
+        Compression::Zstd,
+        Compression::Adaptive,
+    ] {
+        assert_eq!(c.to_string().parse::<Compression>(), Ok(c));
+    }
+    for c in [Class::Latency, Class::Bulk] {
+        assert_eq!(c.to_string().parse::<Class>(), Ok(c));
+    }
+    for s in [Scope::Link, Scope::Service] {
+        assert_eq!(s.to_string().parse::<Scope>(), Ok(s));
+    }
+    for b in [BufferSize::Auto, BufferSize::Bytes(65536)] {
+        assert_eq!(b.to_string().parse::<BufferSize>(), Ok(b));
+    }
+    assert!("gzip".parse::<Compression>().is_err());
+}
+
+#[test]
+fn garbage_is_an_error_not_a_panic() {
+    for text in [
+        "",
+        "[",
+        "site: [1,2",
+        "\u{0}\u{1}",
+        "site: 5\nlink: 3\n",
+        &"a: ".repeat(10_000),
+    ] {
+        assert!(Config::parse(text, Path::new("x")).is_err());
+    }
+}
