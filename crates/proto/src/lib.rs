@@ -14,7 +14,7 @@ pub mod link;
 
 pub use coding::{
     CacheStat, CacheStorage, ChunkStore, CodecCount, CodecSettings, Compression, Pressure, Role,
-    SavedCache, SavedState, Scope, StreamPolicy, TierStats,
+    SavedCache, SavedState, Scope, StateRequest, StreamPolicy, TierStats,
 };
 pub use error::{FrameError, LinkError, StreamError};
 pub use frame::{CacheOffer, Class, CloseCode, Frame, Hello, ResetCode, StreamId};

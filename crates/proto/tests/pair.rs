@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-use wanopt_proto::{CacheStorage, ChunkStore, SavedCache, SavedState};
+use wanopt_proto::{CacheStorage, ChunkStore, SavedCache, SavedState, StateRequest};
 use wanopt_proto::{
     Class, CloseCode, CodecCount, CodecSettings, Compression, Event, Frame, Hello, LANES, Link,
     LinkConfig, LinkError, Pressure, ReadOutcome, ResetCode, Role, Scope, Snapshot, StreamId,
@@ -62,6 +62,8 @@ struct App {
     first_byte: HashMap<StreamId, Instant>,
     /// Cache states the link asked to save.
     checkpoints: Vec<(Role, usize, Arc<str>, Arc<Snapshot>)>,
+    /// Cache states the link asked to load, and when.
+    loads: Option<(Instant, Vec<StateRequest>)>,
 }
 
 struct Side {
@@ -69,6 +71,52 @@ struct Side {
     app: App,
     /// Partial frames received per lane.
     inbufs: [BytesMut; LANES],
+    /// Where saved states are loaded from, as the runtime does on a blocking thread.
+    storage: Option<Arc<TestStorage>>,
+    /// How long a load takes (virtual time): frames arriving meanwhile wait in `inbufs`.
+    load_delay: Duration,
+}
+
+impl Side {
+    fn new(link: Link) -> Side {
+        Side {
+            link,
+            app: App::default(),
+            inbufs: Default::default(),
+            storage: None,
+            load_delay: Duration::ZERO,
+        }
+    }
+
+    /// When the states being loaded are in, if any are.
+    fn load_due(&self) -> Option<Instant> {
+        self.app.loads.as_ref().map(|(t, _)| *t + self.load_delay)
+    }
+
+    /// Hands the link the states it asked for once they are due, and feeds it what waited.
+    fn answer_loads(&mut self, now: Instant) -> bool {
+        if self.load_due().is_none_or(|t| t > now) {
+            return false;
+        }
+        let Some((_, reqs)) = self.app.loads.take() else {
+            return false;
+        };
+        let states = reqs
+            .into_iter()
+            .map(|r| {
+                let s = self.storage.as_ref().and_then(|st| st.load(&r.digest));
+                (r, s)
+            })
+            .collect();
+        self.link.states_loaded(states);
+        for lane in 0..LANES {
+            let buf = &mut self.inbufs[lane];
+            if !buf.is_empty() {
+                let _ = self.link.handle_lane_input(lane, buf, now);
+            }
+        }
+        true
+    }
 }
 
 struct Pair {
@@ -110,16 +158,8 @@ impl Pair {
         };
         Pair {
             now,
-            west: Side {
-                link: west,
-                app: App::default(),
-                inbufs: Default::default(),
-            },
-            east: Side {
-                link: east,
-                app: App::default(),
-                inbufs: Default::default(),
-            },
+            west: Side::new(west),
+            east: Side::new(east),
             w2e: [pipe(), pipe()],
             e2w: [pipe(), pipe()],
         }
@@ -136,6 +176,7 @@ impl Pair {
                     side.link.handle_timeout(self.now);
                     progress = true;
                 }
+                progress |= side.answer_loads(self.now);
             }
             progress |= step_side(&mut self.west, &mut self.w2e, self.now);
             progress |= step_side(&mut self.east, &mut self.e2w, self.now);
@@ -155,6 +196,8 @@ impl Pair {
                 .map(|(t, _)| *t)
                 .chain(self.west.link.poll_timeout())
                 .chain(self.east.link.poll_timeout())
+                .chain(self.west.load_due())
+                .chain(self.east.load_due())
                 .min();
             for (side, pipes) in [(&self.west, &self.w2e), (&self.east, &self.e2w)] {
                 for (lane, pipe) in pipes.iter().enumerate() {
@@ -211,6 +254,7 @@ fn step_side(side: &mut Side, pipes: &mut [Pipe; LANES], now: Instant) -> bool {
                 scope,
                 state,
             } => side.app.checkpoints.push((role, lane, scope, state)),
+            Event::LoadStates(reqs) => side.app.loads = Some((now, reqs)),
             Event::Readable(_) | Event::Writable(_) | Event::Done(_) => {}
         }
     }
@@ -1117,24 +1161,36 @@ impl TestStorage {
     }
 }
 
-impl CacheStorage for TestStorage {
+impl TestStorage {
     fn saved(&self) -> Vec<SavedCache> {
         self.saved.lock().expect("lock").clone()
     }
-    fn load(&self, _: Role, _: usize, _: &str, digest: &[u8; 16]) -> Option<Snapshot> {
+    fn load(&self, digest: &[u8; 16]) -> Option<Snapshot> {
         self.states
             .lock()
             .expect("lock")
             .get(digest)
             .map(|s| (**s).clone())
     }
+}
+
+impl CacheStorage for TestStorage {
     fn store(&self, lane: usize, scope: &str) -> Option<Box<dyn ChunkStore>> {
         Some(Box::new(self.mem(lane, scope)))
     }
 }
 
-/// A coded pair with disk tiers (16 MiB of files each, 64 KiB of memory) on both sides.
+/// A coded pair with disk tiers (16 MiB of files each, 64 KiB of memory) on both sides, up.
 fn stored_pair(ws: &Arc<TestStorage>, es: &Arc<TestStorage>) -> Pair {
+    let mut p = stored_pair_starting(ws, es);
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up);
+    p
+}
+
+/// [`stored_pair`] before the hellos are exchanged; east's disk is slow: its states take 300 ms
+/// to load.
+fn stored_pair_starting(ws: &Arc<TestStorage>, es: &Arc<TestStorage>) -> Pair {
     let settings = || CodecSettings {
         cache_bytes: 64 * 1024,
         disk_bytes: 16 << 20,
@@ -1147,15 +1203,18 @@ fn stored_pair(ws: &Arc<TestStorage>, es: &Arc<TestStorage>) -> Pair {
         50_000_000,
         |c| {
             c.codec = Some(settings());
+            c.saved_states = w.saved();
             c.cache_storage = Some(w);
         },
         |c| {
             c.codec = Some(settings());
+            c.saved_states = e.saved();
             c.cache_storage = Some(e);
         },
     );
-    p.drive(Duration::from_secs(1));
-    assert!(p.west.app.up && p.east.app.up);
+    p.west.storage = Some(ws.clone());
+    p.east.storage = Some(es.clone());
+    p.east.load_delay = Duration::from_millis(300);
     p
 }
 
@@ -1222,6 +1281,52 @@ fn caches_resume_after_a_restart_and_damage_is_resent_never_misread() {
 }
 
 #[test]
+fn frames_wait_in_the_buffer_while_resumed_states_load() {
+    let (ws, es) = (
+        Arc::new(TestStorage::default()),
+        Arc::new(TestStorage::default()),
+    );
+    let data = pattern(14, 2 << 20);
+    let mut p = stored_pair(&ws, &es);
+    let first = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    shut_down(p, &ws, &es);
+
+    // West is up (and sending) long before east's slow disk hands its states over.
+    let mut p = stored_pair_starting(&ws, &es);
+    p.drive(Duration::from_millis(60));
+    assert!(p.west.app.up, "west heard east's hello");
+    let before = p.west.link.link_wire().0;
+    let id = open_and_send(&mut p, "e-svc", Class::Bulk, data.clone());
+    p.drive(Duration::from_millis(150));
+    assert!(p.east.link.is_loading(), "east still loads its states");
+    // (References to the resumed cache, mostly: the whole repeat is a few KiB.)
+    assert!(
+        p.east.inbufs[0].len() > 1024,
+        "west's frames wait unread: {} bytes",
+        p.east.inbufs[0].len()
+    );
+    assert!(p.east.app.received.is_empty());
+    p.drive(Duration::from_secs(60));
+    assert!(!p.east.link.is_loading());
+    assert!(
+        p.east
+            .app
+            .received
+            .get(&id)
+            .is_some_and(|r| r[..] == data[..])
+    );
+    let again = p.west.link.link_wire().0 - before;
+    assert!(
+        again * 50 < first,
+        "resumed after the wait: {again} of {first}"
+    );
+    assert_eq!(counts(&mut p.east.link).needs, 0);
+    p.east.app.to_send.insert(id, (Bytes::new(), true));
+    p.drive(Duration::from_secs(5));
+    p.assert_no_leaks();
+}
+
+#[test]
 fn service_scoped_caches_resume_too() {
     let (ws, es) = (
         Arc::new(TestStorage::default()),
@@ -1256,10 +1361,10 @@ fn service_scoped_caches_resume_too() {
         es.saved()
             .iter()
             .filter(|c| c.scope.is_empty() && c.role == Role::Decoder)
-            .all(|c| c.states.iter().all(|s| {
-                es.load(Role::Decoder, 0, "", &s.digest)
-                    .is_some_and(|s| s.entries.is_empty())
-            })),
+            .all(|c| c
+                .states
+                .iter()
+                .all(|s| { es.load(&s.digest).is_some_and(|s| s.entries.is_empty()) })),
     );
     p.assert_no_leaks();
 }

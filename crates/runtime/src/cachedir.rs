@@ -346,8 +346,10 @@ impl CacheDir {
     }
 }
 
-impl CacheStorage for CacheDir {
-    fn saved(&self) -> Vec<SavedCache> {
+impl CacheDir {
+    /// States saved for this peer, newest first per cache (listed, not loaded). Reads the
+    /// directory: call it where blocking is allowed.
+    pub fn saved(&self) -> Vec<SavedCache> {
         let mut out = Vec::new();
         for e in std::fs::read_dir(&self.root)
             .into_iter()
@@ -377,7 +379,15 @@ impl CacheStorage for CacheDir {
         out
     }
 
-    fn load(&self, role: Role, lane: usize, scope: &str, digest: &Fingerprint) -> Option<Snapshot> {
+    /// Loads a saved state; `None` if it is gone or damaged (its digest is checked). Reads a
+    /// file of up to [`MAX_STATE_FILE`] bytes: call it where blocking is allowed.
+    pub fn load(
+        &self,
+        role: Role,
+        lane: usize,
+        scope: &str,
+        digest: &Fingerprint,
+    ) -> Option<Snapshot> {
         let dir = self.root.join(dir_name(role, lane, scope)?);
         let (_, _, p) = states_in(&dir)
             .into_iter()
@@ -406,7 +416,9 @@ impl CacheStorage for CacheDir {
         info!(cache = %dir.display(), chunks = snap.entries.len(), "resumed a saved cache state");
         Some(snap)
     }
+}
 
+impl CacheStorage for CacheDir {
     fn store(&self, lane: usize, scope: &str) -> Option<Box<dyn ChunkStore>> {
         let limit = if scope.is_empty() {
             self.codec.disk_bytes

@@ -15,7 +15,7 @@ use tokio::sync::{Notify, mpsc};
 use tracing::{debug, info, warn};
 use wanopt_proto::{
     Class, CloseCode, Event, LANES, LATENCY_LANE, Link, LinkError, MAIN_LANE, ResetCode,
-    StreamError, StreamId,
+    StateRequest, StreamError, StreamId,
 };
 
 use crate::cachedir::CacheDir;
@@ -89,6 +89,8 @@ pub(crate) struct Inner {
     pub signals: HashMap<StreamId, Arc<StreamSignal>>,
     opened: Vec<(StreamId, Arc<str>)>,
     up: bool,
+    /// Saved cache states the link asked for, until the main lane's reader loads them.
+    load: Vec<StateRequest>,
 }
 
 /// One live link: the protocol state machine and the wakeups around it.
@@ -114,6 +116,7 @@ impl LinkHandle {
                 signals: HashMap::new(),
                 opened: Vec::new(),
                 up: false,
+                load: Vec::new(),
             }),
             tx: Default::default(),
             armed: Mutex::new(None),
@@ -205,6 +208,7 @@ impl LinkHandle {
                     }
                 }
                 Event::Closed(_) => {}
+                Event::LoadStates(reqs) => g.load = reqs,
                 Event::Checkpoint {
                     role,
                     lane,
@@ -417,7 +421,7 @@ async fn read_link<R: AsyncRead + Unpin>(
             };
             add(&counters.link.wire_in, n as u64);
         }
-        let (opened, up, closed, err, wants) = {
+        let (opened, up, closed, err, wants, load, loading) = {
             let mut g = lock(&h.inner);
             let r = g.link.handle_lane_input(lane, &mut buf, Instant::now());
             h.dispatch(&mut g);
@@ -427,6 +431,8 @@ async fn read_link<R: AsyncRead + Unpin>(
                 g.link.is_closed(),
                 r.err(),
                 h.wants(&g),
+                std::mem::take(&mut g.load),
+                g.link.is_loading(),
             )
         };
         h.wake(wants);
@@ -457,7 +463,43 @@ async fn read_link<R: AsyncRead + Unpin>(
                 .close_error()
                 .map_or_else(|| "closed".to_string(), ToString::to_string);
         }
+        if !load.is_empty() {
+            // The link reads nothing more until the states it resumes are in: load them where
+            // blocking is allowed, and read no more meanwhile (what came stays in `buf`).
+            let states = load_states(h.ctx.caches.clone(), load).await;
+            h.with(|l| l.states_loaded(states));
+            h.kick();
+            pending = true;
+        } else if loading {
+            // Another lane's reader is loading them: wait rather than buffer without bound.
+            while h.with(|l| l.is_loading() && !l.is_closed()) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            pending = true;
+        }
     }
+}
+
+/// Loads the saved cache states a link resumes, on a blocking thread; one that cannot be read is
+/// `None` (its cache starts empty).
+async fn load_states(
+    caches: Option<Arc<CacheDir>>,
+    reqs: Vec<StateRequest>,
+) -> Vec<(StateRequest, Option<wanopt_proto::Snapshot>)> {
+    let fallback: Vec<_> = reqs.iter().map(|r| (r.clone(), None)).collect();
+    let Some(dir) = caches else {
+        return fallback;
+    };
+    tokio::task::spawn_blocking(move || {
+        reqs.into_iter()
+            .map(|r| {
+                let s = dir.load(r.role, r.lane, &r.scope, &r.digest);
+                (r, s)
+            })
+            .collect()
+    })
+    .await
+    .unwrap_or(fallback)
 }
 
 /// Writes one lane's frames; the main lane also runs the link's timers (pings, idle timeout).

@@ -88,7 +88,7 @@ async fn accept_link(peer: Arc<Peer>, tcp: TcpStream, addr: SocketAddr) {
         None => {
             sockopt::tune_main_lane(&sock, &cfg.link);
             sockopt::log_effective(&sock, &cfg.link);
-            let h = peer.new_link(fd);
+            let h = peer.new_link(fd).await;
             // The hello stays in the buffer: the link reads it first.
             driver::run_link(h, tls, addr, buf).await
         }
@@ -248,7 +248,7 @@ pub(crate) async fn connect_loop(peer: Arc<Peer>) {
                 let sock = socket2::SockRef::from(tls.get_ref().0.get_ref());
                 sockopt::log_effective(&sock, &cfg.link);
                 sockopt::tune_main_lane(&sock, &cfg.link);
-                let h = peer.new_link(tls.get_ref().0.get_ref().as_raw_fd());
+                let h = peer.new_link(tls.get_ref().0.get_ref().as_raw_fd()).await;
                 driver::run_link(h, tls, addr, BytesMut::new()).await;
                 if started.elapsed() > Duration::from_secs(5) {
                     backoff = cfg.link.reconnect_min;

@@ -77,9 +77,18 @@ impl Peer {
     }
 
     /// A new link on a connection whose main socket is `fd`, set up from the config in force.
-    pub fn new_link(&self, fd: std::os::fd::RawFd) -> Arc<LinkHandle> {
+    /// The saved cache states it offers are listed on a blocking thread.
+    pub async fn new_link(&self, fd: std::os::fd::RawFd) -> Arc<LinkHandle> {
         let cfg = self.cfg();
-        let mut link = Link::new(link_config(&cfg, self.caches.as_ref()));
+        let mut lc = link_config(&cfg, self.caches.as_ref());
+        if lc.cache_storage.is_some()
+            && let Some(dir) = self.caches.clone()
+        {
+            lc.saved_states = tokio::task::spawn_blocking(move || dir.saved())
+                .await
+                .unwrap_or_default();
+        }
+        let mut link = Link::new(lc);
         link.set_services(targets(&cfg));
         link.set_policies(policies(&cfg));
         let ctx = LinkCtx {

@@ -11,7 +11,8 @@ use wanopt_codec::{self as codec, CodecConfig, CodecError, Decoder, Mirror, Stre
 
 use super::recv::{Decoded, RecvCoded};
 use super::{
-    CacheStat, CacheStorage, CodecCount, CodecSettings, Fingerprint, Role, SavedState, lane_share,
+    CacheStat, CacheStorage, CodecCount, CodecSettings, Fingerprint, Role, SavedCache, SavedState,
+    StateRequest, lane_share,
 };
 use crate::frame::{self, CacheOffer};
 use crate::lane::{LANES, MAIN_LANE};
@@ -33,8 +34,10 @@ pub(crate) struct Contexts {
     storage: Option<Arc<dyn CacheStorage>>,
     /// States we saved, offered in our hello.
     saved: HashMap<(Role, Key), Vec<SavedState>>,
-    /// States both sides agreed to resume, loaded when the cache is first used.
+    /// States both sides agreed to resume, until they are handed to the runtime to load.
     resume: HashMap<(Role, Key), Fingerprint>,
+    /// States the runtime loaded, taken when the cache is first used.
+    loaded: HashMap<(Role, Key), Snapshot>,
     /// Each mirror's clock at its last checkpoint: it changed since if it differs.
     checkpointed: HashMap<Key, u64>,
     /// Each decoder's clock when a peer's checkpoint was last judged against it.
@@ -51,20 +54,6 @@ impl std::fmt::Debug for Contexts {
     }
 }
 
-/// Loads an agreed state; a state that cannot be loaded leaves the cache empty (which costs
-/// dedup, never correctness: see [`Contexts::mirror`] and [`Contexts::decoder`]).
-fn load(
-    storage: Option<&dyn CacheStorage>,
-    role: Role,
-    lane: usize,
-    scope: &str,
-    digest: &Fingerprint,
-) -> Option<Snapshot> {
-    storage?
-        .load(role, lane, scope, digest)
-        .filter(|s| s.digest() == *digest)
-}
-
 fn to_usize(n: u64) -> usize {
     usize::try_from(n).unwrap_or(usize::MAX)
 }
@@ -72,9 +61,14 @@ fn to_usize(n: u64) -> usize {
 type Key = (usize, Arc<str>);
 
 impl Contexts {
-    pub fn new(own: CodecSettings, storage: Option<Arc<dyn CacheStorage>>) -> Self {
+    pub fn new(
+        own: CodecSettings,
+        storage: Option<Arc<dyn CacheStorage>>,
+        listed: Vec<SavedCache>,
+    ) -> Self {
         let mut saved = HashMap::new();
-        for c in storage.iter().flat_map(|s| s.saved()) {
+        // Without storage there is nowhere a resumed decoder's bytes could be.
+        for c in listed.into_iter().filter(|_| storage.is_some()) {
             // Only states of our cache as configured now can be resumed by our decoders.
             // (and a decoder without a disk tier has no bytes to resume).
             let cap = own.capacity(c.lane, c.scope.is_empty());
@@ -101,6 +95,7 @@ impl Contexts {
             storage,
             saved,
             resume: HashMap::new(),
+            loaded: HashMap::new(),
             checkpointed: HashMap::new(),
             judged: HashMap::new(),
         }
@@ -154,6 +149,35 @@ impl Contexts {
         self.saved.clear();
     }
 
+    /// The states chosen to resume, for the runtime to load; each is asked for once.
+    pub fn take_requests(&mut self) -> Vec<StateRequest> {
+        let mut v: Vec<StateRequest> = self
+            .resume
+            .drain()
+            .map(|((role, (lane, scope)), digest)| StateRequest {
+                role,
+                lane,
+                scope,
+                digest,
+            })
+            .collect();
+        v.sort_by(|a, b| {
+            (a.lane, &a.scope, a.role.label()).cmp(&(b.lane, &b.scope, b.role.label()))
+        });
+        v
+    }
+
+    /// Keeps the states the runtime loaded until their caches are first used. A state that is
+    /// missing, or is not the one asked for, leaves its cache empty, which costs dedup and never
+    /// correctness (see [`Contexts::mirror`] and [`Contexts::decoder`]).
+    pub fn states_loaded(&mut self, states: Vec<(StateRequest, Option<Snapshot>)>) {
+        for (r, s) in states {
+            if let Some(s) = s.filter(|s| s.digest() == r.digest) {
+                self.loaded.insert((r.role, (r.lane, r.scope)), s);
+            }
+        }
+    }
+
     /// Takes the peer's announced cache sizes and frame limit. Our mirrors never exceed our own
     /// limits; a smaller mirror holds a subset of the peer's cache (LRU keeps the most recent
     /// chunks that fit), so it never claims a chunk the peer has evicted.
@@ -192,13 +216,10 @@ impl Contexts {
         };
         let (level, resend) = (self.own.zstd_level, self.resend);
         let key = (lane, scope.clone());
-        let resume = self.resume.remove(&(Role::Mirror, key.clone()));
-        let storage = self.storage.clone();
+        let resume = self.loaded.remove(&(Role::Mirror, key.clone()));
         self.mirrors.entry(key).or_insert_with(|| {
             let mut m = Mirror::new(to_usize(lane_share(size, lane)), resend, level);
-            if let Some(s) =
-                resume.and_then(|d| load(storage.as_deref(), Role::Mirror, lane, scope, &d))
-            {
+            if let Some(s) = resume {
                 // A state of another size cannot be resumed: start empty (the peer's cache then
                 // holds more than we assume, which only costs dedup).
                 let _ = m.cache_mut().restore(&s);
@@ -209,7 +230,7 @@ impl Contexts {
 
     pub fn decoder(&mut self, lane: usize, scope: &Arc<str>) -> &mut Decoder {
         let key = (lane, scope.clone());
-        let resume = self.resume.remove(&(Role::Decoder, key.clone()));
+        let resume = self.loaded.remove(&(Role::Decoder, key.clone()));
         let (mem, disk) = self.own.limits(lane, scope.is_empty());
         let storage = self.storage.clone();
         self.decoders.entry(key).or_insert_with(|| {
@@ -220,9 +241,7 @@ impl Contexts {
                 Some(st) => ChunkCache::tiered(to_usize(mem), disk, st),
                 None => ChunkCache::new(to_usize(mem)),
             };
-            if let Some(s) =
-                resume.and_then(|d| load(storage.as_deref(), Role::Decoder, lane, scope, &d))
-            {
+            if let Some(s) = resume {
                 // Chunks whose bytes are gone become misses, which the peer answers.
                 let _ = cache.restore(&s);
             }

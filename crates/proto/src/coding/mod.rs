@@ -178,13 +178,21 @@ pub struct SavedCache {
     pub states: Vec<SavedState>,
 }
 
-/// Where the daemon keeps a link's caches beyond memory: disk tiers for our decoders, and the
-/// states saved at checkpoints (written by the runtime on [`Event::Checkpoint`](crate::Event)).
+/// A saved state both sides agreed to resume, for the runtime to load (see
+/// [`Event::LoadStates`](crate::Event)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateRequest {
+    pub role: Role,
+    pub lane: usize,
+    pub scope: Arc<str>,
+    pub digest: Fingerprint,
+}
+
+/// Where the daemon keeps a link's caches beyond memory: the disk tiers of our decoders. Saved
+/// states are listed and loaded by the runtime itself, off the link's path: it lists them into
+/// [`LinkConfig::saved_states`](crate::LinkConfig) and answers [`Event::LoadStates`](crate::Event);
+/// it writes them on [`Event::Checkpoint`](crate::Event).
 pub trait CacheStorage: Send + Sync + std::fmt::Debug {
-    /// States saved for this peer (listed, not loaded).
-    fn saved(&self) -> Vec<SavedCache>;
-    /// Loads a saved state; `None` if it is gone or damaged (its digest is checked here too).
-    fn load(&self, role: Role, lane: usize, scope: &str, digest: &Fingerprint) -> Option<Snapshot>;
     /// The disk store of our decoder cache of a lane and scope, if it has a disk tier.
     fn store(&self, lane: usize, scope: &str) -> Option<Box<dyn ChunkStore>>;
 }
@@ -264,9 +272,13 @@ fn no_codec(what: &str) -> LinkError {
 }
 
 impl Coding {
-    pub fn new(settings: Option<CodecSettings>, storage: Option<Arc<dyn CacheStorage>>) -> Self {
+    pub fn new(
+        settings: Option<CodecSettings>,
+        storage: Option<Arc<dyn CacheStorage>>,
+        saved: Vec<SavedCache>,
+    ) -> Self {
         Coding {
-            ctx: settings.map(|c| Contexts::new(c, storage)),
+            ctx: settings.map(|c| Contexts::new(c, storage, saved)),
             policies: HashMap::new(),
             pressure: Pressure::CpuBound,
             answers: 0,
@@ -302,6 +314,21 @@ impl Coding {
             && let Some(ctx) = self.ctx.as_mut()
         {
             ctx.on_peer(cache, service_cache, max_frame, link_window, offers);
+        }
+    }
+
+    /// The saved states chosen for resumption, for the runtime to load (taken once).
+    pub fn take_state_requests(&mut self) -> Vec<StateRequest> {
+        self.ctx
+            .as_mut()
+            .map(Contexts::take_requests)
+            .unwrap_or_default()
+    }
+
+    /// The states the runtime loaded; `None` for one it could not (that cache starts empty).
+    pub fn states_loaded(&mut self, states: Vec<(StateRequest, Option<Snapshot>)>) {
+        if let Some(ctx) = self.ctx.as_mut() {
+            ctx.states_loaded(states);
         }
     }
 

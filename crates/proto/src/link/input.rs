@@ -48,6 +48,10 @@ impl Link {
         }
         self.timers.set(Timer::Idle, now + self.cfg.idle_timeout);
         loop {
+            if self.loading {
+                // Frames past the hello may use a resumed cache: they wait in `buf`.
+                return Ok(());
+            }
             let max = if self.state == State::Handshake {
                 // Before the hello, only a hello-sized frame is acceptable (its cache offers
                 // included).
@@ -163,6 +167,11 @@ impl Link {
         self.state = State::Open;
         self.timers.set(Timer::Ping, now + self.cfg.keepalive);
         self.events.push_back(Event::Up { peer: h, version });
+        let load = self.coding.take_state_requests();
+        if !load.is_empty() {
+            self.loading = true;
+            self.events.push_back(Event::LoadStates(load));
+        }
         Ok(())
     }
 

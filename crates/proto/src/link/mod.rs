@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 
 use crate::coding::{
-    CacheStat, CacheStorage, CodecCount, CodecSettings, Coding, Pressure, Role, StreamPolicy,
+    CacheStat, CacheStorage, CodecCount, CodecSettings, Coding, Pressure, Role, SavedCache,
+    StateRequest, StreamPolicy,
 };
 use crate::error::{LinkError, StreamError};
 use crate::flow::{RecvWindow, SendCredit};
@@ -66,6 +67,9 @@ pub struct LinkConfig {
     pub cache_storage: Option<Arc<dyn CacheStorage>>,
     /// How often a changed cache is checkpointed (with `cache_storage`).
     pub checkpoint_interval: Duration,
+    /// The cache states saved for this peer, as the runtime listed them (offered in our hello;
+    /// used only with `cache_storage`).
+    pub saved_states: Vec<SavedCache>,
 }
 
 impl LinkConfig {
@@ -87,6 +91,7 @@ impl LinkConfig {
             codec: None,
             cache_storage: None,
             checkpoint_interval: Duration::from_secs(60),
+            saved_states: Vec::new(),
         }
     }
 }
@@ -118,6 +123,10 @@ pub enum Event {
     Done(StreamId),
     /// The link is closed; every stream is gone.
     Closed(Option<LinkError>),
+    /// Load these saved cache states (both sides agreed to resume them) and hand them over with
+    /// [`Link::states_loaded`]. Until then the link reads no frame past the hello and sends no
+    /// stream's bytes, so no cache is used before its state is in.
+    LoadStates(Vec<StateRequest>),
     /// Save this state of a cache: both sides reached it at the same point of a lane, so after
     /// a restart they can resume it (see [`CacheStorage`]). A decoder's state names chunks on its
     /// disk tier, which must be flushed before the state is written.
@@ -193,12 +202,18 @@ pub struct Link {
     close_error: Option<LinkError>,
     /// The codec's caches and policies (inert without codec settings).
     coding: Coding,
+    /// Waiting for the runtime to load the states to resume ([`Event::LoadStates`]).
+    loading: bool,
 }
 
 impl Link {
     /// A new link; its hello is queued as the first frame to transmit.
     pub fn new(cfg: LinkConfig) -> Self {
-        let coding = Coding::new(cfg.codec.clone(), cfg.cache_storage.clone());
+        let coding = Coding::new(
+            cfg.codec.clone(),
+            cfg.cache_storage.clone(),
+            cfg.saved_states.clone(),
+        );
         let hello = hello::ours(&cfg, coding.offers());
         Link {
             state: State::Handshake,
@@ -221,6 +236,7 @@ impl Link {
             keepalive: Keepalive::default(),
             close_error: None,
             coding,
+            loading: false,
             cfg,
         }
     }
@@ -269,6 +285,20 @@ impl Link {
     /// True once the peer's hello was accepted and until the link closes or drains.
     pub fn is_open(&self) -> bool {
         self.state == State::Open
+    }
+
+    /// True while the link waits for the states of [`Event::LoadStates`]: it reads no frame
+    /// past the hello (they stay in the caller's buffer) and sends no stream's bytes.
+    pub fn is_loading(&self) -> bool {
+        self.loading
+    }
+
+    /// The states asked for by [`Event::LoadStates`], as loaded (`None`: missing or damaged, so
+    /// that cache starts empty). The link goes on: the caller feeds it the bytes it kept, with
+    /// [`handle_lane_input`](Self::handle_lane_input) on each lane's buffer.
+    pub fn states_loaded(&mut self, states: Vec<(StateRequest, Option<Snapshot>)>) {
+        self.coding.states_loaded(states);
+        self.loading = false;
     }
 
     /// True once the link is closed (after an error, a GoAway either way).

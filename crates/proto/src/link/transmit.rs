@@ -39,7 +39,7 @@ impl Link {
         }
         let start = out.len();
         self.transmit_control(lane, out);
-        if matches!(self.state, State::Open | State::Draining) {
+        if matches!(self.state, State::Open | State::Draining) && !self.loading {
             while out.len() < limit && self.link_credit.available() > 0 {
                 let Some((queue, id)) = self.streams.next_ready(lane) else {
                     break;
@@ -64,6 +64,7 @@ impl Link {
         lane < LANES
             && (!self.ctrl[lane].is_empty()
                 || (matches!(self.state, State::Open | State::Draining)
+                    && !self.loading
                     && self.link_credit.available() > 0
                     && self.streams.any_ready(lane)))
     }
