@@ -20,18 +20,7 @@ use wanopt_codec::{CodecConfig, Compression, Decoder, Encoder, Pressure};
 use wanopt_replay::workload::{Generator, Workload};
 use wanopt_runtime::disk::DiskStore;
 
-fn xorshift(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v = Vec::with_capacity(len);
-    while v.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(len);
-    v
-}
+use wanopt_codec::testdata::noise as xorshift;
 
 /// 8 KiB blocks of order-entry-like rows with varying keys and quantities.
 fn db_like(len: usize) -> Vec<u8> {

@@ -19,6 +19,7 @@
 
 pub mod cache;
 pub mod store;
+pub mod testdata;
 
 use bytes::BufMut;
 use cache::{ChunkCache, Fingerprint, fingerprint};

@@ -6,17 +6,7 @@ use proptest::prelude::*;
 
 use super::*;
 
-pub(crate) fn xorshift(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
+pub(crate) use crate::testdata::noise as xorshift;
 
 /// 8 KiB database-like blocks: a header with the block number, then repetitive rows with a few
 /// varying fields, then free space.

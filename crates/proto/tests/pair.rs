@@ -336,16 +336,7 @@ fn step_side(side: &mut Side, pipes: &mut [Pipe; LANES], now: Instant) -> bool {
 }
 
 fn pattern(seed: u64, len: usize) -> Bytes {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect::<Vec<u8>>()
-        .into()
+    wanopt_codec::testdata::noise(seed, len).into()
 }
 
 fn up_pair() -> Pair {
