@@ -75,6 +75,9 @@ struct Side {
     storage: Option<Arc<TestStorage>>,
     /// How long a load takes (virtual time): frames arriving meanwhile wait in `inbufs`.
     load_delay: Duration,
+    /// How long a slow store's reads take (virtual time), and when the waiting ones are done.
+    store_delay: Duration,
+    store_due: Option<Instant>,
 }
 
 impl Side {
@@ -85,7 +88,34 @@ impl Side {
             inbufs: Default::default(),
             storage: None,
             load_delay: Duration::ZERO,
+            store_delay: Duration::ZERO,
+            store_due: None,
         }
+    }
+
+    fn slow_reads(&self) -> Option<Arc<Mutex<SlowReads>>> {
+        self.storage.as_ref()?.slow.lock().expect("lock").clone()
+    }
+
+    /// Finishes a slow store's waiting reads once they are due, and tells the link.
+    fn answer_reads(&mut self, now: Instant) -> bool {
+        let Some(reads) = self.slow_reads() else {
+            return false;
+        };
+        let mut r = reads.lock().expect("lock");
+        if r.waiting.is_empty() {
+            return false;
+        }
+        let due = *self.store_due.get_or_insert(now + self.store_delay);
+        if due > now {
+            return false;
+        }
+        let w = std::mem::take(&mut r.waiting);
+        r.done.extend(w);
+        drop(r);
+        self.store_due = None;
+        self.link.store_ready();
+        true
     }
 
     /// When the states being loaded are in, if any are.
@@ -177,6 +207,7 @@ impl Pair {
                     progress = true;
                 }
                 progress |= side.answer_loads(self.now);
+                progress |= side.answer_reads(self.now);
             }
             progress |= step_side(&mut self.west, &mut self.w2e, self.now);
             progress |= step_side(&mut self.east, &mut self.e2w, self.now);
@@ -198,6 +229,8 @@ impl Pair {
                 .chain(self.east.link.poll_timeout())
                 .chain(self.west.load_due())
                 .chain(self.east.load_due())
+                .chain(self.west.store_due)
+                .chain(self.east.store_due)
                 .min();
             for (side, pipes) in [(&self.west, &self.w2e), (&self.east, &self.e2w)] {
                 for (lane, pipe) in pipes.iter().enumerate() {
@@ -1115,6 +1148,61 @@ struct TestStorage {
     stores: Mutex<HashMap<(usize, String), wanopt_codec::store::MemStore>>,
     saved: Mutex<Vec<SavedCache>>,
     states: Mutex<HashMap<[u8; 16], Arc<Snapshot>>>,
+    /// With `Some`, reads are slow, as the daemon's store thread on a slow disk: see [`SlowStore`].
+    slow: Mutex<Option<Arc<Mutex<SlowReads>>>>,
+}
+
+/// The reads a [`SlowStore`] was asked for and the ones it finished.
+#[derive(Debug, Default)]
+struct SlowReads {
+    waiting: Vec<(u32, u64)>,
+    done: Vec<(u32, u64)>,
+    /// Reads answered `Pending` in all.
+    pending: u64,
+}
+
+/// A disk tier whose reads are not ready at once: `try_read` answers `Pending` until the harness
+/// finishes the reads (after the side's `store_delay` of virtual time) and calls
+/// `Link::store_ready`, as the runtime does when its store thread has read them.
+#[derive(Debug)]
+struct SlowStore {
+    inner: wanopt_codec::store::MemStore,
+    reads: Arc<Mutex<SlowReads>>,
+}
+
+impl ChunkStore for SlowStore {
+    fn append(&mut self, f: &[u8; 16], data: &[u8]) -> Option<wanopt_codec::store::Loc> {
+        self.inner.append(f, data)
+    }
+    fn read(&mut self, loc: wanopt_codec::store::Loc, f: &[u8; 16]) -> Option<Vec<u8>> {
+        self.inner.read(loc, f)
+    }
+    fn try_read(
+        &mut self,
+        loc: wanopt_codec::store::Loc,
+        f: &[u8; 16],
+    ) -> std::task::Poll<Option<Vec<u8>>> {
+        let key = (loc.seg, loc.off);
+        let mut r = self.reads.lock().expect("lock");
+        if let Some(i) = r.done.iter().position(|k| *k == key) {
+            r.done.swap_remove(i);
+            return std::task::Poll::Ready(self.inner.read(loc, f));
+        }
+        if !r.waiting.contains(&key) {
+            r.waiting.push(key);
+            r.pending += 1;
+        }
+        std::task::Poll::Pending
+    }
+    fn remove_segment(&mut self, seg: u32) {
+        self.inner.remove_segment(seg);
+    }
+    fn segments(&self) -> Vec<(u32, u64)> {
+        self.inner.segments()
+    }
+    fn segment_limit(&self) -> u64 {
+        self.inner.segment_limit()
+    }
 }
 
 impl TestStorage {
@@ -1167,7 +1255,11 @@ impl TestStorage {
 
 impl CacheStorage for TestStorage {
     fn store(&self, lane: usize, scope: &str) -> Option<Box<dyn ChunkStore>> {
-        Some(Box::new(self.mem(lane, scope)))
+        let inner = self.mem(lane, scope);
+        Some(match self.slow.lock().expect("lock").clone() {
+            Some(reads) => Box::new(SlowStore { inner, reads }),
+            None => Box::new(inner),
+        })
     }
 }
 
@@ -1313,6 +1405,63 @@ fn frames_wait_in_the_buffer_while_resumed_states_load() {
     );
     assert_eq!(counts(&mut p.east.link).needs, 0);
     p.east.app.to_send.insert(id, (Bytes::new(), true));
+    p.drive(Duration::from_secs(5));
+    p.assert_no_leaks();
+}
+
+#[test]
+fn reads_from_a_slow_disk_stall_only_their_stream() {
+    let (ws, es) = (
+        Arc::new(TestStorage::default()),
+        Arc::new(TestStorage::default()),
+    );
+    let data = pattern(15, 2 << 20);
+    let mut p = stored_pair(&ws, &es);
+    let first = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    shut_down(p, &ws, &es);
+
+    // Restarted with a disk whose every read takes 20 ms: the repeat is read from it (64 KiB of
+    // memory), while a latency-class message goes by.
+    let reads = Arc::new(Mutex::new(SlowReads::default()));
+    *es.slow.lock().expect("lock") = Some(reads.clone());
+    let mut p = stored_pair(&ws, &es);
+    p.east.store_delay = Duration::from_millis(20);
+    let before = p.west.link.link_wire().0;
+    let bulk = open_and_send(&mut p, "e-svc", Class::Bulk, data.clone());
+    p.drive(Duration::from_millis(100));
+    assert!(
+        reads.lock().expect("lock").pending > 0,
+        "the repeat waits for the disk"
+    );
+    let opened = p.now;
+    let msg = pattern(16, 8192);
+    let lat = open_and_send(&mut p, "e-lat", Class::Latency, msg.clone());
+    p.drive(Duration::from_secs(120));
+    let got = |id| p.east.app.received.get(&id).cloned().unwrap_or_default();
+    assert_eq!(got(lat), msg.to_vec());
+    assert!(got(bulk) == data.to_vec(), "bulk bytes differ");
+    let lat_at = p.east.app.first_byte[&lat];
+    assert!(
+        lat_at - opened < Duration::from_millis(60),
+        "the latency message took {:?} behind the disk",
+        lat_at - opened
+    );
+    let r = reads.lock().expect("lock");
+    // One read at a time (a stream stalls on its first pending reference): the bulk stream
+    // took at least pending x 20 ms, the latency message one trip.
+    assert!(r.pending > 50, "{} reads waited", r.pending);
+    assert!(
+        r.waiting.is_empty() && r.done.is_empty(),
+        "every read was used"
+    );
+    drop(r);
+    // Every reference was rebuilt from the disk tier: nothing asked of the peer.
+    assert_eq!(counts(&mut p.east.link).needs, 0);
+    let again = p.west.link.link_wire().0 - before;
+    assert!(again * 50 < first, "{again} of {first}");
+    for id in [bulk, lat] {
+        p.east.app.to_send.insert(id, (Bytes::new(), true));
+    }
     p.drive(Duration::from_secs(5));
     p.assert_no_leaks();
 }
