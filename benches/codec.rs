@@ -8,7 +8,10 @@
 //!
 //! Run: `cargo bench --bench codec` (`-- --mib N` of data per case, default 256;
 //! `--zstd-level N`, default the codec's; `--no-context` compresses every zstd piece alone). A `--wal FILE` (PostgreSQL WAL segments, `cat`
-//! together) adds real redo, sent as live redo arrives: 2 KiB writes, each flushed.
+//! together) adds real redo, sent as live redo arrives: 2 KiB writes, each flushed. Each
+//! `--file FILE` (a backup, WAL, a binlog) adds the file sent as bulk at a stated WAN (zstd
+//! chosen), with and without long stream contexts, beside the `zstd`, `gzip` and `xz` commands'
+//! output of the same bytes as one stream, at zstd levels 3, 6 and 9.
 
 #[path = "../tests/common/args.rs"]
 mod args;
@@ -16,7 +19,7 @@ mod args;
 use std::time::Instant;
 
 use wanopt_codec::cache::ChunkCache;
-use wanopt_codec::{CodecConfig, Compression, Decoder, Encoder, Pressure};
+use wanopt_codec::{CodecConfig, Compression, Decoder, Encoder, LongContext, Pressure};
 use wanopt_replay::workload::{Generator, Workload};
 use wanopt_runtime::disk::DiskStore;
 
@@ -93,6 +96,74 @@ fn run_writes(
         data.len() as f64 / dsecs / 1e6,
         wire.len() as f64 / data.len() as f64
     );
+}
+
+/// A real file as a bulk stream at a stated WAN (zstd chosen), with and without long contexts,
+/// against the stream compressors' output of the same bytes.
+fn file_vs_stream_compressors(path: &str) {
+    let data = std::fs::read(path).unwrap_or_else(|e| panic!("--file {path}: {e}"));
+    let n = data.len() as f64;
+    println!("{path}: {:.1} MB", n / 1e6);
+    let tool = |cmd: &str, args: &[&str]| -> Option<(usize, f64)> {
+        let t = Instant::now();
+        let out = std::process::Command::new(cmd)
+            .args(args)
+            .arg(path)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())?;
+        Some((out.stdout.len(), t.elapsed().as_secs_f64()))
+    };
+    for level in [3, 6, 9] {
+        for long in [None, Some(LongContext::default())] {
+            let cfg = CodecConfig {
+                compression: Compression::Adaptive,
+                zstd_level: level,
+                long,
+                ..CodecConfig::default()
+            };
+            let mut enc = Encoder::new(cfg.clone());
+            let mut wire = Vec::with_capacity(data.len() / 2);
+            let t = Instant::now();
+            for piece in data.chunks(64 * 1024) {
+                enc.push(piece, false, Pressure::LinkBound, &mut wire);
+            }
+            enc.push(&[], true, Pressure::LinkBound, &mut wire);
+            let secs = t.elapsed().as_secs_f64();
+            let mut out = Vec::with_capacity(data.len());
+            Decoder::new(&cfg).decode(&wire, &mut out).expect("decode");
+            assert!(out == data, "round trip");
+            println!(
+                "  wanopt zstd {level}, {:<24} wire/raw {:.3}   encode {:>6.0} MB/s",
+                if long.is_some() {
+                    "long contexts"
+                } else {
+                    "chunks alone"
+                },
+                wire.len() as f64 / n,
+                n / secs / 1e6
+            );
+        }
+        let l = format!("-{level}");
+        if let Some((len, secs)) = tool("zstd", &[&l, "-q", "-c", "-T1"]) {
+            println!(
+                "  zstd -{level} (one stream){:<16} wire/raw {:.3}   encode {:>6.0} MB/s",
+                "",
+                len as f64 / n,
+                n / secs / 1e6
+            );
+        }
+    }
+    for (cmd, args) in [("gzip", ["-6", "-c"]), ("xz", ["-6", "-c"])] {
+        if let Some((len, secs)) = tool(cmd, &args) {
+            println!(
+                "  {cmd} -6{:<32} wire/raw {:.3}   encode {:>6.0} MB/s",
+                "",
+                len as f64 / n,
+                n / secs / 1e6
+            );
+        }
+    }
 }
 
 /// The stages on their own: chunking alone, and chunking plus fingerprints, for the share each
@@ -196,6 +267,9 @@ fn main() {
             2048,
             true,
         );
+    }
+    for path in args.all("--file") {
+        file_vs_stream_compressors(&path);
     }
     stages("db-like stages", &db);
     stages("incompressible stages", &noise);

@@ -22,6 +22,21 @@ impl Args {
         }
     }
 
+    /// Every value given for a repeatable option, in order.
+    pub fn all(&self, name: &str) -> Vec<String> {
+        let mut v = Vec::new();
+        let mut it = self.0.iter();
+        while let Some(a) = it.next() {
+            if a == name {
+                match it.next() {
+                    Some(x) => v.push(x.clone()),
+                    None => fail(name, "needs a value"),
+                }
+            }
+        }
+        v
+    }
+
     pub fn flag(&self, name: &str) -> bool {
         self.0.iter().any(|a| a == name)
     }

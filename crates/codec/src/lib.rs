@@ -43,6 +43,8 @@ const TAG_LIT_CONTEXT: u8 = 6;
 const NO_CACHE: u8 = 0x40;
 /// Flag on a context literal's tag: the sender started a new context with it.
 const FRESH: u8 = 0x20;
+/// Flag on a fresh context literal's tag: the context has a long window (see [`LongContext`]).
+const LONG: u8 = 0x10;
 
 /// zstd window of a stream context. On PostgreSQL WAL a 128 KiB window compressed as well as
 /// 4 MiB (0.301 against 0.306 of the raw bytes, zstd -3): redo repeats itself within a few
@@ -56,9 +58,52 @@ pub const MIRROR_CONTEXTS: usize = 32;
 /// with room for streams whose last records are still to be decoded.
 pub const DECODER_CONTEXTS: usize = 128;
 
-/// A count of contexts in use, shared by the permits taken from it.
-#[derive(Debug, Default)]
-struct Slots(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+/// Long-window stream contexts: a bulk stream's literals all go through one, so a backup
+/// compresses as one zstd stream would (its matches reach back `2^window_log` bytes), where
+/// chunks compressed alone lose 10-35% against a plain stream compressor. Each costs about its
+/// window on the receiving side, and the window plus the level's tables on the sending side, so
+/// both their size and their number are bounded, and the receiver announces both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LongContext {
+    /// The window: `2^window_log` bytes.
+    pub window_log: u32,
+    /// Streams with a long context at once (per link).
+    pub streams: usize,
+}
+
+impl LongContext {
+    /// Windows accepted: 1 MiB to 128 MiB.
+    pub const WINDOW_LOG_RANGE: std::ops::RangeInclusive<u32> = 20..=27;
+    /// Long contexts per link accepted at most.
+    pub const MAX_STREAMS: usize = 256;
+
+    /// The window in bytes.
+    pub fn window(&self) -> u64 {
+        1 << self.window_log
+    }
+
+    /// What both sides can do: the smaller window and the fewer streams.
+    pub fn agree(&self, peer: &LongContext) -> LongContext {
+        LongContext {
+            window_log: self.window_log.min(peer.window_log),
+            streams: self.streams.min(peer.streams),
+        }
+    }
+}
+
+impl Default for LongContext {
+    /// 8 MiB windows (zstd -9's own is 4 MiB) for up to 8 streams at once.
+    fn default() -> Self {
+        LongContext {
+            window_log: 23,
+            streams: 8,
+        }
+    }
+}
+
+/// A count of contexts in use, shared by the permits taken from it (clones share the count).
+#[derive(Debug, Default, Clone)]
+pub struct Slots(std::sync::Arc<std::sync::atomic::AtomicUsize>);
 
 /// One context's place in a [`Slots`]; given back when dropped.
 #[derive(Debug)]
@@ -73,7 +118,8 @@ impl Slots {
             .map(|_| Permit(self.0.clone()))
     }
 
-    fn in_use(&self) -> usize {
+    /// Contexts in use.
+    pub fn in_use(&self) -> usize {
         self.0.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
@@ -179,6 +225,9 @@ pub struct Policy {
     pub latency: bool,
     /// zstd literals may use the stream's context (the peer decodes context records).
     pub context: bool,
+    /// A bulk stream: with `context`, every zstd literal goes through the stream's long context
+    /// when the mirror has one to give (see [`LongContext`]).
+    pub bulk: bool,
 }
 
 impl Default for Policy {
@@ -188,6 +237,7 @@ impl Default for Policy {
             compression: Compression::Adaptive,
             latency: false,
             context: true,
+            bulk: true,
         }
     }
 }
@@ -204,6 +254,8 @@ pub struct CodecConfig {
     pub zstd_level: i32,
     /// zstd literals use the stream's context (see the module doc).
     pub context: bool,
+    /// Long-window contexts for bulk streams; `None` compresses their chunks alone.
+    pub long: Option<LongContext>,
 }
 
 impl CodecConfig {
@@ -223,6 +275,7 @@ impl CodecConfig {
             compression: self.compression,
             latency: false,
             context: self.context,
+            bulk: true,
         }
     }
 }
@@ -242,6 +295,7 @@ impl Default for CodecConfig {
             compression: Compression::Adaptive,
             zstd_level: 3,
             context: true,
+            long: Some(LongContext::default()),
         }
     }
 }
@@ -376,6 +430,8 @@ struct SendContext {
     cctx: zstd::zstd_safe::CCtx<'static>,
     /// No record of it was sent yet: the next one tells the peer to start afresh.
     fresh: bool,
+    /// A long-window context (see [`LongContext`]).
+    long: bool,
     _permit: Permit,
 }
 
@@ -398,11 +454,13 @@ pub struct Mirror {
     zstd: Option<zstd::bulk::Compressor<'static>>,
     zstd_level: i32,
     contexts: Slots,
+    /// Long contexts both sides agreed on, and the link's count of them in use.
+    long: Option<(LongContext, Slots)>,
     /// Compression output: the first `clen` bytes.
     scratch: Vec<u8>,
     clen: usize,
-    /// The scratch holds a context record's payload; `Some(true)` if it starts the context.
-    context: Option<bool>,
+    /// The scratch holds a context record's payload: its tag flags ([`FRESH`], [`LONG`]).
+    context: Option<u8>,
 }
 
 /// The bytes of the chunks sent as references most recently, bounded in bytes: the receiver asks
@@ -460,10 +518,17 @@ impl Mirror {
             zstd: zstd::bulk::Compressor::new(zstd_level).ok(),
             zstd_level,
             contexts: Slots::default(),
+            long: None,
             scratch: Vec::new(),
             clen: 0,
             context: None,
         }
+    }
+
+    /// Lets bulk streams use long contexts as agreed with the peer, counted in `slots` (shared
+    /// by the link's mirrors); `None` compresses their chunks alone.
+    pub fn set_long_context(&mut self, long: Option<LongContext>, slots: Slots) {
+        self.long = long.map(|l| (l, slots));
     }
 
     /// Stream contexts in use.
@@ -500,8 +565,9 @@ impl Mirror {
         hint: &mut Hint,
         out: &mut impl BufMut,
     ) -> Report {
-        // A live stream's chunks join its tails' context; a steady bulk stream's go alone.
-        let live = policy.context && hint.live > 0;
+        // A live stream's chunks join its tails' context; a bulk stream's all go through its
+        // long context when there is one to have.
+        let live = policy.context && (hint.live > 0 || (policy.bulk && self.long.is_some()));
         hint.live = hint.live.saturating_sub(1);
         self.encode_piece(chunk, policy, pressure, hint, out, live)
     }
@@ -539,11 +605,7 @@ impl Mirror {
             Some(codec) => {
                 let c = &self.scratch[..self.clen];
                 let tag = match self.context {
-                    Some(fresh) => {
-                        TAG_LIT_CONTEXT
-                            | if fresh { FRESH } else { 0 }
-                            | if f.is_some() { 0 } else { NO_CACHE }
-                    }
+                    Some(flags) => TAG_LIT_CONTEXT | flags | if f.is_some() { 0 } else { NO_CACHE },
                     None => codec.tag(f.is_some()),
                 };
                 out.put_u8(tag);
@@ -607,11 +669,11 @@ impl Mirror {
         };
         if codec == Codec::Zstd
             && in_context
-            && let Some(fresh) = self.compress_in_context(chunk, hint)
+            && let Some(flags) = self.compress_in_context(chunk, hint, policy.bulk)
         {
             // The context has taken the chunk: it must go as compressed, paying or not (the
             // LZ4 trial already told it from noise).
-            self.context = Some(fresh);
+            self.context = Some(flags);
             if pays(chunk.len(), self.clen) {
                 hint.compressible();
             } else if chunk.len() >= SMALL {
@@ -643,27 +705,44 @@ impl Mirror {
     }
 
     /// Compresses `chunk` in the stream's context into the scratch buffer, flushed so that the
-    /// peer can rebuild it from this record; returns whether the record starts the context.
-    /// `None` if there is no context to be had (too many, or zstd failed), and then the context
-    /// is gone: the next one starts afresh.
-    fn compress_in_context(&mut self, chunk: &[u8], hint: &mut Hint) -> Option<bool> {
+    /// peer can rebuild it from this record; returns the record's tag flags (whether it starts
+    /// the context, and a long one). A bulk stream's context is a long one while the link has
+    /// one to give. `None` if there is no context to be had (too many, or zstd failed), and
+    /// then the context is gone: the next one starts afresh.
+    fn compress_in_context(&mut self, chunk: &[u8], hint: &mut Hint, bulk: bool) -> Option<u8> {
         use zstd::zstd_safe::{CCtx, CParameter, InBuffer, OutBuffer, zstd_sys::ZSTD_EndDirective};
         if hint.context.is_none() {
-            let permit = self.contexts.take(MIRROR_CONTEXTS)?;
+            let long = self
+                .long
+                .as_ref()
+                .filter(|_| bulk)
+                .and_then(|(l, slots)| Some((l.window_log, slots.take(l.streams)?)));
             let mut cctx = CCtx::try_create()?;
             cctx.set_parameter(CParameter::CompressionLevel(self.zstd_level))
                 .ok()?;
-            cctx.set_parameter(CParameter::WindowLog(CONTEXT_WINDOW_LOG))
-                .ok()?;
-            // Tables sized to the window: on WAL, larger ones found nothing more (measured at
-            // levels 3 to 9) and cost memory in every context.
-            cctx.set_parameter(CParameter::HashLog(CONTEXT_WINDOW_LOG))
-                .ok()?;
-            cctx.set_parameter(CParameter::ChainLog(CONTEXT_WINDOW_LOG - 1))
-                .ok()?;
+            let (permit, long) = match long {
+                Some((window_log, permit)) => {
+                    // The level's own tables: they were sized for windows like this one.
+                    cctx.set_parameter(CParameter::WindowLog(window_log)).ok()?;
+                    (permit, true)
+                }
+                None => {
+                    let permit = self.contexts.take(MIRROR_CONTEXTS)?;
+                    cctx.set_parameter(CParameter::WindowLog(CONTEXT_WINDOW_LOG))
+                        .ok()?;
+                    // Tables sized to the window: on WAL, larger ones found nothing more
+                    // (measured at levels 3 to 9) and cost memory in every context.
+                    cctx.set_parameter(CParameter::HashLog(CONTEXT_WINDOW_LOG))
+                        .ok()?;
+                    cctx.set_parameter(CParameter::ChainLog(CONTEXT_WINDOW_LOG - 1))
+                        .ok()?;
+                    (permit, false)
+                }
+            };
             hint.context = Some(SendContext {
                 cctx,
                 fresh: true,
+                long,
                 _permit: permit,
             });
         }
@@ -682,7 +761,12 @@ impl Mirror {
             return None;
         }
         self.clen = output.pos();
-        Some(std::mem::replace(&mut ctx.fresh, false))
+        let fresh = std::mem::replace(&mut ctx.fresh, false);
+        Some(match (fresh, ctx.long) {
+            (true, true) => FRESH | LONG,
+            (true, false) => FRESH,
+            _ => 0,
+        })
     }
 
     fn lz4(&mut self, data: &[u8]) -> bool {
@@ -773,8 +857,10 @@ pub struct Encoder {
 
 impl Encoder {
     pub fn new(cfg: CodecConfig) -> Self {
+        let mut mirror = Mirror::new(cfg.cache_bytes, 64 << 20, cfg.zstd_level);
+        mirror.set_long_context(cfg.long, Slots::default());
         Encoder {
-            mirror: Mirror::new(cfg.cache_bytes, 64 << 20, cfg.zstd_level),
+            mirror,
             hint: Hint::default(),
             cfg,
             pending: Vec::new(),
@@ -946,13 +1032,17 @@ pub struct Decoder {
     zstd: Option<zstd::bulk::Decompressor<'static>>,
     stats: DecodeStats,
     contexts: Slots,
+    /// The long contexts we accept (the link's count of them shared in the `Slots`).
+    long: Option<(LongContext, Slots)>,
     /// The context of [`Decoder::decode_record`]'s one stream.
     own: StreamContext,
 }
 
 impl Decoder {
     pub fn new(cfg: &CodecConfig) -> Self {
-        Self::with_capacity(cfg.cache_bytes, cfg.dedup)
+        let mut d = Self::with_capacity(cfg.cache_bytes, cfg.dedup);
+        d.set_long_context(cfg.long, Slots::default());
+        d
     }
 
     /// A decoder whose cache holds `cache_bytes`; without `dedup` nothing is cached.
@@ -968,8 +1058,17 @@ impl Decoder {
             zstd: zstd::bulk::Decompressor::new().ok(),
             stats: DecodeStats::default(),
             contexts: Slots::default(),
+            long: None,
             own: StreamContext::default(),
         }
+    }
+
+    /// Accepts long contexts of at most `long`'s window, and twice its streams at once (counted
+    /// in `slots`, shared by the link's decoders): the sender gives a context back when its
+    /// stream ends, which may be before we have read that stream's last record. `None` refuses
+    /// them: a record asking for one is malformed.
+    pub fn set_long_context(&mut self, long: Option<LongContext>, slots: Slots) {
+        self.long = long.map(|l| (l, slots));
     }
 
     /// Stream contexts in use.
@@ -1030,11 +1129,15 @@ impl Decoder {
             {
                 (t & !NO_CACHE, false, false)
             }
-            t if t & !(NO_CACHE | FRESH) == TAG_LIT_CONTEXT => (
-                TAG_LIT_CONTEXT,
-                self.dedup && t & NO_CACHE == 0,
-                t & FRESH != 0,
-            ),
+            t if t & !(NO_CACHE | FRESH | LONG) == TAG_LIT_CONTEXT
+                && (t & LONG == 0 || t & FRESH != 0) =>
+            {
+                (
+                    TAG_LIT_CONTEXT,
+                    self.dedup && t & NO_CACHE == 0,
+                    t & FRESH != 0,
+                )
+            }
             t => (t, false, false),
         };
         let need = |n: usize| {
@@ -1094,7 +1197,8 @@ impl Decoder {
                 let payload = &buf[at..at + clen];
                 // Decompression is bounded by the announced size: a bomb is an error.
                 let chunk = if tag == TAG_LIT_CONTEXT {
-                    self.decompress_in_context(payload, raw_len, fresh, stream)?
+                    let long = first & LONG != 0;
+                    self.decompress_in_context(payload, raw_len, fresh.then_some(long), stream)?
                 } else if tag == TAG_LIT_LZ4 {
                     lz4_flex::block::decompress(payload, raw_len)
                         .map_err(|_| CodecError::Decompress)?
@@ -1121,24 +1225,38 @@ impl Decoder {
     }
 
     /// Rebuilds a context record's `raw_len` bytes from `payload` in `stream`'s context (a new
-    /// one when `fresh`). The payload must yield exactly `raw_len` bytes, and nothing beyond
-    /// them may be left in the context, or the next record would start with this one's bytes.
+    /// one when `fresh` is `Some`, a long one if it says so). The payload must yield exactly
+    /// `raw_len` bytes, and nothing beyond them may be left in the context, or the next record
+    /// would start with this one's bytes. A window larger than the context's is refused by
+    /// zstd before it allocates.
     fn decompress_in_context(
         &mut self,
         payload: &[u8],
         raw_len: usize,
-        fresh: bool,
+        fresh: Option<bool>,
         stream: &mut StreamContext,
     ) -> Result<Vec<u8>, CodecError> {
         use zstd::zstd_safe::{DCtx, DParameter, InBuffer, OutBuffer};
-        if fresh {
+        if let Some(long) = fresh {
             stream.dctx = None;
-            let permit = self
-                .contexts
-                .take(DECODER_CONTEXTS)
-                .ok_or(CodecError::Malformed("too many compression contexts"))?;
+            let (permit, window_log) = if long {
+                let (l, slots) = self
+                    .long
+                    .as_ref()
+                    .ok_or(CodecError::Malformed("a long context was not offered"))?;
+                let permit = slots
+                    .take(l.streams * 2)
+                    .ok_or(CodecError::Malformed("too many long compression contexts"))?;
+                (permit, l.window_log)
+            } else {
+                let permit = self
+                    .contexts
+                    .take(DECODER_CONTEXTS)
+                    .ok_or(CodecError::Malformed("too many compression contexts"))?;
+                (permit, CONTEXT_WINDOW_LOG)
+            };
             let mut dctx = DCtx::try_create().ok_or(CodecError::Decompress)?;
-            dctx.set_parameter(DParameter::WindowLogMax(CONTEXT_WINDOW_LOG))
+            dctx.set_parameter(DParameter::WindowLogMax(window_log))
                 .map_err(|_| CodecError::Decompress)?;
             stream.dctx = Some((dctx, permit));
         }

@@ -36,7 +36,7 @@ fn db_blocks(n: usize, seed: u64) -> Vec<u8> {
 
 /// Encodes `data` in pieces of the given sizes (flushing at the end) and decodes it.
 fn round_trip(
-    cfg: &CodecConfig,
+    pressure: Pressure,
     enc: &mut Encoder,
     dec: &mut Decoder,
     data: &[u8],
@@ -53,20 +53,14 @@ fn round_trip(
             .unwrap_or(data.len())
             .max(1)
             .min(data.len() - off);
-        enc.push(
-            &data[off..off + n],
-            flush_each,
-            Pressure::CpuBound,
-            &mut wire,
-        );
+        enc.push(&data[off..off + n], flush_each, pressure, &mut wire);
         off += n;
         i += 1;
     }
-    enc.push(&[], true, Pressure::CpuBound, &mut wire);
+    enc.push(&[], true, pressure, &mut wire);
     let mut out = Vec::new();
     let used = dec.decode(&wire, &mut out).expect("decodes");
     assert_eq!(used, wire.len(), "every record is whole after a flush");
-    let _ = cfg;
     (out, wire.len())
 }
 
@@ -83,6 +77,7 @@ proptest! {
         flush_each in any::<bool>(),
         comp in prop_oneof![Just(Compression::None), Just(Compression::Lz4), Just(Compression::Zstd), Just(Compression::Adaptive)],
         dedup in any::<bool>(),
+        link_bound in any::<bool>(),
     ) {
         let mut data = Vec::new();
         for (kind, len, seed) in &parts {
@@ -95,9 +90,11 @@ proptest! {
         let cfg = CodecConfig { compression: comp, cache_bytes: 1 << 20, dedup, ..CodecConfig::default() };
         let enc_ = Encoder::new(cfg.clone());
         // The decoder caches unless a record says not to: with dedup off, nothing may enter it.
-        let dec_ = Decoder::with_capacity(cfg.cache_bytes, true);
+        let mut dec_ = Decoder::with_capacity(cfg.cache_bytes, true);
+        dec_.set_long_context(cfg.long, Slots::default());
         let (mut enc, mut dec) = (enc_, dec_);
-        let (out, _) = round_trip(&cfg, &mut enc, &mut dec, &data, &pieces, flush_each);
+        let pressure = if link_bound { Pressure::LinkBound } else { Pressure::CpuBound };
+        let (out, _) = round_trip(pressure, &mut enc, &mut dec, &data, &pieces, flush_each);
         prop_assert!(out == data);
         prop_assert_eq!(enc.cache().size(), dec.cache().size());
         prop_assert_eq!(enc.pending(), 0);
@@ -157,8 +154,22 @@ fn second_transfer_of_a_backup_is_nearly_free_and_a_changed_one_cheap() {
     };
     let (mut enc, mut dec) = pair(&cfg);
     let backup = xorshift(1, 16 << 20);
-    let (_, first) = round_trip(&cfg, &mut enc, &mut dec, &backup, &[1 << 20], false);
-    let (out, second) = round_trip(&cfg, &mut enc, &mut dec, &backup, &[1 << 20], false);
+    let (_, first) = round_trip(
+        Pressure::CpuBound,
+        &mut enc,
+        &mut dec,
+        &backup,
+        &[1 << 20],
+        false,
+    );
+    let (out, second) = round_trip(
+        Pressure::CpuBound,
+        &mut enc,
+        &mut dec,
+        &backup,
+        &[1 << 20],
+        false,
+    );
     assert!(out == backup);
     assert!(
         second * 100 <= first * 3,
@@ -169,7 +180,14 @@ fn second_transfer_of_a_backup_is_nearly_free_and_a_changed_one_cheap() {
     for b in (0..changed.len() / 8192).filter(|b| b % 10 == 3) {
         changed[b * 8192 + 100] ^= 0x5a;
     }
-    let (out, third) = round_trip(&cfg, &mut enc, &mut dec, &changed, &[1 << 20], false);
+    let (out, third) = round_trip(
+        Pressure::CpuBound,
+        &mut enc,
+        &mut dec,
+        &changed,
+        &[1 << 20],
+        false,
+    );
     assert!(out == changed);
     eprintln!("wire bytes: first {first}, repeat {second}, 10% changed {third}");
     assert!(
@@ -183,7 +201,14 @@ fn database_blocks_compress_and_noise_does_not_grow() {
     let cfg = CodecConfig::default();
     let (mut enc, mut dec) = pair(&cfg);
     let blocks = db_blocks(1024, 5);
-    let (out, wire) = round_trip(&cfg, &mut enc, &mut dec, &blocks, &[64 * 1024], false);
+    let (out, wire) = round_trip(
+        Pressure::CpuBound,
+        &mut enc,
+        &mut dec,
+        &blocks,
+        &[64 * 1024],
+        false,
+    );
     assert!(out == blocks);
     assert!(
         wire * 3 <= blocks.len(),
@@ -192,7 +217,14 @@ fn database_blocks_compress_and_noise_does_not_grow() {
     );
     let noise = xorshift(9, 8 << 20);
     let (mut enc, mut dec) = pair(&cfg);
-    let (out, wire) = round_trip(&cfg, &mut enc, &mut dec, &noise, &[64 * 1024], false);
+    let (out, wire) = round_trip(
+        Pressure::CpuBound,
+        &mut enc,
+        &mut dec,
+        &noise,
+        &[64 * 1024],
+        false,
+    );
     assert!(out == noise);
     assert!(
         wire as f64 <= noise.len() as f64 * 1.001,
@@ -213,7 +245,14 @@ fn tiny_cache_evicts_in_step() {
         let mut data = base.clone();
         data.extend(xorshift(round, 300 * 1024));
         data.extend(&base[..100_000]);
-        let (out, _) = round_trip(&cfg, &mut enc, &mut dec, &data, &[50_000], false);
+        let (out, _) = round_trip(
+            Pressure::CpuBound,
+            &mut enc,
+            &mut dec,
+            &data,
+            &[50_000],
+            false,
+        );
         assert!(out == data);
         assert_eq!(enc.cache().size(), dec.cache().size());
         assert_eq!(enc.cache().evictions(), dec.cache().evictions());
@@ -226,7 +265,14 @@ fn restarted_or_damaged_receiver_misses_instead_of_misreading() {
     let cfg = CodecConfig::default();
     let (mut enc, mut dec) = pair(&cfg);
     let data = xorshift(3, 1 << 20);
-    round_trip(&cfg, &mut enc, &mut dec, &data, &[1 << 20], false);
+    round_trip(
+        Pressure::CpuBound,
+        &mut enc,
+        &mut dec,
+        &data,
+        &[1 << 20],
+        false,
+    );
     // The receiver restarts with an empty cache: the sender's references cannot be resolved.
     let mut fresh = Decoder::new(&cfg);
     let mut wire = Vec::new();
@@ -504,7 +550,7 @@ fn context_records_are_bounded_and_fail_cleanly() {
     let mut m = Mirror::new(1 << 20, 1 << 20, 3);
     let mut hint = Hint::default();
     let mut big = Vec::new();
-    m.compress_in_context(&vec![0u8; 8 << 20], &mut hint)
+    m.compress_in_context(&vec![0u8; 8 << 20], &mut hint, false)
         .expect("compress");
     big.extend_from_slice(&m.scratch[..m.clen]);
     let mut rec = vec![TAG_LIT_CONTEXT | FRESH];
@@ -581,4 +627,130 @@ fn streams_beyond_the_mirrors_contexts_compress_alone() {
     assert_eq!(m.contexts(), MIRROR_CONTEXTS);
     hints.clear();
     assert_eq!(m.contexts(), 0);
+}
+
+/// A bulk stream's first chunk through a mirror with long contexts: its record.
+fn long_record(m: &mut Mirror, data: &[u8], hint: &mut Hint) -> Vec<u8> {
+    let policy = Policy {
+        compression: Compression::Zstd,
+        dedup: false,
+        ..Policy::default()
+    };
+    let mut rec = Vec::new();
+    m.encode_chunk(data, &policy, Pressure::LinkBound, hint, &mut rec);
+    rec
+}
+
+#[test]
+fn long_contexts_are_bounded_by_what_the_receiver_offered() {
+    let long = LongContext {
+        window_log: 20,
+        streams: 2,
+    };
+    let data = db_blocks(2, 5);
+    // The sender opens at most the agreed number; further bulk streams get a short context.
+    let mut m = Mirror::new(1 << 20, 1 << 20, 3);
+    m.set_long_context(Some(long), Slots::default());
+    let mut hints: Vec<Hint> = (0..3).map(|_| Hint::default()).collect();
+    let recs: Vec<Vec<u8>> = hints
+        .iter_mut()
+        .map(|h| long_record(&mut m, &data, h))
+        .collect();
+    assert_eq!(recs[0][0] & !NO_CACHE, TAG_LIT_CONTEXT | FRESH | LONG);
+    assert_eq!(recs[1][0] & !NO_CACHE, TAG_LIT_CONTEXT | FRESH | LONG);
+    assert_eq!(
+        recs[2][0] & !NO_CACHE,
+        TAG_LIT_CONTEXT | FRESH,
+        "a third: short window"
+    );
+
+    // A receiver that never offered long contexts refuses them.
+    let mut plain = Decoder::with_capacity(1 << 20, false);
+    assert_eq!(
+        plain.decode_record_in(&recs[0], &mut Vec::new(), &mut StreamContext::default()),
+        Err(CodecError::Malformed("a long context was not offered"))
+    );
+    // One that did accepts twice the number (streams that end and begin overlap), no more.
+    let mut dec = Decoder::with_capacity(1 << 20, false);
+    dec.set_long_context(Some(long), Slots::default());
+    let mut open: Vec<StreamContext> = Vec::new();
+    for i in 0..4 {
+        let mut s = StreamContext::default();
+        let mut out = Vec::new();
+        assert_eq!(
+            dec.decode_record_in(&recs[i % 2], &mut out, &mut s),
+            Ok(recs[i % 2].len())
+        );
+        assert!(out == data);
+        open.push(s);
+    }
+    assert_eq!(
+        dec.decode_record_in(&recs[0], &mut Vec::new(), &mut StreamContext::default()),
+        Err(CodecError::Malformed("too many long compression contexts"))
+    );
+    open.pop();
+    let mut s = StreamContext::default();
+    assert!(
+        dec.decode_record_in(&recs[0], &mut Vec::new(), &mut s)
+            .is_ok()
+    );
+
+    // A window larger than offered is refused before zstd allocates it.
+    let mut big = Mirror::new(1 << 20, 1 << 20, 3);
+    big.set_long_context(
+        Some(LongContext {
+            window_log: 24,
+            streams: 1,
+        }),
+        Slots::default(),
+    );
+    let rec = long_record(&mut big, &xorshift(3, 8192).repeat(4), &mut Hint::default());
+    assert_eq!(rec[0] & !NO_CACHE, TAG_LIT_CONTEXT | FRESH | LONG);
+    let mut small = Decoder::with_capacity(1 << 20, false);
+    small.set_long_context(Some(long), Slots::default());
+    assert_eq!(
+        small.decode_record_in(&rec, &mut Vec::new(), &mut StreamContext::default()),
+        Err(CodecError::Decompress)
+    );
+}
+
+#[test]
+fn a_bulk_stream_in_a_long_context_beats_its_chunks_alone() {
+    // Rows repeating at distances beyond one chunk.
+    let data: Vec<u8> = (0..100_000u32)
+        .flat_map(|i| {
+            format!(
+                "{i:08} ORDER {:06} customer-{:05} item {:04} qty {:03}\n",
+                (i * 7919) % 1_000_000,
+                (i * 31) % 40_000,
+                (i * 17) % 5000,
+                i % 97
+            )
+            .into_bytes()
+        })
+        .collect();
+    let wire = |long| {
+        let cfg = CodecConfig {
+            long,
+            zstd_level: 3,
+            ..CodecConfig::default()
+        };
+        let (mut enc, mut dec) = pair(&cfg);
+        let (out, wire) = round_trip(
+            Pressure::LinkBound,
+            &mut enc,
+            &mut dec,
+            &data,
+            &[64 * 1024],
+            false,
+        );
+        assert!(out == data);
+        wire
+    };
+    let (long, alone) = (wire(Some(LongContext::default())), wire(None));
+    assert!(
+        long * 10 < alone * 8,
+        "long {long}, alone {alone} of {}",
+        data.len()
+    );
 }

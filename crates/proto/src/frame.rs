@@ -232,6 +232,10 @@ pub mod setting {
     pub const CACHE_BYTES: u16 = 7;
     /// Bytes of each of the sender's service-scoped chunk caches.
     pub const SERVICE_CACHE_BYTES: u16 = 8;
+    /// With `CAP_LONG_CONTEXT`: the largest long-context window the sender decodes (log2 bytes).
+    pub const CONTEXT_WINDOW_LOG: u16 = 9;
+    /// With `CAP_LONG_CONTEXT`: long contexts per link the sender's peer may use at once.
+    pub const CONTEXT_STREAMS: u16 = 10;
 }
 
 impl Hello {

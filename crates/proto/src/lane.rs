@@ -18,3 +18,6 @@ pub const CAP_LATENCY_LANE: u64 = 1;
 pub const CAP_CODEC: u64 = 2;
 /// Hello capability bit: the sender decodes zstd literals compressed in their stream's context.
 pub const CAP_CONTEXT: u64 = 4;
+/// Hello capability bit: the sender decodes long-window stream contexts (bulk streams), of the
+/// window and number its `CONTEXT_WINDOW_LOG` and `CONTEXT_STREAMS` settings give.
+pub const CAP_LONG_CONTEXT: u64 = 8;

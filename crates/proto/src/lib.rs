@@ -13,8 +13,8 @@ pub mod lane;
 pub mod link;
 
 pub use coding::{
-    CacheStat, CacheStorage, ChunkStore, CodecCount, CodecSettings, Compression, Pressure, Role,
-    SavedCache, SavedState, Scope, StateRequest, StreamPolicy, TierStats,
+    CacheStat, CacheStorage, ChunkStore, CodecCount, CodecSettings, Compression, LongContext,
+    Pressure, Role, SavedCache, SavedState, Scope, StateRequest, StreamPolicy, TierStats,
 };
 pub use error::{FrameError, LinkError, StreamError};
 pub use frame::{CacheOffer, Class, CloseCode, Frame, Hello, ResetCode, StreamId};

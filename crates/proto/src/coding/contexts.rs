@@ -7,12 +7,14 @@ use std::sync::Arc;
 
 use bytes::{Buf, Bytes};
 use wanopt_codec::cache::{ChunkCache, Snapshot};
-use wanopt_codec::{self as codec, CodecConfig, CodecError, Decoder, Mirror, StreamContext};
+use wanopt_codec::{
+    self as codec, CodecConfig, CodecError, Decoder, LongContext, Mirror, Slots, StreamContext,
+};
 
 use super::recv::{Decoded, RecvCoded};
 use super::{
-    CacheStat, CacheStorage, CodecCount, CodecSettings, Fingerprint, Role, SavedCache, SavedState,
-    StateRequest, lane_share,
+    CacheStat, CacheStorage, CodecCount, CodecSettings, Fingerprint, PeerCodec, Role, SavedCache,
+    SavedState, StateRequest, lane_share,
 };
 use crate::frame::{self, CacheOffer};
 use crate::lane::{LANES, MAIN_LANE};
@@ -42,6 +44,11 @@ pub(crate) struct Contexts {
     checkpointed: HashMap<Key, u64>,
     /// Each decoder's clock when a peer's checkpoint was last judged against it.
     judged: HashMap<Key, u64>,
+    /// Long contexts agreed for what we send (the peer's offer within ours), and the link's
+    /// count of them in use each way: the bounds hold per link, whatever the caches.
+    long_send: Option<LongContext>,
+    long_out: Slots,
+    long_in: Slots,
 }
 
 impl std::fmt::Debug for Contexts {
@@ -98,6 +105,9 @@ impl Contexts {
             loaded: HashMap::new(),
             checkpointed: HashMap::new(),
             judged: HashMap::new(),
+            long_send: None,
+            long_out: Slots::default(),
+            long_in: Slots::default(),
         }
     }
 
@@ -183,21 +193,19 @@ impl Contexts {
     /// chunks that fit), so it never claims a chunk the peer has evicted.
     /// Chunks sent as references are kept for a miss as long as they could still be in flight:
     /// the peer's link window, plus slack for a round trip.
-    pub fn on_peer(
-        &mut self,
-        cache: u64,
-        service_cache: u64,
-        peer_max_frame: usize,
-        peer_link_window: u64,
-        offers: &[CacheOffer],
-    ) {
-        self.resend = usize::try_from(peer_link_window.min(MAX_RESEND)).unwrap_or(0) + (16 << 20);
+    pub fn on_peer(&mut self, peer: &PeerCodec, offers: &[CacheOffer]) {
+        self.long_send = self
+            .own
+            .long_context
+            .zip(peer.long)
+            .map(|(ours, theirs)| ours.agree(&theirs));
+        self.resend = usize::try_from(peer.link_window.min(MAX_RESEND)).unwrap_or(0) + (16 << 20);
         // A mirror costs about 64 bytes of memory per chunk: never more than our own cache.
-        self.peer_cache = cache.min(self.own.capacity(MAIN_LANE, true));
-        self.peer_service_cache = service_cache.min(self.own.capacity(MAIN_LANE, false));
+        self.peer_cache = peer.cache.min(self.own.capacity(MAIN_LANE, true));
+        self.peer_service_cache = peer.service_cache.min(self.own.capacity(MAIN_LANE, false));
         self.choose(offers);
         // A chunk and its record must fit in one frame of the peer's size.
-        let room = peer_max_frame.saturating_sub(frame::CODED_OVERHEAD + 64);
+        let room = peer.max_frame.saturating_sub(frame::CODED_OVERHEAD + 64);
         let avg = self.own.avg_chunk.min(room / 4);
         self.chunking = (avg >= *codec::AVG_CHUNK_RANGE.start()).then(|| {
             CodecConfig {
@@ -217,8 +225,10 @@ impl Contexts {
         let (level, resend) = (self.own.zstd_level, self.resend);
         let key = (lane, scope.clone());
         let resume = self.loaded.remove(&(Role::Mirror, key.clone()));
+        let long = (self.long_send, self.long_out.clone());
         self.mirrors.entry(key).or_insert_with(|| {
             let mut m = Mirror::new(to_usize(lane_share(size, lane)), resend, level);
+            m.set_long_context(long.0, long.1);
             if let Some(s) = resume {
                 // A state of another size cannot be resumed: start empty (the peer's cache then
                 // holds more than we assume, which only costs dedup).
@@ -233,6 +243,7 @@ impl Contexts {
         let resume = self.loaded.remove(&(Role::Decoder, key.clone()));
         let (mem, disk) = self.own.limits(lane, scope.is_empty());
         let storage = self.storage.clone();
+        let long = (self.own.long_context, self.long_in.clone());
         self.decoders.entry(key).or_insert_with(|| {
             let store = (disk > 0)
                 .then(|| storage.as_ref().and_then(|s| s.store(lane, scope)))
@@ -245,7 +256,10 @@ impl Contexts {
                 // Chunks whose bytes are gone become misses, which the peer answers.
                 let _ = cache.restore(&s);
             }
-            Decoder::with_cache(cache, true)
+            let mut d = Decoder::with_cache(cache, true);
+            // What we offered in our hello, counted per link.
+            d.set_long_context(long.0, long.1);
+            d
         })
     }
 

@@ -37,6 +37,8 @@ impl SendCoder {
                 latency,
                 // Only once the peer says it decodes them.
                 context: false,
+                // Long contexts only where the mirror has them (the peer offered them).
+                bulk: !latency,
             },
             scoped: policy.scope == Scope::Service,
             hint: Hint::default(),

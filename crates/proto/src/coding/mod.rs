@@ -19,7 +19,7 @@ use wanopt_codec::cache::Snapshot;
 
 pub use wanopt_codec::cache::{Fingerprint, TierStats};
 pub use wanopt_codec::store::ChunkStore;
-pub use wanopt_codec::{Compression, DecodeStats, EncodeStats, Pressure};
+pub use wanopt_codec::{Compression, DecodeStats, EncodeStats, LongContext, Pressure};
 
 use self::contexts::Contexts;
 pub(crate) use self::emit::SendCoder;
@@ -95,6 +95,9 @@ pub struct CodecSettings {
     pub avg_chunk: usize,
     /// zstd level when zstd is chosen.
     pub zstd_level: i32,
+    /// Long-window contexts for bulk streams, each way (offered to the peer, used as agreed);
+    /// `None`: a bulk stream's chunks compress alone.
+    pub long_context: Option<LongContext>,
 }
 
 impl Default for CodecSettings {
@@ -106,6 +109,7 @@ impl Default for CodecSettings {
             service_disk_bytes: 0,
             avg_chunk: 8 * 1024,
             zstd_level: 3,
+            long_context: Some(LongContext::default()),
         }
     }
 }
@@ -225,6 +229,21 @@ pub struct CacheStat {
     pub tiers: TierStats,
 }
 
+/// What the peer's hello says about its codec.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct PeerCodec {
+    /// Its capability bits.
+    pub caps: u64,
+    /// Bytes of its shared and service-scoped caches (which our mirrors follow).
+    pub cache: u64,
+    pub service_cache: u64,
+    /// Its largest frame payload and its link window.
+    pub max_frame: usize,
+    pub link_window: u64,
+    /// The long contexts it decodes.
+    pub long: Option<LongContext>,
+}
+
 /// Most chunk answers (re-sent chunks) queued for the peer at once.
 const MAX_ANSWERS: usize = 1024;
 
@@ -299,21 +318,13 @@ impl Coding {
         self.pressure = p;
     }
 
-    /// Takes what the peer's hello says about its codec (`caps`, cache sizes, saved states).
-    pub fn on_peer(
-        &mut self,
-        caps: u64,
-        cache: u64,
-        service_cache: u64,
-        max_frame: usize,
-        link_window: u64,
-        offers: &[CacheOffer],
-    ) {
-        self.peer_context = caps & CAP_CONTEXT != 0;
-        if caps & crate::lane::CAP_CODEC != 0
+    /// Takes what the peer's hello says about its codec, and the saved states it offers.
+    pub fn on_peer(&mut self, peer: &PeerCodec, offers: &[CacheOffer]) {
+        self.peer_context = peer.caps & CAP_CONTEXT != 0;
+        if peer.caps & crate::lane::CAP_CODEC != 0
             && let Some(ctx) = self.ctx.as_mut()
         {
-            ctx.on_peer(cache, service_cache, max_frame, link_window, offers);
+            ctx.on_peer(peer, offers);
         }
     }
 

@@ -2,9 +2,10 @@
 //! its windows and limits, its capabilities and its latency-lane token. Cache sizes and offers
 //! are the codec's (see [`crate::coding`]).
 
+use crate::coding::LongContext;
 use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Hello, setting};
-use crate::lane::{CAP_CODEC, CAP_CONTEXT, CAP_LATENCY_LANE, MAIN_LANE};
+use crate::lane::{CAP_CODEC, CAP_CONTEXT, CAP_LATENCY_LANE, CAP_LONG_CONTEXT, MAIN_LANE};
 
 use super::LinkConfig;
 
@@ -25,26 +26,35 @@ pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>) -> Hello {
     if cfg.codec.is_some() {
         capabilities |= CAP_CODEC | CAP_CONTEXT;
     }
+    let long = cfg.codec.as_ref().and_then(|c| c.long_context);
+    if long.is_some() {
+        capabilities |= CAP_LONG_CONTEXT;
+    }
     let cache = |shared| {
         cfg.codec
             .as_ref()
             .map_or(0, |c| c.capacity(MAIN_LANE, shared))
     };
+    let mut settings = vec![
+        (setting::STREAM_WINDOW, u64::from(cfg.stream_window)),
+        (setting::LINK_WINDOW, cfg.link_window),
+        (setting::MAX_FRAME, u64::from(cfg.max_frame)),
+        (setting::MAX_STREAMS, u64::from(cfg.max_streams)),
+        (setting::TOKEN, cfg.token),
+        (setting::CACHE_BYTES, cache(true)),
+        (setting::SERVICE_CACHE_BYTES, cache(false)),
+    ];
+    if let Some(l) = long {
+        settings.push((setting::CONTEXT_WINDOW_LOG, u64::from(l.window_log)));
+        settings.push((setting::CONTEXT_STREAMS, l.streams as u64));
+    }
     Hello {
         caches,
         version: VERSION,
         min_version: MIN_VERSION,
         site: cfg.site.clone(),
         capabilities,
-        settings: vec![
-            (setting::STREAM_WINDOW, u64::from(cfg.stream_window)),
-            (setting::LINK_WINDOW, cfg.link_window),
-            (setting::MAX_FRAME, u64::from(cfg.max_frame)),
-            (setting::MAX_STREAMS, u64::from(cfg.max_streams)),
-            (setting::TOKEN, cfg.token),
-            (setting::CACHE_BYTES, cache(true)),
-            (setting::SERVICE_CACHE_BYTES, cache(false)),
-        ],
+        settings,
     }
 }
 
@@ -72,6 +82,8 @@ pub(super) struct PeerParams {
     pub caps: u64,
     pub cache_bytes: u64,
     pub service_cache_bytes: u64,
+    /// The long contexts the peer decodes, if any (window and number clamped to ours' bounds).
+    pub long_context: Option<LongContext>,
 }
 
 impl PeerParams {
@@ -104,6 +116,16 @@ impl PeerParams {
             caps: h.capabilities,
             cache_bytes: get(setting::CACHE_BYTES, 0),
             service_cache_bytes: get(setting::SERVICE_CACHE_BYTES, 0),
+            long_context: (h.capabilities & CAP_LONG_CONTEXT != 0).then(|| {
+                let range = LongContext::WINDOW_LOG_RANGE;
+                LongContext {
+                    window_log: get(setting::CONTEXT_WINDOW_LOG, u64::from(*range.start()))
+                        .clamp(u64::from(*range.start()), u64::from(*range.end()))
+                        as u32,
+                    streams: get(setting::CONTEXT_STREAMS, 1).min(LongContext::MAX_STREAMS as u64)
+                        as usize,
+                }
+            }),
         })
     }
 

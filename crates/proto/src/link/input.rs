@@ -8,6 +8,7 @@ use bytes::{Bytes, BytesMut};
 use super::hello::{HELLO_MAX, PeerParams};
 use super::timer::Timer;
 use super::{Event, Link, State};
+use crate::coding::PeerCodec;
 use crate::error::{FrameError, LinkError};
 use crate::flow::SendCredit;
 use crate::frame::{Class, Frame, Hello, ResetCode, StreamId};
@@ -155,11 +156,14 @@ impl Link {
         let p = PeerParams::from_hello(&h, &self.cfg.peer)?;
         self.link_credit = SendCredit::new(p.link_window);
         self.coding.on_peer(
-            p.caps,
-            p.cache_bytes,
-            p.service_cache_bytes,
-            p.max_frame,
-            p.link_window,
+            &PeerCodec {
+                caps: p.caps,
+                cache: p.cache_bytes,
+                service_cache: p.service_cache_bytes,
+                max_frame: p.max_frame,
+                link_window: p.link_window,
+                long: p.long_context,
+            },
             &h.caches,
         );
         let version = p.version;

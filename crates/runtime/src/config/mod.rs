@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use serde::Deserialize;
-use wanopt_proto::{Class, CodecSettings, Compression, Scope, StreamPolicy};
+use wanopt_proto::{Class, CodecSettings, Compression, LongContext, Scope, StreamPolicy};
 
 use crate::units::{parse_duration, parse_rate, parse_size};
 
@@ -112,6 +112,8 @@ struct RawOptimize {
     chunk: Option<String>,
     compression: Option<String>,
     zstd_level: Option<i32>,
+    context_window: Option<String>,
+    context_streams: Option<usize>,
     dedup: Option<Toggle>,
     dedup_scope: Option<String>,
     disk: Option<RawDisk>,
@@ -660,6 +662,7 @@ fn parse_optimize(
         None => crate::policy::default_zstd_level(link),
         Some(l) => in_range(l, 1, 19).map_err(|m| cx.err("optimize.zstd_level", m))?,
     };
+    let long_context = parse_long_context(cx, o)?;
     let default = StreamPolicy {
         compression: cx.opt(
             "optimize.compression",
@@ -686,10 +689,48 @@ fn parse_optimize(
             service_disk_bytes,
             avg_chunk,
             zstd_level,
+            long_context,
         },
         default,
         disk,
     })
+}
+
+/// `optimize.context_window` and `optimize.context_streams`: the long zstd contexts of bulk
+/// streams (a window of a power of two from 1 MiB to 128 MiB, or `off`) and how many a link
+/// keeps at once. Each costs about its window at the receiver (which accepts twice the count
+/// while streams end and begin) and its window plus the level's tables at the sender.
+fn parse_long_context(cx: &Ctx<'_>, o: &RawOptimize) -> Result<Option<LongContext>, ConfigError> {
+    let d = LongContext::default();
+    let window = cx.opt(
+        "optimize.context_window",
+        &o.context_window,
+        Some(d.window()),
+        |s| {
+            if s == "off" {
+                return Ok(None);
+            }
+            let n = parse_size(s)?;
+            let r = LongContext::WINDOW_LOG_RANGE;
+            if !n.is_power_of_two() || n < 1 << r.start() || n > 1 << r.end() {
+                return Err(format!(
+                    "must be a power of two from {}MiB to {}MiB (or off)",
+                    1u64 << (r.start() - 20),
+                    1u64 << (r.end() - 20)
+                ));
+            }
+            Ok(Some(n))
+        },
+    )?;
+    let streams = match o.context_streams {
+        None => d.streams,
+        Some(n) => in_range(n, 1, LongContext::MAX_STREAMS)
+            .map_err(|m| cx.err("optimize.context_streams", m))?,
+    };
+    Ok(window.map(|w| LongContext {
+        window_log: w.trailing_zeros(),
+        streams,
+    }))
 }
 
 /// `optimize.disk`: the byte limits of the shared and per-service disk tiers, and the tier's
@@ -1103,12 +1144,18 @@ impl Config {
         let op = &self.optimize;
         let _ = writeln!(
             o,
-            "optimize:\n  enabled: {}\n  memory: {}  # bytes of the shared cache, each way\n  service_memory: {}\n  chunk: {}\n  zstd_level: {}\n  compression: {}\n  dedup: {}\n  dedup_scope: {}",
+            "optimize:\n  enabled: {}\n  memory: {}  # bytes of the shared cache, each way\n  service_memory: {}\n  chunk: {}\n  zstd_level: {}\n  context_window: {}  # a bulk stream's zstd context\n  context_streams: {}  # bulk streams with one at once\n  compression: {}\n  dedup: {}\n  dedup_scope: {}",
             op.enabled,
             op.codec.cache_bytes,
             op.codec.service_cache_bytes,
             op.codec.avg_chunk,
             op.codec.zstd_level,
+            op.codec
+                .long_context
+                .map_or("off".to_string(), |l| l.window().to_string()),
+            op.codec
+                .long_context
+                .map_or(LongContext::default().streams, |l| l.streams),
             op.default.compression,
             on_off(op.default.dedup),
             op.default.scope
