@@ -432,6 +432,8 @@ struct SendContext {
     fresh: bool,
     /// A long-window context (see [`LongContext`]).
     long: bool,
+    /// The zstd level it compresses at (the mirror's may have moved since).
+    level: i32,
     _permit: Permit,
 }
 
@@ -534,6 +536,24 @@ impl Mirror {
     /// Stream contexts in use.
     pub fn contexts(&self) -> usize {
         self.contexts.in_use()
+    }
+
+    /// The zstd level of what is compressed from now on, stream contexts included (zstd takes
+    /// a new level between blocks of a frame; the receiver needs to know nothing).
+    pub fn set_zstd_level(&mut self, level: i32) {
+        if level != self.zstd_level {
+            self.zstd_level = level;
+            if let Some(z) = self.zstd.as_mut()
+                && z.set_compression_level(level).is_err()
+            {
+                self.zstd = zstd::bulk::Compressor::new(level).ok();
+            }
+        }
+    }
+
+    /// The zstd level in use.
+    pub fn zstd_level(&self) -> i32 {
+        self.zstd_level
     }
 
     /// The mirrored cache (for its size and evictions).
@@ -743,10 +763,17 @@ impl Mirror {
                 cctx,
                 fresh: true,
                 long,
+                level: self.zstd_level,
                 _permit: permit,
             });
         }
         let ctx = hint.context.as_mut()?;
+        if ctx.level != self.zstd_level {
+            ctx.cctx
+                .set_parameter(CParameter::CompressionLevel(self.zstd_level))
+                .ok()?;
+            ctx.level = self.zstd_level;
+        }
         self.scratch.clear();
         // Room for a whole flushed block: nothing is left inside zstd after one call.
         self.scratch
@@ -870,6 +897,11 @@ impl Encoder {
 
     pub fn stats(&self) -> &EncodeStats {
         &self.stats
+    }
+
+    /// See [`Mirror::set_zstd_level`].
+    pub fn set_zstd_level(&mut self, level: i32) {
+        self.mirror.set_zstd_level(level);
     }
 
     /// The mirror cache (for its size and evictions).

@@ -754,3 +754,23 @@ fn a_bulk_stream_in_a_long_context_beats_its_chunks_alone() {
         data.len()
     );
 }
+
+#[test]
+fn the_level_may_change_within_a_stream() {
+    let data = db_blocks(512, 9);
+    let cfg = CodecConfig {
+        compression: Compression::Zstd,
+        ..CodecConfig::default()
+    };
+    let (mut enc, mut dec) = pair(&cfg);
+    let mut wire = Vec::new();
+    for (i, piece) in data.chunks(64 * 1024).enumerate() {
+        // Up and down between blocks of the same long context, as the governor moves it.
+        enc.set_zstd_level([1, 9, 3, 12, 6][i % 5]);
+        enc.push(piece, false, Pressure::LinkBound, &mut wire);
+    }
+    enc.push(&[], true, Pressure::LinkBound, &mut wire);
+    let mut out = Vec::new();
+    assert_eq!(dec.decode(&wire, &mut out), Ok(wire.len()));
+    assert!(out == data);
+}

@@ -150,6 +150,7 @@ pub struct LinkCounters {
     pub unknown_service: Counter,
     pub up: Gauge,
     pub lanes: Gauge,
+    pub zstd_level: Gauge,
 }
 
 impl LinkCounters {
@@ -194,6 +195,11 @@ impl LinkCounters {
             "wanopt_link_lanes",
             "Connections in the link (2 with the latency lane)",
             m.lanes.clone(),
+        );
+        r.register(
+            "wanopt_link_zstd_level",
+            "The zstd level the link compresses at now (moved by optimize.zstd_adapt)",
+            m.zstd_level.clone(),
         );
         m
     }

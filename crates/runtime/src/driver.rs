@@ -20,7 +20,7 @@ use wanopt_proto::{
 
 use crate::cachedir::CacheDir;
 use crate::counters::{Counters, add};
-use crate::pressure::Pressure;
+use crate::pressure::{Governor, Pressure};
 use crate::sockopt;
 
 /// Largest batch of frames handed to TLS at once; small, so latency frames never wait long.
@@ -64,6 +64,9 @@ pub(crate) struct LinkCtx {
     pub handshake_timeout: Duration,
     /// The stated link speed makes the link the bottleneck for good (see [`Pressure`]).
     pub link_bound: bool,
+    /// The zstd level to start at, and the levels the governor may move it between (`None`:
+    /// it stays).
+    pub zstd: (i32, Option<(i32, i32)>),
 }
 
 /// Wakeups and the reset reason of one stream.
@@ -509,10 +512,19 @@ async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W, lane: 
     let mut timer_at: Option<Instant> = None;
     let mut pressure = Pressure::new(h.ctx.link_bound, Instant::now());
     h.with(|l| l.set_pressure(pressure.current()));
+    let (start, range) = h.ctx.zstd;
+    let mut governor = range
+        .filter(|_| lane == MAIN_LANE)
+        .map(|(min, max)| Governor::new(start, min, max, Instant::now()));
+    if lane == MAIN_LANE {
+        h.ctx.counters.link.zstd_level.set(i64::from(start));
+    }
     loop {
-        let (closed, deadline) = {
+        let (closed, deadline, encoding) = {
             let mut g = lock(&h.inner);
+            let t = Instant::now();
             g.link.poll_transmit_lane(lane, &mut buf, TRANSMIT_BATCH);
+            let encoding = t.elapsed();
             h.dispatch(&mut g);
             let deadline = if lane == MAIN_LANE {
                 let d = g.link.poll_timeout();
@@ -522,7 +534,7 @@ async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W, lane: 
             } else {
                 None
             };
-            (g.link.is_closed(), deadline)
+            (g.link.is_closed(), deadline, encoding)
         };
         if !buf.is_empty() {
             add(&h.ctx.counters.link.wire_out, buf.len() as u64);
@@ -534,11 +546,19 @@ async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W, lane: 
             if let Err(e) = wr.flush().await {
                 return format!("write: {e}");
             }
+            let now = Instant::now();
             if lane == MAIN_LANE
-                && let Some(p) = pressure.wrote(started, Instant::now())
+                && let Some(p) = pressure.wrote(started, now)
             {
                 debug!(link = h.id, pressure = ?p, "link pressure changed");
                 h.with(|l| l.set_pressure(p));
+            }
+            if let Some(g) = governor.as_mut()
+                && let Some(level) = g.record(encoding, now - started, now)
+            {
+                debug!(link = h.id, level, "zstd level changed");
+                h.with(|l| l.set_zstd_level(level));
+                h.ctx.counters.link.zstd_level.set(i64::from(level));
             }
             continue;
         }

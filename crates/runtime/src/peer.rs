@@ -98,6 +98,10 @@ impl Peer {
             peer: cfg.link.peer.clone(),
             handshake_timeout: cfg.limits.handshake_timeout,
             link_bound: policy::link_bound(&cfg.link),
+            zstd: (
+                cfg.optimize.codec.zstd_level,
+                policy::zstd_range(&cfg.optimize),
+            ),
         };
         let id = self.next_link_id.fetch_add(1, Relaxed);
         Arc::new(LinkHandle::new(link, fd, ctx, id))

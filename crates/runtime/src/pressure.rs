@@ -69,9 +69,135 @@ impl Pressure {
     }
 }
 
+/// The zstd level, moved so that compression keeps ahead of the link with room to spare (as
+/// zstd's `--adapt` does): over each second, the share of time the main lane's writer spent
+/// encoding (the `poll_transmit` calls) and waiting for its socket. Encoding more than half the
+/// time, the encoder would soon be the bottleneck: one level down. Encoding less than
+/// [`LOW`](Self::LOW) while the writer waits for the link (it is full): one level up. A quiet
+/// link moves nothing. So the level settles where one core encodes at least twice what the
+/// link drains.
+#[derive(Debug, Clone)]
+pub(crate) struct Governor {
+    level: i32,
+    min: i32,
+    max: i32,
+    window_start: Instant,
+    encoding: Duration,
+    waited: Duration,
+}
+
+impl Governor {
+    const WINDOW: Duration = Duration::from_secs(1);
+    /// Encoding more than this share of the time: level down.
+    const HIGH: f64 = 0.5;
+    /// Encoding less than this share while the link is full: level up.
+    const LOW: f64 = 0.3;
+    /// Waiting for the socket more than this share of the time: the link is full.
+    const FULL: f64 = 0.3;
+
+    /// Starts at `level`, moving between `min` and `max`.
+    pub fn new(level: i32, min: i32, max: i32, now: Instant) -> Self {
+        Governor {
+            level: level.clamp(min, max),
+            min,
+            max,
+            window_start: now,
+            encoding: Duration::ZERO,
+            waited: Duration::ZERO,
+        }
+    }
+
+    #[cfg(test)]
+    fn level(&self) -> i32 {
+        self.level
+    }
+
+    /// Records time spent encoding and waiting for the socket; returns the new level when it
+    /// changes.
+    pub fn record(&mut self, encoding: Duration, waited: Duration, now: Instant) -> Option<i32> {
+        self.encoding += encoding;
+        self.waited += waited;
+        let span = now.saturating_duration_since(self.window_start);
+        if span < Self::WINDOW {
+            return None;
+        }
+        let busy = self.encoding.as_secs_f64() / span.as_secs_f64();
+        let full = self.waited.as_secs_f64() / span.as_secs_f64();
+        self.window_start = now;
+        self.encoding = Duration::ZERO;
+        self.waited = Duration::ZERO;
+        let next = if busy > Self::HIGH {
+            self.level - 1
+        } else if busy < Self::LOW && full > Self::FULL {
+            self.level + 1
+        } else {
+            self.level
+        }
+        .clamp(self.min, self.max);
+        (next != self.level).then(|| {
+            self.level = next;
+            next
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A second of a link whose encoder costs `cost(level)` of the time needed to fill it; returns
+    /// the levels the governor chose, one per second.
+    fn settle(cost: impl Fn(i32) -> f64, start: i32) -> Vec<i32> {
+        let mut t = Instant::now();
+        let mut g = Governor::new(start, 1, 9, t);
+        let mut levels = Vec::new();
+        for _ in 0..20 {
+            // Ten writes a second: the writer encodes, then waits for the socket the rest.
+            for _ in 0..10 {
+                let busy = cost(g.level()).min(1.0);
+                let enc = Duration::from_secs_f64(0.1 * busy);
+                let wait = Duration::from_secs_f64(0.1 * (1.0 - busy));
+                t += enc + wait;
+                g.record(enc, wait, t);
+            }
+            levels.push(g.level());
+        }
+        levels
+    }
+
+    #[test]
+    fn the_level_settles_where_the_encoder_has_room_to_spare() {
+        // Each level costs 30% more time than the one below; level 5 takes 40% of the time.
+        let cost = |l: i32| 0.4 * 1.3f64.powi(l - 5);
+        for start in [1, 5, 9] {
+            let levels = settle(cost, start);
+            let last = *levels.last().expect("levels");
+            assert!(cost(last) <= Governor::HIGH, "from {start}: {levels:?}");
+            assert!(
+                cost(last + 1) > Governor::LOW || last == 9,
+                "from {start}: {levels:?}"
+            );
+            // Settled: the last few seconds do not move.
+            assert!(
+                levels[15..].iter().all(|l| *l == last),
+                "from {start}: {levels:?}"
+            );
+        }
+        // A cheap encoder climbs to the top; one that cannot keep up drops to the bottom.
+        assert_eq!(*settle(|_| 0.05, 3).last().expect("l"), 9);
+        assert_eq!(*settle(|_| 0.95, 6).last().expect("l"), 1);
+    }
+
+    #[test]
+    fn a_quiet_link_moves_nothing() {
+        let mut t = Instant::now();
+        let mut g = Governor::new(6, 1, 9, t);
+        for _ in 0..100 {
+            t += Duration::from_millis(100);
+            assert_eq!(g.record(Duration::ZERO, Duration::ZERO, t), None);
+        }
+        assert_eq!(g.level(), 6);
+    }
 
     /// Writes that each wait `wait` out of every `every`, for a second.
     fn run(p: &mut Pressure, t: &mut Instant, wait: u64, every: u64) -> Vec<Bound> {

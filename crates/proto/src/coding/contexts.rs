@@ -159,6 +159,14 @@ impl Contexts {
         self.saved.clear();
     }
 
+    /// The zstd level of every mirror from now on, and of those made later.
+    pub fn set_zstd_level(&mut self, level: i32) {
+        self.own.zstd_level = level;
+        for m in self.mirrors.values_mut() {
+            m.set_zstd_level(level);
+        }
+    }
+
     /// The states chosen to resume, for the runtime to load; each is asked for once.
     pub fn take_requests(&mut self) -> Vec<StateRequest> {
         let mut v: Vec<StateRequest> = self

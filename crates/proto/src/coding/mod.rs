@@ -318,6 +318,12 @@ impl Coding {
         self.pressure = p;
     }
 
+    pub fn set_zstd_level(&mut self, level: i32) {
+        if let Some(ctx) = self.ctx.as_mut() {
+            ctx.set_zstd_level(level);
+        }
+    }
+
     /// Takes what the peer's hello says about its codec, and the saved states it offers.
     pub fn on_peer(&mut self, peer: &PeerCodec, offers: &[CacheOffer]) {
         self.peer_context = peer.caps & CAP_CONTEXT != 0;

@@ -261,6 +261,12 @@ impl Link {
         self.coding.set_pressure(p);
     }
 
+    /// Sets the zstd level of what is compressed from now on (the runtime's governor moves it
+    /// so that compression keeps ahead of the link). The peer needs to know nothing.
+    pub fn set_zstd_level(&mut self, level: i32) {
+        self.coding.set_zstd_level(level);
+    }
+
     /// Drains the per-service codec counts accumulated since the last call.
     pub fn take_codec_counts(&mut self) -> Vec<(Arc<str>, CodecCount)> {
         self.coding.take_counts()

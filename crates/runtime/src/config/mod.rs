@@ -114,6 +114,7 @@ struct RawOptimize {
     zstd_level: Option<i32>,
     context_window: Option<String>,
     context_streams: Option<usize>,
+    zstd_adapt: Option<Toggle>,
     dedup: Option<Toggle>,
     dedup_scope: Option<String>,
     disk: Option<RawDisk>,
@@ -252,6 +253,9 @@ pub struct Optimize {
     pub default: StreamPolicy,
     /// The caches' disk tier: `None` keeps them in memory only.
     pub disk: Option<DiskTier>,
+    /// Move the zstd level with what the link drains (see [`crate::policy::zstd_range`]),
+    /// starting at `codec.zstd_level`.
+    pub zstd_adapt: bool,
 }
 
 /// The disk tier of the chunk caches, under `state_dir/cache/<peer>`.
@@ -693,6 +697,7 @@ fn parse_optimize(
         },
         default,
         disk,
+        zstd_adapt: cx.toggle("optimize.zstd_adapt", &o.zstd_adapt, true)?,
     })
 }
 
@@ -1144,12 +1149,16 @@ impl Config {
         let op = &self.optimize;
         let _ = writeln!(
             o,
-            "optimize:\n  enabled: {}\n  memory: {}  # bytes of the shared cache, each way\n  service_memory: {}\n  chunk: {}\n  zstd_level: {}\n  context_window: {}  # a bulk stream's zstd context\n  context_streams: {}  # bulk streams with one at once\n  compression: {}\n  dedup: {}\n  dedup_scope: {}",
+            "optimize:\n  enabled: {}\n  memory: {}  # bytes of the shared cache, each way\n  service_memory: {}\n  chunk: {}\n  zstd_level: {}\n  zstd_adapt: {}{}\n  context_window: {}  # a bulk stream's zstd context\n  context_streams: {}  # bulk streams with one at once\n  compression: {}\n  dedup: {}\n  dedup_scope: {}",
             op.enabled,
             op.codec.cache_bytes,
             op.codec.service_cache_bytes,
             op.codec.avg_chunk,
             op.codec.zstd_level,
+            on_off(op.zstd_adapt),
+            crate::policy::zstd_range(op).map_or(String::new(), |(lo, hi)| format!(
+                "  # levels {lo}-{hi}: the highest at which one core encodes twice what the link drains"
+            )),
             op.codec
                 .long_context
                 .map_or("off".to_string(), |l| l.window().to_string()),

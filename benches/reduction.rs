@@ -1,0 +1,279 @@
+//! Data reduction on real database bytes, against the compressors a DBA would use instead. Builds
+//! its data from a real PostgreSQL: a database of real text rows (every Debian changelog on the
+//! host, a row per line), a base backup of it, an OLTP run (updates, inserts, deletes), the WAL
+//! of that run, and a second base backup after it. Each data set goes through wanopt's encoder
+//! with the settings a daemon derives from a stated 45 Mbit/s link (in one process, on one core,
+//! the cache kept from one data set to the next as a link keeps it), and through `gzip -6`,
+//! `zstd -6` and `zstd -9` as one stream, `xz -6`, and for the second backup `zstd --long=29
+//! --patch-from` the first. It prints wire/raw of each and wanopt's encoder CPU time.
+//!
+//! Run (as root, with a PostgreSQL server): `WANOPT_PG_PORT=5432 PGPASSWORD=... cargo bench
+//! --bench reduction` (`.ci/run` shows how to set one up). Options: `--text-mib N` of row text
+//! (default 48), `--seconds N` of OLTP (default 60), `--keep DIR` to keep the data sets.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use common::pg::{port, psql};
+use wanopt_codec::{CodecConfig, Decoder, Encoder, Pressure};
+
+const DB: &str = "wanopt_reduction";
+
+/// Real text rows: every Debian changelog on the host, in path order, a row per non-empty line
+/// (package, line number, text), up to `limit` bytes, as `COPY` text.
+fn rows(limit: usize) -> Vec<u8> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir("/usr/share/doc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|d| std::fs::read_dir(d.path()).into_iter().flatten().flatten())
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("changelog") && n.ends_with(".gz"))
+        })
+        .collect();
+    files.sort();
+    let mut out = Vec::with_capacity(limit + 4096);
+    for f in files {
+        let Ok(o) = Command::new("zcat").arg(&f).output() else {
+            continue;
+        };
+        let pkg = f
+            .parent()
+            .and_then(Path::file_name)
+            .and_then(|n| n.to_str())
+            .unwrap_or("-")
+            .to_string();
+        let text = String::from_utf8_lossy(&o.stdout);
+        for (i, line) in text.lines().enumerate() {
+            let line: String = line
+                .chars()
+                .filter(|c| !c.is_control())
+                .collect::<String>()
+                .replace('\\', "\\\\");
+            if line.trim().is_empty() {
+                continue;
+            }
+            let _ = writeln!(out, "{pkg}\t{i}\t{line}");
+            if out.len() >= limit {
+                return out;
+            }
+        }
+    }
+    out
+}
+
+fn run(cmd: &mut Command) -> Result<String, String> {
+    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{cmd:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn base_backup(pg: u16, dir: &Path) -> Result<PathBuf, String> {
+    let _ = std::fs::remove_dir_all(dir);
+    run(Command::new("pg_basebackup")
+        .args([
+            "-c",
+            "fast",
+            "-h",
+            "127.0.0.1",
+            "-U",
+            "postgres",
+            "-Ft",
+            "-X",
+            "none",
+        ])
+        .args(["-p", &pg.to_string(), "-D"])
+        .arg(dir))?;
+    Ok(dir.join("base.tar"))
+}
+
+/// The bytes of the WAL segments from the one holding `from` to the one holding `to`, read from
+/// the server's directory (run as root, as CI does) before a checkpoint can recycle them.
+fn wal_between(pg: u16, from: &str, to: &str) -> Result<Vec<u8>, String> {
+    let data = PathBuf::from(psql(pg, "postgres", "SHOW data_directory")?);
+    let name = |lsn: &str| psql(pg, "postgres", &format!("SELECT pg_walfile_name('{lsn}')"));
+    let (a, b) = (name(from)?, name(to)?);
+    let mut segs: Vec<String> = std::fs::read_dir(data.join("pg_wal"))
+        .map_err(|e| e.to_string())?
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.len() == 24 && *n >= a && *n <= b)
+        .collect();
+    segs.sort();
+    let mut out = Vec::new();
+    for s in segs {
+        out.extend(std::fs::read(data.join("pg_wal").join(s)).map_err(|e| e.to_string())?);
+    }
+    Ok(out)
+}
+
+/// The codec settings a daemon derives from a config stating a 45 Mbit/s, 100 ms link.
+fn daemon_codec() -> (CodecConfig, Pressure) {
+    let yaml = "site: west\nlink:\n  connect: 127.0.0.1:7400\n  peer: east\n  bandwidth: 45mbit\n  rtt: 100ms\ntls:\n  ca: ca.pem\n  cert: c.pem\n  key: k.key\n";
+    let cfg = wanopt_runtime::config::Config::parse(yaml, Path::new("/etc/wanopt/west.yaml"))
+        .expect("config");
+    let c = &cfg.optimize.codec;
+    let codec = CodecConfig {
+        cache_bytes: c.cache_bytes as usize,
+        zstd_level: c.zstd_level,
+        long: c.long_context,
+        ..CodecConfig::default()
+    }
+    .with_avg_chunk(c.avg_chunk);
+    // A stated WAN far below what a core compresses: the link is the bottleneck.
+    (codec, Pressure::LinkBound)
+}
+
+fn thread_cpu() -> f64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid pointer to a timespec the call fills in.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
+}
+
+/// Wire bytes of a command's output on `file`, and its wall time.
+fn tool(cmd: &str, args: &[&str], file: &Path) -> Option<(u64, f64)> {
+    let t = Instant::now();
+    let child = Command::new(cmd)
+        .args(args)
+        .arg(file)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    let out = child.wait_with_output().ok()?;
+    out.status
+        .success()
+        .then(|| (out.stdout.len() as u64, t.elapsed().as_secs_f64()))
+}
+
+fn main() {
+    let Some(pg) = port() else {
+        return;
+    };
+    let args = common::args::Args::new();
+    let text_mib: usize = args.get("--text-mib", 48);
+    let seconds: u32 = args.get("--seconds", 60);
+    let keep = args.text("--keep").map(PathBuf::from);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = keep.unwrap_or_else(|| tmp.path().to_path_buf());
+    std::fs::create_dir_all(&dir).expect("data dir");
+
+    // The database: real text rows.
+    let tsv = dir.join("rows.tsv");
+    std::fs::write(&tsv, rows(text_mib << 20)).expect("rows");
+    let _ = psql(pg, "postgres", &format!("DROP DATABASE IF EXISTS {DB}"));
+    psql(pg, "postgres", &format!("CREATE DATABASE {DB}")).expect("create db");
+    psql(pg, DB, "CREATE TABLE notes (id bigserial primary key, pkg text, line_no int, body text, qty int default 1, price numeric(12,2) default 9.99, updated timestamptz default now())").expect("table");
+    psql(
+        pg,
+        DB,
+        &format!("\\copy notes(pkg, line_no, body) FROM '{}'", tsv.display()),
+    )
+    .expect("copy");
+    psql(pg, DB, "CREATE INDEX ON notes(pkg)").expect("index");
+    let base1 = base_backup(pg, &dir.join("base1")).expect("first base backup");
+
+    // OLTP: each transaction touches a few rows here and there, as an order system would.
+    let rows_n: u64 = psql(pg, DB, "SELECT max(id) FROM notes")
+        .expect("count")
+        .parse()
+        .unwrap_or(1);
+    let script = dir.join("oltp.sql");
+    std::fs::write(
+        &script,
+        format!(
+            "\\set id random(1, {rows_n})\nBEGIN;\nUPDATE notes SET qty = qty + 1, price = price * 1.01, updated = now() WHERE id = :id;\nUPDATE notes SET body = body || ' (rev)' WHERE id = :id + 7;\nINSERT INTO notes(pkg, line_no, body) SELECT pkg, line_no + 100000, body FROM notes WHERE id = :id + 13;\nDELETE FROM notes WHERE id = :id + 29;\nCOMMIT;\n"
+        ),
+    )
+    .expect("script");
+    let lsn1 = psql(pg, "postgres", "SELECT pg_current_wal_lsn()").expect("lsn");
+    let report = run(Command::new("pgbench")
+        .args(["-h", "127.0.0.1", "-U", "postgres", "-n", "-c", "4"])
+        .args(["-p", &pg.to_string(), "-T", &seconds.to_string(), "-f"])
+        .arg(&script)
+        .arg(DB))
+    .expect("pgbench");
+    let lsn2 = psql(pg, "postgres", "SELECT pg_current_wal_lsn()").expect("lsn");
+    let wal = wal_between(pg, &lsn1, &lsn2).expect("wal");
+    let wal_path = dir.join("run.wal");
+    std::fs::write(&wal_path, &wal).expect("wal file");
+    let base2 = base_backup(pg, &dir.join("base2")).expect("second base backup");
+    let tps = report
+        .lines()
+        .find(|l| l.starts_with("tps"))
+        .unwrap_or("")
+        .to_string();
+    println!(
+        "PostgreSQL data: {text_mib} MiB of changelog text rows, {seconds} s of OLTP ({tps}), data in {}",
+        dir.display()
+    );
+
+    let (cfg, pressure) = daemon_codec();
+    println!(
+        "wanopt: the encoder as a daemon stating 45 Mbit/s sets it (zstd {}, long context {}), one cache across the data sets",
+        cfg.zstd_level,
+        cfg.long
+            .map_or("off".into(), |l| format!("{} MiB", l.window() >> 20))
+    );
+    println!(
+        "{:<26} {:>9} {:>8} {:>10} {:>8} {:>8} {:>8} {:>8} {:>10}",
+        "data", "MB", "wanopt", "cpu MB/s", "gzip-6", "zstd-6", "zstd-9", "xz-6", "patch-from"
+    );
+    let mut enc = Encoder::new(cfg.clone());
+    let mut dec = Decoder::new(&cfg);
+    let sets: [(&str, &Path, Option<&Path>); 4] = [
+        ("base backup", &base1, None),
+        ("WAL of the OLTP run", &wal_path, None),
+        ("base backup after OLTP", &base2, Some(&base1)),
+        ("first base backup again", &base1, None),
+    ];
+    for (name, path, reference) in sets {
+        let data = std::fs::read(path).expect("data set");
+        let n = data.len() as f64;
+        let mut wire = Vec::with_capacity(data.len() / 2);
+        let cpu = thread_cpu();
+        for piece in data.chunks(64 * 1024) {
+            enc.push(piece, false, pressure, &mut wire);
+        }
+        enc.push(&[], true, pressure, &mut wire);
+        let cpu = thread_cpu() - cpu;
+        let mut out = Vec::with_capacity(data.len());
+        dec.decode(&wire, &mut out).expect("decodes");
+        assert!(out == data, "{name}: rebuilt bytes differ");
+        let ratio =
+            |t: Option<(u64, f64)>| t.map_or("-".into(), |(w, _)| format!("{:.3}", w as f64 / n));
+        let patch = reference.map(|r| {
+            let from = format!("--patch-from={}", r.display());
+            ratio(tool("zstd", &["--long=29", &from, "-q", "-c", "-T1"], path))
+        });
+        println!(
+            "{name:<26} {:>9.1} {:>8.3} {:>10.0} {:>8} {:>8} {:>8} {:>8} {:>10}",
+            n / 1e6,
+            wire.len() as f64 / n,
+            n / cpu / 1e6,
+            ratio(tool("gzip", &["-6", "-c"], path)),
+            ratio(tool("zstd", &["-6", "-q", "-c", "-T1"], path)),
+            ratio(tool("zstd", &["-9", "-q", "-c", "-T1"], path)),
+            ratio(tool("xz", &["-6", "-c", "-T1"], path)),
+            patch.unwrap_or_else(|| "-".into()),
+        );
+    }
+    let _ = psql(pg, "postgres", &format!("DROP DATABASE IF EXISTS {DB}"));
+}
