@@ -9,7 +9,9 @@
 //!
 //! Run (as root, with a PostgreSQL server): `WANOPT_PG_PORT=5432 PGPASSWORD=... cargo bench
 //! --bench reduction` (`.ci/run` shows how to set one up). Options: `--text-mib N` of row text
-//! (default 48), `--seconds N` of OLTP (default 60), `--keep DIR` to keep the data sets.
+//! (default 48), `--seconds N` of OLTP (default 60), `--keep DIR` to keep the data sets,
+//! `--from DIR` to measure data sets kept before (no server needed), `--xz` to run `xz -6` too
+//! (about 1 MB/s here).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -164,10 +166,28 @@ fn tool(cmd: &str, args: &[&str], file: &Path) -> Option<(u64, f64)> {
 }
 
 fn main() {
-    let Some(pg) = port() else {
-        return;
-    };
     let args = common::args::Args::new();
+    let xz = args.flag("--xz");
+    match args.text("--from").map(PathBuf::from) {
+        Some(d) => measure(
+            &d.join("base1/base.tar"),
+            &d.join("run.wal"),
+            &d.join("base2/base.tar"),
+            xz,
+        ),
+        None => {
+            let Some(pg) = port() else {
+                return;
+            };
+            let (base1, wal, base2, _tmp) = make_data(pg, &args);
+            measure(&base1, &wal, &base2, xz);
+        }
+    }
+}
+
+/// Builds the data sets on the server at `pg`; returns the two backups' and the WAL's paths,
+/// and the temporary directory that holds them unless `--keep` named one.
+fn make_data(pg: u16, args: &common::args::Args) -> (PathBuf, PathBuf, PathBuf, tempfile::TempDir) {
     let text_mib: usize = args.get("--text-mib", 48);
     let seconds: u32 = args.get("--seconds", 60);
     let keep = args.text("--keep").map(PathBuf::from);
@@ -224,7 +244,11 @@ fn main() {
         "PostgreSQL data: {text_mib} MiB of changelog text rows, {seconds} s of OLTP ({tps}), data in {}",
         dir.display()
     );
+    let _ = psql(pg, "postgres", &format!("DROP DATABASE IF EXISTS {DB}"));
+    (base1, wal_path, base2, tmp)
+}
 
+fn measure(base1: &Path, wal_path: &Path, base2: &Path, xz: bool) {
     let (cfg, pressure) = daemon_codec();
     println!(
         "wanopt: the encoder as a daemon stating 45 Mbit/s sets it (zstd {}, long context {}), one cache across the data sets",
@@ -239,10 +263,10 @@ fn main() {
     let mut enc = Encoder::new(cfg.clone());
     let mut dec = Decoder::new(&cfg);
     let sets: [(&str, &Path, Option<&Path>); 4] = [
-        ("base backup", &base1, None),
-        ("WAL of the OLTP run", &wal_path, None),
-        ("base backup after OLTP", &base2, Some(&base1)),
-        ("first base backup again", &base1, None),
+        ("base backup", base1, None),
+        ("WAL of the OLTP run", wal_path, None),
+        ("base backup after OLTP", base2, Some(base1)),
+        ("first base backup again", base1, None),
     ];
     for (name, path, reference) in sets {
         let data = std::fs::read(path).expect("data set");
@@ -271,9 +295,12 @@ fn main() {
             ratio(tool("gzip", &["-6", "-c"], path)),
             ratio(tool("zstd", &["-6", "-q", "-c", "-T1"], path)),
             ratio(tool("zstd", &["-9", "-q", "-c", "-T1"], path)),
-            ratio(tool("xz", &["-6", "-c", "-T1"], path)),
+            if xz {
+                ratio(tool("xz", &["-6", "-c", "-T1"], path))
+            } else {
+                "-".into()
+            },
             patch.unwrap_or_else(|| "-".into()),
         );
     }
-    let _ = psql(pg, "postgres", &format!("DROP DATABASE IF EXISTS {DB}"));
 }

@@ -77,6 +77,9 @@ fn counters_match_the_bytes_moved() {
     );
     assert_eq!(value(&w, "wanopt_link_up "), 1);
     assert_eq!(value(&w, "wanopt_link_lanes "), 2);
+    // The governor's zstd level, within its range (from 3 without a stated bandwidth).
+    let level = value(&w, "wanopt_link_zstd_level ");
+    assert!((1..=9).contains(&level), "zstd level {level}");
     // The test certificates (rcgen, see tls.rs) expire on 2031-01-01 and the CA on 2036-01-01.
     for (cert, t) in [
         ("own", 1_924_992_000),

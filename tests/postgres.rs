@@ -44,3 +44,50 @@ fn postgres_wal_streams_exactly_and_compressed() {
         }
     }
 }
+
+/// A base backup through the tunnel, an OLTP run, and a second base backup: both arrive exactly
+/// (`pg_verifybackup` checks every file against the manifest the server computed), and the
+/// second, whose pages are mostly the first's, costs the link less than the first.
+#[test]
+fn base_backups_through_the_tunnel_verify_and_the_second_costs_less() {
+    let Some(port) = pg::port() else { return };
+    let pair = Pair::start_with_admin(
+        &format!("  - name: pg\n    target: 127.0.0.1:{port}\n"),
+        "  - name: pg\n    listen: 127.0.0.1:0\n",
+    );
+    let db = "wanopt_test_backup";
+    pg::prepare(port, db, Workload::Orders, 4).expect("prepare");
+    let west = pair.west.bound("pg").port();
+    let wire = || {
+        let (w, _) = eventually(
+            pair.west.bound("admin"),
+            pair.east.bound("admin"),
+            |w, e| {
+                let out = value(e, &series("wanopt_wire_bytes_total", "pg", "out"));
+                out > 0 && out == value(w, &series("wanopt_wire_bytes_total", "pg", "in"))
+            },
+        );
+        value(&w, &series("wanopt_wire_bytes_total", "pg", "in"))
+    };
+    let raw = || {
+        value(
+            &scrape(pair.west.bound("admin")),
+            &series("wanopt_raw_bytes_total", "pg", "in"),
+        )
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    pg::verified_base_backup(west, &dir.path().join("first")).expect("first backup");
+    let (first_wire, first_raw) = (wire(), raw());
+    pg::oltp(port, db, Workload::Orders, 4, 5).expect("oltp");
+    pg::verified_base_backup(west, &dir.path().join("second")).expect("second backup");
+    let (second_wire, second_raw) = (wire() - first_wire, raw() - first_raw);
+    let _ = pg::psql(port, "postgres", &format!("DROP DATABASE IF EXISTS {db}"));
+    eprintln!(
+        "first backup {first_raw} raw, {first_wire} wire; second {second_raw} raw, {second_wire} wire"
+    );
+    assert!(first_wire * 2 < first_raw, "the first backup compressed");
+    assert!(
+        second_wire * 2 < first_wire,
+        "the second backup reuses the first: {second_wire} wire against {first_wire}"
+    );
+}

@@ -264,6 +264,61 @@ fn run(cmd: &mut Command) -> Result<String, String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// A PostgreSQL program that Debian keeps out of `PATH` (in `/usr/lib/postgresql/N/bin`), of
+/// the newest version installed.
+pub fn pg_bin(name: &str) -> Result<PathBuf, String> {
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .map_err(|e| format!("/usr/lib/postgresql: {e}"))?
+        .flatten()
+        .filter_map(|e| {
+            let v = e.file_name().to_str()?.parse().ok()?;
+            let p = e.path().join("bin").join(name);
+            p.exists().then_some((v, p))
+        })
+        .collect();
+    versions.sort();
+    versions
+        .pop()
+        .map(|(_, p)| p)
+        .ok_or_else(|| format!("no {name} under /usr/lib/postgresql"))
+}
+
+/// Takes a base backup of the server reached at `port` (the tunnel's listening end) into `dir`,
+/// as plain files with the WAL it needs, and checks every file against the backup's manifest
+/// with `pg_verifybackup`.
+pub fn verified_base_backup(port: u16, dir: &Path) -> Result<(), String> {
+    // In clear inside the tunnel (the link is TLS): PostgreSQL's own TLS would leave nothing
+    // to optimize.
+    run(Command::new("pg_basebackup")
+        .env("PGSSLMODE", "disable")
+        .args([
+            "-c",
+            "fast",
+            "-h",
+            "127.0.0.1",
+            "-U",
+            "postgres",
+            "-Fp",
+            "-X",
+            "fetch",
+        ])
+        .args(["-p", &port.to_string(), "-D"])
+        .arg(dir))?;
+    run(Command::new(pg_bin("pg_verifybackup")?).arg(dir))?;
+    Ok(())
+}
+
+/// Runs `workload` on `db` for `seconds` with two clients, directly.
+pub fn oltp(
+    pg: u16,
+    db: &str,
+    workload: Workload,
+    scale: u32,
+    seconds: u32,
+) -> Result<String, String> {
+    write_load(pg, db, workload, scale, 2, seconds)
+}
+
 /// Creates (again) database `db` with the workload's tables at `scale`.
 pub fn prepare(pg: u16, db: &str, workload: Workload, scale: u32) -> Result<(), String> {
     psql(pg, "postgres", &format!("DROP DATABASE IF EXISTS {db}"))?;
