@@ -1327,7 +1327,7 @@ impl CacheStorage for TestStorage {
 
 /// A coded pair with disk tiers (16 MiB of files each, 64 KiB of memory) on both sides, up.
 fn stored_pair(ws: &Arc<TestStorage>, es: &Arc<TestStorage>) -> Pair {
-    let mut p = stored_pair_starting(ws, es);
+    let mut p = stored_pair_starting(ws, es, Duration::from_secs(60));
     p.drive(Duration::from_secs(1));
     assert!(p.west.app.up && p.east.app.up);
     p
@@ -1335,7 +1335,11 @@ fn stored_pair(ws: &Arc<TestStorage>, es: &Arc<TestStorage>) -> Pair {
 
 /// [`stored_pair`] before the hellos are exchanged; east's disk is slow: its states take 300 ms
 /// to load.
-fn stored_pair_starting(ws: &Arc<TestStorage>, es: &Arc<TestStorage>) -> Pair {
+fn stored_pair_starting(
+    ws: &Arc<TestStorage>,
+    es: &Arc<TestStorage>,
+    checkpoints: Duration,
+) -> Pair {
     let settings = || CodecSettings {
         cache_bytes: 64 * 1024,
         disk_bytes: 16 << 20,
@@ -1350,6 +1354,7 @@ fn stored_pair_starting(ws: &Arc<TestStorage>, es: &Arc<TestStorage>) -> Pair {
             c.codec = Some(settings());
             c.saved_states = w.saved();
             c.cache_storage = Some(w);
+            c.checkpoint_interval = checkpoints;
         },
         |c| {
             c.codec = Some(settings());
@@ -1437,7 +1442,7 @@ fn frames_wait_in_the_buffer_while_resumed_states_load() {
     shut_down(p, &ws, &es);
 
     // West is up (and sending) long before east's slow disk hands its states over.
-    let mut p = stored_pair_starting(&ws, &es);
+    let mut p = stored_pair_starting(&ws, &es, Duration::from_secs(60));
     p.drive(Duration::from_millis(60));
     assert!(p.west.app.up, "west heard east's hello");
     let before = p.west.link.link_wire().0;
@@ -1525,6 +1530,49 @@ fn reads_from_a_slow_disk_stall_only_their_stream() {
         p.east.app.to_send.insert(id, (Bytes::new(), true));
     }
     p.drive(Duration::from_secs(5));
+    p.assert_no_leaks();
+}
+
+#[test]
+fn a_checkpoint_that_overtakes_a_stalled_stream_is_judged_once_it_caught_up() {
+    let (ws, es) = (
+        Arc::new(TestStorage::default()),
+        Arc::new(TestStorage::default()),
+    );
+    let data = pattern(17, 2 << 20);
+    let mut p = stored_pair(&ws, &es);
+    send_once(&mut p, "e-svc", Class::Bulk, &data);
+    shut_down(p, &ws, &es);
+
+    // Restarted with a slow disk and checkpoints every second: west sends the repeat's
+    // references (and its last checkpoint) long before east has read them all from disk.
+    let reads = Arc::new(Mutex::new(SlowReads::default()));
+    *es.slow.lock().expect("lock") = Some(reads.clone());
+    let mut p = stored_pair_starting(&ws, &es, Duration::from_secs(1));
+    p.drive(Duration::from_secs(1));
+    // 100 ms a read: east is still reading when west's first checkpoint comes (the link's
+    // timers start with its first ping, 5 s in).
+    p.east.store_delay = Duration::from_millis(100);
+    // The repeat, then new bytes: literals behind the stalled references change the cache.
+    let more: Bytes = [data.to_vec(), pattern(18, 1 << 20).to_vec()]
+        .concat()
+        .into();
+    send_once(&mut p, "e-svc", Class::Bulk, &more);
+    p.drive(Duration::from_secs(3));
+    assert!(reads.lock().expect("lock").pending > 50);
+    let newest = |app: &App, role| {
+        app.checkpoints
+            .iter()
+            .rev()
+            .find(|c| c.0 == role && c.1 == 0 && c.2.is_empty())
+            .map(|c| c.3.digest())
+    };
+    let mirror = newest(&p.west.app, Role::Mirror).expect("west checkpointed");
+    assert_eq!(
+        newest(&p.east.app, Role::Decoder),
+        Some(mirror),
+        "east saved the state of west's last checkpoint"
+    );
     p.assert_no_leaks();
 }
 

@@ -271,6 +271,11 @@ impl Contexts {
         })
     }
 
+    /// True if our decoder of a lane and scope was ever used.
+    pub fn has_decoder(&self, lane: usize, scope: &str) -> bool {
+        self.decoders.contains_key(&(lane, Arc::from(scope)))
+    }
+
     /// Our decoder of a lane and scope, if it was ever used.
     pub fn existing_decoder(&mut self, lane: usize, scope: &Arc<str>) -> Option<&mut Decoder> {
         self.decoders.get_mut(&(lane, scope.clone()))

@@ -86,6 +86,7 @@ impl Link {
                 format!("cannot rebuild stream data: {why}"),
             ),
         }
+        self.retry_checkpoints();
     }
 
     /// Our disk tier's store read chunks that streams were waiting for: those streams decode
@@ -173,7 +174,49 @@ impl Link {
 
     /// The peer's checkpoint: saved on our side only if our cache is exactly what the peer's
     /// mirror was at this point of the lane.
+    /// The peer's checkpoint: its mirror's state at this point of the lane. A stream of the lane
+    /// stalled on a miss or a disk read has frames from before the checkpoint still to decode,
+    /// so the checkpoint is judged once they are (the newest one per cache waits). Judged now,
+    /// it could not match, and after a transfer's last checkpoint no other would come.
     pub(super) fn on_checkpoint(
+        &mut self,
+        lane: usize,
+        scope: String,
+        digest: &Fingerprint,
+    ) -> Result<(), LinkError> {
+        if self.lane_behind(lane) && self.coding.has_decoder(lane, &scope)? {
+            self.deferred_checkpoints
+                .retain(|(l, s, _)| !(*l == lane && *s == scope));
+            self.deferred_checkpoints.push((lane, scope, *digest));
+            return Ok(());
+        }
+        self.judge_checkpoint(lane, scope, digest)
+    }
+
+    /// True while a stream of `lane` waits for a chunk with frames undecoded.
+    fn lane_behind(&self, lane: usize) -> bool {
+        self.streams
+            .map
+            .values()
+            .any(|s| s.lane == lane && s.recv.coded.as_ref().is_some_and(|rc| rc.stall.is_some()))
+    }
+
+    /// Judges the deferred checkpoints of lanes no longer behind.
+    fn retry_checkpoints(&mut self) {
+        if self.deferred_checkpoints.is_empty() {
+            return;
+        }
+        let (ready, wait): (Vec<_>, Vec<_>) = std::mem::take(&mut self.deferred_checkpoints)
+            .into_iter()
+            .partition(|(lane, _, _)| !self.lane_behind(*lane));
+        self.deferred_checkpoints = wait;
+        for (lane, scope, digest) in ready {
+            // Only a link without a codec fails here, and it never defers.
+            let _ = self.judge_checkpoint(lane, scope, &digest);
+        }
+    }
+
+    fn judge_checkpoint(
         &mut self,
         lane: usize,
         scope: String,

@@ -204,6 +204,9 @@ pub struct Link {
     coding: Coding,
     /// Waiting for the runtime to load the states to resume ([`Event::LoadStates`]).
     loading: bool,
+    /// The peer's checkpoints that wait for a stalled stream of their lane (lane, scope,
+    /// digest): at most one per cache we have.
+    deferred_checkpoints: Vec<(usize, String, wanopt_codec::cache::Fingerprint)>,
 }
 
 impl Link {
@@ -237,6 +240,7 @@ impl Link {
             close_error: None,
             coding,
             loading: false,
+            deferred_checkpoints: Vec::new(),
             cfg,
         }
     }
