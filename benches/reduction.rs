@@ -11,7 +11,9 @@
 //! --bench reduction` (`.ci/run` shows how to set one up). Options: `--text-mib N` of row text
 //! (default 48), `--seconds N` of OLTP (default 60), `--keep DIR` to keep the data sets,
 //! `--from DIR` to measure data sets kept before (no server needed), `--xz` to run `xz -6` too
-//! (about 1 MB/s here).
+//! (about 1 MB/s here), `--cache-mib N` (default 2048: the cache of a daemon with a 2 GiB disk
+//! tier, which holds a first backup until the second comes; the default 256 MiB of memory alone
+//! would not).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -122,14 +124,15 @@ fn wal_between(pg: u16, from: &str, to: &str) -> Result<Vec<u8>, String> {
     Ok(out)
 }
 
-/// The codec settings a daemon derives from a config stating a 45 Mbit/s, 100 ms link.
-fn daemon_codec() -> (CodecConfig, Pressure) {
+/// The codec settings a daemon derives from a config stating a 45 Mbit/s, 100 ms link, with a
+/// cache of `cache` bytes.
+fn daemon_codec(cache: usize) -> (CodecConfig, Pressure) {
     let yaml = "site: west\nlink:\n  connect: 127.0.0.1:7400\n  peer: east\n  bandwidth: 45mbit\n  rtt: 100ms\ntls:\n  ca: ca.pem\n  cert: c.pem\n  key: k.key\n";
     let cfg = wanopt_runtime::config::Config::parse(yaml, Path::new("/etc/wanopt/west.yaml"))
         .expect("config");
     let c = &cfg.optimize.codec;
     let codec = CodecConfig {
-        cache_bytes: c.cache_bytes as usize,
+        cache_bytes: cache.max(c.cache_bytes as usize),
         zstd_level: c.zstd_level,
         long: c.long_context,
         ..CodecConfig::default()
@@ -168,19 +171,21 @@ fn tool(cmd: &str, args: &[&str], file: &Path) -> Option<(u64, f64)> {
 fn main() {
     let args = common::args::Args::new();
     let xz = args.flag("--xz");
+    let cache = args.get::<usize>("--cache-mib", 2048) << 20;
     match args.text("--from").map(PathBuf::from) {
         Some(d) => measure(
             &d.join("base1/base.tar"),
             &d.join("run.wal"),
             &d.join("base2/base.tar"),
             xz,
+            cache,
         ),
         None => {
             let Some(pg) = port() else {
                 return;
             };
             let (base1, wal, base2, _tmp) = make_data(pg, &args);
-            measure(&base1, &wal, &base2, xz);
+            measure(&base1, &wal, &base2, xz, cache);
         }
     }
 }
@@ -248,13 +253,14 @@ fn make_data(pg: u16, args: &common::args::Args) -> (PathBuf, PathBuf, PathBuf, 
     (base1, wal_path, base2, tmp)
 }
 
-fn measure(base1: &Path, wal_path: &Path, base2: &Path, xz: bool) {
-    let (cfg, pressure) = daemon_codec();
+fn measure(base1: &Path, wal_path: &Path, base2: &Path, xz: bool, cache: usize) {
+    let (cfg, pressure) = daemon_codec(cache);
     println!(
-        "wanopt: the encoder as a daemon stating 45 Mbit/s sets it (zstd {}, long context {}), one cache across the data sets",
+        "wanopt: the encoder as a daemon stating 45 Mbit/s sets it (zstd {}, long context {}), one {} MiB cache across the data sets",
         cfg.zstd_level,
         cfg.long
-            .map_or("off".into(), |l| format!("{} MiB", l.window() >> 20))
+            .map_or("off".into(), |l| format!("{} MiB", l.window() >> 20)),
+        cfg.cache_bytes >> 20
     );
     println!(
         "{:<26} {:>9} {:>8} {:>10} {:>8} {:>8} {:>8} {:>8} {:>10}",
