@@ -469,6 +469,15 @@ fn the_disk_tier_keeps_dedup_across_restarts_and_damage_is_resent() {
 
     // A crash: both daemons killed; the states saved at the last periodic checkpoint survive.
     let small = 32u64 << 20;
+    let newest_state = |dir: std::path::PathBuf| -> Option<String> {
+        let mut v: Vec<String> = files_ending(&dir, ".idx")
+            .into_iter()
+            .filter_map(|(p, _)| Some(p.file_name()?.to_str()?.to_string()))
+            .collect();
+        v.sort();
+        v.pop()
+    };
+    let before = newest_state(west_state.path().join("cache/east/mirror-0-link"));
     send_backup(west.bound("rman"), 10, small, None).expect("before the crash");
     // Kill only once a periodic checkpoint after this transfer is on disk on both sides: the
     // digest in the file names of west's newest mirror state appears among east's states.
@@ -486,13 +495,24 @@ fn the_disk_tier_keeps_dedup_across_restarts_and_damage_is_resent() {
     };
     let mirror_dir = west_state.path().join("cache/east/mirror-0-link");
     let decoder_dir = east_state.path().join("cache/west/decoder-0-link");
-    // (A checkpoint taken during the transfer may still be landing: let it.)
-    std::thread::sleep(Duration::from_millis(1500));
-    let before = digests(mirror_dir.clone()).first().cloned();
+    // West checkpoints a changed mirror every second: its newest state is the final one once it
+    // is not the one from before the transfer and no newer one came for two seconds; east
+    // saved it too once its digest is among east's.
     let end = std::time::Instant::now() + Duration::from_secs(60);
+    let mut last: Option<(String, std::time::Instant)> = None;
     loop {
         let newest = digests(mirror_dir.clone()).first().cloned();
-        if newest != before
+        let now = std::time::Instant::now();
+        let since = match (&last, &newest) {
+            (Some((d, t)), Some(n)) if d == n => now - *t,
+            _ => {
+                last = newest.clone().map(|d| (d, now));
+                Duration::ZERO
+            }
+        };
+        let changed = newest_state(mirror_dir.clone()) != before;
+        if changed
+            && since >= Duration::from_secs(2)
             && newest
                 .as_ref()
                 .is_some_and(|d| digests(decoder_dir.clone()).contains(d))
