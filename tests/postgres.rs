@@ -9,9 +9,18 @@ mod common;
 use common::pg::{self, WalLoad, Workload};
 use common::*;
 
+/// The tests share one server: a base backup's checkpoint recycles the WAL segments the
+/// streaming test compares with, so they take turns.
+static SERVER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn server_turn() -> std::sync::MutexGuard<'static, ()> {
+    SERVER.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 #[test]
 fn postgres_wal_streams_exactly_and_compressed() {
     let Some(port) = pg::port() else { return };
+    let _turn = server_turn();
     let pair = Pair::start_with_admin(
         &format!("  - name: pg\n    target: 127.0.0.1:{port}\n"),
         "  - name: pg\n    listen: 127.0.0.1:0\n",
@@ -51,6 +60,7 @@ fn postgres_wal_streams_exactly_and_compressed() {
 #[test]
 fn base_backups_through_the_tunnel_verify_and_the_second_costs_less() {
     let Some(port) = pg::port() else { return };
+    let _turn = server_turn();
     let pair = Pair::start_with_admin(
         &format!("  - name: pg\n    target: 127.0.0.1:{port}\n"),
         "  - name: pg\n    listen: 127.0.0.1:0\n",
