@@ -11,7 +11,11 @@
 //! together) adds real redo, sent as live redo arrives: 2 KiB writes, each flushed. Each
 //! `--file FILE` (a backup, WAL, a binlog) adds the file sent as bulk at a stated WAN (zstd
 //! chosen), with and without long stream contexts, beside the `zstd`, `gzip` and `xz` commands'
-//! output of the same bytes as one stream, at zstd levels 3, 6 and 9.
+//! output of the same bytes as one stream, at zstd levels 3, 6 and 9. `--similar OLD --to NEW` (two
+//! backups) measures what delta encoding against similar chunks would recover: NEW's chunks
+//! found in OLD (references), those with a similar chunk in OLD by super-features (each
+//! compressed with that chunk as zstd's prefix), and the rest (compressed alone), at 8, 4 and
+//! 2 KiB average chunks.
 
 #[path = "../tests/common/args.rs"]
 mod args;
@@ -166,6 +170,125 @@ fn file_vs_stream_compressors(path: &str) {
     }
 }
 
+/// Super-features of a chunk, after Shilane et al. (FAST 2012): twelve features, each the
+/// maximum of a different linear transform of a rolling gear hash over a sample of the chunk's
+/// positions, hashed in three groups of four. Chunks sharing one are likely similar; an edit
+/// moves only the features near it.
+fn super_features(chunk: &[u8], gear: &[u64; 256]) -> [u64; 3] {
+    const A: [u64; 12] = [
+        0x9E37_79B9_7F4A_7C15,
+        0xC2B2_AE3D_27D4_EB4F,
+        0x1656_67B1_9E37_79F9,
+        0x85EB_CA77_C2B2_AE63,
+        0x27D4_EB2F_1656_67C5,
+        0x94D0_49BB_1331_11EB,
+        0xBF58_476D_1CE4_E5B9,
+        0xFF51_AFD7_ED55_8CCD,
+        0xC4CE_B9FE_1A85_EC53,
+        0x2545_F491_4F6C_DD1D,
+        0x5851_F42D_4C95_7F2D,
+        0x1405_7B7E_F767_814F,
+    ];
+    let mut f = [0u64; 12];
+    let mut h = 0u64;
+    for &b in chunk {
+        h = (h << 1).wrapping_add(gear[b as usize]);
+        // One position in 16: features of a chunk cost a sixteenth of a full pass.
+        if h & 0xF == 0 {
+            for (fi, a) in f.iter_mut().zip(A) {
+                *fi = (*fi).max(h.wrapping_mul(a).rotate_left(29));
+            }
+        }
+    }
+    let group = |g: &[u64]| {
+        g.iter().fold(0xcbf2_9ce4_8422_2325u64, |acc, v| {
+            (acc ^ v).wrapping_mul(0x100_0000_01b3)
+        })
+    };
+    [group(&f[0..4]), group(&f[4..8]), group(&f[8..12])]
+}
+
+/// What delta encoding against similar chunks of `old` would make of `new`, per chunk size.
+fn similar(old_path: &str, new_path: &str) {
+    use std::collections::{HashMap, HashSet};
+    use zstd::zstd_safe::{CCtx, CParameter};
+    let old = std::fs::read(old_path).unwrap_or_else(|e| panic!("{old_path}: {e}"));
+    let new = std::fs::read(new_path).unwrap_or_else(|e| panic!("{new_path}: {e}"));
+    let mut gear = [0u64; 256];
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    for g in gear.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *g = x;
+    }
+    println!(
+        "{new_path} against {old_path}: {:.1} MB, zstd 6, one frame per chunk",
+        new.len() as f64 / 1e6
+    );
+    for avg in [8192usize, 4096, 2048] {
+        let cfg = CodecConfig::default().with_avg_chunk(avg);
+        let mut have = HashSet::new();
+        let mut index: HashMap<(usize, u64), (usize, usize)> = HashMap::new();
+        for (off, len) in wanopt_codec::chunks(&old, &cfg) {
+            let c = &old[off..off + len];
+            have.insert(wanopt_codec::cache::fingerprint(c));
+            for (j, sf) in super_features(c, &gear).into_iter().enumerate() {
+                index.entry((j, sf)).or_insert((off, len));
+            }
+        }
+        let mut cctx = CCtx::create();
+        cctx.set_parameter(CParameter::CompressionLevel(6))
+            .expect("level");
+        let mut buf = Vec::with_capacity(1 << 20);
+        let (mut refs, mut sims, mut rest) = (0u64, 0u64, 0u64);
+        let (mut wire_sim, mut wire_rest, mut alone_sim) = (0u64, 0u64, 0u64);
+        let t = Instant::now();
+        for (off, len) in wanopt_codec::chunks(&new, &cfg) {
+            let c = &new[off..off + len];
+            if have.contains(&wanopt_codec::cache::fingerprint(c)) {
+                refs += 1;
+                continue;
+            }
+            buf.clear();
+            buf.reserve(len + 1024);
+            cctx.compress2(&mut buf, c).expect("zstd");
+            let alone = buf.len().min(len) as u64;
+            let base = super_features(c, &gear)
+                .into_iter()
+                .enumerate()
+                .find_map(|(j, sf)| index.get(&(j, sf)).copied());
+            match base {
+                Some((boff, blen)) => {
+                    buf.clear();
+                    cctx.ref_prefix(&old[boff..boff + blen]).expect("prefix");
+                    cctx.compress2(&mut buf, c).expect("zstd");
+                    sims += 1;
+                    // A delta record names its base and the new chunk: 32 bytes more.
+                    wire_sim += (buf.len() as u64 + 32).min(alone);
+                    alone_sim += alone;
+                }
+                None => {
+                    rest += 1;
+                    wire_rest += alone;
+                }
+            }
+        }
+        let refs_wire = refs * 17;
+        let total = refs_wire + wire_sim + wire_rest;
+        println!(
+            "  {:>2} KiB chunks: {refs} found, {sims} similar (delta {:.0} KB, alone {:.0} KB), {rest} neither ({:.0} KB); wire/raw {:.4} with deltas, {:.4} without ({:.1} s)",
+            avg >> 10,
+            wire_sim as f64 / 1e3,
+            alone_sim as f64 / 1e3,
+            wire_rest as f64 / 1e3,
+            total as f64 / new.len() as f64,
+            (refs_wire + alone_sim + wire_rest) as f64 / new.len() as f64,
+            t.elapsed().as_secs_f64()
+        );
+    }
+}
+
 /// The stages on their own: chunking alone, and chunking plus fingerprints, for the share each
 /// takes of the pipeline.
 fn stages(name: &str, data: &[u8]) {
@@ -267,6 +390,12 @@ fn main() {
             2048,
             true,
         );
+    }
+    if let Some(old) = args.text("--similar") {
+        let Some(new) = args.text("--to") else {
+            panic!("--similar OLD needs --to NEW");
+        };
+        similar(&old, &new);
     }
     for path in args.all("--file") {
         file_vs_stream_compressors(&path);
