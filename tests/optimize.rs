@@ -219,6 +219,15 @@ fn redo_across_a_t3_is_compressed_with_zstd() {
         &w,
         "wanopt_codec_bytes_total{service=\"dg\",codec=\"zstd\"} ",
     );
+    // What zstd saved shows as its literals' raw bytes against their record bytes.
+    let zstd_wire = value(
+        &w,
+        "wanopt_codec_wire_bytes_total{service=\"dg\",codec=\"zstd\"} ",
+    );
+    assert!(
+        zstd_wire > 0 && zstd_wire * 2 < zstd,
+        "zstd literals: {zstd} raw, {zstd_wire} on the wire"
+    );
     eprintln!(
         "redo-like across t3-100ms: {len} raw bytes, {wire} on the wire ({:.3}), {zstd} bytes chose zstd",
         wire as f64 / len as f64

@@ -359,6 +359,8 @@ pub struct EncodeStats {
     pub miss_bytes: u64,
     /// Raw bytes of literal chunks (and raw records, as none) sent with each codec: none, lz4, zstd.
     pub codec_bytes: [u64; 3],
+    /// The record bytes they took: `codec_bytes` minus these is what each codec saved.
+    pub codec_wire: [u64; 3],
 }
 
 impl EncodeStats {
@@ -371,6 +373,9 @@ impl EncodeStats {
         self.miss_chunks += o.miss_chunks;
         self.miss_bytes += o.miss_bytes;
         for (a, b) in self.codec_bytes.iter_mut().zip(o.codec_bytes) {
+            *a += b;
+        }
+        for (a, b) in self.codec_wire.iter_mut().zip(o.codec_wire) {
             *a += b;
         }
     }
@@ -389,8 +394,12 @@ impl EncodeStats {
                 self.miss_chunks += 1;
                 self.miss_bytes += raw;
                 self.codec_bytes[c.index()] += raw;
+                self.codec_wire[c.index()] += r.wire as u64;
             }
-            Sent::Raw => self.codec_bytes[0] += raw,
+            Sent::Raw => {
+                self.codec_bytes[0] += raw;
+                self.codec_wire[0] += r.wire as u64;
+            }
         }
     }
 }

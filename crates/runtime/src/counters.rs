@@ -309,6 +309,7 @@ pub struct CodecMetrics {
     dedup_bytes: Family<DedupLabel, Counter>,
     dedup_chunks: Family<DedupLabel, Counter>,
     codec_bytes: Family<CodecLabel, Counter>,
+    codec_wire: Family<CodecLabel, Counter>,
     resends: Family<ServiceDir, Counter>,
     cache_bytes: Family<CacheLabel, Gauge>,
     cache_chunks: Family<CacheLabel, Gauge>,
@@ -333,6 +334,11 @@ impl CodecMetrics {
             "wanopt_codec_bytes",
             "Raw bytes sent to the peer with each compression (none, lz4, zstd), per service",
             m.codec_bytes.clone(),
+        );
+        r.register(
+            "wanopt_codec_wire_bytes",
+            "Record bytes those literals took on the wire, per service and compression: wanopt_codec_bytes minus this is what the compression saved",
+            m.codec_wire.clone(),
         );
         r.register(
             "wanopt_dedup_resends",
@@ -387,14 +393,18 @@ impl CodecMetrics {
                     .inc_by(chunks);
             }
         }
-        for (codec, n) in ["none", "lz4", "zstd"].into_iter().zip(s.codec_bytes) {
+        for ((codec, n), w) in ["none", "lz4", "zstd"]
+            .into_iter()
+            .zip(s.codec_bytes)
+            .zip(s.codec_wire)
+        {
             if n > 0 {
-                self.codec_bytes
-                    .get_or_create(&CodecLabel {
-                        service: service.to_string(),
-                        codec,
-                    })
-                    .inc_by(n);
+                let label = CodecLabel {
+                    service: service.to_string(),
+                    codec,
+                };
+                self.codec_bytes.get_or_create(&label).inc_by(n);
+                self.codec_wire.get_or_create(&label).inc_by(w);
             }
         }
         for (direction, n) in [(OUT, c.resent), (IN, c.needs)] {
