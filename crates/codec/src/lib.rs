@@ -18,11 +18,16 @@
 //! the same records in the stream's order, so it needs no agreement beyond that.
 
 pub mod cache;
+mod context;
 pub mod store;
 pub mod testdata;
 
 use bytes::BufMut;
 use cache::{ChunkCache, Fingerprint, fingerprint};
+use context::SendContext;
+pub use context::{
+    CONTEXT_WINDOW_LOG, DECODER_CONTEXTS, LongContext, MIRROR_CONTEXTS, Slots, StreamContext,
+};
 
 /// Largest chunk or raw record a decoder accepts, checked before anything is allocated.
 pub const MAX_RECORD: usize = 1 << 20;
@@ -45,90 +50,6 @@ const NO_CACHE: u8 = 0x40;
 const FRESH: u8 = 0x20;
 /// Flag on a fresh context literal's tag: the context has a long window (see [`LongContext`]).
 const LONG: u8 = 0x10;
-
-/// zstd window of a stream context. On PostgreSQL WAL a 128 KiB window compressed as well as
-/// 4 MiB (0.301 against 0.306 of the raw bytes, zstd -3): redo repeats itself within a few
-/// records.
-pub const CONTEXT_WINDOW_LOG: u32 = 17;
-/// Stream contexts one mirror keeps at once (about 1 MiB each at level 3); further streams
-/// compress each chunk on its own.
-pub const MIRROR_CONTEXTS: usize = 32;
-/// Stream contexts one decoder accepts at once (about 260 KiB each): a peer asking for more is
-/// refused, so a hostile one cannot make it allocate without bound. Above [`MIRROR_CONTEXTS`],
-/// with room for streams whose last records are still to be decoded.
-pub const DECODER_CONTEXTS: usize = 128;
-
-/// Long-window stream contexts: a bulk stream's literals all go through one, so a backup
-/// compresses as one zstd stream would (its matches reach back `2^window_log` bytes), where
-/// chunks compressed alone lose 10-35% against a plain stream compressor. Each costs about its
-/// window on the receiving side, and the window plus the level's tables on the sending side, so
-/// both their size and their number are bounded, and the receiver announces both.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LongContext {
-    /// The window: `2^window_log` bytes.
-    pub window_log: u32,
-    /// Streams with a long context at once (per link).
-    pub streams: usize,
-}
-
-impl LongContext {
-    /// Windows accepted: 1 MiB to 128 MiB.
-    pub const WINDOW_LOG_RANGE: std::ops::RangeInclusive<u32> = 20..=27;
-    /// Long contexts per link accepted at most.
-    pub const MAX_STREAMS: usize = 256;
-
-    /// The window in bytes.
-    pub fn window(&self) -> u64 {
-        1 << self.window_log
-    }
-
-    /// What both sides can do: the smaller window and the fewer streams.
-    pub fn agree(&self, peer: &LongContext) -> LongContext {
-        LongContext {
-            window_log: self.window_log.min(peer.window_log),
-            streams: self.streams.min(peer.streams),
-        }
-    }
-}
-
-impl Default for LongContext {
-    /// 8 MiB windows (zstd -9's own is 4 MiB) for up to 8 streams at once.
-    fn default() -> Self {
-        LongContext {
-            window_log: 23,
-            streams: 8,
-        }
-    }
-}
-
-/// A count of contexts in use, shared by the permits taken from it (clones share the count).
-#[derive(Debug, Default, Clone)]
-pub struct Slots(std::sync::Arc<std::sync::atomic::AtomicUsize>);
-
-/// One context's place in a [`Slots`]; given back when dropped.
-#[derive(Debug)]
-struct Permit(std::sync::Arc<std::sync::atomic::AtomicUsize>);
-
-impl Slots {
-    fn take(&self, max: usize) -> Option<Permit> {
-        use std::sync::atomic::Ordering::Relaxed;
-        self.0
-            .fetch_update(Relaxed, Relaxed, |n| (n < max).then_some(n + 1))
-            .ok()
-            .map(|_| Permit(self.0.clone()))
-    }
-
-    /// Contexts in use.
-    pub fn in_use(&self) -> usize {
-        self.0.load(std::sync::atomic::Ordering::Relaxed)
-    }
-}
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-    }
-}
 
 /// Compression of a literal chunk, as carried on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -434,18 +355,6 @@ impl std::fmt::Debug for Hint {
     }
 }
 
-/// A stream's zstd compression context.
-struct SendContext {
-    cctx: zstd::zstd_safe::CCtx<'static>,
-    /// No record of it was sent yet: the next one tells the peer to start afresh.
-    fresh: bool,
-    /// A long-window context (see [`LongContext`]).
-    long: bool,
-    /// The zstd level it compresses at (the mirror's may have moved since).
-    level: i32,
-    _permit: Permit,
-}
-
 impl Hint {
     fn incompressible(&mut self) {
         self.backoff = (self.backoff * 2).clamp(1, 64);
@@ -733,78 +642,6 @@ impl Mirror {
         }
     }
 
-    /// Compresses `chunk` in the stream's context into the scratch buffer, flushed so that the
-    /// peer can rebuild it from this record; returns the record's tag flags (whether it starts
-    /// the context, and a long one). A bulk stream's context is a long one while the link has
-    /// one to give. `None` if there is no context to be had (too many, or zstd failed), and
-    /// then the context is gone: the next one starts afresh.
-    fn compress_in_context(&mut self, chunk: &[u8], hint: &mut Hint, bulk: bool) -> Option<u8> {
-        use zstd::zstd_safe::{CCtx, CParameter, InBuffer, OutBuffer, zstd_sys::ZSTD_EndDirective};
-        if hint.context.is_none() {
-            let long = self
-                .long
-                .as_ref()
-                .filter(|_| bulk)
-                .and_then(|(l, slots)| Some((l.window_log, slots.take(l.streams)?)));
-            let mut cctx = CCtx::try_create()?;
-            cctx.set_parameter(CParameter::CompressionLevel(self.zstd_level))
-                .ok()?;
-            let (permit, long) = match long {
-                Some((window_log, permit)) => {
-                    // The level's own tables: they were sized for windows like this one.
-                    cctx.set_parameter(CParameter::WindowLog(window_log)).ok()?;
-                    (permit, true)
-                }
-                None => {
-                    let permit = self.contexts.take(MIRROR_CONTEXTS)?;
-                    cctx.set_parameter(CParameter::WindowLog(CONTEXT_WINDOW_LOG))
-                        .ok()?;
-                    // Tables sized to the window: on WAL, larger ones found nothing more
-                    // (measured at levels 3 to 9) and cost memory in every context.
-                    cctx.set_parameter(CParameter::HashLog(CONTEXT_WINDOW_LOG))
-                        .ok()?;
-                    cctx.set_parameter(CParameter::ChainLog(CONTEXT_WINDOW_LOG - 1))
-                        .ok()?;
-                    (permit, false)
-                }
-            };
-            hint.context = Some(SendContext {
-                cctx,
-                fresh: true,
-                long,
-                level: self.zstd_level,
-                _permit: permit,
-            });
-        }
-        let ctx = hint.context.as_mut()?;
-        if ctx.level != self.zstd_level {
-            ctx.cctx
-                .set_parameter(CParameter::CompressionLevel(self.zstd_level))
-                .ok()?;
-            ctx.level = self.zstd_level;
-        }
-        self.scratch.clear();
-        // Room for a whole flushed block: nothing is left inside zstd after one call.
-        self.scratch
-            .reserve(zstd::zstd_safe::compress_bound(chunk.len()) + 64);
-        let mut input = InBuffer::around(chunk);
-        let mut output = OutBuffer::around(&mut self.scratch);
-        let r = ctx
-            .cctx
-            .compress_stream2(&mut output, &mut input, ZSTD_EndDirective::ZSTD_e_flush);
-        if r != Ok(0) || input.pos() != chunk.len() {
-            hint.context = None;
-            return None;
-        }
-        self.clen = output.pos();
-        let fresh = std::mem::replace(&mut ctx.fresh, false);
-        Some(match (fresh, ctx.long) {
-            (true, true) => FRESH | LONG,
-            (true, false) => FRESH,
-            _ => 0,
-        })
-    }
-
     fn lz4(&mut self, data: &[u8]) -> bool {
         // Grow only: zeroing the buffer for every chunk cost a tenth of the compression.
         let need = lz4_flex::block::get_maximum_output_size(data.len());
@@ -1052,20 +889,6 @@ pub struct DecodeStats {
     pub lit_bytes: u64,
 }
 
-/// The receiving end of one stream's zstd context: none until the peer starts one.
-#[derive(Default)]
-pub struct StreamContext {
-    dctx: Option<(zstd::zstd_safe::DCtx<'static>, Permit)>,
-}
-
-impl std::fmt::Debug for StreamContext {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StreamContext")
-            .field("open", &self.dctx.is_some())
-            .finish()
-    }
-}
-
 /// One direction's decoder with its cache.
 pub struct Decoder {
     cache: ChunkCache,
@@ -1263,74 +1086,6 @@ impl Decoder {
             }
             _ => Err(CodecError::Malformed("unknown record")),
         }
-    }
-
-    /// Rebuilds a context record's `raw_len` bytes from `payload` in `stream`'s context (a new
-    /// one when `fresh` is `Some`, a long one if it says so). The payload must yield exactly
-    /// `raw_len` bytes, and nothing beyond them may be left in the context, or the next record
-    /// would start with this one's bytes. A window larger than the context's is refused by
-    /// zstd before it allocates.
-    fn decompress_in_context(
-        &mut self,
-        payload: &[u8],
-        raw_len: usize,
-        fresh: Option<bool>,
-        stream: &mut StreamContext,
-    ) -> Result<Vec<u8>, CodecError> {
-        use zstd::zstd_safe::{DCtx, DParameter, InBuffer, OutBuffer};
-        if let Some(long) = fresh {
-            stream.dctx = None;
-            let (permit, window_log) = if long {
-                let (l, slots) = self
-                    .long
-                    .as_ref()
-                    .ok_or(CodecError::Malformed("a long context was not offered"))?;
-                let permit = slots
-                    .take(l.streams * 2)
-                    .ok_or(CodecError::Malformed("too many long compression contexts"))?;
-                (permit, l.window_log)
-            } else {
-                let permit = self
-                    .contexts
-                    .take(DECODER_CONTEXTS)
-                    .ok_or(CodecError::Malformed("too many compression contexts"))?;
-                (permit, CONTEXT_WINDOW_LOG)
-            };
-            let mut dctx = DCtx::try_create().ok_or(CodecError::Decompress)?;
-            dctx.set_parameter(DParameter::WindowLogMax(window_log))
-                .map_err(|_| CodecError::Decompress)?;
-            stream.dctx = Some((dctx, permit));
-        }
-        let Some((dctx, _)) = stream.dctx.as_mut() else {
-            return Err(CodecError::Malformed("context record without a context"));
-        };
-        let mut chunk = vec![0u8; raw_len];
-        let mut input = InBuffer::around(payload);
-        let mut output = OutBuffer::around(&mut chunk[..]);
-        let result = loop {
-            let before = (input.pos(), output.pos());
-            if dctx.decompress_stream(&mut output, &mut input).is_err() {
-                break Err(CodecError::Decompress);
-            }
-            if input.pos() == payload.len() && output.pos() == raw_len {
-                // Anything more would spill into the next record.
-                let mut probe = [0u8; 1];
-                let mut more = OutBuffer::around(&mut probe[..]);
-                let mut none = InBuffer::around(&[]);
-                break match dctx.decompress_stream(&mut more, &mut none) {
-                    Ok(_) if more.pos() == 0 => Ok(()),
-                    _ => Err(CodecError::Decompress),
-                };
-            }
-            if (input.pos(), output.pos()) == before {
-                break Err(CodecError::Decompress);
-            }
-        };
-        if result.is_err() {
-            // The context is out of step now: later records of it fail too, until a fresh one.
-            stream.dctx = None;
-        }
-        result.map(|()| chunk)
     }
 
     /// Decodes every whole record at the front of `buf`; returns the bytes used.
