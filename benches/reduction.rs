@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use common::pg::{port, psql};
+use common::pg::{self, port, psql, run};
 use wanopt_codec::{CodecConfig, Decoder, Encoder, Pressure};
 
 const DB: &str = "wanopt_reduction";
@@ -74,33 +74,9 @@ fn rows(limit: usize) -> Vec<u8> {
     out
 }
 
-fn run(cmd: &mut Command) -> Result<String, String> {
-    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{cmd:?}: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
 fn base_backup(pg: u16, dir: &Path) -> Result<PathBuf, String> {
     let _ = std::fs::remove_dir_all(dir);
-    run(Command::new("pg_basebackup")
-        .args([
-            "-c",
-            "fast",
-            "-h",
-            "127.0.0.1",
-            "-U",
-            "postgres",
-            "-Ft",
-            "-X",
-            "none",
-        ])
-        .args(["-p", &pg.to_string(), "-D"])
-        .arg(dir))?;
+    pg::base_backup(pg, dir, &["-Ft", "-X", "none"])?;
     Ok(dir.join("base.tar"))
 }
 

@@ -253,7 +253,8 @@ fn wait_for(limit: Duration, mut f: impl FnMut() -> bool) -> Result<(), String> 
 }
 
 /// Runs a command to completion; its stdout, or its stderr as the error.
-fn run(cmd: &mut Command) -> Result<String, String> {
+/// Runs a command to its end; its output, or its error output as the error.
+pub fn run(cmd: &mut Command) -> Result<String, String> {
     let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
     if !out.status.success() {
         return Err(format!(
@@ -283,27 +284,25 @@ pub fn pg_bin(name: &str) -> Result<PathBuf, String> {
         .ok_or_else(|| format!("no {name} under /usr/lib/postgresql"))
 }
 
-/// Takes a base backup of the server reached at `port` (the tunnel's listening end) into `dir`,
-/// as plain files with the WAL it needs, and checks every file against the backup's manifest
-/// with `pg_verifybackup`.
-pub fn verified_base_backup(port: u16, dir: &Path) -> Result<(), String> {
+/// Takes a base backup of the server reached at `port` into `dir` with pg_basebackup's
+/// `format` options (`-Ft -X none`: one tar, no WAL), after a fast checkpoint.
+pub fn base_backup(port: u16, dir: &Path, format: &[&str]) -> Result<(), String> {
     // In clear inside the tunnel (the link is TLS): PostgreSQL's own TLS would leave nothing
     // to optimize.
     run(Command::new("pg_basebackup")
         .env("PGSSLMODE", "disable")
-        .args([
-            "-c",
-            "fast",
-            "-h",
-            "127.0.0.1",
-            "-U",
-            "postgres",
-            "-Fp",
-            "-X",
-            "fetch",
-        ])
+        .args(["-c", "fast", "-h", "127.0.0.1", "-U", "postgres"])
+        .args(format)
         .args(["-p", &port.to_string(), "-D"])
         .arg(dir))?;
+    Ok(())
+}
+
+/// A base backup of the server reached at `port` (the tunnel's listening end) into `dir`, as
+/// plain files with the WAL it needs, every file checked against the backup's manifest with
+/// `pg_verifybackup`.
+pub fn verified_base_backup(port: u16, dir: &Path) -> Result<(), String> {
+    base_backup(port, dir, &["-Fp", "-X", "fetch"])?;
     run(Command::new(pg_bin("pg_verifybackup")?).arg(dir))?;
     Ok(())
 }
