@@ -1,0 +1,152 @@
+//! `Config::describe`: the effective config printed back as YAML (`wanoptd check`), every
+//! default filled in, in a form `Config::parse` reads back to the same config.
+
+use super::*;
+
+impl Config {
+    /// The effective config as YAML, every default filled in (`wanoptd check`). It parses back
+    /// to the same config; what was left to a default that depends on something else (the
+    /// bandwidth when not stated) is written as a comment.
+    pub fn describe(&self) -> String {
+        use std::fmt::Write;
+        let mut o = String::new();
+        let l = &self.link;
+        let _ = writeln!(o, "# effective config of {}", one_line(&self.path));
+        let _ = writeln!(o, "site: {}", self.site);
+        let _ = writeln!(o, "link:");
+        match &l.role {
+            LinkRole::Listen(a) => {
+                let _ = writeln!(o, "  listen: {}", quoted(a));
+            }
+            LinkRole::Connect(c) => {
+                let _ = writeln!(o, "  connect: {}", quoted(c));
+            }
+        }
+        let _ = writeln!(o, "  peer: {}", l.peer);
+        let bw = format!("bandwidth: {}bit  # bits per second", l.bandwidth_bps);
+        if l.bandwidth_stated {
+            let _ = writeln!(o, "  {bw}");
+        } else {
+            let _ = writeln!(o, "  # {bw}, assumed: not stated, so nothing is paced");
+        }
+        let _ = writeln!(
+            o,
+            "  rtt: {}  # bandwidth-delay product {} bytes",
+            dur(l.rtt),
+            l.bdp_bytes()
+        );
+        let _ = writeln!(o, "  congestion: {}", l.congestion);
+        let _ = writeln!(o, "  send_buffer: {}", l.send_buffer);
+        let _ = writeln!(o, "  recv_buffer: {}", l.recv_buffer);
+        let _ = writeln!(o, "  notsent_lowat: {}", l.notsent_lowat);
+        let _ = writeln!(o, "  keepalive: {}", dur(l.keepalive));
+        let _ = writeln!(o, "  user_timeout: {}", dur(l.user_timeout));
+        let _ = writeln!(o, "  reconnect_min: {}", dur(l.reconnect_min));
+        let _ = writeln!(o, "  reconnect_max: {}", dur(l.reconnect_max));
+        let _ = writeln!(o, "  latency_lane: {}", l.latency_lane);
+        let _ = writeln!(o, "  lane_congestion: {}", l.lane_congestion);
+        match l.max_rate_bps {
+            Some(r) => {
+                let _ = writeln!(o, "  max_rate: {r}bit  # pacing cap of the link sockets");
+            }
+            None => {
+                let _ = writeln!(o, "  max_rate: off");
+            }
+        }
+        let _ = writeln!(
+            o,
+            "tls:\n  ca: {}\n  cert: {}\n  key: {}",
+            quoted(self.tls.ca.display()),
+            quoted(self.tls.cert.display()),
+            quoted(self.tls.key.display())
+        );
+        let _ = writeln!(
+            o,
+            "services:{}",
+            if self.services.is_empty() { " []" } else { "" }
+        );
+        for s in &self.services {
+            let _ = writeln!(o, "  - name: {}\n    class: {}", s.name, s.class);
+            let _ = writeln!(
+                o,
+                "    compression: {}\n    dedup: {}\n    dedup_scope: {}",
+                s.policy.compression,
+                on_off(s.policy.dedup),
+                s.policy.scope
+            );
+            match &s.kind {
+                ServiceKind::Listen { addr, allow } => {
+                    let _ = writeln!(o, "    listen: {}", quoted(addr));
+                    let list: Vec<String> = allow.iter().map(quoted).collect();
+                    let _ = writeln!(o, "    allow: [{}]", list.join(", "));
+                }
+                ServiceKind::Target { addr } => {
+                    let _ = writeln!(o, "    target: {}", quoted(addr));
+                }
+            }
+        }
+        let op = &self.optimize;
+        let _ = writeln!(
+            o,
+            "optimize:\n  enabled: {}\n  memory: {}  # bytes of the shared cache, each way\n  service_memory: {}\n  chunk: {}\n  zstd_level: {}\n  zstd_adapt: {}{}\n  context_window: {}  # a bulk stream's zstd context\n  context_streams: {}  # bulk streams with one at once\n  compression: {}\n  dedup: {}\n  dedup_scope: {}",
+            op.enabled,
+            op.codec.cache_bytes,
+            op.codec.service_cache_bytes,
+            op.codec.avg_chunk,
+            op.codec.zstd_level,
+            on_off(op.zstd_adapt),
+            crate::policy::zstd_range(op).map_or(String::new(), |(lo, hi)| format!(
+                "  # levels {lo}-{hi}: the highest at which one core encodes twice what the link drains"
+            )),
+            op.codec
+                .long_context
+                .map_or("off".to_string(), |l| l.window().to_string()),
+            op.codec
+                .long_context
+                .map_or(LongContext::default().streams, |l| l.streams),
+            op.default.compression,
+            on_off(op.default.dedup),
+            op.default.scope
+        );
+        if let Some(d) = &op.disk {
+            let _ = writeln!(
+                o,
+                "  disk:  # under {}/cache/{}\n    bytes: {}\n    service_bytes: {}\n    checkpoint: {}",
+                one_line(&self.state_dir),
+                self.link.peer,
+                op.codec.disk_bytes,
+                op.codec.service_disk_bytes,
+                dur(d.checkpoint),
+            );
+            match &d.key_file {
+                Some(p) => {
+                    let _ = writeln!(o, "    key_file: {}", quoted(p.display()));
+                }
+                None => {
+                    let _ = writeln!(o, "    # no key_file: chunks are stored unencrypted");
+                }
+            }
+        }
+        if let Some(a) = self.admin {
+            let _ = writeln!(o, "admin:\n  listen: {}", quoted(a));
+        }
+        let _ = writeln!(o, "state_dir: {}", quoted(self.state_dir.display()));
+        let _ = writeln!(o, "log:\n  level: {}", self.log_level);
+        let m = &self.limits;
+        let _ = writeln!(
+            o,
+            "limits:\n  threads: {}\n  max_streams: {}\n  stream_window: {}\n  link_window: {}\n  stream_buffer: {}",
+            m.threads, m.max_streams, m.stream_window, m.link_window, m.stream_buffer
+        );
+        let _ = writeln!(
+            o,
+            "  shutdown_grace: {}\n  connect_timeout: {}\n  link_wait: {}\n  handshake_timeout: {}\n  idle_timeout: {}",
+            dur(m.shutdown_grace),
+            dur(m.connect_timeout),
+            dur(m.link_wait),
+            dur(m.handshake_timeout),
+            dur(m.idle_timeout)
+        );
+        o
+    }
+}
