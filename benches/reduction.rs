@@ -13,7 +13,7 @@
 //! `--from DIR` to measure data sets kept before (no server needed), `--xz` to run `xz -6` too
 //! (about 1 MB/s here), `--cache-mib N` (default 2048: the cache of a daemon with a 2 GiB disk
 //! tier, which holds a first backup until the second comes; the default 256 MiB of memory alone
-//! would not).
+//! would not), `--delta-mib N` (default 2048: the sender's store of delta bases, likewise).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -101,8 +101,8 @@ fn wal_between(pg: u16, from: &str, to: &str) -> Result<Vec<u8>, String> {
 }
 
 /// The codec settings a daemon derives from a config stating a 45 Mbit/s, 100 ms link, with a
-/// cache of `cache` bytes.
-fn daemon_codec(cache: usize) -> (CodecConfig, Pressure) {
+/// cache of `cache` bytes and a store of `delta` bytes for delta bases.
+fn daemon_codec(cache: usize, delta: usize) -> (CodecConfig, Pressure) {
     let yaml = "site: west\nlink:\n  connect: 127.0.0.1:7400\n  peer: east\n  bandwidth: 45mbit\n  rtt: 100ms\ntls:\n  ca: ca.pem\n  cert: c.pem\n  key: k.key\n";
     let cfg = wanopt_runtime::config::Config::parse(yaml, Path::new("/etc/wanopt/west.yaml"))
         .expect("config");
@@ -111,6 +111,7 @@ fn daemon_codec(cache: usize) -> (CodecConfig, Pressure) {
         cache_bytes: cache.max(c.cache_bytes as usize),
         zstd_level: c.zstd_level,
         long: c.long_context,
+        delta_bytes: delta,
         ..CodecConfig::default()
     }
     .with_avg_chunk(c.avg_chunk);
@@ -148,20 +149,21 @@ fn main() {
     let args = common::args::Args::new();
     let xz = args.flag("--xz");
     let cache = args.get::<usize>("--cache-mib", 2048) << 20;
+    let delta = args.get::<usize>("--delta-mib", 2048) << 20;
     match args.text("--from").map(PathBuf::from) {
         Some(d) => measure(
             &d.join("base1/base.tar"),
             &d.join("run.wal"),
             &d.join("base2/base.tar"),
             xz,
-            cache,
+            (cache, delta),
         ),
         None => {
             let Some(pg) = port() else {
                 return;
             };
             let (base1, wal, base2, _tmp) = make_data(pg, &args);
-            measure(&base1, &wal, &base2, xz, cache);
+            measure(&base1, &wal, &base2, xz, (cache, delta));
         }
     }
 }
@@ -229,14 +231,15 @@ fn make_data(pg: u16, args: &common::args::Args) -> (PathBuf, PathBuf, PathBuf, 
     (base1, wal_path, base2, tmp)
 }
 
-fn measure(base1: &Path, wal_path: &Path, base2: &Path, xz: bool, cache: usize) {
-    let (cfg, pressure) = daemon_codec(cache);
+fn measure(base1: &Path, wal_path: &Path, base2: &Path, xz: bool, (cache, delta): (usize, usize)) {
+    let (cfg, pressure) = daemon_codec(cache, delta);
     println!(
-        "wanopt: the encoder as a daemon stating 45 Mbit/s sets it (zstd {}, long context {}), one {} MiB cache across the data sets",
+        "wanopt: the encoder as a daemon stating 45 Mbit/s sets it (zstd {}, long context {}), one {} MiB cache and a {} MiB delta store across the data sets",
         cfg.zstd_level,
         cfg.long
             .map_or("off".into(), |l| format!("{} MiB", l.window() >> 20)),
-        cfg.cache_bytes >> 20
+        cfg.cache_bytes >> 20,
+        cfg.delta_bytes >> 20
     );
     println!(
         "{:<26} {:>9} {:>8} {:>10} {:>8} {:>8} {:>8} {:>8} {:>10}",
@@ -258,7 +261,8 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, xz: bool, cache: usize) 
         for piece in data.chunks(64 * 1024) {
             enc.push(piece, false, pressure, &mut wire);
         }
-        enc.push(&[], true, pressure, &mut wire);
+        // Each data set is a connection of its own.
+        enc.end_stream(pressure, &mut wire);
         let cpu = thread_cpu() - cpu;
         let mut out = Vec::with_capacity(data.len());
         dec.decode(&wire, &mut out).expect("decodes");

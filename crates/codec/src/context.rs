@@ -98,6 +98,11 @@ pub(crate) struct SendContext {
     long: bool,
     /// The zstd level it compresses at (the mirror's may have moved since).
     level: i32,
+    /// Which of the mirror's contexts it is, the bytes it took so far, and how far back its
+    /// matches reach: a chunk it took lately needs no delta (see [`Mirror::encode_delta`]).
+    pub(crate) serial: u64,
+    pub(crate) pos: u64,
+    pub(crate) window: u64,
     _permit: Permit,
 }
 
@@ -156,11 +161,19 @@ impl Mirror {
                     (permit, false)
                 }
             };
+            self.serials += 1;
+            let window = match &self.long {
+                Some((l, _)) if long => l.window(),
+                _ => 1 << CONTEXT_WINDOW_LOG,
+            };
             hint.context = Some(SendContext {
                 cctx,
                 fresh: true,
                 long,
                 level: self.zstd_level,
+                serial: self.serials,
+                pos: 0,
+                window,
                 _permit: permit,
             });
         }
@@ -185,6 +198,7 @@ impl Mirror {
             return None;
         }
         self.clen = output.pos();
+        ctx.pos += chunk.len() as u64;
         let fresh = std::mem::replace(&mut ctx.fresh, false);
         Some(match (fresh, ctx.long) {
             (true, true) => FRESH | LONG,

@@ -19,6 +19,7 @@
 
 pub mod cache;
 mod context;
+pub mod delta;
 pub mod store;
 pub mod testdata;
 
@@ -28,6 +29,7 @@ use context::SendContext;
 pub use context::{
     CONTEXT_WINDOW_LOG, DECODER_CONTEXTS, LongContext, MIRROR_CONTEXTS, Slots, StreamContext,
 };
+pub use delta::{Bases, MAX_BASES, SharedBases};
 
 /// Largest chunk or raw record a decoder accepts, checked before anything is allocated.
 pub const MAX_RECORD: usize = 1 << 20;
@@ -43,6 +45,8 @@ const TAG_LIT_LZ4: u8 = 4;
 const TAG_LIT_ZSTD: u8 = 5;
 /// A zstd literal compressed in its stream's context.
 const TAG_LIT_CONTEXT: u8 = 6;
+/// A chunk as a zstd delta against chunks both caches hold (see [`delta`]).
+pub(crate) const TAG_DELTA: u8 = 7;
 /// Flag on a literal's tag: the receiver must not cache it (the sender's stream has dedup off,
 /// so its mirror will not either).
 const NO_CACHE: u8 = 0x40;
@@ -177,6 +181,8 @@ pub struct CodecConfig {
     pub context: bool,
     /// Long-window contexts for bulk streams; `None` compresses their chunks alone.
     pub long: Option<LongContext>,
+    /// Bytes of sent chunks kept as bases for deltas (see [`delta`]); 0: no deltas.
+    pub delta_bytes: usize,
 }
 
 impl CodecConfig {
@@ -217,6 +223,7 @@ impl Default for CodecConfig {
             zstd_level: 3,
             context: true,
             long: Some(LongContext::default()),
+            delta_bytes: delta::DEFAULT_STORE,
         }
     }
 }
@@ -257,6 +264,8 @@ pub enum Sent {
     Ref,
     /// As data, with this codec.
     Lit(Codec),
+    /// As a delta against similar chunks the peer holds.
+    Delta,
     /// As raw bytes, not cached.
     Raw,
 }
@@ -276,8 +285,15 @@ pub struct EncodeStats {
     pub wire_bytes: u64,
     pub hit_chunks: u64,
     pub hit_bytes: u64,
+    /// The reference records' bytes: `hit_bytes` minus these is what dedup saved.
+    pub hit_wire: u64,
+    /// Chunks sent as data (literals), and their raw bytes.
     pub miss_chunks: u64,
     pub miss_bytes: u64,
+    /// Chunks sent as deltas, their raw bytes and their records' bytes.
+    pub delta_chunks: u64,
+    pub delta_bytes: u64,
+    pub delta_wire: u64,
     /// Raw bytes of literal chunks (and raw records, as none) sent with each codec: none, lz4, zstd.
     pub codec_bytes: [u64; 3],
     /// The record bytes they took: `codec_bytes` minus these is what each codec saved.
@@ -291,8 +307,12 @@ impl EncodeStats {
         self.wire_bytes += o.wire_bytes;
         self.hit_chunks += o.hit_chunks;
         self.hit_bytes += o.hit_bytes;
+        self.hit_wire += o.hit_wire;
         self.miss_chunks += o.miss_chunks;
         self.miss_bytes += o.miss_bytes;
+        self.delta_chunks += o.delta_chunks;
+        self.delta_bytes += o.delta_bytes;
+        self.delta_wire += o.delta_wire;
         for (a, b) in self.codec_bytes.iter_mut().zip(o.codec_bytes) {
             *a += b;
         }
@@ -310,6 +330,12 @@ impl EncodeStats {
             Sent::Ref => {
                 self.hit_chunks += 1;
                 self.hit_bytes += raw;
+                self.hit_wire += r.wire as u64;
+            }
+            Sent::Delta => {
+                self.delta_chunks += 1;
+                self.delta_bytes += raw;
+                self.delta_wire += r.wire as u64;
             }
             Sent::Lit(c) => {
                 self.miss_chunks += 1;
@@ -376,6 +402,11 @@ pub struct Mirror {
     contexts: Slots,
     /// Long contexts both sides agreed on, and the link's count of them in use.
     long: Option<(LongContext, Slots)>,
+    /// The store of what we sent, for deltas against it; `None`: no deltas.
+    bases: Option<SharedBases>,
+    delta: delta::SendScratch,
+    /// Stream contexts started so far (each one's serial).
+    serials: u64,
     /// Compression output: the first `clen` bytes.
     scratch: Vec<u8>,
     clen: usize,
@@ -395,16 +426,20 @@ struct Recent {
 
 impl Recent {
     fn put(&mut self, f: Fingerprint, data: &[u8]) {
-        if data.len() > self.capacity {
+        self.put_with(f, data.len(), || bytes::Bytes::copy_from_slice(data));
+    }
+
+    /// Keeps a chunk's bytes (made by `data` only if not held yet), dropping the oldest to fit.
+    fn put_with(&mut self, f: Fingerprint, len: usize, data: impl FnOnce() -> bytes::Bytes) {
+        if len > self.capacity {
             return;
         }
         self.seq += 1;
         match self.map.get_mut(&f) {
             Some(e) => e.0 = self.seq,
             None => {
-                self.size += data.len();
-                self.map
-                    .insert(f, (self.seq, bytes::Bytes::copy_from_slice(data)));
+                self.size += len;
+                self.map.insert(f, (self.seq, data()));
             }
         }
         self.order.push_back((self.seq, f));
@@ -439,6 +474,9 @@ impl Mirror {
             zstd_level,
             contexts: Slots::default(),
             long: None,
+            bases: None,
+            delta: delta::SendScratch::default(),
+            serials: 0,
             scratch: Vec::new(),
             clen: 0,
             context: None,
@@ -454,6 +492,13 @@ impl Mirror {
     /// Stream contexts in use.
     pub fn contexts(&self) -> usize {
         self.contexts.in_use()
+    }
+
+    /// Lets chunks go as deltas against what `bases` holds (the store may be shared by the
+    /// link's mirrors: a base is used only while this mirror's peer cache holds it); `None`
+    /// sends no deltas. Only when the peer decodes delta records.
+    pub fn set_bases(&mut self, bases: Option<SharedBases>) {
+        self.bases = bases;
     }
 
     /// The zstd level of what is compressed from now on, stream contexts included (zstd takes
@@ -525,6 +570,10 @@ impl Mirror {
             if self.cache.contains(&f) {
                 self.cache.touch(&f);
                 self.recent.put(f, chunk);
+                if self.bases.is_some() {
+                    let wanted = self.delta_wanted(policy, pressure, hint);
+                    self.ref_base(f, chunk, wanted);
+                }
                 out.put_u8(TAG_REF);
                 out.put_slice(&f);
                 let wire = 17 + put_len(out, chunk.len());
@@ -538,6 +587,12 @@ impl Mirror {
         } else {
             None
         };
+        let delta = f.is_some() && self.delta_wanted(policy, pressure, hint);
+        if let Some(f) = f.filter(|_| delta)
+            && let Some(r) = self.encode_delta(f, chunk, hint, out)
+        {
+            return r;
+        }
         let codec = self.compress(chunk, policy, pressure, hint, in_context);
         let wire = match codec {
             Some(codec) => {
@@ -560,6 +615,9 @@ impl Mirror {
         };
         if let Some(f) = f {
             self.cache.insert_len(f, chunk.len());
+            if delta && codec.is_some() {
+                self.keep_base(f, chunk, wire, hint);
+            }
         }
         Report {
             sent: Sent::Lit(codec.unwrap_or(Codec::None)),
@@ -732,6 +790,7 @@ impl Encoder {
     pub fn new(cfg: CodecConfig) -> Self {
         let mut mirror = Mirror::new(cfg.cache_bytes, 64 << 20, cfg.zstd_level);
         mirror.set_long_context(cfg.long, Slots::default());
+        mirror.set_bases(delta::shared(cfg.delta_bytes));
         Encoder {
             mirror,
             hint: Hint::default(),
@@ -753,6 +812,13 @@ impl Encoder {
     /// The mirror cache (for its size and evictions).
     pub fn cache(&self) -> &ChunkCache {
         self.mirror.cache()
+    }
+
+    /// Ends the stream: what waits is sent (into `out`) and the next bytes start a new stream
+    /// on the same caches, with a context of its own, as a new connection would.
+    pub fn end_stream(&mut self, pressure: Pressure, out: &mut Vec<u8>) {
+        self.push(&[], true, pressure, out);
+        self.hint = Hint::default();
     }
 
     /// Bytes held back waiting for a chunk boundary.
@@ -850,7 +916,7 @@ impl Encoder {
 
 /// Writes a length as a little-endian base-128 varint (at most 3 bytes for lengths up to
 /// [`MAX_RECORD`]); returns its size. Records of 8 KiB chunks thus carry 3 bytes of header.
-fn put_len(out: &mut impl BufMut, mut n: usize) -> usize {
+pub(crate) fn put_len(out: &mut impl BufMut, mut n: usize) -> usize {
     let mut k = 0;
     loop {
         k += 1;
@@ -865,7 +931,7 @@ fn put_len(out: &mut impl BufMut, mut n: usize) -> usize {
 
 /// Reads a varint length at `at`: (length, bytes used). More than 3 bytes is malformed, more
 /// than [`MAX_RECORD`] too large, both before anything is allocated.
-fn get_len(buf: &[u8], at: usize) -> Result<(usize, usize), CodecError> {
+pub(crate) fn get_len(buf: &[u8], at: usize) -> Result<(usize, usize), CodecError> {
     let mut n = 0usize;
     for i in 0..3 {
         let b = *buf.get(at + i).ok_or(CodecError::Incomplete)?;
@@ -887,6 +953,8 @@ pub struct DecodeStats {
     pub hit_bytes: u64,
     pub lit_chunks: u64,
     pub lit_bytes: u64,
+    pub delta_chunks: u64,
+    pub delta_bytes: u64,
 }
 
 /// One direction's decoder with its cache.
@@ -900,6 +968,7 @@ pub struct Decoder {
     long: Option<(LongContext, Slots)>,
     /// The context of [`Decoder::decode_record`]'s one stream.
     own: StreamContext,
+    delta: delta::RecvScratch,
 }
 
 impl Decoder {
@@ -924,6 +993,7 @@ impl Decoder {
             contexts: Slots::default(),
             long: None,
             own: StreamContext::default(),
+            delta: delta::RecvScratch::default(),
         }
     }
 
@@ -1084,6 +1154,7 @@ impl Decoder {
                 }
                 Ok(at + clen)
             }
+            TAG_DELTA => self.decode_delta(buf, out),
             _ => Err(CodecError::Malformed("unknown record")),
         }
     }

@@ -21,3 +21,6 @@ pub const CAP_CONTEXT: u64 = 4;
 /// Hello capability bit: the sender decodes long-window stream contexts (bulk streams), of the
 /// window and number its `CONTEXT_WINDOW_LOG` and `CONTEXT_STREAMS` settings give.
 pub const CAP_LONG_CONTEXT: u64 = 8;
+/// Hello capability bit: the sender decodes delta records (chunks sent as zstd deltas against
+/// chunks its cache holds) and sends them too.
+pub const CAP_DELTA: u64 = 16;

@@ -855,6 +855,66 @@ fn long_contexts_are_used_only_toward_a_peer_that_offers_them() {
     );
 }
 
+/// Sends `first`, then `second` on a new stream, west to east with deltas on or off on each
+/// side; returns the wire bytes of the second and west's delta chunks.
+fn send_with_delta(west: bool, east: bool, first: &Bytes, second: &Bytes) -> (u64, u64) {
+    let on = |on: bool| CodecSettings {
+        delta_bytes: if on { 64 << 20 } else { 0 },
+        ..codec(64 << 20)
+    };
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        50_000_000,
+        |c| c.codec = Some(on(west)),
+        |c| c.codec = Some(on(east)),
+    );
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up);
+    p.west.link.set_pressure(Pressure::LinkBound);
+    send_once(&mut p, "e-svc", Class::Bulk, first);
+    let wire = send_once(&mut p, "e-svc", Class::Bulk, second);
+    let deltas = counts(&mut p.west.link).sent.delta_chunks;
+    p.assert_no_leaks();
+    (wire, deltas)
+}
+
+#[test]
+fn deltas_are_used_only_when_both_sides_offer_them() {
+    // Blocks of rows with random fields (compressing to about a third, as real rows do).
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut first = Vec::with_capacity(256 * 8192);
+    for b in 0..256 {
+        while first.len() < (b + 1) * 8192 - 80 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let row = format!("{b:04}|{:020}|{:x}|OPEN\n", x % 99_999_999_999, x >> 20);
+            first.extend_from_slice(row.as_bytes());
+        }
+        first.resize((b + 1) * 8192, b' ');
+    }
+    let first = Bytes::from(first);
+    // The same blocks after updates: a few bytes changed in each.
+    let mut v = first.to_vec();
+    for b in 0..256 {
+        v[b * 8192 + 300 + (b * 37) % 6000] ^= 0x20;
+        v[b * 8192 + 5000] = b'X';
+    }
+    let second = Bytes::from(v);
+    let (both, deltas) = send_with_delta(true, true, &first, &second);
+    let (old_receiver, none_a) = send_with_delta(true, false, &first, &second);
+    let (old_sender, none_b) = send_with_delta(false, true, &first, &second);
+    // Exact every way (send_once checks); a side without them gets literals as before.
+    assert_eq!((none_a, none_b), (0, 0));
+    assert_eq!(old_receiver, old_sender, "the same encoding either way");
+    assert!(deltas >= 100, "{deltas} chunks as deltas");
+    assert!(
+        both * 5 < old_receiver,
+        "deltas: {both} wire bytes, literals: {old_receiver} (of {})",
+        second.len()
+    );
+}
+
 /// 8 KiB database-like blocks: compressible rows with varying keys.
 fn db_blocks(n: usize, seed: u64) -> Bytes {
     let mut v = Vec::with_capacity(n * 8192);

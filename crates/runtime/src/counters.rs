@@ -295,6 +295,12 @@ struct CodecLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SavedLabel {
+    service: String,
+    mechanism: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CacheLabel {
     tier: &'static str,
     lane: &'static str,
@@ -310,6 +316,7 @@ pub struct CodecMetrics {
     dedup_chunks: Family<DedupLabel, Counter>,
     codec_bytes: Family<CodecLabel, Counter>,
     codec_wire: Family<CodecLabel, Counter>,
+    saved: Family<SavedLabel, Counter>,
     resends: Family<ServiceDir, Counter>,
     cache_bytes: Family<CacheLabel, Gauge>,
     cache_chunks: Family<CacheLabel, Gauge>,
@@ -322,7 +329,7 @@ impl CodecMetrics {
         let m = CodecMetrics::default();
         r.register(
             "wanopt_dedup_bytes",
-            "Raw bytes of chunks found in the cache (result=hit, sent as a reference) or sent as data (miss), per service and direction",
+            "Raw bytes of chunks found in the cache (result=hit, sent as a reference), sent as a delta against similar cached chunks (delta) or sent as data (miss), per service and direction",
             m.dedup_bytes.clone(),
         );
         r.register(
@@ -339,6 +346,13 @@ impl CodecMetrics {
             "wanopt_codec_wire_bytes",
             "Record bytes those literals took on the wire, per service and compression: wanopt_codec_bytes minus this is what the compression saved",
             m.codec_wire.clone(),
+        );
+        r.register(
+            "wanopt_saved_bytes",
+            "Bytes our encoder kept off the wire, per service and mechanism: dedup (chunks sent as \
+             references), delta (chunks sent as deltas against similar ones the peer holds), \
+             compression (literals)",
+            m.saved.clone(),
         );
         r.register(
             "wanopt_dedup_resends",
@@ -381,8 +395,10 @@ impl CodecMetrics {
         for (dir, result, bytes, chunks) in [
             (OUT, "hit", s.hit_bytes, s.hit_chunks),
             (OUT, "miss", s.miss_bytes, s.miss_chunks),
+            (OUT, "delta", s.delta_bytes, s.delta_chunks),
             (IN, "hit", r.hit_bytes, r.hit_chunks),
             (IN, "miss", r.lit_bytes, r.lit_chunks),
+            (IN, "delta", r.delta_bytes, r.delta_chunks),
         ] {
             if bytes > 0 || chunks > 0 {
                 self.dedup_bytes
@@ -405,6 +421,26 @@ impl CodecMetrics {
                 };
                 self.codec_bytes.get_or_create(&label).inc_by(n);
                 self.codec_wire.get_or_create(&label).inc_by(w);
+            }
+        }
+        let compression = s
+            .codec_bytes
+            .iter()
+            .zip(s.codec_wire)
+            .map(|(b, w)| b.saturating_sub(w))
+            .sum();
+        for (mechanism, n) in [
+            ("dedup", s.hit_bytes.saturating_sub(s.hit_wire)),
+            ("delta", s.delta_bytes.saturating_sub(s.delta_wire)),
+            ("compression", compression),
+        ] {
+            if n > 0 {
+                self.saved
+                    .get_or_create(&SavedLabel {
+                        service: service.to_string(),
+                        mechanism,
+                    })
+                    .inc_by(n);
             }
         }
         for (direction, n) in [(OUT, c.resent), (IN, c.needs)] {

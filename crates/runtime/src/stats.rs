@@ -17,7 +17,11 @@ pub struct ServiceRow {
     pub active: f64,
     pub opened: f64,
     pub failed: f64,
+    /// Bytes kept off the wire going out, by dedup, delta and compression.
+    pub saved: [f64; 3],
 }
+
+const MECHANISMS: [&str; 3] = ["dedup", "delta", "compression"];
 
 /// One parsed sample: metric name, label pairs, value.
 type Sample<'a> = (&'a str, Vec<(&'a str, &'a str)>, f64);
@@ -60,6 +64,11 @@ pub fn parse(text: &str) -> BTreeMap<String, ServiceRow> {
             "wanopt_streams_active" => row.active = v,
             "wanopt_streams_opened_total" => row.opened = v,
             "wanopt_streams_failed_total" => row.failed += v,
+            "wanopt_saved_bytes_total" => {
+                if let Some(i) = MECHANISMS.iter().position(|m| get("mechanism") == Some(*m)) {
+                    row.saved[i] = v;
+                }
+            }
             _ => {}
         }
     }
@@ -121,6 +130,27 @@ pub fn render(text: &str) -> String {
     }
     if rows.is_empty() {
         let _ = writeln!(o, "(no service has carried traffic yet)");
+        return o;
+    }
+    // What kept the outgoing bytes off the wire: each mechanism's share of the raw bytes.
+    let _ = writeln!(
+        o,
+        "\n{:<16} {:>18} {:>18} {:>18}",
+        "saved out by", "dedup", "delta", "compression"
+    );
+    for (name, r) in &rows {
+        let cell = |v: f64| match r.raw_out {
+            raw if raw > 0.0 => format!("{} {:>5.1}%", human(v), 100.0 * v / raw),
+            _ => human(v),
+        };
+        let _ = writeln!(
+            o,
+            "{:<16} {:>18} {:>18} {:>18}",
+            name,
+            cell(r.saved[0]),
+            cell(r.saved[1]),
+            cell(r.saved[2])
+        );
     }
     o
 }
@@ -131,12 +161,14 @@ mod tests {
 
     #[test]
     fn parses_and_renders() {
-        let text = "# HELP x\nwanopt_raw_bytes_total{service=\"dg\",direction=\"out\"} 3000\nwanopt_wire_bytes_total{service=\"dg\",direction=\"out\"} 1000\nwanopt_streams_failed_total{service=\"dg\",reason=\"a\"} 1\nwanopt_streams_failed_total{service=\"dg\",reason=\"b\"} 2\nwanopt_link_up 1\ngarbage {{{\n";
+        let text = "# HELP x\nwanopt_raw_bytes_total{service=\"dg\",direction=\"out\"} 3000\nwanopt_saved_bytes_total{service=\"dg\",mechanism=\"delta\"} 1500\nwanopt_wire_bytes_total{service=\"dg\",direction=\"out\"} 1000\nwanopt_streams_failed_total{service=\"dg\",reason=\"a\"} 1\nwanopt_streams_failed_total{service=\"dg\",reason=\"b\"} 2\nwanopt_link_up 1\ngarbage {{{\n";
         let rows = parse(text);
         assert_eq!(rows["dg"].raw_out, 3000.0);
         assert_eq!(rows["dg"].failed, 3.0);
         let out = render(text);
         assert!(out.contains("3.00x"), "{out}");
+        assert_eq!(rows["dg"].saved, [0.0, 1500.0, 0.0]);
+        assert!(out.contains(" 50.0%"), "{out}");
         assert!(render("").contains("no service"));
     }
 }

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use bytes::{Buf, Bytes};
 use wanopt_codec::cache::{ChunkCache, Snapshot};
 use wanopt_codec::{
-    self as codec, CodecConfig, CodecError, Decoder, LongContext, Mirror, Slots, StreamContext,
+    self as codec, CodecConfig, CodecError, Decoder, LongContext, Mirror, SharedBases, Slots,
+    StreamContext,
 };
 
 use super::recv::{Decoded, RecvCoded};
@@ -17,7 +18,7 @@ use super::{
     SavedState, StateRequest, lane_share,
 };
 use crate::frame::{self, CacheOffer};
-use crate::lane::{LANES, MAIN_LANE};
+use crate::lane::{CAP_DELTA, LANES, MAIN_LANE};
 
 /// Most bytes of referenced chunks a mirror keeps to answer misses, whatever the peer's window.
 const MAX_RESEND: u64 = 256 << 20;
@@ -49,6 +50,9 @@ pub(crate) struct Contexts {
     long_send: Option<LongContext>,
     long_out: Slots,
     long_in: Slots,
+    /// What we sent, as delta bases for the main lane's mirrors (all scopes share it); `None`
+    /// if we send no deltas or the peer does not decode them.
+    bases: Option<SharedBases>,
 }
 
 impl std::fmt::Debug for Contexts {
@@ -108,6 +112,7 @@ impl Contexts {
             long_send: None,
             long_out: Slots::default(),
             long_in: Slots::default(),
+            bases: None,
         }
     }
 
@@ -208,6 +213,12 @@ impl Contexts {
             .zip(peer.long)
             .map(|(ours, theirs)| ours.agree(&theirs));
         self.resend = usize::try_from(peer.link_window.min(MAX_RESEND)).unwrap_or(0) + (16 << 20);
+        // A store for this connection's life, like the mirrors' state in memory.
+        if peer.caps & CAP_DELTA == 0 {
+            self.bases = None;
+        } else if self.bases.is_none() {
+            self.bases = codec::delta::shared(to_usize(self.own.delta_bytes));
+        }
         // A mirror costs about 64 bytes of memory per chunk: never more than our own cache.
         self.peer_cache = peer.cache.min(self.own.capacity(MAIN_LANE, true));
         self.peer_service_cache = peer.service_cache.min(self.own.capacity(MAIN_LANE, false));
@@ -234,9 +245,12 @@ impl Contexts {
         let key = (lane, scope.clone());
         let resume = self.loaded.remove(&(Role::Mirror, key.clone()));
         let long = (self.long_send, self.long_out.clone());
+        // The latency lane sends no deltas (its streams never would).
+        let bases = self.bases.clone().filter(|_| lane == MAIN_LANE);
         self.mirrors.entry(key).or_insert_with(|| {
             let mut m = Mirror::new(to_usize(lane_share(size, lane)), resend, level);
             m.set_long_context(long.0, long.1);
+            m.set_bases(bases);
             if let Some(s) = resume {
                 // A state of another size cannot be resumed: start empty (the peer's cache then
                 // holds more than we assume, which only costs dedup).
@@ -371,6 +385,8 @@ impl Contexts {
             r.hit_bytes += after.hit_bytes - before.hit_bytes;
             r.lit_chunks += after.lit_chunks - before.lit_chunks;
             r.lit_bytes += after.lit_bytes - before.lit_bytes;
+            r.delta_chunks += after.delta_chunks - before.delta_chunks;
+            r.delta_bytes += after.delta_bytes - before.delta_bytes;
             let n = out.len() as u64;
             if n > p.remaining {
                 return Err("records rebuild more bytes than announced".into());

@@ -98,6 +98,9 @@ pub struct CodecSettings {
     /// Long-window contexts for bulk streams, each way (offered to the peer, used as agreed);
     /// `None`: a bulk stream's chunks compress alone.
     pub long_context: Option<LongContext>,
+    /// Bytes of what we sent kept as bases for deltas; 0 turns deltas off both ways (we do not
+    /// offer to decode them either, as with long contexts).
+    pub delta_bytes: u64,
 }
 
 impl Default for CodecSettings {
@@ -110,6 +113,7 @@ impl Default for CodecSettings {
             avg_chunk: 8 * 1024,
             zstd_level: 3,
             long_context: Some(LongContext::default()),
+            delta_bytes: codec::delta::DEFAULT_STORE as u64,
         }
     }
 }

@@ -5,7 +5,9 @@
 use crate::coding::LongContext;
 use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Hello, setting};
-use crate::lane::{CAP_CODEC, CAP_CONTEXT, CAP_LATENCY_LANE, CAP_LONG_CONTEXT, MAIN_LANE};
+use crate::lane::{
+    CAP_CODEC, CAP_CONTEXT, CAP_DELTA, CAP_LATENCY_LANE, CAP_LONG_CONTEXT, MAIN_LANE,
+};
 
 use super::LinkConfig;
 
@@ -25,6 +27,10 @@ pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>) -> Hello {
     }
     if cfg.codec.is_some() {
         capabilities |= CAP_CODEC | CAP_CONTEXT;
+    }
+    // Deltas off on one side are off both ways, as long contexts are.
+    if cfg.codec.as_ref().is_some_and(|c| c.delta_bytes > 0) {
+        capabilities |= CAP_DELTA;
     }
     let long = cfg.codec.as_ref().and_then(|c| c.long_context);
     if long.is_some() {

@@ -88,7 +88,7 @@ impl Config {
         let op = &self.optimize;
         let _ = writeln!(
             o,
-            "optimize:\n  enabled: {}\n  memory: {}  # bytes of the shared cache, each way\n  service_memory: {}\n  chunk: {}\n  zstd_level: {}\n  zstd_adapt: {}{}\n  context_window: {}  # a bulk stream's zstd context\n  context_streams: {}  # bulk streams with one at once\n  compression: {}\n  dedup: {}\n  dedup_scope: {}",
+            "optimize:\n  enabled: {}\n  memory: {}  # bytes of the shared cache, each way\n  service_memory: {}\n  chunk: {}\n  zstd_level: {}\n  zstd_adapt: {}{}\n  context_window: {}  # a bulk stream's zstd context\n  context_streams: {}  # bulk streams with one at once\n  delta_memory: {}  # what we sent, kept as delta bases\n  compression: {}\n  dedup: {}\n  dedup_scope: {}",
             op.enabled,
             op.codec.cache_bytes,
             op.codec.service_cache_bytes,
@@ -104,6 +104,10 @@ impl Config {
             op.codec
                 .long_context
                 .map_or(LongContext::default().streams, |l| l.streams),
+            match op.codec.delta_bytes {
+                0 => "off".to_string(),
+                n => n.to_string(),
+            },
             op.default.compression,
             on_off(op.default.dedup),
             op.default.scope

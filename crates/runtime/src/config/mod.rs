@@ -114,6 +114,7 @@ struct RawOptimize {
     zstd_level: Option<i32>,
     context_window: Option<String>,
     context_streams: Option<usize>,
+    delta_memory: Option<String>,
     zstd_adapt: Option<Toggle>,
     dedup: Option<Toggle>,
     dedup_scope: Option<String>,
@@ -667,6 +668,16 @@ fn parse_optimize(
         Some(l) => in_range(l, 1, 19).map_err(|m| cx.err("optimize.zstd_level", m))?,
     };
     let long_context = parse_long_context(cx, o)?;
+    // The sender's store of delta bases (see wanopt_codec::delta), or off.
+    let delta_bytes = cx.opt(
+        "optimize.delta_memory",
+        &o.delta_memory,
+        wanopt_codec::delta::DEFAULT_STORE as u64,
+        |s| match s {
+            "off" => Ok(0),
+            _ => in_range(parse_size(s)?, 0, 64 << 30),
+        },
+    )?;
     let default = StreamPolicy {
         compression: cx.opt(
             "optimize.compression",
@@ -694,6 +705,7 @@ fn parse_optimize(
             avg_chunk,
             zstd_level,
             long_context,
+            delta_bytes,
         },
         default,
         disk,

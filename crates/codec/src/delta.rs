@@ -1,0 +1,879 @@
+//! Delta encoding against similar chunks. A chunk that misses the cache is often a small edit of
+//! one the peer holds (a page of a second backup after an OLTP run changes a few bytes in 8 KiB),
+//! so the sender keeps the bytes of what it sent in a bounded store, [`Bases`], indexed by sampled
+//! anchors; a new chunk's anchors vote for the stored chunks they occur in, and up to
+//! [`MAX_BASES`] winners the peer still holds become one zstd dictionary for it.
+//!
+//! Why this index (measured on a real second `pg_basebackup` after OLTP, `cargo bench --bench
+//! codec -- --similar`): one base found by super-features (Shilane et al.) recovered 0.067 of the
+//! raw bytes; up to eight bases by anchor votes 0.029, below `zstd --patch-from`'s 0.030, because
+//! a page's rows move between pages and one base rarely holds all of them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use bytes::{BufMut, Bytes};
+use zstd::zstd_safe::{CCtx, DCtx};
+
+use crate::cache::{Fingerprint, Lookup, fingerprint};
+use crate::{
+    CodecError, Compression, Decoder, Hint, Mirror, Policy, Pressure, Report, Sent, TAG_DELTA,
+    get_len, put_len,
+};
+
+/// Bytes of sent chunks a link keeps as bases unless configured otherwise.
+pub const DEFAULT_STORE: usize = 256 << 20;
+/// A delta is sent only if it is smaller than this share of what a literal of the chunk is
+/// expected to cost (the mirror's recent literals' ratio): a weak base would cost the stream
+/// context the chunk's bytes for little gain.
+const ACCEPT: f64 = 0.8;
+
+/// A store of bases shared by a link's mirrors.
+pub type SharedBases = Arc<Mutex<Bases>>;
+
+/// A store of `bytes`, or none for 0.
+pub fn shared(bytes: usize) -> Option<SharedBases> {
+    (bytes > 0).then(|| Arc::new(Mutex::new(Bases::new(bytes))))
+}
+
+/// Most bases one delta record names.
+pub const MAX_BASES: usize = 8;
+/// Most bases our encoder names. Measured on the real second backup (`cargo bench --bench
+/// reduction`): four did as well as eight (0.028 of the raw bytes both) with half the dictionary
+/// to load per chunk.
+const SEND_BASES: usize = 4;
+/// A chunk whose best base shares a single anchor with it is not worth a delta: skipping those
+/// (a quarter of the candidates in a first backup) cost 0.002 of the ratio and saved a fifth of
+/// the delta work.
+const MIN_VOTES: u32 = 2;
+/// Anchors sit where the rolling hash's low nine bits are zero: one position in 512.
+const ANCHOR_BITS: u64 = 0x1FF;
+/// An anchor's key hashes this many bytes after it.
+const ANCHOR_LEN: usize = 32;
+/// Most anchors taken from one chunk (a 32 KiB chunk has about 64), bounding the work.
+pub(crate) const MAX_ANCHORS: usize = 128;
+/// Index slots per byte of store: about one anchor per 512 bytes, so the table is at most half
+/// full when the store is.
+const BYTES_PER_SLOT: usize = 256;
+/// Chunk ids remembered per byte of store (chunks are at least 512 bytes).
+const BYTES_PER_ID: usize = 512;
+/// zstd's dictionary magic: a prefix starting with it would be read as a trained dictionary.
+const DICT_MAGIC: [u8; 4] = [0x37, 0xA4, 0x30, 0xEC];
+
+const GEAR: [u64; 256] = gear();
+
+const fn gear() -> [u64; 256] {
+    let mut g = [0u64; 256];
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let mut i = 0;
+    while i < 256 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        g[i] = x;
+        i += 1;
+    }
+    g
+}
+
+fn key(window: &[u8]) -> u64 {
+    let mut k = 0x9E37_79B9_7F4A_7C15u64;
+    for w in window.chunks_exact(8) {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(w);
+        k = (k ^ u64::from_le_bytes(b)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        k ^= k >> 31;
+    }
+    // Never zero: zero marks an empty index slot.
+    k | 1 << 63
+}
+
+/// The anchor keys of `data` (at most [`MAX_ANCHORS`]), into `out`.
+pub(crate) fn anchors(data: &[u8], out: &mut Vec<u64>) {
+    out.clear();
+    let end = data.len().saturating_sub(ANCHOR_LEN);
+    let mut h = 0u64;
+    for (i, &b) in data[..end].iter().enumerate() {
+        h = (h << 1).wrapping_add(GEAR[usize::from(b)]);
+        if h & ANCHOR_BITS == 0 {
+            out.push(key(&data[i + 1..i + 1 + ANCHOR_LEN]));
+            if out.len() == MAX_ANCHORS {
+                return;
+            }
+        }
+    }
+}
+
+struct Held {
+    stamp: u64,
+    id: u32,
+    data: Bytes,
+    /// The stream context that took it, and that context's position after it.
+    origin: Option<(u64, u64)>,
+}
+
+/// The sender's store of chunks it sent, bounded in bytes (least recently used go first), with
+/// an anchor index of fixed size: each slot holds the newest chunk seen with that anchor, and a
+/// slot whose chunk has left the store reads as empty. The store holds bytes only; whether the
+/// peer still holds a chunk is the mirror's to say.
+pub struct Bases {
+    capacity: usize,
+    size: usize,
+    clock: u64,
+    chunks: HashMap<Fingerprint, Held>,
+    order: BTreeMap<u64, Fingerprint>,
+    /// Chunk id -> fingerprint, a ring: an id whose slot was reused is gone.
+    ids: Vec<(u32, Fingerprint)>,
+    next_id: u32,
+    /// Anchor key's high half | chunk id.
+    table: Vec<u64>,
+    /// Scratch for votes.
+    votes: Vec<u32>,
+}
+
+impl std::fmt::Debug for Bases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bases")
+            .field("capacity", &self.capacity)
+            .field("size", &self.size)
+            .field("chunks", &self.chunks.len())
+            .finish()
+    }
+}
+
+impl Bases {
+    /// A store of up to `capacity` bytes of chunks; its index takes about a twentieth of that
+    /// again (8 bytes per 256 bytes of store, 20 per 512).
+    pub fn new(capacity: usize) -> Self {
+        let slots = (capacity / BYTES_PER_SLOT).next_power_of_two().max(1024);
+        let ids = (capacity / BYTES_PER_ID).next_power_of_two().max(1024);
+        Bases {
+            capacity,
+            size: 0,
+            clock: 0,
+            chunks: HashMap::new(),
+            order: BTreeMap::new(),
+            ids: vec![(0, [0; 16]); ids],
+            next_id: 1,
+            table: vec![0; slots],
+            votes: Vec::with_capacity(MAX_ANCHORS),
+        }
+    }
+
+    /// Bytes of chunks held.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Chunks held.
+    pub fn len(&self) -> usize {
+        self.chunks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    /// Bytes the store and its index may take at most.
+    pub fn footprint(&self) -> usize {
+        self.capacity + self.table.len() * 8 + self.ids.len() * 20
+    }
+
+    /// Marks a held chunk as used; false if it is not held.
+    pub fn touch(&mut self, f: &Fingerprint) -> bool {
+        let Some(h) = self.chunks.get_mut(f) else {
+            return false;
+        };
+        self.clock += 1;
+        self.order.remove(&h.stamp);
+        h.stamp = self.clock;
+        self.order.insert(self.clock, *f);
+        true
+    }
+
+    /// Keeps a chunk, indexed under its anchor `keys` (from [`anchors`]), evicting the least
+    /// recently used to fit. One already held is only touched.
+    pub fn insert(&mut self, f: Fingerprint, data: Bytes, keys: &[u64]) {
+        self.insert_from(f, data, keys, None);
+    }
+
+    /// Like [`insert`](Self::insert), for a chunk a stream context took, ending at `origin`'s
+    /// position of context `origin`'s serial.
+    fn insert_from(
+        &mut self,
+        f: Fingerprint,
+        data: Bytes,
+        keys: &[u64],
+        origin: Option<(u64, u64)>,
+    ) {
+        if self.touch(&f) || data.len() > self.capacity {
+            return;
+        }
+        while self.size + data.len() > self.capacity {
+            let Some((_, victim)) = self.order.pop_first() else {
+                break;
+            };
+            if let Some(h) = self.chunks.remove(&victim) {
+                self.size -= h.data.len();
+            }
+        }
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1).max(1);
+        let ring = self.ids.len() - 1;
+        self.ids[id as usize & ring] = (id, f);
+        let mask = self.table.len() - 1;
+        for k in keys {
+            // The newest chunk with an anchor wins its slot: a later version is the likelier base.
+            self.table[*k as usize & mask] = (k & !0xFFFF_FFFF) | u64::from(id);
+        }
+        self.clock += 1;
+        self.size += data.len();
+        self.order.insert(self.clock, f);
+        self.chunks.insert(
+            f,
+            Held {
+                stamp: self.clock,
+                id,
+                data,
+                origin,
+            },
+        );
+    }
+
+    /// True if a held chunk is still within the reach of the stream context `ctx` (serial,
+    /// position now, window): compressed in it, it costs less than any delta.
+    fn in_context(&self, f: &Fingerprint, ctx: (u64, u64, u64)) -> bool {
+        self.chunks.get(f).is_some_and(|h| {
+            h.origin.is_some_and(|(serial, end)| {
+                let start = end.saturating_sub(h.data.len() as u64);
+                serial == ctx.0 && ctx.1.saturating_sub(start) < ctx.2
+            })
+        })
+    }
+
+    /// The bytes of a held chunk.
+    pub fn get(&self, f: &Fingerprint) -> Option<&Bytes> {
+        self.chunks.get(f).map(|h| &h.data)
+    }
+
+    /// The held chunks that share the most anchors with a chunk of anchor `keys`, up to
+    /// `most` of those `usable` accepts, into `out` with the best last (nearest to the data in
+    /// the dictionary, so cheapest to reference). Ties go to the newer chunk. Nothing if the
+    /// best shares fewer than `min_votes` anchors.
+    pub fn find(
+        &mut self,
+        keys: &[u64],
+        (most, min_votes): (usize, u32),
+        usable: impl Fn(&Fingerprint) -> bool,
+        out: &mut Vec<Fingerprint>,
+    ) {
+        out.clear();
+        let mask = self.table.len() - 1;
+        self.votes.clear();
+        for k in keys.iter().take(MAX_ANCHORS) {
+            let e = self.table[*k as usize & mask];
+            if e != 0 && e >> 32 == k >> 32 {
+                self.votes.push(e as u32);
+            }
+        }
+        if self.votes.is_empty() {
+            return;
+        }
+        self.votes.sort_unstable();
+        // Runs of equal ids, as (count, id), best first.
+        let mut ranked: Vec<(u32, u32)> = Vec::with_capacity(self.votes.len());
+        for &id in &self.votes {
+            match ranked.last_mut() {
+                Some((n, last)) if *last == id => *n += 1,
+                _ => ranked.push((1, id)),
+            }
+        }
+        ranked.sort_unstable_by(|a, b| b.cmp(a));
+        let ring = self.ids.len() - 1;
+        for (votes, id) in ranked {
+            let (sid, f) = self.ids[id as usize & ring];
+            if sid != id
+                || self.chunks.get(&f).is_none_or(|h| h.id != id)
+                || !usable(&f)
+                || out.contains(&f)
+            {
+                continue;
+            }
+            if out.is_empty() && votes < min_votes {
+                break;
+            }
+            out.push(f);
+            if out.len() >= most.min(MAX_BASES) {
+                break;
+            }
+        }
+        out.reverse();
+    }
+
+    /// The dictionary of `bases` (their bytes in order, each touched), into `out`; false if one
+    /// is not held or the result would be read as a trained zstd dictionary.
+    pub fn dictionary(&mut self, bases: &[Fingerprint], out: &mut Vec<u8>) -> bool {
+        out.clear();
+        for f in bases {
+            let Some(h) = self.chunks.get(f) else {
+                return false;
+            };
+            out.extend_from_slice(&h.data);
+            self.touch(f);
+        }
+        !is_dict_magic(out)
+    }
+}
+
+/// A mirror's reusable delta state.
+pub(crate) struct SendScratch {
+    keys: Vec<u64>,
+    found: Vec<Fingerprint>,
+    dict: Vec<u8>,
+    cctx: Option<CCtx<'static>>,
+    /// Wire bytes per raw byte of recent literals.
+    lit_ratio: f64,
+}
+
+impl Default for SendScratch {
+    fn default() -> Self {
+        SendScratch {
+            keys: Vec::with_capacity(MAX_ANCHORS),
+            found: Vec::with_capacity(MAX_BASES),
+            dict: Vec::new(),
+            cctx: None,
+            lit_ratio: 0.5,
+        }
+    }
+}
+
+/// A decoder's reusable delta state.
+#[derive(Default)]
+pub(crate) struct RecvScratch {
+    dict: Vec<u8>,
+    dctx: Option<DCtx<'static>>,
+}
+
+/// Bytes of a varint length.
+fn len_len(n: usize) -> usize {
+    match n {
+        0..0x80 => 1,
+        0x80..0x4000 => 2,
+        _ => 3,
+    }
+}
+
+impl Mirror {
+    /// Deltas are tried for a cacheable chunk of a stream that is neither latency-class nor
+    /// CPU-bound nor noise, when zstd may be used and there is a store.
+    pub(crate) fn delta_wanted(&self, policy: &Policy, pressure: Pressure, hint: &Hint) -> bool {
+        self.bases.is_some()
+            && policy.dedup
+            && !policy.latency
+            && pressure == Pressure::LinkBound
+            && hint.skip == 0
+            && matches!(
+                policy.compression,
+                Compression::Zstd | Compression::Adaptive
+            )
+    }
+
+    /// Appends a delta record for `chunk` if similar chunks the peer holds make one that pays;
+    /// the chunk then joins the cache and the store. `None`: nothing was written (the anchors are
+    /// kept for [`keep_base`](Self::keep_base)).
+    pub(crate) fn encode_delta(
+        &mut self,
+        f: Fingerprint,
+        chunk: &[u8],
+        hint: &Hint,
+        out: &mut impl BufMut,
+    ) -> Option<Report> {
+        let shared = self.bases.clone()?;
+        let d = &mut self.delta;
+        anchors(chunk, &mut d.keys);
+        let mut bases = shared.lock().ok()?;
+        let cache = &self.cache;
+        bases.find(
+            &d.keys,
+            (SEND_BASES, MIN_VOTES),
+            |b| cache.contains(b),
+            &mut d.found,
+        );
+        let best = d.found.last()?;
+        // The stream's own context still reaches the best base: a literal in it costs less
+        // (it sees the base and everything around it, and names nothing).
+        if let Some(c) = hint.context.as_ref()
+            && bases.in_context(best, (c.serial, c.pos, c.window))
+        {
+            return None;
+        }
+        if !bases.dictionary(&d.found, &mut d.dict) {
+            return None;
+        }
+        if d.cctx.is_none() {
+            d.cctx = CCtx::try_create();
+        }
+        let cctx = d.cctx.as_mut()?;
+        self.scratch.clear();
+        self.scratch
+            .reserve(zstd::zstd_safe::compress_bound(chunk.len()));
+        cctx.compress_using_dict(&mut self.scratch, chunk, &d.dict, self.zstd_level)
+            .ok()?;
+        let clen = self.scratch.len();
+        let n = d.found.len();
+        let wire = 1 + len_len(chunk.len()) + 1 + 16 * (n + 1) + len_len(clen) + clen;
+        if wire as f64 >= chunk.len() as f64 * d.lit_ratio * ACCEPT {
+            return None;
+        }
+        out.put_u8(TAG_DELTA);
+        put_len(out, chunk.len());
+        out.put_u8(n as u8);
+        // The peer looks the bases up in this order: the mirror touches them in it.
+        for b in &d.found {
+            out.put_slice(b);
+            self.cache.touch(b);
+        }
+        out.put_slice(&f);
+        put_len(out, clen);
+        out.put_slice(&self.scratch[..clen]);
+        self.cache.insert_len(f, chunk.len());
+        let data = Bytes::copy_from_slice(chunk);
+        // A miss of a base is answered with the chunk itself.
+        self.recent.put_with(f, chunk.len(), || data.clone());
+        bases.insert(f, data, &d.keys);
+        Some(Report {
+            sent: Sent::Delta,
+            raw: chunk.len(),
+            wire,
+        })
+    }
+
+    /// Keeps a chunk just sent as a literal of `wire` bytes as a future base (its anchors are
+    /// the ones [`encode_delta`](Self::encode_delta) computed), and learns what literals cost.
+    pub(crate) fn keep_base(&mut self, f: Fingerprint, chunk: &[u8], wire: usize, hint: &Hint) {
+        let d = &mut self.delta;
+        d.lit_ratio += (wire as f64 / chunk.len().max(1) as f64 - d.lit_ratio) / 16.0;
+        // Where the stream context that took it (if one did) has it.
+        let origin = self
+            .context
+            .and(hint.context.as_ref())
+            .map(|c| (c.serial, c.pos));
+        if let Some(mut bases) = self.bases.as_ref().and_then(|b| b.lock().ok()) {
+            bases.insert_from(f, Bytes::copy_from_slice(chunk), &d.keys, origin);
+        }
+    }
+
+    /// A chunk sent as a reference stays a base; one the store lacks (a cache resumed after a
+    /// restart) joins it when deltas are wanted.
+    pub(crate) fn ref_base(&mut self, f: Fingerprint, chunk: &[u8], wanted: bool) {
+        let Some(mut bases) = self.bases.as_ref().and_then(|b| b.lock().ok()) else {
+            return;
+        };
+        if !bases.touch(&f) && wanted {
+            anchors(chunk, &mut self.delta.keys);
+            bases.insert(f, Bytes::copy_from_slice(chunk), &self.delta.keys);
+        }
+    }
+}
+
+impl Decoder {
+    /// Decodes a delta record: the chunk itself if the cache holds it (the peer re-sent it after
+    /// a miss), else rebuilt from the named bases and checked against its fingerprint. A base we
+    /// lack, or a result that does not match, is a miss of the chunk (the peer re-sends it),
+    /// never wrong data.
+    pub(crate) fn decode_delta(
+        &mut self,
+        buf: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<usize, CodecError> {
+        let (raw_len, h) = get_len(buf, 1)?;
+        let mut at = 1 + h;
+        let n = usize::from(*buf.get(at).ok_or(CodecError::Incomplete)?);
+        if n == 0 || n > MAX_BASES {
+            return Err(CodecError::Malformed("delta with no or too many bases"));
+        }
+        at += 1;
+        let names = buf.get(at..at + 16 * n).ok_or(CodecError::Incomplete)?;
+        let mut target = [0u8; 16];
+        target.copy_from_slice(
+            buf.get(at + 16 * n..at + 16 * (n + 1))
+                .ok_or(CodecError::Incomplete)?,
+        );
+        at += 16 * (n + 1);
+        let (clen, h) = get_len(buf, at)?;
+        at += h;
+        let payload = buf.get(at..at + clen).ok_or(CodecError::Incomplete)?;
+        let used = at + clen;
+        match self.cache.lookup(&target) {
+            Lookup::Hit(c) if c.len() == raw_len => {
+                out.extend_from_slice(c);
+                self.stats.delta_chunks += 1;
+                self.stats.delta_bytes += raw_len as u64;
+                return Ok(used);
+            }
+            Lookup::Hit(_) => {
+                return Err(CodecError::Malformed("delta length differs from the chunk"));
+            }
+            Lookup::Pending => return Err(CodecError::Pending(target)),
+            Lookup::Miss => {}
+        }
+        let d = &mut self.delta;
+        d.dict.clear();
+        for name in names.chunks_exact(16) {
+            let mut b = [0u8; 16];
+            b.copy_from_slice(name);
+            match self.cache.lookup(&b) {
+                Lookup::Hit(c) => d.dict.extend_from_slice(c),
+                Lookup::Miss => return Err(CodecError::Miss(target)),
+                Lookup::Pending => return Err(CodecError::Pending(b)),
+            }
+        }
+        if is_dict_magic(&d.dict) {
+            return Err(CodecError::Malformed(
+                "delta bases read as a zstd dictionary",
+            ));
+        }
+        if d.dctx.is_none() {
+            d.dctx = DCtx::try_create();
+        }
+        let dctx = d.dctx.as_mut().ok_or(CodecError::Decompress)?;
+        // Bounded by the announced size, itself bounded by MAX_RECORD.
+        let mut chunk = Vec::with_capacity(raw_len);
+        let ok = dctx
+            .decompress_using_dict(&mut chunk, payload, &d.dict)
+            .is_ok();
+        // Bases that differ from the sender's rebuild something else: ask for the chunk.
+        if !ok || chunk.len() != raw_len || fingerprint(&chunk) != target {
+            return Err(CodecError::Miss(target));
+        }
+        out.extend_from_slice(&chunk);
+        self.stats.delta_chunks += 1;
+        self.stats.delta_bytes += raw_len as u64;
+        self.cache.insert(target, chunk);
+        Ok(used)
+    }
+}
+
+/// True if the dictionary made of these bytes would be read as a trained zstd dictionary
+/// rather than as content (the receiver refuses such a record, the sender never makes one).
+pub(crate) fn is_dict_magic(dict: &[u8]) -> bool {
+    dict.starts_with(&DICT_MAGIC)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::testdata::noise;
+    use crate::{CodecConfig, Encoder, MAX_RECORD, chunks};
+
+    /// 8 KiB pages of text rows, and the same pages after an OLTP run: in each, a few fields
+    /// updated in place and, in some, a row moved in from the next page.
+    fn pages(n: usize, seed: u64) -> (Vec<u8>, Vec<u8>) {
+        let mut x = seed | 1;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut first = Vec::with_capacity(n * 8192);
+        for p in 0..n {
+            let mut page = format!("PAGE{p:08}|").into_bytes();
+            let mut r = 0;
+            while page.len() < 8000 {
+                r += 1;
+                let row = format!(
+                    "{}|customer {} of {}|{} items|status {}|note {}\n",
+                    p * 100 + r,
+                    rnd() % 90_000,
+                    ["Lisbon", "Oslo", "Quito", "Perth", "Accra"][rnd() as usize % 5],
+                    rnd() % 40,
+                    ["open", "shipped", "closed"][rnd() as usize % 3],
+                    rnd() % 1_000_000_007
+                );
+                page.extend_from_slice(row.as_bytes());
+            }
+            page.resize(8192, b' ');
+            first.extend_from_slice(&page);
+        }
+        let mut second = first.clone();
+        for p in 0..n {
+            for _ in 0..3 {
+                let at = p * 8192 + 64 + rnd() as usize % 8000;
+                second[at] = b'0' + (rnd() % 10) as u8;
+            }
+            if p % 4 == 0 && p + 1 < n {
+                let (a, b) = (p * 8192 + 2000, (p + 1) * 8192 + 3000);
+                let row = first[b..b + 90].to_vec();
+                second[a..a + 90].copy_from_slice(&row);
+            }
+        }
+        (first, second)
+    }
+
+    /// Decodes `wire` in full, answering each miss with the encoder's copy of the chunk, as the
+    /// link does with `Need` and `Chunk`; returns the bytes and how many misses there were.
+    fn decode_answering(enc: &Encoder, dec: &mut Decoder, wire: &[u8]) -> (Vec<u8>, usize) {
+        let (mut out, mut at, mut misses) = (Vec::new(), 0, 0);
+        while at < wire.len() {
+            match dec.decode_record(&wire[at..], &mut out) {
+                Ok(n) => at += n,
+                Err(CodecError::Miss(f)) => {
+                    misses += 1;
+                    let data = enc.mirror.chunk(&f).expect("the sender kept the chunk");
+                    assert!(dec.insert_verified(f, data));
+                }
+                Err(e) => panic!("decode: {e}"),
+            }
+        }
+        (out, misses)
+    }
+
+    /// `data` as a stream of its own.
+    fn send(enc: &mut Encoder, data: &[u8]) -> Vec<u8> {
+        let mut wire = Vec::new();
+        enc.push(data, false, Pressure::LinkBound, &mut wire);
+        enc.end_stream(Pressure::LinkBound, &mut wire);
+        wire
+    }
+
+    #[test]
+    fn a_changed_backup_goes_as_deltas_and_rebuilds_exactly() {
+        let cfg = CodecConfig::default();
+        let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+        let (first, second) = pages(512, 7);
+        let w1 = send(&mut enc, &first);
+        assert_eq!(decode_answering(&enc, &mut dec, &w1), (first.clone(), 0));
+        let early = enc.stats().delta_chunks;
+        let w2 = send(&mut enc, &second);
+        assert_eq!(decode_answering(&enc, &mut dec, &w2), (second.clone(), 0));
+        let s = enc.stats();
+        let chunks = chunks(&second, &cfg).count() as u64;
+        eprintln!(
+            "first {} B, changed {} B; {} of {chunks} chunks as deltas ({} -> {} B)",
+            w1.len(),
+            w2.len(),
+            s.delta_chunks,
+            s.delta_bytes,
+            s.delta_wire
+        );
+        assert!(
+            (s.delta_chunks - early) * 10 >= chunks * 8,
+            "most chunks are deltas"
+        );
+        assert!(w2.len() * 4 <= w1.len(), "{} vs {}", w2.len(), w1.len());
+        assert_eq!(dec.stats().delta_chunks, s.delta_chunks);
+        // The same bytes without a store: literals only.
+        let plain = CodecConfig {
+            delta_bytes: 0,
+            ..cfg.clone()
+        };
+        let mut enc = Encoder::new(plain);
+        send(&mut enc, &first);
+        let w = send(&mut enc, &second);
+        assert!(
+            w2.len() * 3 <= w.len(),
+            "deltas {} vs none {}",
+            w2.len(),
+            w.len()
+        );
+        assert_eq!(enc.stats().delta_chunks, 0);
+    }
+
+    #[test]
+    fn no_deltas_when_cpu_bound_or_for_latency_or_uncompressed_streams() {
+        let (first, second) = pages(64, 9);
+        for (pressure, compression, latency) in [
+            (Pressure::CpuBound, Compression::Adaptive, false),
+            (Pressure::LinkBound, Compression::Lz4, false),
+            (Pressure::LinkBound, Compression::None, false),
+            (Pressure::LinkBound, Compression::Adaptive, true),
+        ] {
+            let mut m = Mirror::new(64 << 20, 1 << 20, 3);
+            m.set_bases(shared(16 << 20));
+            let policy = Policy {
+                compression,
+                latency,
+                ..Policy::default()
+            };
+            let mut hint = Hint::default();
+            let mut wire = Vec::new();
+            for data in [&first, &second] {
+                for (o, l) in chunks(data, &CodecConfig::default()) {
+                    let r =
+                        m.encode_chunk(&data[o..o + l], &policy, pressure, &mut hint, &mut wire);
+                    assert_ne!(
+                        r.sent,
+                        Sent::Delta,
+                        "{pressure:?} {compression:?} {latency}"
+                    );
+                }
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(12))]
+        /// Bases the receiver lost (evicted, damaged) turn deltas into misses that the sender's
+        /// copy answers: the bytes still arrive exactly.
+        #[test]
+        fn deltas_round_trip_with_bases_lost_at_random(
+            seed in any::<u64>(),
+            lost in proptest::collection::vec(any::<prop::sample::Index>(), 0..40),
+        ) {
+            let cfg = CodecConfig::default();
+            let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+            let (first, second) = pages(96, seed);
+            let w1 = send(&mut enc, &first);
+            prop_assert_eq!(decode_answering(&enc, &mut dec, &w1).0, first.clone());
+            let names: Vec<Fingerprint> = chunks(&first, &cfg)
+                .map(|(o, l)| fingerprint(&first[o..o + l]))
+                .collect();
+            for i in &lost {
+                dec.cache_mut().corrupt_for_test(&names[i.index(names.len())]);
+            }
+            let w2 = send(&mut enc, &second);
+            let (out, misses) = decode_answering(&enc, &mut dec, &w2);
+            prop_assert!(out == second);
+            prop_assert!(misses == 0 || !lost.is_empty());
+            prop_assert!(lost.is_empty() || enc.stats().delta_chunks > 0);
+        }
+    }
+
+    #[test]
+    fn hostile_delta_records_are_errors() {
+        let cfg = CodecConfig::default();
+        let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+        let (first, second) = pages(16, 3);
+        let w1 = send(&mut enc, &first);
+        decode_answering(&enc, &mut dec, &w1);
+        let wire = send(&mut enc, &second);
+        assert_eq!(wire[0], TAG_DELTA, "the first chunk goes as a delta");
+        let mut out = Vec::new();
+        let (raw, h) = get_len(&wire, 1).expect("length");
+        let n_at = 1 + h;
+        let n = usize::from(wire[n_at]);
+        let t = n_at + 1 + 16 * n;
+        let (clen, h) = get_len(&wire, t + 16).expect("length");
+        let whole = t + 16 + h + clen;
+        // Every truncation is incomplete, never a panic or a partial chunk.
+        for cut in 0..whole {
+            out.clear();
+            assert_eq!(
+                dec.decode_record(&wire[..cut], &mut out),
+                Err(CodecError::Incomplete)
+            );
+            assert!(out.is_empty());
+        }
+        for n in [0u8, MAX_BASES as u8 + 1, 255] {
+            let mut bad = wire[..whole].to_vec();
+            bad[n_at] = n;
+            assert!(matches!(
+                dec.decode_record(&bad, &mut out),
+                Err(CodecError::Malformed(_))
+            ));
+        }
+        // A wrong name for the chunk: what the bases rebuild does not match it, a miss.
+        let mut bad = wire[..whole].to_vec();
+        bad[t] ^= 1;
+        let mut name = [0u8; 16];
+        name.copy_from_slice(&bad[t..t + 16]);
+        assert_eq!(
+            dec.decode_record(&bad, &mut out),
+            Err(CodecError::Miss(name))
+        );
+        // A damaged payload is a miss too.
+        let mut bad = wire[..whole].to_vec();
+        bad[whole - 3] ^= 0x55;
+        assert!(matches!(
+            dec.decode_record(&bad, &mut out),
+            Err(CodecError::Miss(_))
+        ));
+        // An announced size beyond the limit is refused before anything is allocated.
+        let mut big = vec![TAG_DELTA];
+        put_len(&mut big, MAX_RECORD + 1);
+        assert_eq!(
+            dec.decode_record(&big, &mut out),
+            Err(CodecError::TooLarge(MAX_RECORD + 1))
+        );
+        // The genuine record still decodes.
+        out.clear();
+        assert_eq!(dec.decode_record(&wire, &mut out), Ok(whole));
+        assert_eq!(out.len(), raw);
+    }
+
+    fn put(b: &mut Bases, data: &[u8]) -> Fingerprint {
+        let f = fingerprint(data);
+        let mut keys = Vec::new();
+        anchors(data, &mut keys);
+        b.insert(f, Bytes::copy_from_slice(data), &keys);
+        f
+    }
+
+    #[test]
+    fn an_edited_chunk_finds_its_original_and_noise_finds_nothing() {
+        let mut b = Bases::new(1 << 20);
+        let old = noise(1, 8192);
+        let other = noise(2, 8192);
+        let fo = put(&mut b, &old);
+        put(&mut b, &other);
+        let mut edited = old.clone();
+        edited[4000..4010].copy_from_slice(b"0123456789");
+        let (mut keys, mut out) = (Vec::new(), Vec::new());
+        anchors(&edited, &mut keys);
+        assert!(keys.len() > 4, "an 8 KiB chunk has anchors: {}", keys.len());
+        b.find(&keys, (MAX_BASES, 1), |_| true, &mut out);
+        assert_eq!(out, vec![fo]);
+        // What the peer no longer holds is not offered.
+        b.find(&keys, (MAX_BASES, 1), |f| *f != fo, &mut out);
+        assert!(out.is_empty());
+        anchors(&noise(3, 8192), &mut keys);
+        b.find(&keys, (MAX_BASES, 1), |_| true, &mut out);
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn the_store_stays_within_its_bytes_and_forgets_what_it_evicted() {
+        let mut b = Bases::new(64 * 1024);
+        let first = noise(10, 8192);
+        let f0 = put(&mut b, &first);
+        for i in 0..40 {
+            put(&mut b, &noise(100 + i, 8192));
+            assert!(b.size() <= 64 * 1024);
+        }
+        assert!(b.get(&f0).is_none());
+        let (mut keys, mut out) = (Vec::new(), Vec::new());
+        anchors(&first, &mut keys);
+        b.find(&keys, (MAX_BASES, 1), |_| true, &mut out);
+        assert!(out.is_empty(), "an evicted chunk is never a base");
+        // Bases that are used stay.
+        let kept = noise(500, 8192);
+        let fk = put(&mut b, &kept);
+        for i in 0..40 {
+            let mut d = Vec::new();
+            assert!(b.dictionary(&[fk], &mut d));
+            put(&mut b, &noise(1000 + i, 8192));
+        }
+        assert!(b.get(&fk).is_some());
+    }
+
+    #[test]
+    fn ids_wrap_without_naming_a_wrong_chunk() {
+        let mut b = Bases::new(16 * 1024);
+        b.next_id = u32::MAX - 2;
+        let mut all = Vec::new();
+        for i in 0..8 {
+            let d = noise(200 + i, 4096);
+            all.push((put(&mut b, &d), d));
+        }
+        let (mut keys, mut out) = (Vec::new(), Vec::new());
+        for (f, d) in &all {
+            anchors(d, &mut keys);
+            b.find(&keys, (MAX_BASES, 1), |_| true, &mut out);
+            assert!(out.iter().all(|x| x == f), "only the chunk itself");
+            assert_eq!(out.is_empty(), b.get(f).is_none());
+        }
+    }
+}
