@@ -129,6 +129,7 @@ pub struct Bases {
     table: Vec<u64>,
     /// Scratch for votes.
     votes: Vec<u32>,
+    evictions: u64,
 }
 
 impl std::fmt::Debug for Bases {
@@ -157,6 +158,7 @@ impl Bases {
             next_id: 1,
             table: vec![0; slots],
             votes: Vec::with_capacity(MAX_ANCHORS),
+            evictions: 0,
         }
     }
 
@@ -172,6 +174,11 @@ impl Bases {
 
     pub fn is_empty(&self) -> bool {
         self.chunks.is_empty()
+    }
+
+    /// Chunks evicted to stay within the store's bytes.
+    pub fn evictions(&self) -> u64 {
+        self.evictions
     }
 
     /// Bytes the store and its index may take at most.
@@ -215,6 +222,7 @@ impl Bases {
             };
             if let Some(h) = self.chunks.remove(&victim) {
                 self.size -= h.data.len();
+                self.evictions += 1;
             }
         }
         let id = self.next_id;

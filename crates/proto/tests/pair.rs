@@ -915,6 +915,45 @@ fn deltas_are_used_only_when_both_sides_offer_them() {
     );
 }
 
+#[test]
+fn the_delta_store_stays_within_its_bytes_over_a_long_run() {
+    let store = 1 << 20;
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        50_000_000,
+        |c| {
+            c.codec = Some(CodecSettings {
+                delta_bytes: store,
+                ..codec(64 << 20)
+            })
+        },
+        |c| c.codec = Some(codec(64 << 20)),
+    );
+    p.drive(Duration::from_secs(1));
+    p.west.link.set_pressure(Pressure::LinkBound);
+    let bases = |p: &Pair| {
+        p.west
+            .link
+            .cache_stats()
+            .into_iter()
+            .find(|s| s.role == "bases")
+            .expect("a store of bases")
+    };
+    // Versions of the same blocks, each a little changed: every copy has bases to find.
+    let mut v = db_blocks(96, 5).to_vec();
+    for round in 0..12 {
+        for b in 0..96 {
+            v[b * 8192 + 100 + round * 13] ^= 0x41;
+        }
+        send_once(&mut p, "e-svc", Class::Bulk, &Bytes::from(v.clone()));
+        let s = bases(&p);
+        assert!(s.bytes <= store, "round {round}: {} bytes held", s.bytes);
+    }
+    assert!(bases(&p).evictions > 0, "the store went round");
+    assert!(counts(&mut p.west.link).sent.delta_chunks > 0);
+    p.assert_no_leaks();
+}
+
 /// 8 KiB database-like blocks: compressible rows with varying keys.
 fn db_blocks(n: usize, seed: u64) -> Bytes {
     let mut v = Vec::with_capacity(n * 8192);

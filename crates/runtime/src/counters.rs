@@ -361,7 +361,7 @@ impl CodecMetrics {
         );
         r.register(
             "wanopt_cache_bytes",
-            "Bytes held in a chunk cache of the current link (role: mirror of the peer's, or decoder)",
+            "Bytes held in a chunk cache of the current link (role: mirror of the peer's, decoder, or bases: what we sent, kept for deltas)",
             m.cache_bytes.clone(),
         );
         r.register(
@@ -434,7 +434,8 @@ impl CodecMetrics {
             ("delta", s.delta_bytes.saturating_sub(s.delta_wire)),
             ("compression", compression),
         ] {
-            if n > 0 {
+            // A service that sent anything shows all three, zeros too: which one pays is the point.
+            if s.raw_bytes > 0 {
                 self.saved
                     .get_or_create(&SavedLabel {
                         service: service.to_string(),

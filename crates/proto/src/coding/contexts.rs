@@ -438,6 +438,20 @@ impl Contexts {
                     .iter()
                     .map(|(k, d)| stat(k, "decoder", d.cache())),
             )
+            .chain(
+                self.bases
+                    .as_ref()
+                    .and_then(|b| b.lock().ok())
+                    .map(|b| CacheStat {
+                        lane: MAIN_LANE,
+                        scope: Arc::from(""),
+                        role: "bases",
+                        bytes: b.size() as u64,
+                        chunks: b.len() as u64,
+                        evictions: b.evictions(),
+                        tiers: Default::default(),
+                    }),
+            )
             .collect()
     }
 

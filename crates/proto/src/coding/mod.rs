@@ -224,7 +224,8 @@ pub struct CacheStat {
     pub lane: usize,
     /// Empty for the shared cache, else the service name.
     pub scope: Arc<str>,
-    /// `mirror` (the encoder's copy of the peer's cache) or `decoder`.
+    /// `mirror` (the encoder's copy of the peer's cache), `decoder`, or `bases` (what we sent,
+    /// kept as delta bases).
     pub role: &'static str,
     pub bytes: u64,
     pub chunks: u64,
