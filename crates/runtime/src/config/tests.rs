@@ -55,6 +55,16 @@ fn optimize_defaults_and_per_service_overrides() {
         field_err("optimize:\n  context_streams: 0\n"),
         "optimize.context_streams"
     );
+    for bad in ["lots", "-1", "65GiB"] {
+        assert_eq!(
+            field_err(&format!("optimize:\n  delta_memory: {bad}\n")),
+            "optimize.delta_memory"
+        );
+    }
+    let delta = |extra: &str| parse(extra).expect("parses").optimize.codec.delta_bytes;
+    assert_eq!(delta(""), wanopt_codec::delta::DEFAULT_STORE as u64);
+    assert_eq!(delta("optimize:\n  delta_memory: off\n"), 0);
+    assert_eq!(delta("optimize:\n  delta_memory: 1GiB\n"), 1 << 30);
     let long = |extra: &str| parse(extra).expect("parses").optimize.codec.long_context;
     assert_eq!(long(""), Some(wanopt_proto::LongContext::default()));
     assert_eq!(long("optimize:\n  context_window: off\n"), None);
@@ -331,7 +341,7 @@ fn configs_with_every_option_describe_themselves_exactly() {
     let key = dir.path().join("cache key");
     std::fs::write(&key, [9u8; 32]).expect("key");
     let every = format!(
-        "site: west\nlink:\n  listen: '[::1]:7400'\n  peer: east\n  bandwidth: 1.5gbit\n  rtt: 250us\n  congestion: cubic\n  send_buffer: 16MiB\n  recv_buffer: 8MiB\n  notsent_lowat: 64k\n  keepalive: 1500ms\n  user_timeout: 2m\n  reconnect_min: 50ms\n  reconnect_max: 5m\n  latency_lane: false\n  lane_congestion: reno\n  max_rate: 900mbit\ntls: {{ca: /etc/wanopt/ca.pem, cert: c.pem, key: k.key}}\nservices:\n  - name: dg\n    listen: '[::1]:1522'\n    allow: [10.0.0.0/8, 192.168.1.7, '::1']\n    class: latency\n    compression: none\n    dedup: off\n  - name: rman\n    target: standby.example:1521\n    compression: zstd\n    dedup_scope: service\noptimize:\n  enabled: true\n  memory: 1GiB\n  service_memory: 128MiB\n  chunk: 16KiB\n  zstd_level: 9\n  zstd_adapt: off\n  context_window: 32MiB\n  context_streams: 4\n  compression: lz4\n  dedup: on\n  dedup_scope: link\n  disk:\n    bytes: 8GiB\n    service_bytes: 1GiB\n    key_file: '{}'\n    checkpoint: 90s\nadmin:\n  listen: 127.0.0.1:9400\nstate_dir: /var/lib/wanopt west\nlog:\n  level: debug\nlimits:\n  max_streams: 100\n  stream_window: 2MiB\n  link_window: 32MiB\n  stream_buffer: 1MiB\n  shutdown_grace: 0s\n  connect_timeout: 3s\n  link_wait: 0s\n  handshake_timeout: 2s\n  idle_timeout: 10s\n  threads: 4\n",
+        "site: west\nlink:\n  listen: '[::1]:7400'\n  peer: east\n  bandwidth: 1.5gbit\n  rtt: 250us\n  congestion: cubic\n  send_buffer: 16MiB\n  recv_buffer: 8MiB\n  notsent_lowat: 64k\n  keepalive: 1500ms\n  user_timeout: 2m\n  reconnect_min: 50ms\n  reconnect_max: 5m\n  latency_lane: false\n  lane_congestion: reno\n  max_rate: 900mbit\ntls: {{ca: /etc/wanopt/ca.pem, cert: c.pem, key: k.key}}\nservices:\n  - name: dg\n    listen: '[::1]:1522'\n    allow: [10.0.0.0/8, 192.168.1.7, '::1']\n    class: latency\n    compression: none\n    dedup: off\n  - name: rman\n    target: standby.example:1521\n    compression: zstd\n    dedup_scope: service\noptimize:\n  enabled: true\n  memory: 1GiB\n  service_memory: 128MiB\n  chunk: 16KiB\n  zstd_level: 9\n  zstd_adapt: off\n  context_window: 32MiB\n  context_streams: 4\n  delta_memory: 512MiB\n  compression: lz4\n  dedup: on\n  dedup_scope: link\n  disk:\n    bytes: 8GiB\n    service_bytes: 1GiB\n    key_file: '{}'\n    checkpoint: 90s\nadmin:\n  listen: 127.0.0.1:9400\nstate_dir: /var/lib/wanopt west\nlog:\n  level: debug\nlimits:\n  max_streams: 100\n  stream_window: 2MiB\n  link_window: 32MiB\n  stream_buffer: 1MiB\n  shutdown_grace: 0s\n  connect_timeout: 3s\n  link_wait: 0s\n  handshake_timeout: 2s\n  idle_timeout: 10s\n  threads: 4\n",
         key.display()
     );
     let path = Path::new("/etc/wanopt/west.yaml");
