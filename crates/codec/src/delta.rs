@@ -123,7 +123,8 @@ pub struct Bases {
     chunks: HashMap<Fingerprint, Held>,
     order: BTreeMap<u64, Fingerprint>,
     /// Chunk id -> fingerprint, a ring: an id whose slot was reused is gone.
-    ids: Vec<(u32, Fingerprint)>,
+    ids: Vec<u32>,
+    names: Vec<Fingerprint>,
     next_id: u32,
     /// Anchor key's high half | chunk id.
     table: Vec<u64>,
@@ -154,7 +155,10 @@ impl Bases {
             clock: 0,
             chunks: HashMap::new(),
             order: BTreeMap::new(),
-            ids: vec![(0, [0; 16]); ids],
+            // Zeroed vectors: the allocator hands out untouched pages, so an idle link's store
+            // costs nothing until it fills.
+            ids: vec![0; ids],
+            names: vec![[0; 16]; ids],
             next_id: 1,
             table: vec![0; slots],
             votes: Vec::with_capacity(MAX_ANCHORS),
@@ -228,7 +232,8 @@ impl Bases {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1).max(1);
         let ring = self.ids.len() - 1;
-        self.ids[id as usize & ring] = (id, f);
+        self.ids[id as usize & ring] = id;
+        self.names[id as usize & ring] = f;
         let mask = self.table.len() - 1;
         for k in keys {
             // The newest chunk with an anchor wins its slot: a later version is the likelier base.
@@ -299,7 +304,7 @@ impl Bases {
         ranked.sort_unstable_by(|a, b| b.cmp(a));
         let ring = self.ids.len() - 1;
         for (votes, id) in ranked {
-            let (sid, f) = self.ids[id as usize & ring];
+            let (sid, f) = (self.ids[id as usize & ring], self.names[id as usize & ring]);
             if sid != id
                 || self.chunks.get(&f).is_none_or(|h| h.id != id)
                 || !usable(&f)
