@@ -954,6 +954,44 @@ fn the_delta_store_stays_within_its_bytes_over_a_long_run() {
     p.assert_no_leaks();
 }
 
+#[test]
+fn a_store_of_bases_given_by_the_runtime_outlives_the_link() {
+    let store = wanopt_codec::delta::shared(8 << 20);
+    let link = |store: &Option<wanopt_codec::SharedBases>| {
+        let store = store.clone();
+        let mut p = Pair::with(
+            Duration::from_millis(20),
+            50_000_000,
+            move |c| {
+                c.codec = Some(codec(64 << 20));
+                c.delta_bases = store;
+            },
+            |c| c.codec = Some(codec(64 << 20)),
+        );
+        p.drive(Duration::from_secs(1));
+        p.west.link.set_pressure(Pressure::LinkBound);
+        p
+    };
+    let held = |p: &Pair| {
+        p.west
+            .link
+            .cache_stats()
+            .into_iter()
+            .find(|s| s.role == "bases")
+            .map(|s| s.bytes)
+    };
+    let mut first = link(&store);
+    assert_eq!(held(&first), Some(0));
+    send_once(&mut first, "e-svc", Class::Bulk, &db_blocks(64, 3));
+    let kept = held(&first).expect("a store");
+    assert!(kept > 0);
+    first.assert_no_leaks();
+    drop(first);
+    // The next connection starts with what the first sent.
+    let second = link(&store);
+    assert_eq!(held(&second), Some(kept));
+}
+
 /// 8 KiB database-like blocks: compressible rows with varying keys.
 fn db_blocks(n: usize, seed: u64) -> Bytes {
     let mut v = Vec::with_capacity(n * 8192);

@@ -27,6 +27,8 @@ pub(crate) struct Peer {
     next_link_id: AtomicU64,
     /// The chunk caches' disk tier and saved states, when configured.
     pub caches: Option<Arc<CacheDir>>,
+    /// What we sent, kept as delta bases across links, with the size it was made for.
+    bases: std::sync::Mutex<Option<(u64, wanopt_codec::SharedBases)>>,
     /// Where each link reports to the supervisor.
     supervisor: mpsc::UnboundedSender<LinkMsg>,
 }
@@ -49,6 +51,26 @@ impl Peer {
             next_link_id: 1.into(),
             caches,
             supervisor,
+            bases: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// The store of delta bases for a link: the one earlier links used, unless the configured
+    /// size changed (a reload) or deltas are off.
+    fn bases(&self, cfg: &Config) -> Option<wanopt_codec::SharedBases> {
+        let size = cfg.optimize.codec.delta_bytes;
+        let mut held = self.bases.lock().unwrap_or_else(|p| p.into_inner());
+        if !cfg.optimize.enabled || size == 0 {
+            *held = None;
+            return None;
+        }
+        match held.as_ref() {
+            Some((n, b)) if *n == size => Some(b.clone()),
+            _ => {
+                let b = wanopt_codec::delta::shared(usize::try_from(size).unwrap_or(usize::MAX))?;
+                *held = Some((size, b.clone()));
+                Some(b)
+            }
         }
     }
 
@@ -81,6 +103,7 @@ impl Peer {
     pub async fn new_link(&self, fd: std::os::fd::RawFd) -> Arc<LinkHandle> {
         let cfg = self.cfg();
         let mut lc = link_config(&cfg, self.caches.as_ref());
+        lc.delta_bases = self.bases(&cfg);
         if lc.cache_storage.is_some()
             && let Some(dir) = self.caches.clone()
         {

@@ -53,6 +53,8 @@ pub(crate) struct Contexts {
     /// What we sent, as delta bases for the main lane's mirrors (all scopes share it); `None`
     /// if we send no deltas or the peer does not decode them.
     bases: Option<SharedBases>,
+    /// A store handed in by the runtime, outliving the link.
+    pub given_bases: Option<SharedBases>,
 }
 
 impl std::fmt::Debug for Contexts {
@@ -113,6 +115,7 @@ impl Contexts {
             long_out: Slots::default(),
             long_in: Slots::default(),
             bases: None,
+            given_bases: None,
         }
     }
 
@@ -213,12 +216,14 @@ impl Contexts {
             .zip(peer.long)
             .map(|(ours, theirs)| ours.agree(&theirs));
         self.resend = usize::try_from(peer.link_window.min(MAX_RESEND)).unwrap_or(0) + (16 << 20);
-        // A store for this connection's life, like the mirrors' state in memory.
-        if peer.caps & CAP_DELTA == 0 {
-            self.bases = None;
-        } else if self.bases.is_none() {
-            self.bases = codec::delta::shared(to_usize(self.own.delta_bytes));
-        }
+        // The runtime's store if it gave one (it outlives the connection), else one of our own.
+        self.bases = if peer.caps & CAP_DELTA == 0 || self.own.delta_bytes == 0 {
+            None
+        } else {
+            self.given_bases
+                .clone()
+                .or_else(|| codec::delta::shared(to_usize(self.own.delta_bytes)))
+        };
         // A mirror costs about 64 bytes of memory per chunk: never more than our own cache.
         self.peer_cache = peer.cache.min(self.own.capacity(MAIN_LANE, true));
         self.peer_service_cache = peer.service_cache.min(self.own.capacity(MAIN_LANE, false));

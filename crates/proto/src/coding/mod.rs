@@ -319,6 +319,13 @@ impl Coding {
         self.policies = policies;
     }
 
+    /// Uses `bases` as the store of delta bases (see [`LinkConfig`](crate::LinkConfig)).
+    pub fn set_bases(&mut self, bases: Option<codec::SharedBases>) {
+        if let Some(ctx) = self.ctx.as_mut() {
+            ctx.given_bases = bases;
+        }
+    }
+
     pub fn set_pressure(&mut self, p: Pressure) {
         self.pressure = p;
     }

@@ -70,6 +70,10 @@ pub struct LinkConfig {
     /// The cache states saved for this peer, as the runtime listed them (offered in our hello;
     /// used only with `cache_storage`).
     pub saved_states: Vec<SavedCache>,
+    /// The store of what we sent, kept as delta bases, shared by the peer's successive links
+    /// so a reconnect does not start it empty (the runtime keeps one per peer); `None`: the
+    /// link makes one of `codec.delta_bytes`.
+    pub delta_bases: Option<wanopt_codec::SharedBases>,
 }
 
 impl LinkConfig {
@@ -92,6 +96,7 @@ impl LinkConfig {
             cache_storage: None,
             checkpoint_interval: Duration::from_secs(60),
             saved_states: Vec::new(),
+            delta_bases: None,
         }
     }
 }
@@ -212,11 +217,12 @@ pub struct Link {
 impl Link {
     /// A new link; its hello is queued as the first frame to transmit.
     pub fn new(cfg: LinkConfig) -> Self {
-        let coding = Coding::new(
+        let mut coding = Coding::new(
             cfg.codec.clone(),
             cfg.cache_storage.clone(),
             cfg.saved_states.clone(),
         );
+        coding.set_bases(cfg.delta_bases.clone());
         let hello = hello::ours(&cfg, coding.offers());
         Link {
             state: State::Handshake,
