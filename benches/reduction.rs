@@ -5,7 +5,8 @@
 //! with the settings a daemon derives from a stated 45 Mbit/s link (in one process, on one core,
 //! the cache kept from one data set to the next as a link keeps it), and through `gzip -6`,
 //! `zstd -6` and `zstd -9` as one stream, `xz -6`, and for the second backup `zstd --long=29
-//! --patch-from` the first. It prints wire/raw of each and wanopt's encoder CPU time.
+//! --patch-from` the first. It prints wire/raw of each and wanopt's encoder CPU time, and what
+//! dedup, deltas and compression each kept off the wire.
 //!
 //! Run (as root, with a PostgreSQL server): `WANOPT_PG_PORT=5432 PGPASSWORD=... cargo bench
 //! --bench reduction` (`.ci/run` shows how to set one up). Options: `--text-mib N` of row text
@@ -257,6 +258,7 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, xz: bool, (cache, delta)
         let data = std::fs::read(path).expect("data set");
         let n = data.len() as f64;
         let mut wire = Vec::with_capacity(data.len() / 2);
+        let before = enc.stats().clone();
         let cpu = thread_cpu();
         for piece in data.chunks(64 * 1024) {
             enc.push(piece, false, pressure, &mut wire);
@@ -287,6 +289,28 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, xz: bool, (cache, delta)
                 "-".into()
             },
             patch.unwrap_or_else(|| "-".into()),
+        );
+        // What each mechanism kept off the wire, as a share of the raw bytes.
+        let s = enc.stats();
+        let d = |a: u64, b: u64| a.saturating_sub(b) as f64 / n;
+        let compression: f64 = (0..3)
+            .map(|i| {
+                d(
+                    s.codec_bytes[i] - before.codec_bytes[i],
+                    s.codec_wire[i] - before.codec_wire[i],
+                )
+            })
+            .sum();
+        println!(
+            "{:<26} saved by dedup {:.3}, delta {:.3} ({} chunks), compression {:.3}",
+            "",
+            d(s.hit_bytes - before.hit_bytes, s.hit_wire - before.hit_wire),
+            d(
+                s.delta_bytes - before.delta_bytes,
+                s.delta_wire - before.delta_wire
+            ),
+            s.delta_chunks - before.delta_chunks,
+            compression,
         );
     }
 }
