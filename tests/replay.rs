@@ -411,6 +411,28 @@ fn compare_puts_direct_and_tunnel_side_by_side_with_the_tunnels_gain() {
     let gain = rows[1]["gain"].as_f64().expect("gain");
     assert!(gain > 1.5, "redo should shrink through the tunnel: {rows}");
 
+    // A real file: the workspace's own sources and docs, as one text of a few MiB.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("sources.txt");
+    let mut text = Vec::new();
+    for f in [
+        "README.md",
+        "ARCHITECTURE.md",
+        "benches/README.md",
+        "Cargo.lock",
+    ] {
+        text.extend(
+            std::fs::read(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(f)).expect("read"),
+        );
+    }
+    let text = text.repeat((4 << 20) / text.len() + 1);
+    std::fs::write(&file, &text).expect("write");
+    let rows: serde_json::Value =
+        serde_json::from_str(&run(&format!("file:{}", file.display()), true)).expect("json rows");
+    assert_eq!(rows[0]["bytes"], text.len());
+    assert_eq!(rows[1]["bytes"], text.len());
+    assert!(rows[1]["gain"].as_f64().expect("gain") > 1.5, "{rows}");
+
     let table = run(
         "oratcp:-mode=sync -length=8k -duration=1s -interval=1s",
         false,

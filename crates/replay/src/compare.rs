@@ -55,15 +55,21 @@ pub enum Job {
     Oratcp(Box<ClientOpts>),
     /// A generated workload streamed in 1 MiB messages (ASYNC), against a server.
     Gen(Workload, Arc<Vec<u8>>),
+    /// A file's bytes (a real backup, WAL, binlog) streamed the same way.
+    File(String, Arc<Vec<u8>>),
     /// A trace replayed against a `wanopt-replay sink` behind each path.
     Trace(Arc<Vec<Event>>),
 }
 
-/// `oratcp:-mode=sync -length=8k -duration=10s`, `gen:redo:64m[:SEED]` or `trace:FILE`.
+/// Largest file a `file:` workload reads into memory.
+const MAX_FILE: u64 = 16 << 30;
+
+/// `oratcp:-mode=sync -length=8k -duration=10s`, `gen:redo:64m[:SEED]`, `file:PATH` or
+/// `trace:FILE`.
 pub fn parse_job(s: &str) -> Result<Job, String> {
-    let (kind, rest) = s
-        .split_once(':')
-        .ok_or_else(|| format!("{s:?} is not oratcp:OPTIONS, gen:WORKLOAD:SIZE or trace:FILE"))?;
+    let (kind, rest) = s.split_once(':').ok_or_else(|| {
+        format!("{s:?} is not oratcp:OPTIONS, gen:WORKLOAD:SIZE, file:PATH or trace:FILE")
+    })?;
     match kind {
         "oratcp" => {
             let mut a = vec!["path".to_string(), "-port=1".to_string()];
@@ -90,10 +96,28 @@ pub fn parse_job(s: &str) -> Result<Job, String> {
                 Arc::new(Generator::new(w, seed, 0.0).bytes(size)),
             ))
         }
+        "file" => {
+            let path = std::path::Path::new(rest);
+            let len = std::fs::metadata(path)
+                .map_err(|e| format!("cannot use the file {rest}: {e}"))?
+                .len();
+            if len == 0 || len > MAX_FILE {
+                return Err(format!(
+                    "the file {rest} must hold 1 byte to 16g ({len} bytes)"
+                ));
+            }
+            let data = std::fs::read(path).map_err(|e| format!("cannot read {rest}: {e}"))?;
+            let name = path
+                .file_name()
+                .map_or_else(|| rest.to_string(), |n| n.to_string_lossy().into_owned());
+            Ok(Job::File(name, Arc::new(data)))
+        }
         "trace" => crate::trace::load(std::path::Path::new(rest))
             .map(|e| Job::Trace(Arc::new(e)))
             .map_err(|e| format!("cannot use the trace {rest}: {e}")),
-        _ => Err(format!("{kind:?}: the workload is oratcp:, gen: or trace:")),
+        _ => Err(format!(
+            "{kind:?}: the workload is oratcp:, gen:, file: or trace:"
+        )),
     }
 }
 
@@ -172,7 +196,12 @@ pub fn compare(paths: &[PathSpec], job: &Job, service: Option<&str>) -> Result<V
                 let r = client::run(&c).map_err(|e| format!("{}: {e}", p.name))?;
                 (r.bytes, r.seconds, r.latency_ms)
             }
-            Job::Gen(w, data) => {
+            Job::Gen(_, data) | Job::File(_, data) => {
+                let name = match job {
+                    Job::File(f, _) => format!("file {f}"),
+                    Job::Gen(w, _) => format!("gen {w:?}").to_lowercase(),
+                    _ => String::new(),
+                };
                 let c = ClientOpts {
                     addr: p.addr.clone(),
                     mode: Mode::Async,
@@ -180,7 +209,7 @@ pub fn compare(paths: &[PathSpec], job: &Job, service: Option<&str>) -> Result<V
                     duration: Limit::Bytes(data.len() as u64),
                     interval: Duration::from_secs(3600),
                     payload: Payload::Bytes {
-                        name: format!("gen {w:?}").to_lowercase(),
+                        name,
                         data: data.clone(),
                     },
                     congestion: p.congestion.clone(),
@@ -297,5 +326,16 @@ mod tests {
         assert!(parse_job("gen:nope:1m").is_err());
         assert!(parse_job("trace:/does/not/exist").is_err());
         assert!(parse_job("ftp:x").is_err());
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("base.tar");
+        std::fs::write(&f, b"real bytes").expect("write");
+        assert!(matches!(
+            parse_job(&format!("file:{}", f.display())),
+            Ok(Job::File(n, d)) if n == "base.tar" && d[..] == b"real bytes"[..]
+        ));
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, b"").expect("write");
+        assert!(parse_job(&format!("file:{}", empty.display())).is_err());
+        assert!(parse_job("file:/does/not/exist").is_err());
     }
 }

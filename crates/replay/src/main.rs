@@ -158,8 +158,9 @@ enum Cmd {
         /// (speedups are against the first).
         #[arg(long = "path", required = true, value_parser = compare::parse_path)]
         paths: Vec<compare::PathSpec>,
-        /// oratcp:"-mode=sync -length=8k -duration=10s" or gen:redo:64m[:SEED] (both against a
-        /// `wanopt-replay server` behind each path) or trace:FILE (against a `sink`).
+        /// oratcp:"-mode=sync -length=8k -duration=10s", gen:redo:64m[:SEED] or file:PATH (a
+        /// real backup, WAL or binlog; all against a `wanopt-replay server` behind each path) or
+        /// trace:FILE (against a `sink`).
         #[arg(long)]
         workload: String,
         /// Count only this service in the tunnel's metrics (default: all services).
