@@ -4,15 +4,22 @@
 //! (Data Guard ASYNC-like streaming), an RMAN backup sent twice (the second is a repeated
 //! duplicate), and 8 KiB SYNC round trips.
 //!
+//! With `--file PATH` (repeatable), the first `--mib` MiB of each file (a real backup, WAL or
+//! binlog) is a first-copy workload too. With OpenSSH's server installed (`openssh-server`), an
+//! `ssh -C -L` tunnel across the same WAN is a path of its own: what a DBA would use instead.
+//!
 //! Run (as root): `cargo build --release --workspace && cargo bench --bench compare`
 //! Options: `-- --preset NAME --mib N` (default 16 MiB per streaming workload), `--only WORD`
 //! (the workloads with a word in their title that starts with WORD, such as `sync`),
-//! `--sync-seconds N` (default 20).
+//! `--sync-seconds N` (default 20), `--file PATH`.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use common::{link_lines, wan_pair};
 use wanopt_replay::compare::{self, Job, PathSpec};
@@ -64,10 +71,12 @@ fn main() {
         },
     );
     let west = &p.west;
+    let keys = tempfile::tempdir().expect("tempdir");
+    let ssh = ssh_tunnel(&wan, east_ip, keys.path());
     let (tunnel, admin) = (west.bound("bench"), west.bound("admin"));
     let sync = west.bound("sync");
     let direct = SocketAddr::new(east_ip, 5555);
-    let paths = vec![
+    let mut paths = vec![
         PathSpec {
             name: "direct-cubic".into(),
             addr: direct.to_string(),
@@ -87,29 +96,57 @@ fn main() {
             metrics: Some(format!("http://{admin}/metrics")),
         },
     ];
-    println!("{preset}: direct (CUBIC, BBR) against the wanopt pair; one run, same workloads\n");
-    let workloads = [
+    match &ssh {
+        Some((addr, _)) => paths.push(PathSpec {
+            name: "ssh-c".into(),
+            addr: addr.to_string(),
+            congestion: None,
+            metrics: None,
+        }),
+        None => println!("no ssh -C path: OpenSSH's server (openssh-server) is not installed"),
+    }
+    println!(
+        "{preset}: direct (CUBIC, BBR) against the wanopt pair{}; one run, same workloads\n",
+        if ssh.is_some() {
+            " and an ssh -C tunnel (the namespace's default congestion control)"
+        } else {
+            ""
+        }
+    );
+    let mut workloads = vec![
         (
-            "redo (gen redo, streamed like ASYNC transport)",
+            "redo (gen redo, streamed like ASYNC transport)".to_string(),
             format!("gen:redo:{mib}m"),
             "bench",
         ),
         (
-            "RMAN backup, first copy (gen rman)",
+            "RMAN backup, first copy (gen rman)".to_string(),
             format!("gen:rman:{}m", mib * 2),
             "bench",
         ),
         (
-            "RMAN backup, the same again (a repeated duplicate)",
+            "RMAN backup, the same again (a repeated duplicate)".to_string(),
             format!("gen:rman:{}m", mib * 2),
             "bench",
         ),
         (
-            "SYNC 8 KiB round trips (a latency-class service)",
+            "SYNC 8 KiB round trips (a latency-class service)".to_string(),
             format!("oratcp:-mode=sync -length=8k -duration={sync_secs}s"),
             "sync",
         ),
     ];
+    // Real files, first copies: the first `mib` MiB of each.
+    for (i, f) in args.all("--file").iter().enumerate() {
+        let data = std::fs::read(f).unwrap_or_else(|e| panic!("--file {f}: {e}"));
+        let slice = &data[..data.len().min(mib << 20)];
+        let path = keys.path().join(format!("file{i}"));
+        std::fs::write(&path, slice).expect("slice");
+        workloads.push((
+            format!("{f}: first {} MiB, a first copy", slice.len() >> 20),
+            format!("file:{}", path.display()),
+            "bench",
+        ));
+    }
     for (title, spec, service) in workloads {
         if only.as_ref().is_some_and(|w| {
             // Whole words from their start: `sync` must not pick the ASYNC-like redo.
@@ -150,6 +187,109 @@ fn main() {
             .expect("compare");
         println!("{title}\n{}", compare::table(&rows));
     }
+    if let Some((_, mut children)) = ssh {
+        for c in children.iter_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
     let (a, b) = wan.counters();
     println!("wansim west->east: {a}\nwansim east->west: {b}");
+}
+
+/// An `ssh -C -L` tunnel from west to the test server in east: sshd in east with keys made for
+/// the run, ssh in west forwarding a local port. `None` if OpenSSH's server is missing.
+fn ssh_tunnel(wan: &Wan, east: IpAddr, dir: &Path) -> Option<(SocketAddr, Vec<Child>)> {
+    let sshd = Path::new("/usr/sbin/sshd");
+    if !sshd.exists() {
+        return None;
+    }
+    let run = |args: &[&str]| {
+        let ok = Command::new("ssh-keygen")
+            .args(args)
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "ssh-keygen {args:?}");
+    };
+    let (host, id) = (dir.join("host"), dir.join("id"));
+    run(&[
+        "-q",
+        "-t",
+        "ed25519",
+        "-N",
+        "",
+        "-f",
+        &host.to_string_lossy(),
+    ]);
+    run(&["-q", "-t", "ed25519", "-N", "", "-f", &id.to_string_lossy()]);
+    std::fs::copy(dir.join("id.pub"), dir.join("authorized_keys")).expect("keys");
+    let conf = dir.join("sshd_config");
+    std::fs::write(
+        &conf,
+        format!(
+            "ListenAddress {east}:2222\nHostKey {}\nAuthorizedKeysFile {}\nPidFile {}\n\
+             StrictModes no\nUsePAM no\nPasswordAuthentication no\nPermitRootLogin yes\n\
+             AllowTcpForwarding yes\nCompression yes\n",
+            host.display(),
+            dir.join("authorized_keys").display(),
+            dir.join("sshd.pid").display()
+        ),
+    )
+    .expect("sshd_config");
+    // sshd's privilege separation directory.
+    let _ = std::fs::create_dir_all("/run/sshd");
+    let conf_s = conf.to_string_lossy().into_owned();
+    let server = wan
+        .in_site(Site::East, move || {
+            Command::new("/usr/sbin/sshd")
+                .args(["-D", "-e", "-f", &conf_s])
+                .stderr(Stdio::null())
+                .spawn()
+        })
+        .expect("east")
+        .expect("sshd");
+    let local: SocketAddr = "127.0.0.1:15622".parse().expect("addr");
+    let id_s = id.to_string_lossy().into_owned();
+    let client = wan
+        .in_site(Site::West, move || {
+            // Give sshd a moment to listen.
+            std::thread::sleep(Duration::from_millis(500));
+            Command::new("ssh")
+                .args([
+                    "-C",
+                    "-N",
+                    "-o",
+                    "StrictHostKeyChecking=no",
+                    "-o",
+                    "UserKnownHostsFile=/dev/null",
+                    "-o",
+                    "BatchMode=yes",
+                    "-i",
+                    &id_s,
+                    "-p",
+                    "2222",
+                    "-L",
+                    &format!("{local}:{east}:5555"),
+                    &format!("root@{east}"),
+                ])
+                .stderr(Stdio::null())
+                .spawn()
+        })
+        .expect("west")
+        .expect("ssh");
+    let up = wan
+        .in_site(Site::West, move || {
+            let end = Instant::now() + Duration::from_secs(15);
+            while Instant::now() < end {
+                if TcpStream::connect(local).is_ok() {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            false
+        })
+        .expect("west");
+    assert!(up, "the ssh -C tunnel did not come up");
+    Some((local, vec![client, server]))
 }
