@@ -1,0 +1,918 @@
+//! The codec on paired links (see `common`): compression, dedup, long contexts, deltas,
+//! misses answered, and caches resumed from storage. Each test ends by asserting that nothing
+//! leaked.
+
+mod common;
+
+use common::*;
+
+fn codec(cache: u64) -> CodecSettings {
+    CodecSettings {
+        cache_bytes: cache,
+        service_cache_bytes: cache / 2,
+        ..CodecSettings::default()
+    }
+}
+
+/// A pair whose both sides optimize, with the given shared cache size.
+fn coded_pair(cache: u64, laned: bool) -> Pair {
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        50_000_000,
+        |c| {
+            c.codec = Some(codec(cache));
+            c.token = 0;
+        },
+        |c| {
+            c.codec = Some(codec(cache));
+            c.token = 7;
+        },
+    );
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up);
+    if laned {
+        assert!(p.east.link.attach_lane(7) && p.west.link.attach_lane(7));
+    }
+    p
+}
+
+/// West sends `data` to east on a link-bound coded pair whose sides have these long contexts
+/// (`None`: a build without them); returns the wire bytes.
+fn send_with_long(
+    west: Option<wanopt_proto::LongContext>,
+    east: Option<wanopt_proto::LongContext>,
+    data: &Bytes,
+) -> u64 {
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        50_000_000,
+        |c| {
+            c.codec = Some(CodecSettings {
+                long_context: west,
+                ..codec(64 << 20)
+            })
+        },
+        |c| {
+            c.codec = Some(CodecSettings {
+                long_context: east,
+                ..codec(64 << 20)
+            })
+        },
+    );
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up);
+    p.west.link.set_pressure(Pressure::LinkBound);
+    let wire = send_once(&mut p, "e-svc", Class::Bulk, data);
+    p.assert_no_leaks();
+    wire
+}
+
+#[test]
+fn long_contexts_are_used_only_toward_a_peer_that_offers_them() {
+    // Rows whose repeats lie further apart than a chunk: what a long context is for.
+    let data: Bytes = (0..200_000u32)
+        .flat_map(|i| {
+            format!(
+                "{:08} ORDER {:06} customer-{:05} item {:04} qty {:03} status {}\n",
+                i,
+                (i * 7919) % 1_000_000,
+                (i * 31) % 40_000,
+                (i * 17) % 5000,
+                i % 97,
+                ["NEW", "PAID", "SHIPPED", "CLOSED"][(i % 4) as usize]
+            )
+            .into_bytes()
+        })
+        .collect::<Vec<u8>>()
+        .into();
+    let long = Some(wanopt_proto::LongContext::default());
+    let both = send_with_long(long, long, &data);
+    let old_receiver = send_with_long(long, None, &data);
+    let old_sender = send_with_long(None, long, &data);
+    // Exact every way (send_once checks); a side without them gets chunks compressed alone.
+    assert_eq!(old_receiver, old_sender, "the same encoding either way");
+    assert!(
+        both * 10 < old_receiver * 8,
+        "long contexts: {both} wire bytes, chunks alone: {old_receiver} (of {})",
+        data.len()
+    );
+}
+
+/// Sends `first`, then `second` on a new stream, west to east with deltas on or off on each
+/// side; returns the wire bytes of the second and west's delta chunks.
+fn send_with_delta(west: bool, east: bool, first: &Bytes, second: &Bytes) -> (u64, u64) {
+    let on = |on: bool| CodecSettings {
+        delta_bytes: if on { 64 << 20 } else { 0 },
+        ..codec(64 << 20)
+    };
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        50_000_000,
+        |c| c.codec = Some(on(west)),
+        |c| c.codec = Some(on(east)),
+    );
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up);
+    p.west.link.set_pressure(Pressure::LinkBound);
+    send_once(&mut p, "e-svc", Class::Bulk, first);
+    let wire = send_once(&mut p, "e-svc", Class::Bulk, second);
+    let deltas = counts(&mut p.west.link).sent.delta_chunks;
+    p.assert_no_leaks();
+    (wire, deltas)
+}
+
+#[test]
+fn deltas_are_used_only_when_both_sides_offer_them() {
+    // Blocks of rows with random fields (compressing to about a third, as real rows do).
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut first = Vec::with_capacity(256 * 8192);
+    for b in 0..256 {
+        while first.len() < (b + 1) * 8192 - 80 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let row = format!("{b:04}|{:020}|{:x}|OPEN\n", x % 99_999_999_999, x >> 20);
+            first.extend_from_slice(row.as_bytes());
+        }
+        first.resize((b + 1) * 8192, b' ');
+    }
+    let first = Bytes::from(first);
+    // The same blocks after updates: a few bytes changed in each.
+    let mut v = first.to_vec();
+    for b in 0..256 {
+        v[b * 8192 + 300 + (b * 37) % 6000] ^= 0x20;
+        v[b * 8192 + 5000] = b'X';
+    }
+    let second = Bytes::from(v);
+    let (both, deltas) = send_with_delta(true, true, &first, &second);
+    let (old_receiver, none_a) = send_with_delta(true, false, &first, &second);
+    let (old_sender, none_b) = send_with_delta(false, true, &first, &second);
+    // Exact every way (send_once checks); a side without them gets literals as before.
+    assert_eq!((none_a, none_b), (0, 0));
+    assert_eq!(old_receiver, old_sender, "the same encoding either way");
+    assert!(deltas >= 100, "{deltas} chunks as deltas");
+    assert!(
+        both * 5 < old_receiver,
+        "deltas: {both} wire bytes, literals: {old_receiver} (of {})",
+        second.len()
+    );
+}
+
+#[test]
+fn the_delta_store_stays_within_its_bytes_over_a_long_run() {
+    let store = 1 << 20;
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        50_000_000,
+        |c| {
+            c.codec = Some(CodecSettings {
+                delta_bytes: store,
+                ..codec(64 << 20)
+            })
+        },
+        |c| c.codec = Some(codec(64 << 20)),
+    );
+    p.drive(Duration::from_secs(1));
+    p.west.link.set_pressure(Pressure::LinkBound);
+    let bases = |p: &Pair| {
+        p.west
+            .link
+            .cache_stats()
+            .into_iter()
+            .find(|s| s.role == "bases")
+            .expect("a store of bases")
+    };
+    // Versions of the same blocks, each a little changed: every copy has bases to find.
+    let mut v = db_blocks(96, 5).to_vec();
+    for round in 0..12 {
+        for b in 0..96 {
+            v[b * 8192 + 100 + round * 13] ^= 0x41;
+        }
+        send_once(&mut p, "e-svc", Class::Bulk, &Bytes::from(v.clone()));
+        let s = bases(&p);
+        assert!(s.bytes <= store, "round {round}: {} bytes held", s.bytes);
+    }
+    assert!(bases(&p).evictions > 0, "the store went round");
+    assert!(counts(&mut p.west.link).sent.delta_chunks > 0);
+    p.assert_no_leaks();
+}
+
+#[test]
+fn a_store_of_bases_given_by_the_runtime_outlives_the_link() {
+    let store = wanopt_codec::delta::shared(8 << 20);
+    let link = |store: &Option<wanopt_codec::SharedBases>| {
+        let store = store.clone();
+        let mut p = Pair::with(
+            Duration::from_millis(20),
+            50_000_000,
+            move |c| {
+                c.codec = Some(codec(64 << 20));
+                c.delta_bases = store;
+            },
+            |c| c.codec = Some(codec(64 << 20)),
+        );
+        p.drive(Duration::from_secs(1));
+        p.west.link.set_pressure(Pressure::LinkBound);
+        p
+    };
+    let held = |p: &Pair| {
+        p.west
+            .link
+            .cache_stats()
+            .into_iter()
+            .find(|s| s.role == "bases")
+            .map(|s| s.bytes)
+    };
+    let mut first = link(&store);
+    assert_eq!(held(&first), Some(0));
+    send_once(&mut first, "e-svc", Class::Bulk, &db_blocks(64, 3));
+    let kept = held(&first).expect("a store");
+    assert!(kept > 0);
+    first.assert_no_leaks();
+    drop(first);
+    // The next connection starts with what the first sent.
+    let second = link(&store);
+    assert_eq!(held(&second), Some(kept));
+}
+
+/// 8 KiB database-like blocks: compressible rows with varying keys.
+fn db_blocks(n: usize, seed: u64) -> Bytes {
+    let mut v = Vec::with_capacity(n * 8192);
+    for b in 0..n as u64 {
+        let start = v.len();
+        v.extend_from_slice(&(b ^ seed).to_be_bytes());
+        let mut r = 0;
+        while v.len() - start < 7000 {
+            r += 1;
+            v.extend_from_slice(
+                format!(
+                    "ORD|{:08}|C{:05}|Q{:03}|OPEN|",
+                    b * 100 + r,
+                    (r * 7919 + seed) % 50_000,
+                    r % 100
+                )
+                .as_bytes(),
+            );
+        }
+        v.resize(start + 8192, 0);
+    }
+    v.into()
+}
+
+fn counts(link: &mut Link) -> CodecCount {
+    let mut total = CodecCount::default();
+    for (_, c) in link.take_codec_counts() {
+        total.sent.merge(&c.sent);
+        total.needs += c.needs;
+        total.resent += c.resent;
+    }
+    total
+}
+
+/// Sends `data` west→east on a new stream with fin, has east finish too, and returns the wire
+/// bytes west sent for it.
+fn send_once(p: &mut Pair, service: &str, class: Class, data: &Bytes) -> u64 {
+    let before = p.west.link.link_wire().0;
+    let id = open_and_send(p, service, class, data.clone());
+    p.drive(Duration::from_secs(60));
+    assert!(
+        p.east
+            .app
+            .received
+            .get(&id)
+            .is_some_and(|r| r[..] == data[..]),
+        "bytes differ"
+    );
+    assert!(p.east.app.fin.contains(&id));
+    p.east.app.to_send.insert(id, (Bytes::new(), true));
+    p.drive(Duration::from_secs(5));
+    p.west.link.link_wire().0 - before
+}
+
+#[test]
+fn coded_bulk_compresses_and_a_repeat_is_nearly_free() {
+    let mut p = coded_pair(64 << 20, false);
+    let data = db_blocks(512, 1);
+    let first = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    let c = counts(&mut p.west.link);
+    assert_eq!(c.sent.raw_bytes, data.len() as u64);
+    assert!(
+        first * 2 < data.len() as u64,
+        "db-like data compressed to {first} of {}",
+        data.len()
+    );
+    let second = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    assert!(second * 100 < first * 3, "repeat cost {second} vs {first}");
+    let c = counts(&mut p.west.link);
+    assert!(c.sent.hit_bytes * 100 > c.sent.raw_bytes * 97);
+    assert_eq!(
+        counts(&mut p.east.link).needs,
+        0,
+        "caches in step: no misses"
+    );
+    p.assert_no_leaks();
+}
+
+#[test]
+fn incompressible_data_grows_by_at_most_a_thousandth() {
+    let mut p = coded_pair(64 << 20, false);
+    let data = pattern(77, 4 << 20);
+    let wire = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    assert!(
+        wire as f64 <= data.len() as f64 * 1.001,
+        "{wire} wire bytes for {}",
+        data.len()
+    );
+    p.assert_no_leaks();
+}
+
+/// Both sides as on a WAN link: zstd, in each stream's context.
+fn link_bound(p: &mut Pair) {
+    p.west.link.set_pressure(Pressure::LinkBound);
+    p.east.link.set_pressure(Pressure::LinkBound);
+}
+
+#[test]
+fn a_miss_is_asked_for_and_resent_never_misread() {
+    for wan in [false, true] {
+        a_miss_is_resent(wan);
+    }
+}
+
+fn a_miss_is_resent(wan: bool) {
+    let mut p = coded_pair(64 << 20, false);
+    if wan {
+        link_bound(&mut p);
+    }
+    let known = db_blocks(256, 2);
+    send_once(&mut p, "e-svc", Class::Bulk, &known);
+    // East's memory goes bad: every chunk it holds is damaged.
+    assert!(p.east.link.corrupt_caches_for_test() > 0);
+    let _ = counts(&mut p.east.link);
+    // The damaged chunks (references that miss) between new ones (literals, in the stream's
+    // context when link-bound): the stalled stream resumes in step with its context.
+    let mut v = Vec::new();
+    for i in 0..16 {
+        v.extend_from_slice(&known[i * 64 * 1024..(i + 1) * 64 * 1024]);
+        v.extend_from_slice(&db_blocks(4, 100 + i as u64));
+    }
+    send_once(&mut p, "e-svc", Class::Bulk, &Bytes::from(v));
+    let east = counts(&mut p.east.link);
+    let west = counts(&mut p.west.link);
+    assert!(east.needs > 0, "the damaged chunks were asked for");
+    assert_eq!(west.resent, east.needs, "and re-sent");
+    p.assert_no_leaks();
+}
+
+/// Live writes flushed one by one (their tails compressed in the stream's zstd context) queue
+/// behind references that miss: the stalled stream resumes in step with its context.
+#[test]
+fn flushed_writes_in_context_resume_after_a_miss() {
+    let mut p = coded_pair(64 << 20, false);
+    link_bound(&mut p);
+    let known = db_blocks(256, 2);
+    send_once(&mut p, "e-svc", Class::Bulk, &known);
+    assert!(p.east.link.corrupt_caches_for_test() > 0);
+    let _ = counts(&mut p.east.link);
+    let id = p.west.link.open("e-svc", Class::Bulk).expect("open");
+    p.west.app.received.entry(id).or_default();
+    let mut want = Vec::new();
+    for i in 0..16 {
+        for piece in [
+            known.slice(i * 64 * 1024..(i + 1) * 64 * 1024),
+            db_blocks(1, 500 + i as u64).slice(..1500 + i * 37),
+        ] {
+            let mut at = 0;
+            while at < piece.len() {
+                at += p.west.link.write(id, &piece[at..]).expect("write");
+                p.drive(Duration::from_millis(2));
+            }
+            assert!(p.west.link.flush(id));
+            want.extend_from_slice(&piece);
+        }
+        p.drive(Duration::from_millis(5));
+    }
+    p.west.app.to_send.insert(id, (Bytes::new(), true));
+    p.drive(Duration::from_secs(30));
+    assert!(p.east.app.received[&id] == want[..], "bytes differ");
+    assert!(
+        counts(&mut p.east.link).needs > 0,
+        "the damaged chunks were asked for"
+    );
+    p.east.app.to_send.insert(id, (Bytes::new(), true));
+    p.drive(Duration::from_secs(5));
+    p.assert_no_leaks();
+}
+
+#[test]
+fn evictions_under_a_tiny_cache_stay_in_step() {
+    let mut p = coded_pair(256 * 1024, false);
+    let base = db_blocks(64, 3);
+    for round in 0..4u64 {
+        let mut v = base.to_vec();
+        v.extend_from_slice(&pattern(round, 300_000));
+        v.extend_from_slice(&base[..100_000]);
+        send_once(&mut p, "e-svc", Class::Bulk, &Bytes::from(v));
+    }
+    assert_eq!(
+        counts(&mut p.east.link).needs,
+        0,
+        "no misses: mirror and cache agree"
+    );
+    let stats = p.west.link.cache_stats();
+    let mirror = stats.iter().find(|s| s.role == "mirror").expect("a mirror");
+    assert!(mirror.evictions > 0 && mirror.bytes <= 256 * 1024);
+    let dec = p.east.link.cache_stats();
+    let dec = dec.iter().find(|s| s.role == "decoder").expect("a decoder");
+    assert_eq!((dec.bytes, dec.evictions), (mirror.bytes, mirror.evictions));
+    p.assert_no_leaks();
+}
+
+#[test]
+fn latency_streams_never_wait_for_a_chunk_boundary() {
+    for laned in [false, true] {
+        let mut p = coded_pair(16 << 20, laned);
+        let id = p.west.link.open("e-lat", Class::Latency).expect("open");
+        p.west.app.received.entry(id).or_default();
+        let mut want = Vec::new();
+        for i in 0..20u64 {
+            let msg = db_blocks(1, i).slice(..300 + i as usize * 97);
+            want.extend_from_slice(&msg);
+            // Written without fin or flush: it must arrive anyway.
+            let _ = p.west.link.write(id, &msg).expect("write");
+            p.drive(Duration::from_millis(100));
+            assert!(p.east.app.received[&id] == want[..], "message {i} waited");
+        }
+        p.west.app.to_send.insert(id, (Bytes::new(), true));
+        p.east.app.to_send.insert(id, (Bytes::new(), true));
+        p.drive(Duration::from_secs(2));
+        p.assert_no_leaks();
+    }
+}
+
+#[test]
+fn dedup_off_and_service_scope_keep_caches_apart() {
+    let mut p = coded_pair(16 << 20, false);
+    p.west.link.set_policies([
+        (
+            "e-svc",
+            StreamPolicy {
+                compression: Compression::Lz4,
+                dedup: false,
+                scope: Scope::Link,
+            },
+        ),
+        (
+            "e-lat",
+            StreamPolicy {
+                compression: Compression::Zstd,
+                dedup: true,
+                scope: Scope::Service,
+            },
+        ),
+    ]);
+    let data = db_blocks(64, 4);
+    send_once(&mut p, "e-svc", Class::Bulk, &data);
+    let again = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    assert!(
+        again > data.len() as u64 / 10,
+        "dedup off: the repeat is sent again"
+    );
+    assert!(
+        p.east.link.cache_stats().iter().all(|s| s.bytes == 0),
+        "nothing cached"
+    );
+    send_once(&mut p, "e-lat", Class::Bulk, &data);
+    let scoped = send_once(&mut p, "e-lat", Class::Bulk, &data);
+    assert!(
+        scoped * 20 < again,
+        "a service's own cache dedups its repeats"
+    );
+    let stats = p.east.link.cache_stats();
+    assert!(stats.iter().any(|s| &*s.scope == "e-lat" && s.bytes > 0));
+    assert!(stats.iter().all(|s| !s.scope.is_empty() || s.bytes == 0));
+    p.assert_no_leaks();
+}
+
+#[test]
+fn a_side_without_the_codec_gets_plain_frames() {
+    let mut p = Pair::with(
+        Duration::from_millis(5),
+        50_000_000,
+        |c| c.codec = Some(codec(1 << 20)),
+        |_| {},
+    );
+    p.drive(Duration::from_secs(1));
+    let data = db_blocks(32, 5);
+    let wire = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    assert!(wire > data.len() as u64);
+    p.assert_no_leaks();
+}
+
+#[test]
+fn coded_frames_to_a_side_without_the_codec_close_the_link() {
+    let mut p = up_pair();
+    let id = p.west.link.open("e-svc", Class::Bulk).expect("open");
+    p.drive(Duration::from_secs(1));
+    let mut buf = BytesMut::new();
+    Frame::Coded {
+        stream: id,
+        offset: 0,
+        fin: false,
+        scoped: false,
+        raw_len: 3,
+        records: Bytes::from_static(&[1, 0, 0, 0, 3, b'a', b'b', b'c']),
+    }
+    .encode(&mut buf);
+    let r = p.east.link.handle_input_buf(&mut buf, p.now);
+    assert!(matches!(r, Err(LinkError::Protocol(_))), "{r:?}");
+}
+
+#[test]
+fn records_that_do_not_rebuild_reset_only_their_stream() {
+    let mut p = coded_pair(1 << 20, false);
+    let id = p.west.link.open("e-svc", Class::Bulk).expect("open");
+    p.west.app.received.entry(id).or_default();
+    p.drive(Duration::from_secs(1));
+    // Announces 10 bytes but carries 3; then a reference to a chunk nobody sent.
+    let mut buf = BytesMut::new();
+    Frame::Coded {
+        stream: id,
+        offset: 0,
+        fin: false,
+        scoped: false,
+        raw_len: 10,
+        records: Bytes::from_static(&[1, 0, 0, 0, 3, b'a', b'b', b'c']),
+    }
+    .encode(&mut buf);
+    p.east
+        .link
+        .handle_input_buf(&mut buf, p.now)
+        .expect("the link survives");
+    p.drive(Duration::from_secs(1));
+    assert_eq!(p.west.app.resets, vec![(id, ResetCode::DataLost)]);
+    assert!(p.east.app.resets.contains(&(id, ResetCode::DataLost)));
+    assert!(
+        p.east.app.received.get(&id).is_none_or(Vec::is_empty),
+        "no byte handed over"
+    );
+    assert!(p.east.link.is_open());
+    p.west.app.received.clear();
+    p.assert_no_leaks();
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+    /// Optimized streams of both classes, both ways, on one or two lanes, with repeats among
+    /// them, arrive exact, and nothing leaks.
+    #[test]
+    fn coded_streams_are_exact(
+        sizes in proptest::collection::vec((0usize..200_000, 0usize..50_000, any::<bool>()), 1..10),
+        laned in any::<bool>(),
+        cache in prop_oneof![Just(64u64 * 1024), Just(16u64 << 20)],
+        wan in any::<bool>(),
+    ) {
+        // Half the streams repeat an earlier one's seed (exchange_streams seeds by index).
+        let mut p = coded_pair(cache, laned);
+        if wan {
+            link_bound(&mut p);
+        }
+        exchange_streams(p, &sizes)?;
+    }
+}
+
+// ---- Caches that survive a restart ----
+
+/// A coded pair with disk tiers (16 MiB of files each, 64 KiB of memory) on both sides, up.
+fn stored_pair(ws: &Arc<TestStorage>, es: &Arc<TestStorage>) -> Pair {
+    let mut p = stored_pair_starting(ws, es, Duration::from_secs(60));
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up);
+    p
+}
+
+/// [`stored_pair`] before the hellos are exchanged; east's disk is slow: its states take 300 ms
+/// to load.
+fn stored_pair_starting(
+    ws: &Arc<TestStorage>,
+    es: &Arc<TestStorage>,
+    checkpoints: Duration,
+) -> Pair {
+    let settings = || CodecSettings {
+        cache_bytes: 64 * 1024,
+        disk_bytes: 16 << 20,
+        service_disk_bytes: 16 << 20,
+        ..codec(1 << 20)
+    };
+    let (w, e) = (ws.clone(), es.clone());
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        50_000_000,
+        |c| {
+            c.codec = Some(settings());
+            c.saved_states = w.saved();
+            c.cache_storage = Some(w);
+            c.checkpoint_interval = checkpoints;
+        },
+        |c| {
+            c.codec = Some(settings());
+            c.saved_states = e.saved();
+            c.cache_storage = Some(e);
+        },
+    );
+    p.west.storage = Some(ws.clone());
+    p.east.storage = Some(es.clone());
+    p.east.load_delay = Duration::from_millis(300);
+    p
+}
+
+/// Closes the link as a daemon shutting down does, and keeps what both sides saved.
+fn shut_down(mut p: Pair, ws: &TestStorage, es: &TestStorage) {
+    p.west.link.close(CloseCode::Normal, "shutdown");
+    p.drive(Duration::from_secs(1));
+    ws.keep(&mut p.west.app);
+    es.keep(&mut p.east.app);
+}
+
+#[test]
+fn caches_resume_after_a_restart_and_damage_is_resent_never_misread() {
+    let (ws, es) = (
+        Arc::new(TestStorage::default()),
+        Arc::new(TestStorage::default()),
+    );
+    let data = pattern(11, 4 << 20);
+
+    let mut p = stored_pair(&ws, &es);
+    let first = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    assert!(
+        first > data.len() as u64,
+        "incompressible data is sent in full"
+    );
+    shut_down(p, &ws, &es);
+    let (wsaved, esaved) = (ws.saved(), es.saved());
+    assert!(wsaved.iter().any(|c| c.role == Role::Mirror), "{wsaved:?}");
+    let digest = |v: &[SavedCache], role| {
+        v.iter()
+            .find(|c| c.role == role && c.lane == 0 && c.scope.is_empty())
+            .map(|c| c.states[0].digest)
+    };
+    assert_eq!(
+        digest(&wsaved, Role::Mirror),
+        digest(&esaved, Role::Decoder),
+        "both sides saved the same state"
+    );
+
+    // Restarted: the same data costs a sliver of the first transfer, from the disk tier.
+    let mut p = stored_pair(&ws, &es);
+    let again = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    assert!(
+        again * 50 < first,
+        "repeat after restart: {again} of {first}"
+    );
+    assert_eq!(counts(&mut p.west.link).needs, 0);
+    shut_down(p, &ws, &es);
+
+    // Every chunk on the receiver's disk damaged: references miss, are asked for and re-sent.
+    es.mem(0, "").corrupt_all();
+    let mut p = stored_pair(&ws, &es);
+    send_once(&mut p, "e-svc", Class::Bulk, &data);
+    assert!(counts(&mut p.east.link).needs > 0, "misses were asked for");
+    shut_down(p, &ws, &es);
+
+    // A receiver that lost its saved states starts afresh: nothing is resumed, nothing misread.
+    let es2 = Arc::new(TestStorage::default());
+    let mut p = stored_pair(&ws, &es2);
+    let fresh = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    assert!(fresh > data.len() as u64);
+    assert_eq!(counts(&mut p.east.link).needs, 0);
+    p.assert_no_leaks();
+}
+
+#[test]
+fn frames_wait_in_the_buffer_while_resumed_states_load() {
+    let (ws, es) = (
+        Arc::new(TestStorage::default()),
+        Arc::new(TestStorage::default()),
+    );
+    let data = pattern(14, 2 << 20);
+    let mut p = stored_pair(&ws, &es);
+    let first = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    shut_down(p, &ws, &es);
+
+    // West is up (and sending) long before east's slow disk hands its states over.
+    let mut p = stored_pair_starting(&ws, &es, Duration::from_secs(60));
+    p.drive(Duration::from_millis(60));
+    assert!(p.west.app.up, "west heard east's hello");
+    let before = p.west.link.link_wire().0;
+    let id = open_and_send(&mut p, "e-svc", Class::Bulk, data.clone());
+    p.drive(Duration::from_millis(150));
+    assert!(p.east.link.is_loading(), "east still loads its states");
+    // (References to the resumed cache, mostly: the whole repeat is a few KiB.)
+    assert!(
+        p.east.inbufs[0].len() > 1024,
+        "west's frames wait unread: {} bytes",
+        p.east.inbufs[0].len()
+    );
+    assert!(p.east.app.received.is_empty());
+    p.drive(Duration::from_secs(60));
+    assert!(!p.east.link.is_loading());
+    assert!(
+        p.east
+            .app
+            .received
+            .get(&id)
+            .is_some_and(|r| r[..] == data[..])
+    );
+    let again = p.west.link.link_wire().0 - before;
+    assert!(
+        again * 50 < first,
+        "resumed after the wait: {again} of {first}"
+    );
+    assert_eq!(counts(&mut p.east.link).needs, 0);
+    p.east.app.to_send.insert(id, (Bytes::new(), true));
+    p.drive(Duration::from_secs(5));
+    p.assert_no_leaks();
+}
+
+#[test]
+fn reads_from_a_slow_disk_stall_only_their_stream() {
+    let (ws, es) = (
+        Arc::new(TestStorage::default()),
+        Arc::new(TestStorage::default()),
+    );
+    let data = pattern(15, 2 << 20);
+    let mut p = stored_pair(&ws, &es);
+    let first = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    shut_down(p, &ws, &es);
+
+    // Restarted with a disk whose every read takes 20 ms: the repeat is read from it (64 KiB of
+    // memory), while a latency-class message goes by.
+    let reads = Arc::new(Mutex::new(SlowReads::default()));
+    *es.slow.lock().expect("lock") = Some(reads.clone());
+    let mut p = stored_pair(&ws, &es);
+    p.east.store_delay = Duration::from_millis(20);
+    let before = p.west.link.link_wire().0;
+    let bulk = open_and_send(&mut p, "e-svc", Class::Bulk, data.clone());
+    p.drive(Duration::from_millis(100));
+    assert!(
+        reads.lock().expect("lock").pending > 0,
+        "the repeat waits for the disk"
+    );
+    let opened = p.now;
+    let msg = pattern(16, 8192);
+    let lat = open_and_send(&mut p, "e-lat", Class::Latency, msg.clone());
+    p.drive(Duration::from_secs(120));
+    let got = |id| p.east.app.received.get(&id).cloned().unwrap_or_default();
+    assert_eq!(got(lat), msg.to_vec());
+    assert!(got(bulk) == data.to_vec(), "bulk bytes differ");
+    let lat_at = p.east.app.first_byte[&lat];
+    assert!(
+        lat_at - opened < Duration::from_millis(60),
+        "the latency message took {:?} behind the disk",
+        lat_at - opened
+    );
+    let r = reads.lock().expect("lock");
+    // One read at a time (a stream stalls on its first pending reference): the bulk stream
+    // took at least pending x 20 ms, the latency message one trip.
+    assert!(r.pending > 50, "{} reads waited", r.pending);
+    assert!(
+        r.waiting.is_empty() && r.done.is_empty(),
+        "every read was used"
+    );
+    drop(r);
+    // Every reference was rebuilt from the disk tier: nothing asked of the peer.
+    assert_eq!(counts(&mut p.east.link).needs, 0);
+    let again = p.west.link.link_wire().0 - before;
+    assert!(again * 50 < first, "{again} of {first}");
+    for id in [bulk, lat] {
+        p.east.app.to_send.insert(id, (Bytes::new(), true));
+    }
+    p.drive(Duration::from_secs(5));
+    p.assert_no_leaks();
+}
+
+#[test]
+fn a_checkpoint_that_overtakes_a_stalled_stream_is_judged_once_it_caught_up() {
+    let (ws, es) = (
+        Arc::new(TestStorage::default()),
+        Arc::new(TestStorage::default()),
+    );
+    let data = pattern(17, 2 << 20);
+    let mut p = stored_pair(&ws, &es);
+    send_once(&mut p, "e-svc", Class::Bulk, &data);
+    shut_down(p, &ws, &es);
+
+    // Restarted with a slow disk and checkpoints every second: west sends the repeat's
+    // references (and its last checkpoint) long before east has read them all from disk.
+    let reads = Arc::new(Mutex::new(SlowReads::default()));
+    *es.slow.lock().expect("lock") = Some(reads.clone());
+    let mut p = stored_pair_starting(&ws, &es, Duration::from_secs(1));
+    p.drive(Duration::from_secs(1));
+    // 100 ms a read: east is still reading when west's first checkpoint comes (the link's
+    // timers start with its first ping, 5 s in).
+    p.east.store_delay = Duration::from_millis(100);
+    // The repeat, then new bytes: literals behind the stalled references change the cache.
+    let more: Bytes = [data.to_vec(), pattern(18, 1 << 20).to_vec()]
+        .concat()
+        .into();
+    send_once(&mut p, "e-svc", Class::Bulk, &more);
+    p.drive(Duration::from_secs(3));
+    assert!(reads.lock().expect("lock").pending > 50);
+    let newest = |app: &App, role| {
+        app.checkpoints
+            .iter()
+            .rev()
+            .find(|c| c.0 == role && c.1 == 0 && c.2.is_empty())
+            .map(|c| c.3.digest())
+    };
+    let mirror = newest(&p.west.app, Role::Mirror).expect("west checkpointed");
+    assert_eq!(
+        newest(&p.east.app, Role::Decoder),
+        Some(mirror),
+        "east saved the state of west's last checkpoint"
+    );
+    p.assert_no_leaks();
+}
+
+#[test]
+fn service_scoped_caches_resume_too() {
+    let (ws, es) = (
+        Arc::new(TestStorage::default()),
+        Arc::new(TestStorage::default()),
+    );
+    let data = pattern(12, 2 << 20);
+    let scoped = || {
+        [(
+            "e-svc",
+            StreamPolicy {
+                scope: Scope::Service,
+                ..StreamPolicy::default()
+            },
+        )]
+    };
+    let mut p = stored_pair(&ws, &es);
+    p.west.link.set_policies(scoped());
+    let first = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    shut_down(p, &ws, &es);
+    assert!(
+        es.saved()
+            .iter()
+            .any(|c| c.role == Role::Decoder && &*c.scope == "e-svc"),
+        "the service's own cache was saved"
+    );
+    let mut p = stored_pair(&ws, &es);
+    p.west.link.set_policies(scoped());
+    let again = send_once(&mut p, "e-svc", Class::Bulk, &data);
+    assert!(again * 50 < first, "{again} of {first}");
+    // The shared cache never saw the service's chunks.
+    assert!(
+        es.saved()
+            .iter()
+            .filter(|c| c.scope.is_empty() && c.role == Role::Decoder)
+            .all(|c| c
+                .states
+                .iter()
+                .all(|s| { es.load(&s.digest).is_some_and(|s| s.entries.is_empty()) })),
+    );
+    p.assert_no_leaks();
+}
+
+#[test]
+fn repeated_checkpoints_from_a_peer_cost_nothing_and_save_once() {
+    let (ws, es) = (
+        Arc::new(TestStorage::default()),
+        Arc::new(TestStorage::default()),
+    );
+    let mut p = stored_pair(&ws, &es);
+    send_once(&mut p, "e-svc", Class::Bulk, &pattern(13, 1 << 20));
+    // West's periodic checkpoint (60 s by default), in virtual time with the link kept alive.
+    p.drive(Duration::from_secs(66));
+    let saved: Vec<_> = p
+        .east
+        .app
+        .checkpoints
+        .iter()
+        .filter(|c| c.0 == Role::Decoder)
+        .map(|c| c.3.digest())
+        .collect();
+    assert_eq!(saved.len(), 1, "the decoder saved its state once");
+    // The same checkpoint again and again (a misbehaving peer): judged once, never saved again.
+    let mut buf = BytesMut::new();
+    Frame::Checkpoint {
+        scope: String::new(),
+        digest: saved[0],
+    }
+    .encode(&mut buf);
+    let before = p.east.app.checkpoints.len();
+    for _ in 0..100 {
+        let mut b = buf.clone();
+        p.east
+            .link
+            .handle_lane_input(0, &mut b, p.now)
+            .expect("a checkpoint is a valid frame");
+    }
+    p.drive(Duration::from_millis(10));
+    assert!(p.east.link.is_open());
+    assert_eq!(p.east.app.checkpoints.len(), before);
+    p.assert_no_leaks();
+}

@@ -1,0 +1,565 @@
+//! The two-peer harness of the link tests: two `Link` state machines wired together in memory,
+//! with virtual time, one-way latency and a bottleneck rate, in the manner of quinn-proto's
+//! `Pair`, and cache storage in memory. Each test ends by asserting that nothing leaked.
+#![allow(dead_code, unused_imports)]
+
+pub use std::collections::{HashMap, VecDeque};
+pub use std::sync::{Arc, Mutex};
+pub use std::time::{Duration, Instant};
+
+pub use bytes::{Bytes, BytesMut};
+pub use proptest::prelude::*;
+pub use proptest::test_runner::TestCaseError;
+pub use wanopt_proto::{CacheStorage, ChunkStore, SavedCache, SavedState, StateRequest};
+pub use wanopt_proto::{
+    Class, CloseCode, CodecCount, CodecSettings, Compression, Event, Frame, Hello, LANES, Link,
+    LinkConfig, LinkError, Pressure, ReadOutcome, ResetCode, Role, Scope, Snapshot, StreamId,
+    StreamPolicy,
+};
+
+/// One direction of the emulated wire.
+pub struct Pipe {
+    pub latency: Duration,
+    /// Bytes per second; serialization delay is applied per transmitted batch.
+    pub rate: u64,
+    pub busy_until: Instant,
+    pub in_flight: VecDeque<(Instant, Bytes)>,
+}
+
+impl Pipe {
+    /// A kernel-like send buffer: the side may hand over more bytes only while less than this much
+    /// is waiting to be serialized (as with `TCP_NOTSENT_LOWAT`).
+    pub fn has_room(&self, now: Instant) -> bool {
+        let backlog = self.busy_until.saturating_duration_since(now);
+        backlog.as_nanos() * u128::from(self.rate) / 1_000_000_000 < MTU_BATCH as u128
+    }
+
+    pub fn send(&mut self, now: Instant, b: Bytes) {
+        let start = self.busy_until.max(now);
+        let ser = Duration::from_nanos(b.len() as u64 * 1_000_000_000 / self.rate);
+        self.busy_until = start + ser;
+        self.in_flight
+            .push_back((self.busy_until + self.latency, b));
+    }
+}
+
+/// What a simulated application does with a side's streams.
+#[derive(Default)]
+pub struct App {
+    /// Bytes received per stream.
+    pub received: HashMap<StreamId, Vec<u8>>,
+    /// Streams whose end was read.
+    pub fin: Vec<StreamId>,
+    /// Bytes still to write per stream, and whether to finish afterwards.
+    pub to_send: HashMap<StreamId, (Bytes, bool)>,
+    pub opened: Vec<(StreamId, String)>,
+    pub resets: Vec<(StreamId, ResetCode)>,
+    pub refused: Vec<String>,
+    pub closed: Option<Option<LinkError>>,
+    pub up: bool,
+    /// When false the application does not read (a slow reader).
+    pub paused: bool,
+    /// When each stream's first byte arrived (virtual time).
+    pub first_byte: HashMap<StreamId, Instant>,
+    /// Cache states the link asked to save.
+    pub checkpoints: Vec<(Role, usize, Arc<str>, Arc<Snapshot>)>,
+    /// Cache states the link asked to load, and when.
+    pub loads: Option<(Instant, Vec<StateRequest>)>,
+}
+
+pub struct Side {
+    pub link: Link,
+    pub app: App,
+    /// Partial frames received per lane.
+    pub inbufs: [BytesMut; LANES],
+    /// Where saved states are loaded from, as the runtime does on a blocking thread.
+    pub storage: Option<Arc<TestStorage>>,
+    /// How long a load takes (virtual time): frames arriving meanwhile wait in `inbufs`.
+    pub load_delay: Duration,
+    /// How long a slow store's reads take (virtual time), and when the waiting ones are done.
+    pub store_delay: Duration,
+    pub store_due: Option<Instant>,
+}
+
+impl Side {
+    pub fn new(link: Link) -> Side {
+        Side {
+            link,
+            app: App::default(),
+            inbufs: Default::default(),
+            storage: None,
+            load_delay: Duration::ZERO,
+            store_delay: Duration::ZERO,
+            store_due: None,
+        }
+    }
+
+    pub fn slow_reads(&self) -> Option<Arc<Mutex<SlowReads>>> {
+        self.storage.as_ref()?.slow.lock().expect("lock").clone()
+    }
+
+    /// Finishes a slow store's waiting reads once they are due, and tells the link.
+    pub fn answer_reads(&mut self, now: Instant) -> bool {
+        let Some(reads) = self.slow_reads() else {
+            return false;
+        };
+        let mut r = reads.lock().expect("lock");
+        if r.waiting.is_empty() {
+            return false;
+        }
+        let due = *self.store_due.get_or_insert(now + self.store_delay);
+        if due > now {
+            return false;
+        }
+        let w = std::mem::take(&mut r.waiting);
+        r.done.extend(w);
+        drop(r);
+        self.store_due = None;
+        self.link.store_ready();
+        true
+    }
+
+    /// When the states being loaded are in, if any are.
+    pub fn load_due(&self) -> Option<Instant> {
+        self.app.loads.as_ref().map(|(t, _)| *t + self.load_delay)
+    }
+
+    /// Hands the link the states it asked for once they are due, and feeds it what waited.
+    pub fn answer_loads(&mut self, now: Instant) -> bool {
+        if self.load_due().is_none_or(|t| t > now) {
+            return false;
+        }
+        let Some((_, reqs)) = self.app.loads.take() else {
+            return false;
+        };
+        let states = reqs
+            .into_iter()
+            .map(|r| {
+                let s = self.storage.as_ref().and_then(|st| st.load(&r.digest));
+                (r, s)
+            })
+            .collect();
+        self.link.states_loaded(states);
+        for lane in 0..LANES {
+            let buf = &mut self.inbufs[lane];
+            if !buf.is_empty() {
+                let _ = self.link.handle_lane_input(lane, buf, now);
+            }
+        }
+        true
+    }
+}
+
+pub struct Pair {
+    pub now: Instant,
+    pub west: Side,
+    pub east: Side,
+    /// One pipe per lane each way (lane 1 carries nothing until attached).
+    pub w2e: [Pipe; LANES],
+    pub e2w: [Pipe; LANES],
+}
+
+pub const MTU_BATCH: usize = 16 * 1024;
+
+impl Pair {
+    pub fn new(latency: Duration, rate: u64) -> Pair {
+        Self::with(latency, rate, |_| {}, |_| {})
+    }
+
+    pub fn with(
+        latency: Duration,
+        rate: u64,
+        fw: impl FnOnce(&mut LinkConfig),
+        fe: impl FnOnce(&mut LinkConfig),
+    ) -> Pair {
+        let now = Instant::now();
+        let mut cw = LinkConfig::new("west", "east", true);
+        let mut ce = LinkConfig::new("east", "west", false);
+        fw(&mut cw);
+        fe(&mut ce);
+        let mut west = Link::new(cw);
+        let mut east = Link::new(ce);
+        west.set_services(["w-svc"]);
+        east.set_services(["e-svc", "e-lat"]);
+        let pipe = || Pipe {
+            latency,
+            rate,
+            busy_until: now,
+            in_flight: VecDeque::new(),
+        };
+        Pair {
+            now,
+            west: Side::new(west),
+            east: Side::new(east),
+            w2e: [pipe(), pipe()],
+            e2w: [pipe(), pipe()],
+        }
+    }
+
+    /// Runs until both sides are quiet or `limit` of virtual time passes. Each side's timers run
+    /// when due (keepalive pings, idle timeout, checkpoints), as the runtime's writer runs them.
+    pub fn drive(&mut self, limit: Duration) {
+        let end = self.now + limit;
+        loop {
+            let mut progress = false;
+            for side in [&mut self.west, &mut self.east] {
+                if side.link.poll_timeout().is_some_and(|t| t <= self.now) {
+                    side.link.handle_timeout(self.now);
+                    progress = true;
+                }
+                progress |= side.answer_loads(self.now);
+                progress |= side.answer_reads(self.now);
+            }
+            progress |= step_side(&mut self.west, &mut self.w2e, self.now);
+            progress |= step_side(&mut self.east, &mut self.e2w, self.now);
+            // Deliver what is due.
+            for lane in 0..LANES {
+                progress |= deliver(&mut self.w2e[lane], &mut self.east, lane, self.now);
+                progress |= deliver(&mut self.e2w[lane], &mut self.west, lane, self.now);
+            }
+            if progress {
+                continue;
+            }
+            let mut next = self
+                .w2e
+                .iter()
+                .chain(self.e2w.iter())
+                .filter_map(|p| p.in_flight.front())
+                .map(|(t, _)| *t)
+                .chain(self.west.link.poll_timeout())
+                .chain(self.east.link.poll_timeout())
+                .chain(self.west.load_due())
+                .chain(self.east.load_due())
+                .chain(self.west.store_due)
+                .chain(self.east.store_due)
+                .min();
+            for (side, pipes) in [(&self.west, &self.w2e), (&self.east, &self.e2w)] {
+                for (lane, pipe) in pipes.iter().enumerate() {
+                    if side.link.wants_transmit_lane(lane) && pipe.busy_until > self.now {
+                        next = Some(next.map_or(pipe.busy_until, |t| t.min(pipe.busy_until)));
+                    }
+                }
+            }
+            match next {
+                Some(t) if t <= end => self.now = t,
+                _ => break,
+            }
+        }
+    }
+
+    pub fn assert_no_leaks(&self) {
+        for (name, s) in [("west", &self.west), ("east", &self.east)] {
+            assert_eq!(s.link.stream_count(), 0, "{name} leaked streams");
+            assert_eq!(s.link.buffered_bytes(), 0, "{name} leaked buffered bytes");
+        }
+    }
+}
+
+pub fn deliver(pipe: &mut Pipe, to: &mut Side, lane: usize, now: Instant) -> bool {
+    let mut any = false;
+    while pipe.in_flight.front().is_some_and(|(t, _)| *t <= now) {
+        let Some((_, b)) = pipe.in_flight.pop_front() else {
+            break;
+        };
+        let buf = &mut to.inbufs[lane];
+        buf.extend_from_slice(&b);
+        let _ = to.link.handle_lane_input(lane, buf, now);
+        any = true;
+    }
+    any
+}
+
+/// One round of the application and transmit logic for a side. Returns true if anything happened.
+pub fn step_side(side: &mut Side, pipes: &mut [Pipe; LANES], now: Instant) -> bool {
+    let mut progress = false;
+    while let Some(ev) = side.link.poll_event() {
+        progress = true;
+        match ev {
+            Event::Up { .. } => side.app.up = true,
+            Event::Opened {
+                stream, service, ..
+            } => side.app.opened.push((stream, service.to_string())),
+            Event::Refused { service, .. } => side.app.refused.push(service),
+            Event::Reset { stream, code, .. } => side.app.resets.push((stream, code)),
+            Event::Closed(e) => side.app.closed = Some(e),
+            Event::Checkpoint {
+                role,
+                lane,
+                scope,
+                state,
+            } => side.app.checkpoints.push((role, lane, scope, state)),
+            Event::LoadStates(reqs) => side.app.loads = Some((now, reqs)),
+            Event::Readable(_) | Event::Writable(_) | Event::Done(_) => {}
+        }
+    }
+    // Write what is pending.
+    let ids: Vec<StreamId> = side.app.to_send.keys().copied().collect();
+    for id in ids {
+        let Some((buf, fin)) = side.app.to_send.get_mut(&id) else {
+            continue;
+        };
+        if !buf.is_empty() {
+            match side.link.write(id, buf) {
+                Ok(n) if n > 0 => {
+                    let _ = buf.split_to(n);
+                    progress = true;
+                }
+                Ok(_) => {}
+                Err(_) => {
+                    side.app.to_send.remove(&id);
+                    continue;
+                }
+            }
+        }
+        if buf.is_empty() {
+            if *fin {
+                let _ = side.link.finish(id);
+            } else {
+                // The application paused: what it wrote must not wait for a chunk boundary.
+                side.link.flush(id);
+            }
+            side.app.to_send.remove(&id);
+            progress = true;
+        }
+    }
+    // Read everything readable.
+    if !side.app.paused {
+        let ids: Vec<StreamId> = side
+            .app
+            .opened
+            .iter()
+            .map(|(id, _)| *id)
+            .chain(side.app.received.keys().copied())
+            .collect();
+        for id in ids {
+            loop {
+                match side.link.read(id) {
+                    Ok(ReadOutcome::Data(b)) => {
+                        side.app.first_byte.entry(id).or_insert(now);
+                        side.app
+                            .received
+                            .entry(id)
+                            .or_default()
+                            .extend_from_slice(&b);
+                        progress = true;
+                    }
+                    Ok(ReadOutcome::Fin) => {
+                        if !side.app.fin.contains(&id) {
+                            side.app.fin.push(id);
+                            progress = true;
+                        }
+                        break;
+                    }
+                    Ok(ReadOutcome::Blocked) | Err(_) => break,
+                }
+            }
+        }
+    }
+    let mut out = BytesMut::new();
+    for (lane, pipe) in pipes.iter_mut().enumerate() {
+        while pipe.has_room(now) {
+            let n = side.link.poll_transmit_lane(lane, &mut out, MTU_BATCH);
+            if n == 0 {
+                break;
+            }
+            pipe.send(now, out.split().freeze());
+            progress = true;
+        }
+    }
+    progress
+}
+
+pub fn pattern(seed: u64, len: usize) -> Bytes {
+    wanopt_codec::testdata::noise(seed, len).into()
+}
+
+pub fn up_pair() -> Pair {
+    let mut p = Pair::new(Duration::from_millis(50), 5_625_000);
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up, "hello exchange failed");
+    p
+}
+
+/// A pair whose latency lane is attached, as the runtime does after the second connection's
+/// hello presented the listener's token.
+pub fn laned_pair() -> Pair {
+    let mut p = Pair::with(
+        Duration::from_millis(50),
+        5_625_000,
+        |c| c.token = 0,
+        |c| c.token = 0x5eed_cafe,
+    );
+    p.drive(Duration::from_secs(1));
+    let token = p.west.link.lane_offer().expect("east offers a lane");
+    assert_eq!(token, 0x5eed_cafe);
+    assert!(
+        !p.east.link.attach_lane(token ^ 1),
+        "a wrong token must not attach"
+    );
+    assert!(p.east.link.attach_lane(token));
+    assert!(p.west.link.attach_lane(token));
+    assert!(p.west.link.lane_offer().is_none());
+    p
+}
+
+/// Opens a west→east stream, sends `data` with fin, and has east answer `reply` with fin.
+pub fn open_and_send(p: &mut Pair, service: &str, class: Class, data: Bytes) -> StreamId {
+    let id = p.west.link.open(service, class).expect("open");
+    p.west.app.to_send.insert(id, (data, true));
+    p.west.app.received.entry(id).or_default();
+    id
+}
+
+/// A side's storage as the daemon keeps it: disk stores (in memory here, damageable) and the
+/// states saved at checkpoints, newest first.
+#[derive(Debug, Default)]
+pub struct TestStorage {
+    pub stores: Mutex<HashMap<(usize, String), wanopt_codec::store::MemStore>>,
+    pub saved: Mutex<Vec<SavedCache>>,
+    pub states: Mutex<HashMap<[u8; 16], Arc<Snapshot>>>,
+    /// With `Some`, reads are slow, as the daemon's store thread on a slow disk: see [`SlowStore`].
+    pub slow: Mutex<Option<Arc<Mutex<SlowReads>>>>,
+}
+
+/// The reads a [`SlowStore`] was asked for and the ones it finished.
+#[derive(Debug, Default)]
+pub struct SlowReads {
+    pub waiting: Vec<(u32, u64)>,
+    pub done: Vec<(u32, u64)>,
+    /// Reads answered `Pending` in all.
+    pub pending: u64,
+}
+
+/// A disk tier whose reads are not ready at once: `try_read` answers `Pending` until the harness
+/// finishes the reads (after the side's `store_delay` of virtual time) and calls
+/// `Link::store_ready`, as the runtime does when its store thread has read them.
+#[derive(Debug)]
+pub struct SlowStore {
+    pub inner: wanopt_codec::store::MemStore,
+    pub reads: Arc<Mutex<SlowReads>>,
+}
+
+impl ChunkStore for SlowStore {
+    fn append(&mut self, f: &[u8; 16], data: &[u8]) -> Option<wanopt_codec::store::Loc> {
+        self.inner.append(f, data)
+    }
+    fn read(&mut self, loc: wanopt_codec::store::Loc, f: &[u8; 16]) -> Option<Vec<u8>> {
+        self.inner.read(loc, f)
+    }
+    fn try_read(
+        &mut self,
+        loc: wanopt_codec::store::Loc,
+        f: &[u8; 16],
+    ) -> std::task::Poll<Option<Vec<u8>>> {
+        let key = (loc.seg, loc.off);
+        let mut r = self.reads.lock().expect("lock");
+        if let Some(i) = r.done.iter().position(|k| *k == key) {
+            r.done.swap_remove(i);
+            return std::task::Poll::Ready(self.inner.read(loc, f));
+        }
+        if !r.waiting.contains(&key) {
+            r.waiting.push(key);
+            r.pending += 1;
+        }
+        std::task::Poll::Pending
+    }
+    fn remove_segment(&mut self, seg: u32) {
+        self.inner.remove_segment(seg);
+    }
+    fn segments(&self) -> Vec<(u32, u64)> {
+        self.inner.segments()
+    }
+    fn segment_limit(&self) -> u64 {
+        self.inner.segment_limit()
+    }
+}
+
+impl TestStorage {
+    pub fn mem(&self, lane: usize, scope: &str) -> wanopt_codec::store::MemStore {
+        self.stores
+            .lock()
+            .expect("lock")
+            .entry((lane, scope.to_string()))
+            .or_insert_with(|| wanopt_codec::store::MemStore::new(1 << 20))
+            .clone()
+    }
+
+    /// Keeps what a side's link asked to save, as the runtime writes it to disk.
+    pub fn keep(&self, app: &mut App) {
+        let mut saved = self.saved.lock().expect("lock");
+        for (role, lane, scope, snap) in app.checkpoints.drain(..) {
+            let state = SavedState {
+                digest: snap.digest(),
+                capacity: snap.capacity,
+            };
+            self.states.lock().expect("lock").insert(state.digest, snap);
+            match saved
+                .iter_mut()
+                .find(|c| c.role == role && c.lane == lane && c.scope == scope)
+            {
+                Some(c) => c.states.insert(0, state),
+                None => saved.push(SavedCache {
+                    role,
+                    lane,
+                    scope,
+                    states: vec![state],
+                }),
+            }
+        }
+    }
+}
+
+impl TestStorage {
+    pub fn saved(&self) -> Vec<SavedCache> {
+        self.saved.lock().expect("lock").clone()
+    }
+    pub fn load(&self, digest: &[u8; 16]) -> Option<Snapshot> {
+        self.states
+            .lock()
+            .expect("lock")
+            .get(digest)
+            .map(|s| (**s).clone())
+    }
+}
+
+impl CacheStorage for TestStorage {
+    fn store(&self, lane: usize, scope: &str) -> Option<Box<dyn ChunkStore>> {
+        let inner = self.mem(lane, scope);
+        Some(match self.slow.lock().expect("lock").clone() {
+            Some(reads) => Box::new(SlowStore { inner, reads }),
+            None => Box::new(inner),
+        })
+    }
+}
+
+/// Opens streams of the given (up, down, latency?) sizes west→east, has east answer each, and
+/// checks every byte both ways and that nothing leaked.
+pub fn exchange_streams(mut p: Pair, sizes: &[(usize, usize, bool)]) -> Result<(), TestCaseError> {
+    let mut expect = Vec::new();
+    for (i, (up, down, lat)) in sizes.iter().enumerate() {
+        let class = if *lat { Class::Latency } else { Class::Bulk };
+        let id = open_and_send(
+            &mut p,
+            if *lat { "e-lat" } else { "e-svc" },
+            class,
+            pattern(i as u64, *up),
+        );
+        expect.push((id, *up, *down, i as u64));
+    }
+    p.drive(Duration::from_secs(5));
+    for (id, _, down, seed) in &expect {
+        p.east
+            .app
+            .to_send
+            .insert(*id, (pattern(seed + 1000, *down), true));
+    }
+    p.drive(Duration::from_secs(60));
+    for (id, up, down, seed) in &expect {
+        let got_up = p.east.app.received.get(id).cloned().unwrap_or_default();
+        prop_assert!(got_up == pattern(*seed, *up)[..]);
+        prop_assert!(p.west.app.received[id] == pattern(seed + 1000, *down)[..]);
+        prop_assert!(p.east.app.fin.contains(id) && p.west.app.fin.contains(id));
+    }
+    p.assert_no_leaks();
+    Ok(())
+}
