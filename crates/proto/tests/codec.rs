@@ -36,6 +36,26 @@ fn coded_pair(cache: u64, laned: bool) -> Pair {
     p
 }
 
+/// A coded pair, up, whose west (set up by `west`) sends link-bound to an east with `east`.
+fn link_bound_pair(west: impl FnOnce(&mut LinkConfig), east: CodecSettings) -> Pair {
+    let mut p = Pair::with(Duration::from_millis(20), 50_000_000, west, move |c| {
+        c.codec = Some(east)
+    });
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up);
+    p.west.link.set_pressure(Pressure::LinkBound);
+    p
+}
+
+/// West's store of delta bases, as its cache stats report it.
+fn bases_stat(p: &Pair) -> Option<wanopt_proto::CacheStat> {
+    p.west
+        .link
+        .cache_stats()
+        .into_iter()
+        .find(|s| s.role == "bases")
+}
+
 /// West sends `data` to east on a link-bound coded pair whose sides have these long contexts
 /// (`None`: a build without them); returns the wire bytes.
 fn send_with_long(
@@ -43,25 +63,18 @@ fn send_with_long(
     east: Option<wanopt_proto::LongContext>,
     data: &Bytes,
 ) -> u64 {
-    let mut p = Pair::with(
-        Duration::from_millis(20),
-        50_000_000,
+    let mut p = link_bound_pair(
         |c| {
             c.codec = Some(CodecSettings {
                 long_context: west,
                 ..codec(64 << 20)
             })
         },
-        |c| {
-            c.codec = Some(CodecSettings {
-                long_context: east,
-                ..codec(64 << 20)
-            })
+        CodecSettings {
+            long_context: east,
+            ..codec(64 << 20)
         },
     );
-    p.drive(Duration::from_secs(1));
-    assert!(p.west.app.up && p.east.app.up);
-    p.west.link.set_pressure(Pressure::LinkBound);
     let wire = send_once(&mut p, "e-svc", Class::Bulk, data);
     p.assert_no_leaks();
     wire
@@ -105,15 +118,7 @@ fn send_with_delta(west: bool, east: bool, first: &Bytes, second: &Bytes) -> (u6
         delta_bytes: if on { 64 << 20 } else { 0 },
         ..codec(64 << 20)
     };
-    let mut p = Pair::with(
-        Duration::from_millis(20),
-        50_000_000,
-        |c| c.codec = Some(on(west)),
-        |c| c.codec = Some(on(east)),
-    );
-    p.drive(Duration::from_secs(1));
-    assert!(p.west.app.up && p.east.app.up);
-    p.west.link.set_pressure(Pressure::LinkBound);
+    let mut p = link_bound_pair(move |c| c.codec = Some(on(west)), on(east));
     send_once(&mut p, "e-svc", Class::Bulk, first);
     let wire = send_once(&mut p, "e-svc", Class::Bulk, second);
     let deltas = counts(&mut p.west.link).sent.delta_chunks;
@@ -161,27 +166,16 @@ fn deltas_are_used_only_when_both_sides_offer_them() {
 #[test]
 fn the_delta_store_stays_within_its_bytes_over_a_long_run() {
     let store = 1 << 20;
-    let mut p = Pair::with(
-        Duration::from_millis(20),
-        50_000_000,
-        |c| {
+    let mut p = link_bound_pair(
+        move |c| {
             c.codec = Some(CodecSettings {
                 delta_bytes: store,
                 ..codec(64 << 20)
             })
         },
-        |c| c.codec = Some(codec(64 << 20)),
+        codec(64 << 20),
     );
-    p.drive(Duration::from_secs(1));
-    p.west.link.set_pressure(Pressure::LinkBound);
-    let bases = |p: &Pair| {
-        p.west
-            .link
-            .cache_stats()
-            .into_iter()
-            .find(|s| s.role == "bases")
-            .expect("a store of bases")
-    };
+    let bases = |p: &Pair| bases_stat(p).expect("a store of bases");
     // Versions of the same blocks, each a little changed: every copy has bases to find.
     let mut v = db_blocks(96, 5).to_vec();
     for round in 0..12 {
@@ -202,27 +196,15 @@ fn a_store_of_bases_given_by_the_runtime_outlives_the_link() {
     let store = wanopt_codec::delta::shared(8 << 20);
     let link = |store: &Option<wanopt_codec::SharedBases>| {
         let store = store.clone();
-        let mut p = Pair::with(
-            Duration::from_millis(20),
-            50_000_000,
+        link_bound_pair(
             move |c| {
                 c.codec = Some(codec(64 << 20));
                 c.delta_bases = store;
             },
-            |c| c.codec = Some(codec(64 << 20)),
-        );
-        p.drive(Duration::from_secs(1));
-        p.west.link.set_pressure(Pressure::LinkBound);
-        p
+            codec(64 << 20),
+        )
     };
-    let held = |p: &Pair| {
-        p.west
-            .link
-            .cache_stats()
-            .into_iter()
-            .find(|s| s.role == "bases")
-            .map(|s| s.bytes)
-    };
+    let held = |p: &Pair| bases_stat(p).map(|s| s.bytes);
     let mut first = link(&store);
     assert_eq!(held(&first), Some(0));
     send_once(&mut first, "e-svc", Class::Bulk, &db_blocks(64, 3));
