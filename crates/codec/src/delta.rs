@@ -477,12 +477,12 @@ impl Mirror {
     }
 
     /// A chunk sent as a reference stays a base; one the store lacks (a cache resumed after a
-    /// restart) joins it when deltas are wanted.
-    pub(crate) fn ref_base(&mut self, f: Fingerprint, chunk: &[u8], wanted: bool) {
+    /// restart) joins it.
+    pub(crate) fn ref_base(&mut self, f: Fingerprint, chunk: &[u8]) {
         let Some(mut bases) = self.bases.as_ref().and_then(|b| b.lock().ok()) else {
             return;
         };
-        if !bases.touch(&f) && wanted {
+        if !bases.touch(&f) {
             anchors(chunk, &mut self.delta.keys);
             bases.insert(f, Bytes::copy_from_slice(chunk), &self.delta.keys);
         }

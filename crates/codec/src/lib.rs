@@ -570,9 +570,9 @@ impl Mirror {
             if self.cache.contains(&f) {
                 self.cache.touch(&f);
                 self.recent.put(f, chunk);
-                if self.bases.is_some() {
-                    let wanted = self.delta_wanted(policy, pressure, hint);
-                    self.ref_base(f, chunk, wanted);
+                // Only where deltas are wanted: a CPU-bound repeat (the LZ4 path) takes no lock.
+                if self.delta_wanted(policy, pressure, hint) {
+                    self.ref_base(f, chunk);
                 }
                 out.put_u8(TAG_REF);
                 out.put_slice(&f);
