@@ -14,7 +14,11 @@
 //! `--from DIR` to measure data sets kept before (no server needed), `--xz` to run `xz -6` too
 //! (about 1 MB/s here), `--cache-mib N` (default 2048: the cache of a daemon with a 2 GiB disk
 //! tier, which holds a first backup until the second comes; the default 256 MiB of memory alone
-//! would not), `--delta-mib N` (default 2048: the sender's store of delta bases, likewise).
+//! would not), `--delta-mib N` (default 256, the daemon's: the sender's store of delta bases in
+//! memory), `--delta-disk-mib N` (default 2048: sealed files behind it, as a daemon with a 2 GiB
+//! disk tier keeps them; 0 for memory only),
+//! `--zstd-level N` (instead of the level the config derives), `--wanopt-only` (skip the other
+//! compressors, to compare settings quickly).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -103,14 +107,14 @@ fn wal_between(pg: u16, from: &str, to: &str) -> Result<Vec<u8>, String> {
 
 /// The codec settings a daemon derives from a config stating a 45 Mbit/s, 100 ms link, with a
 /// cache of `cache` bytes and a store of `delta` bytes for delta bases.
-fn daemon_codec(cache: usize, delta: usize) -> (CodecConfig, Pressure) {
+fn daemon_codec(cache: usize, delta: usize, level: Option<i32>) -> (CodecConfig, Pressure) {
     let yaml = "site: west\nlink:\n  connect: 127.0.0.1:7400\n  peer: east\n  bandwidth: 45mbit\n  rtt: 100ms\ntls:\n  ca: ca.pem\n  cert: c.pem\n  key: k.key\n";
     let cfg = wanopt_runtime::config::Config::parse(yaml, Path::new("/etc/wanopt/west.yaml"))
         .expect("config");
     let c = &cfg.optimize.codec;
     let codec = CodecConfig {
         cache_bytes: cache.max(c.cache_bytes as usize),
-        zstd_level: c.zstd_level,
+        zstd_level: level.unwrap_or(c.zstd_level),
         long: c.long_context,
         delta_bytes: delta,
         ..CodecConfig::default()
@@ -146,25 +150,45 @@ fn tool(cmd: &str, args: &[&str], file: &Path) -> Option<(u64, f64)> {
         .then(|| (out.stdout.len() as u64, t.elapsed().as_secs_f64()))
 }
 
+/// What to measure, from the command line.
+struct Opts {
+    /// Run `xz -6` too.
+    xz: bool,
+    /// Run the other compressors at all (`--wanopt-only` skips them, for quick comparisons).
+    others: bool,
+    cache: usize,
+    delta: usize,
+    /// Files behind the delta store's memory.
+    delta_disk: usize,
+    /// A zstd level instead of the one the daemon's config derives.
+    level: Option<i32>,
+}
+
 fn main() {
     let args = common::args::Args::new();
-    let xz = args.flag("--xz");
-    let cache = args.get::<usize>("--cache-mib", 2048) << 20;
-    let delta = args.get::<usize>("--delta-mib", 2048) << 20;
+    let opts = Opts {
+        xz: args.flag("--xz"),
+        others: !args.flag("--wanopt-only"),
+        cache: args.get::<usize>("--cache-mib", 2048) << 20,
+        delta: args.get::<usize>("--delta-mib", 256) << 20,
+        delta_disk: args.get::<usize>("--delta-disk-mib", 2048) << 20,
+        level: args
+            .text("--zstd-level")
+            .map(|l| l.parse().expect("--zstd-level N")),
+    };
     match args.text("--from").map(PathBuf::from) {
         Some(d) => measure(
             &d.join("base1/base.tar"),
             &d.join("run.wal"),
             &d.join("base2/base.tar"),
-            xz,
-            (cache, delta),
+            &opts,
         ),
         None => {
             let Some(pg) = port() else {
                 return;
             };
             let (base1, wal, base2, _tmp) = make_data(pg, &args);
-            measure(&base1, &wal, &base2, xz, (cache, delta));
+            measure(&base1, &wal, &base2, &opts);
         }
     }
 }
@@ -232,21 +256,41 @@ fn make_data(pg: u16, args: &common::args::Args) -> (PathBuf, PathBuf, PathBuf, 
     (base1, wal_path, base2, tmp)
 }
 
-fn measure(base1: &Path, wal_path: &Path, base2: &Path, xz: bool, (cache, delta): (usize, usize)) {
-    let (cfg, pressure) = daemon_codec(cache, delta);
+fn measure(base1: &Path, wal_path: &Path, base2: &Path, opts: &Opts) {
+    let (cfg, pressure) = daemon_codec(opts.cache, opts.delta, opts.level);
     println!(
-        "wanopt: the encoder as a daemon stating 45 Mbit/s sets it (zstd {}, long context {}), one {} MiB cache and a {} MiB delta store across the data sets",
+        "wanopt: the encoder as a daemon stating 45 Mbit/s sets it (zstd {}, long context {}), one {} MiB cache and a delta store of {} MiB in memory and {} MiB of sealed files across the data sets",
         cfg.zstd_level,
         cfg.long
             .map_or("off".into(), |l| format!("{} MiB", l.window() >> 20)),
         cfg.cache_bytes >> 20,
-        cfg.delta_bytes >> 20
+        cfg.delta_bytes >> 20,
+        opts.delta_disk >> 20
     );
+    let mut enc = Encoder::new(cfg.clone());
+    // The disk tier behind the bases, as a daemon with `disk.delta_bytes` and a key keeps it
+    // (its writes and reads on a thread of their own).
+    let state = tempfile::tempdir().expect("tempdir");
+    let dir = wanopt_runtime::cachedir::CacheDir::open(
+        state.path(),
+        "east",
+        Default::default(),
+        Some([0x5a; 32]),
+    )
+    .expect("cache directory");
+    if cfg.delta_bytes > 0 && opts.delta_disk > 0 {
+        let limit = opts.delta_disk as u64;
+        let store = dir.bases_store(limit).expect("disk tier");
+        enc.set_bases(wanopt_codec::delta::shared_tiered(
+            cfg.delta_bytes,
+            limit,
+            store,
+        ));
+    }
     println!(
         "{:<26} {:>9} {:>8} {:>10} {:>8} {:>8} {:>8} {:>8} {:>10}",
         "data", "MB", "wanopt", "cpu MB/s", "gzip-6", "zstd-6", "zstd-9", "xz-6", "patch-from"
     );
-    let mut enc = Encoder::new(cfg.clone());
     let mut dec = Decoder::new(&cfg);
     let sets: [(&str, &Path, Option<&Path>); 4] = [
         ("base backup", base1, None),
@@ -271,24 +315,27 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, xz: bool, (cache, delta)
         assert!(out == data, "{name}: rebuilt bytes differ");
         let ratio =
             |t: Option<(u64, f64)>| t.map_or("-".into(), |(w, _)| format!("{:.3}", w as f64 / n));
-        let patch = reference.map(|r| {
-            let from = format!("--patch-from={}", r.display());
-            ratio(tool("zstd", &["--long=29", &from, "-q", "-c", "-T1"], path))
+        let other = |on: bool, cmd: &str, args: &[&str]| {
+            if on && opts.others {
+                ratio(tool(cmd, args, path))
+            } else {
+                "-".into()
+            }
+        };
+        let from = reference.map(|r| format!("--patch-from={}", r.display()));
+        let patch = from.as_deref().map_or("-".into(), |from| {
+            other(true, "zstd", &["--long=29", from, "-q", "-c", "-T1"])
         });
         println!(
             "{name:<26} {:>9.1} {:>8.3} {:>10.0} {:>8} {:>8} {:>8} {:>8} {:>10}",
             n / 1e6,
             wire.len() as f64 / n,
             n / cpu / 1e6,
-            ratio(tool("gzip", &["-6", "-c"], path)),
-            ratio(tool("zstd", &["-6", "-q", "-c", "-T1"], path)),
-            ratio(tool("zstd", &["-9", "-q", "-c", "-T1"], path)),
-            if xz {
-                ratio(tool("xz", &["-6", "-c", "-T1"], path))
-            } else {
-                "-".into()
-            },
-            patch.unwrap_or_else(|| "-".into()),
+            other(true, "gzip", &["-6", "-c"]),
+            other(true, "zstd", &["-6", "-q", "-c", "-T1"]),
+            other(true, "zstd", &["-9", "-q", "-c", "-T1"]),
+            other(opts.xz, "xz", &["-6", "-c", "-T1"]),
+            patch,
         );
         // What each mechanism kept off the wire, as a share of the raw bytes.
         let s = enc.stats();

@@ -61,11 +61,16 @@ fn postgres_wal_streams_exactly_and_compressed() {
 fn base_backups_through_the_tunnel_verify_and_the_second_costs_less() {
     let Some(port) = pg::port() else { return };
     let _turn = server_turn();
-    // A stated WAN: the encoder spends CPU on ratio, deltas included.
+    // A stated WAN: the encoder spends CPU on ratio, deltas included. The delta bases have a
+    // sliver of memory: the first backup's pages are found again in their disk tier.
+    let state = tempfile::tempdir().expect("tempdir");
     let pair = Pair::start_link(
         &format!("  - name: pg\n    target: 127.0.0.1:{port}\n"),
         "  - name: pg\n    listen: 127.0.0.1:0\n",
-        "admin:\n  listen: 127.0.0.1:0\n",
+        &format!(
+            "admin:\n  listen: 127.0.0.1:0\nstate_dir: {}\noptimize:\n  delta_memory: 4MiB\n  disk:\n    bytes: 512MiB\n",
+            state.path().display()
+        ),
         "\n  bandwidth: 200mbit",
     );
     let db = "wanopt_test_backup";
@@ -104,6 +109,15 @@ fn base_backups_through_the_tunnel_verify_and_the_second_costs_less() {
         )
     };
     let (dedup, delta) = (saved("dedup"), saved("delta"));
+    // The bases outgrew their memory into files (the gauges follow within a few seconds).
+    let bases_on_disk =
+        "wanopt_cache_bytes{tier=\"disk\",lane=\"main\",scope=\"link\",role=\"bases\"} ";
+    let (_, e) = eventually(
+        pair.west.bound("admin"),
+        pair.east.bound("admin"),
+        |_, e| value(e, bases_on_disk) > 4 << 20,
+    );
+    assert!(value(&e, bases_on_disk) > 4 << 20, "{e}");
     eprintln!(
         "first backup {first_raw} raw, {first_wire} wire; second {second_raw} raw, {second_wire} wire; saved by dedup {dedup}, delta {delta}, compression {}",
         saved("compression")

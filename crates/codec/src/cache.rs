@@ -110,6 +110,9 @@ pub struct ChunkCache {
     disk: Option<DiskTier>,
     /// Entries whose bytes are on disk (kept, not counted: the index may hold millions).
     on_disk: u64,
+    /// Bytes in memory are checked against their fingerprint on every read (see
+    /// [`trust_memory`](ChunkCache::trust_memory)).
+    verify_mem: bool,
 }
 
 impl std::fmt::Debug for ChunkCache {
@@ -151,7 +154,16 @@ impl ChunkCache {
             mem_evictions: 0,
             disk: None,
             on_disk: 0,
+            verify_mem: true,
         }
+    }
+
+    /// Bytes held in memory are handed out without checking them again (bytes read from disk
+    /// still are): for a store of our own bytes, where a wrong one costs the peer a miss that
+    /// its own check catches, and hashing every read would cost more than the use.
+    pub fn trust_memory(mut self) -> Self {
+        self.verify_mem = false;
+        self
     }
 
     /// A two-tier cache: chunks are written through to `store`, whose files stay within
@@ -248,6 +260,11 @@ impl ChunkCache {
         self.entries.contains_key(f)
     }
 
+    /// True if the chunk is held with its bytes in memory.
+    pub fn in_memory(&self, f: &Fingerprint) -> bool {
+        self.entries.get(f).is_some_and(|e| e.mem.is_some())
+    }
+
     fn bump(&mut self, f: &Fingerprint) {
         self.clock += 1;
         if let Some(e) = self.entries.get_mut(f) {
@@ -284,8 +301,9 @@ impl ChunkCache {
         let Some(e) = self.entries.get(f) else {
             return Lookup::Miss;
         };
+        let verify = self.verify_mem;
         let read = match (&e.mem, e.loc, self.disk.as_mut()) {
-            (Some(d), _, _) => Ok(fingerprint(d) == *f),
+            (Some(d), _, _) => Ok(!verify || fingerprint(d) == *f),
             (None, Some(loc), Some(disk)) => match disk.store.try_read(loc, f) {
                 Poll::Pending => return Lookup::Pending,
                 Poll::Ready(Some(data)) if data.len() == e.len => Err(data),

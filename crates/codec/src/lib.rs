@@ -809,6 +809,11 @@ impl Encoder {
         self.mirror.set_zstd_level(level);
     }
 
+    /// Replaces the store of delta bases `cfg.delta_bytes` made (one with a disk tier, say).
+    pub fn set_bases(&mut self, bases: Option<SharedBases>) {
+        self.mirror.set_bases(bases);
+    }
+
     /// The mirror cache (for its size and evictions).
     pub fn cache(&self) -> &ChunkCache {
         self.mirror.cache()

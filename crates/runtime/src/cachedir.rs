@@ -36,6 +36,60 @@ fn keep(role: Role) -> usize {
         Role::Mirror => KEEP_MIRROR_STATES,
     }
 }
+/// Directories of delta bases' disk tiers start with this (see [`CacheDir::bases_store`]).
+const BASES_DIR: &str = "bases";
+
+/// A store whose files are of use only while it lives: its directory goes with it, removed on
+/// the store's own thread after everything queued before.
+struct ScratchStore {
+    store: AsyncStore,
+    dir: PathBuf,
+}
+
+impl Drop for ScratchStore {
+    fn drop(&mut self) {
+        let dir = std::mem::take(&mut self.dir);
+        self.store.run_after(Box::new(move || {
+            let _ = std::fs::remove_dir_all(dir);
+        }));
+    }
+}
+
+impl ChunkStore for ScratchStore {
+    fn append(&mut self, f: &Fingerprint, data: &[u8]) -> Option<wanopt_codec::store::Loc> {
+        self.store.append(f, data)
+    }
+    fn read(&mut self, loc: wanopt_codec::store::Loc, f: &Fingerprint) -> Option<Vec<u8>> {
+        self.store.read(loc, f)
+    }
+    fn try_read(
+        &mut self,
+        loc: wanopt_codec::store::Loc,
+        f: &Fingerprint,
+    ) -> std::task::Poll<Option<Vec<u8>>> {
+        self.store.try_read(loc, f)
+    }
+    fn copy(
+        &mut self,
+        loc: wanopt_codec::store::Loc,
+        f: &Fingerprint,
+    ) -> Option<wanopt_codec::store::Loc> {
+        self.store.copy(loc, f)
+    }
+    fn remove_segment(&mut self, seg: u32) {
+        self.store.remove_segment(seg);
+    }
+    fn flush(&mut self) {
+        self.store.flush();
+    }
+    fn segments(&self) -> Vec<(u32, u64)> {
+        self.store.segments()
+    }
+    fn segment_limit(&self) -> u64 {
+        self.store.segment_limit()
+    }
+}
+
 /// Largest state file read back (about 28 million chunks).
 const MAX_STATE_FILE: u64 = 1 << 30;
 
@@ -51,6 +105,8 @@ pub struct CacheDir {
     /// Notified when a store read a chunk a link waits for.
     ready: Arc<tokio::sync::Notify>,
     seq: AtomicU64,
+    /// Stores of delta bases started so far (each has a directory of its own).
+    bases: AtomicU64,
     pending: AtomicUsize,
     idle: tokio::sync::Notify,
     /// Held (`flock`) while the directory is in use: two daemons must never share one.
@@ -189,6 +245,16 @@ impl CacheDir {
         let root = state_dir.join("cache").join(peer);
         private_dir(&root)?;
         let lock = lock_dir(&root)?;
+        // A store of delta bases lives as long as the daemon (its index is in memory only):
+        // what an earlier run left is of no use.
+        for e in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            if e.file_name()
+                .to_str()
+                .is_some_and(|n| n.starts_with(BASES_DIR))
+            {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
         let mut seq = 0;
         let mut segments = HashMap::new();
         for e in std::fs::read_dir(&root).into_iter().flatten().flatten() {
@@ -211,6 +277,7 @@ impl CacheDir {
             segments,
             ready: Arc::new(tokio::sync::Notify::new()),
             seq: AtomicU64::new(seq),
+            bases: AtomicU64::new(0),
             pending: AtomicUsize::new(0),
             idle: tokio::sync::Notify::new(),
             _lock: lock,
@@ -225,6 +292,28 @@ impl CacheDir {
     /// Notified when a store has read a chunk that a link waits for.
     pub fn ready(&self) -> Arc<tokio::sync::Notify> {
         self.ready.clone()
+    }
+
+    /// A disk tier of `limit` bytes for a store of delta bases, in a directory of its own
+    /// (`bases.<n>`, sealed with the cache key if there is one) that is removed with the store.
+    /// `None` if it cannot be started (the store then stays in memory).
+    pub fn bases_store(&self, limit: u64) -> Option<Box<dyn ChunkStore>> {
+        let dir = self
+            .root
+            .join(format!("{BASES_DIR}.{}", self.bases.fetch_add(1, SeqCst)));
+        match AsyncStore::open(
+            dir.clone(),
+            self.key,
+            segment_size(limit),
+            &[],
+            self.ready.clone(),
+        ) {
+            Ok(store) => Some(Box::new(ScratchStore { store, dir })),
+            Err(e) => {
+                warn!(error = %e, "cannot start the delta bases' disk tier; they stay in memory");
+                None
+            }
+        }
     }
 
     fn decoder_store(&self, dir: &Path, limit: u64) -> Option<Arc<Mutex<AsyncStore>>> {
@@ -453,6 +542,61 @@ mod tests {
         assert!(CacheDir::open(dir.path(), "west", codec.clone(), None).is_ok());
         drop(a);
         assert!(CacheDir::open(dir.path(), "east", codec, None).is_ok());
+    }
+
+    #[test]
+    fn a_store_of_bases_keeps_sealed_files_of_its_own_and_takes_them_with_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let codec = CodecSettings::default();
+        let cd = CacheDir::open(dir.path(), "east", codec.clone(), Some([9; 32])).expect("open");
+        let mut store = cd.bases_store(64 << 20).expect("store");
+        let data = b"a page of rows, kept as a base for deltas".repeat(200);
+        let f = wanopt_codec::cache::fingerprint(&data);
+        let loc = store.append(&f, &data).expect("appended");
+        store.flush();
+        let own = cd.root().join("bases.0");
+        // Written on the store's thread: read back through it, verified.
+        let start = std::time::Instant::now();
+        let back = loop {
+            match store.try_read(loc, &f) {
+                std::task::Poll::Ready(d) => break d,
+                std::task::Poll::Pending => {
+                    assert!(start.elapsed() < Duration::from_secs(10), "no read");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+        };
+        assert_eq!(back.as_deref(), Some(&data[..]));
+        // Sealed at rest: the rows are nowhere in the files.
+        let files = || -> Vec<u8> {
+            std::fs::read_dir(&own)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .flat_map(|e| std::fs::read(e.path()).unwrap_or_default())
+                .collect()
+        };
+        let start = std::time::Instant::now();
+        while files().len() <= data.len() {
+            assert!(start.elapsed() < Duration::from_secs(10), "not written");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let files = files();
+        assert!(!files.windows(14).any(|w| w == b"a page of rows"));
+        // A second store has a directory of its own; dropping one removes its files.
+        let other = cd.bases_store(64 << 20).expect("store");
+        drop(store);
+        let start = std::time::Instant::now();
+        while own.exists() {
+            assert!(start.elapsed() < Duration::from_secs(10), "files left");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(cd.root().join("bases.1").exists());
+        // What a daemon that died left behind goes at the next start.
+        std::mem::forget(other);
+        drop(cd);
+        let _cd = CacheDir::open(dir.path(), "east", codec, None).expect("reopen");
+        assert!(!dir.path().join("cache/east/bases.1").exists());
     }
 
     #[test]

@@ -28,7 +28,7 @@ pub(crate) struct Peer {
     /// The chunk caches' disk tier and saved states, when configured.
     pub caches: Option<Arc<CacheDir>>,
     /// What we sent, kept as delta bases across links, with the size it was made for.
-    bases: std::sync::Mutex<Option<(u64, wanopt_codec::SharedBases)>>,
+    bases: std::sync::Mutex<Option<((u64, u64), wanopt_codec::SharedBases)>>,
     /// Where each link reports to the supervisor.
     supervisor: mpsc::UnboundedSender<LinkMsg>,
 }
@@ -55,20 +55,34 @@ impl Peer {
         }
     }
 
-    /// The store of delta bases for a link: the one earlier links used, unless the configured
-    /// size changed (a reload) or deltas are off.
+    /// The store of delta bases for a link: the one earlier links used, unless its configured
+    /// sizes changed (a reload) or deltas are off. With a disk tier configured, it is memory in
+    /// front of files in the cache directory.
     fn bases(&self, cfg: &Config) -> Option<wanopt_codec::SharedBases> {
-        let size = cfg.optimize.codec.delta_bytes;
+        let mem = cfg.optimize.codec.delta_bytes;
+        let disk = cfg.optimize.disk.as_ref().map_or(0, |d| d.delta_bytes);
+        let sizes = (mem, disk);
         let mut held = self.bases.lock().unwrap_or_else(|p| p.into_inner());
-        if !cfg.optimize.enabled || size == 0 {
+        if !cfg.optimize.enabled || mem == 0 {
             *held = None;
             return None;
         }
         match held.as_ref() {
-            Some((n, b)) if *n == size => Some(b.clone()),
+            Some((n, b)) if *n == sizes => Some(b.clone()),
             _ => {
-                let b = wanopt_codec::delta::shared(usize::try_from(size).unwrap_or(usize::MAX))?;
-                *held = Some((size, b.clone()));
+                let mem = usize::try_from(mem).unwrap_or(usize::MAX);
+                // The old store (and its files) goes once the links using it are done.
+                *held = None;
+                let store = self
+                    .caches
+                    .as_ref()
+                    .filter(|_| disk > 0)
+                    .and_then(|c| c.bases_store(disk));
+                let b = match store {
+                    Some(st) => wanopt_codec::delta::shared_tiered(mem, disk, st),
+                    None => wanopt_codec::delta::shared(mem),
+                }?;
+                *held = Some((sizes, b.clone()));
                 Some(b)
             }
         }

@@ -454,7 +454,7 @@ impl Contexts {
                         bytes: b.size() as u64,
                         chunks: b.len() as u64,
                         evictions: b.evictions(),
-                        tiers: Default::default(),
+                        tiers: b.tier_stats(),
                     }),
             )
             .collect()

@@ -230,7 +230,7 @@ pub struct CacheStat {
     pub bytes: u64,
     pub chunks: u64,
     pub evictions: u64,
-    /// Where a decoder's bytes are: memory and disk.
+    /// Where a decoder's (or the store of bases') bytes are: memory and disk.
     pub tiers: TierStats,
 }
 

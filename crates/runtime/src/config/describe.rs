@@ -115,11 +115,12 @@ impl Config {
         if let Some(d) = &op.disk {
             let _ = writeln!(
                 o,
-                "  disk:  # under {}/cache/{}\n    bytes: {}\n    service_bytes: {}\n    checkpoint: {}",
+                "  disk:  # under {}/cache/{}\n    bytes: {}\n    service_bytes: {}\n    delta_bytes: {}  # behind delta_memory\n    checkpoint: {}",
                 one_line(&self.state_dir),
                 self.link.peer,
                 op.codec.disk_bytes,
                 op.codec.service_disk_bytes,
+                d.delta_bytes,
                 dur(d.checkpoint),
             );
             match &d.key_file {

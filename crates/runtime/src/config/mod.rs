@@ -126,6 +126,7 @@ struct RawOptimize {
 struct RawDisk {
     bytes: Option<String>,
     service_bytes: Option<String>,
+    delta_bytes: Option<String>,
     key_file: Option<String>,
     checkpoint: Option<String>,
 }
@@ -267,6 +268,9 @@ pub struct DiskTier {
     /// AES-256-GCM key for chunks at rest, read from `key_file`.
     pub key: Option<[u8; 32]>,
     pub key_file: Option<PathBuf>,
+    /// Files behind the sender's store of delta bases (`optimize.delta_memory` in front):
+    /// 0 keeps the store in memory only.
+    pub delta_bytes: u64,
 }
 
 impl std::fmt::Debug for DiskTier {
@@ -274,6 +278,7 @@ impl std::fmt::Debug for DiskTier {
         f.debug_struct("DiskTier")
             .field("checkpoint", &self.checkpoint)
             .field("key_file", &self.key_file)
+            .field("delta_bytes", &self.delta_bytes)
             .finish()
     }
 }
@@ -694,7 +699,7 @@ fn parse_optimize(
         )?,
     };
     let (disk_bytes, service_disk_bytes, disk) =
-        parse_disk(cx, o.disk.as_ref(), memory, service_memory)?;
+        parse_disk(cx, o.disk.as_ref(), memory, service_memory, delta_bytes)?;
     Ok(Optimize {
         enabled: o.enabled.unwrap_or(true),
         codec: CodecSettings {
@@ -750,13 +755,15 @@ fn parse_long_context(cx: &Ctx<'_>, o: &RawOptimize) -> Result<Option<LongContex
     }))
 }
 
-/// `optimize.disk`: the byte limits of the shared and per-service disk tiers, and the tier's
-/// settings when either is on.
+/// `optimize.disk`: the byte limits of the shared and per-service disk tiers and of the one
+/// behind the store of delta bases (`delta_memory` bytes of memory, 0 when deltas are off), and
+/// the tier's settings when any is on.
 fn parse_disk(
     cx: &Ctx<'_>,
     rd: Option<&RawDisk>,
     memory: u64,
     service_memory: u64,
+    delta_memory: u64,
 ) -> Result<(u64, u64, Option<DiskTier>), ConfigError> {
     let empty = RawDisk::default();
     let d = rd.unwrap_or(&empty);
@@ -778,6 +785,28 @@ fn parse_disk(
         },
         disk_size,
     )?;
+    // The peer holds no more than its own cache does, so by default the bases reach as far back
+    // as a cache like ours (when that is more than their memory).
+    let delta_default = if wanopt_codec::cache::disk_capacity(disk_bytes) > delta_memory {
+        disk_bytes
+    } else {
+        0
+    };
+    let delta_disk_bytes = match (&d.delta_bytes, delta_memory) {
+        (Some(s), 0) if s != "0" => {
+            return Err(cx.err(
+                "optimize.disk.delta_bytes",
+                "is set but deltas are off (optimize.delta_memory: off)",
+            ));
+        }
+        (_, 0) => 0,
+        _ => cx.opt(
+            "optimize.disk.delta_bytes",
+            &d.delta_bytes,
+            delta_default,
+            disk_size,
+        )?,
+    };
     // The disk tier holds everything memory does, and three quarters of its files are chunks.
     for (field, disk, mem, mem_field) in [
         ("optimize.disk.bytes", disk_bytes, memory, "optimize.memory"),
@@ -786,6 +815,12 @@ fn parse_disk(
             service_disk_bytes,
             service_memory,
             "optimize.service_memory",
+        ),
+        (
+            "optimize.disk.delta_bytes",
+            delta_disk_bytes,
+            delta_memory,
+            "optimize.delta_memory",
         ),
     ] {
         let cap = wanopt_codec::cache::disk_capacity(disk);
@@ -799,7 +834,7 @@ fn parse_disk(
             ));
         }
     }
-    if disk_bytes == 0 && service_disk_bytes == 0 {
+    if disk_bytes == 0 && service_disk_bytes == 0 && delta_disk_bytes == 0 {
         if let Some(k) = &d.key_file {
             return Err(cx.err(
                 "optimize.disk.key_file",
@@ -827,6 +862,7 @@ fn parse_disk(
             checkpoint,
             key,
             key_file,
+            delta_bytes: delta_disk_bytes,
         }),
     ))
 }

@@ -102,6 +102,54 @@ fn field_err(extra: &str) -> String {
 }
 
 #[test]
+fn the_delta_bases_reach_as_far_back_as_the_disk_tier() {
+    let delta_disk = |extra: &str| {
+        parse(extra)
+            .expect("parses")
+            .optimize
+            .disk
+            .map(|d| d.delta_bytes)
+    };
+    assert_eq!(delta_disk(""), None);
+    // By default as far as the shared cache's files, when they hold more than the memory.
+    assert_eq!(
+        delta_disk("optimize:\n  disk:\n    bytes: 8GiB\n"),
+        Some(8 << 30)
+    );
+    assert_eq!(
+        delta_disk("optimize:\n  memory: 32MiB\n  disk:\n    bytes: 64MiB\n"),
+        Some(0)
+    );
+    assert_eq!(
+        delta_disk("optimize:\n  disk:\n    bytes: 8GiB\n    delta_bytes: 0\n"),
+        Some(0)
+    );
+    assert_eq!(
+        delta_disk("optimize:\n  delta_memory: off\n  disk:\n    bytes: 8GiB\n"),
+        Some(0)
+    );
+    // On its own: a disk tier for the bases alone.
+    assert_eq!(
+        delta_disk("optimize:\n  disk:\n    delta_bytes: 2GiB\n"),
+        Some(2 << 30)
+    );
+    for bad in [
+        "optimize:\n  disk:\n    delta_bytes: 1MiB\n",
+        "optimize:\n  disk:\n    delta_bytes: 300MiB\n",
+        "optimize:\n  disk:\n    delta_bytes: lots\n",
+        "optimize:\n  delta_memory: off\n  disk:\n    delta_bytes: 2GiB\n",
+    ] {
+        assert_eq!(field_err(bad), "optimize.disk.delta_bytes", "{bad}");
+    }
+    let c = parse("optimize:\n  disk:\n    bytes: 8GiB\n").expect("valid");
+    assert!(
+        c.describe().contains("delta_bytes: 8589934592"),
+        "{}",
+        c.describe()
+    );
+}
+
+#[test]
 fn the_disk_tier_is_checked_and_its_key_read() {
     let c = parse("").expect("valid");
     assert!(c.optimize.disk.is_none() && c.optimize.codec.disk_bytes == 0);
