@@ -1058,6 +1058,29 @@ impl Decoder {
         out: &mut Vec<u8>,
         stream: &mut StreamContext,
     ) -> Result<usize, CodecError> {
+        self.decode_record_within(buf, out, stream, usize::MAX)
+    }
+
+    /// Like [`decode_record_in`](Self::decode_record_in), for a record that may rebuild at most
+    /// `room` bytes (what its frame announced and the records before it did not use): one whose
+    /// header says more is refused before a cached chunk is copied or anything decompressed,
+    /// so a frame of references cannot make the receiver expand it beyond what it paid for.
+    pub fn decode_record_within(
+        &mut self,
+        buf: &[u8],
+        out: &mut Vec<u8>,
+        stream: &mut StreamContext,
+        room: usize,
+    ) -> Result<usize, CodecError> {
+        let fits = |n: usize| {
+            if n > room {
+                Err(CodecError::Malformed(
+                    "record rebuilds more than its frame announced",
+                ))
+            } else {
+                Ok(())
+            }
+        };
         let Some(&first) = buf.first() else {
             return Err(CodecError::Incomplete);
         };
@@ -1090,6 +1113,7 @@ impl Decoder {
         match tag {
             TAG_RAW => {
                 let (len, h) = get_len(buf, 1)?;
+                fits(len)?;
                 let at = 1 + h;
                 need(at + len)?;
                 out.extend_from_slice(&buf[at..at + len]);
@@ -1100,6 +1124,7 @@ impl Decoder {
                 let mut f = [0u8; 16];
                 f.copy_from_slice(&buf[1..17]);
                 let (len, h) = get_len(buf, 17)?;
+                fits(len)?;
                 let chunk = match self.cache.lookup(&f) {
                     cache::Lookup::Hit(c) => c,
                     cache::Lookup::Miss => return Err(CodecError::Miss(f)),
@@ -1117,6 +1142,7 @@ impl Decoder {
             }
             TAG_LIT => {
                 let (len, h) = get_len(buf, 1)?;
+                fits(len)?;
                 let at = 1 + h;
                 need(at + len)?;
                 let chunk = &buf[at..at + len];
@@ -1130,6 +1156,7 @@ impl Decoder {
             }
             TAG_LIT_LZ4 | TAG_LIT_ZSTD | TAG_LIT_CONTEXT => {
                 let (raw_len, h1) = get_len(buf, 1)?;
+                fits(raw_len)?;
                 let (clen, h2) = get_len(buf, 1 + h1)?;
                 let at = 1 + h1 + h2;
                 need(at + clen)?;
@@ -1159,7 +1186,10 @@ impl Decoder {
                 }
                 Ok(at + clen)
             }
-            TAG_DELTA => self.decode_delta(buf, out),
+            TAG_DELTA => {
+                fits(get_len(buf, 1)?.0)?;
+                self.decode_delta(buf, out)
+            }
             _ => Err(CodecError::Malformed("unknown record")),
         }
     }

@@ -543,6 +543,63 @@ fn records_that_do_not_rebuild_reset_only_their_stream() {
     p.assert_no_leaks();
 }
 
+/// A frame that announces one byte and holds a thousand references to a cached chunk: the
+/// receiver refuses the first record that would rebuild more than the frame paid for, before it
+/// copies a byte of the chunk; only that stream is reset.
+#[test]
+fn a_reference_bomb_resets_its_stream_before_anything_is_expanded() {
+    let mut p = coded_pair(16 << 20, false);
+    let data = db_blocks(64, 3);
+    send_once(&mut p, "e-svc", Class::Bulk, &data);
+    // A real reference record to a chunk east now holds: the first record of a repeat.
+    let mut enc = wanopt_codec::Encoder::new(wanopt_codec::CodecConfig::default());
+    let mut wire = Vec::new();
+    enc.push(&data, true, wanopt_codec::Pressure::CpuBound, &mut wire);
+    wire.clear();
+    enc.push(&data, true, wanopt_codec::Pressure::CpuBound, &mut wire);
+    assert_eq!(wire[0], 3, "a reference");
+    let len = wire[17..]
+        .iter()
+        .position(|b| b & 0x80 == 0)
+        .expect("varint")
+        + 18;
+    let one = &wire[..len];
+    let bomb: Vec<u8> = one.iter().copied().cycle().take(len * 1000).collect();
+    let _ = counts(&mut p.east.link);
+    let id = p.west.link.open("e-svc", Class::Bulk).expect("open");
+    p.west.app.received.entry(id).or_default();
+    p.drive(Duration::from_secs(1));
+    let mut buf = BytesMut::new();
+    Frame::Coded {
+        stream: id,
+        offset: 0,
+        fin: false,
+        scoped: false,
+        raw_len: 1,
+        records: Bytes::from(bomb),
+    }
+    .encode(&mut buf);
+    p.east
+        .link
+        .handle_input_buf(&mut buf, p.now)
+        .expect("the link survives");
+    // Decoded as it arrived: what the decoder rebuilt for it.
+    let hits: u64 = p
+        .east
+        .link
+        .take_codec_counts()
+        .iter()
+        .map(|(_, c)| c.received.hit_chunks)
+        .sum();
+    p.drive(Duration::from_secs(1));
+    assert_eq!(hits, 0, "no reference was expanded");
+    assert!(p.east.app.resets.contains(&(id, ResetCode::DataLost)));
+    assert!(p.east.app.received.get(&id).is_none_or(Vec::is_empty));
+    assert!(p.east.link.is_open());
+    p.west.app.received.clear();
+    p.assert_no_leaks();
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(16))]
     /// Optimized streams of both classes, both ways, on one or two lanes, with repeats among

@@ -369,7 +369,11 @@ impl Contexts {
             let mut miss = None;
             let mut on_store = false;
             while !p.records.is_empty() {
-                match dec.decode_record_in(&p.records, &mut out, &mut rc.context) {
+                // Each record within what the frame announced (and paid credit for).
+                let room = usize::try_from(p.remaining)
+                    .unwrap_or(usize::MAX)
+                    .saturating_sub(out.len());
+                match dec.decode_record_within(&p.records, &mut out, &mut rc.context, room) {
                     Ok(n) => p.records.advance(n),
                     Err(CodecError::Miss(f)) => {
                         miss = Some((f, p.scoped));
