@@ -600,6 +600,106 @@ fn a_reference_bomb_resets_its_stream_before_anything_is_expanded() {
     p.assert_no_leaks();
 }
 
+/// West's stream `id` stalled at east on a reference to a chunk nobody sent (east asked west
+/// for it; the frames carrying the question are not delivered). East grants a 1 MiB link window.
+fn stalled_at_east() -> (Pair, StreamId) {
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        50_000_000,
+        |c| c.codec = Some(codec(1 << 20)),
+        |c| {
+            c.codec = Some(codec(1 << 20));
+            c.link_window = 1 << 20;
+        },
+    );
+    p.drive(Duration::from_secs(1));
+    let id = p.west.link.open("e-svc", Class::Bulk).expect("open");
+    p.drive(Duration::from_secs(1));
+    // A reference (tag 3) to 64 bytes under a fingerprint nobody has.
+    let mut records = vec![3u8];
+    records.extend([0x5a; 16]);
+    records.push(64);
+    let mut buf = BytesMut::new();
+    Frame::Coded {
+        stream: id,
+        offset: 0,
+        fin: false,
+        scoped: false,
+        raw_len: 64,
+        records: Bytes::from(records),
+    }
+    .encode(&mut buf);
+    p.east
+        .link
+        .handle_input_buf(&mut buf, p.now)
+        .expect("a miss is no error");
+    (p, id)
+}
+
+/// A peer that never answers our `Need` and keeps sending frames (most announce no bytes, so
+/// they cost no credit) cannot make us queue without bound: past twice the link window plus
+/// 8 MiB of frames behind stalled streams, the link closes.
+#[test]
+fn frames_behind_a_stall_the_peer_never_resolves_are_bounded() {
+    let (mut p, id) = stalled_at_east();
+    let junk = Bytes::from(vec![1u8; 16 << 10]);
+    let (mut offset, mut queued) = (64u64, 0usize);
+    let err = loop {
+        let raw_len = u32::from(queued % (1 << 20) == 0);
+        let mut buf = BytesMut::new();
+        Frame::Coded {
+            stream: id,
+            offset,
+            fin: false,
+            scoped: false,
+            raw_len,
+            records: junk.clone(),
+        }
+        .encode(&mut buf);
+        match p.east.link.handle_input_buf(&mut buf, p.now) {
+            Ok(()) => {
+                offset += u64::from(raw_len);
+                queued += junk.len();
+                assert!(queued <= (2 << 20) + (8 << 20), "queued {queued} bytes");
+            }
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        matches!(err, LinkError::Protocol(ref m) if m.contains("stalled")),
+        "{err:?}"
+    );
+    assert!(queued > 8 << 20, "an honest backlog fits: {queued}");
+}
+
+/// A stall the peer never resolves resets its stream after the link's idle timeout (the peer
+/// keeps the link itself alive), and the link goes on.
+#[test]
+fn a_stall_the_peer_never_resolves_times_out() {
+    let (mut p, id) = stalled_at_east();
+    let start = p.now;
+    let mut reset = None;
+    for s in 1..=40u64 {
+        let now = start + Duration::from_secs(s);
+        let mut buf = BytesMut::new();
+        Frame::Ping { payload: s }.encode(&mut buf);
+        p.east.link.handle_input_buf(&mut buf, now).expect("ping");
+        p.east.link.handle_timeout(now);
+        while let Some(ev) = p.east.link.poll_event() {
+            if let Event::Reset { stream, code, .. } = ev
+                && stream == id
+            {
+                reset.get_or_insert((s, code));
+            }
+        }
+    }
+    let (after, code) = reset.expect("the stalled stream was reset");
+    assert_eq!(code, ResetCode::DataLost);
+    assert!((30..=32).contains(&after), "after {after} s");
+    assert_eq!(p.east.link.stalls_expired(), 1);
+    assert!(p.east.link.is_open());
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(16))]
     /// Optimized streams of both classes, both ways, on one or two lanes, with repeats among

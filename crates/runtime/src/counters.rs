@@ -322,6 +322,7 @@ pub struct CodecMetrics {
     cache_chunks: Family<CacheLabel, Gauge>,
     cache_evictions: Family<CacheLabel, Gauge>,
     cache_unreadable: Family<CacheLabel, Gauge>,
+    stall_timeouts: Counter,
 }
 
 impl CodecMetrics {
@@ -353,6 +354,11 @@ impl CodecMetrics {
              references), delta (chunks sent as deltas against similar ones the peer holds), \
              compression (literals)",
             m.saved.clone(),
+        );
+        r.register(
+            "wanopt_stall_timeouts",
+            "Streams reset because a chunk they waited for (asked of the peer, or read from our disk tier) did not come within the link's idle timeout",
+            m.stall_timeouts.clone(),
         );
         r.register(
             "wanopt_dedup_resends",
@@ -453,6 +459,13 @@ impl CodecMetrics {
                     })
                     .inc_by(n);
             }
+        }
+    }
+
+    /// Counts streams whose stall timed out (`n` more since the last call).
+    pub fn stall_timeouts(&self, n: u64) {
+        if n > 0 {
+            self.stall_timeouts.inc_by(n);
         }
     }
 

@@ -372,8 +372,10 @@ pub(crate) async fn run_lane<S>(
     }
 }
 
-/// Samples `TCP_INFO` of the link's sockets into the metrics every two seconds.
+/// Samples `TCP_INFO` of the link's sockets, its caches and its stall timeouts into the metrics
+/// every two seconds.
 async fn sample_sockets(h: Arc<LinkHandle>) {
+    let mut stalls = 0;
     loop {
         {
             // The lock keeps a lane's descriptor from being cleared and closed during the read.
@@ -384,8 +386,16 @@ async fn sample_sockets(h: Arc<LinkHandle>) {
                 }
             }
         }
-        let caches = lock(&h.inner).link.cache_stats();
+        let (caches, expired) = {
+            let g = lock(&h.inner);
+            (g.link.cache_stats(), g.link.stalls_expired())
+        };
         h.ctx.counters.codec.record_caches(&caches);
+        h.ctx
+            .counters
+            .codec
+            .stall_timeouts(expired.saturating_sub(stalls));
+        stalls = expired;
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
 }

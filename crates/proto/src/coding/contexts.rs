@@ -408,6 +408,7 @@ impl Contexts {
                 // A chunk on our disk tier is being read: the stream waits for our store, not
                 // the peer.
                 rc.stall = Some(m);
+                rc.stalls += 1;
                 rc.on_store = on_store;
                 if !on_store {
                     got.need = Some(m);

@@ -24,7 +24,7 @@ pub use wanopt_codec::{Compression, DecodeStats, EncodeStats, LongContext, Press
 use self::contexts::Contexts;
 pub(crate) use self::emit::SendCoder;
 use self::emit::{Limits, RAW_TURN};
-pub(crate) use self::recv::{Decoded, RecvCoded};
+pub(crate) use self::recv::{Decoded, FRAME_COST, RecvCoded};
 use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Class, Frame, StreamId};
 use crate::lane::{CAP_CONTEXT, LATENCY_LANE};

@@ -28,7 +28,14 @@ pub(crate) struct RecvCoded {
     pub stall: Option<(Fingerprint, bool)>,
     /// The stall waits for our disk tier's store to read the chunk (else for the peer's answer).
     pub on_store: bool,
+    /// Stalls so far, and the one the link's stall timer watches with when it first saw it.
+    pub stalls: u64,
+    pub watched: Option<(u64, std::time::Instant)>,
 }
+
+/// What a queued frame costs beyond its records (its bookkeeping, and the buffer a small frame
+/// may hold on to), so that a flood of empty frames is charged too.
+pub(crate) const FRAME_COST: usize = 256;
 
 impl RecvCoded {
     pub fn push(&mut self, records: Bytes, raw_len: u32, fin: bool, scoped: bool) {
@@ -48,6 +55,14 @@ impl RecvCoded {
     /// Record bytes waiting.
     pub fn buffered(&self) -> usize {
         self.frames.iter().map(|p| p.records.len()).sum()
+    }
+
+    /// What the waiting frames cost in memory, as charged against the link's backlog.
+    pub fn cost(&self) -> usize {
+        self.frames
+            .iter()
+            .map(|p| p.records.len() + FRAME_COST)
+            .sum()
     }
 }
 

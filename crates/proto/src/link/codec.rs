@@ -10,9 +10,12 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::{Event, Link};
-use crate::coding::{Fingerprint, Role};
+use crate::coding::{FRAME_COST, Fingerprint, Role};
 use crate::error::LinkError;
 use crate::frame::{Frame, ResetCode, StreamId};
+
+/// Bytes of frames behind stalled streams allowed beyond twice the link window.
+const STALL_BACKLOG_SLACK: usize = 8 << 20;
 
 impl Link {
     /// Optimized stream bytes: charged to credit by their raw length, then decoded in arrival
@@ -39,6 +42,24 @@ impl Link {
             if !scoped {
                 self.coding.decode_orphan(lane, records, raw_len, fin);
             }
+            return Ok(());
+        };
+        // Behind a stall, frames wait: what they may hold is bounded for the whole link.
+        if s.recv.coded.as_ref().is_some_and(|rc| rc.stall.is_some()) {
+            let backlog: usize = self
+                .streams
+                .map
+                .values()
+                .filter_map(|s| s.recv.coded.as_ref().map(|rc| rc.cost()))
+                .sum();
+            let limit = self.stall_backlog_limit();
+            if backlog + records.len() + FRAME_COST > limit {
+                return Err(LinkError::Protocol(format!(
+                    "more than {limit} bytes of frames behind stalled streams"
+                )));
+            }
+        }
+        let Some(s) = self.streams.get_mut(&id) else {
             return Ok(());
         };
         s.recv
@@ -87,6 +108,49 @@ impl Link {
             ),
         }
         self.retry_checkpoints();
+    }
+
+    /// The most bytes of frames the link keeps behind stalled streams: twice the link window we
+    /// grant (an honest peer sends at most that much, records no larger than their raw bytes,
+    /// while a stream waits one round trip for a chunk), plus room for small frames.
+    pub(super) fn stall_backlog_limit(&self) -> usize {
+        usize::try_from(self.cfg.link_window)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(2)
+            .saturating_add(STALL_BACKLOG_SLACK)
+    }
+
+    /// Streams stalled on the same chunk for the link's idle timeout are reset: a peer that
+    /// never answers our request (or a disk that never reads) cannot hold a stream, and what
+    /// queued behind it, for ever. Called about once a second.
+    pub(super) fn sweep_stalls(&mut self, now: std::time::Instant) {
+        let timeout = self.cfg.idle_timeout;
+        let mut expired = Vec::new();
+        for (id, s) in self.streams.map.iter_mut() {
+            let Some(rc) = s.recv.coded.as_mut() else {
+                continue;
+            };
+            if rc.stall.is_none() {
+                rc.watched = None;
+                continue;
+            }
+            match rc.watched {
+                Some((n, since)) if n == rc.stalls => {
+                    if now.saturating_duration_since(since) >= timeout {
+                        expired.push(*id);
+                    }
+                }
+                _ => rc.watched = Some((rc.stalls, now)),
+            }
+        }
+        for id in expired {
+            self.stalls_expired += 1;
+            self.fail_stream(
+                id,
+                ResetCode::DataLost,
+                format!("a missing chunk did not arrive within {timeout:?}"),
+            );
+        }
     }
 
     /// Our disk tier's store read chunks that streams were waiting for: those streams decode

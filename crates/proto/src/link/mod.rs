@@ -212,7 +212,12 @@ pub struct Link {
     /// The peer's checkpoints that wait for a stalled stream of their lane (lane, scope,
     /// digest): at most one per cache we have.
     deferred_checkpoints: Vec<(usize, String, wanopt_codec::cache::Fingerprint)>,
+    /// Streams reset because a chunk they waited for did not come in time.
+    stalls_expired: u64,
 }
+
+/// How often stalled streams are checked against the stall timeout (the link's idle timeout).
+const STALL_SWEEP: Duration = Duration::from_secs(1);
 
 impl Link {
     /// A new link; its hello is queued as the first frame to transmit.
@@ -237,6 +242,7 @@ impl Link {
             ctrl: [VecDeque::from([Frame::Hello(hello)]), VecDeque::new()],
             events: VecDeque::new(),
             inbuf: BytesMut::new(),
+            stalls_expired: 0,
             lane_attached: false,
             wire: HashMap::new(),
             link_wire_out: 0,
@@ -280,6 +286,12 @@ impl Link {
     /// Drains the per-service codec counts accumulated since the last call.
     pub fn take_codec_counts(&mut self) -> Vec<(Arc<str>, CodecCount)> {
         self.coding.take_counts()
+    }
+
+    /// Streams reset so far because a chunk they waited for did not arrive within the link's
+    /// idle timeout.
+    pub fn stalls_expired(&self) -> u64 {
+        self.stalls_expired
     }
 
     /// Size and evictions of every chunk cache of the link.
@@ -568,6 +580,11 @@ impl Link {
                 k.sent = Some((k.seq, now));
             }
             self.timers.set(Timer::Ping, now + self.cfg.keepalive);
+        }
+        self.timers.get_or_set(Timer::Stalls, now + STALL_SWEEP);
+        if self.timers.expired(Timer::Stalls, now) {
+            self.sweep_stalls(now);
+            self.timers.set(Timer::Stalls, now + STALL_SWEEP);
         }
         if self.cfg.cache_storage.is_some() && self.state != State::Handshake {
             let every = self.cfg.checkpoint_interval;

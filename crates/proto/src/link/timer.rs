@@ -12,16 +12,19 @@ pub(super) enum Timer {
     Ping,
     /// Changed caches are checkpointed (with cache storage).
     Checkpoint,
+    /// Streams stalled on a missing chunk are checked against the stall timeout.
+    Stalls,
 }
 
 impl Timer {
-    const COUNT: usize = 3;
+    const COUNT: usize = 4;
 
     fn index(self) -> usize {
         match self {
             Timer::Idle => 0,
             Timer::Ping => 1,
             Timer::Checkpoint => 2,
+            Timer::Stalls => 3,
         }
     }
 }
