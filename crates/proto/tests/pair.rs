@@ -326,3 +326,44 @@ fn lane_input_before_attach_is_a_protocol_error() {
 }
 
 // ---- The optimization codec on the link ----
+
+/// A peer that pings without reading the pongs: past `MAX_QUEUED_CONTROL` queued replies the
+/// link takes no more input (the rest waits in the read buffer, so TCP pushes back on the
+/// peer), and takes it again once the replies are out.
+#[test]
+fn a_ping_flood_that_reads_nothing_stops_our_reading() {
+    let mut p = up_pair();
+    let flood = wanopt_proto::MAX_QUEUED_CONTROL + 5000;
+    let mut buf = BytesMut::new();
+    for i in 0..flood as u64 {
+        Frame::Ping { payload: i }.encode(&mut buf);
+    }
+    let frame = buf.len() / flood;
+    p.east
+        .link
+        .handle_input_buf(&mut buf, p.now)
+        .expect("pings");
+    assert!(p.east.link.replies_backed_up());
+    // Whole frames wait unread: the replies queued stop at the bound.
+    let waiting = buf.len() / frame;
+    assert!(waiting >= 4000, "{waiting} pings wait");
+    p.east
+        .link
+        .handle_input_buf(&mut buf, p.now)
+        .expect("still paused");
+    assert_eq!(
+        buf.len() / frame,
+        waiting,
+        "nothing more is taken while paused"
+    );
+    // Once the pongs are out, the rest is read.
+    p.drive(Duration::from_secs(2));
+    assert!(!p.east.link.replies_backed_up());
+    p.east
+        .link
+        .handle_input_buf(&mut buf, p.now)
+        .expect("the rest");
+    assert!(buf.is_empty());
+    assert!(p.east.link.is_open() && p.west.link.is_open());
+    p.assert_no_leaks();
+}

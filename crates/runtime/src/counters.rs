@@ -148,6 +148,7 @@ pub struct LinkCounters {
     pub wire_out: Counter,
     pub wire_in: Counter,
     pub unknown_service: Counter,
+    pub input_paused: Counter,
     pub up: Gauge,
     pub lanes: Gauge,
     pub zstd_level: Gauge,
@@ -185,6 +186,11 @@ impl LinkCounters {
             "wanopt_link_unknown_service",
             "Streams the peer opened for a service this side does not have",
             m.unknown_service.clone(),
+        );
+        r.register(
+            "wanopt_link_input_paused",
+            "Times the link stopped reading because the peer did not read the control frames it caused (pongs, resets, window updates)",
+            m.input_paused.clone(),
         );
         r.register(
             "wanopt_link_up",

@@ -489,6 +489,14 @@ async fn read_link<R: AsyncRead + Unpin>(
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             pending = true;
+        } else if h.with(|l| l.replies_backed_up()) {
+            // The peer does not read what it makes us answer: read no more until the writer
+            // has sent it (the peer's own writes then wait in TCP).
+            counters.link.input_paused.inc();
+            while h.with(|l| l.replies_backed_up() && !l.is_closed()) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            pending = true;
         }
     }
 }

@@ -53,6 +53,11 @@ impl Link {
                 // Frames past the hello may use a resumed cache: they wait in `buf`.
                 return Ok(());
             }
+            if self.replies_backed_up() {
+                // A peer that sends what needs answers but does not read them: read no more
+                // until they are out (see `replies_backed_up`).
+                return Ok(());
+            }
             let max = if self.state == State::Handshake {
                 // Before the hello, only a hello-sized frame is acceptable (its cache offers
                 // included).

@@ -218,6 +218,9 @@ pub struct Link {
 
 /// How often stalled streams are checked against the stall timeout (the link's idle timeout).
 const STALL_SWEEP: Duration = Duration::from_secs(1);
+/// Control frames queued (both lanes) beyond which input waits: pongs, resets and window
+/// updates a peer causes but does not read cannot pile up.
+pub const MAX_QUEUED_CONTROL: usize = 16 * 1024;
 
 impl Link {
     /// A new link; its hello is queued as the first frame to transmit.
@@ -286,6 +289,13 @@ impl Link {
     /// Drains the per-service codec counts accumulated since the last call.
     pub fn take_codec_counts(&mut self) -> Vec<(Arc<str>, CodecCount)> {
         self.coding.take_counts()
+    }
+
+    /// True while so many control frames wait to be sent ([`MAX_QUEUED_CONTROL`]) that input
+    /// is not taken: the runtime stops reading until the writer has sent them, and what arrived
+    /// waits in its buffer.
+    pub fn replies_backed_up(&self) -> bool {
+        self.ctrl.iter().map(VecDeque::len).sum::<usize>() >= MAX_QUEUED_CONTROL
     }
 
     /// Streams reset so far because a chunk they waited for did not arrive within the link's
