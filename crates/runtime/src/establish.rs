@@ -100,8 +100,8 @@ async fn accept_link(peer: Arc<Peer>, tcp: TcpStream, addr: SocketAddr) {
     }
 }
 
-/// Reads the first frame of a new connection (a hello) with a deadline; returns the buffer, which
-/// still holds the frame, and the frame's length.
+/// Reads the first frame of a new connection (a hello, after TLS authenticated the peer) with a
+/// deadline; returns the buffer, which still holds the frame, and the frame's length.
 async fn read_first_frame<R: AsyncRead + Unpin>(
     rd: &mut R,
     deadline: Duration,
@@ -109,7 +109,9 @@ async fn read_first_frame<R: AsyncRead + Unpin>(
     let mut buf = BytesMut::with_capacity(4096);
     let end = tokio::time::Instant::now() + deadline;
     loop {
-        match Frame::check(&buf, 4096) {
+        // The link's own limit: a hello that offers many saved caches is larger than a
+        // read's worth, and a smaller limit here would refuse every reconnect of such a peer.
+        match Frame::check(&buf, wanopt_proto::HELLO_MAX) {
             Ok(n) => {
                 let f = Frame::parse(bytes::Bytes::copy_from_slice(&buf[..n]))
                     .map_err(|e| e.to_string())?;
@@ -294,4 +296,38 @@ async fn dial(
         .map_err(|_| format!("TLS handshake with {addr}: timed out"))?
         .map_err(|e| format!("TLS handshake with {addr}: {e}"))?;
     Ok((tls, addr))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// A first frame larger than a read's worth (a hello offering many saved caches) is read
+    /// whole, up to the link's own hello limit; beyond it the connection is refused.
+    #[tokio::test]
+    async fn the_first_frame_may_be_as_large_as_the_link_accepts_a_hello() {
+        for (len, ok) in [
+            (20_000usize, true),
+            (wanopt_proto::HELLO_MAX as usize + 1, false),
+        ] {
+            let mut frame = BytesMut::new();
+            Frame::Data {
+                stream: wanopt_proto::frame::StreamId(1),
+                offset: 0,
+                fin: false,
+                data: bytes::Bytes::from(vec![7u8; len]),
+            }
+            .encode(&mut frame);
+            let (mut a, mut b) = tokio::io::duplex(1 << 20);
+            let writer = tokio::spawn(async move {
+                let _ = a.write_all(&frame).await;
+                a
+            });
+            let r = read_first_frame(&mut b, Duration::from_secs(5)).await;
+            assert_eq!(r.is_ok(), ok, "{len}: {:?}", r.err());
+            drop(b);
+            let _ = writer.await;
+        }
+    }
 }

@@ -17,7 +17,7 @@ pub const VERSION: u16 = 1;
 pub const MIN_VERSION: u16 = 1;
 
 /// Largest hello accepted: room for the most cache offers with the longest names.
-pub(super) const HELLO_MAX: u32 = 256 * 1024;
+pub const HELLO_MAX: u32 = 256 * 1024;
 
 /// Our hello, with the saved cache states we offer.
 pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>) -> Hello {

@@ -30,7 +30,7 @@ use crate::lane::{CAP_LATENCY_LANE, LANES, LATENCY_LANE, MAIN_LANE};
 use wanopt_codec::cache::Snapshot;
 
 use hello::PeerParams;
-pub use hello::{MIN_VERSION, VERSION};
+pub use hello::{HELLO_MAX, MIN_VERSION, VERSION};
 use streams::{RecvHalf, SendHalf, Stream, Streams};
 use timer::{Timer, TimerTable};
 
