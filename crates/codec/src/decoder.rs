@@ -1,0 +1,266 @@
+//! The receiving side of one direction: a [`Decoder`] rebuilds records into bytes against its
+//! cache, checking every length against what the record and its frame announced before it
+//! allocates, copies or decompresses.
+
+use super::{
+    CodecConfig, CodecError, FRESH, LONG, LongContext, MAX_RECORD, NO_CACHE, Slots, StreamContext,
+    TAG_DELTA, TAG_LIT, TAG_LIT_CONTEXT, TAG_LIT_LZ4, TAG_LIT_ZSTD, TAG_RAW, TAG_REF, cache, delta,
+    get_len,
+};
+use crate::cache::{ChunkCache, Fingerprint, fingerprint};
+
+/// What a decoder rebuilt: chunks found in its cache (hits) and chunks that came as data.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DecodeStats {
+    pub hit_chunks: u64,
+    pub hit_bytes: u64,
+    pub lit_chunks: u64,
+    pub lit_bytes: u64,
+    pub delta_chunks: u64,
+    pub delta_bytes: u64,
+}
+
+/// One direction's decoder with its cache.
+pub struct Decoder {
+    pub(crate) cache: ChunkCache,
+    pub(crate) dedup: bool,
+    pub(crate) zstd: Option<zstd::bulk::Decompressor<'static>>,
+    pub(crate) stats: DecodeStats,
+    pub(crate) contexts: Slots,
+    /// The long contexts we accept (the link's count of them shared in the `Slots`).
+    pub(crate) long: Option<(LongContext, Slots)>,
+    /// The context of [`Decoder::decode_record`]'s one stream.
+    pub(crate) own: StreamContext,
+    pub(crate) delta: delta::RecvScratch,
+}
+
+impl Decoder {
+    pub fn new(cfg: &CodecConfig) -> Self {
+        let mut d = Self::with_capacity(cfg.cache_bytes, cfg.dedup);
+        d.set_long_context(cfg.long, Slots::default());
+        d
+    }
+
+    /// A decoder whose cache holds `cache_bytes`; without `dedup` nothing is cached.
+    pub fn with_capacity(cache_bytes: usize, dedup: bool) -> Self {
+        Self::with_cache(ChunkCache::new(cache_bytes), dedup)
+    }
+
+    /// A decoder using `cache` (a two-tier one, or one restored from a snapshot).
+    pub fn with_cache(cache: ChunkCache, dedup: bool) -> Self {
+        Decoder {
+            cache,
+            dedup,
+            zstd: zstd::bulk::Decompressor::new().ok(),
+            stats: DecodeStats::default(),
+            contexts: Slots::default(),
+            long: None,
+            own: StreamContext::default(),
+            delta: delta::RecvScratch::default(),
+        }
+    }
+
+    /// Accepts long contexts of at most `long`'s window, and twice its streams at once (counted
+    /// in `slots`, shared by the link's decoders): the sender gives a context back when its
+    /// stream ends, which may be before we have read that stream's last record. `None` refuses
+    /// them: a record asking for one is malformed.
+    pub fn set_long_context(&mut self, long: Option<LongContext>, slots: Slots) {
+        self.long = long.map(|l| (l, slots));
+    }
+
+    /// Stream contexts in use.
+    pub fn contexts(&self) -> usize {
+        self.contexts.in_use()
+    }
+
+    /// Counts of what was rebuilt so far.
+    pub fn stats(&self) -> DecodeStats {
+        self.stats
+    }
+
+    pub fn cache(&self) -> &ChunkCache {
+        &self.cache
+    }
+
+    /// Test hook: the cache, to damage it.
+    #[doc(hidden)]
+    pub fn cache_mut(&mut self) -> &mut ChunkCache {
+        &mut self.cache
+    }
+
+    /// Adds a chunk the peer re-sent after a miss; false (and nothing added) unless it matches
+    /// its fingerprint.
+    pub fn insert_verified(&mut self, f: Fingerprint, data: &[u8]) -> bool {
+        if data.len() > MAX_RECORD || fingerprint(data) != f {
+            return false;
+        }
+        self.cache.insert(f, data.to_vec());
+        true
+    }
+
+    /// Decodes the first whole record of `buf` of a decoder used by one stream (its context is
+    /// the decoder's own); see [`Decoder::decode_record_in`].
+    pub fn decode_record(&mut self, buf: &[u8], out: &mut Vec<u8>) -> Result<usize, CodecError> {
+        let mut own = std::mem::take(&mut self.own);
+        let r = self.decode_record_in(buf, out, &mut own);
+        self.own = own;
+        r
+    }
+
+    /// Decodes the first whole record of `buf`, a record of the stream whose zstd context is
+    /// `stream`, appending its bytes to `out`; returns how many input bytes it used. Lengths
+    /// are checked before anything is allocated. On a miss nothing is used or appended.
+    pub fn decode_record_in(
+        &mut self,
+        buf: &[u8],
+        out: &mut Vec<u8>,
+        stream: &mut StreamContext,
+    ) -> Result<usize, CodecError> {
+        self.decode_record_within(buf, out, stream, usize::MAX)
+    }
+
+    /// Like [`decode_record_in`](Self::decode_record_in), for a record that may rebuild at most
+    /// `room` bytes (what its frame announced and the records before it did not use): one whose
+    /// header says more is refused before a cached chunk is copied or anything decompressed,
+    /// so a frame of references cannot make the receiver expand it beyond what it paid for.
+    pub fn decode_record_within(
+        &mut self,
+        buf: &[u8],
+        out: &mut Vec<u8>,
+        stream: &mut StreamContext,
+        room: usize,
+    ) -> Result<usize, CodecError> {
+        let fits = |n: usize| {
+            if n > room {
+                Err(CodecError::Malformed(
+                    "record rebuilds more than its frame announced",
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        let Some(&first) = buf.first() else {
+            return Err(CodecError::Incomplete);
+        };
+        let (tag, cache, fresh) = match first {
+            TAG_LIT | TAG_LIT_LZ4 | TAG_LIT_ZSTD | TAG_LIT_CONTEXT => (first, self.dedup, false),
+            t if t & NO_CACHE != 0
+                && matches!(t & !NO_CACHE, TAG_LIT | TAG_LIT_LZ4 | TAG_LIT_ZSTD) =>
+            {
+                (t & !NO_CACHE, false, false)
+            }
+            t if t & !(NO_CACHE | FRESH | LONG) == TAG_LIT_CONTEXT
+                && (t & LONG == 0 || t & FRESH != 0) =>
+            {
+                (
+                    TAG_LIT_CONTEXT,
+                    self.dedup && t & NO_CACHE == 0,
+                    t & FRESH != 0,
+                )
+            }
+            t => (t, false, false),
+        };
+        let need = |n: usize| {
+            if buf.len() < n {
+                Err(CodecError::Incomplete)
+            } else {
+                Ok(())
+            }
+        };
+
+        match tag {
+            TAG_RAW => {
+                let (len, h) = get_len(buf, 1)?;
+                fits(len)?;
+                let at = 1 + h;
+                need(at + len)?;
+                out.extend_from_slice(&buf[at..at + len]);
+                Ok(at + len)
+            }
+            TAG_REF => {
+                need(17)?;
+                let mut f = [0u8; 16];
+                f.copy_from_slice(&buf[1..17]);
+                let (len, h) = get_len(buf, 17)?;
+                fits(len)?;
+                let chunk = match self.cache.lookup(&f) {
+                    cache::Lookup::Hit(c) => c,
+                    cache::Lookup::Miss => return Err(CodecError::Miss(f)),
+                    cache::Lookup::Pending => return Err(CodecError::Pending(f)),
+                };
+                if chunk.len() != len {
+                    return Err(CodecError::Malformed(
+                        "reference length differs from the chunk",
+                    ));
+                }
+                out.extend_from_slice(chunk);
+                self.stats.hit_chunks += 1;
+                self.stats.hit_bytes += len as u64;
+                Ok(17 + h)
+            }
+            TAG_LIT => {
+                let (len, h) = get_len(buf, 1)?;
+                fits(len)?;
+                let at = 1 + h;
+                need(at + len)?;
+                let chunk = &buf[at..at + len];
+                out.extend_from_slice(chunk);
+                self.stats.lit_chunks += 1;
+                self.stats.lit_bytes += len as u64;
+                if cache {
+                    self.cache.insert(fingerprint(chunk), chunk.to_vec());
+                }
+                Ok(at + len)
+            }
+            TAG_LIT_LZ4 | TAG_LIT_ZSTD | TAG_LIT_CONTEXT => {
+                let (raw_len, h1) = get_len(buf, 1)?;
+                fits(raw_len)?;
+                let (clen, h2) = get_len(buf, 1 + h1)?;
+                let at = 1 + h1 + h2;
+                need(at + clen)?;
+                let payload = &buf[at..at + clen];
+                // Decompression is bounded by the announced size: a bomb is an error.
+                let chunk = if tag == TAG_LIT_CONTEXT {
+                    let long = first & LONG != 0;
+                    self.decompress_in_context(payload, raw_len, fresh.then_some(long), stream)?
+                } else if tag == TAG_LIT_LZ4 {
+                    lz4_flex::block::decompress(payload, raw_len)
+                        .map_err(|_| CodecError::Decompress)?
+                } else {
+                    self.zstd
+                        .as_mut()
+                        .ok_or(CodecError::Decompress)?
+                        .decompress(payload, raw_len)
+                        .map_err(|_| CodecError::Decompress)?
+                };
+                if chunk.len() != raw_len {
+                    return Err(CodecError::Decompress);
+                }
+                out.extend_from_slice(&chunk);
+                self.stats.lit_chunks += 1;
+                self.stats.lit_bytes += raw_len as u64;
+                if cache {
+                    self.cache.insert(fingerprint(&chunk), chunk);
+                }
+                Ok(at + clen)
+            }
+            TAG_DELTA => {
+                fits(get_len(buf, 1)?.0)?;
+                self.decode_delta(buf, out)
+            }
+            _ => Err(CodecError::Malformed("unknown record")),
+        }
+    }
+
+    /// Decodes every whole record at the front of `buf`; returns the bytes used.
+    pub fn decode(&mut self, buf: &[u8], out: &mut Vec<u8>) -> Result<usize, CodecError> {
+        let mut used = 0;
+        loop {
+            match self.decode_record(&buf[used..], out) {
+                Ok(n) => used += n,
+                Err(CodecError::Incomplete) => return Ok(used),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
