@@ -491,21 +491,32 @@ fn a_side_without_the_codec_gets_plain_frames() {
     p.assert_no_leaks();
 }
 
+/// A `Coded` frame of stream `id` (link-scoped, not the last), encoded as the peer sends it.
+fn coded_frame(id: StreamId, offset: u64, raw_len: u32, records: Bytes) -> BytesMut {
+    let mut buf = BytesMut::new();
+    Frame::Coded {
+        stream: id,
+        offset,
+        fin: false,
+        scoped: false,
+        raw_len,
+        records,
+    }
+    .encode(&mut buf);
+    buf
+}
+
 #[test]
 fn coded_frames_to_a_side_without_the_codec_close_the_link() {
     let mut p = up_pair();
     let id = p.west.link.open("e-svc", Class::Bulk).expect("open");
     p.drive(Duration::from_secs(1));
-    let mut buf = BytesMut::new();
-    Frame::Coded {
-        stream: id,
-        offset: 0,
-        fin: false,
-        scoped: false,
-        raw_len: 3,
-        records: Bytes::from_static(&[1, 0, 0, 0, 3, b'a', b'b', b'c']),
-    }
-    .encode(&mut buf);
+    let mut buf = coded_frame(
+        id,
+        0,
+        3,
+        Bytes::from_static(&[1, 0, 0, 0, 3, b'a', b'b', b'c']),
+    );
     let r = p.east.link.handle_input_buf(&mut buf, p.now);
     assert!(matches!(r, Err(LinkError::Protocol(_))), "{r:?}");
 }
@@ -517,16 +528,12 @@ fn records_that_do_not_rebuild_reset_only_their_stream() {
     p.west.app.received.entry(id).or_default();
     p.drive(Duration::from_secs(1));
     // Announces 10 bytes but carries 3; then a reference to a chunk nobody sent.
-    let mut buf = BytesMut::new();
-    Frame::Coded {
-        stream: id,
-        offset: 0,
-        fin: false,
-        scoped: false,
-        raw_len: 10,
-        records: Bytes::from_static(&[1, 0, 0, 0, 3, b'a', b'b', b'c']),
-    }
-    .encode(&mut buf);
+    let mut buf = coded_frame(
+        id,
+        0,
+        10,
+        Bytes::from_static(&[1, 0, 0, 0, 3, b'a', b'b', b'c']),
+    );
     p.east
         .link
         .handle_input_buf(&mut buf, p.now)
@@ -569,16 +576,7 @@ fn a_reference_bomb_resets_its_stream_before_anything_is_expanded() {
     let id = p.west.link.open("e-svc", Class::Bulk).expect("open");
     p.west.app.received.entry(id).or_default();
     p.drive(Duration::from_secs(1));
-    let mut buf = BytesMut::new();
-    Frame::Coded {
-        stream: id,
-        offset: 0,
-        fin: false,
-        scoped: false,
-        raw_len: 1,
-        records: Bytes::from(bomb),
-    }
-    .encode(&mut buf);
+    let mut buf = coded_frame(id, 0, 1, Bytes::from(bomb));
     p.east
         .link
         .handle_input_buf(&mut buf, p.now)
@@ -619,16 +617,7 @@ fn stalled_at_east() -> (Pair, StreamId) {
     let mut records = vec![3u8];
     records.extend([0x5a; 16]);
     records.push(64);
-    let mut buf = BytesMut::new();
-    Frame::Coded {
-        stream: id,
-        offset: 0,
-        fin: false,
-        scoped: false,
-        raw_len: 64,
-        records: Bytes::from(records),
-    }
-    .encode(&mut buf);
+    let mut buf = coded_frame(id, 0, 64, Bytes::from(records));
     p.east
         .link
         .handle_input_buf(&mut buf, p.now)
@@ -646,16 +635,7 @@ fn frames_behind_a_stall_the_peer_never_resolves_are_bounded() {
     let (mut offset, mut queued) = (64u64, 0usize);
     let err = loop {
         let raw_len = u32::from(queued % (1 << 20) == 0);
-        let mut buf = BytesMut::new();
-        Frame::Coded {
-            stream: id,
-            offset,
-            fin: false,
-            scoped: false,
-            raw_len,
-            records: junk.clone(),
-        }
-        .encode(&mut buf);
+        let mut buf = coded_frame(id, offset, raw_len, junk.clone());
         match p.east.link.handle_input_buf(&mut buf, p.now) {
             Ok(()) => {
                 offset += u64::from(raw_len);
