@@ -149,6 +149,8 @@ pub struct LinkCounters {
     pub wire_in: Counter,
     pub unknown_service: Counter,
     pub input_paused: Counter,
+    pub handshakes_evicted: Counter,
+    pub handshakes_pending: Gauge,
     pub up: Gauge,
     pub lanes: Gauge,
     pub zstd_level: Gauge,
@@ -191,6 +193,16 @@ impl LinkCounters {
             "wanopt_link_input_paused",
             "Times the link stopped reading because the peer did not read the control frames it caused (pongs, resets, window updates)",
             m.input_paused.clone(),
+        );
+        r.register(
+            "wanopt_link_handshakes_evicted",
+            "Unauthenticated link connections dropped for a newer one (limits.max_handshakes, limits.handshakes_per_source)",
+            m.handshakes_evicted.clone(),
+        );
+        r.register(
+            "wanopt_link_handshakes_pending",
+            "Link connections still authenticating",
+            m.handshakes_pending.clone(),
         );
         r.register(
             "wanopt_link_up",

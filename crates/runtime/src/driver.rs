@@ -28,12 +28,11 @@ const TRANSMIT_BATCH: usize = 64 * 1024;
 /// Read size for local sockets and the link.
 pub(crate) const READ_CHUNK: usize = 64 * 1024;
 
-/// A link connection under TLS: reads are buffered, because rustls asks for at most 4 KiB at a
-/// time, which would cost three `recv` calls per 8 KiB record instead of one.
-pub(crate) type Wire = tokio::io::BufReader<TcpStream>;
+pub(crate) use crate::wire::Wire;
 
+/// A link connection before TLS: unbuffered until the peer is authenticated.
 pub(crate) fn wire(tcp: TcpStream) -> Wire {
-    tokio::io::BufReader::with_capacity(READ_CHUNK, tcp)
+    Wire::new(tcp)
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -18,6 +18,7 @@ use wanopt_proto::{Frame, FrameError};
 use crate::config::LinkRole;
 use crate::counters::add;
 use crate::driver::{self, LinkHandle, Wire, lock, wire};
+use crate::gate::{Gate, LogBudget, Ticket};
 use crate::peer::Peer;
 use crate::sockopt;
 use crate::tls;
@@ -44,40 +45,77 @@ pub(crate) async fn accept_loop(
     }
 }
 
-/// Accepts the peer's TLS connections (listening side).
+/// Accepts the peer's TLS connections (listening side), admitting a bounded number of them at a
+/// time until they have authenticated.
 pub(crate) async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
+    let gate = Arc::new(Gate::default());
     accept_loop(&listener, "link", |tcp, addr| {
-        tokio::spawn(accept_link(peer.clone(), tcp, addr));
+        let limits = &peer.cfg().limits;
+        let (ticket, evicted) =
+            gate.admit(addr.ip(), limits.max_handshakes, limits.handshakes_per_source);
+        if let Some(why) = evicted {
+            add(&peer.counters.link.handshakes_evicted, 1);
+            if let Some(suppressed) = EVICTIONS.take(Instant::now()) {
+                warn!(from = %addr, reason = ?why, suppressed, "too many link connections authenticating; dropped the oldest");
+            }
+        }
+        peer.counters.link.handshakes_pending.set(gate.pending() as i64);
+        let (peer, gate) = (peer.clone(), gate.clone());
+        tokio::spawn(async move {
+            accept_link(&peer, tcp, addr, ticket).await;
+            peer.counters.link.handshakes_pending.set(gate.pending() as i64);
+        });
         true
     })
     .await;
 }
 
+/// Failures before authentication are anyone's to cause: their log lines are rationed.
+static REJECTIONS: LogBudget = LogBudget::new(Duration::from_secs(10), 10);
+static EVICTIONS: LogBudget = LogBudget::new(Duration::from_secs(10), 1);
+
 fn reject(peer: &Peer, addr: SocketAddr, why: &str, error: &dyn std::fmt::Display) {
     add(&peer.counters.link.rejected, 1);
-    warn!(from = %addr, error = %error, "rejected link: {why}");
+    if let Some(suppressed) = REJECTIONS.take(Instant::now()) {
+        warn!(from = %addr, error = %error, suppressed, "rejected link: {why}");
+    }
 }
 
 /// Authenticates one incoming connection and runs it as a link or attaches it as a lane.
-async fn accept_link(peer: Arc<Peer>, tcp: TcpStream, addr: SocketAddr) {
-    let acceptor = tokio_rustls::TlsAcceptor::from(peer.tls().server);
+async fn accept_link(peer: &Arc<Peer>, tcp: TcpStream, addr: SocketAddr, ticket: Ticket) {
     let cfg = peer.cfg();
-    // Congestion control stays the listener's (the lane's) until the hello shows the role.
-    sockopt::tune_link_options(&socket2::SockRef::from(&tcp), &cfg.link);
-    let hs = tokio::time::timeout(cfg.limits.handshake_timeout, acceptor.accept(wire(tcp))).await;
-    let mut tls = match hs {
-        Ok(Ok(t)) => t,
-        Ok(Err(e)) => return reject(&peer, addr, "TLS handshake failed", &e),
-        Err(_) => return reject(&peer, addr, "TLS handshake timed out", &"timeout"),
+    let pre_auth = async {
+        let acceptor = tokio_rustls::TlsAcceptor::from(peer.tls().server);
+        // Congestion control stays the listener's (the lane's) until the hello shows the role.
+        sockopt::tune_link_options(&socket2::SockRef::from(&tcp), &cfg.link);
+        let hs =
+            tokio::time::timeout(cfg.limits.handshake_timeout, acceptor.accept(wire(tcp))).await;
+        let mut tls = match hs {
+            Ok(Ok(t)) => t,
+            Ok(Err(e)) => return Err(("TLS handshake failed", e.to_string())),
+            Err(_) => return Err(("TLS handshake timed out", "timeout".into())),
+        };
+        record_peer_expiry(peer, tls.get_ref().1.peer_certificates());
+        if let Err(e) = tls::check_peer_name(tls.get_ref().1.peer_certificates(), &cfg.link.peer) {
+            return Err(("wrong peer", e.to_string()));
+        }
+        // Authenticated: reads may now be buffered.
+        tls.get_mut().0.buffer(driver::READ_CHUNK);
+        match read_first_frame(&mut tls, cfg.limits.handshake_timeout).await {
+            Ok((buf, first, n)) => Ok((tls, buf, first, n)),
+            Err(e) => Err(("no valid hello", e)),
+        }
     };
-    record_peer_expiry(&peer, tls.get_ref().1.peer_certificates());
-    if let Err(e) = tls::check_peer_name(tls.get_ref().1.peer_certificates(), &cfg.link.peer) {
-        return reject(&peer, addr, "wrong peer", &e);
-    }
-    let (mut buf, first, n) = match read_first_frame(&mut tls, cfg.limits.handshake_timeout).await {
-        Ok(x) => x,
-        Err(e) => return reject(&peer, addr, "no valid hello", &e),
+    let (tls, mut buf, first, n) = tokio::select! {
+        r = pre_auth => match r {
+            Ok(x) => x,
+            Err((why, e)) => return reject(peer, addr, why, &e),
+        },
+        _ = ticket.evicted.notified() => {
+            return reject(peer, addr, "evicted while authenticating", &"a newer connection took its place");
+        }
     };
+    drop(ticket);
     let attach = match &first {
         Frame::Hello(h) => h.setting(wanopt_proto::frame::setting::ATTACH),
         _ => None,
@@ -95,7 +133,7 @@ async fn accept_link(peer: Arc<Peer>, tcp: TcpStream, addr: SocketAddr) {
         Some(token) => {
             let _ = buf.split_to(n);
             sockopt::tune_lane_socket(&sock, &cfg.link);
-            accept_lane(peer, tls, fd, addr, token, buf).await;
+            accept_lane(peer.clone(), tls, fd, addr, token, buf).await;
         }
     }
 }
@@ -295,6 +333,8 @@ async fn dial(
         .await
         .map_err(|_| format!("TLS handshake with {addr}: timed out"))?
         .map_err(|e| format!("TLS handshake with {addr}: {e}"))?;
+    let mut tls = tls;
+    tls.get_mut().0.buffer(driver::READ_CHUNK);
     Ok((tls, addr))
 }
 

@@ -14,6 +14,7 @@ pub mod daemon;
 pub mod disk;
 mod driver;
 mod establish;
+mod gate;
 pub mod notify;
 mod peer;
 pub mod policy;
@@ -25,6 +26,7 @@ pub mod stats;
 pub mod store;
 mod supervisor;
 pub mod tls;
+mod wire;
 
 pub use config::{Config, ConfigError};
 pub use daemon::{Bound, Daemon, DaemonError};

@@ -16,8 +16,12 @@ use crate::config::ServiceKind;
 use crate::counters::{ServiceCounters, add};
 use crate::driver::{LinkHandle, READ_CHUNK, StreamSignal, lock};
 use crate::establish::accept_loop;
+use crate::gate::LogBudget;
 use crate::peer::Peer;
 use crate::sockopt;
+
+/// Anyone can connect to a service port: refusals of outsiders are rationed in the log.
+static OUTSIDERS: LogBudget = LogBudget::new(Duration::from_secs(10), 10);
 
 /// Accepts local clients of a `listen` service and opens a stream for each.
 /// Each client is judged by the service's settings in the config in force when it connects, so a
@@ -35,7 +39,9 @@ pub(crate) async fn accept_clients(peer: Arc<Peer>, name: String, listener: TcpL
         };
         if !allow.is_empty() && !allow.iter().any(|n| n.contains(&from.ip())) {
             add(&counters.streams_refused, 1);
-            warn!(service = %svc.name, from = %from, "refused client outside the allow list");
+            if let Some(suppressed) = OUTSIDERS.take(std::time::Instant::now()) {
+                warn!(service = %svc.name, from = %from, suppressed, "refused client outside the allow list");
+            }
             sockopt::abort(&sock);
             return true;
         }

@@ -152,6 +152,11 @@ impl Config {
             dur(m.handshake_timeout),
             dur(m.idle_timeout)
         );
+        let _ = writeln!(
+            o,
+            "  max_handshakes: {}\n  handshakes_per_source: {}",
+            m.max_handshakes, m.handshakes_per_source
+        );
         o
     }
 }

@@ -143,21 +143,6 @@ struct RawLog {
     level: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawLimits {
-    max_streams: Option<u32>,
-    stream_window: Option<String>,
-    link_window: Option<String>,
-    stream_buffer: Option<String>,
-    shutdown_grace: Option<String>,
-    connect_timeout: Option<String>,
-    link_wait: Option<String>,
-    handshake_timeout: Option<String>,
-    idle_timeout: Option<String>,
-    threads: Option<usize>,
-}
-
 /// A validated config.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -314,21 +299,6 @@ pub enum ServiceKind {
     Target { addr: String },
 }
 
-#[derive(Debug, Clone, PartialEq)]
-pub struct Limits {
-    pub max_streams: u32,
-    pub stream_window: u32,
-    pub link_window: u64,
-    pub stream_buffer: usize,
-    pub shutdown_grace: Duration,
-    pub connect_timeout: Duration,
-    pub link_wait: Duration,
-    pub handshake_timeout: Duration,
-    pub idle_timeout: Duration,
-    /// Runtime worker threads; 1 runs the daemon on one thread (no cross-thread wakeups).
-    pub threads: usize,
-}
-
 /// Names: 1 to 63 lowercase letters, digits or dashes, not starting or ending with a dash
 /// (a DNS label, so a site name can be a certificate name).
 pub fn valid_name(s: &str) -> bool {
@@ -365,6 +335,8 @@ pub mod defaults {
     pub const LINK_WAIT: Duration = Duration::from_secs(10);
     pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
     pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+    pub const MAX_HANDSHAKES: u32 = 64;
+    pub const HANDSHAKES_PER_SOURCE: u32 = 8;
     pub const THREADS: usize = 1;
     pub const STATE_DIR: &str = "/var/lib/wanoptd";
     pub const LOG_LEVEL: &str = "info";
@@ -981,93 +953,6 @@ fn parse_log(cx: &Ctx<'_>, l: Option<&RawLog>) -> Result<String, ConfigError> {
     }
 }
 
-fn parse_limits(
-    cx: &Ctx<'_>,
-    rl: Option<&RawLimits>,
-    link: &LinkSettings,
-    optimized: bool,
-) -> Result<Limits, ConfigError> {
-    let empty = RawLimits::default();
-    let r = rl.unwrap_or(&empty);
-    let secs = Duration::from_secs;
-    let ms = Duration::from_millis;
-    let max_streams = match r.max_streams {
-        None => defaults::MAX_STREAMS,
-        Some(n) => in_range(n, 1, 1 << 20).map_err(|m| cx.err("limits.max_streams", m))?,
-    };
-    // Defaults: a stream may fill the pipe on its own; the link holds a few streams' worth.
-    // With dedup a stream's raw bytes can outrun the link many times over (credit counts raw
-    // bytes), so optimized links start at 16 MiB: 160 MB/s of raw bytes per stream at 100 ms.
-    let floor = if optimized { 8 << 20 } else { 1 << 20 };
-    let default_stream_window = link.bdp_bytes().clamp(floor, 64 << 20) * 2;
-    let stream_window = cx.opt(
-        "limits.stream_window",
-        &r.stream_window,
-        default_stream_window,
-        |s| in_range(parse_size(s)?, 64 * 1024, 1 << 30),
-    )? as u32;
-    let link_window = cx.opt(
-        "limits.link_window",
-        &r.link_window,
-        (u64::from(stream_window) * 4).max(64 << 20),
-        |s| in_range(parse_size(s)?, 256 * 1024, 16 << 30),
-    )?;
-    let idle_timeout = cx.dur(
-        "limits.idle_timeout",
-        &r.idle_timeout,
-        defaults::IDLE_TIMEOUT,
-        secs(1),
-        secs(3600),
-    )?;
-    if idle_timeout <= link.keepalive {
-        return Err(cx.err("limits.idle_timeout", "must be longer than link.keepalive"));
-    }
-    Ok(Limits {
-        threads: match r.threads {
-            None => defaults::THREADS,
-            Some(n) => in_range(n, 1, 256).map_err(|m| cx.err("limits.threads", m))?,
-        },
-        max_streams,
-        stream_window,
-        link_window,
-        stream_buffer: cx.opt(
-            "limits.stream_buffer",
-            &r.stream_buffer,
-            defaults::STREAM_BUFFER,
-            |s| in_range(parse_size(s)?, 16 * 1024, 64 << 20),
-        )? as usize,
-        shutdown_grace: cx.dur(
-            "limits.shutdown_grace",
-            &r.shutdown_grace,
-            defaults::SHUTDOWN_GRACE,
-            ms(0),
-            secs(3600),
-        )?,
-        connect_timeout: cx.dur(
-            "limits.connect_timeout",
-            &r.connect_timeout,
-            defaults::CONNECT_TIMEOUT,
-            ms(10),
-            secs(600),
-        )?,
-        link_wait: cx.dur(
-            "limits.link_wait",
-            &r.link_wait,
-            defaults::LINK_WAIT,
-            ms(0),
-            secs(600),
-        )?,
-        handshake_timeout: cx.dur(
-            "limits.handshake_timeout",
-            &r.handshake_timeout,
-            defaults::HANDSHAKE_TIMEOUT,
-            ms(100),
-            secs(600),
-        )?,
-        idle_timeout,
-    })
-}
-
 impl Config {
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
@@ -1115,5 +1000,8 @@ impl Config {
 }
 
 mod describe;
+mod limits;
+pub use limits::Limits;
+use limits::{RawLimits, parse_limits};
 #[cfg(test)]
 mod tests;

@@ -288,6 +288,16 @@ fn bad_values_name_their_field() {
         field_err("limits:\n  stream_window: 1\n"),
         "limits.stream_window"
     );
+    assert_eq!(
+        field_err("limits:\n  max_handshakes: 0\n"),
+        "limits.max_handshakes"
+    );
+    assert_eq!(
+        field_err("limits:\n  max_handshakes: 10\n  handshakes_per_source: 11\n"),
+        "limits.handshakes_per_source"
+    );
+    let c = parse("limits:\n  max_handshakes: 4\n").expect("valid");
+    assert_eq!((c.limits.max_handshakes, c.limits.handshakes_per_source), (4, 4));
     assert_eq!(field_err("log:\n  level: loud\n"), "log.level");
     assert_eq!(field_err("admin:\n  listen: localhost\n"), "admin.listen");
     let e = Config::parse(
