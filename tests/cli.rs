@@ -93,6 +93,52 @@ fn missing_tls_files_exit_64_before_binding() {
     std::net::TcpListener::bind(("127.0.0.1", port)).expect("port still free");
 }
 
+/// A TLS key others can read and a state directory others can write are refused with exit 64,
+/// naming the file and the fix, before any port is bound.
+#[test]
+fn exposed_keys_and_shared_state_dirs_exit_64_before_binding() {
+    use std::os::unix::fs::PermissionsExt;
+    let certs = Certs::new(&["west", "east"]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).expect("mkdir");
+    let p = dir.path().join("west.yaml");
+    std::fs::write(
+        &p,
+        format!(
+            "site: west\nlink: {{listen: '127.0.0.1:{port}', peer: east}}\n{}state_dir: {}\noptimize:\n  disk:\n    bytes: 512MiB\n",
+            certs.tls_yaml("west"),
+            state.display()
+        ),
+    )
+    .expect("write");
+    let chmod = |f: &std::path::Path, m: u32| {
+        std::fs::set_permissions(f, std::fs::Permissions::from_mode(m)).expect("chmod")
+    };
+    let key = certs.path().join("west.key");
+    chmod(&key, 0o644);
+    let (code, _, err) = wanoptd(&["-c", p.to_str().expect("utf8")]);
+    assert_eq!(code, 64, "{err}");
+    assert!(
+        err.contains("west.key") && err.contains("chmod 600"),
+        "{err}"
+    );
+    chmod(&key, 0o600);
+    chmod(&state, 0o777);
+    let (code, _, err) = wanoptd(&["-c", p.to_str().expect("utf8")]);
+    assert_eq!(code, 64, "{err}");
+    assert!(
+        err.contains("state_dir") && err.contains("chmod 700"),
+        "{err}"
+    );
+    std::net::TcpListener::bind(("127.0.0.1", port)).expect("port still free");
+}
+
 #[test]
 fn certs_then_check_prints_the_effective_config() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -355,6 +355,8 @@ fn the_disk_tier_keeps_dedup_across_restarts_and_damage_is_resent() {
     // East encrypts its chunks at rest; west (whose disk tier stays empty here) does not.
     let key = east_state.path().join("cache.key");
     std::fs::write(&key, [0x42u8; 32]).expect("key");
+    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .expect("chmod key");
     // Memory far below the backup: the repeat can only hit from the disk tier.
     let optimize = |state: &std::path::Path, key: Option<&std::path::Path>| {
         format!(

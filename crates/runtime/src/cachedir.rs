@@ -6,7 +6,7 @@
 //! unwritten chunks. Everything read back is verified: a damaged state is skipped with a warning.
 
 use std::collections::HashMap;
-use std::fs::{DirBuilder, File, OpenOptions};
+use std::fs::{DirBuilder, File};
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -22,6 +22,7 @@ use wanopt_proto::{
 };
 
 use crate::config::valid_name;
+use crate::secure::no_follow;
 use crate::store::AsyncStore;
 
 /// Saved states kept per cache: the newest few, so a side that missed the last one can still
@@ -138,7 +139,7 @@ fn lock_dir(root: &Path) -> Result<File, CacheDirError> {
         path: path.clone(),
         source,
     };
-    let f = OpenOptions::new()
+    let f = no_follow()
         .create(true)
         .truncate(false)
         .write(true)
@@ -393,7 +394,7 @@ impl CacheDir {
             // The chunks the state names must be on disk before the state is.
             for e in std::fs::read_dir(dir)?.flatten() {
                 if e.file_name().to_str().is_some_and(|n| n.ends_with(".dat")) {
-                    File::open(e.path())?.sync_all()?;
+                    no_follow().read(true).open(e.path())?.sync_all()?;
                 }
             }
         }
@@ -402,7 +403,7 @@ impl CacheDir {
             capacity: state.capacity,
         };
         let tmp = dir.join(format!(".state-{seq:016}.tmp"));
-        let mut f = OpenOptions::new()
+        let mut f = no_follow()
             .write(true)
             .create(true)
             .truncate(true)
@@ -411,7 +412,7 @@ impl CacheDir {
         f.write_all(&state.encode())?;
         f.sync_all()?;
         std::fs::rename(&tmp, dir.join(state_name(seq, &st)))?;
-        File::open(dir)?.sync_all()?;
+        no_follow().read(true).open(dir)?.sync_all()?;
         for (_, _, old) in states_in(dir).into_iter().skip(keep(role)) {
             let _ = std::fs::remove_file(old);
         }
@@ -481,11 +482,13 @@ impl CacheDir {
         let (_, _, p) = states_in(&dir)
             .into_iter()
             .find(|(_, st, _)| st.digest == *digest)?;
-        let read = File::open(&p).and_then(|f| {
+        let read = no_follow().read(true).open(&p).and_then(|mut f| {
             if f.metadata()?.len() > MAX_STATE_FILE {
                 return Err(std::io::Error::other("too large"));
             }
-            std::fs::read(&p)
+            let mut b = Vec::new();
+            std::io::Read::read_to_end(&mut f, &mut b)?;
+            Ok(b)
         });
         let snap = match read.map(|b| Snapshot::decode(&b)) {
             Ok(Ok(s)) if s.digest() == *digest => s,

@@ -36,6 +36,8 @@ pub enum DaemonError {
     Tls(#[from] tls::TlsError),
     #[error(transparent)]
     Cache(#[from] crate::cachedir::CacheDirError),
+    #[error("state_dir: {0}")]
+    StateDir(String),
 }
 
 /// Addresses the daemon bound (useful when the config asked for port 0).
@@ -69,6 +71,22 @@ impl Daemon {
         }
         let cfg = Arc::new(cfg);
         sockopt::check_buffer_sysctls(&cfg.link);
+        // The state directory is checked and the caches opened before any port is bound.
+        let caches = match (&cfg.optimize.disk, cfg.optimize.enabled) {
+            (Some(d), true) => {
+                crate::secure::state_dir(&cfg.state_dir).map_err(DaemonError::StateDir)?;
+                let c = CacheDir::open(
+                    &cfg.state_dir,
+                    &cfg.link.peer,
+                    cfg.optimize.codec.clone(),
+                    d.key,
+                )?;
+                info!(dir = %c.root().display(), bytes = cfg.optimize.codec.disk_bytes,
+                      encrypted = d.key.is_some(), "chunk caches have a disk tier");
+                Some(Arc::new(c))
+            }
+            _ => None,
+        };
         let mut bound = Bound::default();
         let link_listener = match &cfg.link.role {
             LinkRole::Listen(addr) => {
@@ -117,20 +135,6 @@ impl Daemon {
                 service_listeners.push((s.clone(), l));
             }
         }
-        let caches = match (&cfg.optimize.disk, cfg.optimize.enabled) {
-            (Some(d), true) => {
-                let c = CacheDir::open(
-                    &cfg.state_dir,
-                    &cfg.link.peer,
-                    cfg.optimize.codec.clone(),
-                    d.key,
-                )?;
-                info!(dir = %c.root().display(), bytes = cfg.optimize.codec.disk_bytes,
-                      encrypted = d.key.is_some(), "chunk caches have a disk tier");
-                Some(Arc::new(c))
-            }
-            _ => None,
-        };
         let (shutdown_tx, shutdown) = watch::channel(false);
         let (supervisor_tx, supervisor_rx) = mpsc::unbounded_channel();
         let peer = Arc::new(Peer::new(

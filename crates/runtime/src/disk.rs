@@ -3,7 +3,7 @@
 //! checked against its fingerprint: a damaged, truncated, missing or wrongly keyed record reads
 //! as `None` (a miss), never as data.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
 use ring::rand::{SecureRandom, SystemRandom};
 
+use crate::secure::no_follow;
 use wanopt_codec::MAX_RECORD;
 use wanopt_codec::cache::{Fingerprint, fingerprint};
 pub use wanopt_codec::store::Loc;
@@ -137,7 +138,7 @@ impl DiskStore {
     fn open_segment(&mut self, seg: u32) -> Result<(), DiskError> {
         self.flush()?;
         let p = self.path(seg);
-        let file = OpenOptions::new()
+        let file = no_follow()
             .create(true)
             .append(true)
             .mode(0o600)
@@ -247,7 +248,7 @@ impl DiskStore {
             if self.readers.len() >= 16 {
                 self.readers.clear();
             }
-            let file = File::open(self.path(loc.seg)).ok()?;
+            let file = no_follow().read(true).open(self.path(loc.seg)).ok()?;
             self.readers.insert(loc.seg, file);
         }
         let file = self.readers.get(&loc.seg)?;
@@ -302,7 +303,7 @@ impl DiskStore {
         self.flush()?;
         for (n, _) in ChunkStore::segments(self) {
             let p = self.path(n);
-            if let Ok(f) = File::open(&p) {
+            if let Ok(f) = no_follow().read(true).open(&p) {
                 f.sync_all().map_err(|e| DiskError::Segment(p, e))?;
             }
         }

@@ -20,6 +20,7 @@ mod peer;
 pub mod policy;
 mod pressure;
 mod reload;
+pub mod secure;
 mod services;
 pub mod sockopt;
 pub mod stats;

@@ -27,6 +27,8 @@ pub enum TlsError {
     Missing { path: PathBuf },
     #[error("TLS file {path}: {msg}")]
     Bad { path: PathBuf, msg: String },
+    #[error("TLS key file {msg}")]
+    Exposed { msg: String },
     #[error("TLS setup: {0}")]
     Rustls(#[from] rustls::Error),
     #[error("peer certificate: {0}")]
@@ -82,6 +84,7 @@ fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
 
 fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     need(path)?;
+    crate::secure::private_key_file(path).map_err(|msg| TlsError::Exposed { msg })?;
     PrivateKeyDer::from_pem_file(path).map_err(|e| TlsError::Bad {
         path: path.to_path_buf(),
         msg: e.to_string(),

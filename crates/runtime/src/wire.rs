@@ -94,7 +94,9 @@ mod tests {
     /// Bytes come out in order whatever the mix of small and large reads, buffered or not.
     #[tokio::test]
     async fn reads_are_exact_buffered_or_not() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("socket");
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("socket");
         let addr = l.local_addr().expect("addr");
         let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
         let sent = data.clone();

@@ -224,7 +224,7 @@ fn demo(dir: &Path) -> ExitCode {
     run_daemons(cfgs)
 }
 
-/// Binds every daemon (exit 64 for TLS file problems, 1 for bind failures), then serves until
+/// Binds every daemon (exit 64 for TLS file and state directory problems, 1 for bind failures), then serves until
 /// SIGTERM or SIGINT.
 fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
     let threads = cfgs.iter().map(|c| c.limits.threads).max().unwrap_or(1);
@@ -250,7 +250,7 @@ fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
         for cfg in cfgs {
             match Daemon::bind(cfg, Arc::new(Counters::default())) {
                 Ok(d) => daemons.push(d),
-                Err(DaemonError::Tls(e)) => {
+                Err(e @ (DaemonError::Tls(_) | DaemonError::StateDir(_))) => {
                     eprintln!("wanoptd: {e}");
                     return ExitCode::from(EXIT_CONFIG);
                 }

@@ -270,6 +270,7 @@ impl std::fmt::Debug for DiskTier {
 
 /// Reads a cache key: 32 bytes, raw or as 64 hexadecimal digits.
 fn read_key(path: &Path) -> Result<[u8; 32], String> {
+    crate::secure::private_key_file(path)?;
     let raw = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     if raw.len() > 4096 {
         return Err(format!("{} is not a 32-byte key", path.display()));

@@ -182,15 +182,21 @@ fn the_disk_tier_is_checked_and_its_key_read() {
     // Keys: 32 raw bytes or 64 hex digits; anything else, or a missing file, names the field.
     let dir = tempfile::tempdir().expect("tempdir");
     let raw = dir.path().join("raw.key");
-    std::fs::write(&raw, [7u8; 32]).expect("write");
+    write_key(&raw, &[7u8; 32]);
     let hex = dir.path().join("hex.key");
-    std::fs::write(&hex, format!("{}\n", "07".repeat(32))).expect("write");
+    write_key(&hex, format!("{}\n", "07".repeat(32)).as_bytes());
     let short = dir.path().join("short.key");
-    std::fs::write(&short, b"secret").expect("write");
+    write_key(&short, b"secret");
+    // A key others can read is refused, with the command that fixes it.
+    let open = dir.path().join("open.key");
+    std::fs::write(&open, [7u8; 32]).expect("write");
+    std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+        .expect("chmod");
     for (k, ok) in [
         (&raw, true),
         (&hex, true),
         (&short, false),
+        (&open, false),
         (&dir.path().join("none"), false),
     ] {
         let y = format!(
@@ -257,6 +263,13 @@ fn unknown_keys_are_errors_naming_the_key() {
     assert!(e.to_string().contains("speed"), "{e}");
 }
 
+/// Writes a key file private to its owner, as the daemon requires.
+fn write_key(p: &Path, data: &[u8]) {
+    std::fs::write(p, data).expect("write key");
+    std::fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .expect("chmod key");
+}
+
 #[test]
 fn bad_values_name_their_field() {
     assert_eq!(
@@ -297,7 +310,10 @@ fn bad_values_name_their_field() {
         "limits.handshakes_per_source"
     );
     let c = parse("limits:\n  max_handshakes: 4\n").expect("valid");
-    assert_eq!((c.limits.max_handshakes, c.limits.handshakes_per_source), (4, 4));
+    assert_eq!(
+        (c.limits.max_handshakes, c.limits.handshakes_per_source),
+        (4, 4)
+    );
     assert_eq!(field_err("log:\n  level: loud\n"), "log.level");
     assert_eq!(field_err("admin:\n  listen: localhost\n"), "admin.listen");
     let e = Config::parse(
@@ -397,7 +413,7 @@ fn every_shipped_config_describes_itself_exactly() {
 fn configs_with_every_option_describe_themselves_exactly() {
     let dir = tempfile::tempdir().expect("tempdir");
     let key = dir.path().join("cache key");
-    std::fs::write(&key, [9u8; 32]).expect("key");
+    write_key(&key, &[9u8; 32]);
     let every = format!(
         "site: west\nlink:\n  listen: '[::1]:7400'\n  peer: east\n  bandwidth: 1.5gbit\n  rtt: 250us\n  congestion: cubic\n  send_buffer: 16MiB\n  recv_buffer: 8MiB\n  notsent_lowat: 64k\n  keepalive: 1500ms\n  user_timeout: 2m\n  reconnect_min: 50ms\n  reconnect_max: 5m\n  latency_lane: false\n  lane_congestion: reno\n  max_rate: 900mbit\ntls: {{ca: /etc/wanopt/ca.pem, cert: c.pem, key: k.key}}\nservices:\n  - name: dg\n    listen: '[::1]:1522'\n    allow: [10.0.0.0/8, 192.168.1.7, '::1']\n    class: latency\n    compression: none\n    dedup: off\n  - name: rman\n    target: standby.example:1521\n    compression: zstd\n    dedup_scope: service\noptimize:\n  enabled: true\n  memory: 1GiB\n  service_memory: 128MiB\n  chunk: 16KiB\n  zstd_level: 9\n  zstd_adapt: off\n  context_window: 32MiB\n  context_streams: 4\n  delta_memory: 512MiB\n  compression: lz4\n  dedup: on\n  dedup_scope: link\n  disk:\n    bytes: 8GiB\n    service_bytes: 1GiB\n    key_file: '{}'\n    checkpoint: 90s\nadmin:\n  listen: 127.0.0.1:9400\nstate_dir: /var/lib/wanopt west\nlog:\n  level: debug\nlimits:\n  max_streams: 100\n  stream_window: 2MiB\n  link_window: 32MiB\n  stream_buffer: 1MiB\n  shutdown_grace: 0s\n  connect_timeout: 3s\n  link_wait: 0s\n  handshake_timeout: 2s\n  idle_timeout: 10s\n  threads: 4\n",
         key.display()

@@ -1,0 +1,136 @@
+//! Trust in local files: key files must be private to their owner, the state directory must be
+//! writable by nobody but this daemon's user (or root), and files in it are opened without
+//! following symlinks, so a local user cannot steer a root-run daemon's writes elsewhere.
+
+use std::fs::{DirBuilder, OpenOptions};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::path::Path;
+
+/// Open options that refuse a symlink as the last path component.
+pub fn no_follow() -> OpenOptions {
+    let mut o = OpenOptions::new();
+    o.custom_flags(libc::O_NOFOLLOW);
+    o
+}
+
+/// Refuses a key file that its group or others may read or write.
+pub fn private_key_file(path: &Path) -> Result<(), String> {
+    let m = std::fs::metadata(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mode = m.mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(format!(
+            "{} is open to group or others (mode {mode:03o}); keep keys private: chmod 600 {}",
+            path.display(),
+            path.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Creates the state directory (0700) if it does not exist; refuses one that is not a directory,
+/// belongs to someone other than this user or root, or that group or others may write.
+pub fn state_dir(path: &Path) -> Result<(), String> {
+    let shown = path.display();
+    let euid = unsafe { libc::geteuid() };
+    let trusted = |uid: u32| uid == euid || uid == 0;
+    let link = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(path)
+                .map_err(|e| format!("cannot create {shown}: {e}"))?;
+            std::fs::symlink_metadata(path).map_err(|e| format!("{shown}: {e}"))?
+        }
+        Err(e) => return Err(format!("{shown}: {e}")),
+    };
+    if link.file_type().is_symlink() && !trusted(link.uid()) {
+        return Err(format!(
+            "{shown} is a symlink owned by uid {}, not by this daemon's user (uid {euid}) or root",
+            link.uid()
+        ));
+    }
+    let m = std::fs::metadata(path).map_err(|e| format!("{shown}: {e}"))?;
+    if !m.is_dir() {
+        return Err(format!("{shown} is not a directory"));
+    }
+    if !trusted(m.uid()) {
+        return Err(format!(
+            "{shown} is owned by uid {}, not by this daemon's user (uid {euid}) or root",
+            m.uid()
+        ));
+    }
+    let mode = m.mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(format!(
+            "{shown} may be written by group or others (mode {mode:03o}); chmod 700 {shown}"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn chmod(p: &Path, mode: u32) {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    }
+
+    #[test]
+    fn key_files_must_be_private() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let k = d.path().join("k");
+        std::fs::write(&k, [1u8; 32]).expect("write");
+        for (mode, ok) in [(0o600, true), (0o400, true), (0o640, false), (0o604, false)] {
+            chmod(&k, mode);
+            let r = private_key_file(&k);
+            assert_eq!(r.is_ok(), ok, "{mode:o}: {r:?}");
+        }
+        assert!(private_key_file(&d.path().join("none")).is_err());
+    }
+
+    #[test]
+    fn a_state_dir_is_created_private_and_checked() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let s = d.path().join("a/state");
+        state_dir(&s).expect("created");
+        let mode = std::fs::metadata(&s).expect("meta").mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        state_dir(&s).expect("reused");
+        chmod(&s, 0o777);
+        let e = state_dir(&s).expect_err("world-writable");
+        assert!(e.contains("chmod 700"), "{e}");
+        chmod(&s, 0o755);
+        state_dir(&s).expect("others may read");
+        let f = d.path().join("file");
+        std::fs::write(&f, b"x").expect("write");
+        assert!(state_dir(&f).expect_err("file").contains("not a directory"));
+        // Our own symlink to our own directory is fine.
+        let l = d.path().join("link");
+        std::os::unix::fs::symlink(&s, &l).expect("symlink");
+        state_dir(&l).expect("own symlink");
+        // Someone else's directory is refused (only root can make one here).
+        if unsafe { libc::geteuid() } == 0 {
+            let theirs = d.path().join("theirs");
+            std::fs::create_dir(&theirs).expect("mkdir");
+            chmod(&theirs, 0o700);
+            std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).expect("chown");
+            let e = state_dir(&theirs).expect_err("foreign owner");
+            assert!(e.contains("owned by uid 65534"), "{e}");
+        }
+    }
+
+    #[test]
+    fn files_are_not_opened_through_symlinks() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let target = d.path().join("target");
+        std::fs::write(&target, b"keep").expect("write");
+        let l = d.path().join("seg");
+        std::os::unix::fs::symlink(&target, &l).expect("symlink");
+        assert!(no_follow().append(true).create(true).open(&l).is_err());
+        assert_eq!(std::fs::read(&target).expect("read"), b"keep");
+    }
+}
