@@ -147,3 +147,107 @@ fn an_unauthenticated_flood_cannot_lock_the_peer_out() {
     );
     drop(held);
 }
+
+/// True if the tunnel reset this client (refused) within a second; false if it holds it open.
+fn refused(s: &mut TcpStream) -> bool {
+    use std::io::Read;
+    s.set_read_timeout(Some(Duration::from_secs(1))).ok();
+    let mut b = [0u8; 1];
+    match s.read(&mut b) {
+        Err(e) => is_reset(&e),
+        Ok(0) => true,
+        Ok(_) => false,
+    }
+}
+
+/// One client cannot take every stream: each client address gets `max_streams_per_client`,
+/// bulk services leave `latency_reserve` to latency services, which still serve, and a stream
+/// idle past its service's `idle_timeout` is reset.
+#[test]
+fn one_client_cannot_starve_the_latency_services() {
+    let srv = hash_server();
+    let p = Pair::start_extra(
+        &format!(
+            "  - name: minor\n    target: {srv}\n  - name: dg\n    target: {srv}\n    class: latency\n  - name: chatty\n    target: {srv}\n"
+        ),
+        "  - name: minor\n    listen: 127.0.0.1:0\n    max_streams_per_client: 4\n  - name: dg\n    listen: 127.0.0.1:0\n    class: latency\n  - name: chatty\n    listen: 127.0.0.1:0\n    idle_timeout: 1s\n",
+        // Lines of the `limits:` section that site_yaml opens last, then the admin endpoint.
+        "  max_streams: 16\n  latency_reserve: 4\nadmin:\n  listen: 127.0.0.1:0\n",
+    );
+    let minor = p.west.bound("minor");
+    // One address: 4 streams, then refused.
+    let mut held = Vec::new();
+    let mut refusals = 0;
+    for i in 0..24u8 {
+        // Addresses 127.0.3.1-3 take 4 each (12 = 16 - 4 bulk streams); the rest are refused.
+        let from = IpAddr::V4(Ipv4Addr::new(127, 0, 3, i / 6 + 1));
+        // A refused client may see its reset as early as the connect.
+        let Ok(mut s) = connect_from(from, minor) else {
+            refusals += 1;
+            continue;
+        };
+        if std::io::Write::write_all(&mut s, &[0u8; 16]).is_err() || refused(&mut s) {
+            refusals += 1;
+        } else {
+            held.push(s);
+        }
+    }
+    assert_eq!(held.len(), 12, "4 per client, 12 bulk in all");
+    assert_eq!(refusals, 12);
+    // Another bulk service finds the bulk slots taken.
+    let chatty = p.west.bound("chatty");
+    let mut s = TcpStream::connect(chatty).expect("connect");
+    let _ = std::io::Write::write_all(&mut s, &[0u8; 16]);
+    assert!(refused(&mut s), "bulk beyond max_streams - latency_reserve");
+    // The latency service still serves, from the reserve.
+    let dg = p.west.bound("dg");
+    for seed in 0..3 {
+        hash_client(dg, seed, 64 * 1024, 64 * 1024).expect("latency stream while bulk is full");
+    }
+    let m = scrape(p.west.bound("admin"));
+    let failed = |svc: &str, why: &str| {
+        value(
+            &m,
+            &format!("wanopt_streams_failed_total{{service=\"{svc}\",reason=\"{why}\"}} "),
+        )
+    };
+    // The third address's last two found the service full (12 = 16 - 4 for a bulk service).
+    assert_eq!(failed("minor", "client_full"), 4, "{m}");
+    assert_eq!(failed("minor", "service_full"), 8, "{m}");
+    assert_eq!(failed("chatty", "bulk_full"), 1, "{m}");
+    drop(held);
+    // Their slots are free once both ends have finished.
+    let end = Instant::now() + Duration::from_secs(10);
+    while value(
+        &scrape(p.west.bound("admin")),
+        "wanopt_streams_active{service=\"minor\"} ",
+    ) > 0
+    {
+        assert!(Instant::now() < end, "minor's streams did not end");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // An idle stream is reset after its service's idle_timeout; a busy one is not.
+    let mut idle = TcpStream::connect(chatty).expect("connect");
+    std::io::Write::write_all(&mut idle, &[0u8; 16]).expect("header");
+    let t = Instant::now();
+    idle.set_read_timeout(Some(Duration::from_secs(10))).ok();
+    let r = std::io::Read::read(&mut idle, &mut [0u8; 1]);
+    assert!(
+        matches!(&r, Err(e) if is_reset(e)),
+        "idle stream not reset: {r:?}"
+    );
+    assert!(
+        t.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        t.elapsed()
+    );
+    hash_client(chatty, 9, 4 * MIB, 4 * MIB).expect("a busy stream outlives the idle timeout");
+    let m = scrape(p.west.bound("admin"));
+    assert!(
+        value(
+            &m,
+            "wanopt_streams_failed_total{service=\"chatty\",reason=\"idle_timeout\"} "
+        ) >= 1,
+        "{m}"
+    );
+}

@@ -20,7 +20,7 @@ pub use error::{FrameError, LinkError, StreamError};
 pub use frame::{CacheOffer, Class, CloseCode, Frame, Hello, ResetCode, StreamId};
 pub use lane::{LANES, LATENCY_LANE, MAIN_LANE};
 pub use link::{
-    Event, HELLO_MAX, Link, LinkConfig, MAX_QUEUED_CONTROL, MIN_VERSION, ReadOutcome, VERSION,
-    WireCount,
+    Event, HELLO_MAX, Link, LinkConfig, MAX_QUEUED_CONTROL, MIN_VERSION, ReadOutcome, Refusal,
+    ServiceLimit, VERSION, WireCount,
 };
 pub use wanopt_codec::cache::Snapshot;

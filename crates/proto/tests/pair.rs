@@ -4,6 +4,7 @@
 mod common;
 
 use common::*;
+use wanopt_proto::ServiceLimit;
 
 #[test]
 fn hello_exchange_brings_both_sides_up() {
@@ -78,6 +79,74 @@ fn unknown_service_is_refused_and_counted() {
     assert_eq!(p.west.app.resets, vec![(id, ResetCode::UnknownService)]);
     p.west.app.received.clear();
     p.assert_no_leaks();
+}
+
+/// A service at its own stream limit refuses more, bulk streams leave the latency reserve
+/// alone (by the class in our config, whatever the peer claims), and closing frees the slots.
+#[test]
+fn service_limits_and_the_latency_reserve_hold() {
+    let mut p = Pair::with(
+        Duration::from_millis(10),
+        100_000_000,
+        |_| {},
+        |c| {
+            c.max_streams = 6;
+            c.latency_reserve = 2;
+        },
+    );
+    p.east.link.set_service_limits([
+        (
+            "e-svc",
+            ServiceLimit {
+                max_streams: 3,
+                class: Some(Class::Bulk),
+            },
+        ),
+        ("e-bulk", ServiceLimit::default()),
+        (
+            "e-lat",
+            ServiceLimit {
+                max_streams: 10,
+                class: Some(Class::Latency),
+            },
+        ),
+    ]);
+    p.drive(Duration::from_secs(1));
+    let open = |p: &mut Pair, svc: &str, class: Class| {
+        let id = p.west.link.open(svc, class).expect("open");
+        p.west
+            .app
+            .to_send
+            .insert(id, (Bytes::from_static(b"x"), false));
+        p.drive(Duration::from_millis(100));
+        id
+    };
+    // e-svc takes 3, the 4th is refused although the link has room.
+    let svc: Vec<_> = (0..4).map(|_| open(&mut p, "e-svc", Class::Bulk)).collect();
+    assert_eq!(p.west.app.resets, vec![(svc[3], ResetCode::Refused)]);
+    // One more bulk stream fits (4 = 6 - 2); the next is refused, even claiming latency.
+    open(&mut p, "e-bulk", Class::Bulk);
+    let over = open(&mut p, "e-svc", Class::Latency);
+    let over2 = open(&mut p, "e-bulk", Class::Bulk);
+    assert_eq!(p.west.app.resets.len(), 3, "{:?}", p.west.app.resets);
+    assert!(p.west.app.resets.contains(&(over2, ResetCode::Refused)));
+    assert!(p.west.app.resets.contains(&(over, ResetCode::Refused)));
+    // The reserve serves latency streams.
+    let lat: Vec<_> = (0..2)
+        .map(|_| open(&mut p, "e-lat", Class::Latency))
+        .collect();
+    assert_eq!(
+        p.west.app.resets.len(),
+        3,
+        "latency streams use the reserve"
+    );
+    // Closing one e-svc stream frees its slot for a new one.
+    p.west.link.reset(svc[0], ResetCode::SocketError, "done");
+    p.drive(Duration::from_millis(100));
+    let again = open(&mut p, "e-svc", Class::Bulk);
+    assert!(!p.west.app.resets.iter().any(|(id, _)| *id == again));
+    assert_eq!(p.east.app.opened.len(), 7, "{:?}", p.east.app.opened);
+    let _ = lat;
 }
 
 #[test]

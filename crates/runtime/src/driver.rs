@@ -14,7 +14,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{Notify, mpsc};
 use tracing::{debug, info, warn};
 use wanopt_proto::{
-    Class, CloseCode, Event, LANES, LATENCY_LANE, Link, LinkError, MAIN_LANE, ResetCode,
+    Class, CloseCode, Event, LANES, LATENCY_LANE, Link, LinkError, MAIN_LANE, Refusal, ResetCode,
     StateRequest, StreamError, StreamId,
 };
 
@@ -29,6 +29,10 @@ const TRANSMIT_BATCH: usize = 64 * 1024;
 pub(crate) const READ_CHUNK: usize = 64 * 1024;
 
 pub(crate) use crate::wire::Wire;
+
+/// Refusals of the peer's opens are the peer's to cause: their log lines are rationed.
+static PEER_REFUSALS: crate::gate::LogBudget =
+    crate::gate::LogBudget::new(Duration::from_secs(10), 10);
 
 /// A link connection before TLS: unbuffered until the peer is authenticated.
 pub(crate) fn wire(tcp: TcpStream) -> Wire {
@@ -178,9 +182,27 @@ impl LinkHandle {
                     g.signals.insert(stream, Arc::default());
                     g.opened.push((stream, service));
                 }
-                Event::Refused { stream, service } => {
+                Event::Refused {
+                    stream,
+                    service,
+                    why: Refusal::UnknownService,
+                } => {
                     add(&counters.link.unknown_service, 1);
-                    warn!(link = self.id, stream = %stream, service = %service, "refused stream for unknown service");
+                    if let Some(suppressed) = PEER_REFUSALS.take(Instant::now()) {
+                        warn!(link = self.id, stream = %stream, service = %service, suppressed, "refused stream for unknown service");
+                    }
+                }
+                Event::Refused {
+                    stream,
+                    service,
+                    why,
+                } => {
+                    let c = counters.service(&service);
+                    add(&c.streams_refused, 1);
+                    c.failed(why.label());
+                    if let Some(suppressed) = PEER_REFUSALS.take(Instant::now()) {
+                        warn!(link = self.id, stream = %stream, service = %service, limit = why.label(), suppressed, "refused a stream the peer opened: at its limit");
+                    }
                 }
                 Event::Readable(id) => {
                     if let Some(s) = g.signals.get(&id) {

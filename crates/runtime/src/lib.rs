@@ -22,6 +22,7 @@ mod pressure;
 mod reload;
 pub mod secure;
 mod services;
+mod slots;
 pub mod sockopt;
 pub mod stats;
 pub mod store;

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, RwLock};
 
 use tokio::sync::{mpsc, watch};
-use wanopt_proto::{Link, LinkConfig};
+use wanopt_proto::{Link, LinkConfig, ServiceLimit};
 
 use crate::cachedir::CacheDir;
 use crate::config::{Config, LinkRole, ServiceKind};
@@ -31,6 +31,8 @@ pub(crate) struct Peer {
     bases: std::sync::Mutex<Option<((u64, u64), wanopt_codec::SharedBases)>>,
     /// Where each link reports to the supervisor.
     supervisor: mpsc::UnboundedSender<LinkMsg>,
+    /// Stream slots of our local clients (per service, per client, bulk).
+    pub slots: Arc<crate::slots::Slots>,
 }
 
 impl Peer {
@@ -52,6 +54,7 @@ impl Peer {
             caches,
             supervisor,
             bases: std::sync::Mutex::new(None),
+            slots: Arc::default(),
         }
     }
 
@@ -104,10 +107,13 @@ impl Peer {
         *self.tls.write().unwrap_or_else(|p| p.into_inner()) = m;
     }
 
-    /// The target address of one of our `target` services, in the config in force.
-    pub fn target(&self, service: &str) -> Option<String> {
+    /// The target address and idle timeout of one of our `target` services, in the config in
+    /// force.
+    pub fn target(&self, service: &str) -> Option<(String, Option<std::time::Duration>)> {
         self.cfg().services.iter().find_map(|s| match &s.kind {
-            ServiceKind::Target { addr } if s.name == service => Some(addr.clone()),
+            ServiceKind::Target { addr } if s.name == service => {
+                Some((addr.clone(), s.idle_timeout))
+            }
             _ => None,
         })
     }
@@ -126,7 +132,7 @@ impl Peer {
                 .unwrap_or_default();
         }
         let mut link = Link::new(lc);
-        link.set_services(targets(&cfg));
+        link.set_service_limits(targets(&cfg));
         link.set_policies(policies(&cfg));
         let ctx = LinkCtx {
             counters: self.counters.clone(),
@@ -149,7 +155,7 @@ impl Peer {
     pub fn apply_services(&self, cfg: &Config) {
         if let Some(h) = self.current.borrow().clone() {
             h.with(|l| {
-                l.set_services(targets(cfg));
+                l.set_service_limits(targets(cfg));
                 l.set_policies(policies(cfg));
             });
         }
@@ -161,12 +167,18 @@ impl Peer {
     }
 }
 
-/// The services the peer may open streams to: our `target` ones.
-fn targets(cfg: &Config) -> Vec<String> {
+/// The services the peer may open streams to: our `target` ones, each with its limit.
+fn targets(cfg: &Config) -> Vec<(String, ServiceLimit)> {
     cfg.services
         .iter()
         .filter(|s| matches!(s.kind, ServiceKind::Target { .. }))
-        .map(|s| s.name.clone())
+        .map(|s| {
+            let limit = ServiceLimit {
+                max_streams: s.max_streams,
+                class: Some(s.class),
+            };
+            (s.name.clone(), limit)
+        })
         .collect()
 }
 
@@ -187,6 +199,7 @@ fn link_config(cfg: &Config, caches: Option<&Arc<CacheDir>>) -> LinkConfig {
     c.stream_window = cfg.limits.stream_window;
     c.link_window = cfg.limits.link_window;
     c.max_streams = cfg.limits.max_streams;
+    c.latency_reserve = cfg.limits.latency_reserve;
     c.send_buffer = cfg.limits.stream_buffer;
     c.keepalive = cfg.link.keepalive;
     c.idle_timeout = cfg.limits.idle_timeout;

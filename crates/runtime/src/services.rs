@@ -22,6 +22,7 @@ use crate::sockopt;
 
 /// Anyone can connect to a service port: refusals of outsiders are rationed in the log.
 static OUTSIDERS: LogBudget = LogBudget::new(Duration::from_secs(10), 10);
+static OVER_LIMIT: LogBudget = LogBudget::new(Duration::from_secs(10), 10);
 
 /// Accepts local clients of a `listen` service and opens a stream for each.
 /// Each client is judged by the service's settings in the config in force when it connects, so a
@@ -45,10 +46,23 @@ pub(crate) async fn accept_clients(peer: Arc<Peer>, name: String, listener: TcpL
             sockopt::abort(&sock);
             return true;
         }
+        let slot = match peer.slots.take(&svc, &peer.cfg().limits, from.ip()) {
+            Ok(s) => s,
+            Err(limit) => {
+                add(&counters.streams_refused, 1);
+                counters.failed(limit);
+                if let Some(suppressed) = OVER_LIMIT.take(std::time::Instant::now()) {
+                    warn!(service = %svc.name, from = %from, limit, suppressed, "refused client: at a stream limit");
+                }
+                sockopt::abort(&sock);
+                return true;
+            }
+        };
         sockopt::tune_local(&sock);
         let peer = peer.clone();
         let counters = counters.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let mut rx = peer.current.subscribe();
             let h = match tokio::time::timeout(
                 peer.cfg().limits.link_wait,
@@ -69,7 +83,7 @@ pub(crate) async fn accept_clients(peer: Arc<Peer>, name: String, listener: TcpL
                 Ok((id, sig)) => {
                     add(&counters.streams_opened, 1);
                     debug!(link = h.id, service = %svc.name, stream = %id, from = %from, "stream opened");
-                    pump(h, id, sig, sock, counters, &svc.name).await;
+                    pump(h, id, sig, sock, counters, &svc.name, svc.idle_timeout).await;
                 }
                 Err(e) => {
                     add(&counters.streams_refused, 1);
@@ -88,9 +102,9 @@ pub(crate) async fn serve_incoming(
     h: Arc<LinkHandle>,
     id: StreamId,
     service: Arc<str>,
-    target: String,
+    (target, connect_timeout): (String, Duration),
     counters: Arc<ServiceCounters>,
-    connect_timeout: Duration,
+    idle: Option<Duration>,
 ) {
     let Some(sig) = h.signal(id) else { return };
     let conn = tokio::time::timeout(connect_timeout, TcpStream::connect(&target)).await;
@@ -99,7 +113,7 @@ pub(crate) async fn serve_incoming(
             sockopt::tune_local(&sock);
             add(&counters.streams_opened, 1);
             debug!(link = h.id, service = %service, stream = %id, target = %target, "stream connected");
-            return pump(h, id, sig, sock, counters, &service).await;
+            return pump(h, id, sig, sock, counters, &service, idle).await;
         }
         Ok(Err(e)) => (
             "target_refused",
@@ -118,9 +132,9 @@ pub(crate) async fn serve_incoming(
     h.forget(id);
 }
 
-/// Moves bytes both ways between a local socket and a stream until both directions finish.
-/// Any failure closes the socket with a reset, so the application sees an error, never a
-/// silently truncated stream.
+/// Moves bytes both ways between a local socket and a stream until both directions finish, or
+/// no byte moved either way for `idle`. Any failure closes the socket with a reset, so the
+/// application sees an error, never a silently truncated stream.
 async fn pump(
     h: Arc<LinkHandle>,
     id: StreamId,
@@ -128,8 +142,29 @@ async fn pump(
     mut sock: TcpStream,
     c: Arc<ServiceCounters>,
     service: &str,
+    idle: Option<Duration>,
 ) {
     c.streams_active.inc();
+    let start = tokio::time::Instant::now();
+    // Milliseconds since `start` of the last byte moved either way.
+    let last = std::sync::atomic::AtomicU64::new(0);
+    let moved = || {
+        let ms = start.elapsed().as_millis() as u64;
+        last.store(ms, std::sync::atomic::Ordering::Relaxed);
+    };
+    let watchdog = async {
+        let Some(idle) = idle else {
+            return std::future::pending().await;
+        };
+        loop {
+            let at = Duration::from_millis(last.load(std::sync::atomic::Ordering::Relaxed));
+            let due = start + at + idle;
+            if tokio::time::Instant::now() >= due {
+                return format!("idle for {}s (idle_timeout)", idle.as_secs());
+            }
+            tokio::time::sleep_until(due).await;
+        }
+    };
     let result = {
         let (mut rd, mut wr) = sock.split();
         let up = async {
@@ -146,6 +181,7 @@ async fn pump(
                     return Ok::<(), String>(());
                 }
                 add(&c.raw_out, n as u64);
+                moved();
                 // A read that did not fill the room offered drained the socket: the client paused,
                 // so an optimized stream must not hold its last bytes back for a chunk boundary.
                 let drained = buf.len() < buf.capacity();
@@ -190,6 +226,7 @@ async fn pump(
                             .await
                             .map_err(|e| format!("local write: {e}"))?;
                         add(&c.raw_in, b.len() as u64);
+                        moved();
                     }
                     (Ok(ReadOutcome::Blocked), _) => sig.readable.notified().await,
                     (Ok(ReadOutcome::Fin), _) => {
@@ -202,7 +239,10 @@ async fn pump(
                 }
             }
         };
-        tokio::try_join!(up, down)
+        tokio::select! {
+            r = async { tokio::try_join!(up, down) } => r,
+            why = watchdog => Err(why),
+        }
     };
     let result = match result {
         // Both ways finished: wait until the link has sent our end too, so a link that dies
@@ -222,7 +262,11 @@ async fn pump(
     match result {
         Ok(()) => debug!(link = h.id, service, stream = %id, "stream closed"),
         Err(why) => {
-            c.failed("stream_error");
+            c.failed(if why.ends_with("(idle_timeout)") {
+                "idle_timeout"
+            } else {
+                "stream_error"
+            });
             info!(link = h.id, service, stream = %id, reason = %why, "stream failed");
             sockopt::abort(&sock);
             h.reset(id, ResetCode::SocketError, &why);

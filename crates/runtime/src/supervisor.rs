@@ -26,11 +26,16 @@ pub(crate) async fn run(peer: Arc<Peer>, mut rx: mpsc::UnboundedReceiver<LinkMsg
                 stream,
                 service,
             } => match peer.target(&service) {
-                Some(target) => {
+                Some((target, idle)) => {
                     let counters = peer.counters.service(&service);
                     let timeout = peer.cfg().limits.connect_timeout;
                     tokio::spawn(services::serve_incoming(
-                        link, stream, service, target, counters, timeout,
+                        link,
+                        stream,
+                        service,
+                        (target, timeout),
+                        counters,
+                        idle,
                     ));
                 }
                 None => {

@@ -7,7 +7,7 @@ use bytes::{Bytes, BytesMut};
 
 use super::hello::{HELLO_MAX, PeerParams};
 use super::timer::Timer;
-use super::{Event, Link, State};
+use super::{Event, Link, Refusal, State};
 use crate::coding::PeerCodec;
 use crate::error::{FrameError, LinkError};
 use crate::flow::SendCredit;
@@ -206,7 +206,11 @@ impl Link {
             refuse(ResetCode::Shutdown, "shutting down".into());
             return Ok(());
         }
-        let Some(name) = self.services.get(service.as_str()).cloned() else {
+        let Some((name, limit)) = self
+            .services
+            .get_key_value(service.as_str())
+            .map(|(k, v)| (k.clone(), *v))
+        else {
             refuse(
                 ResetCode::UnknownService,
                 format!("no service named {service:?}"),
@@ -214,14 +218,45 @@ impl Link {
             self.events.push_back(Event::Refused {
                 stream: id,
                 service,
+                why: Refusal::UnknownService,
             });
             return Ok(());
         };
-        if self.streams.peer_open >= self.cfg.max_streams {
-            refuse(ResetCode::Refused, "too many streams".into());
+        let bulk = limit.class.unwrap_or(class) == Class::Bulk;
+        let full = if self.streams.peer_open >= self.cfg.max_streams {
+            Some((Refusal::LinkFull, "too many streams".to_string()))
+        } else if self.streams.peer_on(&name) >= limit.max_streams {
+            Some((
+                Refusal::ServiceFull,
+                format!(
+                    "service {name:?} has its limit of {} streams",
+                    limit.max_streams
+                ),
+            ))
+        } else if bulk
+            && self.streams.peer_bulk()
+                >= self
+                    .cfg
+                    .max_streams
+                    .saturating_sub(self.cfg.latency_reserve)
+        {
+            Some((
+                Refusal::BulkFull,
+                "too many bulk streams (the rest is kept for latency services)".to_string(),
+            ))
+        } else {
+            None
+        };
+        if let Some((why, reason)) = full {
+            refuse(ResetCode::Refused, reason);
+            self.events.push_back(Event::Refused {
+                stream: id,
+                service,
+                why,
+            });
             return Ok(());
         }
-        self.streams.peer_open += 1;
+        self.streams.count_peer(id, &name, bulk);
         self.wire.entry(name.clone()).or_default().inbound += wire as u64;
         self.insert_stream(id, class, lane, name.clone());
         self.events.push_back(Event::Opened {

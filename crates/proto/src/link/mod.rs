@@ -13,7 +13,7 @@ mod streams;
 mod timer;
 mod transmit;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -51,6 +51,8 @@ pub struct LinkConfig {
     pub max_frame: u32,
     /// Most concurrent streams we accept from the peer.
     pub max_streams: u32,
+    /// Of `max_streams`, how many bulk-class streams may not take: kept for latency services.
+    pub latency_reserve: u32,
     /// Bytes of a stream we buffer before its writer is told to wait.
     pub send_buffer: usize,
     /// Interval between pings when the link is quiet.
@@ -87,6 +89,7 @@ impl LinkConfig {
             link_window: 64 << 20,
             max_frame: 64 * 1024,
             max_streams: 4096,
+            latency_reserve: 0,
             send_buffer: 256 * 1024,
             keepalive: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(30),
@@ -112,8 +115,12 @@ pub enum Event {
         class: Class,
         service: Arc<str>,
     },
-    /// The peer asked for a service we do not have; it was refused.
-    Refused { stream: StreamId, service: String },
+    /// The peer asked for a service we do not have, or one at its stream limit; it was refused.
+    Refused {
+        stream: StreamId,
+        service: String,
+        why: Refusal,
+    },
     /// A stream has bytes (or its end) to read.
     Readable(StreamId),
     /// A stream that was full can take more bytes.
@@ -182,12 +189,57 @@ struct Keepalive {
     rtt: Option<Duration>,
 }
 
+/// Why a stream the peer opened was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// We have no such service.
+    UnknownService,
+    /// The service has as many streams from the peer as its limit allows.
+    ServiceFull,
+    /// Bulk streams from the peer reached `max_streams - latency_reserve`: the rest is kept for
+    /// latency-class services.
+    BulkFull,
+    /// The peer has `max_streams` streams open.
+    LinkFull,
+}
+
+impl Refusal {
+    /// A short label for metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::UnknownService => "unknown_service",
+            Refusal::ServiceFull => "service_full",
+            Refusal::BulkFull => "bulk_full",
+            Refusal::LinkFull => "link_full",
+        }
+    }
+}
+
+/// What the peer may open on one of our services.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServiceLimit {
+    /// Streams the peer may have open on it at once.
+    pub max_streams: u32,
+    /// Its class in our config (counted against the latency reserve by this, not by what the
+    /// peer claims); `None` takes the class the peer announces.
+    pub class: Option<Class>,
+}
+
+impl Default for ServiceLimit {
+    fn default() -> Self {
+        ServiceLimit {
+            max_streams: u32::MAX,
+            class: None,
+        }
+    }
+}
+
 /// One link to one peer, without I/O.
 #[derive(Debug)]
 pub struct Link {
     cfg: LinkConfig,
     state: State,
-    services: HashSet<Arc<str>>,
+    services: HashMap<Arc<str>, ServiceLimit>,
     streams: Streams,
     /// What the peer's hello said (defaults until it arrives).
     peer: PeerParams,
@@ -234,7 +286,7 @@ impl Link {
         let hello = hello::ours(&cfg, coding.offers());
         Link {
             state: State::Handshake,
-            services: HashSet::new(),
+            services: HashMap::new(),
             streams: Streams::new(cfg.initiator),
             peer: PeerParams {
                 max_frame: 16 * 1024,
@@ -315,9 +367,23 @@ impl Link {
         self.coding.corrupt_decoders()
     }
 
-    /// Sets the service names the peer may open streams to (replaces the previous set).
+    /// Sets the service names the peer may open streams to (replaces the previous set), with no
+    /// limit of their own.
     pub fn set_services<I: IntoIterator<Item = S>, S: AsRef<str>>(&mut self, names: I) {
-        self.services = names.into_iter().map(|s| Arc::from(s.as_ref())).collect();
+        self.set_service_limits(names.into_iter().map(|n| (n, ServiceLimit::default())));
+    }
+
+    /// Sets the services the peer may open streams to, each with its limit (replaces the
+    /// previous set; streams already open stay).
+    pub fn set_service_limits<I, S>(&mut self, services: I)
+    where
+        I: IntoIterator<Item = (S, ServiceLimit)>,
+        S: AsRef<str>,
+    {
+        self.services = services
+            .into_iter()
+            .map(|(n, l)| (Arc::from(n.as_ref()), l))
+            .collect();
     }
 
     /// True once the peer's hello was accepted and until the link closes or drains.

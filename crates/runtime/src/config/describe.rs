@@ -74,11 +74,22 @@ impl Config {
                 on_off(s.policy.dedup),
                 s.policy.scope
             );
+            let idle = s.idle_timeout.map_or("off".to_string(), dur);
+            let _ = writeln!(
+                o,
+                "    max_streams: {}\n    idle_timeout: {idle}",
+                s.max_streams
+            );
             match &s.kind {
                 ServiceKind::Listen { addr, allow } => {
                     let _ = writeln!(o, "    listen: {}", quoted(addr));
                     let list: Vec<String> = allow.iter().map(quoted).collect();
                     let _ = writeln!(o, "    allow: [{}]", list.join(", "));
+                    let _ = writeln!(
+                        o,
+                        "    max_streams_per_client: {}",
+                        s.max_streams_per_client
+                    );
                 }
                 ServiceKind::Target { addr } => {
                     let _ = writeln!(o, "    target: {}", quoted(addr));
@@ -154,8 +165,8 @@ impl Config {
         );
         let _ = writeln!(
             o,
-            "  max_handshakes: {}\n  handshakes_per_source: {}",
-            m.max_handshakes, m.handshakes_per_source
+            "  latency_reserve: {}\n  max_handshakes: {}\n  handshakes_per_source: {}",
+            m.latency_reserve, m.max_handshakes, m.handshakes_per_source
         );
         o
     }

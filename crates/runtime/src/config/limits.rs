@@ -22,6 +22,7 @@ pub(super) struct RawLimits {
     idle_timeout: Option<String>,
     threads: Option<usize>,
     max_handshakes: Option<u32>,
+    latency_reserve: Option<u32>,
     handshakes_per_source: Option<u32>,
 }
 
@@ -38,6 +39,8 @@ pub struct Limits {
     pub idle_timeout: Duration,
     /// Runtime worker threads; 1 runs the daemon on one thread (no cross-thread wakeups).
     pub threads: usize,
+    /// Of `max_streams`, the streams bulk services may not take: kept for latency services.
+    pub latency_reserve: u32,
     /// Link connections that may be authenticating at once; the oldest goes when more arrive.
     pub max_handshakes: u32,
     /// The same, per source address.
@@ -85,6 +88,12 @@ pub(super) fn parse_limits(
     if idle_timeout <= link.keepalive {
         return Err(cx.err("limits.idle_timeout", "must be longer than link.keepalive"));
     }
+    let latency_reserve = match r.latency_reserve {
+        None => max_streams / 16,
+        Some(n) => {
+            in_range(n, 0, max_streams - 1).map_err(|m| cx.err("limits.latency_reserve", m))?
+        }
+    };
     let max_handshakes = match r.max_handshakes {
         None => defaults::MAX_HANDSHAKES,
         Some(n) => in_range(n, 1, 65536).map_err(|m| cx.err("limits.max_handshakes", m))?,
@@ -96,6 +105,7 @@ pub(super) fn parse_limits(
         }
     };
     Ok(Limits {
+        latency_reserve,
         max_handshakes,
         handshakes_per_source,
         threads: match r.threads {

@@ -93,6 +93,9 @@ struct RawService {
     compression: Option<String>,
     dedup: Option<Toggle>,
     dedup_scope: Option<String>,
+    max_streams: Option<u32>,
+    max_streams_per_client: Option<u32>,
+    idle_timeout: Option<String>,
 }
 
 /// `on`/`off` or a YAML boolean.
@@ -227,6 +230,12 @@ pub struct Service {
     pub kind: ServiceKind,
     /// How this service's bytes are optimized on the way to the peer (this side's choice).
     pub policy: StreamPolicy,
+    /// Streams of this service open at once (its clients', or the peer's for a target).
+    pub max_streams: u32,
+    /// Streams one client address may hold open (listen services).
+    pub max_streams_per_client: u32,
+    /// A stream with no bytes either way for this long is reset; `None`: never.
+    pub idle_timeout: Option<Duration>,
 }
 
 /// The optimization codec's settings.
@@ -337,6 +346,8 @@ pub mod defaults {
     pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
     pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
     pub const MAX_HANDSHAKES: u32 = 64;
+    pub const STREAMS_PER_CLIENT: u32 = 256;
+    pub const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
     pub const HANDSHAKES_PER_SOURCE: u32 = 8;
     pub const THREADS: usize = 1;
     pub const STATE_DIR: &str = "/var/lib/wanoptd";
@@ -844,11 +855,12 @@ fn parse_services(
     cx: &Ctx<'_>,
     raw: &[RawService],
     default: StreamPolicy,
+    limits: &Limits,
 ) -> Result<Vec<Service>, ConfigError> {
     let mut services = Vec::new();
     let mut names = HashSet::new();
     for (i, s) in raw.iter().enumerate() {
-        let svc = parse_service(cx, i, s, default)?;
+        let svc = parse_service(cx, i, s, default, limits)?;
         if !names.insert(svc.name.clone()) {
             return Err(cx.err(
                 format!("services[{i}].name"),
@@ -865,6 +877,7 @@ fn parse_service(
     i: usize,
     s: &RawService,
     default: StreamPolicy,
+    limits: &Limits,
 ) -> Result<Service, ConfigError> {
     let field = |f: &str| format!("services[{i}].{f}");
     if !valid_name(&s.name) {
@@ -922,11 +935,45 @@ fn parse_service(
             str::parse,
         )?,
     };
+    // Bulk services leave the latency reserve alone; a client gets a share, not the service.
+    let most = match class {
+        Class::Bulk => limits.max_streams - limits.latency_reserve,
+        Class::Latency => limits.max_streams,
+    };
+    let max_streams = match s.max_streams {
+        None => most,
+        Some(n) => in_range(n, 1, most).map_err(|m| cx.err(field("max_streams"), m))?,
+    };
+    let max_streams_per_client = match (s.max_streams_per_client, &kind) {
+        (None, _) => defaults::STREAMS_PER_CLIENT.min(max_streams),
+        (Some(_), ServiceKind::Target { .. }) => {
+            return Err(cx.err(
+                field("max_streams_per_client"),
+                "applies to listen services only",
+            ));
+        }
+        (Some(n), _) => {
+            in_range(n, 1, max_streams).map_err(|m| cx.err(field("max_streams_per_client"), m))?
+        }
+    };
+    let idle_timeout = match s.idle_timeout.as_deref() {
+        Some("off") => None,
+        v => Some(cx.dur(
+            &field("idle_timeout"),
+            &v.map(str::to_string),
+            defaults::STREAM_IDLE_TIMEOUT,
+            Duration::from_secs(1),
+            Duration::from_secs(7 * 86_400),
+        )?),
+    };
     Ok(Service {
         name: s.name.clone(),
         class,
         kind,
         policy,
+        max_streams,
+        max_streams_per_client,
+        idle_timeout,
     })
 }
 
@@ -979,12 +1026,12 @@ impl Config {
         }
         let link = parse_link(&cx, &raw.link, &raw.site)?;
         let optimize = parse_optimize(&cx, raw.optimize.as_ref(), &link)?;
-        let services = parse_services(&cx, &raw.services, optimize.default)?;
+        let limits = parse_limits(&cx, raw.limits.as_ref(), &link, optimize.enabled)?;
+        let services = parse_services(&cx, &raw.services, optimize.default, &limits)?;
         let admin = match &raw.admin {
             None => None,
             Some(a) => Some(parse_sockaddr(&a.listen).map_err(|m| cx.err("admin.listen", m))?),
         };
-        let limits = parse_limits(&cx, raw.limits.as_ref(), &link, optimize.enabled)?;
         Ok(Config {
             path: path.to_path_buf(),
             tls: parse_tls(&cx, &raw.tls),

@@ -309,6 +309,41 @@ fn bad_values_name_their_field() {
         field_err("limits:\n  max_handshakes: 10\n  handshakes_per_source: 11\n"),
         "limits.handshakes_per_source"
     );
+    assert_eq!(
+        field_err("limits:\n  max_streams: 8\n  latency_reserve: 8\n"),
+        "limits.latency_reserve"
+    );
+    assert_eq!(
+        field_err(
+            "limits:\n  max_streams: 16\nservices:\n  - {name: a, target: 'b:1', max_streams: 16}\n"
+        ),
+        "services[0].max_streams"
+    );
+    assert_eq!(
+        field_err("services:\n  - {name: a, target: 'b:1', max_streams_per_client: 2}\n"),
+        "services[0].max_streams_per_client"
+    );
+    assert_eq!(
+        field_err("services:\n  - {name: a, target: 'b:1', idle_timeout: 0s}\n"),
+        "services[0].idle_timeout"
+    );
+    let c = parse(
+        "limits:\n  max_streams: 16\nservices:\n  - {name: a, target: 'b:1', idle_timeout: 'off'}\n  - {name: d, listen: '127.0.0.1:1', class: latency}\n",
+    )
+    .expect("valid");
+    assert_eq!(c.limits.latency_reserve, 1);
+    assert_eq!(
+        (c.services[0].max_streams, c.services[0].idle_timeout),
+        (15, None)
+    );
+    assert_eq!(
+        (
+            c.services[1].max_streams,
+            c.services[1].max_streams_per_client
+        ),
+        (16, 16)
+    );
+    assert_eq!(c.services[1].idle_timeout, Some(Duration::from_secs(3600)));
     let c = parse("limits:\n  max_handshakes: 4\n").expect("valid");
     assert_eq!(
         (c.limits.max_handshakes, c.limits.handshakes_per_source),

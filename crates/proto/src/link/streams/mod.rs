@@ -5,7 +5,7 @@
 mod recv;
 mod send;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 pub(crate) use recv::RecvHalf;
@@ -51,6 +51,9 @@ pub(crate) struct Streams {
     peer_max_id: [u32; LANES],
     /// Streams the peer opened that are still open.
     pub peer_open: u32,
+    /// Of those, the ones per service, and the ones counted as bulk.
+    peer_services: HashMap<Arc<str>, u32>,
+    peer_bulk: HashSet<StreamId>,
     ready_latency: [VecDeque<StreamId>; LANES],
     ready_bulk: [VecDeque<StreamId>; LANES],
 }
@@ -63,6 +66,8 @@ impl Streams {
             next_local: if initiator { 1 } else { 2 },
             peer_max_id: [0; LANES],
             peer_open: 0,
+            peer_services: HashMap::new(),
+            peer_bulk: HashSet::new(),
             ready_latency: Default::default(),
             ready_bulk: Default::default(),
         }
@@ -111,11 +116,37 @@ impl Streams {
         }
     }
 
+    /// Counts a stream the peer opened on `service` (and as bulk) until it is removed.
+    pub fn count_peer(&mut self, id: StreamId, service: &Arc<str>, bulk: bool) {
+        self.peer_open += 1;
+        *self.peer_services.entry(service.clone()).or_insert(0) += 1;
+        if bulk {
+            self.peer_bulk.insert(id);
+        }
+    }
+
+    /// Streams the peer has open on `service`.
+    pub fn peer_on(&self, service: &str) -> u32 {
+        self.peer_services.get(service).copied().unwrap_or(0)
+    }
+
+    /// Bulk streams the peer has open.
+    pub fn peer_bulk(&self) -> u32 {
+        self.peer_bulk.len() as u32
+    }
+
     /// Removes a stream, counting it off the peer's open streams if the peer opened it.
     pub fn remove(&mut self, id: StreamId) -> Option<Stream> {
         let s = self.map.remove(&id)?;
         if self.is_peer_id(id) {
             self.peer_open = self.peer_open.saturating_sub(1);
+            self.peer_bulk.remove(&id);
+            if let Some(n) = self.peer_services.get_mut(&s.service) {
+                *n -= 1;
+                if *n == 0 {
+                    self.peer_services.remove(&s.service);
+                }
+            }
         }
         Some(s)
     }
@@ -177,6 +208,8 @@ impl Streams {
             self.ready_latency[l].clear();
         }
         self.peer_open = 0;
+        self.peer_services.clear();
+        self.peer_bulk.clear();
         self.map.drain().map(|(id, _)| id).collect()
     }
 
