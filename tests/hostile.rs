@@ -251,3 +251,196 @@ fn one_client_cannot_starve_the_latency_services() {
         "{m}"
     );
 }
+
+/// A peer holding a valid site certificate that speaks the real frame format, then misbehaves.
+struct Hostile {
+    tls: rustls::StreamOwned<rustls::ClientConnection, TcpStream>,
+}
+
+impl Hostile {
+    /// Connects to `link` as site `site` (certificate from `certs`) and completes the hello with
+    /// a real link state machine.
+    fn connect(certs: &Certs, site: &str, link: SocketAddr) -> Hostile {
+        let mut h = Self::tls_only(certs, site, link);
+        let mut l = wanopt_proto::Link::new(wanopt_proto::LinkConfig::new(site, "east", true));
+        let mut out = bytes::BytesMut::new();
+        l.poll_transmit(&mut out, 1 << 20);
+        h.write(&out).expect("hello");
+        let mut buf = [0u8; 65536];
+        let end = Instant::now() + Duration::from_secs(10);
+        while !l.is_open() {
+            assert!(Instant::now() < end, "no hello from east");
+            let n = std::io::Read::read(&mut h.tls, &mut buf).expect("read hello");
+            assert!(n > 0, "east closed during the hello");
+            l.handle_input(&buf[..n], Instant::now())
+                .expect("east's hello");
+        }
+        h
+    }
+
+    /// Only the TLS session, authenticated, nothing sent over it yet.
+    fn tls_only(certs: &Certs, site: &str, link: SocketAddr) -> Hostile {
+        let d = certs.path();
+        let m = wanopt_runtime::tls::load(&wanopt_runtime::config::TlsPaths {
+            ca: d.join("ca.pem"),
+            cert: d.join(format!("{site}.pem")),
+            key: d.join(format!("{site}.key")),
+        })
+        .expect("tls");
+        let name = wanopt_runtime::tls::server_name("east").expect("name");
+        let conn = rustls::ClientConnection::new(m.client.clone(), name).expect("client");
+        let tcp = TcpStream::connect(link).expect("connect");
+        tcp.set_write_timeout(Some(Duration::from_secs(3))).ok();
+        tcp.set_read_timeout(Some(Duration::from_secs(10))).ok();
+        Hostile {
+            tls: rustls::StreamOwned::new(conn, tcp),
+        }
+    }
+
+    fn write(&mut self, b: &[u8]) -> std::io::Result<()> {
+        std::io::Write::write_all(&mut self.tls, b)?;
+        std::io::Write::flush(&mut self.tls)
+    }
+
+    /// Writes `n` frames made by `f(i)`, in batches; stops early when east stops reading (our
+    /// write times out) or closes. Returns how many went out.
+    fn flood(&mut self, n: usize, f: impl Fn(usize) -> wanopt_proto::Frame) -> usize {
+        let mut sent = 0;
+        let mut buf = bytes::BytesMut::new();
+        while sent < n {
+            buf.clear();
+            let batch = (n - sent).min(1000);
+            for i in sent..sent + batch {
+                f(i).encode(&mut buf);
+            }
+            if self.write(&buf).is_err() {
+                break;
+            }
+            sent += batch;
+        }
+        sent
+    }
+}
+
+/// East with a small cache: the RSS bound of the attacks is its cache memory (memory for its
+/// decoder and mirror, plus delta_memory) plus 128 MiB.
+const EAST_OPTIMIZE: &str = "optimize:\n  memory: 32MiB\n  delta_memory: 32MiB\n";
+const EAST_BOUND: u64 = (2 * 32 + 32 + 128) * MIB;
+
+/// Each attack of a peer with a valid certificate, one after another against one east: a ping
+/// flood that never reads, thousands of opens of unknown services, an oversized hello, garbage
+/// after the hello. East's memory stays under its bound, it keeps running, and afterwards the
+/// honest west's streams through it arrive exact.
+#[test]
+fn a_hostile_peer_cannot_exhaust_the_daemon() {
+    use wanopt_proto::{Class, Frame, StreamId};
+    let srv = hash_server();
+    let certs = Certs::new(&["west", "east"]);
+    let east = Daemon::start(
+        "east",
+        &site_yaml(
+            "east",
+            "west",
+            "listen: 127.0.0.1:0",
+            &certs,
+            &format!("  - name: h\n    target: {srv}\n"),
+            &format!("admin:\n  listen: 127.0.0.1:0\n{EAST_OPTIMIZE}"),
+        ),
+    );
+    let link = east.bound("link");
+    let admin = east.bound("admin");
+    let honest = |round: u64| {
+        let mut west = Daemon::start(
+            "west",
+            &site_yaml(
+                "west",
+                "east",
+                &format!("connect: {link}"),
+                &certs,
+                "  - name: h\n    listen: 127.0.0.1:0\n",
+                "",
+            ),
+        );
+        west.wait_log("link up", Duration::from_secs(10));
+        hash_client(west.bound("h"), round, 8 * MIB, 8 * MIB).expect("an honest stream");
+        west.stop(libc::SIGTERM);
+    };
+    honest(0);
+    let mut report = Vec::new();
+
+    // 1. Pings, never reading the pongs: east stops reading us once the replies back up.
+    let mut h = Hostile::connect(&certs, "west", link);
+    let pings = h.flood(4_000_000, |i| Frame::Ping { payload: i as u64 });
+    let m = scrape(admin);
+    assert!(
+        value(&m, "wanopt_link_input_paused_total ") >= 1,
+        "east kept reading a peer that does not read: {pings} pings sent"
+    );
+    report.push(format!(
+        "ping flood: {pings} pings went out before east stopped reading"
+    ));
+    drop(h);
+    honest(1);
+
+    // 2. Opens of a service east does not have: each refused and counted, logs rationed.
+    let mut h = Hostile::connect(&certs, "west", link);
+    let opens = 10_000;
+    let sent = h.flood(opens, |i| Frame::Open {
+        stream: StreamId(2 * i as u32 + 1),
+        class: Class::Bulk,
+        service: format!("nope-{i}"),
+    });
+    assert_eq!(sent, opens);
+    let end = Instant::now() + Duration::from_secs(20);
+    while value(&scrape(admin), "wanopt_link_unknown_service_total ") < opens as u64 {
+        assert!(Instant::now() < end, "east did not refuse every open");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(east.count("refused stream for unknown service") <= 30);
+    report.push(format!("{opens} opens of unknown services refused"));
+    drop(h);
+    honest(2);
+
+    // 3. A hello far over the limit: refused before it is buffered whole.
+    let mut h = Hostile::tls_only(&certs, "west", link);
+    let rejected = value(&scrape(admin), "wanopt_link_rejected_total ");
+    let mut big = bytes::BytesMut::new();
+    Frame::Data {
+        stream: StreamId(1),
+        offset: 0,
+        fin: false,
+        data: bytes::Bytes::from(vec![0u8; 4 << 20]),
+    }
+    .encode(&mut big);
+    let _ = h.write(&big);
+    let end = Instant::now() + Duration::from_secs(10);
+    while value(&scrape(admin), "wanopt_link_rejected_total ") == rejected {
+        assert!(Instant::now() < end, "an oversized hello was not rejected");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(h);
+
+    // 4. Garbage after a good hello: the link is closed with a protocol error.
+    let mut h = Hostile::connect(&certs, "west", link);
+    let downs = east.count("link down");
+    let noise: Vec<u8> = (0..65536u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let _ = h.write(&noise);
+    east.wait_log_n("link down", downs + 1, Duration::from_secs(10));
+    drop(h);
+    honest(3);
+
+    let (peak, now) = rss(east.pid());
+    for r in &report {
+        println!("{r}");
+    }
+    println!(
+        "east RSS peak {} MiB, now {} MiB (bound {} MiB)",
+        peak / MIB,
+        now / MIB,
+        EAST_BOUND / MIB
+    );
+    assert!(peak < EAST_BOUND, "east peak RSS {} MiB", peak / MIB);
+    assert!(!east.log().iter().any(|l| l.contains("panicked")));
+}
