@@ -26,7 +26,8 @@ fn rss(pid: u32) -> (u64, u64) {
     (kb("VmHWM:"), kb("VmRSS:"))
 }
 
-/// Raises this process's open-file limit to its hard limit (the daemons inherit it), returning it.
+/// Raises this process's open-file limit (the daemons inherit it) to 65536 where allowed (root),
+/// else to its hard limit; returns the limit in force.
 fn raise_nofile() -> u64 {
     let mut r = libc::rlimit {
         rlim_cur: 0,
@@ -34,8 +35,15 @@ fn raise_nofile() -> u64 {
     };
     unsafe {
         libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
-        r.rlim_cur = r.rlim_max;
-        libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        let want = libc::rlimit {
+            rlim_cur: 65536.max(r.rlim_max),
+            rlim_max: 65536.max(r.rlim_max),
+        };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &want) != 0 {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
     }
     r.rlim_cur
 }
@@ -443,4 +451,163 @@ fn a_hostile_peer_cannot_exhaust_the_daemon() {
     );
     assert!(peak < EAST_BOUND, "east peak RSS {} MiB", peak / MIB);
     assert!(!east.log().iter().any(|l| l.contains("panicked")));
+}
+
+/// An echo server in a child process (Python's asyncio, one thread for every connection), so
+/// the test's own descriptors go to the clients. Returns the child and its address.
+fn echo_server() -> (std::process::Child, SocketAddr) {
+    use std::io::BufRead;
+    let script = r#"
+import asyncio, sys
+async def echo(r, w):
+    try:
+        while True:
+            b = await r.read(65536)
+            if not b:
+                break
+            w.write(b)
+            await w.drain()
+        w.write_eof()
+        await w.drain()
+    except Exception:
+        pass
+    w.close()
+async def main():
+    s = await asyncio.start_server(echo, '127.0.0.1', 0, backlog=4096)
+    print(s.sockets[0].getsockname()[1], flush=True)
+    await s.serve_forever()
+asyncio.run(main())
+"#;
+    let mut child = std::process::Command::new("python3")
+        .args(["-c", script])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 (the CI installs it)");
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("port");
+    let port: u16 = line.trim().parse().expect("a port");
+    (child, SocketAddr::from(([127, 0, 0, 1], port)))
+}
+
+/// Sends `len` pattern bytes from `from` through `to` and checks that the echo is exact.
+fn echo_client(from: IpAddr, to: SocketAddr, seed: u64, len: u64) -> Result<(), String> {
+    let s = connect_from(from, to).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(120))).ok();
+    let mut w = s.try_clone().map_err(|e| e.to_string())?;
+    let writer = std::thread::spawn(move || {
+        send_pattern(&mut w, seed, len)?;
+        w.shutdown(std::net::Shutdown::Write)
+    });
+    let mut r = s;
+    let (n, h) = read_all(&mut r).map_err(|e| format!("read: {e}"))?;
+    writer
+        .join()
+        .map_err(|_| "writer panicked".to_string())?
+        .map_err(|e| format!("write: {e}"))?;
+    if n != len || h != pattern_hash(seed, len) {
+        return Err(format!(
+            "stream {seed}: {n} bytes came back, not the {len} sent"
+        ));
+    }
+    Ok(())
+}
+
+/// Load: 10,000 idle clients and 500 active ones on one service (from 50 client addresses, within
+/// the per-client default), while unauthenticated connections flood the link port: both daemons'
+/// memory is measured, every active stream is exact, and a latency service still serves.
+#[test]
+fn ten_thousand_idle_and_five_hundred_active_clients() {
+    let nofile = raise_nofile();
+    let idle_n = 10_000usize;
+    assert!(
+        nofile >= idle_n as u64 + 4000,
+        "open-file limit {nofile} too low for {idle_n} clients"
+    );
+    let (mut echo, srv) = echo_server();
+    let limits = "  max_streams: 16384\nadmin:\n  listen: 127.0.0.1:0\n";
+    let p = Pair::start_extra(
+        &format!(
+            "  - name: bulk\n    target: {srv}\n  - name: dg\n    target: {srv}\n    class: latency\n"
+        ),
+        "  - name: bulk\n    listen: 127.0.0.1:0\n  - name: dg\n    listen: 127.0.0.1:0\n    class: latency\n",
+        limits,
+    );
+    let (bulk, dg) = (p.west.bound("bulk"), p.west.bound("dg"));
+    let t = Instant::now();
+    let mut idle = Vec::with_capacity(idle_n);
+    for i in 0..idle_n {
+        let from = IpAddr::V4(Ipv4Addr::new(127, 0, 5, (i / 200) as u8 + 1));
+        let s = connect_from(from, bulk).expect("idle client");
+        idle.push(s);
+    }
+    let opened = t.elapsed();
+    // The flood on the link port, from elsewhere.
+    let link = p.east.bound("link");
+    let flood: Vec<TcpStream> = (0..1000)
+        .filter_map(|i| {
+            connect_from(IpAddr::V4(Ipv4Addr::new(127, 0, 6, i as u8 / 10 + 1)), link).ok()
+        })
+        .collect();
+    let t = Instant::now();
+    let active: Vec<_> = (0..500u64)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let from = IpAddr::V4(Ipv4Addr::new(127, 0, 7, (i / 100) as u8 + 1));
+                echo_client(from, bulk, 1000 + i, MIB)
+            })
+        })
+        .collect();
+    // Meanwhile the latency service accepts and serves.
+    let lat = Instant::now();
+    for seed in 0..20 {
+        echo_client(IpAddr::V4(Ipv4Addr::LOCALHOST), dg, seed, 8 * 1024)
+            .expect("latency stream under load");
+    }
+    let lat = lat.elapsed() / 20;
+    let failures: Vec<String> = active
+        .into_iter()
+        .filter_map(|h| h.join().expect("client thread").err())
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "{} active streams failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(3)]
+    );
+    let active_time = t.elapsed();
+    let m = scrape(p.west.bound("admin"));
+    let streams = value(&m, "wanopt_streams_active{service=\"bulk\"} ");
+    let (wp, wn) = rss(p.west.pid());
+    let (ep, en) = rss(p.east.pid());
+    println!(
+        "load: {idle_n} idle clients opened in {opened:?}; 500 active 1+1 MiB streams in {active_time:?}; \
+         latency round trip {lat:?}; {streams} bulk streams open; west RSS peak {} MiB (now {}), \
+         east peak {} MiB (now {}), {} flood connections",
+        wp / MIB,
+        wn / MIB,
+        ep / MIB,
+        en / MIB,
+        flood.len()
+    );
+    assert_eq!(
+        streams, idle_n as u64,
+        "the idle clients' streams stay open"
+    );
+    // Bound: the cache memory (the default 256 MiB each for the shared cache's decoder or mirror
+    // and for the delta bases, both filled by the active streams), 128 MiB, and 64 KiB per stream.
+    let bound = 3 * 256 * MIB + 128 * MIB + (idle_n as u64 + 500) * 64 * 1024;
+    for (who, peak) in [("west", wp), ("east", ep)] {
+        assert!(
+            peak < bound,
+            "{who} peak RSS {} MiB > {} MiB",
+            peak / MIB,
+            bound / MIB
+        );
+    }
+    drop(idle);
+    drop(flood);
+    let _ = echo.kill();
+    let _ = echo.wait();
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info, warn};
 use wanopt_proto::{ReadOutcome, ResetCode, StreamId};
@@ -166,14 +166,31 @@ async fn pump(
         }
     };
     let result = {
-        let (mut rd, mut wr) = sock.split();
+        let (rd, mut wr) = sock.split();
         let up = async {
             let mut buf = BytesMut::new();
             loop {
-                buf.reserve(READ_CHUNK);
-                let n = tokio::select! {
-                    r = rd.read_buf(&mut buf) => r.map_err(|e| format!("local read: {e}"))?,
-                    _ = sig.gone.notified() => return Err(sig.reason()),
+                // An idle client holds no read buffer: wait until the socket is readable, then
+                // take room for a read (thousands of idle streams cost little memory).
+                let n = loop {
+                    let sock: &TcpStream = rd.as_ref();
+                    if buf.capacity() - buf.len() < READ_CHUNK / 4 {
+                        tokio::select! {
+                            r = sock.readable() => r.map_err(|e| format!("local read: {e}"))?,
+                            _ = sig.gone.notified() => return Err(sig.reason()),
+                        }
+                        buf.reserve(READ_CHUNK);
+                    }
+                    match sock.try_read_buf(&mut buf) {
+                        Ok(n) => break n,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            tokio::select! {
+                                r = sock.readable() => r.map_err(|e| format!("local read: {e}"))?,
+                                _ = sig.gone.notified() => return Err(sig.reason()),
+                            }
+                        }
+                        Err(e) => return Err(format!("local read: {e}")),
+                    }
                 };
                 if n == 0 {
                     h.with(|l| l.finish(id)).map_err(|_| sig.reason())?;
@@ -188,6 +205,10 @@ async fn pump(
                 // Hand the bytes over without copying; the buffer's spare room is kept for reads.
                 // The flush of a drained read goes with its last bytes: one lock, one wakeup.
                 let mut chunk = buf.split().freeze();
+                if drained {
+                    // The client paused: keep no spare room while it is quiet.
+                    buf = BytesMut::new();
+                }
                 while !chunk.is_empty() {
                     let (k, wants) = {
                         let mut g = lock(&h.inner);
