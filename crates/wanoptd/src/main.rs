@@ -228,13 +228,16 @@ fn demo(dir: &Path) -> ExitCode {
 /// SIGTERM or SIGINT.
 fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
     let threads = cfgs.iter().map(|c| c.limits.threads).max().unwrap_or(1);
+    // Disk I/O runs on at most 32 blocking threads (the units' TasksMax= counts on it).
     let built = if threads <= 1 {
         tokio::runtime::Builder::new_current_thread()
+            .max_blocking_threads(32)
             .enable_all()
             .build()
     } else {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
+            .max_blocking_threads(32)
             .enable_all()
             .build()
     };
