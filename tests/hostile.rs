@@ -95,6 +95,11 @@ fn an_unauthenticated_flood_cannot_lock_the_peer_out() {
     );
     west.wait_log("link up", Duration::from_secs(10));
     let svc = west.bound("h");
+    // The same honest stream before the flood, for the ratio printed below (not asserted:
+    // speed belongs to benches; this shows it held up).
+    let t = Instant::now();
+    hash_client(svc, 2, 16 * MIB, 16 * MIB).expect("an honest stream before the flood");
+    let calm = t.elapsed();
     let (_, before) = rss(east.pid());
     let started = Instant::now();
 
@@ -136,12 +141,13 @@ fn an_unauthenticated_flood_cannot_lock_the_peer_out() {
     let (peak, now) = rss(east.pid());
     println!(
         "flood: {} idle + {} churned connections; east RSS {} MiB before, peak {} MiB, now {} MiB; \
-         {evicted} evicted; honest 16+16 MiB stream {honest:?}",
+         {evicted} evicted; honest 16+16 MiB stream {honest:?} ({calm:?} before the flood: {:.2}x)",
         held.len(),
         churned.load(Ordering::Relaxed),
         before / MIB,
         peak / MIB,
         now / MIB,
+        calm.as_secs_f64() / honest.as_secs_f64(),
     );
     // Bound: no cache memory is configured (optimize is off), so 128 MiB in all.
     assert!(peak < 128 * MIB, "east peak RSS {} MiB", peak / MIB);
