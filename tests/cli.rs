@@ -19,6 +19,15 @@ fn wanoptd(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// A loopback port nobody listens on now (to check later that nothing was bound to it).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
 #[test]
 fn every_shipped_config_loads() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
@@ -72,11 +81,7 @@ fn bad_config_exits_64_naming_the_field() {
 #[test]
 fn missing_tls_files_exit_64_before_binding() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port();
+    let port = free_port();
     let p = dir.path().join("west.yaml");
     std::fs::write(
         &p,
@@ -100,11 +105,7 @@ fn exposed_keys_and_shared_state_dirs_exit_64_before_binding() {
     use std::os::unix::fs::PermissionsExt;
     let certs = Certs::new(&["west", "east"]);
     let dir = tempfile::tempdir().expect("tempdir");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port();
+    let port = free_port();
     let state = dir.path().join("state");
     std::fs::create_dir(&state).expect("mkdir");
     let p = dir.path().join("west.yaml");

@@ -56,6 +56,36 @@ fn connect_from(from: IpAddr, to: SocketAddr) -> std::io::Result<TcpStream> {
     Ok(s.into())
 }
 
+/// East listening on loopback, its service `h` pointing at `srv`, with `extra` top-level YAML.
+fn east_daemon(certs: &Certs, srv: SocketAddr, extra: &str) -> Daemon {
+    let services = format!("  - name: h\n    target: {srv}\n");
+    let yaml = site_yaml(
+        "east",
+        "west",
+        "listen: 127.0.0.1:0",
+        certs,
+        &services,
+        extra,
+    );
+    Daemon::start("east", &yaml)
+}
+
+/// An honest west dialing `link`, its service `h` listening on loopback, once its link is up.
+fn west_daemon(certs: &Certs, link: SocketAddr) -> Daemon {
+    let services = "  - name: h\n    listen: 127.0.0.1:0\n";
+    let yaml = site_yaml(
+        "west",
+        "east",
+        &format!("connect: {link}"),
+        certs,
+        services,
+        "",
+    );
+    let west = Daemon::start("west", &yaml);
+    west.wait_log("link up", Duration::from_secs(10));
+    west
+}
+
 /// Thousands of idle connections and a churn of garbage ones on the link port: the pending ones
 /// are bounded, the real peer still reconnects through them, and a stream still arrives exact.
 #[test]
@@ -68,32 +98,10 @@ fn an_unauthenticated_flood_cannot_lock_the_peer_out() {
     );
     let srv = hash_server();
     let certs = Certs::new(&["west", "east"]);
-    let admin = "admin:\n  listen: 127.0.0.1:0\n";
-    let east = Daemon::start(
-        "east",
-        &site_yaml(
-            "east",
-            "west",
-            "listen: 127.0.0.1:0",
-            &certs,
-            &format!("  - name: h\n    target: {srv}\n"),
-            admin,
-        ),
-    );
+    let east = east_daemon(&certs, srv, "admin:\n  listen: 127.0.0.1:0\n");
     let link = east.bound("link");
     let relay = Relay::new(link);
-    let west = Daemon::start(
-        "west",
-        &site_yaml(
-            "west",
-            "east",
-            &format!("connect: {}", relay.addr),
-            &certs,
-            "  - name: h\n    listen: 127.0.0.1:0\n",
-            "",
-        ),
-    );
-    west.wait_log("link up", Duration::from_secs(10));
+    let west = west_daemon(&certs, relay.addr);
     let svc = west.bound("h");
     // The same honest stream before the flood, for the ratio printed below (not asserted:
     // speed belongs to benches; this shows it held up).
@@ -350,32 +358,15 @@ fn a_hostile_peer_cannot_exhaust_the_daemon() {
     use wanopt_proto::{Class, Frame, StreamId};
     let srv = hash_server();
     let certs = Certs::new(&["west", "east"]);
-    let east = Daemon::start(
-        "east",
-        &site_yaml(
-            "east",
-            "west",
-            "listen: 127.0.0.1:0",
-            &certs,
-            &format!("  - name: h\n    target: {srv}\n"),
-            &format!("admin:\n  listen: 127.0.0.1:0\n{EAST_OPTIMIZE}"),
-        ),
+    let east = east_daemon(
+        &certs,
+        srv,
+        &format!("admin:\n  listen: 127.0.0.1:0\n{EAST_OPTIMIZE}"),
     );
     let link = east.bound("link");
     let admin = east.bound("admin");
     let honest = |round: u64| {
-        let mut west = Daemon::start(
-            "west",
-            &site_yaml(
-                "west",
-                "east",
-                &format!("connect: {link}"),
-                &certs,
-                "  - name: h\n    listen: 127.0.0.1:0\n",
-                "",
-            ),
-        );
-        west.wait_log("link up", Duration::from_secs(10));
+        let mut west = west_daemon(&certs, link);
         hash_client(west.bound("h"), round, 8 * MIB, 8 * MIB).expect("an honest stream");
         west.stop(libc::SIGTERM);
     };

@@ -174,21 +174,16 @@ async fn pump(
                 // take room for a read (thousands of idle streams cost little memory).
                 let n = loop {
                     let sock: &TcpStream = rd.as_ref();
+                    tokio::select! {
+                        r = sock.readable() => r.map_err(|e| format!("local read: {e}"))?,
+                        _ = sig.gone.notified() => return Err(sig.reason()),
+                    }
                     if buf.capacity() - buf.len() < READ_CHUNK / 4 {
-                        tokio::select! {
-                            r = sock.readable() => r.map_err(|e| format!("local read: {e}"))?,
-                            _ = sig.gone.notified() => return Err(sig.reason()),
-                        }
                         buf.reserve(READ_CHUNK);
                     }
                     match sock.try_read_buf(&mut buf) {
                         Ok(n) => break n,
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                            tokio::select! {
-                                r = sock.readable() => r.map_err(|e| format!("local read: {e}"))?,
-                                _ = sig.gone.notified() => return Err(sig.reason()),
-                            }
-                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                         Err(e) => return Err(format!("local read: {e}")),
                     }
                 };
