@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -607,4 +608,25 @@ fn ten_thousand_idle_and_five_hundred_active_clients() {
     drop(flood);
     let _ = echo.kill();
     let _ = echo.wait();
+}
+
+/// The admin endpoint answers the networks in `admin.allow` and closes on anyone else.
+#[test]
+fn the_admin_endpoint_answers_only_its_allow_list() {
+    let certs = Certs::new(&["west", "east"]);
+    let (_hold, nowhere) = refusing_port();
+    let east = east_daemon(
+        &certs,
+        nowhere,
+        "admin:\n  listen: 127.0.0.1:0\n  allow: [127.0.0.2]\n",
+    );
+    let admin = east.bound("admin");
+    let inside = connect_from("127.0.0.2".parse().expect("ip"), admin).expect("connect");
+    assert!(scrape_on(inside).contains("wanopt_link_up"));
+    let mut outside = connect_from("127.0.0.1".parse().expect("ip"), admin).expect("connect");
+    let _ = outside.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    let mut got = Vec::new();
+    let _ = outside.read_to_end(&mut got);
+    assert!(got.is_empty(), "{}", String::from_utf8_lossy(&got));
+    east.wait_log("outside admin.allow", Duration::from_secs(5));
 }

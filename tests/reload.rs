@@ -79,7 +79,8 @@ fn reload_adds_removes_and_keeps_services() {
         &format!("listen: {keep}\n    class: latency"),
         1,
     );
-    std::fs::write(p.west.config_path(), west_yaml).expect("write");
+    std::fs::write(p.west.config_path(), &west_yaml).expect("write");
+    std::fs::write(p.west.config_path().with_extension("bak"), &west_yaml).expect("write");
     p.east.signal(libc::SIGHUP);
     p.east.wait_log("reloaded", 5 * SEC);
     p.west.signal(libc::SIGHUP);
@@ -104,4 +105,39 @@ fn reload_adds_removes_and_keeps_services() {
     p.west.wait_log("reload refused", 5 * SEC);
     hash_client(keep, 4, 100_000, 100_000).expect("still serving after a refused reload");
     hash_client(new, 5, 1000, 1000).expect("still serving the added service");
+
+    // A config that parses but whose TLS files do not load is refused whole: the service it
+    // adds does not start.
+    let good =
+        std::fs::read_to_string(p.west.config_path().with_extension("bak")).unwrap_or_default();
+    assert!(!good.is_empty());
+    let garbage = p.west.config_path().with_file_name("garbage.key");
+    std::fs::write(&garbage, "not a key\n").expect("write");
+    std::fs::set_permissions(
+        &garbage,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .expect("chmod");
+    let broken: String = good
+        .replacen(
+            "services:\n",
+            "services:\n  - name: extra\n    listen: 127.0.0.1:0\n",
+            1,
+        )
+        .lines()
+        .map(|l| {
+            if l.starts_with("  key: ") {
+                format!("  key: {}\n", garbage.display())
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    assert!(broken.contains("garbage.key"));
+    std::fs::write(p.west.config_path(), broken).expect("write");
+    p.west.signal(libc::SIGHUP);
+    p.west.wait_log_n("reload refused", 2, 5 * SEC);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(p.west.count("service=extra"), 0, "{:?}", p.west.log());
+    hash_client(new, 6, 1000, 1000).expect("still serving after a refused reload");
 }

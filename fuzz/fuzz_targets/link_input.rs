@@ -34,6 +34,7 @@ fuzz_target!(|data: &[u8]| {
             (8, 1 << 19),
         ],
         caches: vec![],
+        scoped: vec!["b".into()],
     })
     .encode(&mut hello);
     let _ = link.handle_input(&hello, now);

@@ -194,6 +194,10 @@ pub struct Hello {
     pub settings: Vec<(u16, u64)>,
     /// Saved chunk-cache states the sender can resume, so a restart keeps its dedup.
     pub caches: Vec<CacheOffer>,
+    /// Services whose bytes the sender wants in caches of their own (`dedup_scope: service`).
+    /// Both directions of a service use its own cache if either side names it. Optional on
+    /// the wire: a hello that ends after its offers names none.
+    pub scoped: Vec<String>,
 }
 
 /// Saved states of one chunk cache that a side can resume: both sides resume the newest state
@@ -213,6 +217,8 @@ pub struct CacheOffer {
 /// Most cache offers a hello may carry, and most saved states per offer.
 pub const MAX_OFFERS: usize = 512;
 pub const MAX_DIGESTS: usize = 8;
+/// Most service names a hello's scoped list may carry.
+pub const MAX_SCOPED: usize = 128;
 
 /// Setting ids carried in [`Hello::settings`].
 pub mod setting {
@@ -405,6 +411,17 @@ impl Frame {
                         digests,
                     });
                 }
+                let mut scoped = Vec::new();
+                if p.has_remaining() {
+                    let n = get_u16(&mut p)? as usize;
+                    if n > MAX_SCOPED {
+                        return Err(FrameError::Malformed("too many scoped services"));
+                    }
+                    scoped.reserve(n);
+                    for _ in 0..n {
+                        scoped.push(get_name(&mut p)?);
+                    }
+                }
                 Frame::Hello(Hello {
                     version,
                     min_version,
@@ -412,6 +429,7 @@ impl Frame {
                     capabilities,
                     settings,
                     caches,
+                    scoped,
                 })
             }
             kind::OPEN => {
@@ -532,6 +550,16 @@ impl Frame {
                                 3 + name_len(&c.scope) + 1 + 16 * c.digests.len().min(MAX_DIGESTS)
                             })
                             .sum::<usize>()
+                        + if h.scoped.is_empty() {
+                            0
+                        } else {
+                            2 + h
+                                .scoped
+                                .iter()
+                                .take(MAX_SCOPED)
+                                .map(|s| 1 + name_len(s))
+                                .sum::<usize>()
+                        }
                 }
                 Frame::Open { service, .. } => 1 + 1 + name_len(service),
                 Frame::Data { data, .. } => 8 + data.len(),
@@ -598,6 +626,13 @@ impl Frame {
                     out.put_u8(k as u8);
                     for d in &c.digests[..k] {
                         out.extend_from_slice(d);
+                    }
+                }
+                if !h.scoped.is_empty() {
+                    let n = h.scoped.len().min(MAX_SCOPED);
+                    out.put_u16(n as u16);
+                    for s in &h.scoped[..n] {
+                        put_name(out, s);
                     }
                 }
             }
@@ -790,10 +825,11 @@ mod tests {
                         proptest::collection::vec(any::<[u8; 16]>(), 0..=MAX_DIGESTS)
                     ),
                     0..4
-                )
+                ),
+                proptest::collection::vec(arb_name(), 0..4)
             )
                 .prop_map(
-                    |(version, min_version, site, capabilities, settings, caches)| {
+                    |(version, min_version, site, capabilities, settings, caches, scoped)| {
                         Frame::Hello(Hello {
                             version,
                             min_version,
@@ -809,6 +845,7 @@ mod tests {
                                     digests,
                                 })
                                 .collect(),
+                            scoped,
                         })
                     }
                 ),

@@ -16,7 +16,18 @@ fn codec(cache: u64) -> CodecSettings {
 
 /// A pair whose both sides optimize, with the given shared cache size.
 fn coded_pair(cache: u64, laned: bool) -> Pair {
-    let mut p = Pair::with(
+    let mut p = coded_pair_starting(cache);
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up);
+    if laned {
+        assert!(p.east.link.attach_lane(7) && p.west.link.attach_lane(7));
+    }
+    p
+}
+
+/// [`coded_pair`] before the hellos are exchanged (policies set now shape the scopes).
+fn coded_pair_starting(cache: u64) -> Pair {
+    Pair::with(
         Duration::from_millis(20),
         50_000_000,
         |c| {
@@ -27,13 +38,7 @@ fn coded_pair(cache: u64, laned: bool) -> Pair {
             c.codec = Some(codec(cache));
             c.token = 7;
         },
-    );
-    p.drive(Duration::from_secs(1));
-    assert!(p.west.app.up && p.east.app.up);
-    if laned {
-        assert!(p.east.link.attach_lane(7) && p.west.link.attach_lane(7));
-    }
-    p
+    )
 }
 
 /// A coded pair, up, whose west (set up by `west`) sends link-bound to an east with `east`.
@@ -434,7 +439,7 @@ fn latency_streams_never_wait_for_a_chunk_boundary() {
 
 #[test]
 fn dedup_off_and_service_scope_keep_caches_apart() {
-    let mut p = coded_pair(16 << 20, false);
+    let mut p = coded_pair_starting(16 << 20);
     p.west.link.set_policies([
         (
             "e-svc",
@@ -453,6 +458,7 @@ fn dedup_off_and_service_scope_keep_caches_apart() {
             },
         ),
     ]);
+    p.drive(Duration::from_secs(1));
     let data = db_blocks(64, 4);
     send_once(&mut p, "e-svc", Class::Bulk, &data);
     let again = send_once(&mut p, "e-svc", Class::Bulk, &data);
@@ -473,6 +479,85 @@ fn dedup_off_and_service_scope_keep_caches_apart() {
     let stats = p.east.link.cache_stats();
     assert!(stats.iter().any(|s| &*s.scope == "e-lat" && s.bytes > 0));
     assert!(stats.iter().all(|s| !s.scope.is_empty() || s.bytes == 0));
+    p.assert_no_leaks();
+}
+
+#[test]
+fn scopes_are_agreed_in_the_hellos_and_hold_both_ways() {
+    // Only east's policy gives e-svc a cache of its own: both directions use it.
+    let mut p = coded_pair_starting(16 << 20);
+    let own = StreamPolicy {
+        scope: Scope::Service,
+        ..StreamPolicy::default()
+    };
+    p.east.link.set_policies([("e-svc", own)]);
+    p.drive(Duration::from_secs(1));
+    let data = db_blocks(64, 6);
+    let id = open_and_send(&mut p, "e-svc", Class::Bulk, data.clone());
+    p.west.app.received.entry(id).or_default();
+    p.drive(Duration::from_secs(30));
+    p.east.app.to_send.insert(id, (data.clone(), true));
+    p.drive(Duration::from_secs(30));
+    assert!(p.east.app.received[&id] == data[..] && p.west.app.received[&id] == data[..]);
+    for side in [&p.west, &p.east] {
+        let stats = side.link.cache_stats();
+        assert!(
+            stats
+                .iter()
+                .any(|s| &*s.scope == "e-svc" && s.role == "decoder" && s.bytes > 0),
+            "{stats:?}"
+        );
+        assert!(stats.iter().all(|s| !s.scope.is_empty() || s.bytes == 0));
+    }
+    // A scope change in the middle of a link waits for the next one.
+    p.east
+        .link
+        .set_policies([("e-svc", StreamPolicy::default())]);
+    let before = p.east.link.cache_stats();
+    send_once(&mut p, "e-svc", Class::Bulk, &db_blocks(16, 7));
+    assert!(
+        p.east
+            .link
+            .cache_stats()
+            .iter()
+            .all(|s| !s.scope.is_empty() || s.bytes == 0),
+        "still the service's own cache ({before:?})"
+    );
+    // Frames of another service that claim a cache of its own reset that stream only, and no
+    // cache is made for it.
+    let id = p.west.link.open("e-lat", Class::Bulk).expect("open");
+    p.west.app.received.entry(id).or_default();
+    p.drive(Duration::from_secs(1));
+    let mut buf = BytesMut::new();
+    Frame::Coded {
+        stream: id,
+        offset: 0,
+        fin: false,
+        scoped: true,
+        raw_len: 3,
+        records: Bytes::from_static(&[1, 0, 0, 0, 3, b'a', b'b', b'c']),
+    }
+    .encode(&mut buf);
+    p.east
+        .link
+        .handle_input_buf(&mut buf, p.now)
+        .expect("the link survives");
+    p.drive(Duration::from_secs(1));
+    assert!(
+        p.east
+            .app
+            .resets
+            .contains(&(id, ResetCode::ProtocolViolation))
+    );
+    assert!(
+        p.east
+            .link
+            .cache_stats()
+            .iter()
+            .all(|s| &*s.scope != "e-lat")
+    );
+    assert!(p.east.link.is_open());
+    p.west.app.received.retain(|k, _| *k != id);
     p.assert_no_leaks();
 }
 
@@ -969,8 +1054,9 @@ fn service_scoped_caches_resume_too() {
             },
         )]
     };
-    let mut p = stored_pair(&ws, &es);
+    let mut p = stored_pair_starting(&ws, &es, Duration::from_secs(60));
     p.west.link.set_policies(scoped());
+    p.drive(Duration::from_secs(1));
     let first = send_once(&mut p, "e-svc", Class::Bulk, &data);
     shut_down(p, &ws, &es);
     assert!(
@@ -979,8 +1065,9 @@ fn service_scoped_caches_resume_too() {
             .any(|c| c.role == Role::Decoder && &*c.scope == "e-svc"),
         "the service's own cache was saved"
     );
-    let mut p = stored_pair(&ws, &es);
+    let mut p = stored_pair_starting(&ws, &es, Duration::from_secs(60));
     p.west.link.set_policies(scoped());
+    p.drive(Duration::from_secs(1));
     let again = send_once(&mut p, "e-svc", Class::Bulk, &data);
     assert!(again * 50 < first, "{again} of {first}");
     // The shared cache never saw the service's chunks.

@@ -208,6 +208,7 @@ fn version_mismatch_is_a_clear_error_on_both_sides() {
         capabilities: 0,
         settings: vec![],
         caches: vec![],
+        scoped: vec![],
     })
     .encode(&mut buf);
     let err = link.handle_input(&buf, now).expect_err("mismatch");

@@ -1,23 +1,33 @@
 //! The admin endpoint: a minimal HTTP/1.1 server for Prometheus scrapes (`GET /metrics`) and
 //! health checks (`GET /healthz`), on the `admin.listen` address (loopback by default).
 //!
-//! Requests are hostile input like any other: the head is capped at 8 KiB and must arrive within
-//! five seconds; anything but those two GETs gets a 404 or 405, and every connection is closed
-//! after one response.
+//! Requests are hostile input like any other: only `admin.allow` may connect, at most 32 at a
+//! time; the head is capped at 8 KiB and must arrive within five seconds; anything but those two
+//! GETs gets a 404 or 405, and every connection is closed after one response.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use ipnet::IpNet;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
 use crate::counters::Counters;
+use crate::gate::LogBudget;
 
 const MAX_HEAD: usize = 8 * 1024;
 
-/// Serves the admin endpoint until the task is dropped.
-pub async fn serve(listener: TcpListener, counters: Arc<Counters>) {
+/// Requests answered at once; a connection beyond them is closed unanswered.
+const MAX_CONNECTIONS: usize = 32;
+
+static OUTSIDERS: LogBudget = LogBudget::new(Duration::from_secs(10), 10);
+
+/// Serves the admin endpoint until the task is dropped, to clients in `allow` (empty: any,
+/// which the config permits only on loopback).
+pub async fn serve(listener: TcpListener, allow: Vec<IpNet>, counters: Arc<Counters>) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let (sock, from) = match listener.accept().await {
             Ok(x) => x,
@@ -27,6 +37,17 @@ pub async fn serve(listener: TcpListener, counters: Arc<Counters>) {
                 continue;
             }
         };
+        if !crate::config::allowed(&allow, from.ip()) {
+            if let Some(suppressed) = OUTSIDERS.take(std::time::Instant::now()) {
+                warn!(from = %from, suppressed, "admin endpoint: refused a client outside admin.allow");
+            }
+            crate::sockopt::abort(&sock);
+            continue;
+        }
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            crate::sockopt::abort(&sock);
+            continue;
+        };
         let counters = counters.clone();
         tokio::spawn(async move {
             if let Err(e) =
@@ -34,6 +55,7 @@ pub async fn serve(listener: TcpListener, counters: Arc<Counters>) {
             {
                 debug!(from = %from, error = %e, "admin request timed out");
             }
+            drop(slot);
         });
     }
 }

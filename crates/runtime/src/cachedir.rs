@@ -5,7 +5,7 @@
 //! decoder's segments before its state names them, so a crash never leaves a state that points at
 //! unwritten chunks. Everything read back is verified: a damaged state is skipped with a warning.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::{DirBuilder, File};
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -30,6 +30,10 @@ use crate::store::AsyncStore;
 /// the decoder's wait for its segments to reach the disk, so the mirror side keeps more.
 const KEEP_DECODER_STATES: usize = 3;
 const KEEP_MIRROR_STATES: usize = wanopt_proto::frame::MAX_DIGESTS;
+
+/// The cache directory of a service no longer configured goes after this long untouched (a
+/// service renamed or removed for good; one back within it resumes its cache).
+pub const STALE_AFTER: Duration = Duration::from_secs(7 * 24 * 3600);
 
 fn keep(role: Role) -> usize {
     match role {
@@ -110,6 +114,9 @@ pub struct CacheDir {
     bases: AtomicU64,
     pending: AtomicUsize,
     idle: tokio::sync::Notify,
+    /// The newest state waiting to be written per cache directory, with its number.
+    queued: Mutex<HashMap<PathBuf, (u64, Arc<Snapshot>)>>,
+    coalesced: AtomicU64,
     /// Held (`flock`) while the directory is in use: two daemons must never share one.
     _lock: File,
 }
@@ -281,6 +288,8 @@ impl CacheDir {
             bases: AtomicU64::new(0),
             pending: AtomicUsize::new(0),
             idle: tokio::sync::Notify::new(),
+            queued: Mutex::default(),
+            coalesced: AtomicU64::new(0),
             _lock: lock,
         })
     }
@@ -342,34 +351,63 @@ impl CacheDir {
         }
     }
 
-    /// Writes a saved state in the background; [`flush`](Self::flush) waits for it.
+    /// Writes a saved state in the background; [`flush`](Self::flush) waits for it. At most
+    /// one write per cache waits at a time: a newer state replaces the one waiting, so however
+    /// often the peer's checkpoints match, the writes queued stay one per cache.
     pub fn save(self: &Arc<Self>, role: Role, lane: usize, scope: &str, state: Arc<Snapshot>) {
         let Some(name) = dir_name(role, lane, scope) else {
             return;
         };
         let dir = self.root.join(name);
-        let store_dir = dir.clone();
         let seq = self.seq.fetch_add(1, SeqCst) + 1;
+        let waiting = self
+            .queued
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(dir.clone(), (seq, state))
+            .is_some();
+        if waiting {
+            self.coalesced.fetch_add(1, SeqCst);
+            return;
+        }
         self.pending.fetch_add(1, SeqCst);
+        self.schedule(role, dir, seq);
+    }
+
+    /// Queues the write of the state waiting for `dir`, expected to be the one numbered `seq`.
+    /// A decoder's state goes after the chunks it names, on its store's thread: one replaced
+    /// while waiting is queued again, behind what was appended before it.
+    fn schedule(self: &Arc<Self>, role: Role, dir: PathBuf, seq: u64) {
         let me = self.clone();
+        let store = (role == Role::Decoder)
+            .then(|| {
+                self.stores
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get(&dir)
+                    .cloned()
+            })
+            .flatten();
+        let ordered = store.is_some();
         let job = move || {
-            if let Err(e) = me.write_state(role, &dir, seq, &state) {
+            let mut queued = me.queued.lock().unwrap_or_else(PoisonError::into_inner);
+            let Some((newest, state)) = queued.get(&dir).cloned() else {
+                return;
+            };
+            if ordered && newest != seq {
+                drop(queued);
+                me.schedule(role, dir, newest);
+                return;
+            }
+            queued.remove(&dir);
+            drop(queued);
+            if let Err(e) = me.write_state(role, &dir, newest, &state) {
                 warn!(dir = %dir.display(), error = %e, "cannot save the cache state");
             }
             if me.pending.fetch_sub(1, SeqCst) == 1 {
                 me.idle.notify_waiters();
             }
         };
-        // A decoder's state goes after the chunks it names, on its store's thread.
-        let store = (role == Role::Decoder)
-            .then(|| {
-                self.stores
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .get(&store_dir)
-                    .cloned()
-            })
-            .flatten();
         match (store, tokio::runtime::Handle::try_current()) {
             (Some(s), _) => s
                 .lock()
@@ -380,6 +418,11 @@ impl CacheDir {
             }
             (None, Err(_)) => job(),
         }
+    }
+
+    /// Cache states replaced by a newer one before they were written.
+    pub fn coalesced(&self) -> u64 {
+        self.coalesced.load(SeqCst)
     }
 
     fn write_state(
@@ -437,9 +480,11 @@ impl CacheDir {
 }
 
 impl CacheDir {
-    /// States saved for this peer, newest first per cache (listed, not loaded). Reads the
+    /// States saved for this peer, newest first per cache (listed, not loaded), of the shared
+    /// caches and of the `services` configured now. The caches of services no longer
+    /// configured are not offered, and go once untouched for [`STALE_AFTER`]. Reads the
     /// directory: call it where blocking is allowed.
-    pub fn saved(&self) -> Vec<SavedCache> {
+    pub fn saved(&self, services: &HashSet<String>) -> Vec<SavedCache> {
         let mut out = Vec::new();
         for e in std::fs::read_dir(&self.root)
             .into_iter()
@@ -449,6 +494,10 @@ impl CacheDir {
             let Some((role, lane, scope)) = e.file_name().to_str().and_then(parse_dir_name) else {
                 continue;
             };
+            if !scope.is_empty() && !services.contains(&scope) {
+                self.age_out(&e.path());
+                continue;
+            }
             let states: Vec<SavedState> = states_in(&e.path())
                 .into_iter()
                 .take(keep(role))
@@ -467,6 +516,29 @@ impl CacheDir {
             info!(dir = %self.root.display(), caches = out.len(), "found saved cache states");
         }
         out
+    }
+
+    /// Removes the cache directory of a service no longer configured once nothing was written
+    /// to it for [`STALE_AFTER`] (and this daemon has no store open on it).
+    fn age_out(&self, dir: &Path) {
+        let age = std::fs::symlink_metadata(dir)
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok());
+        let open = self
+            .stores
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(dir);
+        if open || age.is_none_or(|a| a < STALE_AFTER) {
+            return;
+        }
+        match std::fs::remove_dir_all(dir) {
+            Ok(()) => {
+                info!(dir = %dir.display(), "removed the cache of a service no longer configured")
+            }
+            Err(e) => warn!(dir = %dir.display(), error = %e, "cannot remove a stale cache"),
+        }
     }
 
     /// Loads a saved state; `None` if it is gone or damaged (its digest is checked). Reads a
@@ -629,5 +701,67 @@ mod tests {
             assert_eq!(parse_state_name(bad), None, "{bad}");
         }
         assert_eq!(parse_dir_name("mirror-0-svc-../x"), None);
+    }
+
+    #[test]
+    fn caches_of_services_gone_are_not_offered_and_age_out() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cd = Arc::new(
+            CacheDir::open(dir.path(), "east", CodecSettings::default(), None).expect("open"),
+        );
+        let snap = Arc::new(wanopt_codec::cache::ChunkCache::new(1 << 20).snapshot());
+        for scope in ["", "redo", "gone"] {
+            cd.save(Role::Mirror, 0, scope, snap.clone());
+        }
+        let live: HashSet<String> = ["redo".to_string()].into();
+        let scopes = |cd: &CacheDir| {
+            let mut v: Vec<String> = cd
+                .saved(&live)
+                .iter()
+                .map(|c| c.scope.to_string())
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(scopes(&cd), ["", "redo"]);
+        let gone = cd.root().join("mirror-0-svc-gone");
+        assert!(
+            gone.exists(),
+            "kept while recent: the service may come back"
+        );
+        let old = std::time::SystemTime::now() - STALE_AFTER - Duration::from_secs(60);
+        std::fs::File::open(&gone)
+            .and_then(|f| f.set_modified(old))
+            .expect("set mtime");
+        assert_eq!(scopes(&cd), ["", "redo"]);
+        assert!(!gone.exists(), "aged out");
+        assert!(cd.root().join("mirror-0-svc-redo").exists());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn states_asked_for_faster_than_written_wait_one_per_cache() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let codec = CodecSettings {
+            disk_bytes: 16 << 20,
+            ..CodecSettings::default()
+        };
+        let cd = Arc::new(CacheDir::open(dir.path(), "east", codec, None).expect("open"));
+        let _store = CacheStorage::store(&*cd, 0, "").expect("a disk tier");
+        let snaps: Vec<Arc<Snapshot>> = (1..=2000)
+            .map(|i| Arc::new(wanopt_codec::cache::ChunkCache::new(i << 12).snapshot()))
+            .collect();
+        for s in &snaps {
+            cd.save(Role::Decoder, 0, "", s.clone());
+        }
+        cd.flush(Duration::from_secs(30)).await;
+        assert!(cd.coalesced() > 1000, "{} replaced", cd.coalesced());
+        let states = states_in(&cd.root().join("decoder-0-link"));
+        assert!(states.len() <= KEEP_DECODER_STATES);
+        let last = snaps.last().expect("last");
+        assert_eq!(
+            states[0].1.digest,
+            last.digest(),
+            "the newest state is written"
+        );
     }
 }

@@ -341,6 +341,7 @@ pub struct CodecMetrics {
     cache_evictions: Family<CacheLabel, Gauge>,
     cache_unreadable: Family<CacheLabel, Gauge>,
     stall_timeouts: Counter,
+    states_replaced: Counter,
 }
 
 impl CodecMetrics {
@@ -377,6 +378,12 @@ impl CodecMetrics {
             "wanopt_stall_timeouts",
             "Streams reset because a chunk they waited for (asked of the peer, or read from our disk tier) did not come within the link's idle timeout",
             m.stall_timeouts.clone(),
+        );
+        r.register(
+            "wanopt_cache_states_replaced",
+            "Cache states the peer's checkpoints asked us to save that a newer one replaced before \
+             they were written (at most one write waits per cache)",
+            m.states_replaced.clone(),
         );
         r.register(
             "wanopt_dedup_resends",
@@ -485,6 +492,11 @@ impl CodecMetrics {
         if n > 0 {
             self.stall_timeouts.inc_by(n);
         }
+    }
+
+    /// Counts a cache state replaced before it was written.
+    pub fn state_replaced(&self) {
+        self.states_replaced.inc();
     }
 
     /// Sets the cache gauges from the current link.

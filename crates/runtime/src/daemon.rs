@@ -104,7 +104,7 @@ impl Daemon {
             }
             LinkRole::Connect(_) => None,
         };
-        let admin_listener = match cfg.admin {
+        let admin_listener = match cfg.admin.as_ref().map(|a| a.addr) {
             Some(addr) => {
                 let l = sockopt::local_listener(addr).map_err(|source| DaemonError::Bind {
                     what: "admin endpoint".into(),
@@ -120,7 +120,7 @@ impl Daemon {
         };
         let mut service_listeners = Vec::new();
         for s in &cfg.services {
-            if let ServiceKind::Listen { addr, allow } = &s.kind {
+            if let ServiceKind::Listen { addr, .. } = &s.kind {
                 let l = sockopt::local_listener(*addr).map_err(|source| DaemonError::Bind {
                     what: format!("service {}", s.name),
                     addr: *addr,
@@ -128,9 +128,6 @@ impl Daemon {
                 })?;
                 let local = l.local_addr().unwrap_or(*addr);
                 info!(kind = "service", service = %s.name, addr = %local, "bound");
-                if !addr.ip().is_loopback() && allow.is_empty() {
-                    warn!(service = %s.name, addr = %local, "service listens beyond loopback with no allow list: any host that reaches it can use the tunnel");
-                }
                 bound.services.push((s.name.clone(), local));
                 service_listeners.push((s.clone(), l));
             }
@@ -202,7 +199,17 @@ impl Daemon {
             }
         }
         if let Some(l) = self.admin_listener {
-            tasks.push(tokio::spawn(crate::admin::serve(l, peer.counters.clone())));
+            let allow = peer
+                .cfg()
+                .admin
+                .as_ref()
+                .map(|a| a.allow.clone())
+                .unwrap_or_default();
+            tasks.push(tokio::spawn(crate::admin::serve(
+                l,
+                allow,
+                peer.counters.clone(),
+            )));
         }
         let link_task = match self.link_listener {
             Some(l) => tokio::spawn(establish::accept_links(peer.clone(), l)),

@@ -240,7 +240,11 @@ impl LinkHandle {
                     state,
                 } => {
                     if let Some(c) = &self.ctx.caches {
+                        let before = c.coalesced();
                         c.save(role, lane, &scope, state);
+                        if c.coalesced() > before {
+                            counters.codec.state_replaced();
+                        }
                     }
                 }
             }

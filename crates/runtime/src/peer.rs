@@ -127,7 +127,8 @@ impl Peer {
         if lc.cache_storage.is_some()
             && let Some(dir) = self.caches.clone()
         {
-            lc.saved_states = tokio::task::spawn_blocking(move || dir.saved())
+            let services = cfg.services.iter().map(|s| s.name.clone()).collect();
+            lc.saved_states = tokio::task::spawn_blocking(move || dir.saved(&services))
                 .await
                 .unwrap_or_default();
         }

@@ -1,6 +1,7 @@
 //! Reload (SIGHUP): a new config's services are applied in place, listeners started and
 //! stopped, certificates re-read for the next connections; what needs a restart is named in the
-//! log. Streams already open finish with the settings they started with.
+//! log. Streams already open finish with the settings they started with. A config whose TLS
+//! files do not load is refused whole.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -36,7 +37,8 @@ pub(crate) fn apply_reload(
         needs_restart.push("link");
     }
     // Certificates are re-read on every reload (renewed files keep their paths): the next link
-    // connections use them; the current link goes on with the ones it authenticated with.
+    // connections use them; the current link goes on with the ones it authenticated with. A
+    // reload is all or nothing: TLS files that do not load refuse the whole of it.
     let tls_changed = new.tls != old.tls;
     match tls::load(&new.tls) {
         Ok(m) => {
@@ -50,7 +52,8 @@ pub(crate) fn apply_reload(
             info!("reload: certificates re-read; new link connections use them");
         }
         Err(e) => {
-            warn!(error = %e, "reload: cannot load the TLS files; keeping the current certificates")
+            warn!(error = %e, "reload refused: cannot load the TLS files; the old config stays in force");
+            return;
         }
     }
     if new.admin != old.admin {

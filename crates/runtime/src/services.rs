@@ -38,7 +38,7 @@ pub(crate) async fn accept_clients(peer: Arc<Peer>, name: String, listener: TcpL
             sockopt::abort(&sock);
             return false;
         };
-        if !allow.is_empty() && !allow.iter().any(|n| n.contains(&from.ip())) {
+        if !crate::config::allowed(allow, from.ip()) {
             add(&counters.streams_refused, 1);
             if let Some(suppressed) = OUTSIDERS.take(std::time::Instant::now()) {
                 warn!(service = %svc.name, from = %from, suppressed, "refused client outside the allow list");

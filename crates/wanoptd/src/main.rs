@@ -123,7 +123,7 @@ fn main() -> ExitCode {
                 (Some(a), _) => a,
                 (None, Some(path)) => match load(path) {
                     Ok(cfg) => match cfg.admin {
-                        Some(a) => a,
+                        Some(a) => a.addr,
                         None => {
                             eprintln!(
                                 "wanoptd stats: {} has no admin.listen; give --admin ADDR",

@@ -10,7 +10,7 @@ mod contexts;
 mod emit;
 mod recv;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
@@ -260,6 +260,9 @@ const MAX_ANSWERS: usize = 1024;
 pub(crate) struct Coding {
     ctx: Option<Contexts>,
     policies: HashMap<Arc<str>, StreamPolicy>,
+    /// Services whose bytes go through caches of their own, both ways: those either side's
+    /// hello named. Fixed for the link's life (a reload's scope changes wait for the next link).
+    scoped: HashSet<Arc<str>>,
     pressure: Pressure,
     answers: usize,
     /// The peer decodes context records.
@@ -304,6 +307,7 @@ impl Coding {
         Coding {
             ctx: settings.map(|c| Contexts::new(c, storage, saved)),
             policies: HashMap::new(),
+            scoped: HashSet::new(),
             pressure: Pressure::CpuBound,
             answers: 0,
             peer_context: false,
@@ -317,6 +321,34 @@ impl Coding {
 
     pub fn set_policies(&mut self, policies: HashMap<Arc<str>, StreamPolicy>) {
         self.policies = policies;
+    }
+
+    /// The services our policies give caches of their own, for the hello (sorted, at most
+    /// [`frame::MAX_SCOPED`]).
+    pub fn own_scoped(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .policies
+            .iter()
+            .filter(|(_, p)| p.scope == Scope::Service)
+            .map(|(s, _)| s.to_string())
+            .collect();
+        v.sort_unstable();
+        v.truncate(frame::MAX_SCOPED);
+        v
+    }
+
+    /// Checks a coded frame's scope against the agreement: a service's frames use its own
+    /// cache exactly when the hellos named it.
+    pub fn check_scope(&self, service: &str, scoped: bool) -> Result<(), String> {
+        match (scoped, self.scoped.contains(service)) {
+            (true, false) => Err(format!(
+                "service-scoped frames for {service}, whose scope the hellos did not agree"
+            )),
+            (false, true) => Err(format!(
+                "shared-cache frames for {service}, which the hellos agreed has its own cache"
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// Uses `bases` as the store of delta bases (see [`LinkConfig`](crate::LinkConfig)).
@@ -337,8 +369,14 @@ impl Coding {
     }
 
     /// Takes what the peer's hello says about its codec, and the saved states it offers.
-    pub fn on_peer(&mut self, peer: &PeerCodec, offers: &[CacheOffer]) {
+    pub fn on_peer(&mut self, peer: &PeerCodec, offers: &[CacheOffer], scoped: &[String]) {
         self.peer_context = peer.caps & CAP_CONTEXT != 0;
+        self.scoped = self
+            .own_scoped()
+            .iter()
+            .chain(scoped)
+            .map(|s| Arc::from(s.as_str()))
+            .collect();
         if peer.caps & crate::lane::CAP_CODEC != 0
             && let Some(ctx) = self.ctx.as_mut()
         {
@@ -369,6 +407,7 @@ impl Coding {
             return None;
         }
         let mut c = SendCoder::new(&p, class == Class::Latency);
+        c.scoped = self.scoped.contains(service);
         c.max_chunk = chunking.max_chunk;
         c.policy.context = self.peer_context;
         Some(Box::new(c))

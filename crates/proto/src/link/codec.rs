@@ -44,6 +44,15 @@ impl Link {
             }
             return Ok(());
         };
+        // A scope the hellos did not agree would make a cache nobody configured (or mix a
+        // service's bytes into the shared cache): the stream goes, the caches stay as they were.
+        if let Err(why) = self.coding.check_scope(&s.service, scoped) {
+            self.fail_stream(id, ResetCode::ProtocolViolation, why);
+            return Ok(());
+        }
+        let Some(s) = self.streams.get(&id) else {
+            return Ok(());
+        };
         // Behind a stall, frames wait: what they may hold is bounded for the whole link.
         if s.recv.coded.as_ref().is_some_and(|rc| rc.stall.is_some()) {
             let backlog: usize = self

@@ -20,7 +20,7 @@ pub const MIN_VERSION: u16 = 1;
 pub const HELLO_MAX: u32 = 256 * 1024;
 
 /// Our hello, with the saved cache states we offer.
-pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>) -> Hello {
+pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>, scoped: Vec<String>) -> Hello {
     let mut capabilities = 0;
     if cfg.latency_lane {
         capabilities |= CAP_LATENCY_LANE;
@@ -56,6 +56,7 @@ pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>) -> Hello {
     }
     Hello {
         caches,
+        scoped,
         version: VERSION,
         min_version: MIN_VERSION,
         site: cfg.site.clone(),
@@ -73,6 +74,7 @@ pub(super) fn lane(site: &str, token: u64) -> Hello {
         capabilities: CAP_LATENCY_LANE,
         settings: vec![(setting::ATTACH, token)],
         caches: Vec::new(),
+        scoped: Vec::new(),
     }
 }
 
@@ -137,5 +139,34 @@ impl PeerParams {
 
     pub fn has(&self, cap: u64) -> bool {
         self.caps & cap != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_largest_hello_fits_what_a_listener_reads() {
+        let name = "n".repeat(frame::MAX_NAME_LEN);
+        let h = Hello {
+            version: VERSION,
+            min_version: MIN_VERSION,
+            site: name.clone(),
+            capabilities: u64::MAX,
+            settings: vec![(1, u64::MAX); frame::MAX_SETTINGS],
+            caches: vec![
+                CacheOffer {
+                    decoder: true,
+                    lane: 0,
+                    scope: name.clone(),
+                    digests: vec![[7; 16]; frame::MAX_DIGESTS],
+                };
+                frame::MAX_OFFERS
+            ],
+            scoped: vec![name; frame::MAX_SCOPED],
+        };
+        let len = frame::Frame::Hello(h).encoded_len();
+        assert!(len <= frame::HEADER_LEN + HELLO_MAX as usize, "{len}");
     }
 }

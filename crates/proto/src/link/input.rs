@@ -170,6 +170,7 @@ impl Link {
                 long: p.long_context,
             },
             &h.caches,
+            &h.scoped,
         );
         let version = p.version;
         self.peer = p;

@@ -283,7 +283,7 @@ impl Link {
             cfg.saved_states.clone(),
         );
         coding.set_bases(cfg.delta_bases.clone());
-        let hello = hello::ours(&cfg, coding.offers());
+        let hello = hello::ours(&cfg, coding.offers(), Vec::new());
         Link {
             state: State::Handshake,
             services: HashMap::new(),
@@ -314,7 +314,8 @@ impl Link {
 
     /// Sets how each service's streams are optimized on the way out (replaces the previous
     /// table). A service not in the table uses the default policy; one with neither compression
-    /// nor dedup is sent as it is.
+    /// nor dedup is sent as it is. Scopes are agreed in the hellos: a scope set after ours went
+    /// out takes effect on the next link.
     pub fn set_policies<I: IntoIterator<Item = (S, StreamPolicy)>, S: AsRef<str>>(
         &mut self,
         policies: I,
@@ -325,6 +326,11 @@ impl Link {
                 .map(|(s, p)| (Arc::from(s.as_ref()), p))
                 .collect(),
         );
+        // Scopes are agreed in the hellos: our hello, while not yet sent, names ours.
+        let scoped = self.coding.own_scoped();
+        if let Some(Frame::Hello(h)) = self.ctrl[MAIN_LANE].front_mut() {
+            h.scoped = scoped;
+        }
     }
 
     /// Tells the encoder what limits throughput now (the runtime watches its socket writes).

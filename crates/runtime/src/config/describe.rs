@@ -143,8 +143,12 @@ impl Config {
                 }
             }
         }
-        if let Some(a) = self.admin {
-            let _ = writeln!(o, "admin:\n  listen: {}", quoted(a));
+        if let Some(a) = &self.admin {
+            let _ = writeln!(o, "admin:\n  listen: {}", quoted(a.addr));
+            if !a.allow.is_empty() {
+                let list: Vec<String> = a.allow.iter().map(quoted).collect();
+                let _ = writeln!(o, "  allow: [{}]", list.join(", "));
+            }
         }
         let _ = writeln!(o, "state_dir: {}", quoted(self.state_dir.display()));
         let _ = writeln!(o, "log:\n  level: {}", self.log_level);

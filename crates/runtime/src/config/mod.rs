@@ -138,6 +138,7 @@ struct RawDisk {
 #[serde(deny_unknown_fields)]
 struct RawAdmin {
     listen: String,
+    allow: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -157,12 +158,26 @@ pub struct Config {
     pub tls: TlsPaths,
     pub services: Vec<Service>,
     pub optimize: Optimize,
-    /// Address of the admin endpoint (Prometheus metrics and `wanoptd stats`).
-    pub admin: Option<SocketAddr>,
+    /// The admin endpoint (Prometheus metrics and `wanoptd stats`).
+    pub admin: Option<Admin>,
     pub state_dir: PathBuf,
     /// Log level filter (`RUST_LOG` overrides it).
     pub log_level: String,
     pub limits: Limits,
+}
+
+/// The admin endpoint's address and the networks that may reach it (empty: loopback only).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admin {
+    pub addr: SocketAddr,
+    pub allow: Vec<IpNet>,
+}
+
+/// True if a client at `ip` may use a listener with this allow list (empty: any, which the
+/// config permits only on loopback). IPv4 clients of an IPv6 socket match IPv4 networks.
+pub fn allowed(allow: &[IpNet], ip: IpAddr) -> bool {
+    let ip = ip.to_canonical();
+    allow.is_empty() || allow.iter().any(|n| n.contains(&ip))
 }
 
 /// Which side of the link this daemon is.
@@ -851,12 +866,57 @@ fn parse_disk(
     ))
 }
 
+/// The networks allowed to reach a listener at `addr`: CIDRs or IPs, required (and not
+/// empty) unless `addr` is loopback, so a listener open to the network is a stated choice.
+fn parse_allow(
+    cx: &Ctx<'_>,
+    field: &str,
+    raw: Option<&[String]>,
+    addr: SocketAddr,
+) -> Result<Vec<IpNet>, ConfigError> {
+    let mut allow = Vec::new();
+    for (j, c) in raw.into_iter().flatten().enumerate() {
+        let net = c
+            .parse::<IpNet>()
+            .or_else(|_| c.parse::<IpAddr>().map(IpNet::from))
+            .map_err(|_| {
+                cx.err(
+                    format!("{field}[{j}]"),
+                    format!("{c:?} is not a CIDR (10.0.0.0/8) or IP"),
+                )
+            })?;
+        allow.push(net);
+    }
+    if allow.is_empty() && !addr.ip().is_loopback() {
+        return Err(cx.err(
+            field,
+            format!(
+                "required: {addr} is reachable beyond this host; list the client networks \
+                 (0.0.0.0/0 and ::/0 allow any host)"
+            ),
+        ));
+    }
+    Ok(allow)
+}
+
+/// Most services one daemon serves.
+pub const MAX_SERVICES: usize = wanopt_proto::frame::MAX_SCOPED;
+
 fn parse_services(
     cx: &Ctx<'_>,
     raw: &[RawService],
     default: StreamPolicy,
     limits: &Limits,
 ) -> Result<Vec<Service>, ConfigError> {
+    if raw.len() > MAX_SERVICES {
+        return Err(cx.err(
+            "services",
+            format!(
+                "{} services; at most {MAX_SERVICES} (the link's hello names each scope)",
+                raw.len()
+            ),
+        ));
+    }
     let mut services = Vec::new();
     let mut names = HashSet::new();
     for (i, s) in raw.iter().enumerate() {
@@ -890,19 +950,7 @@ fn parse_service(
     let kind = match (&s.listen, &s.target) {
         (Some(a), None) => {
             let addr = parse_sockaddr(a).map_err(|m| cx.err(field("listen"), m))?;
-            let mut allow = Vec::new();
-            for (j, c) in s.allow.iter().flatten().enumerate() {
-                let net = c
-                    .parse::<IpNet>()
-                    .or_else(|_| c.parse::<IpAddr>().map(IpNet::from))
-                    .map_err(|_| {
-                        cx.err(
-                            format!("services[{i}].allow[{j}]"),
-                            format!("{c:?} is not a CIDR (10.0.0.0/8) or IP"),
-                        )
-                    })?;
-                allow.push(net);
-            }
+            let allow = parse_allow(cx, &field("allow"), s.allow.as_deref(), addr)?;
             ServiceKind::Listen { addr, allow }
         }
         (None, Some(t)) => {
@@ -1030,7 +1078,11 @@ impl Config {
         let services = parse_services(&cx, &raw.services, optimize.default, &limits)?;
         let admin = match &raw.admin {
             None => None,
-            Some(a) => Some(parse_sockaddr(&a.listen).map_err(|m| cx.err("admin.listen", m))?),
+            Some(a) => {
+                let addr = parse_sockaddr(&a.listen).map_err(|m| cx.err("admin.listen", m))?;
+                let allow = parse_allow(&cx, "admin.allow", a.allow.as_deref(), addr)?;
+                Some(Admin { addr, allow })
+            }
         };
         Ok(Config {
             path: path.to_path_buf(),

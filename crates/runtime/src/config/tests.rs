@@ -351,6 +351,34 @@ fn bad_values_name_their_field() {
     );
     assert_eq!(field_err("log:\n  level: loud\n"), "log.level");
     assert_eq!(field_err("admin:\n  listen: localhost\n"), "admin.listen");
+    // A listener that the network reaches names who may use it.
+    assert_eq!(field_err("admin:\n  listen: 0.0.0.0:9400\n"), "admin.allow");
+    assert_eq!(
+        field_err("admin:\n  listen: 10.1.1.1:9400\n  allow: []\n"),
+        "admin.allow"
+    );
+    assert_eq!(
+        field_err("services:\n  - name: dg\n    listen: '[::]:1522'\n"),
+        "services[0].allow"
+    );
+    let c = parse("admin:\n  listen: 0.0.0.0:9400\n  allow: [10.0.0.0/8]\n").expect("valid");
+    let allow = c.admin.expect("admin").allow;
+    assert!(crate::config::allowed(
+        &allow,
+        "10.9.9.9".parse().expect("ip")
+    ));
+    assert!(crate::config::allowed(
+        &allow,
+        "::ffff:10.9.9.9".parse().expect("ip")
+    ));
+    assert!(!crate::config::allowed(
+        &allow,
+        "192.168.0.1".parse().expect("ip")
+    ));
+    let many: String = (0..=MAX_SERVICES)
+        .map(|i| format!("  - name: s{i}\n    target: x:{}\n", i + 1))
+        .collect();
+    assert_eq!(field_err(&format!("services:\n{many}")), "services");
     let e = Config::parse(
         &MIN.replace(
             "connect: 127.0.0.1:7400",
@@ -468,7 +496,8 @@ fn configs_with_every_option_describe_themselves_exactly() {
         "optimize:\n  enabled: false\n",
         "optimize:\n  disk:\n    bytes: 1GiB\n",
         "optimize:\n  memory: 0\n  dedup: off\n",
-        "services:\n  - name: a\n    listen: 0.0.0.0:1\n  - name: b\n    target: x:2\n    class: latency\n",
+        "services:\n  - name: a\n    listen: 0.0.0.0:1\n    allow: [0.0.0.0/0]\n  - name: b\n    target: x:2\n    class: latency\n",
+        "admin:\n  listen: 10.1.1.1:9400\n  allow: [10.2.0.0/16, 10.3.3.3]\n",
         "limits:\n  idle_timeout: 1h\n  shutdown_grace: 1500us\n",
     ] {
         assert_round_trip(&parse(extra).expect("valid"));
