@@ -325,6 +325,27 @@ impl Hostile {
         std::io::Write::flush(&mut self.tls)
     }
 
+    /// Sends a ping and reads east's frames until its pong: everything sent before was handled.
+    fn round_trip(&mut self, payload: u64) {
+        use wanopt_proto::Frame;
+        let mut out = bytes::BytesMut::new();
+        Frame::Ping { payload }.encode(&mut out);
+        self.write(&out).expect("ping");
+        let mut buf = bytes::BytesMut::new();
+        let mut chunk = [0u8; 65536];
+        loop {
+            while let Ok(n) = Frame::check(&buf, wanopt_proto::HELLO_MAX) {
+                let f = Frame::parse(buf.split_to(n).freeze()).expect("east's frame");
+                if matches!(f, Frame::Pong { payload: p } if p == payload) {
+                    return;
+                }
+            }
+            let n = std::io::Read::read(&mut self.tls, &mut chunk).expect("read");
+            assert!(n > 0, "east closed the link");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
     /// Writes `n` frames made by `f(i)`, in batches; stops early when east stops reading (our
     /// write times out) or closes. Returns how many went out.
     fn flood(&mut self, n: usize, f: impl Fn(usize) -> wanopt_proto::Frame) -> usize {
@@ -352,7 +373,7 @@ const EAST_BOUND: u64 = (2 * 32 + 32 + 128) * MIB;
 
 /// Each attack of a peer with a valid certificate, one after another against one east: a ping
 /// flood that never reads, thousands of opens of unknown services, an oversized hello, garbage
-/// after the hello. East's memory stays under its bound, it keeps running, and afterwards the
+/// after the hello, a reference bomb, a flood of frames behind a stalled stream. East's memory stays under its bound, it keeps running, and afterwards the
 /// honest west's streams through it arrive exact.
 #[test]
 fn a_hostile_peer_cannot_exhaust_the_daemon() {
@@ -436,6 +457,104 @@ fn a_hostile_peer_cannot_exhaust_the_daemon() {
     east.wait_log_n("link down", downs + 1, Duration::from_secs(10));
     drop(h);
     honest(3);
+
+    // 5. A reference bomb: a 32 KiB literal east caches, then frames that announce one byte
+    // and hold 3000 references to it (96 MiB each if expanded). Each resets its stream before
+    // a byte is copied; the link stays up.
+    let mut h = Hostile::connect(&certs, "west", link);
+    let downs = east.count("link down");
+    let chunk: Vec<u8> = (0..32768u32)
+        .map(|i| (i.wrapping_mul(2_246_822_519) >> 11) as u8)
+        .collect();
+    let fp = wanopt_codec::cache::fingerprint(&chunk);
+    let varint = |n: usize| {
+        [
+            (n & 0x7f) as u8 | 0x80,
+            ((n >> 7) & 0x7f) as u8 | 0x80,
+            (n >> 14) as u8,
+        ]
+    };
+    let mut literal = vec![2u8];
+    literal.extend(varint(chunk.len()));
+    literal.extend(&chunk);
+    let mut reference = vec![3u8];
+    reference.extend(fp);
+    reference.extend(varint(chunk.len()));
+    let bomb = bytes::Bytes::from(reference.repeat(3000));
+    let coded = |stream, offset, raw_len, records: bytes::Bytes| Frame::Coded {
+        stream,
+        offset,
+        fin: false,
+        scoped: false,
+        raw_len,
+        records,
+    };
+    let bombs = 200u32;
+    let mut out = bytes::BytesMut::new();
+    for i in 0..bombs {
+        let stream = StreamId(2 * i + 1);
+        out.clear();
+        Frame::Open {
+            stream,
+            class: Class::Bulk,
+            service: "h".into(),
+        }
+        .encode(&mut out);
+        if i == 0 {
+            coded(stream, 0, 32768, bytes::Bytes::from(literal.clone())).encode(&mut out);
+        }
+        let at = if i == 0 { 32768 } else { 0 };
+        coded(stream, at, 1, bomb.clone()).encode(&mut out);
+        h.write(&out).expect("bomb");
+    }
+    let start = Instant::now();
+    h.round_trip(0xb0b);
+    report.push(format!(
+        "{bombs} reference bombs ({} MiB each if expanded) handled; the last answered {:?} after it went out",
+        3000 * 32768 / MIB as usize,
+        start.elapsed()
+    ));
+    assert_eq!(east.count("link down"), downs, "the link stays up");
+    east.wait_log(
+        "rebuilds more than its frame announced",
+        Duration::from_secs(5),
+    );
+    drop(h);
+    honest(4);
+
+    // 6. A stream stalled on a reference to a chunk nobody sent, east's request for it never
+    // answered, and frames behind it that announce no bytes (so cost no credit): east closes
+    // the link once they pass its link window plus 8 MiB.
+    let mut h = Hostile::connect(&certs, "west", link);
+    let downs = east.count("link down");
+    let stream = StreamId(1);
+    let mut missing = vec![3u8];
+    missing.extend([0x5a; 16]);
+    missing.push(64);
+    out.clear();
+    Frame::Open {
+        stream,
+        class: Class::Bulk,
+        service: "h".into(),
+    }
+    .encode(&mut out);
+    coded(stream, 0, 64, bytes::Bytes::from(missing)).encode(&mut out);
+    h.write(&out).expect("stall");
+    let junk = bytes::Bytes::from(vec![1u8; 16 << 10]);
+    let frames = h.flood(1 << 20, |_| coded(stream, 64, 0, junk.clone()));
+    east.wait_log_n("link down", downs + 1, Duration::from_secs(20));
+    assert!(
+        east.log()
+            .iter()
+            .any(|l| l.contains("behind stalled streams")),
+        "closed for the backlog"
+    );
+    report.push(format!(
+        "stalled-stream flood: the link closed after {} MiB of frames behind the stall",
+        frames * (16 << 10) / MIB as usize
+    ));
+    drop(h);
+    honest(5);
 
     let (peak, now) = rss(east.pid());
     for r in &report {

@@ -119,13 +119,13 @@ impl Link {
         self.retry_checkpoints();
     }
 
-    /// The most bytes of frames the link keeps behind stalled streams: twice the link window we
-    /// grant (an honest peer sends at most that much, records no larger than their raw bytes,
-    /// while a stream waits one round trip for a chunk), plus room for small frames.
+    /// The most bytes of frames the link keeps behind stalled streams: the link window we grant
+    /// (frames behind a stall are not consumed, so their credit does not come back: an honest
+    /// peer has at most that many raw bytes there, in records no larger than their raw bytes),
+    /// plus room for the frames' own overhead.
     pub(super) fn stall_backlog_limit(&self) -> usize {
         usize::try_from(self.cfg.link_window)
             .unwrap_or(usize::MAX)
-            .saturating_mul(2)
             .saturating_add(STALL_BACKLOG_SLACK)
     }
 
