@@ -748,4 +748,11 @@ fn the_admin_endpoint_answers_only_its_allow_list() {
     let _ = outside.read_to_end(&mut got);
     assert!(got.is_empty(), "{}", String::from_utf8_lossy(&got));
     east.wait_log("outside admin.allow", Duration::from_secs(5));
+    let inside = connect_from("127.0.0.2".parse().expect("ip"), admin).expect("connect");
+    let m = scrape_on(inside);
+    assert_eq!(
+        value(&m, "wanopt_admin_refused_total{reason=\"allow\"} "),
+        1,
+        "{m}"
+    );
 }

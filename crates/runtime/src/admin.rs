@@ -38,6 +38,7 @@ pub async fn serve(listener: TcpListener, allow: Vec<IpNet>, counters: Arc<Count
             }
         };
         if !crate::config::allowed(&allow, from.ip()) {
+            counters.admin.refused("allow");
             if let Some(suppressed) = OUTSIDERS.take(std::time::Instant::now()) {
                 warn!(from = %from, suppressed, "admin endpoint: refused a client outside admin.allow");
             }
@@ -45,6 +46,7 @@ pub async fn serve(listener: TcpListener, allow: Vec<IpNet>, counters: Arc<Count
             continue;
         }
         let Ok(slot) = slots.clone().try_acquire_owned() else {
+            counters.admin.refused("busy");
             crate::sockopt::abort(&sock);
             continue;
         };

@@ -224,6 +224,35 @@ impl LinkCounters {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+/// The admin endpoint's refusals.
+#[derive(Debug, Clone, Default)]
+pub struct AdminMetrics {
+    refused: Family<ReasonLabel, Counter>,
+}
+
+impl AdminMetrics {
+    pub fn register(r: &mut Registry) -> Self {
+        let m = AdminMetrics::default();
+        r.register(
+            "wanopt_admin_refused",
+            "Admin endpoint connections closed unanswered: from outside admin.allow (allow), or \
+             beyond the 32 answered at once (busy)",
+            m.refused.clone(),
+        );
+        m
+    }
+
+    /// Counts a connection refused for `reason` (`allow` or `busy`).
+    pub fn refused(&self, reason: &'static str) {
+        self.refused.get_or_create(&ReasonLabel { reason }).inc();
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct LaneLabel {
     lane: &'static str,
 }
@@ -577,6 +606,7 @@ pub struct Counters {
     pub sockets: SocketMetrics,
     pub certs: CertMetrics,
     pub codec: CodecMetrics,
+    pub admin: AdminMetrics,
 }
 
 impl Default for Counters {
@@ -605,8 +635,10 @@ impl Counters {
         let sockets = SocketMetrics::register(&mut registry);
         let certs = CertMetrics::register(&mut registry);
         let codec = CodecMetrics::register(&mut registry);
+        let admin = AdminMetrics::register(&mut registry);
         Counters {
             codec,
+            admin,
             registry,
             services,
             cache: Mutex::new(HashMap::new()),
