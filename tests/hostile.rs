@@ -73,15 +73,7 @@ fn east_daemon(certs: &Certs, srv: SocketAddr, extra: &str) -> Daemon {
 
 /// An honest west dialing `link`, its service `h` listening on loopback, once its link is up.
 fn west_daemon(certs: &Certs, link: SocketAddr) -> Daemon {
-    let services = "  - name: h\n    listen: 127.0.0.1:0\n";
-    let yaml = site_yaml(
-        "west",
-        "east",
-        &format!("connect: {link}"),
-        certs,
-        services,
-        "",
-    );
+    let yaml = west_yaml(link, certs, "  - name: h\n    listen: 127.0.0.1:0\n");
     let west = Daemon::start("west", &yaml);
     west.wait_log("link up", Duration::from_secs(10));
     west
@@ -489,17 +481,17 @@ fn a_hostile_peer_cannot_exhaust_the_daemon() {
         raw_len,
         records,
     };
+    let open_h = |stream| Frame::Open {
+        stream,
+        class: Class::Bulk,
+        service: "h".into(),
+    };
     let bombs = 200u32;
     let mut out = bytes::BytesMut::new();
     for i in 0..bombs {
         let stream = StreamId(2 * i + 1);
         out.clear();
-        Frame::Open {
-            stream,
-            class: Class::Bulk,
-            service: "h".into(),
-        }
-        .encode(&mut out);
+        open_h(stream).encode(&mut out);
         if i == 0 {
             coded(stream, 0, 32768, bytes::Bytes::from(literal.clone())).encode(&mut out);
         }
@@ -532,12 +524,7 @@ fn a_hostile_peer_cannot_exhaust_the_daemon() {
     missing.extend([0x5a; 16]);
     missing.push(64);
     out.clear();
-    Frame::Open {
-        stream,
-        class: Class::Bulk,
-        service: "h".into(),
-    }
-    .encode(&mut out);
+    open_h(stream).encode(&mut out);
     coded(stream, 0, 64, bytes::Bytes::from(missing)).encode(&mut out);
     h.write(&out).expect("stall");
     let junk = bytes::Bytes::from(vec![1u8; 16 << 10]);

@@ -50,9 +50,6 @@ impl Link {
             self.fail_stream(id, ResetCode::ProtocolViolation, why);
             return Ok(());
         }
-        let Some(s) = self.streams.get(&id) else {
-            return Ok(());
-        };
         // Behind a stall, frames wait: what they may hold is bounded for the whole link.
         if s.recv.coded.as_ref().is_some_and(|rc| rc.stall.is_some()) {
             let backlog: usize = self
