@@ -113,6 +113,9 @@ pub struct ChunkCache {
     /// Bytes in memory are checked against their fingerprint on every read (see
     /// [`trust_memory`](ChunkCache::trust_memory)).
     verify_mem: bool,
+    /// A use of an entry among the newest eighth leaves the order as it is (see
+    /// [`lazy_recency`](ChunkCache::lazy_recency)).
+    lazy: bool,
 }
 
 impl std::fmt::Debug for ChunkCache {
@@ -155,6 +158,7 @@ impl ChunkCache {
             disk: None,
             on_disk: 0,
             verify_mem: true,
+            lazy: false,
         }
     }
 
@@ -163,6 +167,15 @@ impl ChunkCache {
     /// its own check catches, and hashing every read would cost more than the use.
     pub fn trust_memory(mut self) -> Self {
         self.verify_mem = false;
+        self
+    }
+
+    /// A use of an entry among the most recently used eighth does not move it: the order is
+    /// then nearly, not exactly, least recently used, and a delta's eight bases cost no
+    /// reordering of the two recency maps each. Only for a cache of our own: a mirror's must
+    /// apply exactly what the peer's applies.
+    pub fn lazy_recency(mut self) -> Self {
+        self.lazy = true;
         self
     }
 
@@ -266,6 +279,12 @@ impl ChunkCache {
     }
 
     fn bump(&mut self, f: &Fingerprint) {
+        if self.lazy
+            && let Some(e) = self.entries.get(f)
+            && e.stamp.saturating_add(self.entries.len() as u64 / 8) >= self.clock
+        {
+            return;
+        }
         self.clock += 1;
         if let Some(e) = self.entries.get_mut(f) {
             self.order.remove(&e.stamp);
@@ -792,6 +811,31 @@ mod tests {
         assert_eq!(c.evictions(), 1);
         c.insert([9; 16], vec![0; 1000]);
         assert_eq!(c.size(), 300, "a chunk larger than the cache is not kept");
+    }
+
+    #[test]
+    fn lazy_recency_moves_only_what_is_not_among_the_newest() {
+        // 16 chunks of 100 bytes: the newest eighth is the last two.
+        let chunks: Vec<Vec<u8>> = (0..17u8).map(|i| vec![i; 100]).collect();
+        let f = |i: usize| fingerprint(&chunks[i]);
+        for lazy in [false, true] {
+            let mut c = ChunkCache::new(1600);
+            if lazy {
+                c = c.lazy_recency();
+            }
+            for (i, ch) in chunks[..16].iter().enumerate() {
+                c.insert(f(i), ch.clone());
+            }
+            // A use of the newest does not move it; one of the oldest does.
+            let clock = c.clock;
+            c.touch(&f(15));
+            assert_eq!(c.clock == clock, lazy);
+            c.touch(&f(0));
+            c.insert(f(16), chunks[16].clone());
+            assert!(c.contains(&f(0)), "the oldest was used: it stays");
+            assert!(!c.contains(&f(1)), "the next oldest goes");
+            assert_eq!(c.size(), 1600);
+        }
     }
 
     #[test]
