@@ -1,7 +1,9 @@
 //! Data reduction on real database bytes, against the compressors a DBA would use instead. Builds
 //! its data from a real PostgreSQL: a database of real text rows (every Debian changelog on the
 //! host, a row per line), a base backup of it, an OLTP run (updates, inserts, deletes), the WAL
-//! of that run, and a second base backup after it. Each data set goes through wanopt's encoder
+//! of that run, and a second base backup after it; and, if MariaDB is installed (Debian's
+//! `mariadb-server`), the row-based binlog of the same kind of OLTP run on the same rows in a
+//! private MariaDB instance. Each data set goes through wanopt's encoder
 //! with the settings a daemon derives from a stated 45 Mbit/s link (in one process, on one core,
 //! the cache kept from one data set to the next as a link keeps it), and through `gzip -6`,
 //! `zstd -6` and `zstd -9` as one stream, `xz -6`, and for the second backup `zstd --long=29
@@ -18,7 +20,8 @@
 //! memory), `--delta-disk-mib N` (default 2048: sealed files behind it, as a daemon with a 2 GiB
 //! disk tier keeps them; 0 for memory only),
 //! `--zstd-level N` (instead of the level the config derives), `--wanopt-only` (skip the other
-//! compressors, to compare settings quickly).
+//! compressors, to compare settings quickly), `--binlog-tx N` transactions for the binlog
+//! (default 40000).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -177,25 +180,38 @@ fn main() {
             .map(|l| l.parse().expect("--zstd-level N")),
     };
     match args.text("--from").map(PathBuf::from) {
-        Some(d) => measure(
-            &d.join("base1/base.tar"),
-            &d.join("run.wal"),
-            &d.join("base2/base.tar"),
-            &opts,
-        ),
+        Some(d) => {
+            let binlog = Some(d.join("run.binlog")).filter(|p| p.exists());
+            measure(
+                &d.join("base1/base.tar"),
+                &d.join("run.wal"),
+                &d.join("base2/base.tar"),
+                binlog.as_deref(),
+                &opts,
+            );
+        }
         None => {
             let Some(pg) = port() else {
                 return;
             };
-            let (base1, wal, base2, _tmp) = make_data(pg, &args);
-            measure(&base1, &wal, &base2, &opts);
+            let (base1, wal, base2, binlog, _tmp) = make_data(pg, &args);
+            measure(&base1, &wal, &base2, binlog.as_deref(), &opts);
         }
     }
 }
 
-/// Builds the data sets on the server at `pg`; returns the two backups' and the WAL's paths,
-/// and the temporary directory that holds them unless `--keep` named one.
-fn make_data(pg: u16, args: &common::args::Args) -> (PathBuf, PathBuf, PathBuf, tempfile::TempDir) {
+/// The data sets: the two backups, the WAL, the binlog if MariaDB made one, and the temporary
+/// directory that holds them unless `--keep` named one.
+type DataSets = (
+    PathBuf,
+    PathBuf,
+    PathBuf,
+    Option<PathBuf>,
+    tempfile::TempDir,
+);
+
+/// Builds the data sets on the server at `pg` (and a private MariaDB, if installed).
+fn make_data(pg: u16, args: &common::args::Args) -> DataSets {
     let text_mib: usize = args.get("--text-mib", 48);
     let seconds: u32 = args.get("--seconds", 60);
     let keep = args.text("--keep").map(PathBuf::from);
@@ -253,10 +269,172 @@ fn make_data(pg: u16, args: &common::args::Args) -> (PathBuf, PathBuf, PathBuf, 
         dir.display()
     );
     let _ = psql(pg, "postgres", &format!("DROP DATABASE IF EXISTS {DB}"));
-    (base1, wal_path, base2, tmp)
+    let binlog = match mariadb_binlog(&dir, &tsv, args.get("--binlog-tx", 40_000)) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            println!("no MariaDB binlog data set: {e}");
+            None
+        }
+    };
+    (base1, wal_path, base2, binlog, tmp)
 }
 
-fn measure(base1: &Path, wal_path: &Path, base2: &Path, opts: &Opts) {
+/// A private MariaDB instance in `dir/mariadb` (no network, root's socket), stopped when
+/// dropped.
+struct Maria {
+    dir: PathBuf,
+    server: std::process::Child,
+}
+
+impl Maria {
+    fn start(dir: &Path) -> Result<Maria, String> {
+        let dir = dir.join("mariadb");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let data = dir.join("data");
+        run(Command::new("mariadb-install-db")
+            .arg("--no-defaults")
+            .arg(format!("--datadir={}", data.display()))
+            .args(["--user=root", "--auth-root-authentication-method=socket"])
+            .arg("--skip-test-db"))?;
+        // Row-based binlog with full row images, as replication to a standby or to GoldenGate
+        // reads it; commits not flushed one by one, so the run takes seconds.
+        let server = Command::new("mariadbd")
+            .arg("--no-defaults")
+            .arg(format!("--datadir={}", data.display()))
+            .arg(format!("--socket={}", dir.join("sock").display()))
+            .arg(format!("--log-bin={}", data.join("binlog").display()))
+            .args(["--skip-networking", "--binlog-format=ROW", "--server-id=1"])
+            .args(["--user=root", "--innodb-buffer-pool-size=512M"])
+            .args(["--innodb-flush-log-at-trx-commit=2", "--sync-binlog=0"])
+            .arg("--local-infile=1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("mariadbd: {e}"))?;
+        let m = Maria { dir, server };
+        for _ in 0..150 {
+            if m.sql("SELECT 1").is_ok() {
+                return Ok(m);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        Err("mariadbd did not answer in 30 s".into())
+    }
+
+    fn client(&self) -> Command {
+        let mut c = Command::new("mariadb");
+        c.arg(format!("--socket={}", self.dir.join("sock").display()))
+            .args([
+                "-uroot",
+                "--batch",
+                "--skip-column-names",
+                "--local-infile=1",
+            ]);
+        c
+    }
+
+    fn sql(&self, sql: &str) -> Result<String, String> {
+        run(self.client().args(["-e", sql])).map(|s| s.trim().to_string())
+    }
+
+    /// Feeds a script on the client's standard input.
+    fn script(&self, sql: &[u8]) -> Result<(), String> {
+        let mut child = self
+            .client()
+            .arg("wanopt")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("mariadb: {e}"))?;
+        if let Some(mut w) = child.stdin.take() {
+            w.write_all(sql).map_err(|e| format!("mariadb: {e}"))?;
+        }
+        let out = child.wait_with_output().map_err(|e| e.to_string())?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+        }
+    }
+
+    /// The binlog files, oldest first.
+    fn binlogs(&self) -> Result<Vec<String>, String> {
+        Ok(self
+            .sql("SHOW BINARY LOGS")?
+            .lines()
+            .filter_map(|l| l.split('\t').next().map(str::to_string))
+            .collect())
+    }
+}
+
+impl Drop for Maria {
+    fn drop(&mut self) {
+        let _ = self.sql("SHUTDOWN");
+        let _ = self.server.wait();
+        let _ = std::fs::remove_dir_all(self.dir.join("data"));
+    }
+}
+
+/// The row binlog of `transactions` OLTP transactions (the PostgreSQL run's four statements,
+/// at random rows) on the rows of `tsv` in a private MariaDB, into `dir/run.binlog`.
+fn mariadb_binlog(dir: &Path, tsv: &Path, transactions: u32) -> Result<PathBuf, String> {
+    let m = Maria::start(dir)?;
+    m.sql("CREATE DATABASE wanopt")?;
+    m.script(
+        format!(
+            "CREATE TABLE notes (id bigint auto_increment primary key, pkg text, line_no int, body text, qty int default 1, price decimal(12,2) default 9.99, updated timestamp default current_timestamp, key (pkg(32)));\nLOAD DATA LOCAL INFILE '{}' INTO TABLE notes (pkg, line_no, body);\n",
+            tsv.display()
+        )
+        .as_bytes(),
+    )?;
+    let rows: u64 = m
+        .sql("SELECT max(id) FROM wanopt.notes")?
+        .parse()
+        .map_err(|_| "no rows loaded".to_string())?;
+    // The run's binlog starts in a file of its own.
+    m.sql("FLUSH BINARY LOGS")?;
+    let before = m.binlogs()?;
+    let mut script = Vec::new();
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    for _ in 0..transactions {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let id = 1 + x % rows;
+        let _ = writeln!(
+            script,
+            "BEGIN; UPDATE notes SET qty = qty + 1, price = price * 1.01, updated = now() WHERE id = {id}; UPDATE notes SET body = CONCAT(body, ' (rev)') WHERE id = {}; INSERT INTO notes(pkg, line_no, body) SELECT pkg, line_no + 100000, body FROM notes WHERE id = {}; DELETE FROM notes WHERE id = {}; COMMIT;",
+            id + 7,
+            id + 13,
+            id + 29
+        );
+    }
+    let t = Instant::now();
+    m.script(&script)?;
+    let secs = t.elapsed().as_secs_f64();
+    m.sql("FLUSH BINARY LOGS")?;
+    let after = m.binlogs()?;
+    let (first, next) = match (before.last(), after.last()) {
+        (Some(a), Some(b)) => (a.clone(), b.clone()),
+        _ => return Err("no binlog files".into()),
+    };
+    let data = m.dir.join("data");
+    let mut out = Vec::new();
+    for name in after.iter().filter(|n| **n >= first && **n < next) {
+        out.extend(std::fs::read(data.join(name)).map_err(|e| format!("{name}: {e}"))?);
+    }
+    let path = dir.join("run.binlog");
+    std::fs::write(&path, &out).map_err(|e| e.to_string())?;
+    println!(
+        "MariaDB: {rows} rows, {transactions} OLTP transactions in {secs:.0} s, {} MB of row binlog",
+        out.len() / 1_000_000
+    );
+    Ok(path)
+}
+
+fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, opts: &Opts) {
     let (cfg, pressure) = daemon_codec(opts.cache, opts.delta, opts.level);
     println!(
         "wanopt: the encoder as a daemon stating 45 Mbit/s sets it (zstd {}, long context {}), one {} MiB cache and a delta store of {} MiB in memory and {} MiB of sealed files across the data sets",
@@ -292,12 +470,15 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, opts: &Opts) {
         "data", "MB", "wanopt", "cpu MB/s", "gzip-6", "zstd-6", "zstd-9", "xz-6", "patch-from"
     );
     let mut dec = Decoder::new(&cfg);
-    let sets: [(&str, &Path, Option<&Path>); 4] = [
+    let mut sets: Vec<(&str, &Path, Option<&Path>)> = vec![
         ("base backup", base1, None),
         ("WAL of the OLTP run", wal_path, None),
         ("base backup after OLTP", base2, Some(base1)),
         ("first base backup again", base1, None),
     ];
+    if let Some(b) = binlog {
+        sets.insert(2, ("MariaDB row binlog", b, None));
+    }
     for (name, path, reference) in sets {
         let data = std::fs::read(path).expect("data set");
         let n = data.len() as f64;
