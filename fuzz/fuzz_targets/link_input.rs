@@ -1,5 +1,7 @@
 //! Fuzzes the link state machine: after a valid hello, arbitrary peer bytes (split at arbitrary
 //! points) must never panic, and the link either stays consistent or closes with an error.
+//! Resumption is on: halfway through, the connection may be lost and resumed (a valid resuming
+//! hello), so the peer's resume lists and `Finished` frames are reachable too.
 #![no_main]
 
 use std::time::{Duration, Instant};
@@ -17,34 +19,45 @@ fuzz_target!(|data: &[u8]| {
         service_cache_bytes: 1 << 19,
         ..CodecSettings::default()
     });
+    cfg.resume_window = Duration::from_secs(30);
+    cfg.token = 5;
     let mut link = Link::new(cfg);
     link.set_services(["a", "b"]);
-    let mut hello = BytesMut::new();
-    Frame::Hello(Hello {
-        version: 1,
-        min_version: 1,
-        site: "west".into(),
-        capabilities: 2,
-        settings: vec![
+    let hello = |resume: Option<u64>| {
+        let mut settings = vec![
             (1, 65536),
             (2, 1 << 20),
             (3, 65536),
             (4, 8),
             (7, 1 << 20),
             (8, 1 << 19),
-        ],
-        caches: vec![],
-        scoped: vec!["b".into()],
-    })
-    .encode(&mut hello);
-    let _ = link.handle_input(&hello, now);
+        ];
+        settings.extend(resume.map(|t| (11, t)));
+        let mut b = BytesMut::new();
+        Frame::Hello(Hello {
+            version: 1,
+            min_version: 1,
+            site: "west".into(),
+            capabilities: 2 | 32,
+            settings,
+            caches: vec![],
+            scoped: vec!["b".into()],
+        })
+        .encode(&mut b);
+        b
+    };
+    let _ = link.handle_input(&hello(None), now);
     let (split, rest) = match data.split_first() {
         Some((s, r)) => (*s as usize + 1, r),
         None => return,
     };
+    let cut = (split % 2 == 0).then_some(rest.len() / split / 2);
     let mut out = BytesMut::new();
     for (i, chunk) in rest.chunks(split).enumerate() {
         let t = now + Duration::from_millis(i as u64);
+        if cut == Some(i) && link.suspend("fuzz", t) && link.reconnect(t, 6, Vec::new()) {
+            let _ = link.handle_input(&hello(Some(5)), t);
+        }
         let _ = link.handle_input(chunk, t);
         while let Some(ev) = link.poll_event() {
             if let wanopt_proto::Event::Opened { stream, .. } = ev {

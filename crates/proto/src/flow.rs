@@ -37,6 +37,19 @@ impl SendCredit {
         self.check();
     }
 
+    /// Takes the peer's own account after a lost connection: it received `sent` bytes and
+    /// grants up to `max` (what was in flight is gone and will be sent again).
+    pub fn resync(&mut self, sent: u64, max: u64) {
+        self.sent = sent;
+        self.max = max.max(sent);
+        self.check();
+    }
+
+    /// The limit granted so far.
+    pub fn max(&self) -> u64 {
+        self.max
+    }
+
     /// Applies a new absolute limit from the peer; lower limits are stale and ignored.
     /// Returns true if credit grew.
     pub fn raise(&mut self, max: u64) -> bool {
@@ -95,6 +108,23 @@ impl RecvWindow {
     /// Total bytes received.
     pub fn received(&self) -> u64 {
         self.received
+    }
+
+    /// The limit granted so far.
+    pub fn advertised(&self) -> u64 {
+        self.advertised
+    }
+
+    /// Bytes consumed so far.
+    pub fn consumed(&self) -> u64 {
+        self.consumed
+    }
+
+    /// Forgets the last `n` bytes received (never below what was consumed): they were queued
+    /// but not delivered when the connection was lost, and the peer sends them again.
+    pub fn unreceive(&mut self, n: u64) {
+        self.received = self.received.saturating_sub(n).max(self.consumed);
+        self.check();
     }
 
     /// Records `n` bytes arriving; an error if they exceed the granted limit (nothing is recorded).

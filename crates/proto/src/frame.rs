@@ -94,6 +94,8 @@ pub enum ResetCode {
     Refused,
     /// Stream bytes could not be rebuilt (a chunk the peer no longer holds, or bad records).
     DataLost,
+    /// The link's connection was lost and the stream could not be resumed on the next one.
+    LinkLost,
     /// A code this version does not know.
     Other(u16),
 }
@@ -108,6 +110,7 @@ impl ResetCode {
             ResetCode::Shutdown => 5,
             ResetCode::Refused => 6,
             ResetCode::DataLost => 7,
+            ResetCode::LinkLost => 8,
             ResetCode::Other(v) => v,
         }
     }
@@ -120,6 +123,7 @@ impl ResetCode {
             5 => ResetCode::Shutdown,
             6 => ResetCode::Refused,
             7 => ResetCode::DataLost,
+            8 => ResetCode::LinkLost,
             v => ResetCode::Other(v),
         }
     }
@@ -134,6 +138,7 @@ impl ResetCode {
             ResetCode::Shutdown => "shutdown",
             ResetCode::Refused => "refused",
             ResetCode::DataLost => "data_lost",
+            ResetCode::LinkLost => "link_lost",
             ResetCode::Other(_) => "other",
         }
     }
@@ -242,6 +247,11 @@ pub mod setting {
     pub const CONTEXT_WINDOW_LOG: u16 = 9;
     /// With `CAP_LONG_CONTEXT`: long contexts per link the sender's peer may use at once.
     pub const CONTEXT_STREAMS: u16 = 10;
+    /// On a reconnecting side's hello (with `CAP_RESUME`): resume the link whose listener token
+    /// this is, with its streams.
+    pub const RESUME: u16 = 11;
+    /// On the listener's answer: 1 if it resumes the link the peer named (it still has it).
+    pub const RESUMED: u16 = 12;
 }
 
 impl Hello {
@@ -317,7 +327,45 @@ pub enum Frame {
     /// The sender saved its mirror of the cache `scope` of this lane, whose state has `digest`;
     /// the receiver saves its cache too if its digest is the same.
     Checkpoint { scope: String, digest: [u8; 16] },
+    /// Every byte of the stream up to `offset` and its end arrived (with `CAP_RESUME`): the
+    /// sender may forget what it kept to send again.
+    Finished { stream: StreamId, offset: u64 },
+    /// After a resumed link's hellos: what the sender of this frame received before the old
+    /// connection was lost, so the other side sends the rest. `last` ends the list.
+    Resume(Box<Resume>),
 }
+
+/// One [`Frame::Resume`]: the link's receive state, then one entry per stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resume {
+    /// Link-level bytes received, and the link-level limit granted.
+    pub link_received: u64,
+    pub link_max: u64,
+    /// Highest stream id of the receiver's peer seen so far, per lane.
+    pub seen: [u32; 2],
+    pub entries: Vec<ResumeEntry>,
+    /// The last frame of the list.
+    pub last: bool,
+}
+
+/// What the sender of a [`Frame::Resume`] holds of one stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResumeEntry {
+    pub stream: StreamId,
+    /// Bytes received (and rebuilt, for an optimized stream).
+    pub received: u64,
+    /// The stream's limit granted.
+    pub max: u64,
+    /// The stream's end arrived.
+    pub fin: bool,
+    /// The stream finished both ways and is gone.
+    pub done: bool,
+}
+
+/// Bytes of one [`ResumeEntry`] on the wire.
+pub const RESUME_ENTRY_LEN: usize = 21;
+/// Bytes of a [`Frame::Resume`] payload before its entries.
+pub const RESUME_HEAD_LEN: usize = 8 + 8 + 4 + 4 + 2;
 
 mod kind {
     pub const HELLO: u8 = 1;
@@ -332,10 +380,15 @@ mod kind {
     pub const NEED: u8 = 10;
     pub const CHUNK: u8 = 11;
     pub const CHECKPOINT: u8 = 12;
+    pub const FINISHED: u8 = 13;
+    pub const RESUME: u8 = 14;
 }
 
 const FLAG_FIN: u8 = 1;
 const FLAG_SCOPED: u8 = 2;
+/// Resume entry flags.
+const RESUME_FIN: u8 = 1;
+const RESUME_DONE: u8 = 2;
 
 impl Frame {
     /// Checks whether `buf` starts with a whole frame whose payload is at most `max_payload` bytes.
@@ -345,7 +398,7 @@ impl Frame {
             return Err(FrameError::Incomplete);
         }
         let kind = buf[0];
-        if !(kind::HELLO..=kind::CHECKPOINT).contains(&kind) {
+        if !(kind::HELLO..=kind::RESUME).contains(&kind) {
             return Err(FrameError::UnknownKind(kind));
         }
         let len = u32::from_be_bytes([buf[6], buf[7], buf[8], buf[9]]);
@@ -523,6 +576,47 @@ impl Frame {
                 let scope = get_name(&mut p)?;
                 Frame::Checkpoint { scope, digest }
             }
+            kind::FINISHED => {
+                nonzero(stream)?;
+                Frame::Finished {
+                    stream,
+                    offset: get_u64(&mut p)?,
+                }
+            }
+            kind::RESUME => {
+                let link_received = get_u64(&mut p)?;
+                let link_max = get_u64(&mut p)?;
+                let seen = [get_u32(&mut p)?, get_u32(&mut p)?];
+                let n = get_u16(&mut p)? as usize;
+                // Checked against what is there before anything is allocated.
+                if p.remaining() != n * RESUME_ENTRY_LEN {
+                    return Err(FrameError::Malformed("resume entries do not fit the frame"));
+                }
+                let mut entries = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let stream = StreamId(get_u32(&mut p)?);
+                    let received = get_u64(&mut p)?;
+                    let max = get_u64(&mut p)?;
+                    let f = get_u8(&mut p)?;
+                    if stream == StreamId::LINK || f & !(RESUME_FIN | RESUME_DONE) != 0 {
+                        return Err(FrameError::Malformed("bad resume entry"));
+                    }
+                    entries.push(ResumeEntry {
+                        stream,
+                        received,
+                        max,
+                        fin: f & RESUME_FIN != 0,
+                        done: f & RESUME_DONE != 0,
+                    });
+                }
+                Frame::Resume(Box::new(Resume {
+                    link_received,
+                    link_max,
+                    seen,
+                    entries,
+                    last: flags & FLAG_FIN != 0,
+                }))
+            }
             other => return Err(FrameError::UnknownKind(other)),
         };
         if p.has_remaining() {
@@ -570,6 +664,10 @@ impl Frame {
                 Frame::Need { scope, .. } => 16 + 1 + name_len(scope),
                 Frame::Chunk { scope, data, .. } => 16 + 1 + name_len(scope) + data.len(),
                 Frame::Checkpoint { scope, .. } => 16 + 1 + name_len(scope),
+                Frame::Finished { .. } => 8,
+                Frame::Resume(r) => {
+                    RESUME_HEAD_LEN + r.entries.len().min(usize::from(u16::MAX)) * RESUME_ENTRY_LEN
+                }
             }
     }
 
@@ -597,6 +695,12 @@ impl Frame {
             Frame::Need { stream, .. } => (kind::NEED, 0, *stream),
             Frame::Chunk { stream, .. } => (kind::CHUNK, 0, *stream),
             Frame::Checkpoint { .. } => (kind::CHECKPOINT, 0, StreamId::LINK),
+            Frame::Finished { stream, .. } => (kind::FINISHED, 0, *stream),
+            Frame::Resume(r) => (
+                kind::RESUME,
+                if r.last { FLAG_FIN } else { 0 },
+                StreamId::LINK,
+            ),
         };
         out.put_u8(kind);
         out.put_u8(flags);
@@ -683,6 +787,23 @@ impl Frame {
             Frame::Checkpoint { scope, digest } => {
                 out.extend_from_slice(digest);
                 put_name(out, scope);
+            }
+            Frame::Finished { offset, .. } => out.put_u64(*offset),
+            Frame::Resume(r) => {
+                out.put_u64(r.link_received);
+                out.put_u64(r.link_max);
+                out.put_u32(r.seen[0]);
+                out.put_u32(r.seen[1]);
+                let n = r.entries.len().min(usize::from(u16::MAX));
+                out.put_u16(n as u16);
+                for e in &r.entries[..n] {
+                    out.put_u32(e.stream.0);
+                    out.put_u64(e.received);
+                    out.put_u64(e.max);
+                    out.put_u8(
+                        if e.fin { RESUME_FIN } else { 0 } | if e.done { RESUME_DONE } else { 0 },
+                    );
+                }
             }
         }
         let len = (out.len() - start) as u32;
@@ -922,6 +1043,30 @@ mod tests {
                 }),
             (arb_name(), any::<[u8; 16]>())
                 .prop_map(|(scope, digest)| Frame::Checkpoint { scope, digest }),
+            (sid.clone(), any::<u64>())
+                .prop_map(|(stream, offset)| Frame::Finished { stream, offset }),
+            (
+                any::<(u64, u64, u32, u32, bool)>(),
+                proptest::collection::vec((1u32.., any::<(u64, u64, bool, bool)>()), 0..40)
+            )
+                .prop_map(|((link_received, link_max, s0, s1, last), es)| {
+                    Frame::Resume(Box::new(Resume {
+                        link_received,
+                        link_max,
+                        seen: [s0, s1],
+                        entries: es
+                            .into_iter()
+                            .map(|(s, (received, max, fin, done))| ResumeEntry {
+                                stream: StreamId(s),
+                                received,
+                                max,
+                                fin,
+                                done,
+                            })
+                            .collect(),
+                        last,
+                    }))
+                }),
         ]
     }
 

@@ -24,3 +24,7 @@ pub const CAP_LONG_CONTEXT: u64 = 8;
 /// Hello capability bit: the sender decodes delta records (chunks sent as zstd deltas against
 /// chunks its cache holds) and sends them too.
 pub const CAP_DELTA: u64 = 16;
+/// Hello capability bit: the sender keeps its streams through a lost connection and resumes
+/// them on the next one (it sends `Finished` and `Resume` frames and keeps what it sent until
+/// the peer has it).
+pub const CAP_RESUME: u64 = 32;

@@ -17,10 +17,12 @@ pub use coding::{
     Pressure, Role, SavedCache, SavedState, Scope, StateRequest, StreamPolicy, TierStats,
 };
 pub use error::{FrameError, LinkError, StreamError};
-pub use frame::{CacheOffer, Class, CloseCode, Frame, Hello, ResetCode, StreamId};
+pub use frame::{
+    CacheOffer, Class, CloseCode, Frame, Hello, ResetCode, Resume, ResumeEntry, StreamId,
+};
 pub use lane::{LANES, LATENCY_LANE, MAIN_LANE};
 pub use link::{
     Event, HELLO_MAX, Link, LinkConfig, MAX_QUEUED_CONTROL, MIN_VERSION, ReadOutcome, Refusal,
-    ServiceLimit, VERSION, WireCount,
+    ResumeStats, ServiceLimit, VERSION, WireCount,
 };
 pub use wanopt_codec::cache::Snapshot;

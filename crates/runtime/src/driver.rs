@@ -232,6 +232,19 @@ impl LinkHandle {
                     }
                 }
                 Event::Closed(_) => {}
+                Event::Suspended { reason } => {
+                    info!(link = self.id, reason = %reason, "link connection lost; its streams wait for the next one");
+                }
+                Event::Resumed(r) => {
+                    info!(
+                        link = self.id,
+                        streams = r.streams,
+                        resent = r.resent,
+                        lost = r.lost,
+                        outage_ms = r.outage.as_millis() as u64,
+                        "link resumed"
+                    );
+                }
                 Event::LoadStates(reqs) => g.load = reqs,
                 Event::Checkpoint {
                     role,

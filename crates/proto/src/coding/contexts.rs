@@ -167,6 +167,11 @@ impl Contexts {
         self.saved.clear();
     }
 
+    /// The zstd level mirrors are made with.
+    pub fn zstd_level(&self) -> i32 {
+        self.own.zstd_level
+    }
+
     /// The zstd level of every mirror from now on, and of those made later.
     pub fn set_zstd_level(&mut self, level: i32) {
         self.own.zstd_level = level;

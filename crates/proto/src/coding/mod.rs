@@ -314,6 +314,24 @@ impl Coding {
         }
     }
 
+    /// A fresh codec state for the next connection of the same link (after a lost one): the
+    /// same policies, pressure and zstd level, caches as `saved` lets both sides resume them.
+    pub fn renew(
+        &self,
+        settings: Option<CodecSettings>,
+        storage: Option<Arc<dyn CacheStorage>>,
+        saved: Vec<SavedCache>,
+    ) -> Coding {
+        let mut c = Coding::new(settings, storage, saved);
+        c.policies = self.policies.clone();
+        c.pressure = self.pressure;
+        if let (Some(new), Some(old)) = (c.ctx.as_mut(), self.ctx.as_ref()) {
+            new.set_zstd_level(old.zstd_level());
+            new.given_bases = old.given_bases.clone();
+        }
+        c
+    }
+
     /// Our saved states, for the hello.
     pub fn offers(&self) -> Vec<CacheOffer> {
         self.ctx.as_ref().map(Contexts::offers).unwrap_or_default()

@@ -52,6 +52,11 @@ impl RecvCoded {
         self.frames.is_empty()
     }
 
+    /// Raw bytes the waiting frames still have to rebuild.
+    pub fn undecoded(&self) -> u64 {
+        self.frames.iter().map(|p| p.remaining).sum()
+    }
+
     /// Record bytes waiting.
     pub fn buffered(&self) -> usize {
         self.frames.iter().map(|p| p.records.len()).sum()

@@ -113,6 +113,7 @@ impl Link {
                 format!("cannot rebuild stream data: {why}"),
             ),
         }
+        self.note_end(id);
         self.retry_checkpoints();
     }
 

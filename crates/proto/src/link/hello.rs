@@ -6,7 +6,7 @@ use crate::coding::LongContext;
 use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Hello, setting};
 use crate::lane::{
-    CAP_CODEC, CAP_CONTEXT, CAP_DELTA, CAP_LATENCY_LANE, CAP_LONG_CONTEXT, MAIN_LANE,
+    CAP_CODEC, CAP_CONTEXT, CAP_DELTA, CAP_LATENCY_LANE, CAP_LONG_CONTEXT, CAP_RESUME, MAIN_LANE,
 };
 
 use super::LinkConfig;
@@ -27,6 +27,9 @@ pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>, scoped: Vec<String
     }
     if cfg.codec.is_some() {
         capabilities |= CAP_CODEC | CAP_CONTEXT;
+    }
+    if !cfg.resume_window.is_zero() {
+        capabilities |= CAP_RESUME;
     }
     // Deltas off on one side are off both ways, as long contexts are.
     if cfg.codec.as_ref().is_some_and(|c| c.delta_bytes > 0) {

@@ -12,7 +12,7 @@ use crate::coding::PeerCodec;
 use crate::error::{FrameError, LinkError};
 use crate::flow::SendCredit;
 use crate::frame::{Class, Frame, Hello, ResetCode, StreamId};
-use crate::lane::{LANES, LATENCY_LANE, MAIN_LANE};
+use crate::lane::{CAP_RESUME, LANES, LATENCY_LANE, MAIN_LANE};
 
 impl Link {
     /// Consumes bytes read from the peer. On error the link is closed (a GoAway is queued and
@@ -154,6 +154,8 @@ impl Link {
                 ..
             } => self.on_chunk(lane, &scope, fingerprint, &data),
             Frame::Checkpoint { scope, digest } => self.on_checkpoint(lane, scope, &digest),
+            Frame::Finished { stream, offset } => self.on_finished(stream, offset),
+            Frame::Resume(r) => self.on_resume(*r, now),
         }
     }
 
@@ -173,8 +175,14 @@ impl Link {
             &h.scoped,
         );
         let version = p.version;
+        self.resumable = p.has(CAP_RESUME) && !self.cfg.resume_window.is_zero();
         self.peer = p;
-        self.state = State::Open;
+        self.state = if self.outage.as_ref().is_some_and(|o| o.draining) {
+            State::Draining
+        } else {
+            State::Open
+        };
+        self.on_resumed_hello(&h);
         self.timers.set(Timer::Ping, now + self.cfg.keepalive);
         self.events.push_back(Event::Up { peer: h, version });
         let load = self.coding.take_state_requests();
@@ -285,6 +293,7 @@ impl Link {
         if id == StreamId::LINK {
             self.link_credit.raise(max);
         } else if let Some(s) = self.streams.get_mut(&id) {
+            s.send.on_max_data(max);
             if s.send.credit.raise(max) {
                 self.streams.schedule(id);
             }
@@ -375,6 +384,9 @@ impl Link {
         }
         if was_empty && (n > 0 || fin) {
             self.events.push_back(Event::Readable(id));
+        }
+        if fin {
+            self.note_end(id);
         }
         Ok(())
     }

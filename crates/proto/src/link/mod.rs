@@ -9,6 +9,7 @@
 mod codec;
 mod hello;
 mod input;
+mod resume;
 mod streams;
 mod timer;
 mod transmit;
@@ -31,6 +32,7 @@ use wanopt_codec::cache::Snapshot;
 
 use hello::PeerParams;
 pub use hello::{HELLO_MAX, MIN_VERSION, VERSION};
+pub use resume::ResumeStats;
 use streams::{RecvHalf, SendHalf, Stream, Streams};
 use timer::{Timer, TimerTable};
 
@@ -76,6 +78,9 @@ pub struct LinkConfig {
     /// so a reconnect does not start it empty (the runtime keeps one per peer); `None`: the
     /// link makes one of `codec.delta_bytes`.
     pub delta_bases: Option<wanopt_codec::SharedBases>,
+    /// How long streams wait for a new connection after the link's was lost (zero: a lost
+    /// connection resets every stream, and the hello does not offer resumption).
+    pub resume_window: Duration,
 }
 
 impl LinkConfig {
@@ -100,6 +105,7 @@ impl LinkConfig {
             checkpoint_interval: Duration::from_secs(60),
             saved_states: Vec::new(),
             delta_bases: None,
+            resume_window: Duration::ZERO,
         }
     }
 }
@@ -148,6 +154,11 @@ pub enum Event {
         scope: Arc<str>,
         state: Arc<Snapshot>,
     },
+    /// The connection was lost and the link waits for a new one (see [`Link::suspend`]); its
+    /// streams stay.
+    Suspended { reason: String },
+    /// The streams went on over a new connection.
+    Resumed(ResumeStats),
 }
 
 /// The result of reading a stream.
@@ -169,6 +180,8 @@ enum State {
     Draining,
     /// A GoAway is queued or sent; nothing more is accepted.
     Closed,
+    /// The connection was lost; streams wait for [`Link::reconnect`] within the resume window.
+    Suspended,
 }
 
 /// Wire bytes (frame bytes before TLS) attributed to a service, each way.
@@ -266,6 +279,15 @@ pub struct Link {
     deferred_checkpoints: Vec<(usize, String, wanopt_codec::cache::Fingerprint)>,
     /// Streams reset because a chunk they waited for did not come in time.
     stalls_expired: u64,
+    /// Both sides resume streams after a lost connection (`CAP_RESUME` and a resume window).
+    resumable: bool,
+    /// Since the connection was lost, until the streams are resumed or given up.
+    outage: Option<resume::Outage>,
+    /// On a new connection, until the peer's resume list settled every stream: no stream
+    /// sends meanwhile.
+    resuming: Option<Box<resume::Resuming>>,
+    /// Streams that finished cleanly lately (see [`resume::DONE_KEPT`]).
+    done_ids: VecDeque<StreamId>,
 }
 
 /// How often stalled streams are checked against the stall timeout (the link's idle timeout).
@@ -308,6 +330,10 @@ impl Link {
             coding,
             loading: false,
             deferred_checkpoints: Vec::new(),
+            resumable: false,
+            outage: None,
+            resuming: None,
+            done_ids: VecDeque::new(),
             cfg,
         }
     }
@@ -431,6 +457,17 @@ impl Link {
         self.streams.buffered()
     }
 
+    /// Bytes kept to send again should the connection be lost (resumable links only): written
+    /// and not yet confirmed by the peer, sent or not (buffers shared with the send queues).
+    pub fn kept_bytes(&self) -> usize {
+        self.streams
+            .map
+            .values()
+            .filter_map(|s| s.send.kept.as_ref())
+            .map(|k| k.len)
+            .sum()
+    }
+
     /// Bytes still queued to send on one stream.
     pub fn send_queued(&self, id: StreamId) -> usize {
         self.streams.get(&id).map_or(0, |s| s.send.queued)
@@ -489,7 +526,10 @@ impl Link {
             class,
             lane,
             service,
-            send: SendHalf::new(self.peer.stream_window, coder),
+            send: SendHalf {
+                kept: self.kept_for_new_stream(),
+                ..SendHalf::new(self.peer.stream_window, coder)
+            },
             recv: RecvHalf::new(u64::from(self.cfg.stream_window)),
             scheduled: false,
         };
@@ -643,7 +683,10 @@ impl Link {
     /// Runs the timers due at `now`: the idle timeout fails the link, a keepalive ping is sent,
     /// changed caches are checkpointed.
     pub fn handle_timeout(&mut self, now: Instant) {
-        if self.state == State::Closed {
+        if self.state == State::Closed || self.resume_expired(now) {
+            return;
+        }
+        if self.state == State::Suspended {
             return;
         }
         // A link that has heard nothing yet starts its idle clock at the first call.
@@ -739,6 +782,7 @@ impl Link {
     /// Removes a stream that finished both ways.
     fn maybe_remove(&mut self, id: StreamId) {
         if self.streams.get(&id).is_some_and(Stream::done) && self.remove_stream(id).is_some() {
+            self.remember_done(id);
             self.events.push_back(Event::Done(id));
         }
     }

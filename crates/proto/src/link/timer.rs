@@ -14,10 +14,12 @@ pub(super) enum Timer {
     Checkpoint,
     /// Streams stalled on a missing chunk are checked against the stall timeout.
     Stalls,
+    /// A suspended link's resume window ends: its streams are lost.
+    Resume,
 }
 
 impl Timer {
-    const COUNT: usize = 4;
+    const COUNT: usize = 5;
 
     fn index(self) -> usize {
         match self {
@@ -25,6 +27,7 @@ impl Timer {
             Timer::Ping => 1,
             Timer::Checkpoint => 2,
             Timer::Stalls => 3,
+            Timer::Resume => 4,
         }
     }
 }
@@ -47,6 +50,10 @@ impl TimerTable {
     /// The timer's deadline, armed at `at` first if it had none.
     pub fn get_or_set(&mut self, t: Timer, at: Instant) -> Instant {
         *self.at[t.index()].get_or_insert(at)
+    }
+
+    pub fn clear(&mut self, t: Timer) {
+        self.at[t.index()] = None;
     }
 
     pub fn stop_all(&mut self) {

@@ -34,12 +34,12 @@ impl Link {
     /// Like [`poll_transmit`](Self::poll_transmit) for one lane: its control frames, then its
     /// streams' data (latency first, then bulk).
     pub fn poll_transmit_lane(&mut self, lane: usize, out: &mut BytesMut, limit: usize) -> usize {
-        if lane >= LANES {
+        if !self.lane_usable(lane) {
             return 0;
         }
         let start = out.len();
         self.transmit_control(lane, out);
-        if matches!(self.state, State::Open | State::Draining) && !self.loading {
+        if self.streams_may_send() {
             while out.len() < limit && self.link_credit.available() > 0 {
                 let Some((queue, id)) = self.streams.next_ready(lane) else {
                     break;
@@ -54,6 +54,20 @@ impl Link {
         n
     }
 
+    /// The main lane, or the latency lane while attached: frames for a lane not attached (yet,
+    /// or again after a lost connection) wait.
+    fn lane_usable(&self, lane: usize) -> bool {
+        lane == crate::lane::MAIN_LANE || (lane < LANES && self.lane_attached)
+    }
+
+    /// True while streams may send: the link is up, its caches are loaded and, after a lost
+    /// connection, the peer's resume list has settled every stream.
+    fn streams_may_send(&self) -> bool {
+        matches!(self.state, State::Open | State::Draining)
+            && !self.loading
+            && self.resuming.is_none()
+    }
+
     /// True if some lane would produce bytes now.
     pub fn wants_transmit(&self) -> bool {
         (0..LANES).any(|l| self.wants_transmit_lane(l))
@@ -61,10 +75,9 @@ impl Link {
 
     /// True if [`poll_transmit_lane`](Self::poll_transmit_lane) would produce bytes now.
     pub fn wants_transmit_lane(&self, lane: usize) -> bool {
-        lane < LANES
+        self.lane_usable(lane)
             && (!self.ctrl[lane].is_empty()
-                || (matches!(self.state, State::Open | State::Draining)
-                    && !self.loading
+                || (self.streams_may_send()
                     && self.link_credit.available() > 0
                     && self.streams.any_ready(lane)))
     }

@@ -65,6 +65,9 @@ pub struct App {
     pub checkpoints: Vec<(Role, usize, Arc<str>, Arc<Snapshot>)>,
     /// Cache states the link asked to load, and when.
     pub loads: Option<(Instant, Vec<StateRequest>)>,
+    /// Connections lost with the link suspended, and what each resumption did.
+    pub suspended: u32,
+    pub resumed: Vec<wanopt_proto::ResumeStats>,
 }
 
 pub struct Side {
@@ -289,6 +292,8 @@ pub fn step_side(side: &mut Side, pipes: &mut [Pipe; LANES], now: Instant) -> bo
                 state,
             } => side.app.checkpoints.push((role, lane, scope, state)),
             Event::LoadStates(reqs) => side.app.loads = Some((now, reqs)),
+            Event::Suspended { .. } => side.app.suspended += 1,
+            Event::Resumed(r) => side.app.resumed.push(r),
             Event::Readable(_) | Event::Writable(_) | Event::Done(_) => {}
         }
     }

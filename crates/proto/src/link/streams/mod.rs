@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 pub(crate) use recv::RecvHalf;
-pub(crate) use send::SendHalf;
+pub(crate) use send::{Kept, SendHalf};
 
 use crate::frame::{Class, StreamId};
 use crate::lane::LANES;
@@ -27,9 +27,10 @@ pub(crate) struct Stream {
 }
 
 impl Stream {
-    /// True once both directions are finished.
+    /// True once both directions are finished (with resumption, once the peer confirmed our
+    /// end).
     pub fn done(&self) -> bool {
-        self.send.fin_sent && self.recv.read_done
+        self.send.finished() && self.recv.read_done
     }
 }
 
@@ -105,6 +106,11 @@ impl Streams {
         }
         self.peer_max_id[lane] = id.0;
         true
+    }
+
+    /// Highest stream id the peer has opened, per lane.
+    pub fn peer_max_ids(&self) -> [u32; LANES] {
+        self.peer_max_id
     }
 
     /// True for an id that was in use once and is closed now: late frames for it are ignored.

@@ -17,6 +17,8 @@ pub(crate) struct RecvHalf {
     /// The application read the end: this half is finished.
     pub read_done: bool,
     pub coded: Option<Box<RecvCoded>>,
+    /// With resumption: the peer was told its end arrived (`Finished`).
+    pub finished_sent: bool,
 }
 
 impl RecvHalf {
@@ -27,7 +29,23 @@ impl RecvHalf {
             fin_received: false,
             read_done: false,
             coded: None,
+            finished_sent: false,
         }
+    }
+
+    /// After a lost connection: drops the coded frames not yet rebuilt (the peer sends their
+    /// bytes again) and returns how many raw bytes they covered.
+    pub fn drop_undecoded(&mut self) -> u64 {
+        let Some(c) = self.coded.take() else {
+            return 0;
+        };
+        let n = c.undecoded();
+        if !c.is_empty() {
+            // The end, if it came, was in the last of them.
+            self.fin_received = false;
+        }
+        self.window.unreceive(n);
+        n
     }
 
     /// True when the peer's end may be read: fin arrived and everything before it was rebuilt.

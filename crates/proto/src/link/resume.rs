@@ -1,0 +1,438 @@
+//! Streams through a lost connection. With `CAP_RESUME` on both sides a lost connection
+//! suspends the link instead of closing it: streams stay, each send half keeps what the peer has
+//! not confirmed, and on the next connection each side lists what it received (`Resume`) so the
+//! other sends the rest exactly once. The codec starts over from a state both sides share (the
+//! hellos' saved states, or empty caches), since frames lost in flight left the old ones apart.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Instant;
+
+use super::hello;
+use super::streams::Kept;
+use super::timer::Timer;
+use super::{Event, Link, State};
+use crate::coding::SavedCache;
+use crate::error::LinkError;
+use crate::frame::{
+    Frame, RESUME_ENTRY_LEN, RESUME_HEAD_LEN, ResetCode, Resume, ResumeEntry, StreamId, setting,
+};
+use crate::lane::{CAP_RESUME, LATENCY_LANE, MAIN_LANE};
+
+/// Streams that finished cleanly, remembered for the resume list: the peer may not have heard
+/// that they did when the connection went.
+pub(super) const DONE_KEPT: usize = 4096;
+
+/// A link whose connection was lost, until its streams are resumed or given up.
+#[derive(Debug)]
+pub(super) struct Outage {
+    pub since: Instant,
+    /// The link was draining when the connection went.
+    pub draining: bool,
+}
+
+/// A resumption under way on a new connection.
+#[derive(Debug, Default)]
+pub(super) struct Resuming {
+    /// The old link's token: the initiator presents it, the listener expects it back.
+    token: u64,
+    /// The streams that lived on the old connection (only they are reconciled).
+    old: HashSet<StreamId>,
+    /// The peer's resume list so far, and its link-level figures.
+    peer: Vec<ResumeEntry>,
+    head: Option<(u64, u64, [u32; 2])>,
+}
+
+/// What one resumption did, for the runtime's metrics and logs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ResumeStats {
+    /// Streams that went on.
+    pub streams: usize,
+    /// Stream bytes sent again (they were in flight when the connection went).
+    pub resent: u64,
+    /// Streams reset because the peer no longer had them.
+    pub lost: usize,
+    /// From the lost connection to the settled streams.
+    pub outage: std::time::Duration,
+}
+
+impl Link {
+    /// True if losing the connection now would suspend the link rather than close it: both
+    /// sides resume streams, the resume window is not zero and the link is up (or resuming).
+    pub fn can_resume(&self) -> bool {
+        self.resumable
+            && !self.cfg.resume_window.is_zero()
+            && (matches!(self.state, State::Open | State::Draining) || self.outage.is_some())
+    }
+
+    /// True while the link waits for a new connection (after [`suspend`](Self::suspend)).
+    pub fn is_suspended(&self) -> bool {
+        self.state == State::Suspended
+    }
+
+    /// Records that the connection (either lane) was lost. A link that can resume keeps its
+    /// streams for `resume_window` and waits for [`reconnect`](Self::reconnect); any other is
+    /// closed as [`connection_lost`](Self::connection_lost) does. Returns true if suspended.
+    pub fn suspend(&mut self, reason: &str, now: Instant) -> bool {
+        if self.state == State::Suspended {
+            return true;
+        }
+        if !self.can_resume() {
+            self.connection_lost(reason);
+            return false;
+        }
+        if self.outage.is_none() {
+            self.outage = Some(Outage {
+                since: now,
+                draining: self.state == State::Draining,
+            });
+            self.timers.set(Timer::Resume, now + self.cfg.resume_window);
+        }
+        let resume_at = self.timers.get(Timer::Resume);
+        self.timers.stop_all();
+        if let Some(at) = resume_at {
+            self.timers.set(Timer::Resume, at);
+        }
+        self.state = State::Suspended;
+        self.resuming = None;
+        for c in &mut self.ctrl {
+            c.clear();
+        }
+        self.inbuf.clear();
+        self.lane_attached = false;
+        self.loading = false;
+        self.deferred_checkpoints.clear();
+        self.keepalive = Default::default();
+        self.events.push_back(Event::Suspended {
+            reason: reason.to_string(),
+        });
+        true
+    }
+
+    /// Starts over on a new connection after [`suspend`](Self::suspend): a new hello goes
+    /// first. The connecting side presents the old link's token; the listener, which the
+    /// runtime found by that token, answers with it and hands out `token` as the new one.
+    /// `saved` lists the cache states saved so far (see [`LinkConfig::saved_states`]).
+    ///
+    /// [`LinkConfig::saved_states`]: super::LinkConfig::saved_states
+    pub fn reconnect(&mut self, now: Instant, token: u64, saved: Vec<SavedCache>) -> bool {
+        if self.state != State::Suspended {
+            return false;
+        }
+        let old = if self.cfg.initiator {
+            self.peer.token
+        } else {
+            std::mem::replace(&mut self.cfg.token, token)
+        };
+        self.cfg.saved_states = saved;
+        self.coding = self.coding.renew(
+            self.cfg.codec.clone(),
+            self.cfg.cache_storage.clone(),
+            self.cfg.saved_states.clone(),
+        );
+        let mut h = hello::ours(&self.cfg, self.coding.offers(), self.coding.own_scoped());
+        let id = if self.cfg.initiator {
+            setting::RESUME
+        } else {
+            setting::RESUMED
+        };
+        h.settings.push((id, old));
+        self.ctrl[MAIN_LANE].push_back(Frame::Hello(h));
+        self.state = State::Handshake;
+        self.peer = hello::PeerParams {
+            max_frame: 16 * 1024,
+            ..Default::default()
+        };
+        self.link_credit = crate::flow::SendCredit::new(0);
+        self.resuming = Some(Box::new(Resuming {
+            token: old,
+            old: self.streams.map.keys().copied().collect(),
+            ..Default::default()
+        }));
+        self.timers.set(Timer::Idle, now + self.cfg.idle_timeout);
+        true
+    }
+
+    /// The peer's hello on a resumed connection: if it resumes the same link, our resume list
+    /// goes out; if not (it restarted, or gave the link up), every stream is lost.
+    pub(super) fn on_resumed_hello(&mut self, h: &crate::frame::Hello) {
+        let Some(r) = self.resuming.as_ref() else {
+            return;
+        };
+        let id = if self.cfg.initiator {
+            setting::RESUMED
+        } else {
+            setting::RESUME
+        };
+        let same = h.capabilities & CAP_RESUME != 0 && h.setting(id) == Some(r.token);
+        if !same {
+            self.resuming = None;
+            self.end_outage();
+            self.lose_streams("the peer no longer has the link's streams (it restarted?)");
+            return;
+        }
+        self.list_streams();
+    }
+
+    /// Queues our resume list: what we received of each stream. Coded frames not rebuilt yet
+    /// are dropped (their bytes come again, through the new codec state).
+    fn list_streams(&mut self) {
+        let mut entries = Vec::with_capacity(self.streams.map.len() + self.done_ids.len());
+        for (id, s) in self.streams.map.iter_mut() {
+            let dropped = s.recv.drop_undecoded();
+            self.link_window.unreceive(dropped);
+            entries.push(ResumeEntry {
+                stream: *id,
+                received: s.recv.window.received(),
+                max: s.recv.window.advertised(),
+                fin: s.recv.fin_received,
+                done: false,
+            });
+        }
+        entries.extend(self.done_ids.iter().map(|id| ResumeEntry {
+            stream: *id,
+            received: 0,
+            max: 0,
+            fin: true,
+            done: true,
+        }));
+        let (received, max) = (self.link_window.received(), self.link_window.advertised());
+        let seen = self.streams.peer_max_ids();
+        let per =
+            ((self.peer.max_frame + 8).saturating_sub(RESUME_HEAD_LEN) / RESUME_ENTRY_LEN).max(1);
+        let mut chunks: Vec<Vec<ResumeEntry>> = entries.chunks(per).map(<[_]>::to_vec).collect();
+        if chunks.is_empty() {
+            chunks.push(Vec::new());
+        }
+        let n = chunks.len();
+        for (i, entries) in chunks.into_iter().enumerate() {
+            self.ctrl[MAIN_LANE].push_back(Frame::Resume(Box::new(Resume {
+                link_received: received,
+                link_max: max,
+                seen,
+                entries,
+                last: i + 1 == n,
+            })));
+        }
+    }
+
+    /// A part of the peer's resume list; the last part settles every stream.
+    pub(super) fn on_resume(&mut self, r: Resume, now: Instant) -> Result<(), LinkError> {
+        let limit = self.cfg.max_streams as usize + self.peer.max_streams as usize + DONE_KEPT;
+        let Some(rs) = self
+            .resuming
+            .as_mut()
+            .filter(|_| self.state != State::Handshake)
+        else {
+            return Err(LinkError::Protocol(
+                "resume list on a link not resuming".into(),
+            ));
+        };
+        if rs.peer.len() + r.entries.len() > limit {
+            return Err(LinkError::Protocol("resume list too long".into()));
+        }
+        rs.peer.extend(r.entries);
+        rs.head = Some((r.link_received, r.link_max, r.seen));
+        if r.last {
+            self.settle(now)?;
+        }
+        Ok(())
+    }
+
+    /// Sends each stream on from where the peer's list says it is; resets those the peer no
+    /// longer has.
+    fn settle(&mut self, now: Instant) -> Result<(), LinkError> {
+        let Some(rs) = self.resuming.take() else {
+            return Ok(());
+        };
+        let since = self.outage.as_ref().map_or(now, |o| o.since);
+        self.end_outage();
+        let Some((received, max, seen)) = rs.head else {
+            return Err(LinkError::Protocol("resume list without its head".into()));
+        };
+        let mut stats = ResumeStats {
+            outage: now.saturating_duration_since(since),
+            ..Default::default()
+        };
+        let peer: HashMap<StreamId, ResumeEntry> = rs.peer.iter().map(|e| (e.stream, *e)).collect();
+        self.link_credit.resync(received, max);
+        for e in rs.peer.iter().filter(|e| !rs.old.contains(&e.stream)) {
+            // A stream we no longer have: its end (or its reset) did not reach the peer. A
+            // stream the peer opened whose open never reached us is opened again by the peer.
+            let never_seen = self.streams.is_peer_id(e.stream) && !self.streams.was_open(e.stream);
+            if !e.done && !never_seen && !self.streams.map.contains_key(&e.stream) {
+                self.ctrl[MAIN_LANE].push_back(Frame::Reset {
+                    stream: e.stream,
+                    code: ResetCode::LinkLost,
+                    reason: "the stream ended while the link was down".into(),
+                });
+            }
+        }
+        let mut old: Vec<StreamId> = rs.old.iter().copied().collect();
+        old.sort_unstable();
+        for id in old {
+            let Some(s) = self.streams.get(&id) else {
+                continue;
+            };
+            let (service, class, lane) = (s.service.clone(), s.class, s.lane);
+            let coder = self.coding.coder_for(&service, class);
+            let sent = s.send.credit.sent();
+            match peer.get(&id) {
+                Some(e) if e.done => {
+                    let Some(s) = self.streams.get_mut(&id) else {
+                        continue;
+                    };
+                    if !s.send.fin_sent {
+                        return Err(LinkError::Protocol(format!(
+                            "stream {id}: the peer says it finished, but our end was not sent"
+                        )));
+                    }
+                    s.send.fin_acked = true;
+                    self.maybe_remove(id);
+                }
+                Some(e) => {
+                    let Some(s) = self.streams.get_mut(&id) else {
+                        continue;
+                    };
+                    if !s.send.rewind(e.received, e.max, e.fin, coder) {
+                        return Err(LinkError::Protocol(format!(
+                            "stream {id}: cannot send again from offset {} (sent {sent})",
+                            e.received
+                        )));
+                    }
+                    stats.resent += sent - e.received;
+                    stats.streams += 1;
+                    self.maybe_remove(id);
+                }
+                None if !self.streams.is_peer_id(id)
+                    && id.0 > seen[lane.min(LATENCY_LANE)]
+                    && s.send.kept.as_ref().is_some_and(|k| k.from == 0) =>
+                {
+                    // Its open was lost in flight: open it again and send everything.
+                    let window = self.peer.stream_window;
+                    let Some(s) = self.streams.get_mut(&id) else {
+                        continue;
+                    };
+                    if let Some(k) = s.send.kept.as_mut() {
+                        k.peer_window = window;
+                    }
+                    s.send.rewind(0, window, false, coder);
+                    stats.resent += sent;
+                    stats.streams += 1;
+                    self.ctrl[lane].push_back(Frame::Open {
+                        stream: id,
+                        class,
+                        service: service.to_string(),
+                    });
+                }
+                None => {
+                    stats.lost += 1;
+                    self.fail_stream(
+                        id,
+                        ResetCode::LinkLost,
+                        "the peer no longer has the stream after the link was lost".into(),
+                    );
+                }
+            }
+        }
+        let ids: Vec<StreamId> = self.streams.map.keys().copied().collect();
+        for id in ids {
+            self.streams.schedule(id);
+        }
+        self.events.push_back(Event::Resumed(stats));
+        Ok(())
+    }
+
+    /// The outage is over (resumed, or given up): the resume window no longer runs.
+    fn end_outage(&mut self) {
+        self.outage = None;
+        self.timers.clear(Timer::Resume);
+    }
+
+    /// Every stream goes, with `reason`; the link itself goes on.
+    fn lose_streams(&mut self, reason: &str) {
+        let ids: Vec<StreamId> = self.streams.map.keys().copied().collect();
+        for id in ids {
+            if self.remove_stream(id).is_some() {
+                self.events.push_back(Event::Reset {
+                    stream: id,
+                    code: ResetCode::LinkLost,
+                    reason: reason.to_string(),
+                });
+            }
+        }
+    }
+
+    /// The resume window ran out while the link was down: it closes, and its streams with it.
+    pub(super) fn resume_expired(&mut self, now: Instant) -> bool {
+        if !self.timers.expired(Timer::Resume, now) {
+            return false;
+        }
+        let e = LinkError::Transport(format!(
+            "down for longer than the resume window ({:?})",
+            self.cfg.resume_window
+        ));
+        self.fail(e);
+        true
+    }
+
+    /// The peer has every byte of a stream we sent, and its end.
+    pub(super) fn on_finished(&mut self, id: StreamId, offset: u64) -> Result<(), LinkError> {
+        if !self.resumable {
+            return Err(LinkError::Protocol("finished without resumption".into()));
+        }
+        let known = self.streams.was_open(id);
+        match self.streams.get_mut(&id) {
+            Some(s) => {
+                if !s.send.on_finished(offset) {
+                    return Err(LinkError::Protocol(format!(
+                        "stream {id}: finished at {offset}, which is not where we ended"
+                    )));
+                }
+                self.maybe_remove(id);
+            }
+            None if !known => {
+                return Err(LinkError::Protocol(format!(
+                    "finished for unknown stream {id}"
+                )));
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
+    /// Tells the peer once that a stream's end arrived (everything before it rebuilt), so it
+    /// can forget what it kept.
+    pub(super) fn note_end(&mut self, id: StreamId) {
+        if !self.resumable {
+            return;
+        }
+        if let Some(s) = self.streams.get_mut(&id)
+            && !s.recv.finished_sent
+            && s.recv.fin_ready()
+        {
+            s.recv.finished_sent = true;
+            self.ctrl[s.lane].push_back(Frame::Finished {
+                stream: id,
+                offset: s.recv.window.received(),
+            });
+        }
+    }
+
+    /// What a new stream keeps for resumption, if the link resumes.
+    pub(super) fn kept_for_new_stream(&self) -> Option<Kept> {
+        self.resumable.then(|| Kept {
+            peer_window: self.peer.stream_window,
+            ..Default::default()
+        })
+    }
+
+    /// Remembers a stream that finished cleanly, for the next resume list.
+    pub(super) fn remember_done(&mut self, id: StreamId) {
+        if self.resumable {
+            if self.done_ids.len() >= DONE_KEPT {
+                self.done_ids.pop_front();
+            }
+            self.done_ids.push_back(id);
+        }
+    }
+}

@@ -1,0 +1,350 @@
+//! Streams through lost connections (see `common`): the connection is cut at random points,
+//! with whatever was in flight lost on every lane, and resumed on a new one; every stream must
+//! end byte-exact both ways, each byte once, with nothing leaked. Also what is not resumed: a
+//! peer that restarted, a window that ran out, a peer without the capability.
+
+mod common;
+
+use common::*;
+
+const TOKEN: u64 = 0x5eed_cafe;
+
+fn resumable(c: &mut LinkConfig, codec: bool) {
+    c.resume_window = Duration::from_secs(30);
+    if codec {
+        c.codec = Some(CodecSettings {
+            cache_bytes: 64 << 20,
+            service_cache_bytes: 32 << 20,
+            ..CodecSettings::default()
+        });
+    }
+}
+
+/// A pair that resumes streams, up, with its latency lane attached when `laned`.
+fn resumable_pair(codec: bool, laned: bool) -> Pair {
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        5_000_000,
+        |c| {
+            resumable(c, codec);
+            c.token = 0;
+        },
+        |c| {
+            resumable(c, codec);
+            c.token = TOKEN;
+        },
+    );
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up, "hello exchange failed");
+    if laned {
+        attach(&mut p);
+    }
+    p
+}
+
+fn attach(p: &mut Pair) {
+    let token = p.west.link.lane_offer().expect("east offers a lane");
+    assert!(p.east.link.attach_lane(token) && p.west.link.attach_lane(token));
+}
+
+/// Loses the connection: what is in flight on every lane is gone, and both sides learn it.
+fn cut(p: &mut Pair) {
+    for pipe in p.w2e.iter_mut().chain(p.e2w.iter_mut()) {
+        pipe.in_flight.clear();
+        pipe.busy_until = p.now;
+    }
+    for side in [&mut p.west, &mut p.east] {
+        for b in &mut side.inbufs {
+            b.clear();
+        }
+    }
+    assert!(p.west.link.suspend("cut", p.now));
+    assert!(p.east.link.suspend("cut", p.now));
+}
+
+/// A new connection: the listener (found by the old token) hands out `token`.
+fn reconnect(p: &mut Pair, token: u64, laned: bool) {
+    assert!(p.west.link.reconnect(p.now, 0, Vec::new()));
+    assert!(p.east.link.reconnect(p.now, token, Vec::new()));
+    p.drive(Duration::from_millis(200));
+    if laned {
+        attach(p);
+    }
+}
+
+/// Text-like bytes that compress and repeat (so the codec's dedup and contexts are in play).
+fn data(seed: u64, len: usize) -> Bytes {
+    let words = [
+        "redo ",
+        "block ",
+        "commit ",
+        "scn=",
+        "archivelog ",
+        "thread 1 ",
+        "sequence ",
+        "\n",
+    ];
+    let mut v = Vec::with_capacity(len + 16);
+    let noise = wanopt_codec::testdata::noise(seed, len / 8 + 8);
+    let mut i = 0;
+    while v.len() < len {
+        let n = noise[i % noise.len()];
+        v.extend_from_slice(words[usize::from(n) % words.len()].as_bytes());
+        if n.is_multiple_of(5) {
+            v.extend_from_slice(&noise[i % noise.len()..(i % noise.len() + 4).min(noise.len())]);
+        }
+        i += 1;
+    }
+    v.truncate(len);
+    // The second half repeats the first: references, once the first half is in the caches.
+    let half = len / 2;
+    v.copy_within(..half, len - half);
+    v.into()
+}
+
+struct Plan {
+    id: StreamId,
+    up: usize,
+    down: usize,
+    seed: u64,
+}
+
+fn check_exact(p: &Pair, plans: &[Plan]) -> Result<(), TestCaseError> {
+    for s in plans {
+        let got_up = p.east.app.received.get(&s.id).cloned().unwrap_or_default();
+        let got_down = p.west.app.received.get(&s.id).cloned().unwrap_or_default();
+        prop_assert_eq!(got_up.len(), s.up, "stream {} up", s.id);
+        prop_assert!(
+            got_up == data(s.seed, s.up)[..],
+            "stream {} up differs",
+            s.id
+        );
+        prop_assert_eq!(got_down.len(), s.down, "stream {} down", s.id);
+        prop_assert!(
+            got_down == data(s.seed + 1000, s.down)[..],
+            "stream {} down differs",
+            s.id
+        );
+        prop_assert!(p.east.app.fin.contains(&s.id) && p.west.app.fin.contains(&s.id));
+    }
+    prop_assert!(p.west.app.resets.is_empty(), "{:?}", p.west.app.resets);
+    prop_assert!(p.east.app.resets.is_empty(), "{:?}", p.east.app.resets);
+    Ok(())
+}
+
+/// Streams both ways, the connection cut at each of `cuts` (virtual ms after the start, each
+/// down for its own time), then every byte checked.
+fn run(
+    codec: bool,
+    laned: bool,
+    sizes: &[(usize, usize, bool)],
+    cuts: &[(u64, u64)],
+) -> Result<Pair, TestCaseError> {
+    let mut p = resumable_pair(codec, laned);
+    let mut plans = Vec::new();
+    for (i, (up, down, lat)) in sizes.iter().enumerate() {
+        let class = if *lat { Class::Latency } else { Class::Bulk };
+        let service = if *lat { "e-lat" } else { "e-svc" };
+        let id = p.west.link.open(service, class).expect("open");
+        let seed = i as u64 * 7 + 1;
+        p.west.app.to_send.insert(id, (data(seed, *up), true));
+        p.west.app.received.entry(id).or_default();
+        plans.push(Plan {
+            id,
+            up: *up,
+            down: *down,
+            seed,
+        });
+    }
+    let mut answered = false;
+    let answer = |p: &mut Pair, plans: &[Plan]| {
+        for s in plans {
+            if p.east.app.opened.iter().any(|(id, _)| *id == s.id) {
+                p.east
+                    .app
+                    .to_send
+                    .insert(s.id, (data(s.seed + 1000, s.down), true));
+            }
+        }
+    };
+    let mut token = TOKEN;
+    for (at, down) in cuts {
+        p.drive(Duration::from_millis(*at));
+        if !answered && p.east.app.opened.len() == plans.len() {
+            answer(&mut p, &plans);
+            answered = true;
+        }
+        cut(&mut p);
+        // Time passes while the link is down (nothing else happens: drive would stop at once).
+        p.now += Duration::from_millis(*down);
+        token += 1;
+        reconnect(&mut p, token, laned);
+    }
+    p.drive(Duration::from_secs(5));
+    if !answered {
+        prop_assert_eq!(p.east.app.opened.len(), plans.len());
+        answer(&mut p, &plans);
+    }
+    p.drive(Duration::from_secs(60));
+    check_exact(&p, &plans)?;
+    prop_assert_eq!(p.west.app.suspended as usize, cuts.len());
+    prop_assert_eq!(p.west.app.resumed.len(), cuts.len());
+    prop_assert_eq!(p.east.app.resumed.len(), cuts.len());
+    p.assert_no_leaks();
+    Ok(p)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn streams_survive_lost_connections(
+        sizes in proptest::collection::vec((0usize..400_000, 0usize..100_000, any::<bool>()), 1..8),
+        cuts in proptest::collection::vec((0u64..300, 0u64..3000), 1..4),
+        codec in any::<bool>(),
+        laned in any::<bool>(),
+    ) {
+        run(codec, laned, &sizes, &cuts)?;
+    }
+}
+
+#[test]
+fn a_cut_before_the_first_open_arrives_opens_it_again() {
+    // The open and the first bytes are lost in flight: the peer's list does not name the
+    // stream, so it is opened again and sent from its first byte.
+    let p = run(
+        true,
+        true,
+        &[(100_000, 5_000, false), (3_000, 3_000, true)],
+        &[(1, 100)],
+    )
+    .expect("exact");
+    let r = p.west.app.resumed[0];
+    assert_eq!((r.streams, r.lost), (2, 0), "{r:?}");
+    assert!(r.resent > 0, "{r:?}");
+    // Down for 100 ms, then the new hellos and lists take a round trip of 20 ms each way.
+    assert!(r.outage >= Duration::from_millis(140), "{r:?}");
+}
+
+#[test]
+fn a_cut_mid_transfer_resends_at_most_what_was_in_flight() {
+    // 5 MB/s and 20 ms each way: at most the windows' worth is in flight.
+    let window = LinkConfig::new("x", "y", false).stream_window as u64;
+    for codec in [false, true] {
+        let p = run(codec, false, &[(4_000_000, 1_000_000, false)], &[(80, 500)]).expect("exact");
+        let r = p.west.app.resumed[0];
+        assert_eq!(r.streams, 1);
+        assert!(r.resent > 0, "{r:?}");
+        assert!(r.resent <= window, "{r:?}");
+    }
+}
+
+#[test]
+fn a_cut_just_after_the_last_byte_is_confirmed_loses_nothing() {
+    for at in [30, 45, 60, 90, 120] {
+        run(false, false, &[(20_000, 0, false)], &[(at, 10)]).expect("exact");
+    }
+}
+
+#[test]
+fn a_restarted_peer_loses_the_streams_with_a_clear_reset() {
+    let mut p = resumable_pair(false, false);
+    let id = p.west.link.open("e-svc", Class::Bulk).expect("open");
+    p.west.app.to_send.insert(id, (data(1, 200_000), false));
+    p.drive(Duration::from_millis(30));
+    cut(&mut p);
+    // East restarted: a new link, not the suspended one, answers west's hello.
+    let mut ce = LinkConfig::new("east", "west", false);
+    resumable(&mut ce, false);
+    ce.token = 99;
+    p.east = Side::new(Link::new(ce));
+    p.east.link.set_services(["e-svc"]);
+    assert!(p.west.link.reconnect(p.now, 0, Vec::new()));
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.link.is_open(), "the link itself goes on");
+    assert_eq!(p.west.app.resets, vec![(id, ResetCode::LinkLost)]);
+    assert!(!p.west.link.contains(id));
+    // New streams work on it.
+    let id2 = open_and_send(&mut p, "e-svc", Class::Bulk, pattern(5, 10_000));
+    p.drive(Duration::from_secs(2));
+    assert_eq!(p.east.app.received.get(&id2).map(Vec::len), Some(10_000));
+}
+
+#[test]
+fn past_the_resume_window_the_link_closes_and_every_stream_resets() {
+    let mut p = resumable_pair(true, false);
+    let id = p.west.link.open("e-svc", Class::Bulk).expect("open");
+    p.west.app.to_send.insert(id, (data(1, 200_000), false));
+    p.drive(Duration::from_millis(30));
+    cut(&mut p);
+    p.drive(Duration::from_secs(31));
+    assert!(p.west.link.is_closed() && p.east.link.is_closed());
+    assert!(p.west.app.resets.contains(&(id, ResetCode::Shutdown)));
+    assert!(
+        matches!(&p.west.app.closed, Some(Some(LinkError::Transport(r))) if r.contains("resume window")),
+        "{:?}",
+        p.west.app.closed
+    );
+    assert!(!p.west.link.reconnect(p.now, 0, Vec::new()));
+    p.assert_no_leaks();
+}
+
+#[test]
+fn a_peer_without_resumption_gets_todays_behaviour() {
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        20_000_000,
+        |c| resumable(c, false),
+        |_| {},
+    );
+    p.drive(Duration::from_secs(1));
+    let id = open_and_send(&mut p, "e-svc", Class::Bulk, pattern(1, 50_000));
+    p.drive(Duration::from_millis(25));
+    assert!(!p.west.link.can_resume());
+    assert!(!p.west.link.suspend("cut", p.now));
+    assert!(p.west.link.is_closed());
+    p.drive(Duration::from_millis(1));
+    assert!(p.west.app.resets.contains(&(id, ResetCode::Shutdown)));
+}
+
+#[test]
+fn a_restarted_connecting_side_resumes_nothing() {
+    let mut p = resumable_pair(false, false);
+    let id = p.west.link.open("e-svc", Class::Bulk).expect("open");
+    p.west.app.to_send.insert(id, (data(1, 100_000), false));
+    p.drive(Duration::from_millis(30));
+    cut(&mut p);
+    // West restarted: its new link presents no token, so east (had its runtime handed it the
+    // connection) gives the old streams up rather than take a list that is not theirs.
+    assert!(p.east.link.reconnect(p.now, TOKEN + 1, Vec::new()));
+    let mut forged = LinkConfig::new("west", "east", true);
+    resumable(&mut forged, false);
+    let mut w = Link::new(forged);
+    w.set_services(["w-svc"]);
+    p.west = Side::new(w);
+    p.drive(Duration::from_secs(1));
+    assert!(p.east.app.resets.contains(&(id, ResetCode::LinkLost)));
+    assert!(!p.east.link.contains(id));
+}
+
+#[test]
+fn kept_bytes_stay_within_the_windows_and_go_once_confirmed() {
+    let mut p = resumable_pair(false, false);
+    let id = p.west.link.open("e-svc", Class::Bulk).expect("open");
+    p.west.app.to_send.insert(id, (data(3, 8 << 20), true));
+    p.west.app.received.entry(id).or_default();
+    let window = LinkConfig::new("x", "y", false).stream_window as usize;
+    let buffer = LinkConfig::new("x", "y", true).send_buffer;
+    let mut most = 0;
+    for _ in 0..400 {
+        p.drive(Duration::from_millis(10));
+        most = most.max(p.west.link.kept_bytes());
+    }
+    assert!(most > 0, "nothing was kept");
+    assert!(most <= window + buffer, "{most} > {window} + {buffer}");
+    p.east.app.to_send.insert(id, (Bytes::new(), true));
+    p.drive(Duration::from_secs(30));
+    assert_eq!(p.east.app.received[&id].len(), 8 << 20);
+    assert_eq!(p.west.link.kept_bytes(), 0);
+    p.assert_no_leaks();
+}
