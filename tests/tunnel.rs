@@ -254,8 +254,9 @@ fn plaintext_garbage_on_the_link_port() {
     hash_client(west.bound("svc"), 1, 100_000, 100_000).expect("tunnel works after garbage");
 }
 
-/// Killing the link mid-transfer fails the affected streams with an error (never a clean,
-/// truncated end); the link comes back and new streams work.
+/// Without resumption (`resume_window: 0s`), killing the link mid-transfer fails the affected
+/// streams with an error (never a clean, truncated end); the link comes back and new streams
+/// work.
 #[test]
 fn link_killed_mid_transfer() {
     // A server that sends a lot, slowly enough that the cut lands mid-stream.
@@ -278,7 +279,8 @@ fn link_killed_mid_transfer() {
     } = RelayedPair::start(
         &format!("  - name: svc\n    target: {target}\n"),
         "  - name: svc\n    listen: 127.0.0.1:0\n",
-        "",
+        // Without resumption (tests/resume.rs has the streams that ride through).
+        "  resume_window: 0s\n",
     );
     west.wait_log("link up", 10 * SEC);
     let addr = west.bound("svc");
@@ -359,7 +361,8 @@ fn newest_link_wins() {
 }
 
 /// Latency-class streams get their own connection inside the link (the latency lane), so they
-/// never wait behind bulk's loss recovery; losing that connection fails the link, which recovers.
+/// never wait behind bulk's loss recovery; without resumption, losing that connection fails the
+/// link, which recovers.
 #[test]
 fn latency_lane_carries_latency_streams_and_its_loss_fails_the_link() {
     let srv = hash_server();
@@ -370,7 +373,8 @@ fn latency_lane_carries_latency_streams_and_its_loss_fails_the_link() {
             "  - name: sync\n    target: {srv}\n    class: latency\n  - name: bulk\n    target: {srv}\n"
         ),
         "  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n  - name: bulk\n    listen: 127.0.0.1:0\n",
-        "",
+        // Without resumption (tests/resume.rs has a lane lost with it).
+        "  resume_window: 0s\n",
     );
     west.wait_log("latency lane attached", 10 * SEC);
     east.wait_log("latency lane attached", 10 * SEC);

@@ -460,10 +460,12 @@ pub fn hash_client(addr: SocketAddr, seed: u64, up: u64, down: u64) -> Result<()
     Ok(())
 }
 
-/// A TCP relay whose connections can be cut, to kill the link without killing a daemon.
+/// A TCP relay whose connections can be cut, to kill the link without killing a daemon, and
+/// which can refuse new ones for a while (the peer unreachable).
 pub struct Relay {
     pub addr: SocketAddr,
     conns: Arc<Mutex<Vec<TcpStream>>>,
+    refuse: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Relay {
@@ -471,10 +473,15 @@ impl Relay {
         let l = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = l.local_addr().expect("addr");
         let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-        let c2 = conns.clone();
+        let refuse: Arc<std::sync::atomic::AtomicBool> = Arc::default();
+        let (c2, r2) = (conns.clone(), refuse.clone());
         std::thread::spawn(move || {
             for s in l.incoming() {
                 let Ok(a) = s else { continue };
+                if r2.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = a.shutdown(Shutdown::Both);
+                    continue;
+                }
                 let Ok(b) = TcpStream::connect(upstream) else {
                     continue;
                 };
@@ -497,7 +504,16 @@ impl Relay {
                 }
             }
         });
-        Relay { addr, conns }
+        Relay {
+            addr,
+            conns,
+            refuse,
+        }
+    }
+
+    /// While `on`, new connections are closed as soon as they are accepted.
+    pub fn refuse(&self, on: bool) {
+        self.refuse.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Number of connections relayed so far.

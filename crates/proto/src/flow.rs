@@ -144,9 +144,17 @@ impl RecvWindow {
     /// Records `n` bytes consumed by the application. Returns a new limit to advertise once at least
     /// half the window has been consumed since the last grant, so updates are batched.
     pub fn on_consume(&mut self, n: u64) -> Option<u64> {
+        self.on_consume_every(n, u64::MAX)
+    }
+
+    /// Like [`on_consume`](Self::on_consume), and also once `every` bytes were consumed since
+    /// the last grant: the limit then acknowledges consumption often enough for the sender to
+    /// let go of what it keeps (resumable streams).
+    pub fn on_consume_every(&mut self, n: u64, every: u64) -> Option<u64> {
         debug_assert!(n <= self.buffered(), "consumed more than received");
         self.consumed += n.min(self.buffered());
-        let res = if self.advertised - self.consumed <= self.window / 2 {
+        let since_grant = self.consumed - self.advertised.saturating_sub(self.window);
+        let res = if self.advertised - self.consumed <= self.window / 2 || since_grant >= every {
             self.advertised = self.consumed + self.window;
             Some(self.advertised)
         } else {

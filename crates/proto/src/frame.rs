@@ -360,6 +360,8 @@ pub struct ResumeEntry {
     pub fin: bool,
     /// The stream finished both ways and is gone.
     pub done: bool,
+    /// The stream's frames travel on the latency lane.
+    pub latency: bool,
 }
 
 /// Bytes of one [`ResumeEntry`] on the wire.
@@ -389,6 +391,7 @@ const FLAG_SCOPED: u8 = 2;
 /// Resume entry flags.
 const RESUME_FIN: u8 = 1;
 const RESUME_DONE: u8 = 2;
+const RESUME_LATENCY: u8 = 4;
 
 impl Frame {
     /// Checks whether `buf` starts with a whole frame whose payload is at most `max_payload` bytes.
@@ -598,7 +601,9 @@ impl Frame {
                     let received = get_u64(&mut p)?;
                     let max = get_u64(&mut p)?;
                     let f = get_u8(&mut p)?;
-                    if stream == StreamId::LINK || f & !(RESUME_FIN | RESUME_DONE) != 0 {
+                    if stream == StreamId::LINK
+                        || f & !(RESUME_FIN | RESUME_DONE | RESUME_LATENCY) != 0
+                    {
                         return Err(FrameError::Malformed("bad resume entry"));
                     }
                     entries.push(ResumeEntry {
@@ -607,6 +612,7 @@ impl Frame {
                         max,
                         fin: f & RESUME_FIN != 0,
                         done: f & RESUME_DONE != 0,
+                        latency: f & RESUME_LATENCY != 0,
                     });
                 }
                 Frame::Resume(Box::new(Resume {
@@ -801,7 +807,9 @@ impl Frame {
                     out.put_u64(e.received);
                     out.put_u64(e.max);
                     out.put_u8(
-                        if e.fin { RESUME_FIN } else { 0 } | if e.done { RESUME_DONE } else { 0 },
+                        if e.fin { RESUME_FIN } else { 0 }
+                            | if e.done { RESUME_DONE } else { 0 }
+                            | if e.latency { RESUME_LATENCY } else { 0 },
                     );
                 }
             }
@@ -1047,7 +1055,7 @@ mod tests {
                 .prop_map(|(stream, offset)| Frame::Finished { stream, offset }),
             (
                 any::<(u64, u64, u32, u32, bool)>(),
-                proptest::collection::vec((1u32.., any::<(u64, u64, bool, bool)>()), 0..40)
+                proptest::collection::vec((1u32.., any::<(u64, u64, bool, bool, bool)>()), 0..40)
             )
                 .prop_map(|((link_received, link_max, s0, s1, last), es)| {
                     Frame::Resume(Box::new(Resume {
@@ -1056,12 +1064,13 @@ mod tests {
                         seen: [s0, s1],
                         entries: es
                             .into_iter()
-                            .map(|(s, (received, max, fin, done))| ResumeEntry {
+                            .map(|(s, (received, max, fin, done, latency))| ResumeEntry {
                                 stream: StreamId(s),
                                 received,
                                 max,
                                 fin,
                                 done,
+                                latency,
                             })
                             .collect(),
                         last,

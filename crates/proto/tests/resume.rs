@@ -175,8 +175,17 @@ fn run(
             answered = true;
         }
         cut(&mut p);
-        // Time passes while the link is down (nothing else happens: drive would stop at once).
-        p.now += Duration::from_millis(*down);
+        // Time passes while the link is down; the applications go on reading and writing (what
+        // the links would send goes nowhere).
+        let end = p.now + Duration::from_millis(*down);
+        while p.now < end {
+            p.now = end.min(p.now + Duration::from_millis(50));
+            step_side(&mut p.west, &mut p.w2e, p.now);
+            step_side(&mut p.east, &mut p.e2w, p.now);
+            for pipe in p.w2e.iter_mut().chain(p.e2w.iter_mut()) {
+                prop_assert!(pipe.in_flight.is_empty(), "a suspended link sent bytes");
+            }
+        }
         token += 1;
         reconnect(&mut p, token, laned);
     }
@@ -195,7 +204,7 @@ fn run(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(24))]
+    #![proptest_config(ProptestConfig::with_cases(64))]
 
     #[test]
     fn streams_survive_lost_connections(

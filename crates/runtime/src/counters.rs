@@ -154,6 +154,11 @@ pub struct LinkCounters {
     pub up: Gauge,
     pub lanes: Gauge,
     pub zstd_level: Gauge,
+    pub outages: Counter,
+    pub outage_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
+    pub streams_resumed: Counter,
+    pub resent: Counter,
+    pub streams_lost: Counter,
 }
 
 impl LinkCounters {
@@ -218,6 +223,31 @@ impl LinkCounters {
             "wanopt_link_zstd_level",
             "The zstd level the link compresses at now (moved by optimize.zstd_adapt)",
             m.zstd_level.clone(),
+        );
+        r.register(
+            "wanopt_link_outages",
+            "Link connections lost while streams waited for the next one (link.resume_window)",
+            m.outages.clone(),
+        );
+        r.register(
+            "wanopt_link_outage_seconds",
+            "Time from a lost link connection to its streams going on over the next, summed",
+            m.outage_seconds.clone(),
+        );
+        r.register(
+            "wanopt_link_streams_resumed",
+            "Streams that went on over a new link connection",
+            m.streams_resumed.clone(),
+        );
+        r.register(
+            "wanopt_link_resent_bytes",
+            "Stream bytes sent again after a lost link connection (they were in flight)",
+            m.resent.clone(),
+        );
+        r.register(
+            "wanopt_link_streams_lost",
+            "Streams reset because a lost link connection could not be resumed (past link.resume_window, or the peer restarted)",
+            m.streams_lost.clone(),
         );
         m
     }

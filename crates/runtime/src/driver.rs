@@ -53,6 +53,8 @@ pub(crate) enum LinkMsg {
         stream: StreamId,
         service: Arc<str>,
     },
+    /// The link's connection was lost and its streams wait for the next one.
+    Suspended(Arc<LinkHandle>),
     /// The link ended (after it was up).
     Down(Arc<LinkHandle>),
 }
@@ -112,6 +114,9 @@ pub(crate) struct LinkHandle {
     fds: Mutex<[Option<std::os::fd::RawFd>; LANES]>,
     pub ctx: LinkCtx,
     pub id: u64,
+    /// Which connection carries the link: a resumed link counts up, and the tasks of an older
+    /// connection stop touching the link once they see it.
+    conn: std::sync::atomic::AtomicU64,
 }
 
 impl LinkHandle {
@@ -130,6 +135,48 @@ impl LinkHandle {
             fds: Mutex::new([Some(fd), None]),
             ctx,
             id,
+            conn: 0.into(),
+        }
+    }
+
+    /// The connection now carrying the link (see [`LinkHandle::reconnect`]).
+    fn connection(&self) -> u64 {
+        self.conn.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Hands a suspended link a new connection whose main socket is `fd` (on the listener, also
+    /// a link whose peer came back before this side saw the old connection go): the old
+    /// connection's tasks stop, and the link starts over with a new hello that resumes its
+    /// streams. False if the link can no longer resume.
+    pub fn reconnect(&self, fd: std::os::fd::RawFd, saved: Vec<wanopt_proto::SavedCache>) -> bool {
+        let mut g = lock(&self.inner);
+        let now = Instant::now();
+        let ok = (g.link.is_suspended() || g.link.suspend("the peer connected again", now))
+            && g.link.reconnect(now, rand::random(), saved);
+        if ok {
+            self.conn.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            *lock(&self.fds) = [Some(fd), None];
+            *lock(&self.armed) = None;
+            if let Some(t) = lock(&self.lane_task).take() {
+                t.abort();
+            }
+            g.up = false;
+            // The old connection's writers wake, see they are stale and end, so no later
+            // wakeup meant for the new writers goes to them.
+            for t in &self.tx {
+                t.notify_waiters();
+            }
+        }
+        self.dispatch(&mut g);
+        ok
+    }
+
+    /// Wakes every stream: the link is gone for good.
+    fn wake_all(g: &Inner) {
+        for s in g.signals.values() {
+            s.readable.notify_one();
+            s.writable.notify_one();
+            s.gone.notify_one();
         }
     }
 
@@ -143,7 +190,7 @@ impl LinkHandle {
     /// Which lanes' writers [`kick`](Self::kick) would wake, decided under the link's lock that
     /// the caller already holds (one lock round trip less on the latency path).
     pub fn wants(&self, g: &Inner) -> [bool; LANES] {
-        let closed = g.link.is_closed();
+        let closed = g.link.is_closed() || g.link.is_suspended();
         // The main lane's writer also runs the link's timers: wake it when they moved
         // earlier than what it sleeps until (the peer's hello arms them, for one).
         let timer = g.link.poll_timeout();
@@ -219,6 +266,9 @@ impl LinkHandle {
                     code,
                     reason,
                 } => {
+                    if code == ResetCode::LinkLost {
+                        add(&counters.link.streams_lost, 1);
+                    }
                     if let Some(s) = g.signals.get(&stream) {
                         *lock(&s.reset) = Some(format!("{}: {reason}", code.label()));
                         s.readable.notify_one();
@@ -232,17 +282,20 @@ impl LinkHandle {
                     }
                 }
                 Event::Closed(_) => {}
-                Event::Suspended { reason } => {
-                    info!(link = self.id, reason = %reason, "link connection lost; its streams wait for the next one");
-                }
+                // The run that lost the connection logs it, with the number of streams.
+                Event::Suspended { .. } => add(&counters.link.outages, 1),
                 Event::Resumed(r) => {
+                    let l = &counters.link;
+                    add(&l.streams_resumed, r.streams as u64);
+                    add(&l.resent, r.resent);
+                    l.outage_seconds.inc_by(r.outage.as_secs_f64());
                     info!(
                         link = self.id,
                         streams = r.streams,
                         resent = r.resent,
                         lost = r.lost,
                         outage_ms = r.outage.as_millis() as u64,
-                        "link resumed"
+                        "link resumed: its streams go on"
                     );
                 }
                 Event::LoadStates(reqs) => g.load = reqs,
@@ -317,8 +370,9 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (rd, wr) = tokio::io::split(stream);
-    let reader = read_link(h.clone(), rd, addr, MAIN_LANE, initial);
-    let writer = write_link(h.clone(), wr, MAIN_LANE);
+    let conn = h.connection();
+    let reader = read_link(h.clone(), rd, addr, MAIN_LANE, initial, conn);
+    let writer = write_link(h.clone(), wr, MAIN_LANE, conn);
     let sampler = tokio::spawn(sample_sockets(h.clone()));
     let store_waiter = h.ctx.caches.as_ref().map(|c| {
         // Chunks the disk tier read for waiting streams: decode them again.
@@ -341,26 +395,38 @@ where
         }
         w = &mut writer => w,
     };
-    // Forget the sockets before they close, so no TCP_INFO read can hit a reused descriptor.
-    *lock(&h.fds) = [None, None];
     sampler.abort();
     if let Some(t) = store_waiter {
         t.abort();
     }
+    let mut g = lock(&h.inner);
+    if h.connection() != conn {
+        // A newer connection took the link over: it is that one's now.
+        return;
+    }
+    // Forget the sockets before they close, so no TCP_INFO read can hit a reused descriptor.
+    *lock(&h.fds) = [None, None];
     if let Some(t) = lock(&h.lane_task).take() {
         t.abort();
     }
-    let mut g = lock(&h.inner);
-    g.link.connection_lost(&why);
+    let was_up = g.up;
+    if g.link.suspend(&why, Instant::now()) {
+        h.dispatch(&mut g);
+        let streams = g.signals.len();
+        drop(g);
+        let window = h.with(|l| l.resume_window());
+        warn!(link = h.id, peer = %h.ctx.peer, reason = %why, streams, window_s = window.as_secs(), "link connection lost; its streams wait for the next one");
+        if was_up {
+            h.tell(LinkMsg::Suspended(h.clone()));
+        }
+        tokio::spawn(while_suspended(h.clone()));
+        return;
+    }
     let close = g.link.close_error().cloned();
     h.dispatch(&mut g);
     // Wake every stream: their link is gone.
-    for s in g.signals.values() {
-        s.readable.notify_one();
-        s.writable.notify_one();
-        s.gone.notify_one();
-    }
-    let up = g.up;
+    LinkHandle::wake_all(&g);
+    let up = g.up || was_up;
     drop(g);
     let orderly = matches!(
         close,
@@ -395,18 +461,65 @@ pub(crate) async fn run_lane<S>(
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (rd, wr) = tokio::io::split(stream);
+    let conn = h.connection();
     lock(&h.fds)[LATENCY_LANE] = Some(fd);
-    let reader = read_link(h.clone(), rd, addr, LATENCY_LANE, buf);
-    let writer = write_link(h.clone(), wr, LATENCY_LANE);
+    let reader = read_link(h.clone(), rd, addr, LATENCY_LANE, buf, conn);
+    let writer = write_link(h.clone(), wr, LATENCY_LANE, conn);
     tokio::pin!(reader, writer);
     let why = tokio::select! {
         r = &mut reader => r,
         w = &mut writer => w,
     };
+    if h.connection() != conn {
+        return;
+    }
     lock(&h.fds)[LATENCY_LANE] = None;
-    if !h.with(|l| l.is_closed()) {
-        h.with(|l| l.connection_lost(&format!("latency lane: {why}")));
-        h.kick();
+    // With resumption, both lanes connect again and the streams go on; without, the link fails.
+    h.with(|l| {
+        if !l.is_closed() {
+            l.suspend(&format!("latency lane: {why}"), Instant::now());
+        }
+    });
+    h.kick();
+}
+
+/// Runs a suspended link's timers (no connection's writer does) until a new connection takes
+/// it over, or the resume window ends: then its streams are reset and the supervisor told.
+async fn while_suspended(h: Arc<LinkHandle>) {
+    loop {
+        let (next, suspended, closed) = {
+            let g = lock(&h.inner);
+            (
+                g.link.poll_timeout(),
+                g.link.is_suspended(),
+                g.link.is_closed(),
+            )
+        };
+        if closed {
+            let mut g = lock(&h.inner);
+            h.dispatch(&mut g);
+            let streams = g.signals.len();
+            add(&h.ctx.counters.link.streams_lost, streams as u64);
+            LinkHandle::wake_all(&g);
+            let reason = g
+                .link
+                .close_error()
+                .map_or_else(|| "closed".to_string(), ToString::to_string);
+            drop(g);
+            add(&h.ctx.counters.link.disconnects, 1);
+            warn!(link = h.id, peer = %h.ctx.peer, reason = %reason, streams, "link down: its streams are reset");
+            h.tell(LinkMsg::Down(h.clone()));
+            return;
+        }
+        if !suspended {
+            return;
+        }
+        let now = Instant::now();
+        let at = next.map_or(now + Duration::from_secs(1), |t| {
+            t.min(now + Duration::from_secs(1))
+        });
+        tokio::time::sleep_until(at.into()).await;
+        h.with(|l| l.handle_timeout(Instant::now()));
     }
 }
 
@@ -445,6 +558,7 @@ async fn read_link<R: AsyncRead + Unpin>(
     addr: SocketAddr,
     lane: usize,
     mut buf: BytesMut,
+    conn: u64,
 ) -> String {
     let counters = h.ctx.counters.clone();
     let handshake_deadline = tokio::time::Instant::now() + h.ctx.handshake_timeout;
@@ -474,6 +588,12 @@ async fn read_link<R: AsyncRead + Unpin>(
         }
         let (opened, up, closed, err, wants, load, loading) = {
             let mut g = lock(&h.inner);
+            if h.connection() != conn {
+                return "a newer connection took the link over".into();
+            }
+            if g.link.is_suspended() {
+                return "the link's other lane was lost".into();
+            }
             let r = g.link.handle_lane_input(lane, &mut buf, Instant::now());
             h.dispatch(&mut g);
             (
@@ -562,7 +682,12 @@ async fn load_states(
 }
 
 /// Writes one lane's frames; the main lane also runs the link's timers (pings, idle timeout).
-async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W, lane: usize) -> String {
+async fn write_link<W: AsyncWrite + Unpin>(
+    h: Arc<LinkHandle>,
+    mut wr: W,
+    lane: usize,
+    conn: u64,
+) -> String {
     let mut buf = BytesMut::with_capacity(2 * TRANSMIT_BATCH);
     let mut timer = Box::pin(tokio::time::sleep(Duration::from_secs(3600)));
     let mut timer_at: Option<Instant> = None;
@@ -578,6 +703,12 @@ async fn write_link<W: AsyncWrite + Unpin>(h: Arc<LinkHandle>, mut wr: W, lane: 
     loop {
         let (closed, deadline, encoding) = {
             let mut g = lock(&h.inner);
+            if h.connection() != conn {
+                return "a newer connection took the link over".into();
+            }
+            if g.link.is_suspended() {
+                return "the link's other lane was lost".into();
+            }
             let t = Instant::now();
             g.link.poll_transmit_lane(lane, &mut buf, TRANSMIT_BATCH);
             let encoding = t.elapsed();

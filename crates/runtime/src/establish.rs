@@ -126,7 +126,19 @@ async fn accept_link(peer: &Arc<Peer>, tcp: TcpStream, addr: SocketAddr, ticket:
         None => {
             sockopt::tune_main_lane(&sock, &cfg.link);
             sockopt::log_effective(&sock, &cfg.link);
-            let h = peer.new_link(fd).await;
+            let resume = match &first {
+                Frame::Hello(h) => h.setting(wanopt_proto::frame::setting::RESUME),
+                _ => None,
+            };
+            let h = match resumed_link(peer, resume, fd).await {
+                Some(h) => {
+                    info!(link = h.id, from = %addr, "the peer resumes the link");
+                    h
+                }
+                // Not ours to resume (a forged or spent token, or a link given up): a new
+                // link, whose hello tells the peer its old streams are gone.
+                None => peer.new_link(fd).await,
+            };
             // The hello stays in the buffer: the link reads it first.
             driver::run_link(h, tls, addr, buf).await
         }
@@ -136,6 +148,22 @@ async fn accept_link(peer: &Arc<Peer>, tcp: TcpStream, addr: SocketAddr, ticket:
             accept_lane(peer.clone(), tls, fd, addr, token, buf).await;
         }
     }
+}
+
+/// The current link, if a connection presenting `token` resumes it; it is then handed the
+/// connection's socket `fd` (see [`LinkHandle::reconnect`]).
+async fn resumed_link(
+    peer: &Arc<Peer>,
+    token: Option<u64>,
+    fd: std::os::fd::RawFd,
+) -> Option<Arc<LinkHandle>> {
+    let token = token?;
+    let h = peer.current.borrow().clone()?;
+    if !h.with(|l| l.resumes(token)) {
+        return None;
+    }
+    let saved = peer.saved_states().await;
+    h.reconnect(fd, saved).then_some(h)
 }
 
 /// Reads the first frame of a new connection (a hello, after TLS authenticated the peer) with a
@@ -215,9 +243,11 @@ pub(crate) async fn open_lane(peer: Arc<Peer>, h: Arc<LinkHandle>, token: u64, t
     let Ok(name) = tls::server_name(&cfg.link.peer) else {
         return;
     };
-    let (mut tls, addr) = match dial(&peer, &target, &connector, name, &cfg.link.lane_congestion)
-        .await
-    {
+    let how = (
+        cfg.link.lane_congestion.as_str(),
+        cfg.limits.connect_timeout,
+    );
+    let (mut tls, addr) = match dial(&peer, &target, &connector, name, how).await {
         Ok(x) => x,
         Err(e) => {
             warn!(link = h.id, error = %e, "cannot open the latency lane; latency streams share the main connection");
@@ -252,6 +282,10 @@ fn record_peer_expiry(peer: &Peer, certs: Option<&[rustls::pki_types::Certificat
     }
 }
 
+/// The longest wait between dials while a suspended link's streams wait, and the longest a
+/// connect may take then (a SYN lost while the path is down is not retried for seconds).
+const SUSPENDED_RETRY: Duration = Duration::from_millis(500);
+
 /// Dials the peer (connecting side) and keeps a link up, with capped exponential backoff and jitter.
 pub(crate) async fn connect_loop(peer: Arc<Peer>) {
     let LinkRole::Connect(target) = peer.cfg().link.role.clone() else {
@@ -266,6 +300,8 @@ pub(crate) async fn connect_loop(peer: Arc<Peer>) {
     };
     let mut backoff = peer.cfg().link.reconnect_min;
     let mut shutdown = peer.shutdown.clone();
+    // A link whose connection was lost, while its streams wait for the next one.
+    let mut suspended: Option<Arc<LinkHandle>> = None;
     loop {
         if peer.stopping() {
             return;
@@ -274,12 +310,17 @@ pub(crate) async fn connect_loop(peer: Arc<Peer>) {
         // Built per attempt, so certificates re-read by a reload are used from the next dial.
         let connector = tokio_rustls::TlsConnector::from(peer.tls().client);
         let cfg = peer.cfg();
+        let connect_timeout = if suspended.is_some() {
+            cfg.limits.connect_timeout.min(SUSPENDED_RETRY * 2)
+        } else {
+            cfg.limits.connect_timeout
+        };
         match dial(
             &peer,
             &target,
             &connector,
             name.clone(),
-            &cfg.link.congestion,
+            (&cfg.link.congestion, connect_timeout),
         )
         .await
         {
@@ -288,18 +329,39 @@ pub(crate) async fn connect_loop(peer: Arc<Peer>) {
                 let sock = socket2::SockRef::from(tls.get_ref().0.get_ref());
                 sockopt::log_effective(&sock, &cfg.link);
                 sockopt::tune_main_lane(&sock, &cfg.link);
-                let h = peer.new_link(tls.get_ref().0.get_ref().as_raw_fd()).await;
-                driver::run_link(h, tls, addr, BytesMut::new()).await;
+                let fd = tls.get_ref().0.get_ref().as_raw_fd();
+                let h = match suspended.take() {
+                    Some(h) if h.reconnect(fd, peer.saved_states().await) => {
+                        info!(link = h.id, addr = %addr, "resuming the link on a new connection");
+                        h
+                    }
+                    _ => peer.new_link(fd).await,
+                };
+                driver::run_link(h.clone(), tls, addr, BytesMut::new()).await;
                 if started.elapsed() > Duration::from_secs(5) {
                     backoff = cfg.link.reconnect_min;
+                }
+                if h.with(|l| l.is_suspended()) {
+                    suspended = Some(h);
+                    if started.elapsed() > Duration::from_secs(1) {
+                        // Its streams wait: dial again at once.
+                        continue;
+                    }
                 }
             }
             Err(e) => {
                 warn!(peer = %target, error = %e, retry_in_ms = backoff.as_millis() as u64, "cannot reach the peer")
             }
         }
+        // A link given up (past its window, or replaced) no longer waits.
+        suspended = suspended.filter(|h| h.with(|l| l.is_suspended()));
         let jitter = rand::rng().random_range(0.5..1.5);
-        let wait = backoff.mul_f64(jitter);
+        // While streams wait for the link, try often: the window is short.
+        let wait = if suspended.is_some() {
+            backoff.mul_f64(jitter).min(SUSPENDED_RETRY)
+        } else {
+            backoff.mul_f64(jitter)
+        };
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
             _ = shutdown.wait_for(|s| *s) => return,
@@ -313,7 +375,7 @@ async fn dial(
     target: &str,
     connector: &tokio_rustls::TlsConnector,
     name: rustls::pki_types::ServerName<'static>,
-    cc: &str,
+    (cc, connect_timeout): (&str, Duration),
 ) -> Result<(tokio_rustls::client::TlsStream<Wire>, SocketAddr), String> {
     let cfg = peer.cfg();
     let limits = &cfg.limits;
@@ -322,13 +384,10 @@ async fn dial(
         .map_err(|e| format!("resolve {target}: {e}"))?
         .next()
         .ok_or_else(|| format!("resolve {target}: no address"))?;
-    let tcp = tokio::time::timeout(
-        limits.connect_timeout,
-        sockopt::link_connect(addr, &cfg.link, cc),
-    )
-    .await
-    .map_err(|_| format!("connect {addr}: timed out"))?
-    .map_err(|e| format!("connect {addr}: {e}"))?;
+    let tcp = tokio::time::timeout(connect_timeout, sockopt::link_connect(addr, &cfg.link, cc))
+        .await
+        .map_err(|_| format!("connect {addr}: timed out"))?
+        .map_err(|e| format!("connect {addr}: {e}"))?;
     let tls = tokio::time::timeout(limits.handshake_timeout, connector.connect(name, wire(tcp)))
         .await
         .map_err(|_| format!("TLS handshake with {addr}: timed out"))?

@@ -124,13 +124,8 @@ impl Peer {
         let cfg = self.cfg();
         let mut lc = link_config(&cfg, self.caches.as_ref());
         lc.delta_bases = self.bases(&cfg);
-        if lc.cache_storage.is_some()
-            && let Some(dir) = self.caches.clone()
-        {
-            let services = cfg.services.iter().map(|s| s.name.clone()).collect();
-            lc.saved_states = tokio::task::spawn_blocking(move || dir.saved(&services))
-                .await
-                .unwrap_or_default();
+        if lc.cache_storage.is_some() {
+            lc.saved_states = self.saved_states().await;
         }
         let mut link = Link::new(lc);
         link.set_service_limits(targets(&cfg));
@@ -149,6 +144,19 @@ impl Peer {
         };
         let id = self.next_link_id.fetch_add(1, Relaxed);
         Arc::new(LinkHandle::new(link, fd, ctx, id))
+    }
+
+    /// The cache states saved for this peer, listed on a blocking thread (none without a disk
+    /// tier).
+    pub async fn saved_states(&self) -> Vec<wanopt_proto::SavedCache> {
+        let cfg = self.cfg();
+        let Some(dir) = self.caches.clone().filter(|_| cfg.optimize.disk.is_some()) else {
+            return Vec::new();
+        };
+        let services = cfg.services.iter().map(|s| s.name.clone()).collect();
+        tokio::task::spawn_blocking(move || dir.saved(&services))
+            .await
+            .unwrap_or_default()
     }
 
     /// What a reload applies to the current link: the services the peer may open and each
@@ -205,6 +213,7 @@ fn link_config(cfg: &Config, caches: Option<&Arc<CacheDir>>) -> LinkConfig {
     c.keepalive = cfg.link.keepalive;
     c.idle_timeout = cfg.limits.idle_timeout;
     c.latency_lane = cfg.link.latency_lane;
+    c.resume_window = cfg.link.resume_window;
     c.token = rand::random();
     if cfg.optimize.enabled {
         c.codec = Some(cfg.optimize.codec.clone());

@@ -1,6 +1,7 @@
 //! The per-peer supervisor: the one place that decides about links. It hears from the link
 //! tasks ([`LinkMsg`]) and publishes the current link: the newest link that came up wins and the
-//! older one is closed as replaced; the connecting side then opens the latency lane. A stream the
+//! older one is closed as replaced (a resumed link coming up again stays); the connecting side
+//! then opens the latency lane. A suspended link stays current while its streams wait. A stream the
 //! peer opened is connected to our target for its service, looked up once, here.
 
 use std::net::SocketAddr;
@@ -44,6 +45,7 @@ pub(crate) async fn run(peer: Arc<Peer>, mut rx: mpsc::UnboundedReceiver<LinkMsg
                     link.forget(stream);
                 }
             },
+            LinkMsg::Suspended(h) => suspended(&peer, &h),
             LinkMsg::Down(h) => down(&peer, &h),
         }
     }
@@ -56,7 +58,9 @@ fn up(peer: &Arc<Peer>, h: Arc<LinkHandle>, addr: SocketAddr) {
     peer.counters.link.lanes.set(1);
     crate::notify::status(&format!("link up to {} ({addr})", cfg.link.peer));
     info!(link = h.id, peer = %cfg.link.peer, addr = %addr, "link up");
-    if let Some(old) = peer.current.send_replace(Some(h.clone())) {
+    if let Some(old) = peer.current.send_replace(Some(h.clone()))
+        && !Arc::ptr_eq(&old, &h)
+    {
         info!(
             link = old.id,
             "closing the older link: a newer one replaced it"
@@ -72,6 +76,24 @@ fn up(peer: &Arc<Peer>, h: Arc<LinkHandle>, addr: SocketAddr) {
             target.clone(),
         ));
         *lock(&h.lane_task) = Some(task);
+    }
+}
+
+/// The link's connection was lost; it stays the current link while its streams wait.
+fn suspended(peer: &Peer, h: &Arc<LinkHandle>) {
+    if peer
+        .current
+        .borrow()
+        .as_ref()
+        .is_some_and(|c| Arc::ptr_eq(c, h))
+    {
+        peer.counters.link.up.set(0);
+        peer.counters.link.lanes.set(0);
+        crate::notify::status(&format!(
+            "link to {} lost; its streams wait up to {}s for it to come back",
+            peer.cfg().link.peer,
+            h.with(|l| l.resume_window()).as_secs()
+        ));
     }
 }
 

@@ -43,7 +43,8 @@ impl Link {
                 "input on a lane that is not attached".into(),
             )));
         }
-        if self.state == State::Closed {
+        if matches!(self.state, State::Closed | State::Suspended) {
+            // Bytes of a connection already given up.
             buf.clear();
             return Ok(());
         }

@@ -290,6 +290,9 @@ pub struct Link {
     done_ids: VecDeque<StreamId>,
 }
 
+/// On a resumable link, a stream's consumption is confirmed (a `MaxData`) at least every this
+/// many bytes, so the sender's kept bytes stay small however many streams are open.
+const ACK_EVERY: u64 = 64 * 1024;
 /// How often stalled streams are checked against the stall timeout (the link's idle timeout).
 const STALL_SWEEP: Duration = Duration::from_secs(1);
 /// Control frames queued (both lanes) beyond which input waits: pongs, resets and window
@@ -610,7 +613,9 @@ impl Link {
         let s = self.streams.get_mut(&id).ok_or(StreamError::Unknown(id))?;
         if let Some(b) = s.recv.queue.pop_front() {
             let n = b.len() as u64;
-            if let Some(max) = s.recv.window.on_consume(n)
+            // A resumable peer keeps what we have not confirmed: confirm it often.
+            let every = if self.resumable { ACK_EVERY } else { u64::MAX };
+            if let Some(max) = s.recv.window.on_consume_every(n, every)
                 && !s.recv.fin_received
             {
                 self.ctrl[s.lane].push_back(Frame::MaxData { stream: id, max });

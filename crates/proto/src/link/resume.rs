@@ -40,6 +40,9 @@ pub(super) struct Resuming {
     /// The peer's resume list so far, and its link-level figures.
     peer: Vec<ResumeEntry>,
     head: Option<(u64, u64, [u32; 2])>,
+    /// The highest ids of the peer's streams we had seen, as our list told it: a stream of
+    /// its above them is opened again by the peer.
+    seen: [u32; 2],
 }
 
 /// What one resumption did, for the runtime's metrics and logs.
@@ -61,7 +64,20 @@ impl Link {
     pub fn can_resume(&self) -> bool {
         self.resumable
             && !self.cfg.resume_window.is_zero()
-            && (matches!(self.state, State::Open | State::Draining) || self.outage.is_some())
+            && (matches!(self.state, State::Open | State::Draining)
+                || (self.outage.is_some() && self.state != State::Closed))
+    }
+
+    /// How long streams wait for a new connection after a lost one.
+    pub fn resume_window(&self) -> std::time::Duration {
+        self.cfg.resume_window
+    }
+
+    /// On the listener: true if a new connection whose hello presents `token` (its `RESUME`
+    /// setting) resumes this link: the token is this link's, and the link is suspended or can
+    /// be (the peer may have seen the old connection go before we did).
+    pub fn resumes(&self, token: u64) -> bool {
+        !self.cfg.initiator && token == self.cfg.token && (self.is_suspended() || self.can_resume())
     }
 
     /// True while the link waits for a new connection (after [`suspend`](Self::suspend)).
@@ -136,6 +152,11 @@ impl Link {
             setting::RESUMED
         };
         h.settings.push((id, old));
+        // What was queued while the link was down goes in the resume list instead (credit,
+        // ends) or is sent again after it (resets of streams the peer still lists).
+        for c in &mut self.ctrl {
+            c.clear();
+        }
         self.ctrl[MAIN_LANE].push_back(Frame::Hello(h));
         self.state = State::Handshake;
         self.peer = hello::PeerParams {
@@ -186,6 +207,7 @@ impl Link {
                 max: s.recv.window.advertised(),
                 fin: s.recv.fin_received,
                 done: false,
+                latency: s.lane == LATENCY_LANE,
             });
         }
         entries.extend(self.done_ids.iter().map(|id| ResumeEntry {
@@ -194,9 +216,13 @@ impl Link {
             max: 0,
             fin: true,
             done: true,
+            latency: false,
         }));
         let (received, max) = (self.link_window.received(), self.link_window.advertised());
         let seen = self.streams.peer_max_ids();
+        if let Some(r) = self.resuming.as_mut() {
+            r.seen = seen;
+        }
         let per =
             ((self.peer.max_frame + 8).saturating_sub(RESUME_HEAD_LEN) / RESUME_ENTRY_LEN).max(1);
         let mut chunks: Vec<Vec<ResumeEntry>> = entries.chunks(per).map(<[_]>::to_vec).collect();
@@ -258,7 +284,8 @@ impl Link {
         for e in rs.peer.iter().filter(|e| !rs.old.contains(&e.stream)) {
             // A stream we no longer have: its end (or its reset) did not reach the peer. A
             // stream the peer opened whose open never reached us is opened again by the peer.
-            let never_seen = self.streams.is_peer_id(e.stream) && !self.streams.was_open(e.stream);
+            let lane = usize::from(e.latency);
+            let never_seen = self.streams.is_peer_id(e.stream) && e.stream.0 > rs.seen[lane];
             if !e.done && !never_seen && !self.streams.map.contains_key(&e.stream) {
                 self.ctrl[MAIN_LANE].push_back(Frame::Reset {
                     stream: e.stream,

@@ -55,9 +55,10 @@ impl Link {
     }
 
     /// The main lane, or the latency lane while attached: frames for a lane not attached (yet,
-    /// or again after a lost connection) wait.
+    /// or again after a lost connection) wait; a suspended link has no connection at all.
     fn lane_usable(&self, lane: usize) -> bool {
-        lane == crate::lane::MAIN_LANE || (lane < LANES && self.lane_attached)
+        self.state != State::Suspended
+            && (lane == crate::lane::MAIN_LANE || (lane < LANES && self.lane_attached))
     }
 
     /// True while streams may send: the link is up, its caches are loaded and, after a lost

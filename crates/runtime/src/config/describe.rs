@@ -43,6 +43,7 @@ impl Config {
         let _ = writeln!(o, "  user_timeout: {}", dur(l.user_timeout));
         let _ = writeln!(o, "  reconnect_min: {}", dur(l.reconnect_min));
         let _ = writeln!(o, "  reconnect_max: {}", dur(l.reconnect_max));
+        let _ = writeln!(o, "  resume_window: {}", dur(l.resume_window));
         let _ = writeln!(o, "  latency_lane: {}", l.latency_lane);
         let _ = writeln!(o, "  lane_congestion: {}", l.lane_congestion);
         match l.max_rate_bps {

@@ -69,6 +69,7 @@ struct RawLink {
     user_timeout: Option<String>,
     reconnect_min: Option<String>,
     reconnect_max: Option<String>,
+    resume_window: Option<String>,
     latency_lane: Option<bool>,
     lane_congestion: Option<String>,
     max_rate: Option<String>,
@@ -214,6 +215,9 @@ pub struct LinkSettings {
     pub user_timeout: Duration,
     pub reconnect_min: Duration,
     pub reconnect_max: Duration,
+    /// How long streams wait for a new connection after the link's was lost (zero: they are
+    /// reset at once, as before resumption).
+    pub resume_window: Duration,
     /// A second connection inside the link for latency-class streams.
     pub latency_lane: bool,
     /// Congestion control of the latency lane: a window-based one, so small messages go out at
@@ -349,6 +353,7 @@ pub mod defaults {
     pub const USER_TIMEOUT: Duration = Duration::from_secs(30);
     pub const RECONNECT_MIN: Duration = Duration::from_millis(200);
     pub const RECONNECT_MAX: Duration = Duration::from_secs(10);
+    pub const RESUME_WINDOW: Duration = Duration::from_secs(30);
     pub const MEMORY: u64 = 256 << 20;
     pub const SERVICE_MEMORY: u64 = 64 << 20;
     pub const CHUNK: u64 = 8 * 1024;
@@ -618,6 +623,13 @@ fn parse_link(cx: &Ctx<'_>, l: &RawLink, site: &str) -> Result<LinkSettings, Con
         )?,
         reconnect_min,
         reconnect_max,
+        resume_window: cx.dur(
+            "link.resume_window",
+            &l.resume_window,
+            defaults::RESUME_WINDOW,
+            Duration::ZERO,
+            secs(3600),
+        )?,
         latency_lane: l.latency_lane.unwrap_or(true),
         lane_congestion: cx.opt(
             "link.lane_congestion",
