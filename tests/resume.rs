@@ -70,7 +70,18 @@ fn sync_loop(
     stop: Arc<AtomicBool>,
     done: Arc<AtomicU64>,
 ) -> Result<(u64, Duration), String> {
-    let mut c = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+    let c = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+    sync_loop_on(c, stop, done, Arc::default())
+}
+
+/// [`sync_loop`] on a connection already made; `slowest` holds the slowest round (in
+/// microseconds) since the caller last reset it.
+fn sync_loop_on(
+    mut c: TcpStream,
+    stop: Arc<AtomicBool>,
+    done: Arc<AtomicU64>,
+    slowest_us: Arc<AtomicU64>,
+) -> Result<(u64, Duration), String> {
     c.set_nodelay(true).ok();
     c.set_read_timeout(Some(60 * SEC)).ok();
     let (mut msg, mut back) = (vec![0u8; 8192], vec![0u8; 8192]);
@@ -83,6 +94,7 @@ fn sync_loop(
         c.read_exact(&mut back)
             .map_err(|e| format!("round {rounds}: read: {e}"))?;
         slowest = slowest.max(t.elapsed());
+        slowest_us.fetch_max(t.elapsed().as_micros() as u64, Ordering::Relaxed);
         if back != msg {
             return Err(format!("round {rounds}: the answer differs"));
         }
@@ -230,5 +242,284 @@ fn past_the_resume_window_streams_fail_and_new_ones_work() {
     p.west.wait_log_n("link up", 2, 20 * SEC);
     hash_client(bulk, 13, 4 * MIB, MIB).expect("a new stream once the link is back");
     let w = scrape(p.west.bound("admin"));
+    assert!(value(&w, "wanopt_link_streams_lost_total ") >= 1, "{w}");
+}
+
+/// A pair across wansim (`t3-100ms-0.5`) with a counting bulk target and an echo target in the
+/// east namespace; `extra` is top-level YAML and `link` lines of the `link:` section, both
+/// sides.
+struct WanRun {
+    wan: wansim::Wan,
+    pair: WanPair,
+    progress: Arc<AtomicU64>,
+}
+
+fn wan_run(tag: &str, extra: &str, link: &str) -> Option<WanRun> {
+    if !wansim::available_or_skip("resumption across wansim") {
+        return None;
+    }
+    let wan = wansim::Wan::start(
+        &format!("{tag}{}", std::process::id() % 100_000),
+        wansim::preset("t3-100ms-0.5").expect("preset"),
+    )
+    .expect("wansim");
+    let east_ip = wansim::Site::East.addr();
+    let progress = Arc::new(AtomicU64::new(0));
+    let (lb, le) = wan
+        .in_site(wansim::Site::East, move || {
+            (
+                std::net::TcpListener::bind((east_ip, 9300)),
+                std::net::TcpListener::bind((east_ip, 9301)),
+            )
+        })
+        .expect("east");
+    let p2 = progress.clone();
+    let bulk = serve_on(lb.expect("bind bulk"), move |s| counting_handler(s, &p2));
+    let sync = serve_on(le.expect("bind echo"), echo_handler);
+    let extra = extra.to_string();
+    let link = format!("  bandwidth: 45mbit\n  rtt: 100ms\n{link}");
+    let pair = wan_pair(
+        &wan,
+        &format!(
+            "  - name: bulk\n    target: {bulk}\n  - name: sync\n    target: {sync}\n    class: latency\n"
+        ),
+        "  - name: bulk\n    listen: 127.0.0.1:0\n  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n",
+        move |_, y| {
+            let y = format!("{y}admin:\n  listen: 127.0.0.1:0\n{extra}");
+            link_lines(y, &link)
+        },
+    );
+    pair.west.wait_log("latency lane attached", 20 * SEC);
+    Some(WanRun {
+        wan,
+        pair,
+        progress,
+    })
+}
+
+impl WanRun {
+    fn connect(&self, service: &str) -> TcpStream {
+        let addr = self.pair.west.bound(service);
+        self.wan
+            .in_site(wansim::Site::West, move || TcpStream::connect(addr))
+            .expect("west")
+            .expect("connect")
+    }
+
+    fn metrics(&self, who: &Daemon) -> String {
+        let addr = who.bound("admin");
+        let site = if who.name == "west" {
+            wansim::Site::West
+        } else {
+            wansim::Site::East
+        };
+        scrape_on(
+            self.wan
+                .in_site(site, move || TcpStream::connect(addr))
+                .expect("ns")
+                .expect("connect admin"),
+        )
+    }
+
+    /// Kills the link's TCP connections in west's namespace, as a middlebox's RST would.
+    fn kill_link_connections(&self) {
+        let east = wansim::Site::East.addr();
+        let out = self
+            .wan
+            .command(wansim::Site::West, "ss")
+            .args(["-K", "dst", &east.to_string(), "dport", "=", ":7400"])
+            .output()
+            .expect("ss");
+        assert!(out.status.success(), "ss -K: {out:?}");
+    }
+}
+
+/// The handler of [`counting_server`], for a listener bound elsewhere.
+fn counting_handler(mut s: TcpStream, progress: &AtomicU64) {
+    let mut hdr = [0u8; 16];
+    if s.read_exact(&mut hdr).is_err() {
+        return;
+    }
+    let seed = u64::from_le_bytes(hdr[..8].try_into().expect("8"));
+    let reply = u64::from_le_bytes(hdr[8..].try_into().expect("8"));
+    let mut h = blake3::Hasher::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                h.update(&buf[..n]);
+                progress.fetch_add(n as u64, Ordering::Relaxed);
+            }
+            Err(_) => return,
+        }
+    }
+    if s.write_all(h.finalize().as_bytes()).is_err() {
+        return;
+    }
+    let _ = send_pattern(&mut s, seed ^ 0xABCD, reply);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+}
+
+fn echo_handler(mut s: TcpStream) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                if s.write_all(&buf[..n]).is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// What one outage cost, as the clients saw it.
+struct Outage {
+    /// From the path's return to the bulk target's next bytes (`None` for a kill).
+    moving_again: Option<Duration>,
+    /// The slowest SYNC round trip during the outage.
+    slowest_round: Duration,
+}
+
+/// Runs a bulk transfer and a SYNC loop across `r`, applies each outage in turn once the bulk
+/// transfer moved some more, and checks both end byte-exact.
+fn outages(r: &WanRun, seed: u64, events: &[Option<Duration>]) -> Vec<Outage> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let rounds = Arc::new(AtomicU64::new(0));
+    let slowest = Arc::new(AtomicU64::new(0));
+    let looping = {
+        let (c, stop, rounds, slowest) = (
+            r.connect("sync"),
+            stop.clone(),
+            rounds.clone(),
+            slowest.clone(),
+        );
+        std::thread::spawn(move || sync_loop_on(c, stop, rounds, slowest))
+    };
+    let up = 24 * MIB * events.len() as u64;
+    let transfer = {
+        let c = r.connect("bulk");
+        std::thread::spawn(move || hash_client_on(c, seed, up, MIB))
+    };
+    let start = r.progress.load(Ordering::Relaxed);
+    let mut out = Vec::new();
+    for (i, ev) in events.iter().enumerate() {
+        let at = start + 4 * MIB + 24 * MIB * i as u64;
+        wait_until(120 * SEC, "bulk progress", || {
+            r.progress.load(Ordering::Relaxed) >= at
+        });
+        let before = rounds.load(Ordering::Relaxed);
+        wait_until(60 * SEC, "round trips", || {
+            rounds.load(Ordering::Relaxed) >= before + 2
+        });
+        slowest.store(0, Ordering::Relaxed);
+        let moving_again = match ev {
+            Some(cut) => {
+                r.wan.set_cut(true);
+                std::thread::sleep(*cut);
+                let p0 = r.progress.load(Ordering::Relaxed);
+                r.wan.set_cut(false);
+                let back = Instant::now();
+                wait_until(60 * SEC, "bulk moving after the cut", || {
+                    r.progress.load(Ordering::Relaxed) > p0
+                });
+                Some(back.elapsed())
+            }
+            None => {
+                r.kill_link_connections();
+                None
+            }
+        };
+        let before = rounds.load(Ordering::Relaxed);
+        wait_until(60 * SEC, "round trips after the outage", || {
+            rounds.load(Ordering::Relaxed) >= before + 5
+        });
+        out.push(Outage {
+            moving_again,
+            slowest_round: Duration::from_micros(slowest.load(Ordering::Relaxed)),
+        });
+    }
+    transfer
+        .join()
+        .expect("bulk client")
+        .expect("the bulk transfer is byte-exact through every outage");
+    stop.store(true, Ordering::Relaxed);
+    looping
+        .join()
+        .expect("sync client")
+        .expect("every round trip answered exactly");
+    out
+}
+
+fn report(what: &str, o: &[Outage], names: &[&str]) {
+    for (o, n) in o.iter().zip(names) {
+        println!(
+            "{what}, {n}: bulk moving again {} after the path came back; slowest SYNC round trip {:?}",
+            o.moving_again.map_or("-".to_string(), |d| format!("{d:?}")),
+            o.slowest_round
+        );
+    }
+}
+
+/// Across an emulated T3 with loss: a 3 s cut, a killed link connection (`ss -K`) and a 20 s
+/// cut, with the codec on and both lanes in use; nothing is lost or reset.
+#[test]
+fn wan_cuts_and_a_killed_connection_lose_nothing() {
+    let Some(r) = wan_run("wr", "", "") else {
+        return;
+    };
+    let names = ["3 s cut", "ss -K", "20 s cut"];
+    let o = outages(&r, 21, &[Some(3 * SEC), None, Some(20 * SEC)]);
+    report("codec on", &o, &names);
+    let w = r.metrics(&r.pair.west);
+    assert!(value(&w, "wanopt_link_streams_resumed_total ") >= 2, "{w}");
+    assert_eq!(value(&w, "wanopt_link_streams_lost_total "), 0, "{w}");
+    for d in [&r.pair.west, &r.pair.east] {
+        assert_eq!(d.count("stream failed"), 0, "{}", d.log().join("\n"));
+    }
+}
+
+/// The same without the codec (a 3 s cut and a killed connection).
+#[test]
+fn wan_cuts_and_a_killed_connection_lose_nothing_without_the_codec() {
+    let Some(r) = wan_run("wp", "optimize:\n  enabled: false\n", "") else {
+        return;
+    };
+    let o = outages(&r, 22, &[Some(3 * SEC), None]);
+    report("codec off", &o, &["3 s cut", "ss -K"]);
+    for d in [&r.pair.west, &r.pair.east] {
+        assert_eq!(d.count("stream failed"), 0, "{}", d.log().join("\n"));
+    }
+}
+
+/// Down past `link.resume_window`: the streams fail with an error, and new ones work once the
+/// path is back.
+#[test]
+fn wan_down_past_the_window_fails_cleanly() {
+    let Some(r) = wan_run("wx", "", "  resume_window: 3s\n") else {
+        return;
+    };
+    let transfer = {
+        let c = r.connect("bulk");
+        std::thread::spawn(move || hash_client_on(c, 23, 1 << 40, 0))
+    };
+    wait_until(60 * SEC, "bulk progress", || {
+        r.progress.load(Ordering::Relaxed) >= 4 * MIB
+    });
+    r.wan.set_cut(true);
+    r.pair
+        .west
+        .wait_log("link down: its streams are reset", 20 * SEC);
+    r.wan.set_cut(false);
+    let got = transfer.join().expect("bulk client");
+    assert!(
+        got.is_err(),
+        "the stream must fail past the window: {got:?}"
+    );
+    r.pair.west.wait_log_n("link up", 2, 30 * SEC);
+    hash_client_on(r.connect("bulk"), 24, 2 * MIB, MIB).expect("a new stream afterwards");
+    let w = r.metrics(&r.pair.west);
     assert!(value(&w, "wanopt_link_streams_lost_total ") >= 1, "{w}");
 }

@@ -54,7 +54,10 @@ fn readiness_and_status_reach_the_notify_socket() {
     next_message(&sock, "STATUS=link up to west");
     drop(west);
     // With resumption (the default), streams would wait for west to come back.
-    next_message(&sock, "STATUS=link to west lost; its streams wait up to 30s");
+    next_message(
+        &sock,
+        "STATUS=link to west lost; its streams wait up to 30s",
+    );
     let st = east.stop(libc::SIGTERM);
     assert!(st.success());
     next_message(&sock, "STOPPING=1");

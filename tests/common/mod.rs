@@ -436,7 +436,12 @@ pub fn hash_handler(mut s: TcpStream) {
 /// The client side of [`hash_server`]: sends `up` bytes, half-closes, checks the server's hash of
 /// them and the `down` reply bytes. Returns an error on any mismatch or socket error.
 pub fn hash_client(addr: SocketAddr, seed: u64, up: u64, down: u64) -> Result<(), String> {
-    let mut s = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+    let s = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+    hash_client_on(s, seed, up, down)
+}
+
+/// [`hash_client`] on a connection already made (from inside a namespace, for instance).
+pub fn hash_client_on(mut s: TcpStream, seed: u64, up: u64, down: u64) -> Result<(), String> {
     s.set_read_timeout(Some(Duration::from_secs(120))).ok();
     let mut hdr = [0u8; 16];
     hdr[..8].copy_from_slice(&seed.to_le_bytes());

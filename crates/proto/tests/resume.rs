@@ -357,3 +357,39 @@ fn kept_bytes_stay_within_the_windows_and_go_once_confirmed() {
     assert_eq!(p.west.link.kept_bytes(), 0);
     p.assert_no_leaks();
 }
+
+#[test]
+fn a_silent_path_is_given_up_for_a_new_connection() {
+    // The path drops everything, and no side is told: each gives its connection up once it
+    // heard nothing for two seconds (pinging meanwhile), and a new one resumes the streams.
+    let mut p = resumable_pair(true, true);
+    let id = open_and_send(&mut p, "e-svc", Class::Bulk, data(4, 2_000_000));
+    p.drive(Duration::from_millis(100));
+    let start = p.now;
+    while !(p.west.link.is_suspended() && p.east.link.is_suspended()) {
+        assert!(p.now < start + Duration::from_secs(3), "nobody noticed");
+        let step = p.now + Duration::from_millis(10);
+        p.drive(Duration::from_millis(10));
+        p.now = p.now.max(step);
+        for pipe in p.w2e.iter_mut().chain(p.e2w.iter_mut()) {
+            pipe.in_flight.clear();
+        }
+    }
+    let silent = p.now - start;
+    assert!(silent >= Duration::from_secs(2), "{silent:?}");
+    reconnect(&mut p, TOKEN + 1, true);
+    p.east.app.to_send.insert(id, (Bytes::new(), true));
+    p.drive(Duration::from_secs(30));
+    assert_eq!(p.east.app.received[&id], data(4, 2_000_000)[..]);
+    assert!(p.west.app.fin.contains(&id) && p.east.app.fin.contains(&id));
+    assert_eq!(p.west.app.resumed.len(), 1);
+    p.assert_no_leaks();
+}
+
+#[test]
+fn a_quiet_link_pings_and_stays_up() {
+    let mut p = resumable_pair(false, false);
+    p.drive(Duration::from_secs(20));
+    assert!(p.west.link.is_open() && p.east.link.is_open());
+    assert_eq!(p.west.app.suspended + p.east.app.suspended, 0);
+}

@@ -282,8 +282,10 @@ impl LinkHandle {
                     }
                 }
                 Event::Closed(_) => {}
-                // The run that lost the connection logs it, with the number of streams.
-                Event::Suspended { .. } => add(&counters.link.outages, 1),
+                Event::Suspended { reason } => {
+                    add(&counters.link.outages, 1);
+                    info!(link = self.id, reason = %reason, "link suspended");
+                }
                 Event::Resumed(r) => {
                     let l = &counters.link;
                     add(&l.streams_resumed, r.streams as u64);
@@ -394,6 +396,7 @@ where
             r
         }
         w = &mut writer => w,
+        why = ticker(&h, conn, true) => why,
     };
     sampler.abort();
     if let Some(t) = store_waiter {
@@ -469,6 +472,7 @@ pub(crate) async fn run_lane<S>(
     let why = tokio::select! {
         r = &mut reader => r,
         w = &mut writer => w,
+        why = ticker(&h, conn, false) => why,
     };
     if h.connection() != conn {
         return;
@@ -481,6 +485,36 @@ pub(crate) async fn run_lane<S>(
         }
     });
     h.kick();
+}
+
+/// How often a connection's ticker looks at the link.
+const TICK: Duration = Duration::from_millis(250);
+
+/// Ends when the connection `conn` no longer carries the link: the link suspended (it heard
+/// nothing for too long, or another lane was lost) or a newer connection took over. Its reader
+/// or writer may be stuck on a dead socket meanwhile, so they cannot be the ones to notice.
+/// The main lane's ticker (`timers`) also runs the link's timers when due, which a writer
+/// blocked on a full socket does not.
+async fn ticker(h: &LinkHandle, conn: u64, timers: bool) -> String {
+    loop {
+        tokio::time::sleep(TICK).await;
+        let now = Instant::now();
+        let (suspended, wants) = {
+            let mut g = lock(&h.inner);
+            if timers && g.link.poll_timeout().is_some_and(|t| t <= now) {
+                g.link.handle_timeout(now);
+                h.dispatch(&mut g);
+            }
+            (g.link.is_suspended(), h.wants(&g))
+        };
+        h.wake(wants);
+        if h.connection() != conn {
+            return "a newer connection took the link over".into();
+        }
+        if suspended {
+            return "the link gave the connection up".into();
+        }
+    }
 }
 
 /// Runs a suspended link's timers (no connection's writer does) until a new connection takes

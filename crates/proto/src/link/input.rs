@@ -49,6 +49,7 @@ impl Link {
             return Ok(());
         }
         self.timers.set(Timer::Idle, now + self.cfg.idle_timeout);
+        self.heard_from_peer(now);
         loop {
             if self.loading {
                 // Frames past the hello may use a resumed cache: they wait in `buf`.
@@ -177,6 +178,8 @@ impl Link {
         );
         let version = p.version;
         self.resumable = p.has(CAP_RESUME) && !self.cfg.resume_window.is_zero();
+        // The silence clocks of a resumable link start with its hello.
+        self.heard_from_peer(now);
         self.peer = p;
         self.state = if self.outage.as_ref().is_some_and(|o| o.draining) {
             State::Draining

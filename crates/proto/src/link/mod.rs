@@ -288,6 +288,8 @@ pub struct Link {
     resuming: Option<Box<resume::Resuming>>,
     /// Streams that finished cleanly lately (see [`resume::DONE_KEPT`]).
     done_ids: VecDeque<StreamId>,
+    /// When the peer was last heard from (input on any lane).
+    heard: Option<Instant>,
 }
 
 /// On a resumable link, a stream's consumption is confirmed (a `MaxData`) at least every this
@@ -337,6 +339,7 @@ impl Link {
             outage: None,
             resuming: None,
             done_ids: VecDeque::new(),
+            heard: None,
             cfg,
         }
     }
@@ -699,6 +702,9 @@ impl Link {
             .get_or_set(Timer::Idle, now + self.cfg.idle_timeout);
         if self.timers.expired(Timer::Idle, now) {
             self.fail(LinkError::Timeout);
+            return;
+        }
+        if self.check_silence(now) {
             return;
         }
         self.timers.get_or_set(Timer::Ping, now);

@@ -5,7 +5,7 @@
 //! hellos' saved states, or empty caches), since frames lost in flight left the old ones apart.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::hello;
 use super::streams::Kept;
@@ -21,6 +21,12 @@ use crate::lane::{CAP_RESUME, LATENCY_LANE, MAIN_LANE};
 /// Streams that finished cleanly, remembered for the resume list: the peer may not have heard
 /// that they did when the connection went.
 pub(super) const DONE_KEPT: usize = 4096;
+
+/// Silence from the peer after which a resumable link gives its connection up for a new one
+/// (at least; four round trips if that is longer). A path that drops everything leaves TCP
+/// retrying with backoff for many seconds after the path is back; a new connection, dialed
+/// every half second meanwhile, gets through at once.
+pub(super) const SILENCE_MIN: Duration = Duration::from_secs(2);
 
 /// A link whose connection was lost, until its streams are resumed or given up.
 #[derive(Debug)]
@@ -443,6 +449,56 @@ impl Link {
                 offset: s.recv.window.received(),
             });
         }
+    }
+
+    /// How long a resumable link waits, hearing nothing, before it pings (the first figure)
+    /// and before it gives the connection up (the second).
+    fn silence_limits(&self) -> (Duration, Duration) {
+        let stall = self
+            .keepalive
+            .rtt
+            .map_or(SILENCE_MIN, |rtt| (rtt * 4).max(SILENCE_MIN));
+        (stall / 4, stall)
+    }
+
+    /// Input from the peer: the silence clocks start over.
+    pub(super) fn heard_from_peer(&mut self, now: Instant) {
+        self.heard = Some(now);
+        if self.resumable {
+            let (probe, stall) = self.silence_limits();
+            self.timers.set(Timer::Probe, now + probe);
+            self.timers.set(Timer::Silence, now + stall);
+        }
+    }
+
+    /// A resumable link that heard nothing for a while pings; one that heard nothing for too
+    /// long suspends (the runtime drops the connection and dials a new one). Returns true if
+    /// it suspended.
+    pub(super) fn check_silence(&mut self, now: Instant) -> bool {
+        if !self.resumable || !matches!(self.state, State::Open | State::Draining) {
+            return false;
+        }
+        let (probe, stall) = self.silence_limits();
+        let heard = *self.heard.get_or_insert(now);
+        let quiet = now.saturating_duration_since(heard);
+        if quiet >= stall {
+            self.suspend(
+                &format!("nothing heard from the peer for {} ms", quiet.as_millis()),
+                now,
+            );
+            return true;
+        }
+        if self.timers.get(Timer::Probe).is_none_or(|t| now >= t) {
+            if quiet >= probe && self.keepalive.sent.is_none() {
+                let k = &mut self.keepalive;
+                k.seq += 1;
+                self.ctrl[MAIN_LANE].push_back(Frame::Ping { payload: k.seq });
+                k.sent = Some((k.seq, now));
+            }
+            self.timers.set(Timer::Probe, now + probe);
+        }
+        self.timers.set(Timer::Silence, heard + stall);
+        false
     }
 
     /// What a new stream keeps for resumption, if the link resumes.

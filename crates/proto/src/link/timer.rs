@@ -16,10 +16,14 @@ pub(super) enum Timer {
     Stalls,
     /// A suspended link's resume window ends: its streams are lost.
     Resume,
+    /// A resumable link heard nothing for a while: a ping asks for an answer.
+    Probe,
+    /// A resumable link heard nothing for too long: its connection is given up for a new one.
+    Silence,
 }
 
 impl Timer {
-    const COUNT: usize = 5;
+    const COUNT: usize = 7;
 
     fn index(self) -> usize {
         match self {
@@ -28,6 +32,8 @@ impl Timer {
             Timer::Checkpoint => 2,
             Timer::Stalls => 3,
             Timer::Resume => 4,
+            Timer::Probe => 5,
+            Timer::Silence => 6,
         }
     }
 }
