@@ -55,7 +55,7 @@ fuzz_target!(|data: &[u8]| {
     let mut out = BytesMut::new();
     for (i, chunk) in rest.chunks(split).enumerate() {
         let t = now + Duration::from_millis(i as u64);
-        if cut == Some(i) && link.suspend("fuzz", t) && link.reconnect(t, 6, Vec::new()) {
+        if cut == Some(i) && link.suspend("fuzz", t) && link.accept_resume(t, 5, 6, Vec::new()) {
             let _ = link.handle_input(&hello(Some(5)), t);
         }
         let _ = link.handle_input(chunk, t);

@@ -64,8 +64,14 @@ fn cut(p: &mut Pair) {
 
 /// A new connection: the listener (found by the old token) hands out `token`.
 fn reconnect(p: &mut Pair, token: u64, laned: bool) {
-    assert!(p.west.link.reconnect(p.now, 0, Vec::new()));
-    assert!(p.east.link.reconnect(p.now, token, Vec::new()));
+    let presented = p.west.link.resume_token();
+    assert!(p.east.link.resumes(presented));
+    assert!(p.west.link.reconnect(p.now, Vec::new()));
+    assert!(
+        p.east
+            .link
+            .accept_resume(p.now, presented, token, Vec::new())
+    );
     p.drive(Duration::from_millis(200));
     if laned {
         attach(p);
@@ -268,7 +274,7 @@ fn a_restarted_peer_loses_the_streams_with_a_clear_reset() {
     ce.token = 99;
     p.east = Side::new(Link::new(ce));
     p.east.link.set_services(["e-svc"]);
-    assert!(p.west.link.reconnect(p.now, 0, Vec::new()));
+    assert!(p.west.link.reconnect(p.now, Vec::new()));
     p.drive(Duration::from_secs(1));
     assert!(p.west.link.is_open(), "the link itself goes on");
     assert_eq!(p.west.app.resets, vec![(id, ResetCode::LinkLost)]);
@@ -294,7 +300,7 @@ fn past_the_resume_window_the_link_closes_and_every_stream_resets() {
         "{:?}",
         p.west.app.closed
     );
-    assert!(!p.west.link.reconnect(p.now, 0, Vec::new()));
+    assert!(!p.west.link.reconnect(p.now, Vec::new()));
     p.assert_no_leaks();
 }
 
@@ -325,7 +331,11 @@ fn a_restarted_connecting_side_resumes_nothing() {
     cut(&mut p);
     // West restarted: its new link presents no token, so east (had its runtime handed it the
     // connection) gives the old streams up rather than take a list that is not theirs.
-    assert!(p.east.link.reconnect(p.now, TOKEN + 1, Vec::new()));
+    assert!(
+        p.east
+            .link
+            .accept_resume(p.now, TOKEN, TOKEN + 1, Vec::new())
+    );
     let mut forged = LinkConfig::new("west", "east", true);
     resumable(&mut forged, false);
     let mut w = Link::new(forged);
@@ -392,4 +402,40 @@ fn a_quiet_link_pings_and_stays_up() {
     p.drive(Duration::from_secs(20));
     assert!(p.west.link.is_open() && p.east.link.is_open());
     assert_eq!(p.west.app.suspended + p.east.app.suspended, 0);
+}
+
+#[test]
+fn a_connection_lost_during_the_resumption_resumes_on_the_next() {
+    // East answered west's resuming hello (and handed out a new token), but its answer was
+    // lost with the connection: west presents the token it knows, which east still takes.
+    let mut p = resumable_pair(true, false);
+    let id = open_and_send(&mut p, "e-svc", Class::Bulk, data(6, 1_000_000));
+    p.drive(Duration::from_millis(60));
+    cut(&mut p);
+    let presented = p.west.link.resume_token();
+    assert!(p.west.link.reconnect(p.now, Vec::new()));
+    p.drive(Duration::from_millis(15));
+    assert!(
+        p.east
+            .link
+            .accept_resume(p.now, presented, TOKEN + 1, Vec::new())
+    );
+    p.drive(Duration::from_millis(10));
+    cut(&mut p);
+    assert_eq!(
+        p.west.link.resume_token(),
+        presented,
+        "west never saw the new token"
+    );
+    assert!(p.east.link.resumes(presented) && p.east.link.resumes(TOKEN + 1));
+    assert!(!p.east.link.resumes(TOKEN + 2), "a token never handed out");
+    reconnect(&mut p, TOKEN + 2, false);
+    p.east.app.to_send.insert(id, (Bytes::new(), true));
+    p.drive(Duration::from_secs(30));
+    assert_eq!(p.east.app.received[&id], data(6, 1_000_000)[..]);
+    assert!(p.west.app.resets.is_empty() && p.east.app.resets.is_empty());
+    // Settled: only the newest token works now; the ones before are spent.
+    cut(&mut p);
+    assert!(!p.east.link.resumes(presented) && !p.east.link.resumes(TOKEN + 1));
+    assert!(p.east.link.resumes(TOKEN + 2));
 }

@@ -148,11 +148,21 @@ impl LinkHandle {
     /// a link whose peer came back before this side saw the old connection go): the old
     /// connection's tasks stop, and the link starts over with a new hello that resumes its
     /// streams. False if the link can no longer resume.
-    pub fn reconnect(&self, fd: std::os::fd::RawFd, saved: Vec<wanopt_proto::SavedCache>) -> bool {
+    /// `presented` is the token the peer's hello presented (listening side); `None` on the
+    /// connecting side.
+    pub fn reconnect(
+        &self,
+        fd: std::os::fd::RawFd,
+        saved: Vec<wanopt_proto::SavedCache>,
+        presented: Option<u64>,
+    ) -> bool {
         let mut g = lock(&self.inner);
         let now = Instant::now();
         let ok = (g.link.is_suspended() || g.link.suspend("the peer connected again", now))
-            && g.link.reconnect(now, rand::random(), saved);
+            && match presented {
+                None => g.link.reconnect(now, saved),
+                Some(t) => g.link.accept_resume(now, t, rand::random(), saved),
+            };
         if ok {
             self.conn.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
             *lock(&self.fds) = [Some(fd), None];

@@ -163,7 +163,7 @@ async fn resumed_link(
         return None;
     }
     let saved = peer.saved_states().await;
-    h.reconnect(fd, saved).then_some(h)
+    h.reconnect(fd, saved, Some(token)).then_some(h)
 }
 
 /// Reads the first frame of a new connection (a hello, after TLS authenticated the peer) with a
@@ -335,7 +335,7 @@ pub(crate) async fn connect_loop(peer: Arc<Peer>) {
                 sockopt::tune_main_lane(&sock, &cfg.link);
                 let fd = tls.get_ref().0.get_ref().as_raw_fd();
                 let h = match suspended.take() {
-                    Some(h) if h.reconnect(fd, peer.saved_states().await) => {
+                    Some(h) if h.reconnect(fd, peer.saved_states().await, None) => {
                         info!(link = h.id, addr = %addr, "resuming the link on a new connection");
                         h
                     }

@@ -290,6 +290,8 @@ pub struct Link {
     done_ids: VecDeque<StreamId>,
     /// When the peer was last heard from (input on any lane).
     heard: Option<Instant>,
+    /// The listener's tokens that resume the link (see [`Link::resumes`]).
+    resume_tokens: Vec<u64>,
 }
 
 /// On a resumable link, a stream's consumption is confirmed (a `MaxData`) at least every this
@@ -340,6 +342,7 @@ impl Link {
             resuming: None,
             done_ids: VecDeque::new(),
             heard: None,
+            resume_tokens: vec![cfg.token],
             cfg,
         }
     }

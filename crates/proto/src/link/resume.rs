@@ -80,10 +80,14 @@ impl Link {
     }
 
     /// On the listener: true if a new connection whose hello presents `token` (its `RESUME`
-    /// setting) resumes this link: the token is this link's, and the link is suspended or can
-    /// be (the peer may have seen the old connection go before we did).
+    /// setting) resumes this link: the token is one this link handed out since its streams last
+    /// settled (a connection lost during a resumption leaves the peer with either), and the
+    /// link is suspended or can be (the peer may have seen the old connection go before we
+    /// did).
     pub fn resumes(&self, token: u64) -> bool {
-        !self.cfg.initiator && token == self.cfg.token && (self.is_suspended() || self.can_resume())
+        !self.cfg.initiator
+            && self.resume_tokens.contains(&token)
+            && (self.is_suspended() || self.can_resume())
     }
 
     /// True while the link waits for a new connection (after [`suspend`](Self::suspend)).
@@ -130,21 +134,53 @@ impl Link {
         true
     }
 
-    /// Starts over on a new connection after [`suspend`](Self::suspend): a new hello goes
-    /// first. The connecting side presents the old link's token; the listener, which the
-    /// runtime found by that token, answers with it and hands out `token` as the new one.
+    /// The connecting side, after [`suspend`](Self::suspend): starts over on a new connection
+    /// whose hello presents the old link's token ([`resume_token`](Self::resume_token)).
     /// `saved` lists the cache states saved so far (see [`LinkConfig::saved_states`]).
     ///
     /// [`LinkConfig::saved_states`]: super::LinkConfig::saved_states
-    pub fn reconnect(&mut self, now: Instant, token: u64, saved: Vec<SavedCache>) -> bool {
+    pub fn reconnect(&mut self, now: Instant, saved: Vec<SavedCache>) -> bool {
+        if !self.cfg.initiator {
+            return false;
+        }
+        let presented = self.peer.token;
+        self.restart(now, setting::RESUME, presented, saved)
+    }
+
+    /// What the connecting side presents to resume the link: the listener's token from the
+    /// last hello it read.
+    pub fn resume_token(&self) -> u64 {
+        self.peer.token
+    }
+
+    /// The listener, after [`suspend`](Self::suspend) (or [`resumes`](Self::resumes) said so):
+    /// starts over on the new connection whose hello presented `presented`, answering with it,
+    /// and hands out `token` as the link's next one.
+    pub fn accept_resume(
+        &mut self,
+        now: Instant,
+        presented: u64,
+        token: u64,
+        saved: Vec<SavedCache>,
+    ) -> bool {
+        if self.cfg.initiator || !self.resume_tokens.contains(&presented) {
+            return false;
+        }
+        if self.state == State::Suspended {
+            self.cfg.token = token;
+            if self.resume_tokens.len() >= 4 {
+                self.resume_tokens.remove(0);
+            }
+            self.resume_tokens.push(token);
+        }
+        self.restart(now, setting::RESUMED, presented, saved)
+    }
+
+    /// A new hello (with the resumption setting `id` = `old`) on a new connection.
+    fn restart(&mut self, now: Instant, id: u16, old: u64, saved: Vec<SavedCache>) -> bool {
         if self.state != State::Suspended {
             return false;
         }
-        let old = if self.cfg.initiator {
-            self.peer.token
-        } else {
-            std::mem::replace(&mut self.cfg.token, token)
-        };
         self.cfg.saved_states = saved;
         self.coding = self.coding.renew(
             self.cfg.codec.clone(),
@@ -152,11 +188,6 @@ impl Link {
             self.cfg.saved_states.clone(),
         );
         let mut h = hello::ours(&self.cfg, self.coding.offers(), self.coding.own_scoped());
-        let id = if self.cfg.initiator {
-            setting::RESUME
-        } else {
-            setting::RESUMED
-        };
         h.settings.push((id, old));
         // What was queued while the link was down goes in the resume list instead (credit,
         // ends) or is sent again after it (resets of streams the peer still lists).
@@ -165,8 +196,10 @@ impl Link {
         }
         self.ctrl[MAIN_LANE].push_back(Frame::Hello(h));
         self.state = State::Handshake;
+        // The token to present again, should this connection be lost before the peer's hello.
         self.peer = hello::PeerParams {
             max_frame: 16 * 1024,
+            token: self.peer.token,
             ..Default::default()
         };
         self.link_credit = crate::flow::SendCredit::new(0);
@@ -278,6 +311,8 @@ impl Link {
         };
         let since = self.outage.as_ref().map_or(now, |o| o.since);
         self.end_outage();
+        // The peer answered our hello: it holds our newest token, the only one that works now.
+        self.resume_tokens = vec![self.cfg.token];
         let Some((received, max, seen)) = rs.head else {
             return Err(LinkError::Protocol("resume list without its head".into()));
         };
