@@ -107,8 +107,18 @@ fn sync_loop_on(
 /// East (targets `bulk` and `sync`, admin on) and west (their listeners) with the link through
 /// a relay; `extra` is top-level YAML for both, `link` lines for both `link:` sections.
 fn relayed(bulk: SocketAddr, sync: SocketAddr, extra: &str, link: &str) -> RelayedPair {
+    relayed_each(bulk, sync, |_| extra.to_string(), link)
+}
+
+/// [`relayed`] with each side's top-level YAML from `extra(site)`.
+fn relayed_each(
+    bulk: SocketAddr,
+    sync: SocketAddr,
+    extra: impl Fn(&str) -> String,
+    link: &str,
+) -> RelayedPair {
     let certs = Certs::new(&["west", "east"]);
-    let extra = format!("admin:\n  listen: 127.0.0.1:0\n{extra}");
+    let side = |site: &str| format!("admin:\n  listen: 127.0.0.1:0\n{}", extra(site));
     let east = Daemon::start(
         "east",
         &site_yaml(
@@ -119,7 +129,7 @@ fn relayed(bulk: SocketAddr, sync: SocketAddr, extra: &str, link: &str) -> Relay
             &format!(
                 "  - name: bulk\n    target: {bulk}\n  - name: sync\n    target: {sync}\n    class: latency\n"
             ),
-            &extra,
+            &side("east"),
         ),
     );
     let relay = Relay::new(east.bound("link"));
@@ -131,7 +141,7 @@ fn relayed(bulk: SocketAddr, sync: SocketAddr, extra: &str, link: &str) -> Relay
             &format!("connect: {}\n{link}", relay.addr),
             &certs,
             "  - name: bulk\n    listen: 127.0.0.1:0\n  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n",
-            &extra,
+            &side("west"),
         ),
     );
     west.wait_log("latency lane attached", 10 * SEC);
@@ -154,9 +164,9 @@ fn wait_until(limit: Duration, what: &str, f: impl Fn() -> bool) {
 
 /// The bulk transfer and the SYNC loop, with the link's connections killed three times while
 /// both run (twice both lanes, once the latency lane alone).
-fn rides_through_kills(extra: &str) {
+fn rides_through_kills(extra: impl Fn(&str) -> String) {
     let progress = Arc::new(AtomicU64::new(0));
-    let p = relayed(counting_server(progress.clone()), echo_server(), extra, "");
+    let p = relayed_each(counting_server(progress.clone()), echo_server(), extra, "");
     let (bulk, sync) = (p.west.bound("bulk"), p.west.bound("sync"));
     let stop = Arc::new(AtomicBool::new(false));
     let rounds = Arc::new(AtomicU64::new(0));
@@ -208,12 +218,32 @@ fn rides_through_kills(extra: &str) {
 
 #[test]
 fn streams_ride_through_killed_link_connections() {
-    rides_through_kills("");
+    rides_through_kills(|_| String::new());
+}
+
+/// With a disk tier and checkpoints every second: each new connection resumes the caches from
+/// the newest state both sides saved, and nothing is lost.
+#[test]
+fn streams_ride_through_killed_link_connections_with_a_disk_tier() {
+    let dirs = [
+        tempfile::tempdir().expect("dir"),
+        tempfile::tempdir().expect("dir"),
+    ];
+    let paths: Vec<String> = dirs
+        .iter()
+        .map(|d| d.path().display().to_string())
+        .collect();
+    rides_through_kills(move |site| {
+        let dir = if site == "west" { &paths[0] } else { &paths[1] };
+        format!(
+            "state_dir: {dir}\noptimize:\n  memory: 32MiB\n  disk:\n    bytes: 512MiB\n    checkpoint: 1s\n"
+        )
+    });
 }
 
 #[test]
 fn streams_ride_through_killed_link_connections_without_the_codec() {
-    rides_through_kills("optimize:\n  enabled: false\n");
+    rides_through_kills(|_| "optimize:\n  enabled: false\n".to_string());
 }
 
 /// Down longer than the window: the streams fail with an error (never a clean, short end),
