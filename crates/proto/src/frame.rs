@@ -346,6 +346,9 @@ pub struct Resume {
     pub entries: Vec<ResumeEntry>,
     /// The last frame of the list.
     pub last: bool,
+    /// Only the latency lane was lost: the list covers its streams, and `link_received`
+    /// counts the stream bytes received on that lane.
+    pub lane: bool,
 }
 
 /// What the sender of a [`Frame::Resume`] holds of one stream.
@@ -621,6 +624,7 @@ impl Frame {
                     seen,
                     entries,
                     last: flags & FLAG_FIN != 0,
+                    lane: flags & FLAG_SCOPED != 0,
                 }))
             }
             other => return Err(FrameError::UnknownKind(other)),
@@ -702,11 +706,7 @@ impl Frame {
             Frame::Chunk { stream, .. } => (kind::CHUNK, 0, *stream),
             Frame::Checkpoint { .. } => (kind::CHECKPOINT, 0, StreamId::LINK),
             Frame::Finished { stream, .. } => (kind::FINISHED, 0, *stream),
-            Frame::Resume(r) => (
-                kind::RESUME,
-                if r.last { FLAG_FIN } else { 0 },
-                StreamId::LINK,
-            ),
+            Frame::Resume(r) => (kind::RESUME, coded_flags(r.last, r.lane), StreamId::LINK),
         };
         out.put_u8(kind);
         out.put_u8(flags);
@@ -1054,10 +1054,10 @@ mod tests {
             (sid.clone(), any::<u64>())
                 .prop_map(|(stream, offset)| Frame::Finished { stream, offset }),
             (
-                any::<(u64, u64, u32, u32, bool)>(),
+                any::<(u64, u64, u32, u32, bool, bool)>(),
                 proptest::collection::vec((1u32.., any::<(u64, u64, bool, bool, bool)>()), 0..40)
             )
-                .prop_map(|((link_received, link_max, s0, s1, last), es)| {
+                .prop_map(|((link_received, link_max, s0, s1, last, lane), es)| {
                     Frame::Resume(Box::new(Resume {
                         link_received,
                         link_max,
@@ -1074,6 +1074,7 @@ mod tests {
                             })
                             .collect(),
                         last,
+                        lane,
                     }))
                 }),
         ]

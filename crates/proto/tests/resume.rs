@@ -146,6 +146,41 @@ fn run(
     sizes: &[(usize, usize, bool)],
     cuts: &[(u64, u64)],
 ) -> Result<Pair, TestCaseError> {
+    let kinds: Vec<Cut> = cuts.iter().map(|_| Cut::Link).collect();
+    run_cuts(codec, laned, sizes, cuts, &kinds)
+}
+
+/// What a cut loses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cut {
+    /// Every lane.
+    Link,
+    /// The latency lane alone, both sides told.
+    Lane,
+    /// The latency lane alone; only west is told (east learns when west attaches a new one).
+    LaneWestOnly,
+}
+
+/// Loses the latency lane alone: what is in flight on it is gone.
+fn cut_lane(p: &mut Pair, east_told: bool) {
+    use wanopt_proto::LATENCY_LANE;
+    p.w2e[LATENCY_LANE].in_flight.clear();
+    p.e2w[LATENCY_LANE].in_flight.clear();
+    p.west.inbufs[LATENCY_LANE].clear();
+    p.east.inbufs[LATENCY_LANE].clear();
+    assert!(p.west.link.lane_lost(p.now));
+    if east_told {
+        assert!(p.east.link.lane_lost(p.now));
+    }
+}
+
+fn run_cuts(
+    codec: bool,
+    laned: bool,
+    sizes: &[(usize, usize, bool)],
+    cuts: &[(u64, u64)],
+    kinds: &[Cut],
+) -> Result<Pair, TestCaseError> {
     let mut p = resumable_pair(codec, laned);
     let mut plans = Vec::new();
     for (i, (up, down, lat)) in sizes.iter().enumerate() {
@@ -174,11 +209,30 @@ fn run(
         }
     };
     let mut token = TOKEN;
-    for (at, down) in cuts {
+    for ((at, down), kind) in cuts.iter().zip(kinds) {
         p.drive(Duration::from_millis(*at));
         if !answered && p.east.app.opened.len() == plans.len() {
             answer(&mut p, &plans);
             answered = true;
+        }
+        if *kind != Cut::Link {
+            cut_lane(&mut p, *kind == Cut::Lane);
+            // The main lane goes on meanwhile; what a side not told writes on the lost lane
+            // goes nowhere (10 ms steps, under the pipes' 20 ms).
+            let end = p.now + Duration::from_millis(*down);
+            loop {
+                prop_assert!(p.w2e[1].in_flight.is_empty(), "a lost lane carried bytes");
+                p.e2w[1].in_flight.clear();
+                if p.now >= end {
+                    break;
+                }
+                let step = end.min(p.now + Duration::from_millis(10));
+                p.drive(step - p.now);
+                p.now = p.now.max(step);
+            }
+            p.e2w[1].in_flight.clear();
+            attach(&mut p);
+            continue;
         }
         cut(&mut p);
         // Time passes while the link is down; the applications go on reading and writing (what
@@ -202,9 +256,19 @@ fn run(
     }
     p.drive(Duration::from_secs(60));
     check_exact(&p, &plans)?;
-    prop_assert_eq!(p.west.app.suspended as usize, cuts.len());
-    prop_assert_eq!(p.west.app.resumed.len(), cuts.len());
-    prop_assert_eq!(p.east.app.resumed.len(), cuts.len());
+    let whole = kinds.iter().filter(|k| **k == Cut::Link).count();
+    prop_assert_eq!(p.west.app.suspended as usize, whole);
+    // A lane resumption that a whole cut overtook is settled by the whole resumption.
+    for side in [&p.west, &p.east] {
+        let n = side.app.resumed.len();
+        prop_assert!(
+            whole <= n && n <= cuts.len(),
+            "{n} resumptions for {kinds:?}"
+        );
+    }
+    if kinds.iter().all(|k| *k == Cut::Link) {
+        prop_assert_eq!(p.west.app.resumed.len(), cuts.len());
+    }
     p.assert_no_leaks();
     Ok(p)
 }
@@ -220,6 +284,20 @@ proptest! {
         laned in any::<bool>(),
     ) {
         run(codec, laned, &sizes, &cuts)?;
+    }
+
+    #[test]
+    fn streams_survive_lost_latency_lanes(
+        sizes in proptest::collection::vec((0usize..300_000, 0usize..100_000, any::<bool>()), 1..8),
+        cuts in proptest::collection::vec((0u64..300, 0u64..2000, 0u8..3), 1..4),
+        codec in any::<bool>(),
+    ) {
+        let kinds: Vec<Cut> = cuts
+            .iter()
+            .map(|c| [Cut::Link, Cut::Lane, Cut::LaneWestOnly][usize::from(c.2)])
+            .collect();
+        let cuts: Vec<(u64, u64)> = cuts.iter().map(|c| (c.0, c.1)).collect();
+        run_cuts(codec, true, &sizes, &cuts, &kinds)?;
     }
 }
 

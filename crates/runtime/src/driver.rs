@@ -55,6 +55,8 @@ pub(crate) enum LinkMsg {
     },
     /// The link's connection was lost and its streams wait for the next one.
     Suspended(Arc<LinkHandle>),
+    /// Only the latency lane's connection was lost: its streams wait for a new lane.
+    LaneLost(Arc<LinkHandle>),
     /// The link ended (after it was up).
     Down(Arc<LinkHandle>),
 }
@@ -117,6 +119,8 @@ pub(crate) struct LinkHandle {
     /// Which connection carries the link: a resumed link counts up, and the tasks of an older
     /// connection stop touching the link once they see it.
     conn: std::sync::atomic::AtomicU64,
+    /// Likewise for the latency lane's connection, which may be replaced alone.
+    lane_conn: std::sync::atomic::AtomicU64,
 }
 
 impl LinkHandle {
@@ -136,7 +140,33 @@ impl LinkHandle {
             ctx,
             id,
             conn: 0.into(),
+            lane_conn: 0.into(),
         }
+    }
+
+    /// The latency-lane connection now carrying the lane.
+    fn lane_connection(&self) -> u64 {
+        self.lane_conn.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// True while connection `conn` (main, lane) still carries `lane` of the link.
+    fn current(&self, conn: (u64, u64), lane: usize) -> bool {
+        self.connection() == conn.0 && (lane == MAIN_LANE || self.lane_connection() == conn.1)
+    }
+
+    /// Attaches a latency-lane connection presenting `token` (see [`Link::attach_lane`]); the
+    /// connection (main, lane) that carries it from now on, or `None` if refused.
+    pub fn attach_lane(&self, token: u64) -> Option<(u64, u64)> {
+        let mut g = lock(&self.inner);
+        if !g.link.attach_lane(token) {
+            return None;
+        }
+        self.lane_conn
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        // An old lane's writer, if any, wakes and sees it is stale.
+        self.tx[LATENCY_LANE].notify_waiters();
+        self.dispatch(&mut g);
+        Some((self.connection(), self.lane_connection()))
     }
 
     /// The connection now carrying the link (see [`LinkHandle::reconnect`]).
@@ -383,8 +413,8 @@ where
 {
     let (rd, wr) = tokio::io::split(stream);
     let conn = h.connection();
-    let reader = read_link(h.clone(), rd, addr, MAIN_LANE, initial, conn);
-    let writer = write_link(h.clone(), wr, MAIN_LANE, conn);
+    let reader = read_link(h.clone(), rd, addr, MAIN_LANE, initial, (conn, 0));
+    let writer = write_link(h.clone(), wr, MAIN_LANE, (conn, 0));
     let sampler = tokio::spawn(sample_sockets(h.clone()));
     let store_waiter = h.ctx.caches.as_ref().map(|c| {
         // Chunks the disk tier read for waiting streams: decode them again.
@@ -406,7 +436,7 @@ where
             r
         }
         w = &mut writer => w,
-        why = ticker(&h, conn, true) => why,
+        why = ticker(&h, (conn, 0), MAIN_LANE) => why,
     };
     sampler.abort();
     if let Some(t) = store_waiter {
@@ -463,18 +493,21 @@ where
     }
 }
 
-/// Moves the latency lane's bytes until it or the link ends. Losing the lane fails the link.
+/// Moves the latency lane's bytes until it or the link ends; `conn` is what
+/// [`LinkHandle::attach_lane`] returned. Losing the lane alone re-attaches a new one (the
+/// supervisor dials it on the connecting side) and its streams go on; a link that cannot do
+/// that suspends (or, without resumption, fails).
 pub(crate) async fn run_lane<S>(
     h: Arc<LinkHandle>,
     stream: S,
     fd: std::os::fd::RawFd,
     addr: SocketAddr,
     buf: BytesMut,
+    conn: (u64, u64),
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (rd, wr) = tokio::io::split(stream);
-    let conn = h.connection();
     lock(&h.fds)[LATENCY_LANE] = Some(fd);
     let reader = read_link(h.clone(), rd, addr, LATENCY_LANE, buf, conn);
     let writer = write_link(h.clone(), wr, LATENCY_LANE, conn);
@@ -482,19 +515,29 @@ pub(crate) async fn run_lane<S>(
     let why = tokio::select! {
         r = &mut reader => r,
         w = &mut writer => w,
-        why = ticker(&h, conn, false) => why,
+        why = ticker(&h, conn, LATENCY_LANE) => why,
     };
-    if h.connection() != conn {
-        return;
-    }
-    lock(&h.fds)[LATENCY_LANE] = None;
-    // With resumption, both lanes connect again and the streams go on; without, the link fails.
-    h.with(|l| {
-        if !l.is_closed() {
-            l.suspend(&format!("latency lane: {why}"), Instant::now());
+    let lane_only = {
+        let mut g = lock(&h.inner);
+        if !h.current(conn, LATENCY_LANE) {
+            return;
         }
-    });
+        lock(&h.fds)[LATENCY_LANE] = None;
+        let reason = format!("latency lane: {why}");
+        let lane_only = !g.link.is_closed() && g.link.lane_lost(Instant::now());
+        if !lane_only && !g.link.is_closed() {
+            g.link.suspend(&reason, Instant::now());
+        }
+        h.dispatch(&mut g);
+        lane_only
+    };
     h.kick();
+    if lane_only {
+        warn!(link = h.id, peer = %h.ctx.peer, reason = %why, "latency lane lost; its streams wait for a new one");
+        h.ctx.counters.link.lanes.set(1);
+        add(&h.ctx.counters.link.outages, 1);
+        h.tell(LinkMsg::LaneLost(h.clone()));
+    }
 }
 
 /// How often a connection's ticker looks at the link.
@@ -503,9 +546,10 @@ const TICK: Duration = Duration::from_millis(250);
 /// Ends when the connection `conn` no longer carries the link: the link suspended (it heard
 /// nothing for too long, or another lane was lost) or a newer connection took over. Its reader
 /// or writer may be stuck on a dead socket meanwhile, so they cannot be the ones to notice.
-/// The main lane's ticker (`timers`) also runs the link's timers when due, which a writer
+/// The main lane's ticker also runs the link's timers when due, which a writer
 /// blocked on a full socket does not.
-async fn ticker(h: &LinkHandle, conn: u64, timers: bool) -> String {
+async fn ticker(h: &LinkHandle, conn: (u64, u64), lane: usize) -> String {
+    let timers = lane == MAIN_LANE;
     loop {
         tokio::time::sleep(TICK).await;
         let now = Instant::now();
@@ -518,7 +562,7 @@ async fn ticker(h: &LinkHandle, conn: u64, timers: bool) -> String {
             (g.link.is_suspended(), h.wants(&g))
         };
         h.wake(wants);
-        if h.connection() != conn {
+        if !h.current(conn, lane) {
             return "a newer connection took the link over".into();
         }
         if suspended {
@@ -602,7 +646,7 @@ async fn read_link<R: AsyncRead + Unpin>(
     addr: SocketAddr,
     lane: usize,
     mut buf: BytesMut,
-    conn: u64,
+    conn: (u64, u64),
 ) -> String {
     let counters = h.ctx.counters.clone();
     let handshake_deadline = tokio::time::Instant::now() + h.ctx.handshake_timeout;
@@ -632,7 +676,7 @@ async fn read_link<R: AsyncRead + Unpin>(
         }
         let (opened, up, closed, err, wants, load, loading) = {
             let mut g = lock(&h.inner);
-            if h.connection() != conn {
+            if !h.current(conn, lane) {
                 return "a newer connection took the link over".into();
             }
             if g.link.is_suspended() {
@@ -730,7 +774,7 @@ async fn write_link<W: AsyncWrite + Unpin>(
     h: Arc<LinkHandle>,
     mut wr: W,
     lane: usize,
-    conn: u64,
+    conn: (u64, u64),
 ) -> String {
     let mut buf = BytesMut::with_capacity(2 * TRANSMIT_BATCH);
     let mut timer = Box::pin(tokio::time::sleep(Duration::from_secs(3600)));
@@ -747,7 +791,7 @@ async fn write_link<W: AsyncWrite + Unpin>(
     loop {
         let (closed, deadline, encoding) = {
             let mut g = lock(&h.inner);
-            if h.connection() != conn {
+            if !h.current(conn, lane) {
                 return "a newer connection took the link over".into();
             }
             if g.link.is_suspended() {

@@ -212,9 +212,9 @@ async fn accept_lane<S>(
         loop {
             let current = rx.borrow_and_update().clone();
             if let Some(h) = current
-                && h.with(|l| l.attach_lane(token))
+                && let Some(conn) = h.attach_lane(token)
             {
-                return Some(h);
+                return Some((h, conn));
             }
             if rx.changed().await.is_err() {
                 return None;
@@ -223,10 +223,10 @@ async fn accept_lane<S>(
     })
     .await;
     match attached {
-        Ok(Some(h)) => {
+        Ok(Some((h, conn))) => {
             info!(link = h.id, from = %addr, "latency lane attached");
             peer.counters.link.lanes.set(2);
-            let task = tokio::spawn(driver::run_lane(h.clone(), stream, fd, addr, buf));
+            let task = tokio::spawn(driver::run_lane(h.clone(), stream, fd, addr, buf, conn));
             *lock(&h.lane_task) = Some(task);
         }
         _ => {
@@ -236,41 +236,60 @@ async fn accept_lane<S>(
     }
 }
 
-/// Opens the latency lane of a link (connecting side), once the supervisor saw it come up.
+/// Opens the latency lane of a link (connecting side), once the supervisor saw it come up or
+/// its lane was lost alone; a failed dial is tried again (every 250 ms, backing off to 2 s)
+/// while the link is up and wants the lane.
 pub(crate) async fn open_lane(peer: Arc<Peer>, h: Arc<LinkHandle>, token: u64, target: String) {
+    let mut wait = SUSPENDED_RETRY;
+    loop {
+        match try_open_lane(&peer, &h, token, &target).await {
+            Ok(()) => return,
+            Err(e) => {
+                let wanted = h.with(|l| l.lane_offer() == Some(token));
+                if !wanted || peer.stopping() {
+                    return;
+                }
+                warn!(link = h.id, error = %e, retry_in_ms = wait.as_millis() as u64, "cannot open the latency lane; trying again");
+            }
+        }
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// One attempt of [`open_lane`]; runs the lane until it ends once attached.
+async fn try_open_lane(
+    peer: &Arc<Peer>,
+    h: &Arc<LinkHandle>,
+    token: u64,
+    target: &str,
+) -> Result<(), String> {
     let cfg = peer.cfg();
     let connector = tokio_rustls::TlsConnector::from(peer.tls().client);
-    let Ok(name) = tls::server_name(&cfg.link.peer) else {
-        return;
-    };
+    let name = tls::server_name(&cfg.link.peer).map_err(|e| e.to_string())?;
     let how = (
         cfg.link.lane_congestion.as_str(),
         cfg.limits.connect_timeout,
     );
-    let (mut tls, addr) = match dial(&peer, &target, &connector, name, how).await {
-        Ok(x) => x,
-        Err(e) => {
-            warn!(link = h.id, error = %e, "cannot open the latency lane; latency streams share the main connection");
-            return;
-        }
-    };
+    let (mut tls, addr) = dial(peer, target, &connector, name, how).await?;
     sockopt::tune_lane_socket(
         &socket2::SockRef::from(tls.get_ref().0.get_ref()),
         &cfg.link,
     );
     let mut hello = BytesMut::new();
     h.with(|l| l.lane_hello(token)).encode(&mut hello);
-    if let Err(e) = tls.write_all(&hello).await {
-        warn!(link = h.id, error = %e, "cannot open the latency lane");
-        return;
-    }
-    if !h.with(|l| l.attach_lane(token)) {
-        return;
-    }
+    tls.write_all(&hello)
+        .await
+        .map_err(|e| format!("write: {e}"))?;
+    let Some(conn) = h.attach_lane(token) else {
+        // The link went (or has its lane) meanwhile.
+        return Ok(());
+    };
     info!(link = h.id, addr = %addr, "latency lane attached");
     peer.counters.link.lanes.set(2);
     let fd = tls.get_ref().0.get_ref().as_raw_fd();
-    driver::run_lane(h, tls, fd, addr, BytesMut::new()).await;
+    driver::run_lane(h.clone(), tls, fd, addr, BytesMut::new(), conn).await;
+    Ok(())
 }
 
 fn record_peer_expiry(peer: &Peer, certs: Option<&[rustls::pki_types::CertificateDer<'_>]>) {

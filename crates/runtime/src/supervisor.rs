@@ -46,6 +46,7 @@ pub(crate) async fn run(peer: Arc<Peer>, mut rx: mpsc::UnboundedReceiver<LinkMsg
                 }
             },
             LinkMsg::Suspended(h) => suspended(&peer, &h),
+            LinkMsg::LaneLost(h) => open_lane(&peer, &h),
             LinkMsg::Down(h) => down(&peer, &h),
         }
     }
@@ -68,6 +69,12 @@ fn up(peer: &Arc<Peer>, h: Arc<LinkHandle>, addr: SocketAddr) {
         old.with(|l| l.close(CloseCode::Replaced, "a newer link replaced this one"));
         old.kick();
     }
+    open_lane(peer, &h);
+}
+
+/// The connecting side opens the link's latency lane, if the link wants one.
+fn open_lane(peer: &Arc<Peer>, h: &Arc<LinkHandle>) {
+    let cfg = peer.cfg();
     if let (Some(token), LinkRole::Connect(target)) = (h.with(|l| l.lane_offer()), &cfg.link.role) {
         let task = tokio::spawn(establish::open_lane(
             peer.clone(),

@@ -167,6 +167,16 @@ impl Contexts {
         self.saved.clear();
     }
 
+    /// Forgets one lane's caches: they start empty when next used.
+    pub fn reset_lane(&mut self, lane: usize) {
+        self.mirrors.retain(|k, _| k.0 != lane);
+        self.decoders.retain(|k, _| k.0 != lane);
+        self.checkpointed.retain(|k, _| k.0 != lane);
+        self.judged.retain(|k, _| k.0 != lane);
+        self.resume.retain(|k, _| k.1.0 != lane);
+        self.loaded.retain(|k, _| k.1.0 != lane);
+    }
+
     /// The zstd level mirrors are made with.
     pub fn zstd_level(&self) -> i32 {
         self.own.zstd_level

@@ -332,6 +332,14 @@ impl Coding {
         c
     }
 
+    /// Drops the caches (and stream contexts) of one lane on both sides of the codec: that
+    /// lane's connection was lost with frames in flight, so both sides start it empty.
+    pub fn reset_lane(&mut self, lane: usize) {
+        if let Some(ctx) = self.ctx.as_mut() {
+            ctx.reset_lane(lane);
+        }
+    }
+
     /// Our saved states, for the hello.
     pub fn offers(&self) -> Vec<CacheOffer> {
         self.ctx.as_ref().map(Contexts::offers).unwrap_or_default()

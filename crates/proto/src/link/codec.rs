@@ -33,7 +33,7 @@ impl Link {
         lane: usize,
     ) -> Result<(), LinkError> {
         self.coding.accept_coded()?;
-        let open = self.admit(id, offset, u64::from(raw_len), wire, |s| {
+        let open = self.admit((id, lane), offset, u64::from(raw_len), wire, |s| {
             (lane != s.lane).then(|| "data on the wrong lane".to_string())
         })?;
         let (Some(s), true) = (self.streams.get_mut(&id), open) else {

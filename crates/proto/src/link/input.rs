@@ -114,7 +114,7 @@ impl Link {
                 offset,
                 fin,
                 data,
-            } => self.on_data(stream, offset, fin, data, wire),
+            } => self.on_data(stream, offset, fin, data, wire, lane),
             Frame::Reset {
                 stream,
                 code,
@@ -157,7 +157,7 @@ impl Link {
             } => self.on_chunk(lane, &scope, fingerprint, &data),
             Frame::Checkpoint { scope, digest } => self.on_checkpoint(lane, scope, &digest),
             Frame::Finished { stream, offset } => self.on_finished(stream, offset),
-            Frame::Resume(r) => self.on_resume(*r, now),
+            Frame::Resume(r) => self.on_resume(*r, now, lane),
         }
     }
 
@@ -314,7 +314,7 @@ impl Link {
     /// closed: its bytes are dropped and their link credit given back.
     pub(super) fn admit(
         &mut self,
-        id: StreamId,
+        (id, lane): (StreamId, usize),
         offset: u64,
         n: u64,
         wire: usize,
@@ -326,6 +326,7 @@ impl Link {
                 e.received, e.limit
             ))
         })?;
+        self.lane_received[lane] += n;
         let Some(s) = self.streams.get_mut(&id) else {
             if !self.streams.was_open(id) {
                 return Err(LinkError::Protocol(format!("data for unknown stream {id}")));
@@ -369,9 +370,10 @@ impl Link {
         fin: bool,
         data: Bytes,
         wire: usize,
+        lane: usize,
     ) -> Result<(), LinkError> {
         let n = data.len() as u64;
-        let open = self.admit(id, offset, n, wire, |s| {
+        let open = self.admit((id, lane), offset, n, wire, |s| {
             s.recv
                 .coded_waiting()
                 .then(|| "plain data while coded data waits".to_string())

@@ -292,6 +292,12 @@ pub struct Link {
     heard: Option<Instant>,
     /// The listener's tokens that resume the link (see [`Link::resumes`]).
     resume_tokens: Vec<u64>,
+    /// Stream bytes sent and received per lane since the last resumption (a lane lost alone
+    /// gives what it lost in flight back to link credit from these).
+    lane_sent: [u64; LANES],
+    lane_received: [u64; LANES],
+    /// The latency lane was lost alone: its streams wait for the peer's list on the new lane.
+    lane_resuming: Option<Box<resume::Resuming>>,
 }
 
 /// On a resumable link, a stream's consumption is confirmed (a `MaxData`) at least every this
@@ -343,6 +349,9 @@ impl Link {
             done_ids: VecDeque::new(),
             heard: None,
             resume_tokens: vec![cfg.token],
+            lane_sent: [0; LANES],
+            lane_received: [0; LANES],
+            lane_resuming: None,
             cfg,
         }
     }
@@ -700,6 +709,7 @@ impl Link {
         if self.state == State::Suspended {
             return;
         }
+        self.lane_expired(now);
         // A link that has heard nothing yet starts its idle clock at the first call.
         self.timers
             .get_or_set(Timer::Idle, now + self.cfg.idle_timeout);
@@ -767,6 +777,20 @@ impl Link {
     /// the listening side once a connection presented `token` (checked here against its own).
     /// Latency-class streams opened from now on use the lane.
     pub fn attach_lane(&mut self, token: u64) -> bool {
+        let valid = self.state == State::Open
+            && self.cfg.latency_lane
+            && if self.cfg.initiator {
+                token == self.peer.token
+            } else {
+                token == self.cfg.token && self.peer.has(CAP_LATENCY_LANE)
+            };
+        if valid && self.lane_attached && !self.cfg.initiator {
+            // The peer opens a new lane while ours looks up: it saw the old one go.
+            let heard = self.heard;
+            if !heard.is_some_and(|since| self.lane_lost(since)) {
+                return false;
+            }
+        }
         let ok = self.state == State::Open
             && !self.lane_attached
             && self.cfg.latency_lane
@@ -777,6 +801,7 @@ impl Link {
             };
         if ok {
             self.lane_attached = true;
+            self.on_lane_attached();
         }
         ok
     }

@@ -16,7 +16,7 @@ use crate::error::LinkError;
 use crate::frame::{
     Frame, RESUME_ENTRY_LEN, RESUME_HEAD_LEN, ResetCode, Resume, ResumeEntry, StreamId, setting,
 };
-use crate::lane::{CAP_RESUME, LATENCY_LANE, MAIN_LANE};
+use crate::lane::{CAP_RESUME, LANES, LATENCY_LANE, MAIN_LANE};
 
 /// Streams that finished cleanly, remembered for the resume list: the peer may not have heard
 /// that they did when the connection went.
@@ -49,6 +49,8 @@ pub(super) struct Resuming {
     /// The highest ids of the peer's streams we had seen, as our list told it: a stream of
     /// its above them is opened again by the peer.
     seen: [u32; 2],
+    /// When the latency lane was lost (a lane-only resumption).
+    since: Option<Instant>,
 }
 
 /// What one resumption did, for the runtime's metrics and logs.
@@ -120,6 +122,9 @@ impl Link {
         }
         self.state = State::Suspended;
         self.resuming = None;
+        // A full resumption settles the latency lane's streams too.
+        self.lane_resuming = None;
+        self.timers.clear(Timer::LaneResume);
         for c in &mut self.ctrl {
             c.clear();
         }
@@ -230,16 +235,20 @@ impl Link {
             self.lose_streams("the peer no longer has the link's streams (it restarted?)");
             return;
         }
-        self.list_streams();
+        self.drop_undecoded(None);
+        self.list_streams(None);
     }
 
-    /// Queues our resume list: what we received of each stream. Coded frames not rebuilt yet
-    /// are dropped (their bytes come again, through the new codec state).
-    fn list_streams(&mut self) {
+    /// Queues our resume list: what we received of each stream (`lane`: of that lane's only,
+    /// sent on it). Coded frames not rebuilt yet are dropped (their bytes come again, through
+    /// the new codec state). The per-lane counts of stream bytes start over here, as the
+    /// peer's do when it settles.
+    fn list_streams(&mut self, lane: Option<usize>) {
         let mut entries = Vec::with_capacity(self.streams.map.len() + self.done_ids.len());
         for (id, s) in self.streams.map.iter_mut() {
-            let dropped = s.recv.drop_undecoded();
-            self.link_window.unreceive(dropped);
+            if lane.is_some_and(|l| l != s.lane) {
+                continue;
+            }
             entries.push(ResumeEntry {
                 stream: *id,
                 received: s.recv.window.received(),
@@ -257,9 +266,20 @@ impl Link {
             done: true,
             latency: false,
         }));
-        let (received, max) = (self.link_window.received(), self.link_window.advertised());
+        let (received, max) = match lane {
+            Some(l) => (self.lane_received[l], 0),
+            None => {
+                self.lane_received = [0; LANES];
+                (self.link_window.received(), self.link_window.advertised())
+            }
+        };
         let seen = self.streams.peer_max_ids();
-        if let Some(r) = self.resuming.as_mut() {
+        let rs = if lane.is_some() {
+            self.lane_resuming.as_mut()
+        } else {
+            self.resuming.as_mut()
+        };
+        if let Some(r) = rs {
             r.seen = seen;
         }
         let per =
@@ -270,24 +290,113 @@ impl Link {
         }
         let n = chunks.len();
         for (i, entries) in chunks.into_iter().enumerate() {
-            self.ctrl[MAIN_LANE].push_back(Frame::Resume(Box::new(Resume {
+            self.ctrl[lane.unwrap_or(MAIN_LANE)].push_back(Frame::Resume(Box::new(Resume {
                 link_received: received,
                 link_max: max,
                 seen,
                 entries,
                 last: i + 1 == n,
+                lane: lane.is_some(),
             })));
         }
     }
 
-    /// A part of the peer's resume list; the last part settles every stream.
-    pub(super) fn on_resume(&mut self, r: Resume, now: Instant) -> Result<(), LinkError> {
+    /// Drops what a stream's receive side had not rebuilt (the peer sends it again), for every
+    /// stream or one lane's.
+    fn drop_undecoded(&mut self, lane: Option<usize>) {
+        for s in self.streams.map.values_mut() {
+            if lane.is_some_and(|l| l != s.lane) {
+                continue;
+            }
+            let dropped = s.recv.drop_undecoded();
+            self.link_window.unreceive(dropped);
+            self.lane_received[s.lane] = self.lane_received[s.lane].saturating_sub(dropped);
+        }
+    }
+
+    /// Only the latency lane's connection was lost (the main one goes on): its streams wait
+    /// for a new lane, each side then lists what it received of them on it, and they go on
+    /// from there; the lane's caches start empty. Returns false if the link cannot do that
+    /// (it does not resume, is not up, or is resuming already): the caller then suspends it.
+    pub fn lane_lost(&mut self, now: Instant) -> bool {
+        if !self.resumable
+            || !matches!(self.state, State::Open | State::Draining)
+            || !self.lane_attached
+            || self.resuming.is_some()
+        {
+            return false;
+        }
+        // Lost again before the lists settled it: what each side received is listed anew.
+        let since = self.lane_resuming.as_ref().and_then(|r| r.since);
+        self.lane_attached = false;
+        self.ctrl[LATENCY_LANE].clear();
+        self.drop_undecoded(Some(LATENCY_LANE));
+        self.coding.reset_lane(LATENCY_LANE);
+        let old = self
+            .streams
+            .map
+            .iter()
+            .filter(|(_, s)| s.lane == LATENCY_LANE)
+            .map(|(id, _)| *id)
+            .collect();
+        self.lane_resuming = Some(Box::new(Resuming {
+            old,
+            since: Some(since.unwrap_or(now)),
+            ..Default::default()
+        }));
+        if since.is_none() {
+            self.timers
+                .set(Timer::LaneResume, now + self.cfg.resume_window);
+        }
+        true
+    }
+
+    /// The latency lane is attached again after [`lane_lost`](Self::lane_lost): our list of
+    /// its streams goes first on it.
+    pub(super) fn on_lane_attached(&mut self) {
+        if self.lane_resuming.is_some() {
+            self.list_streams(Some(LATENCY_LANE));
+        }
+    }
+
+    /// The latency lane did not come back within the resume window: its streams are lost.
+    pub(super) fn lane_expired(&mut self, now: Instant) {
+        if !self.timers.expired(Timer::LaneResume, now) {
+            return;
+        }
+        self.timers.clear(Timer::LaneResume);
+        if let Some(rs) = self.lane_resuming.take() {
+            for id in rs.old {
+                if self.streams.get(&id).is_some() {
+                    self.fail_stream(
+                        id,
+                        ResetCode::LinkLost,
+                        "the latency lane did not come back within the resume window".into(),
+                    );
+                }
+            }
+        }
+    }
+
+    /// A part of the peer's resume list (of every stream, or of the latency lane's); the last
+    /// part settles them.
+    pub(super) fn on_resume(
+        &mut self,
+        r: Resume,
+        now: Instant,
+        lane: usize,
+    ) -> Result<(), LinkError> {
         let limit = self.cfg.max_streams as usize + self.peer.max_streams as usize + DONE_KEPT;
-        let Some(rs) = self
-            .resuming
-            .as_mut()
-            .filter(|_| self.state != State::Handshake)
-        else {
+        let rs = if r.lane {
+            self.lane_resuming
+                .as_mut()
+                .filter(|_| lane == LATENCY_LANE && self.resuming.is_none())
+        } else {
+            self.resuming
+                .as_mut()
+                .filter(|_| lane == MAIN_LANE && self.state != State::Handshake)
+        };
+        let Some(rs) = rs else {
             return Err(LinkError::Protocol(
                 "resume list on a link not resuming".into(),
             ));
@@ -298,8 +407,41 @@ impl Link {
         rs.peer.extend(r.entries);
         rs.head = Some((r.link_received, r.link_max, r.seen));
         if r.last {
-            self.settle(now)?;
+            if r.lane {
+                self.settle_lane(now)?;
+            } else {
+                self.settle(now)?;
+            }
         }
+        Ok(())
+    }
+
+    /// The peer's list of the latency lane's streams is in: what was lost in flight on the old
+    /// lane goes back to link credit, and its streams go on.
+    fn settle_lane(&mut self, now: Instant) -> Result<(), LinkError> {
+        let Some(rs) = self.lane_resuming.take() else {
+            return Ok(());
+        };
+        self.timers.clear(Timer::LaneResume);
+        let Some((received, _, seen)) = rs.head else {
+            return Err(LinkError::Protocol("resume list without its head".into()));
+        };
+        let sent = self.lane_sent[LATENCY_LANE];
+        let Some(lost) = sent.checked_sub(received) else {
+            return Err(LinkError::Protocol(format!(
+                "the peer received {received} bytes on the latency lane, more than we sent ({sent})"
+            )));
+        };
+        self.lane_sent[LATENCY_LANE] = received;
+        let c = &mut self.link_credit;
+        let max = c.max();
+        c.resync(c.sent().saturating_sub(lost), max);
+        let mut stats = ResumeStats {
+            outage: now.saturating_duration_since(rs.since.unwrap_or(now)),
+            ..Default::default()
+        };
+        self.settle_streams(&rs, seen, &mut stats)?;
+        self.events.push_back(Event::Resumed(stats));
         Ok(())
     }
 
@@ -320,8 +462,23 @@ impl Link {
             outage: now.saturating_duration_since(since),
             ..Default::default()
         };
-        let peer: HashMap<StreamId, ResumeEntry> = rs.peer.iter().map(|e| (e.stream, *e)).collect();
         self.link_credit.resync(received, max);
+        self.lane_sent = [0; LANES];
+        self.settle_streams(&rs, seen, &mut stats)?;
+        self.events.push_back(Event::Resumed(stats));
+        Ok(())
+    }
+
+    /// Sends each of `rs.old` on from where the peer's list says it is, reopens those whose
+    /// open was lost, resets those the peer no longer has, and tells the peer which of the
+    /// streams it listed we no longer have.
+    fn settle_streams(
+        &mut self,
+        rs: &Resuming,
+        seen: [u32; 2],
+        stats: &mut ResumeStats,
+    ) -> Result<(), LinkError> {
+        let peer: HashMap<StreamId, ResumeEntry> = rs.peer.iter().map(|e| (e.stream, *e)).collect();
         for e in rs.peer.iter().filter(|e| !rs.old.contains(&e.stream)) {
             // A stream we no longer have: its end (or its reset) did not reach the peer. A
             // stream the peer opened whose open never reached us is opened again by the peer.
@@ -406,7 +563,6 @@ impl Link {
         for id in ids {
             self.streams.schedule(id);
         }
-        self.events.push_back(Event::Resumed(stats));
         Ok(())
     }
 

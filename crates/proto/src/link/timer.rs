@@ -20,10 +20,12 @@ pub(super) enum Timer {
     Probe,
     /// A resumable link heard nothing for too long: its connection is given up for a new one.
     Silence,
+    /// The latency lane, lost alone, did not come back within the resume window.
+    LaneResume,
 }
 
 impl Timer {
-    const COUNT: usize = 7;
+    const COUNT: usize = 8;
 
     fn index(self) -> usize {
         match self {
@@ -34,6 +36,7 @@ impl Timer {
             Timer::Resume => 4,
             Timer::Probe => 5,
             Timer::Silence => 6,
+            Timer::LaneResume => 7,
         }
     }
 }

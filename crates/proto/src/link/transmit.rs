@@ -39,7 +39,7 @@ impl Link {
         }
         let start = out.len();
         self.transmit_control(lane, out);
-        if self.streams_may_send() {
+        if self.streams_may_send_on(lane) {
             while out.len() < limit && self.link_credit.available() > 0 {
                 let Some((queue, id)) = self.streams.next_ready(lane) else {
                     break;
@@ -61,12 +61,13 @@ impl Link {
             && (lane == crate::lane::MAIN_LANE || (lane < LANES && self.lane_attached))
     }
 
-    /// True while streams may send: the link is up, its caches are loaded and, after a lost
-    /// connection, the peer's resume list has settled every stream.
-    fn streams_may_send(&self) -> bool {
+    /// True while streams may send on `lane`: the link is up, its caches are loaded and, after
+    /// a lost connection (or a lost latency lane), the peer's resume list has settled them.
+    fn streams_may_send_on(&self, lane: usize) -> bool {
         matches!(self.state, State::Open | State::Draining)
             && !self.loading
             && self.resuming.is_none()
+            && (lane == crate::lane::MAIN_LANE || self.lane_resuming.is_none())
     }
 
     /// True if some lane would produce bytes now.
@@ -78,7 +79,7 @@ impl Link {
     pub fn wants_transmit_lane(&self, lane: usize) -> bool {
         self.lane_usable(lane)
             && (!self.ctrl[lane].is_empty()
-                || (self.streams_may_send()
+                || (self.streams_may_send_on(lane)
                     && self.link_credit.available() > 0
                     && self.streams.any_ready(lane)))
     }
@@ -178,6 +179,7 @@ impl Link {
         self.wire.entry(s.service.clone()).or_default().out += (out.len() - before) as u64;
         let again = s.send.wants_send();
         self.link_credit.consume(n as u64);
+        self.lane_sent[lane] += n as u64;
         if again {
             self.streams.requeue(queue, lane, id, false);
         }
