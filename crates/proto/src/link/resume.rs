@@ -3,6 +3,7 @@
 //! not confirmed, and on the next connection each side lists what it received (`Resume`) so the
 //! other sends the rest exactly once. The codec starts over from a state both sides share (the
 //! hellos' saved states, or empty caches), since frames lost in flight left the old ones apart.
+//! The latency lane lost alone is re-attached the same way, for its streams and caches only.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
