@@ -36,11 +36,11 @@ fn main() {
     let only = args.text("--only").map(|w| w.to_lowercase());
     // About ten round trips a second at 100 ms: p99 of a 20 s run is its second-worst sample.
     let sync_secs: u32 = args.get("--sync-seconds", 20);
-    let wan = Wan::start(
-        &format!("wc{}", std::process::id() % 100_000),
-        wansim::preset(&preset).expect("preset"),
-    )
-    .expect("wansim");
+    let params = wansim::preset(&preset).expect("preset");
+    // The pair states the preset's own figures: a cap at 95% of a wrong bandwidth would
+    // throttle every stream.
+    let (stated, stated_words) = common::stated_link(&params);
+    let wan = Wan::start(&format!("wc{}", std::process::id() % 100_000), params).expect("wansim");
     let east_ip = std::net::IpAddr::V4(Site::East.addr());
     // The test server, in east.
     let opts = ServerOpts {
@@ -65,7 +65,7 @@ fn main() {
         |site, y| match site {
             "west" => link_lines(
                 format!("{y}admin:\n  listen: 127.0.0.1:0\noptimize:\n  memory: 1GiB\n"),
-                "  bandwidth: 45mbit\n  rtt: 100ms\n",
+                &stated,
             ),
             _ => format!("{y}optimize:\n  memory: 1GiB\n"),
         },
@@ -106,7 +106,7 @@ fn main() {
         None => println!("no ssh -C path: OpenSSH's server (openssh-server) is not installed"),
     }
     println!(
-        "{preset}: direct (CUBIC, BBR) against the wanopt pair{}; one run, same workloads\n",
+        "{preset}: direct (CUBIC, BBR) against the wanopt pair{} ({stated_words}); one run, same workloads\n",
         if ssh.is_some() {
             " and an ssh -C tunnel (the namespace's default congestion control)"
         } else {

@@ -107,16 +107,14 @@ fn main() {
     let args = common::args::Args::new();
     let preset = args.get("--preset", "t3-100ms-1".to_string());
     let rounds: usize = args.get("--rounds", 100);
-    let wan = Wan::start(
-        &format!("wl{}", std::process::id() % 100_000),
-        wansim::preset(&preset).expect("preset"),
-    )
-    .expect("wansim");
+    let params = wansim::preset(&preset).expect("preset");
+    let (stated, stated_words) = common::stated_link(&params);
+    let wan = Wan::start(&format!("wl{}", std::process::id() % 100_000), params).expect("wansim");
     let east_ip = std::net::IpAddr::V4(Site::East.addr());
     east_servers(&wan, east_ip);
 
     let lanes = format!(
-        "  bandwidth: 45mbit\n  rtt: 100ms\n  latency_lane: {}\n  lane_congestion: {}\n",
+        "{stated}  latency_lane: {}\n  lane_congestion: {}\n",
         std::env::var("WANOPT_BENCH_LANE").map_or(true, |v| v != "off"),
         std::env::var("WANOPT_BENCH_LANE_CC").unwrap_or_else(|_| "cubic".into())
     );
@@ -141,7 +139,7 @@ fn main() {
         SocketAddr::new(east_ip, 9001),
     );
 
-    println!("{preset}: 8 KiB round trips, {rounds} per case (ms)");
+    println!("{preset}: 8 KiB round trips, {rounds} per case (ms); {stated_words}");
     println!("{:<52} {:>8} {:>8} {:>8}", "case", "p50", "p90", "p99");
     for (name, rr, bulk) in [
         ("direct (cubic), idle", d_lat, None),

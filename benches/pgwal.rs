@@ -113,11 +113,9 @@ fn catch_up_across_wan(port: u16, load: &Backlog, preset: &str) {
     if !wansim::available_or_skip("PostgreSQL catch-up across wansim") {
         return;
     }
-    let wan = Wan::start(
-        &format!("pg{}", std::process::id() % 100_000),
-        wansim::preset(preset).expect("preset"),
-    )
-    .expect("wansim");
+    let params = wansim::preset(preset).expect("preset");
+    let (stated, stated_words) = common::stated_link(&params);
+    let wan = Wan::start(&format!("pg{}", std::process::id() % 100_000), params).expect("wansim");
     // The server is on this host's loopback; a relay in the east site stands in for it there.
     // Its sockets face the WAN on the direct paths, so it sets their congestion control.
     let east_ip = std::net::IpAddr::V4(Site::East.addr());
@@ -149,11 +147,11 @@ fn catch_up_across_wan(port: u16, load: &Backlog, preset: &str) {
         &wan,
         &format!("  - name: pg\n    target: {relay}\n"),
         "  - name: pg\n    listen: 127.0.0.1:0\n",
-        |_, y| link_lines(y, "  bandwidth: 45mbit\n  rtt: 100ms\n"),
+        |_, y| link_lines(y, &stated),
     );
     let tunnel = pair.west.bound("pg");
     println!(
-        "\n{preset}: a standby fetching {} s of {} WAL ({} clients) it missed; limit {} s",
+        "\n{preset} ({stated_words}): a standby fetching {} s of {} WAL ({} clients) it missed; limit {} s",
         load.seconds,
         load.workload.name(),
         load.clients,

@@ -42,6 +42,26 @@ fn every_shipped_config_loads() {
     assert!(n >= 2, "expected the west/east pair in config/");
 }
 
+/// What the benches state for each wansim preset is a valid `link:` section, with the
+/// preset's own figures.
+#[test]
+fn every_preset_states_a_link_the_daemon_accepts() {
+    let certs = Certs::new(&["west", "east"]);
+    for (name, _) in wansim::PRESETS {
+        let params = wansim::preset(name).expect("preset");
+        let (lines, _) = stated_link(&params);
+        let yaml = link_lines(
+            west_yaml("127.0.0.1:7400".parse().expect("addr"), &certs, "  []"),
+            &lines,
+        );
+        let cfg = wanopt_runtime::Config::parse(&yaml, std::path::Path::new("west.yaml"))
+            .unwrap_or_else(|e| panic!("{name}: {e}\n{yaml}"));
+        let (rate, rtt) = params.stated();
+        assert_eq!(Some(cfg.link.bandwidth_bps), rate, "{name}");
+        assert_eq!(cfg.link.rtt, rtt, "{name}");
+    }
+}
+
 #[test]
 fn bad_config_exits_64_naming_the_field() {
     let dir = tempfile::tempdir().expect("tempdir");

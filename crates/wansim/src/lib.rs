@@ -85,6 +85,17 @@ impl LinkParams {
             seed: 1,
         }
     }
+
+    /// What a daemon pair across this link should state as `link.bandwidth` and `link.rtt`:
+    /// the slower direction's rate (`None` if neither is limited) and the round trip of the two
+    /// one-way delays.
+    pub fn stated(&self) -> (Option<u64>, Duration) {
+        let rate = match (self.w2e.rate_bps, self.e2w.rate_bps) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        (rate, self.w2e.delay + self.e2w.delay)
+    }
 }
 
 /// Named reference links. Presets are named by round-trip time; loss is split evenly per direction.
@@ -576,4 +587,29 @@ pub fn available_or_skip(test: &str) -> bool {
     }
     eprintln!("SKIPPED {test}: needs {why}");
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_preset_states_its_own_bandwidth_and_rtt() {
+        let stated = |n: &str| preset(n).map(|p| p.stated()).ok();
+        assert_eq!(
+            stated("t3-100ms-0.5"),
+            Some((Some(45_000_000), Duration::from_millis(100)))
+        );
+        assert_eq!(
+            stated("metro-20ms"),
+            Some((Some(1_000_000_000), Duration::from_millis(20)))
+        );
+        for (name, _) in PRESETS {
+            let (rate, rtt) = stated(name).expect("preset");
+            assert!(rate.is_some() && !rtt.is_zero(), "{name}");
+        }
+        let mut p = LinkParams::symmetric(DirParams::default());
+        p.e2w.rate_bps = Some(10_000_000);
+        assert_eq!(p.stated(), (Some(10_000_000), Duration::ZERO));
+    }
 }
