@@ -121,6 +121,8 @@ pub(crate) struct LinkHandle {
     conn: std::sync::atomic::AtomicU64,
     /// Likewise for the latency lane's connection, which may be replaced alone.
     lane_conn: std::sync::atomic::AtomicU64,
+    /// A [`while_suspended`] task runs (one at a time: the link's end is told once).
+    watching: std::sync::atomic::AtomicBool,
 }
 
 impl LinkHandle {
@@ -141,6 +143,7 @@ impl LinkHandle {
             id,
             conn: 0.into(),
             lane_conn: 0.into(),
+            watching: false.into(),
         }
     }
 
@@ -462,7 +465,9 @@ where
         if was_up {
             h.tell(LinkMsg::Suspended(h.clone()));
         }
-        tokio::spawn(while_suspended(h.clone()));
+        if !h.watching.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            tokio::spawn(while_suspended(h.clone()));
+        }
         return;
     }
     let close = g.link.close_error().cloned();
@@ -574,6 +579,17 @@ async fn ticker(h: &LinkHandle, conn: (u64, u64), lane: usize) -> String {
 /// Runs a suspended link's timers (no connection's writer does) until a new connection takes
 /// it over, or the resume window ends: then its streams are reset and the supervisor told.
 async fn while_suspended(h: Arc<LinkHandle>) {
+    watch_suspended(&h).await;
+    h.watching
+        .store(false, std::sync::atomic::Ordering::Release);
+    // Suspended again just before the flag went down: keep watching.
+    if h.with(|l| l.is_suspended()) && !h.watching.swap(true, std::sync::atomic::Ordering::AcqRel) {
+        Box::pin(while_suspended(h)).await;
+    }
+}
+
+/// The loop of [`while_suspended`].
+async fn watch_suspended(h: &Arc<LinkHandle>) {
     loop {
         let (next, suspended, closed) = {
             let g = lock(&h.inner);
