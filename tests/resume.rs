@@ -568,3 +568,34 @@ fn wan_down_past_the_window_fails_cleanly() {
     let w = r.metrics(&r.pair.west);
     assert!(value(&w, "wanopt_link_streams_lost_total ") >= 1, "{w}");
 }
+
+/// The peer stops for 3 s (SIGSTOP) mid-transfer: its kernel keeps the connection up, ours
+/// hears nothing, gives the connection up after 2 s and dials a new one, which the peer takes
+/// when it runs again, whichever of the two connections it looks at first. Nothing is lost.
+#[test]
+fn a_peer_stopped_for_three_seconds_loses_nothing() {
+    let progress = Arc::new(AtomicU64::new(0));
+    let bulk_srv = counting_server(progress.clone());
+    let p = Pair::start(
+        &format!("  - name: bulk\n    target: {bulk_srv}\n"),
+        "  - name: bulk\n    listen: 127.0.0.1:0\n",
+    );
+    let bulk = p.west.bound("bulk");
+    let transfer = std::thread::spawn(move || hash_client(bulk, 31, 256 * MIB, 8 * MIB));
+    wait_until(60 * SEC, "bulk progress", || {
+        progress.load(Ordering::Relaxed) >= 16 * MIB
+    });
+    p.east.signal(libc::SIGSTOP);
+    std::thread::sleep(3 * SEC);
+    p.east.signal(libc::SIGCONT);
+    transfer
+        .join()
+        .expect("bulk client")
+        .expect("byte-exact through the stop");
+    p.west.wait_log("nothing heard from the peer", 10 * SEC);
+    p.west
+        .wait_log("resuming the link on a new connection", 10 * SEC);
+    for d in [&p.west, &p.east] {
+        assert_eq!(d.count("stream failed"), 0, "{}", d.log().join("\n"));
+    }
+}
