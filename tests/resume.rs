@@ -16,51 +16,14 @@ use common::*;
 const SEC: Duration = Duration::from_secs(1);
 const MIB: u64 = 1 << 20;
 
-/// A bulk target: reads the client's bytes to EOF counting them in `progress`, answers their
-/// hash and `reply` bytes of pattern `seed ^ 0xABCD` (the protocol of [`hash_client`]).
+/// A bulk target on loopback (see [`counting_handler`]).
 fn counting_server(progress: Arc<AtomicU64>) -> SocketAddr {
-    server(move |mut s| {
-        let mut hdr = [0u8; 16];
-        if s.read_exact(&mut hdr).is_err() {
-            return;
-        }
-        let seed = u64::from_le_bytes(hdr[..8].try_into().expect("8"));
-        let reply = u64::from_le_bytes(hdr[8..].try_into().expect("8"));
-        let mut h = blake3::Hasher::new();
-        let mut buf = vec![0u8; 256 * 1024];
-        loop {
-            match s.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => {
-                    h.update(&buf[..n]);
-                    progress.fetch_add(n as u64, Ordering::Relaxed);
-                }
-                Err(_) => return,
-            }
-        }
-        if s.write_all(h.finalize().as_bytes()).is_err() {
-            return;
-        }
-        let _ = send_pattern(&mut s, seed ^ 0xABCD, reply);
-        let _ = s.shutdown(std::net::Shutdown::Write);
-    })
+    server(move |s| counting_handler(s, &progress))
 }
 
-/// An echo target for the SYNC-style loop.
+/// An echo target on loopback for the SYNC-style loop.
 fn echo_server() -> SocketAddr {
-    server(|mut s| {
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            match s.read(&mut buf) {
-                Ok(0) | Err(_) => return,
-                Ok(n) => {
-                    if s.write_all(&buf[..n]).is_err() {
-                        return;
-                    }
-                }
-            }
-        }
-    })
+    server(echo_handler)
 }
 
 /// Round trips of 8 KiB messages on one connection until `stop`, counted in `done`; each
@@ -379,7 +342,8 @@ impl WanRun {
     }
 }
 
-/// The handler of [`counting_server`], for a listener bound elsewhere.
+/// A bulk target: reads the client's bytes to EOF counting them in `progress`, answers their
+/// hash and `reply` bytes of pattern `seed ^ 0xABCD` (the protocol of [`hash_client`]).
 fn counting_handler(mut s: TcpStream, progress: &AtomicU64) {
     let mut hdr = [0u8; 16];
     if s.read_exact(&mut hdr).is_err() {
@@ -406,6 +370,7 @@ fn counting_handler(mut s: TcpStream, progress: &AtomicU64) {
     let _ = s.shutdown(std::net::Shutdown::Write);
 }
 
+/// Echoes every byte back until the client closes.
 fn echo_handler(mut s: TcpStream) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
