@@ -6,6 +6,7 @@
 //! emits bytes and events, so it is tested deterministically (see `tests/pair.rs`) and fuzzed.
 
 pub mod coding;
+pub mod copies;
 pub mod error;
 pub mod flow;
 pub mod frame;

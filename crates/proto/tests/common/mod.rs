@@ -160,6 +160,8 @@ pub struct Pair {
     /// One pipe per lane each way (lane 1 carries nothing until attached).
     pub w2e: [Pipe; LANES],
     pub e2w: [Pipe; LANES],
+    /// With `Some`, the latency lane is carried by copies (see [`Copies`]), not by its pipes.
+    pub copies: Option<Box<Copies>>,
 }
 
 pub const MTU_BATCH: usize = 16 * 1024;
@@ -196,6 +198,7 @@ impl Pair {
             east: Side::new(east),
             w2e: [pipe(), pipe()],
             e2w: [pipe(), pipe()],
+            copies: None,
         }
     }
 
@@ -213,12 +216,18 @@ impl Pair {
                 progress |= side.answer_loads(self.now);
                 progress |= side.answer_reads(self.now);
             }
-            progress |= step_side(&mut self.west, &mut self.w2e, self.now);
-            progress |= step_side(&mut self.east, &mut self.e2w, self.now);
+            // With copies, the latency lane's bytes go through them, not through its pipes.
+            let lanes = if self.copies.is_some() { 1 } else { LANES };
+            progress |= step_side(&mut self.west, &mut self.w2e[..lanes], self.now);
+            progress |= step_side(&mut self.east, &mut self.e2w[..lanes], self.now);
             // Deliver what is due.
-            for lane in 0..LANES {
+            for lane in 0..lanes {
                 progress |= deliver(&mut self.w2e[lane], &mut self.east, lane, self.now);
                 progress |= deliver(&mut self.e2w[lane], &mut self.west, lane, self.now);
+            }
+            if let Some(c) = self.copies.as_mut() {
+                progress |= c.w2e.step(&mut self.west, &mut self.east, self.now);
+                progress |= c.e2w.step(&mut self.east, &mut self.west, self.now);
             }
             if progress {
                 continue;
@@ -236,8 +245,16 @@ impl Pair {
                 .chain(self.west.store_due)
                 .chain(self.east.store_due)
                 .min();
+            if let Some(c) = self.copies.as_ref() {
+                for (wire, side) in [(&c.w2e, &self.west), (&c.e2w, &self.east)] {
+                    next = [next, wire.next_time(side, self.now)]
+                        .into_iter()
+                        .flatten()
+                        .min();
+                }
+            }
             for (side, pipes) in [(&self.west, &self.w2e), (&self.east, &self.e2w)] {
-                for (lane, pipe) in pipes.iter().enumerate() {
+                for (lane, pipe) in pipes.iter().enumerate().take(lanes) {
                     if side.link.wants_transmit_lane(lane) && pipe.busy_until > self.now {
                         next = Some(next.map_or(pipe.busy_until, |t| t.min(pipe.busy_until)));
                     }
@@ -273,7 +290,7 @@ pub fn deliver(pipe: &mut Pipe, to: &mut Side, lane: usize, now: Instant) -> boo
 }
 
 /// One round of the application and transmit logic for a side. Returns true if anything happened.
-pub fn step_side(side: &mut Side, pipes: &mut [Pipe; LANES], now: Instant) -> bool {
+pub fn step_side(side: &mut Side, pipes: &mut [Pipe], now: Instant) -> bool {
     let mut progress = false;
     while let Some(ev) = side.link.poll_event() {
         progress = true;
@@ -567,4 +584,186 @@ pub fn exchange_streams(mut p: Pair, sizes: &[(usize, usize, bool)]) -> Result<(
     }
     p.assert_no_leaks();
     Ok(())
+}
+
+/// One direction of a latency lane carried by copies (`wanopt_proto::copies`): the sender's
+/// fanout, a connection per copy with its own loss, and the receiver's merge. The link's lane
+/// bytes are taken only when a copy has written all it had, as the runtime's writers do.
+pub struct CopyWire {
+    pub fanout: wanopt_proto::copies::Fanout,
+    pub merge: wanopt_proto::copies::Merge,
+    pub pipes: [Option<CopyPipe>; wanopt_proto::copies::MAX_COPIES],
+    /// Every byte the link produced for the lane, and every byte merged for the peer.
+    pub produced: Vec<u8>,
+    pub merged: Vec<u8>,
+    /// Merge errors seen (a copy too far ahead).
+    pub errors: Vec<String>,
+}
+
+/// One copy's connection: in order, like TCP, and a batch lost with probability `loss`
+/// arrives `stall` late, holding up what follows it on this copy only.
+pub struct CopyPipe {
+    pub pipe: Pipe,
+    pub loss: f64,
+    pub stall: Duration,
+    pub rng: u64,
+    /// No batch arrives before the one sent ahead of it.
+    pub floor: Instant,
+}
+
+impl CopyPipe {
+    pub fn new(now: Instant, latency: Duration, rate: u64, loss: f64, seed: u64) -> CopyPipe {
+        CopyPipe {
+            pipe: Pipe {
+                latency,
+                rate,
+                busy_until: now,
+                in_flight: VecDeque::new(),
+            },
+            loss,
+            stall: latency * 4,
+            rng: seed | 1,
+            floor: now,
+        }
+    }
+
+    fn coin(&mut self) -> f64 {
+        // xorshift64*
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        (self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn send(&mut self, now: Instant, b: Bytes) {
+        self.pipe.send(now, b);
+        let lost = self.loss > 0.0 && self.coin() < self.loss;
+        if let Some(last) = self.pipe.in_flight.back_mut() {
+            if lost {
+                last.0 += self.stall;
+            }
+            last.0 = last.0.max(self.floor);
+            self.floor = last.0;
+        }
+    }
+}
+
+impl CopyWire {
+    pub fn new() -> CopyWire {
+        use wanopt_proto::copies::{COPY_LAG_LIMIT, Fanout, Merge};
+        CopyWire {
+            fanout: Fanout::new(COPY_LAG_LIMIT),
+            merge: Merge::new(COPY_LAG_LIMIT),
+            pipes: Default::default(),
+            produced: Vec::new(),
+            merged: Vec::new(),
+            errors: Vec::new(),
+        }
+    }
+
+    /// Attaches a copy in `slot` at both ends, carried by `pipe`.
+    pub fn attach(&mut self, slot: usize, pipe: CopyPipe) {
+        let (_, start) = self.fanout.attach_at(slot).expect("free slot");
+        self.merge.attach(slot, start).expect("merge attach");
+        self.pipes[slot] = Some(pipe);
+    }
+
+    /// Loses copy `slot`: its connection and what it had in flight are gone.
+    pub fn cut(&mut self, slot: usize) {
+        self.fanout.detach(slot);
+        self.merge.detach(slot);
+        self.pipes[slot] = None;
+    }
+
+    /// Sends from the fanout on each copy with room, taking the link's lane bytes when a copy
+    /// has written all it had; delivers what arrived through the merge.
+    pub fn step(&mut self, from: &mut Side, to: &mut Side, now: Instant) -> bool {
+        use wanopt_proto::LATENCY_LANE;
+        let mut progress = false;
+        for slot in 0..self.pipes.len() {
+            while let Some(p) = self.pipes[slot].as_mut() {
+                if !p.pipe.has_room(now) {
+                    break;
+                }
+                let chunk = match self.fanout.next(slot) {
+                    Some(c) => c,
+                    None => {
+                        let mut out = BytesMut::new();
+                        if from
+                            .link
+                            .poll_transmit_lane(LATENCY_LANE, &mut out, MTU_BATCH)
+                            == 0
+                        {
+                            break;
+                        }
+                        self.produced.extend_from_slice(&out);
+                        for gone in self.fanout.push(out.freeze()) {
+                            self.merge.detach(gone);
+                            self.pipes[gone] = None;
+                        }
+                        continue;
+                    }
+                };
+                let n = chunk.len().min(MTU_BATCH);
+                let Some(p) = self.pipes[slot].as_mut() else {
+                    break;
+                };
+                p.send(now, chunk.slice(..n));
+                self.fanout.wrote(slot, n);
+                progress = true;
+            }
+        }
+        for slot in 0..self.pipes.len() {
+            let Some(p) = self.pipes[slot].as_mut() else {
+                continue;
+            };
+            while p.pipe.in_flight.front().is_some_and(|(t, _)| *t <= now) {
+                let Some((_, b)) = p.pipe.in_flight.pop_front() else {
+                    break;
+                };
+                let mut out = BytesMut::new();
+                if let Err(e) = self.merge.input(slot, &b, &mut out) {
+                    self.errors.push(e.to_string());
+                    continue;
+                }
+                self.merged.extend_from_slice(&out);
+                let buf = &mut to.inbufs[LATENCY_LANE];
+                buf.extend_from_slice(&out);
+                let _ = to.link.handle_lane_input(LATENCY_LANE, buf, now);
+                progress = true;
+            }
+        }
+        progress
+    }
+
+    /// When something next happens on this direction's copies.
+    pub fn next_time(&self, from: &Side, now: Instant) -> Option<Instant> {
+        use wanopt_proto::LATENCY_LANE;
+        let wants = from.link.wants_transmit_lane(LATENCY_LANE);
+        self.pipes
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, p)| Some((slot, p.as_ref()?)))
+            .flat_map(|(slot, p)| {
+                let arrival = p.pipe.in_flight.front().map(|(t, _)| *t);
+                let pending = wants || self.fanout.next(slot).is_some();
+                let room = (pending && p.pipe.busy_until > now).then_some(p.pipe.busy_until);
+                [arrival, room]
+            })
+            .flatten()
+            .min()
+    }
+}
+
+impl Default for CopyWire {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Both directions of a latency lane carried by copies.
+#[derive(Default)]
+pub struct Copies {
+    pub w2e: CopyWire,
+    pub e2w: CopyWire,
 }

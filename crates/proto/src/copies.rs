@@ -1,0 +1,466 @@
+//! Redundant copies of a lane: the same bytes written on up to [`MAX_COPIES`] connections at
+//! once and merged on arrival by their offset in the lane's byte stream, so a segment lost on
+//! one connection costs nothing while another brings it. [`Fanout`] keeps what the slowest copy
+//! has not written yet; [`Merge`] hands on each byte once, from whichever copy brings it first.
+//!
+//! Every copy carries the whole byte stream from its start offset, in order, so the merged
+//! stream is the sent one exactly: the link above sees one lane and never a duplicate frame.
+
+use std::collections::VecDeque;
+
+use bytes::{Bytes, BytesMut};
+
+/// Most connections that carry one lane.
+pub const MAX_COPIES: usize = 3;
+
+/// Bytes a copy may fall behind the most advanced one (sender), or run ahead of what was
+/// delivered (receiver), before it is given up: one stalled connection cannot hold memory.
+pub const COPY_LAG_LIMIT: usize = 8 << 20;
+
+/// What a copy did wrong; the copy is given up, the lane goes on on the others.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CopyError {
+    /// Input for a slot that carries no copy.
+    #[error("copy {0} is not attached")]
+    NotAttached(usize),
+    /// The copy's bytes start further ahead of the delivered stream than may be held.
+    #[error("copy {slot} is {ahead} bytes ahead of the lane")]
+    TooFarAhead { slot: usize, ahead: u64 },
+}
+
+/// The sending side of a lane's copies.
+#[derive(Debug)]
+pub struct Fanout {
+    /// Bytes from `base` on that some copy has not written yet.
+    held: VecDeque<Bytes>,
+    base: u64,
+    /// Bytes produced for the lane so far.
+    end: u64,
+    /// Each attached copy's offset: the bytes before it are written.
+    copies: [Option<u64>; MAX_COPIES],
+    lag_limit: usize,
+    /// Bytes written on a copy while another had written them already.
+    duplicated: u64,
+}
+
+impl Fanout {
+    /// No copies yet; a copy falling `lag_limit` bytes behind the others is given up.
+    pub fn new(lag_limit: usize) -> Self {
+        Fanout {
+            held: VecDeque::new(),
+            base: 0,
+            end: 0,
+            copies: [None; MAX_COPIES],
+            lag_limit,
+            duplicated: 0,
+        }
+    }
+
+    /// Bytes produced for the lane so far (the next byte's offset).
+    pub fn end(&self) -> u64 {
+        self.end
+    }
+
+    /// Attaches a copy in a free slot; it carries the bytes produced from now on. Returns the
+    /// slot and the offset its bytes start at (the peer's [`Merge`] needs it), or `None` when
+    /// every slot is taken.
+    pub fn attach(&mut self) -> Option<(usize, u64)> {
+        let slot = self.copies.iter().position(Option::is_none)?;
+        self.attach_at(slot)
+    }
+
+    /// Like [`attach`](Self::attach) in a given slot, if free.
+    pub fn attach_at(&mut self, slot: usize) -> Option<(usize, u64)> {
+        let free = self.copies.get(slot).is_some_and(Option::is_none);
+        if !free {
+            return None;
+        }
+        if self.copies.iter().all(Option::is_none) {
+            // Nobody needs what was held for copies now gone.
+            self.held.clear();
+            self.base = self.end;
+        }
+        self.copies[slot] = Some(self.end);
+        Some((slot, self.end))
+    }
+
+    /// Gives a copy up (its connection is gone); what only it still needed is dropped.
+    pub fn detach(&mut self, slot: usize) {
+        if let Some(c) = self.copies.get_mut(slot) {
+            *c = None;
+        }
+        self.trim();
+    }
+
+    /// Slots carrying a copy.
+    pub fn attached(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..MAX_COPIES).filter(|&s| self.copies[s].is_some())
+    }
+
+    /// Number of copies.
+    pub fn copies(&self) -> usize {
+        self.attached().count()
+    }
+
+    /// Appends the lane's next bytes for every copy. Returns the slots given up because they
+    /// fell more than the lag limit behind the most advanced copy (never the most advanced).
+    pub fn push(&mut self, bytes: Bytes) -> Vec<usize> {
+        if bytes.is_empty() {
+            return Vec::new();
+        }
+        self.end += bytes.len() as u64;
+        if self.copies.iter().all(Option::is_none) {
+            self.base = self.end;
+            return Vec::new();
+        }
+        self.held.push_back(bytes);
+        let lead = self
+            .copies
+            .iter()
+            .flatten()
+            .copied()
+            .max()
+            .unwrap_or(self.end);
+        let limit = self.lag_limit as u64;
+        let mut dropped = Vec::new();
+        for slot in 0..MAX_COPIES {
+            if let Some(at) = self.copies[slot]
+                && at < lead
+                && self.end - at > limit
+            {
+                self.copies[slot] = None;
+                dropped.push(slot);
+            }
+        }
+        if !dropped.is_empty() {
+            self.trim();
+        }
+        dropped
+    }
+
+    /// The next bytes copy `slot` has to write (a cheap slice of what is held), if any.
+    pub fn next(&self, slot: usize) -> Option<Bytes> {
+        let at = (*self.copies.get(slot)?)?;
+        if at >= self.end {
+            return None;
+        }
+        let mut off = self.base;
+        for b in &self.held {
+            let len = b.len() as u64;
+            if at < off + len {
+                return Some(b.slice((at - off) as usize..));
+            }
+            off += len;
+        }
+        None
+    }
+
+    /// Copy `slot` wrote `n` more bytes.
+    pub fn wrote(&mut self, slot: usize, n: usize) {
+        let lead = self.copies.iter().flatten().copied().max();
+        let Some(Some(at)) = self.copies.get_mut(slot) else {
+            return;
+        };
+        let before = *at;
+        *at = (*at + n as u64).min(self.end);
+        // What another copy had written already is the copies' cost.
+        if let Some(lead) = lead {
+            self.duplicated += lead.min(*at).saturating_sub(before);
+        }
+        self.trim();
+    }
+
+    /// How far copy `slot` is behind what was produced.
+    pub fn behind(&self, slot: usize) -> Option<u64> {
+        Some(self.end - (*self.copies.get(slot)?)?)
+    }
+
+    /// Bytes held for copies that have not written them (in whole pushes).
+    pub fn held_bytes(&self) -> u64 {
+        self.end - self.base
+    }
+
+    /// Bytes written on a copy after another copy had written them (what redundancy costs).
+    pub fn duplicated(&self) -> u64 {
+        self.duplicated
+    }
+
+    /// Drops what every copy has written.
+    fn trim(&mut self) {
+        let low = self
+            .copies
+            .iter()
+            .flatten()
+            .copied()
+            .min()
+            .unwrap_or(self.end);
+        while let Some(front) = self.held.front() {
+            let len = front.len() as u64;
+            if self.base + len > low {
+                break;
+            }
+            self.base += len;
+            self.held.pop_front();
+        }
+    }
+}
+
+/// One copy's place in the incoming stream.
+#[derive(Debug, Default)]
+struct Incoming {
+    /// Offset of the next byte this copy brings (the first of `held`, if any).
+    pos: u64,
+    /// Bytes this copy brought ahead of what was delivered (after a gap only the others fill).
+    held: BytesMut,
+}
+
+/// The receiving side of a lane's copies.
+#[derive(Debug)]
+pub struct Merge {
+    /// Bytes of the lane handed on so far.
+    delivered: u64,
+    copies: [Option<Incoming>; MAX_COPIES],
+    hold_limit: usize,
+    /// Bytes each slot delivered first.
+    won: [u64; MAX_COPIES],
+    /// Bytes that arrived after another copy had brought them.
+    discarded: u64,
+}
+
+impl Merge {
+    /// No copies yet; a copy may run `hold_limit` bytes ahead of the delivered stream.
+    pub fn new(hold_limit: usize) -> Self {
+        Merge {
+            delivered: 0,
+            copies: Default::default(),
+            hold_limit,
+            won: [0; MAX_COPIES],
+            discarded: 0,
+        }
+    }
+
+    /// Bytes of the lane delivered so far.
+    pub fn delivered(&self) -> u64 {
+        self.delivered
+    }
+
+    /// Attaches a copy whose bytes start at `start` of the lane (what the peer's
+    /// [`Fanout::attach`] said). A start further ahead than may be held is refused.
+    pub fn attach(&mut self, slot: usize, start: u64) -> Result<(), CopyError> {
+        if slot >= MAX_COPIES {
+            return Err(CopyError::NotAttached(slot));
+        }
+        let ahead = start.saturating_sub(self.delivered);
+        if ahead > self.hold_limit as u64 {
+            return Err(CopyError::TooFarAhead { slot, ahead });
+        }
+        self.copies[slot] = Some(Incoming {
+            pos: start,
+            held: BytesMut::new(),
+        });
+        Ok(())
+    }
+
+    /// Gives a copy up.
+    pub fn detach(&mut self, slot: usize) {
+        if let Some(c) = self.copies.get_mut(slot) {
+            *c = None;
+        }
+    }
+
+    /// True while `slot` carries a copy.
+    pub fn is_attached(&self, slot: usize) -> bool {
+        self.copies.get(slot).is_some_and(Option::is_some)
+    }
+
+    /// Bytes each slot delivered first, so far.
+    pub fn won(&self) -> [u64; MAX_COPIES] {
+        self.won
+    }
+
+    /// Bytes that came after another copy had brought them.
+    pub fn discarded(&self) -> u64 {
+        self.discarded
+    }
+
+    /// True while some copy brings the bytes that follow the delivered ones. False once every
+    /// copy left starts past a gap only a copy now gone could have filled: the lane is lost.
+    pub fn complete(&self) -> bool {
+        self.copies
+            .iter()
+            .flatten()
+            .any(|c| c.pos <= self.delivered)
+    }
+
+    /// Bytes held for copies ahead of the delivered stream.
+    pub fn held_bytes(&self) -> usize {
+        self.copies.iter().flatten().map(|c| c.held.len()).sum()
+    }
+
+    /// Takes the next bytes copy `slot` read and appends to `out` those not delivered before,
+    /// in the lane's order; returns how many. Bytes ahead of the delivered stream wait for the
+    /// other copies to fill the gap.
+    pub fn input(
+        &mut self,
+        slot: usize,
+        data: &[u8],
+        out: &mut BytesMut,
+    ) -> Result<usize, CopyError> {
+        let delivered = self.delivered;
+        let Some(c) = self.copies.get_mut(slot).and_then(Option::as_mut) else {
+            return Err(CopyError::NotAttached(slot));
+        };
+        let before = out.len();
+        if c.held.is_empty() && c.pos <= delivered {
+            // In step (the usual case): deliver what is new straight from `data`.
+            let end = c.pos + data.len() as u64;
+            let skip = (delivered - c.pos).min(data.len() as u64) as usize;
+            self.discarded += skip as u64;
+            out.extend_from_slice(&data[skip..]);
+            c.pos = end;
+            if end > delivered {
+                self.delivered = end;
+                self.won[slot] += end - delivered;
+            }
+        } else {
+            c.held.extend_from_slice(data);
+            let ahead = c.pos + c.held.len() as u64 - delivered;
+            if ahead > self.hold_limit as u64 {
+                return Err(CopyError::TooFarAhead { slot, ahead });
+            }
+        }
+        self.settle(out);
+        Ok(out.len() - before)
+    }
+
+    /// Delivers what held copies can now give, until none moves.
+    fn settle(&mut self, out: &mut BytesMut) {
+        loop {
+            let mut moved = false;
+            for slot in 0..MAX_COPIES {
+                let Some(c) = self.copies[slot].as_mut() else {
+                    continue;
+                };
+                if c.held.is_empty() || c.pos > self.delivered {
+                    continue;
+                }
+                let len = c.held.len() as u64;
+                let end = c.pos + len;
+                let skip = (self.delivered - c.pos).min(len) as usize;
+                self.discarded += skip as u64;
+                out.extend_from_slice(&c.held[skip..]);
+                c.held.clear();
+                c.pos = end;
+                if end > self.delivered {
+                    self.won[slot] += end - self.delivered;
+                    self.delivered = end;
+                    moved = true;
+                }
+            }
+            if !moved {
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn merged(m: &mut Merge, slot: usize, data: &[u8]) -> Vec<u8> {
+        let mut out = BytesMut::new();
+        m.input(slot, data, &mut out).expect("input");
+        out.to_vec()
+    }
+
+    #[test]
+    fn the_first_copy_of_each_byte_is_delivered_once() {
+        let mut m = Merge::new(1 << 20);
+        m.attach(0, 0).expect("ok");
+        m.attach(1, 0).expect("ok");
+        assert_eq!(merged(&mut m, 0, b"hello"), b"hello");
+        assert_eq!(merged(&mut m, 1, b"hel"), b"");
+        assert_eq!(merged(&mut m, 1, b"lo wor"), b" wor");
+        assert_eq!(merged(&mut m, 0, b" world"), b"ld");
+        assert_eq!(m.delivered(), 11);
+        assert_eq!(m.won(), [7, 4, 0]);
+        assert_eq!(m.discarded(), 3 + 2 + 4);
+    }
+
+    #[test]
+    fn a_copy_that_starts_ahead_waits_for_the_gap() {
+        let mut m = Merge::new(1 << 20);
+        m.attach(0, 0).expect("ok");
+        assert_eq!(merged(&mut m, 0, b"abc"), b"abc");
+        // A new copy joins at 6: bytes 3..6 are still on their way on the first.
+        m.attach(1, 6).expect("ok");
+        assert_eq!(merged(&mut m, 1, b"ghi"), b"");
+        assert_eq!(m.held_bytes(), 3);
+        assert_eq!(merged(&mut m, 0, b"def"), b"defghi");
+        assert_eq!(merged(&mut m, 0, b"ghij"), b"j");
+        assert_eq!(m.held_bytes(), 0);
+    }
+
+    #[test]
+    fn a_copy_too_far_ahead_is_refused() {
+        let mut m = Merge::new(4);
+        m.attach(0, 0).expect("ok");
+        assert!(m.attach(1, 5).is_err());
+        m.attach(1, 2).expect("ok");
+        assert!(matches!(
+            m.input(1, b"xyz", &mut BytesMut::new()),
+            Err(CopyError::TooFarAhead { slot: 1, .. })
+        ));
+        assert!(matches!(
+            m.input(2, b"x", &mut BytesMut::new()),
+            Err(CopyError::NotAttached(2))
+        ));
+    }
+
+    #[test]
+    fn a_lagging_copy_is_given_up_not_the_leader() {
+        let mut f = Fanout::new(12);
+        assert_eq!(f.attach(), Some((0, 0)));
+        assert_eq!(f.attach(), Some((1, 0)));
+        assert!(f.push(Bytes::from_static(b"01234567")).is_empty());
+        let b = f.next(0).expect("ok");
+        f.wrote(0, b.len());
+        assert!(f.push(Bytes::from_static(b"89ab")).is_empty());
+        f.wrote(0, 4);
+        // Copy 1 wrote nothing: 12 bytes behind the leader's 12.
+        assert_eq!(f.push(Bytes::from_static(b"c")), vec![1]);
+        assert_eq!(f.copies(), 1);
+        // Only copy 0 is left, with nothing held for anyone else.
+        f.wrote(0, 1);
+        assert_eq!(f.held_bytes(), 0);
+        assert_eq!(f.next(0), None);
+    }
+
+    #[test]
+    fn fanout_keeps_bytes_until_every_copy_wrote_them() {
+        let mut f = Fanout::new(1 << 20);
+        f.attach().expect("ok");
+        f.push(Bytes::from_static(b"abc"));
+        f.wrote(0, 3);
+        assert_eq!(f.held_bytes(), 0);
+        assert_eq!(f.attach(), Some((1, 3)));
+        f.push(Bytes::from_static(b"def"));
+        assert_eq!(f.next(0).as_deref(), Some(&b"def"[..]));
+        f.wrote(0, 2);
+        assert_eq!(f.next(0).as_deref(), Some(&b"f"[..]));
+        assert_eq!(f.next(1).as_deref(), Some(&b"def"[..]));
+        f.wrote(1, 3);
+        assert_eq!(f.duplicated(), 2);
+        // Held in whole pushes: "def" until copy 0 wrote its last byte.
+        assert_eq!(f.held_bytes(), 3);
+        f.wrote(0, 1);
+        assert_eq!(f.held_bytes(), 0);
+        f.detach(1);
+        f.detach(0);
+        assert_eq!(f.copies(), 0);
+        assert!(f.push(Bytes::from_static(b"gone")).is_empty());
+        assert_eq!(f.held_bytes(), 0);
+        assert_eq!(f.end(), 10);
+    }
+}
