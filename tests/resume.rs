@@ -90,7 +90,7 @@ fn relayed_each(
             &format!("listen: 127.0.0.1:0\n{link}"),
             &certs,
             &format!(
-                "  - name: bulk\n    target: {bulk}\n  - name: sync\n    target: {sync}\n    class: latency\n"
+                "  - name: bulk\n    target: {bulk}\n  - name: sync\n    target: {sync}\n    class: latency\n    redundancy: off\n"
             ),
             &side("east"),
         ),
@@ -103,7 +103,8 @@ fn relayed_each(
             "east",
             &format!("connect: {}\n{link}", relay.addr),
             &certs,
-            "  - name: bulk\n    listen: 127.0.0.1:0\n  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n",
+            // One connection for the lane, so the relay's second connection is the lane's.
+            "  - name: bulk\n    listen: 127.0.0.1:0\n  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n    redundancy: off\n",
             &side("west"),
         ),
     );

@@ -370,9 +370,10 @@ fn latency_lane_carries_latency_streams_and_its_loss_fails_the_link() {
         east, relay, west, ..
     } = RelayedPair::start(
         &format!(
-            "  - name: sync\n    target: {srv}\n    class: latency\n  - name: bulk\n    target: {srv}\n"
+            "  - name: sync\n    target: {srv}\n    class: latency\n    redundancy: off\n  - name: bulk\n    target: {srv}\n"
         ),
-        "  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n  - name: bulk\n    listen: 127.0.0.1:0\n",
+        // One connection for the lane (tests/copies.rs has copies).
+        "  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n    redundancy: off\n  - name: bulk\n    listen: 127.0.0.1:0\n",
         // Without resumption (tests/resume.rs has a lane lost with it).
         "  resume_window: 0s\n",
     );

@@ -252,6 +252,14 @@ pub mod setting {
     pub const RESUME: u16 = 11;
     /// On the listener's answer: 1 if it resumes the link the peer named (it still has it).
     pub const RESUMED: u16 = 12;
+    /// On a latency lane's hello: the lane's id (the connecting side's random pick). A copy of
+    /// the lane names the id of the lane it copies.
+    pub const COPY_OF: u16 = 13;
+    /// On a copy's hello, and on the listener's answer to it: the offset in the sender's lane
+    /// byte stream where this connection's bytes start.
+    pub const COPY_AT: u16 = 14;
+    /// With `CAP_LANE_COPIES`: the most connections the sender takes for its latency lane.
+    pub const LANE_COPIES: u16 = 15;
 }
 
 impl Hello {

@@ -28,3 +28,6 @@ pub const CAP_DELTA: u64 = 16;
 /// them on the next one (it sends `Finished` and `Resume` frames and keeps what it sent until
 /// the peer has it).
 pub const CAP_RESUME: u64 = 32;
+/// Hello capability bit: the sender takes extra copies of its latency lane on more connections
+/// (up to its `LANE_COPIES` setting; see [`crate::copies`]).
+pub const CAP_LANE_COPIES: u64 = 64;

@@ -282,3 +282,30 @@ fn losing_the_only_copy_that_holds_a_gap_resumes_the_lane() {
     .expect("exact");
     assert_eq!(p.west.app.resumed.len(), 1);
 }
+
+#[test]
+fn the_hellos_agree_on_how_many_connections_carry_the_lane() {
+    for (w, e, want) in [
+        (1, 1, 1),
+        (2, 1, 1),
+        (1, 3, 1),
+        (2, 3, 2),
+        (3, 3, 3),
+        (3, 2, 2),
+    ] {
+        let mut p = Pair::with(
+            LATENCY,
+            RATE,
+            |c| c.lane_copies = w,
+            |c| {
+                c.lane_copies = e;
+                c.token = TOKEN;
+            },
+        );
+        p.drive(Duration::from_secs(1));
+        assert_eq!(p.west.link.lane_copies(), want, "west {w}, east {e}");
+        assert_eq!(p.east.link.lane_copies(), want, "west {w}, east {e}");
+        assert_eq!(p.west.link.lane_token(), Some(TOKEN));
+        assert!(p.east.link.lane_token_valid(TOKEN) && !p.east.link.lane_token_valid(TOKEN ^ 1));
+    }
+}

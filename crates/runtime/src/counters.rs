@@ -159,9 +159,29 @@ pub struct LinkCounters {
     pub streams_resumed: Counter,
     pub resent: Counter,
     pub streams_lost: Counter,
+    pub copies: Gauge,
+    pub copies_wanted: Gauge,
+    pub copy_duplicated: Counter,
+    pub copy_late: Counter,
+    pub copies_lost: Counter,
+    pub copy_won: Family<CopyLabel, Counter>,
+}
+
+/// Which copy of the latency lane: `1` is the slot of the lane's first connection.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CopyLabel {
+    copy: &'static str,
 }
 
 impl LinkCounters {
+    /// Counts latency-lane bytes copy `slot` delivered before any other copy.
+    pub fn copy_won(&self, slot: usize, n: u64) {
+        const NAMES: [&str; 3] = ["1", "2", "3"];
+        if let Some(copy) = NAMES.get(slot) {
+            self.copy_won.get_or_create(&CopyLabel { copy }).inc_by(n);
+        }
+    }
+
     pub fn register(r: &mut Registry) -> Self {
         let m = LinkCounters::default();
         r.register(
@@ -248,6 +268,36 @@ impl LinkCounters {
             "wanopt_link_streams_lost",
             "Streams reset because a lost link connection could not be resumed (past link.resume_window, or the peer restarted)",
             m.streams_lost.clone(),
+        );
+        r.register(
+            "wanopt_link_latency_copies",
+            "Connections carrying the latency lane now; with more than one, each carries a copy of its bytes and the first to arrive is used",
+            m.copies.clone(),
+        );
+        r.register(
+            "wanopt_link_latency_copies_wanted",
+            "Copies of the latency lane its services' redundancy asks for now (auto: 1 while latency traffic would crowd out bulk)",
+            m.copies_wanted.clone(),
+        );
+        r.register(
+            "wanopt_link_copy_duplicated_bytes",
+            "Latency-lane bytes sent again on another copy's connection: what redundancy costs",
+            m.copy_duplicated.clone(),
+        );
+        r.register(
+            "wanopt_link_copy_late_bytes",
+            "Latency-lane bytes that arrived after another copy had brought them (discarded)",
+            m.copy_late.clone(),
+        );
+        r.register(
+            "wanopt_link_copy_won_bytes",
+            "Latency-lane bytes each copy delivered first",
+            m.copy_won.clone(),
+        );
+        r.register(
+            "wanopt_link_copies_lost",
+            "Copy connections of the latency lane lost while another carried the lane",
+            m.copies_lost.clone(),
         );
         m
     }

@@ -18,6 +18,11 @@ use wanopt_proto::{
     StateRequest, StreamError, StreamId,
 };
 
+mod copies;
+
+pub(crate) use copies::{Carrier, keep_copies, run_lane};
+use wanopt_proto::copies::MAX_COPIES;
+
 use crate::cachedir::CacheDir;
 use crate::counters::{Counters, add};
 use crate::pressure::{Governor, Pressure};
@@ -101,6 +106,18 @@ pub(crate) struct Inner {
     up: bool,
     /// Saved cache states the link asked for, until the main lane's reader loads them.
     load: Vec<StateRequest>,
+    /// The connections carrying the latency lane, each with a copy of its bytes.
+    lane: copies::LaneCopies,
+}
+
+/// Sockets sampled for `TCP_INFO`: the main lane's, then each latency-lane copy's.
+type Fds = [Option<std::os::fd::RawFd>; 1 + MAX_COPIES];
+
+/// Only the main lane's socket.
+fn main_fd(fd: Option<std::os::fd::RawFd>) -> Fds {
+    let mut f = [None; 1 + MAX_COPIES];
+    f[0] = fd;
+    f
 }
 
 /// One live link: the protocol state machine and the wakeups around it.
@@ -110,10 +127,15 @@ pub(crate) struct LinkHandle {
     tx: [Notify; LANES],
     /// The timer deadline the main lane's writer sleeps until (`None`: no timer armed).
     armed: Mutex<Option<Instant>>,
-    /// The latency lane's task, ended with the link.
-    pub lane_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
-    /// Each lane's socket while it is open, for `TCP_INFO`; cleared before the socket is closed.
-    fds: Mutex<[Option<std::os::fd::RawFd>; LANES]>,
+    /// The latency lane's tasks (dials and connections), ended with the link.
+    lane_tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// The main lane's socket and each latency-lane copy's while open, for `TCP_INFO`; cleared
+    /// before the socket is closed.
+    fds: Mutex<Fds>,
+    /// Wakes each latency-lane copy's writer.
+    copy_tx: [Notify; MAX_COPIES],
+    /// Generations of latency-lane connections handed out (see [`Carrier`]).
+    generations: std::sync::atomic::AtomicU64,
     pub ctx: LinkCtx,
     pub id: u64,
     /// Which connection carries the link: a resumed link counts up, and the tasks of an older
@@ -134,11 +156,14 @@ impl LinkHandle {
                 opened: Vec::new(),
                 up: false,
                 load: Vec::new(),
+                lane: copies::LaneCopies::new(),
             }),
             tx: Default::default(),
             armed: Mutex::new(None),
-            lane_task: Mutex::new(None),
-            fds: Mutex::new([Some(fd), None]),
+            lane_tasks: Mutex::new(Vec::new()),
+            fds: Mutex::new(main_fd(Some(fd))),
+            copy_tx: Default::default(),
+            generations: 0.into(),
             ctx,
             id,
             conn: 0.into(),
@@ -157,19 +182,18 @@ impl LinkHandle {
         self.connection() == conn.0 && (lane == MAIN_LANE || self.lane_connection() == conn.1)
     }
 
-    /// Attaches a latency-lane connection presenting `token` (see [`Link::attach_lane`]); the
-    /// connection (main, lane) that carries it from now on, or `None` if refused.
-    pub fn attach_lane(&self, token: u64) -> Option<(u64, u64)> {
-        let mut g = lock(&self.inner);
-        if !g.link.attach_lane(token) {
-            return None;
+    /// Keeps a task of the latency lane, to end with the link.
+    pub fn keep_task(&self, task: tokio::task::JoinHandle<()>) {
+        let mut t = lock(&self.lane_tasks);
+        t.retain(|t| !t.is_finished());
+        t.push(task);
+    }
+
+    /// Ends the latency lane's tasks (the link's connection is gone).
+    fn abort_lane_tasks(&self) {
+        for t in lock(&self.lane_tasks).drain(..) {
+            t.abort();
         }
-        self.lane_conn
-            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        // An old lane's writer, if any, wakes and sees it is stale.
-        self.tx[LATENCY_LANE].notify_waiters();
-        self.dispatch(&mut g);
-        Some((self.connection(), self.lane_connection()))
     }
 
     /// The connection now carrying the link (see [`LinkHandle::reconnect`]).
@@ -198,11 +222,9 @@ impl LinkHandle {
             };
         if ok {
             self.conn.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-            *lock(&self.fds) = [Some(fd), None];
+            *lock(&self.fds) = main_fd(Some(fd));
             *lock(&self.armed) = None;
-            if let Some(t) = lock(&self.lane_task).take() {
-                t.abort();
-            }
+            self.abort_lane_tasks();
             g.up = false;
             // The old connection's writers wake, see they are stale and end, so no later
             // wakeup meant for the new writers goes to them.
@@ -250,6 +272,9 @@ impl LinkHandle {
             if w {
                 t.notify_one();
             }
+        }
+        if wants[LATENCY_LANE] {
+            self.wake_copies();
         }
     }
 
@@ -416,7 +441,7 @@ where
 {
     let (rd, wr) = tokio::io::split(stream);
     let conn = h.connection();
-    let reader = read_link(h.clone(), rd, addr, MAIN_LANE, initial, (conn, 0));
+    let reader = read_link(h.clone(), rd, addr, MAIN_LANE, initial, (conn, 0), None);
     let writer = write_link(h.clone(), wr, MAIN_LANE, (conn, 0));
     let sampler = tokio::spawn(sample_sockets(h.clone()));
     let store_waiter = h.ctx.caches.as_ref().map(|c| {
@@ -439,7 +464,7 @@ where
             r
         }
         w = &mut writer => w,
-        why = ticker(&h, (conn, 0), MAIN_LANE) => why,
+        why = ticker(&h, (conn, 0), MAIN_LANE, None) => why,
     };
     sampler.abort();
     if let Some(t) = store_waiter {
@@ -451,10 +476,8 @@ where
         return;
     }
     // Forget the sockets before they close, so no TCP_INFO read can hit a reused descriptor.
-    *lock(&h.fds) = [None, None];
-    if let Some(t) = lock(&h.lane_task).take() {
-        t.abort();
-    }
+    *lock(&h.fds) = main_fd(None);
+    h.abort_lane_tasks();
     let was_up = g.up;
     if g.link.suspend(&why, Instant::now()) {
         h.dispatch(&mut g);
@@ -498,53 +521,6 @@ where
     }
 }
 
-/// Moves the latency lane's bytes until it or the link ends; `conn` is what
-/// [`LinkHandle::attach_lane`] returned. Losing the lane alone re-attaches a new one (the
-/// supervisor dials it on the connecting side) and its streams go on; a link that cannot do
-/// that suspends (or, without resumption, fails).
-pub(crate) async fn run_lane<S>(
-    h: Arc<LinkHandle>,
-    stream: S,
-    fd: std::os::fd::RawFd,
-    addr: SocketAddr,
-    buf: BytesMut,
-    conn: (u64, u64),
-) where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-{
-    let (rd, wr) = tokio::io::split(stream);
-    lock(&h.fds)[LATENCY_LANE] = Some(fd);
-    let reader = read_link(h.clone(), rd, addr, LATENCY_LANE, buf, conn);
-    let writer = write_link(h.clone(), wr, LATENCY_LANE, conn);
-    tokio::pin!(reader, writer);
-    let why = tokio::select! {
-        r = &mut reader => r,
-        w = &mut writer => w,
-        why = ticker(&h, conn, LATENCY_LANE) => why,
-    };
-    let lane_only = {
-        let mut g = lock(&h.inner);
-        if !h.current(conn, LATENCY_LANE) {
-            return;
-        }
-        lock(&h.fds)[LATENCY_LANE] = None;
-        let reason = format!("latency lane: {why}");
-        let lane_only = !g.link.is_closed() && g.link.lane_lost(Instant::now());
-        if !lane_only && !g.link.is_closed() {
-            g.link.suspend(&reason, Instant::now());
-        }
-        h.dispatch(&mut g);
-        lane_only
-    };
-    h.kick();
-    if lane_only {
-        warn!(link = h.id, peer = %h.ctx.peer, reason = %why, "latency lane lost; its streams wait for a new one");
-        h.ctx.counters.link.lanes.set(1);
-        add(&h.ctx.counters.link.outages, 1);
-        h.tell(LinkMsg::LaneLost(h.clone()));
-    }
-}
-
 /// How often a connection's ticker looks at the link.
 const TICK: Duration = Duration::from_millis(250);
 
@@ -553,7 +529,7 @@ const TICK: Duration = Duration::from_millis(250);
 /// or writer may be stuck on a dead socket meanwhile, so they cannot be the ones to notice.
 /// The main lane's ticker also runs the link's timers when due, which a writer
 /// blocked on a full socket does not.
-async fn ticker(h: &LinkHandle, conn: (u64, u64), lane: usize) -> String {
+async fn ticker(h: &LinkHandle, conn: (u64, u64), lane: usize, copy: Option<Carrier>) -> String {
     let timers = lane == MAIN_LANE;
     loop {
         tokio::time::sleep(TICK).await;
@@ -563,6 +539,9 @@ async fn ticker(h: &LinkHandle, conn: (u64, u64), lane: usize) -> String {
             if timers && g.link.poll_timeout().is_some_and(|t| t <= now) {
                 g.link.handle_timeout(now);
                 h.dispatch(&mut g);
+            }
+            if copy.is_some_and(|c| !h.carries(&g, &c)) {
+                return "a newer connection took the lane over".into();
             }
             (g.link.is_suspended(), h.wants(&g))
         };
@@ -635,8 +614,11 @@ async fn sample_sockets(h: Arc<LinkHandle>) {
         {
             // The lock keeps a lane's descriptor from being cleared and closed during the read.
             let fds = lock(&h.fds);
-            for (lane, name) in [(MAIN_LANE, "main"), (LATENCY_LANE, "latency")] {
-                if let Some(t) = fds[lane].and_then(sockopt::tcp_info) {
+            for (i, name) in ["main", "latency", "latency2", "latency3"]
+                .iter()
+                .enumerate()
+            {
+                if let Some(t) = fds.get(i).copied().flatten().and_then(sockopt::tcp_info) {
                     h.ctx.counters.sockets.record(name, &t);
                 }
             }
@@ -663,6 +645,7 @@ async fn read_link<R: AsyncRead + Unpin>(
     lane: usize,
     mut buf: BytesMut,
     conn: (u64, u64),
+    copy: Option<Carrier>,
 ) -> String {
     let counters = h.ctx.counters.clone();
     let handshake_deadline = tokio::time::Instant::now() + h.ctx.handshake_timeout;
@@ -698,7 +681,18 @@ async fn read_link<R: AsyncRead + Unpin>(
             if g.link.is_suspended() {
                 return "the link's other lane was lost".into();
             }
-            let r = g.link.handle_lane_input(lane, &mut buf, Instant::now());
+            let r = match &copy {
+                None => g.link.handle_lane_input(lane, &mut buf, Instant::now()),
+                Some(c) => {
+                    if !h.carries(&g, c) {
+                        return "a newer connection took the lane over".into();
+                    }
+                    match copies::copy_input(&h, &mut g, c, &mut buf, Instant::now()) {
+                        Ok(r) => r,
+                        Err(e) => return format!("copy: {e}"),
+                    }
+                }
+            };
             h.dispatch(&mut g);
             (
                 std::mem::take(&mut g.opened),

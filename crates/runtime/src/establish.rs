@@ -17,7 +17,7 @@ use wanopt_proto::{Frame, FrameError};
 
 use crate::config::LinkRole;
 use crate::counters::add;
-use crate::driver::{self, LinkHandle, Wire, lock, wire};
+use crate::driver::{self, LinkHandle, Wire, wire};
 use crate::gate::{Gate, LogBudget, Ticket};
 use crate::peer::Peer;
 use crate::sockopt;
@@ -116,10 +116,13 @@ async fn accept_link(peer: &Arc<Peer>, tcp: TcpStream, addr: SocketAddr, ticket:
         }
     };
     drop(ticket);
-    let attach = match &first {
-        Frame::Hello(h) => h.setting(wanopt_proto::frame::setting::ATTACH),
+    let setting = |id| match &first {
+        Frame::Hello(h) => h.setting(id),
         _ => None,
     };
+    use wanopt_proto::frame::setting::{ATTACH, COPY_AT, COPY_OF};
+    let attach = setting(ATTACH);
+    let (lane_id, copy_at) = (setting(COPY_OF), setting(COPY_AT));
     let sock = socket2::SockRef::from(tls.get_ref().0.get_ref());
     let fd = tls.get_ref().0.get_ref().as_raw_fd();
     match attach {
@@ -145,7 +148,10 @@ async fn accept_link(peer: &Arc<Peer>, tcp: TcpStream, addr: SocketAddr, ticket:
         Some(token) => {
             let _ = buf.split_to(n);
             sockopt::tune_lane_socket(&sock, &cfg.link);
-            accept_lane(peer.clone(), tls, fd, addr, token, buf).await;
+            match (lane_id, copy_at) {
+                (Some(id), Some(at)) => accept_copy(peer, tls, fd, addr, (token, id, at), buf),
+                _ => accept_lane(peer.clone(), tls, fd, addr, (token, lane_id), buf).await,
+            }
         }
     }
 }
@@ -195,13 +201,54 @@ async fn read_first_frame<R: AsyncRead + Unpin>(
     }
 }
 
-/// Attaches an incoming second connection as the latency lane of the link whose token it presents.
+/// Attaches an incoming connection as one more copy of the current link's latency lane: it
+/// presents the link's token and the lane's id, and where its bytes start (`at`). Our answer,
+/// where ours start, goes first on it.
+fn accept_copy<S>(
+    peer: &Arc<Peer>,
+    stream: S,
+    fd: std::os::fd::RawFd,
+    addr: SocketAddr,
+    (token, id, at): (u64, u64, u64),
+    buf: BytesMut,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let current = peer.current.borrow().clone();
+    let accepted = current
+        .ok_or_else(|| "no link".to_string())
+        .and_then(|h| Ok((h.accept_copy(token, id, at)?, h)));
+    match accepted {
+        Ok(((carrier, ours), h)) => {
+            let mut answer = BytesMut::new();
+            h.with(|l| l.copy_answer(ours)).encode(&mut answer);
+            info!(link = h.id, from = %addr, copy = carrier.slot + 1, "latency lane copy attached");
+            let task = tokio::spawn(driver::run_lane(
+                h.clone(),
+                stream,
+                fd,
+                addr,
+                buf,
+                carrier,
+                Some(answer),
+            ));
+            h.keep_task(task);
+        }
+        Err(why) => {
+            add(&peer.counters.link.rejected, 1);
+            warn!(from = %addr, reason = %why, "rejected a latency lane copy");
+        }
+    }
+}
+
+/// Attaches an incoming second connection as the latency lane of the link whose token it
+/// presents; `id` is the lane's, which its copies will name.
 async fn accept_lane<S>(
     peer: Arc<Peer>,
     stream: S,
     fd: std::os::fd::RawFd,
     addr: SocketAddr,
-    token: u64,
+    (token, id): (u64, Option<u64>),
     buf: BytesMut,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -212,7 +259,7 @@ async fn accept_lane<S>(
         loop {
             let current = rx.borrow_and_update().clone();
             if let Some(h) = current
-                && let Some(conn) = h.attach_lane(token)
+                && let Some(conn) = h.attach_lane(token, id)
             {
                 return Some((h, conn));
             }
@@ -226,8 +273,16 @@ async fn accept_lane<S>(
         Ok(Some((h, conn))) => {
             info!(link = h.id, from = %addr, "latency lane attached");
             peer.counters.link.lanes.set(2);
-            let task = tokio::spawn(driver::run_lane(h.clone(), stream, fd, addr, buf, conn));
-            *lock(&h.lane_task) = Some(task);
+            let task = tokio::spawn(driver::run_lane(
+                h.clone(),
+                stream,
+                fd,
+                addr,
+                buf,
+                conn,
+                None,
+            ));
+            h.keep_task(task);
         }
         _ => {
             add(&peer.counters.link.rejected, 1);
@@ -276,20 +331,104 @@ async fn try_open_lane(
         &socket2::SockRef::from(tls.get_ref().0.get_ref()),
         &cfg.link,
     );
+    let id: u64 = rand::random();
     let mut hello = BytesMut::new();
-    h.with(|l| l.lane_hello(token)).encode(&mut hello);
+    h.with(|l| l.lane_hello(token, id, None)).encode(&mut hello);
     tls.write_all(&hello)
         .await
         .map_err(|e| format!("write: {e}"))?;
-    let Some(conn) = h.attach_lane(token) else {
+    let Some(conn) = h.attach_lane(token, Some(id)) else {
         // The link went (or has its lane) meanwhile.
         return Ok(());
     };
     info!(link = h.id, addr = %addr, "latency lane attached");
     peer.counters.link.lanes.set(2);
     let fd = tls.get_ref().0.get_ref().as_raw_fd();
-    driver::run_lane(h.clone(), tls, fd, addr, BytesMut::new(), conn).await;
+    driver::run_lane(h.clone(), tls, fd, addr, BytesMut::new(), conn, None).await;
     Ok(())
+}
+
+/// Dials one more copy of the link's latency lane (connecting side) and runs it until it ends;
+/// `dialing` is cleared once it carries the lane or failed, so the next may be dialed.
+pub(crate) async fn open_copy(
+    peer: &Arc<Peer>,
+    h: &Arc<driver::LinkHandle>,
+    dialing: &std::sync::atomic::AtomicBool,
+) {
+    let done = || dialing.store(false, std::sync::atomic::Ordering::Release);
+    match dial_copy(peer, h).await {
+        Ok(Some((tls, addr, carrier, rest))) => {
+            info!(link = h.id, addr = %addr, copy = carrier.slot + 1, "latency lane copy attached");
+            done();
+            let fd = tls.get_ref().0.get_ref().as_raw_fd();
+            driver::run_lane(h.clone(), tls, fd, addr, rest, carrier, None).await;
+        }
+        Ok(None) => done(),
+        Err(e) => {
+            warn!(link = h.id, error = %e, "cannot open a latency lane copy");
+            // The keeper tries again a second later; a peer refusing copies is not hammered.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            done();
+        }
+    }
+}
+
+type CopyConn = (
+    tokio_rustls::client::TlsStream<Wire>,
+    SocketAddr,
+    driver::Carrier,
+    BytesMut,
+);
+
+/// Connects a copy: its hello names the lane and where our bytes start, the peer's answer
+/// where its bytes start. `None` if the lane has no room for it any more.
+async fn dial_copy(
+    peer: &Arc<Peer>,
+    h: &Arc<driver::LinkHandle>,
+) -> Result<Option<CopyConn>, String> {
+    let cfg = peer.cfg();
+    let (Some(token), LinkRole::Connect(target)) = (h.with(|l| l.lane_token()), &cfg.link.role)
+    else {
+        return Ok(None);
+    };
+    let connector = tokio_rustls::TlsConnector::from(peer.tls().client);
+    let name = tls::server_name(&cfg.link.peer).map_err(|e| e.to_string())?;
+    let how = (
+        cfg.link.lane_congestion.as_str(),
+        cfg.limits.connect_timeout,
+    );
+    let (mut tls, addr) = dial(peer, target, &connector, name, how).await?;
+    sockopt::tune_lane_socket(
+        &socket2::SockRef::from(tls.get_ref().0.get_ref()),
+        &cfg.link,
+    );
+    let Some((carrier, id, start)) = h.add_copy() else {
+        return Ok(None);
+    };
+    let mut hello = BytesMut::new();
+    h.with(|l| l.lane_hello(token, id, Some(start)))
+        .encode(&mut hello);
+    let answered = async {
+        tls.write_all(&hello)
+            .await
+            .map_err(|e| format!("write: {e}"))?;
+        let (mut buf, first, n) = read_first_frame(&mut tls, cfg.limits.handshake_timeout).await?;
+        let at = match &first {
+            Frame::Hello(a) => a.setting(wanopt_proto::frame::setting::COPY_AT),
+            _ => None,
+        }
+        .ok_or("the peer did not take the copy")?;
+        let _ = buf.split_to(n);
+        h.copy_answered(&carrier, at)?;
+        Ok::<BytesMut, String>(buf)
+    };
+    match answered.await {
+        Ok(rest) => Ok(Some((tls, addr, carrier, rest))),
+        Err(e) => {
+            h.drop_copy(&carrier);
+            Err(e)
+        }
+    }
 }
 
 fn record_peer_expiry(peer: &Peer, certs: Option<&[rustls::pki_types::CertificateDer<'_>]>) {

@@ -19,6 +19,7 @@ pub mod notify;
 mod peer;
 pub mod policy;
 mod pressure;
+pub mod redundancy;
 mod reload;
 pub mod secure;
 mod services;

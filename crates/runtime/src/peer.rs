@@ -214,6 +214,7 @@ fn link_config(cfg: &Config, caches: Option<&Arc<CacheDir>>) -> LinkConfig {
     c.idle_timeout = cfg.limits.idle_timeout;
     c.latency_lane = cfg.link.latency_lane;
     c.resume_window = cfg.link.resume_window;
+    c.lane_copies = cfg.redundancy().most();
     c.token = rand::random();
     if cfg.optimize.enabled {
         c.codec = Some(cfg.optimize.codec.clone());

@@ -13,7 +13,7 @@ use wanopt_proto::{CloseCode, ResetCode};
 
 use crate::config::LinkRole;
 use crate::counters::add;
-use crate::driver::{LinkHandle, LinkMsg, lock};
+use crate::driver::{LinkHandle, LinkMsg};
 use crate::peer::Peer;
 use crate::{establish, services};
 
@@ -70,6 +70,11 @@ fn up(peer: &Arc<Peer>, h: Arc<LinkHandle>, addr: SocketAddr) {
         old.kick();
     }
     open_lane(peer, &h);
+    if matches!(cfg.link.role, LinkRole::Connect(_)) {
+        // Ended with the connection (as the lane's tasks are); a resumed link comes up again.
+        let task = tokio::spawn(crate::driver::keep_copies(peer.clone(), h.clone()));
+        h.keep_task(task);
+    }
 }
 
 /// The connecting side opens the link's latency lane, if the link wants one.
@@ -82,7 +87,7 @@ fn open_lane(peer: &Arc<Peer>, h: &Arc<LinkHandle>) {
             token,
             target.clone(),
         ));
-        *lock(&h.lane_task) = Some(task);
+        h.keep_task(task);
     }
 }
 

@@ -6,7 +6,8 @@ use crate::coding::LongContext;
 use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Hello, setting};
 use crate::lane::{
-    CAP_CODEC, CAP_CONTEXT, CAP_DELTA, CAP_LATENCY_LANE, CAP_LONG_CONTEXT, CAP_RESUME, MAIN_LANE,
+    CAP_CODEC, CAP_CONTEXT, CAP_DELTA, CAP_LANE_COPIES, CAP_LATENCY_LANE, CAP_LONG_CONTEXT,
+    CAP_RESUME, MAIN_LANE,
 };
 
 use super::LinkConfig;
@@ -31,6 +32,9 @@ pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>, scoped: Vec<String
     if !cfg.resume_window.is_zero() {
         capabilities |= CAP_RESUME;
     }
+    if cfg.latency_lane && cfg.lane_copies > 1 {
+        capabilities |= CAP_LANE_COPIES;
+    }
     // Deltas off on one side are off both ways, as long contexts are.
     if cfg.codec.as_ref().is_some_and(|c| c.delta_bytes > 0) {
         capabilities |= CAP_DELTA;
@@ -53,6 +57,9 @@ pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>, scoped: Vec<String
         (setting::CACHE_BYTES, cache(true)),
         (setting::SERVICE_CACHE_BYTES, cache(false)),
     ];
+    if capabilities & CAP_LANE_COPIES != 0 {
+        settings.push((setting::LANE_COPIES, cfg.lane_copies as u64));
+    }
     if let Some(l) = long {
         settings.push((setting::CONTEXT_WINDOW_LOG, u64::from(l.window_log)));
         settings.push((setting::CONTEXT_STREAMS, l.streams as u64));
@@ -68,14 +75,32 @@ pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>, scoped: Vec<String
     }
 }
 
-/// The first frame of a latency-lane connection (connecting side): it presents the token.
-pub(super) fn lane(site: &str, token: u64) -> Hello {
+/// The first frame of a latency-lane connection (connecting side): it presents the token and
+/// names the lane; a copy of the lane says where its bytes start.
+pub(super) fn lane(site: &str, token: u64, lane_id: u64, copy_at: Option<u64>) -> Hello {
+    let mut settings = vec![(setting::ATTACH, token), (setting::COPY_OF, lane_id)];
+    if let Some(at) = copy_at {
+        settings.push((setting::COPY_AT, at));
+    }
     Hello {
         version: VERSION,
         min_version: MIN_VERSION,
         site: site.to_string(),
         capabilities: CAP_LATENCY_LANE,
-        settings: vec![(setting::ATTACH, token)],
+        settings,
+        caches: Vec::new(),
+        scoped: Vec::new(),
+    }
+}
+
+/// The listener's answer on a copy's connection: where its bytes on it start.
+pub(super) fn copy_answer(site: &str, at: u64) -> Hello {
+    Hello {
+        version: VERSION,
+        min_version: MIN_VERSION,
+        site: site.to_string(),
+        capabilities: CAP_LANE_COPIES,
+        settings: vec![(setting::COPY_AT, at)],
         caches: Vec::new(),
         scoped: Vec::new(),
     }
@@ -93,6 +118,8 @@ pub(super) struct PeerParams {
     pub caps: u64,
     pub cache_bytes: u64,
     pub service_cache_bytes: u64,
+    /// With `CAP_LANE_COPIES`: the most connections the peer takes for its latency lane.
+    pub lane_copies: usize,
     /// The long contexts the peer decodes, if any (window and number clamped to ours' bounds).
     pub long_context: Option<LongContext>,
 }
@@ -127,6 +154,8 @@ impl PeerParams {
             caps: h.capabilities,
             cache_bytes: get(setting::CACHE_BYTES, 0),
             service_cache_bytes: get(setting::SERVICE_CACHE_BYTES, 0),
+            lane_copies: get(setting::LANE_COPIES, 1).clamp(1, crate::copies::MAX_COPIES as u64)
+                as usize,
             long_context: (h.capabilities & CAP_LONG_CONTEXT != 0).then(|| {
                 let range = LongContext::WINDOW_LOG_RANGE;
                 LongContext {

@@ -65,6 +65,9 @@ pub struct LinkConfig {
     pub latency_lane: bool,
     /// Random token the listener hands out in its hello; a latency lane must present it.
     pub token: u64,
+    /// Most connections that may carry the latency lane at once, each with a copy of its bytes
+    /// (see [`crate::copies`]); 1 takes no copies.
+    pub lane_copies: usize,
     /// The optimization codec: `None` sends and accepts stream bytes as they are.
     pub codec: Option<CodecSettings>,
     /// Disk tiers and saved cache states; `None` keeps caches in memory for the link's life.
@@ -100,6 +103,7 @@ impl LinkConfig {
             idle_timeout: Duration::from_secs(30),
             latency_lane: true,
             token: 0,
+            lane_copies: 1,
             codec: None,
             cache_storage: None,
             checkpoint_interval: Duration::from_secs(60),
@@ -768,9 +772,46 @@ impl Link {
         .then_some(self.peer.token)
     }
 
-    /// The first frame to send on a new latency-lane connection (connecting side).
-    pub fn lane_hello(&self, token: u64) -> Frame {
-        Frame::Hello(hello::lane(&self.cfg.site, token))
+    /// The first frame to send on a new latency-lane connection (connecting side): it presents
+    /// `token` and names the lane `lane_id`; a copy of that lane also says where its bytes
+    /// start (`copy_at`).
+    pub fn lane_hello(&self, token: u64, lane_id: u64, copy_at: Option<u64>) -> Frame {
+        Frame::Hello(hello::lane(&self.cfg.site, token, lane_id, copy_at))
+    }
+
+    /// The listener's first frame on a copy's connection: where its bytes on it start.
+    pub fn copy_answer(&self, at: u64) -> Frame {
+        Frame::Hello(hello::copy_answer(&self.cfg.site, at))
+    }
+
+    /// True if `token` is the one a latency lane (or a copy of it) of this link must present.
+    pub fn lane_token_valid(&self, token: u64) -> bool {
+        self.cfg.latency_lane
+            && if self.cfg.initiator {
+                token == self.peer.token
+            } else {
+                token == self.cfg.token && self.peer.has(CAP_LATENCY_LANE)
+            }
+    }
+
+    /// The token a latency-lane connection (or a copy of the lane) presents (connecting side,
+    /// once the peer's hello offered a lane).
+    pub fn lane_token(&self) -> Option<u64> {
+        (self.cfg.initiator && self.cfg.latency_lane && self.peer.has(CAP_LATENCY_LANE))
+            .then_some(self.peer.token)
+    }
+
+    /// How many connections may carry the latency lane: the fewer of ours and the peer's.
+    pub fn lane_copies(&self) -> usize {
+        let theirs = if self.peer.has(crate::lane::CAP_LANE_COPIES) {
+            self.peer.lane_copies
+        } else {
+            1
+        };
+        self.cfg
+            .lane_copies
+            .min(theirs)
+            .clamp(1, crate::copies::MAX_COPIES)
     }
 
     /// Attaches the latency lane. The connecting side calls this once its lane connection is up;

@@ -68,6 +68,14 @@ impl Config {
         );
         for s in &self.services {
             let _ = writeln!(o, "  - name: {}\n    class: {}", s.name, s.class);
+            if s.class == wanopt_proto::Class::Latency {
+                let _ = writeln!(
+                    o,
+                    "    redundancy: {}  # the link's latency lane: {}",
+                    s.redundancy.label(),
+                    crate::redundancy::explain(self.redundancy(), self.link.bandwidth_bps)
+                );
+            }
             let _ = writeln!(
                 o,
                 "    compression: {}\n    dedup: {}\n    dedup_scope: {}",

@@ -97,6 +97,27 @@ struct RawService {
     max_streams: Option<u32>,
     max_streams_per_client: Option<u32>,
     idle_timeout: Option<String>,
+    redundancy: Option<Word>,
+}
+
+/// A word, a number or a YAML boolean (`off` may reach serde as `false`).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Word {
+    Bool(bool),
+    Num(u64),
+    Text(String),
+}
+
+impl Word {
+    fn text(&self) -> String {
+        match self {
+            Word::Bool(true) => "on".into(),
+            Word::Bool(false) => "off".into(),
+            Word::Num(n) => n.to_string(),
+            Word::Text(s) => s.clone(),
+        }
+    }
 }
 
 /// `on`/`off` or a YAML boolean.
@@ -255,6 +276,8 @@ pub struct Service {
     pub max_streams_per_client: u32,
     /// A stream with no bytes either way for this long is reset; `None`: never.
     pub idle_timeout: Option<Duration>,
+    /// Latency services: how many connections carry the latency lane, each with a copy.
+    pub redundancy: crate::redundancy::Redundancy,
 }
 
 /// The optimization codec's settings.
@@ -1026,6 +1049,17 @@ fn parse_service(
             Duration::from_secs(7 * 86_400),
         )?),
     };
+    let redundancy = match (&s.redundancy, class) {
+        (None, _) => crate::redundancy::Redundancy::default(),
+        (Some(_), Class::Bulk) => {
+            return Err(cx.err(
+                field("redundancy"),
+                "applies to latency-class services only (bulk streams are never copied)",
+            ));
+        }
+        (Some(w), Class::Latency) => crate::redundancy::Redundancy::parse(&w.text())
+            .map_err(|m| cx.err(field("redundancy"), m))?,
+    };
     Ok(Service {
         name: s.name.clone(),
         class,
@@ -1034,6 +1068,7 @@ fn parse_service(
         max_streams,
         max_streams_per_client,
         idle_timeout,
+        redundancy,
     })
 }
 
@@ -1062,6 +1097,17 @@ fn parse_log(cx: &Ctx<'_>, l: Option<&RawLog>) -> Result<String, ConfigError> {
 }
 
 impl Config {
+    /// How many connections the latency lane may take: the most its latency services ask for
+    /// (see [`crate::redundancy`]).
+    pub fn redundancy(&self) -> crate::redundancy::Redundancy {
+        crate::redundancy::Redundancy::of_link(
+            self.services
+                .iter()
+                .filter(|s| s.class == Class::Latency)
+                .map(|s| s.redundancy),
+        )
+    }
+
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {

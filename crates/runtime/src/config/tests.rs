@@ -344,6 +344,28 @@ fn bad_values_name_their_field() {
         (16, 16)
     );
     assert_eq!(c.services[1].idle_timeout, Some(Duration::from_secs(3600)));
+    // Redundancy: latency services only, auto by default; the link takes the most asked for.
+    use crate::redundancy::Redundancy;
+    assert_eq!(
+        field_err("services:\n  - {name: a, target: 'b:1', redundancy: 2}\n"),
+        "services[0].redundancy"
+    );
+    assert_eq!(
+        field_err("services:\n  - {name: a, target: 'b:1', class: latency, redundancy: 4}\n"),
+        "services[0].redundancy"
+    );
+    assert_eq!(c.services[1].redundancy, Redundancy::Auto);
+    assert_eq!(c.redundancy(), Redundancy::Auto);
+    let c = parse(
+        "services:\n  - {name: a, target: 'b:1', class: latency, redundancy: off}\n  - {name: b, target: 'b:2', class: latency, redundancy: 'off'}\n",
+    )
+    .expect("valid");
+    assert_eq!(c.redundancy(), Redundancy::Off);
+    let c = parse(
+        "services:\n  - {name: a, target: 'b:1', class: latency, redundancy: off}\n  - {name: b, target: 'b:2', class: latency, redundancy: 3}\n",
+    )
+    .expect("valid");
+    assert_eq!(c.redundancy(), Redundancy::Copies(3));
     let c = parse("limits:\n  max_handshakes: 4\n").expect("valid");
     assert_eq!(
         (c.limits.max_handshakes, c.limits.handshakes_per_source),

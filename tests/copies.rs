@@ -1,0 +1,306 @@
+//! Copies of the latency lane through the daemons: SYNC round trips byte-exact over a lossy WAN
+//! with each write on two connections, one connection killed mid-run without a stall, the
+//! `auto` policy dropping the copy while latency traffic crowds the link and taking it back,
+//! and a peer that takes no copies.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const SEC: Duration = Duration::from_secs(1);
+const MIB: u64 = 1 << 20;
+
+fn wait_until(limit: Duration, what: &str, f: impl Fn() -> bool) {
+    let end = Instant::now() + limit;
+    while !f() {
+        assert!(Instant::now() < end, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Echoes every byte back until the client closes.
+fn echo_handler(mut s: TcpStream) {
+    let mut buf = vec![0u8; 64 * 1024];
+    while let Ok(n) = s.read(&mut buf) {
+        if n == 0 || s.write_all(&buf[..n]).is_err() {
+            return;
+        }
+    }
+}
+
+/// 8 KiB round trips until `stop`, `pause` apart, each answer checked; returns each round
+/// trip's time.
+fn sync_loop(
+    mut c: TcpStream,
+    stop: Arc<AtomicBool>,
+    rounds: Arc<AtomicU64>,
+    pause: Duration,
+) -> Result<Vec<Duration>, String> {
+    c.set_nodelay(true).ok();
+    c.set_read_timeout(Some(60 * SEC)).ok();
+    let (mut msg, mut back) = (vec![0u8; 8192], vec![0u8; 8192]);
+    let mut times = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        let n = times.len() as u64;
+        fill(n + 77, 0, &mut msg);
+        let t = Instant::now();
+        c.write_all(&msg)
+            .map_err(|e| format!("round {n}: write: {e}"))?;
+        c.read_exact(&mut back)
+            .map_err(|e| format!("round {n}: read: {e}"))?;
+        times.push(t.elapsed());
+        if back != msg {
+            return Err(format!("round {n}: the answer differs"));
+        }
+        rounds.store(n + 1, Ordering::Relaxed);
+        std::thread::sleep(pause);
+    }
+    Ok(times)
+}
+
+fn percentile(times: &mut [Duration], p: f64) -> Duration {
+    times.sort();
+    let i = ((times.len() as f64 * p).ceil() as usize).clamp(1, times.len().max(1)) - 1;
+    times.get(i).copied().unwrap_or_default()
+}
+
+/// Local ports of west's latency-lane connections (the ones on CUBIC; the main lane runs BBR),
+/// from `ss` in west's namespace.
+fn lane_ports(wan: &wansim::Wan) -> Vec<u16> {
+    let east = wansim::Site::East.addr();
+    let out = wan
+        .command(wansim::Site::West, "ss")
+        .args(["-tni", "dst", &east.to_string(), "dport", "=", ":7400"])
+        .output()
+        .expect("ss");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let lines: Vec<&str> = text.lines().collect();
+    let mut ports = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        if !l.starts_with("ESTAB") {
+            continue;
+        }
+        let local = l.split_whitespace().nth(3).unwrap_or("");
+        let info = lines.get(i + 1).copied().unwrap_or("");
+        if info.contains("cubic")
+            && let Some(p) = local.rsplit(':').next().and_then(|p| p.parse().ok())
+        {
+            ports.push(p);
+        }
+    }
+    ports
+}
+
+/// Over an emulated T3 with 1% loss, SYNC round trips through a latency service with
+/// `redundancy: 2` are byte-exact; one of its two connections is killed mid-run and the other
+/// carries the lane with no stall (no lane loss), then a new copy is attached.
+#[test]
+fn sync_round_trips_ride_two_copies_over_a_lossy_wan() {
+    if !wansim::available_or_skip("latency lane copies across wansim") {
+        return;
+    }
+    let wan = wansim::Wan::start(
+        &format!("cp{}", std::process::id() % 100_000),
+        wansim::preset("t3-100ms-1").expect("preset"),
+    )
+    .expect("wansim");
+    let east_ip = wansim::Site::East.addr();
+    let l = wan
+        .in_site(wansim::Site::East, move || {
+            std::net::TcpListener::bind((east_ip, 9301))
+        })
+        .expect("east")
+        .expect("bind");
+    let sync = serve_on(l, echo_handler);
+    let (link, _) = stated_link(&wansim::preset("t3-100ms-1").expect("preset"));
+    let pair = wan_pair(
+        &wan,
+        &format!("  - name: sync\n    target: {sync}\n    class: latency\n    redundancy: 2\n"),
+        "  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n    redundancy: 2\n",
+        move |_, y| link_lines(format!("{y}admin:\n  listen: 127.0.0.1:0\n"), &link),
+    );
+    pair.west.wait_log("latency lane copy attached", 20 * SEC);
+    pair.east.wait_log("latency lane copy attached", 20 * SEC);
+    let addr = pair.west.bound("sync");
+    let c = wan
+        .in_site(wansim::Site::West, move || TcpStream::connect(addr))
+        .expect("west")
+        .expect("connect");
+    let stop = Arc::new(AtomicBool::new(false));
+    let rounds = Arc::new(AtomicU64::new(0));
+    let looping = {
+        let (stop, rounds) = (stop.clone(), rounds.clone());
+        std::thread::spawn(move || sync_loop(c, stop, rounds, Duration::ZERO))
+    };
+    wait_until(60 * SEC, "round trips", || {
+        rounds.load(Ordering::Relaxed) >= 40
+    });
+    let ports = lane_ports(&wan);
+    assert_eq!(ports.len(), 2, "two lane connections: {ports:?}");
+    let killed = wan
+        .command(wansim::Site::West, "ss")
+        .args([
+            "-K",
+            "dst",
+            &east_ip.to_string(),
+            "dport",
+            "=",
+            ":7400",
+            "sport",
+            "=",
+            &format!(":{}", ports[0]),
+        ])
+        .output()
+        .expect("ss -K");
+    assert!(killed.status.success(), "{killed:?}");
+    pair.west.wait_log(
+        "a latency lane connection was lost; the others carry the lane",
+        10 * SEC,
+    );
+    let before = rounds.load(Ordering::Relaxed);
+    wait_until(60 * SEC, "round trips after the kill", || {
+        rounds.load(Ordering::Relaxed) >= before + 40
+    });
+    pair.west
+        .wait_log_n("latency lane copy attached", 2, 20 * SEC);
+    stop.store(true, Ordering::Relaxed);
+    let mut times = looping
+        .join()
+        .expect("sync client")
+        .expect("every round trip answered exactly");
+    let (p50, p99, max) = (
+        percentile(&mut times, 0.5),
+        percentile(&mut times, 0.99),
+        times.last().copied().unwrap_or_default(),
+    );
+    println!(
+        "{} round trips through two copies on t3-100ms-1: p50 {p50:?}, p99 {p99:?}, max {max:?}",
+        times.len()
+    );
+    for d in [&pair.west, &pair.east] {
+        assert_eq!(d.count("latency lane lost"), 0, "{}", d.log().join("\n"));
+        assert_eq!(d.count("stream failed"), 0, "{}", d.log().join("\n"));
+    }
+    let admin = pair.west.bound("admin");
+    let w = scrape_on(
+        wan.in_site(wansim::Site::West, move || TcpStream::connect(admin))
+            .expect("ns")
+            .expect("admin"),
+    );
+    assert!(
+        value(&w, "wanopt_link_copy_duplicated_bytes_total ") > 0,
+        "{w}"
+    );
+    assert!(value(&w, "wanopt_link_copy_late_bytes_total ") > 0, "{w}");
+    assert!(value(&w, "wanopt_link_copies_lost_total ") >= 1, "{w}");
+    let won: u64 = ["1", "2", "3"]
+        .iter()
+        .map(|c| {
+            value(
+                &w,
+                &format!("wanopt_link_copy_won_bytes_total{{copy=\"{c}\"}} "),
+            )
+        })
+        .sum();
+    assert!(won > 0, "{w}");
+}
+
+/// `auto` keeps a second connection while latency traffic is light, drops it while a latency
+/// stream takes most of the stated link beside a bulk transfer, and takes it back once the
+/// latency traffic is light again; both transfers stay byte-exact.
+#[test]
+fn auto_drops_the_copy_while_latency_traffic_crowds_the_link() {
+    let sync = server(echo_handler);
+    let bulk = hash_server();
+    let sink = server(hash_handler);
+    let p = Pair::start_link(
+        &format!(
+            "  - name: sync\n    target: {sync}\n    class: latency\n  - name: heavy\n    target: {sink}\n    class: latency\n  - name: bulk\n    target: {bulk}\n"
+        ),
+        "  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n  - name: heavy\n    listen: 127.0.0.1:0\n    class: latency\n  - name: bulk\n    listen: 127.0.0.1:0\n",
+        "admin:\n  listen: 127.0.0.1:0\n",
+        "\n  bandwidth: 16mbit\n  rtt: 10ms",
+    );
+    let admin = p.west.bound("admin");
+    let copies = || value(&scrape(admin), "wanopt_link_latency_copies ");
+    wait_until(
+        20 * SEC,
+        "two copies while latency traffic is light",
+        || copies() == 2,
+    );
+    let bulk_addr = p.west.bound("bulk");
+    let transfer = std::thread::spawn(move || hash_client(bulk_addr, 5, 40 * MIB, 0));
+    // A latency stream that takes what the link gives it (latency goes before bulk).
+    let heavy = p.west.bound("heavy");
+    let crowding = std::thread::spawn(move || hash_client(heavy, 6, 12 * MIB, 0));
+    // (On loopback the burst may also leave one copy too far behind: it is dropped at once.)
+    let wanted = || value(&scrape(admin), "wanopt_link_latency_copies_wanted ");
+    wait_until(
+        30 * SEC,
+        "one connection while latency traffic crowds the link",
+        || wanted() == 1 && copies() == 1,
+    );
+    p.west.wait_log("the redundancy policy changed", 5 * SEC);
+    crowding
+        .join()
+        .expect("latency client")
+        .expect("the latency transfer is byte-exact");
+    // Light again (the round trips below): after the window and the hold-off, two again.
+    let sync_addr = p.west.bound("sync");
+    let stop = Arc::new(AtomicBool::new(false));
+    let rounds = Arc::new(AtomicU64::new(0));
+    let looping = {
+        let (stop, rounds) = (stop.clone(), rounds.clone());
+        let c = TcpStream::connect(sync_addr).expect("connect sync");
+        // 8 KiB each way every 100 ms: 4% of the stated 2 MB/s, light.
+        std::thread::spawn(move || sync_loop(c, stop, rounds, Duration::from_millis(100)))
+    };
+    wait_until(40 * SEC, "two copies again", || copies() == 2);
+    stop.store(true, Ordering::Relaxed);
+    looping
+        .join()
+        .expect("sync client")
+        .expect("every round trip answered exactly");
+    transfer
+        .join()
+        .expect("bulk client")
+        .expect("the bulk transfer is byte-exact");
+    assert!(p.west.count("latency lane copy attached") >= 2);
+    assert_eq!(p.west.count("latency lane lost"), 0);
+}
+
+/// A peer whose latency services say `redundancy: off` takes no copies: the lane stays one
+/// connection and works.
+#[test]
+fn a_peer_that_takes_no_copies_gets_one_connection() {
+    let sync = server(echo_handler);
+    let p = Pair::start_extra(
+        &format!("  - name: sync\n    target: {sync}\n    class: latency\n    redundancy: off\n"),
+        "  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n    redundancy: 2\n",
+        "admin:\n  listen: 127.0.0.1:0\n",
+    );
+    p.west.wait_log("latency lane attached", 10 * SEC);
+    let c = TcpStream::connect(p.west.bound("sync")).expect("connect");
+    let stop = Arc::new(AtomicBool::new(false));
+    let rounds = Arc::new(AtomicU64::new(0));
+    let looping = {
+        let (stop, rounds) = (stop.clone(), rounds.clone());
+        std::thread::spawn(move || sync_loop(c, stop, rounds, Duration::ZERO))
+    };
+    // The keeper looks every second: three looks, no copy.
+    std::thread::sleep(3 * SEC);
+    stop.store(true, Ordering::Relaxed);
+    let times = looping.join().expect("client").expect("exact");
+    assert!(!times.is_empty());
+    let w = scrape(p.west.bound("admin"));
+    assert_eq!(value(&w, "wanopt_link_latency_copies "), 1, "{w}");
+    assert_eq!(value(&w, "wanopt_link_latency_copies_wanted "), 1, "{w}");
+    assert_eq!(p.west.count("latency lane copy attached"), 0);
+    assert_eq!(p.east.count("rejected a latency lane copy"), 0);
+}
