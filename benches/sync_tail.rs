@@ -1,0 +1,216 @@
+//! The tail of SYNC round trips on a lossy WAN: 8 KiB request/response round trips (20 ms
+//! apart, as a Data Guard SYNC commit stream) on four paths at once, for the same time, across
+//! one wansim link: direct TCP with CUBIC, direct TCP with BBR, the wanopt pair with two copies
+//! of its latency lane (`redundancy: 2`) and a second pair with one (`redundancy: off`). Then
+//! the same while a bulk stream through the first pair fills the link. Reports p50, p99, p99.9
+//! and the worst, in ms and as multiples of the RTT.
+//!
+//! Run (as root): `cargo build --release --workspace && cargo bench --bench sync_tail --
+//! --preset t3-100ms-1 --seconds 600`. Options: `--preset NAME` (default `t3-100ms-0.5`),
+//! `--seconds N` per phase (default 60), `--copies N` for the first pair (default 2).
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{link_lines, wan_pair};
+use wansim::{Site, Wan};
+
+const RR: usize = 8 * 1024;
+
+/// In east: port 9000 echoes 8 KiB messages, port 9001 swallows everything.
+fn east_servers(wan: &Wan, addr: std::net::IpAddr) {
+    for (port, echo) in [(9000u16, true), (9001, false)] {
+        let l = wan
+            .in_site(Site::East, move || TcpListener::bind((addr, port)))
+            .expect("east")
+            .expect("bind");
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { continue };
+                let _ = s.set_nodelay(true);
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; if echo { RR } else { 1 << 20 }];
+                    if echo {
+                        while s.read_exact(&mut buf).is_ok() && s.write_all(&buf).is_ok() {}
+                    } else {
+                        while matches!(s.read(&mut buf), Ok(n) if n > 0) {}
+                    }
+                });
+            }
+        });
+    }
+}
+
+/// Connects from west with congestion control `cc` (loopback connections to a daemon's port
+/// keep the default: it does not matter there).
+fn connect_in(wan: &Wan, addr: SocketAddr, cc: &'static str) -> TcpStream {
+    let s = wan
+        .in_site(Site::West, move || {
+            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            if !addr.ip().is_loopback() {
+                sock.set_tcp_congestion(cc.as_bytes())?;
+            }
+            sock.connect(&addr.into())?;
+            Ok::<TcpStream, std::io::Error>(sock.into())
+        })
+        .expect("west")
+        .expect("connect");
+    s.set_nodelay(true).expect("nodelay");
+    s
+}
+
+/// Round trips on `s` for `secs`, 20 ms apart; each answer is checked.
+fn round_trips(mut s: TcpStream, secs: u64) -> Vec<Duration> {
+    let end = Instant::now() + Duration::from_secs(secs);
+    let mut msg = vec![0u8; RR];
+    let mut back = vec![0u8; RR];
+    let mut v = Vec::new();
+    let mut n = 0u64;
+    while Instant::now() < end {
+        common::fill(n, 0, &mut msg);
+        let t = Instant::now();
+        s.write_all(&msg).expect("request");
+        s.read_exact(&mut back).expect("response");
+        v.push(t.elapsed());
+        assert!(back == msg, "round trip {n}: the answer differs");
+        n += 1;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    v.sort();
+    v
+}
+
+fn ms(v: &[Duration], p: f64) -> f64 {
+    v[((v.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1e3
+}
+
+fn main() {
+    if !wansim::available_or_skip("sync tail") {
+        return;
+    }
+    let args = common::args::Args::new();
+    let preset = args.get("--preset", "t3-100ms-0.5".to_string());
+    let secs: u64 = args.get("--seconds", 60);
+    let copies: String = args.get("--copies", "2".to_string());
+    let params = wansim::preset(&preset).expect("preset");
+    let rtt_ms = params.stated().1.as_secs_f64() * 1e3;
+    let (stated, stated_words) = common::stated_link(&params);
+    let wan = Wan::start(&format!("st{}", std::process::id() % 100_000), params).expect("wansim");
+    let east_ip = std::net::IpAddr::V4(Site::East.addr());
+    east_servers(&wan, east_ip);
+    // Two pairs side by side: east on 7400 (copies) and 7401 (one connection).
+    let start = |port: u16, redundancy: &str| {
+        let lat = format!("    class: latency\n    redundancy: {redundancy}\n");
+        let stated = stated.clone();
+        wan_pair(
+            &wan,
+            &format!(
+                "  - name: lat\n    target: {east_ip}:9000\n{lat}  - name: bulk\n    target: {east_ip}:9001\n"
+            ),
+            &format!(
+                "  - name: lat\n    listen: 127.0.0.1:0\n{lat}  - name: bulk\n    listen: 127.0.0.1:0\n"
+            ),
+            move |_, y| link_lines(y.replace(":7400", &format!(":{port}")), &stated),
+        )
+    };
+    let with_copies = start(7400, &copies);
+    let single = start(7401, "off");
+    with_copies
+        .west
+        .wait_log("latency lane copy attached", Duration::from_secs(30));
+    let paths: Vec<(String, SocketAddr, &'static str)> = vec![
+        (
+            "direct CUBIC".into(),
+            SocketAddr::new(east_ip, 9000),
+            "cubic",
+        ),
+        ("direct BBR".into(), SocketAddr::new(east_ip, 9000), "bbr"),
+        (
+            format!("wanopt, redundancy {copies}"),
+            with_copies.west.bound("lat"),
+            "cubic",
+        ),
+        (
+            "wanopt, redundancy off".into(),
+            single.west.bound("lat"),
+            "cubic",
+        ),
+    ];
+    println!(
+        "{preset}: 8 KiB round trips 20 ms apart, {secs} s per phase, all paths at once; {stated_words}"
+    );
+    for bulk in [false, true] {
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = bulk.then(|| {
+            let mut s = connect_in(&wan, with_copies.west.bound("bulk"), "cubic");
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                // Bytes that neither compress nor repeat: they fill the link as they are.
+                let mut buf = vec![0u8; 1 << 16];
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    common::fill(0xb01c, n, &mut buf);
+                    if s.write_all(&buf).is_err() {
+                        break;
+                    }
+                    n += buf.len() as u64;
+                }
+            })
+        });
+        if bulk {
+            // Let the bulk stream fill the pipe and the queues first.
+            std::thread::sleep(Duration::from_secs(5));
+        }
+        let runs: Vec<_> = paths
+            .iter()
+            .map(|(_, addr, cc)| {
+                let s = connect_in(&wan, *addr, cc);
+                std::thread::spawn(move || round_trips(s, secs))
+            })
+            .collect();
+        let results: Vec<Vec<Duration>> = runs
+            .into_iter()
+            .map(|r| r.join().expect("round trips"))
+            .collect();
+        stop.store(true, Ordering::Relaxed);
+        drop(writer);
+        println!(
+            "\n{}",
+            if bulk {
+                "while a bulk stream through the pair fills the link"
+            } else {
+                "idle link"
+            }
+        );
+        println!(
+            "{:<28} {:>7} {:>8} {:>8} {:>8} {:>8}   {:>6} {:>6}",
+            "path", "rounds", "p50", "p99", "p99.9", "max", "p99/RTT", "p99.9/RTT"
+        );
+        for ((name, ..), v) in paths.iter().zip(&results) {
+            println!(
+                "{name:<28} {:>7} {:>8.1} {:>8.1} {:>8.1} {:>8.1}   {:>6.2} {:>6.2}",
+                v.len(),
+                ms(v, 0.5),
+                ms(v, 0.99),
+                ms(v, 0.999),
+                ms(v, 1.0),
+                ms(v, 0.99) / rtt_ms,
+                ms(v, 0.999) / rtt_ms
+            );
+        }
+    }
+    let (a, b) = wan.counters();
+    println!("\nwansim west->east: {a}\nwansim east->west: {b}");
+    for d in [&with_copies.west, &with_copies.east] {
+        let lost = d.count("a latency lane connection was lost");
+        if lost > 0 {
+            println!("{}: {lost} copy connections lost and replaced", d.name);
+        }
+    }
+}
