@@ -94,9 +94,37 @@ fn gain(raw: f64, wire: f64) -> String {
     }
 }
 
+/// The value of an unlabelled metric, if the text has it.
+fn plain(text: &str, metric: &str) -> Option<f64> {
+    text.lines()
+        .filter_map(sample)
+        .find(|(n, labels, _)| *n == metric && labels.is_empty())
+        .map(|(_, _, v)| v)
+}
+
+/// The latency lane's copies, if any connection carries it: how many, what the policy wants,
+/// what they cost and how much arrived second.
+fn lane_line(text: &str) -> Option<String> {
+    let copies = plain(text, "wanopt_link_latency_copies").filter(|c| *c > 0.0)?;
+    let wanted = plain(text, "wanopt_link_latency_copies_wanted").unwrap_or(0.0);
+    let twice = plain(text, "wanopt_link_copy_duplicated_bytes_total").unwrap_or(0.0);
+    let late = plain(text, "wanopt_link_copy_late_bytes_total").unwrap_or(0.0);
+    let wants = if wanted > 0.0 {
+        format!(" (the policy wants {wanted})")
+    } else {
+        String::new()
+    };
+    Some(format!(
+        "\nlatency lane: {copies} connection(s){wants}; {} sent again on a copy, {} arrived after another copy",
+        human(twice),
+        human(late)
+    ))
+}
+
 /// The table `wanoptd stats` prints.
 pub fn render(text: &str) -> String {
     let rows = parse(text);
+    let lane = lane_line(text);
     let mut o = String::new();
     let _ = writeln!(
         o,
@@ -130,6 +158,9 @@ pub fn render(text: &str) -> String {
     }
     if rows.is_empty() {
         let _ = writeln!(o, "(no service has carried traffic yet)");
+        if let Some(l) = lane {
+            let _ = writeln!(o, "{l}");
+        }
         return o;
     }
     // What kept the outgoing bytes off the wire: each mechanism's share of the raw bytes.
@@ -152,6 +183,9 @@ pub fn render(text: &str) -> String {
             cell(r.saved[2])
         );
     }
+    if let Some(l) = lane {
+        let _ = writeln!(o, "{l}");
+    }
     o
 }
 
@@ -170,5 +204,12 @@ mod tests {
         assert_eq!(rows["dg"].saved, [0.0, 1500.0, 0.0]);
         assert!(out.contains(" 50.0%"), "{out}");
         assert!(render("").contains("no service"));
+        assert!(!out.contains("latency lane"), "{out}");
+        let lane = "wanopt_link_latency_copies 2\nwanopt_link_latency_copies_wanted 2\nwanopt_link_copy_duplicated_bytes_total 2097152\nwanopt_link_copy_late_bytes_total 1048576\n";
+        let out = render(&format!("{text}{lane}"));
+        assert!(
+            out.contains("latency lane: 2 connection(s) (the policy wants 2); 2.0 MiB sent again"),
+            "{out}"
+        );
     }
 }

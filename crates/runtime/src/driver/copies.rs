@@ -327,8 +327,13 @@ pub(crate) async fn run_lane<S>(
         CopyEnd::Stale => {}
         CopyEnd::Others(left) => {
             counters.copies.set(left as i64);
-            add(&counters.copies_lost, 1);
-            warn!(link = h.id, peer = %h.ctx.peer, copy = c.slot + 1, left, reason = %why, "a latency lane connection was lost; the others carry the lane");
+            if why == "peer closed the connection" {
+                // The peer's policy wants fewer connections.
+                info!(link = h.id, peer = %h.ctx.peer, copy = c.slot + 1, left, "the peer closed a latency lane connection; the others carry the lane");
+            } else {
+                add(&counters.copies_lost, 1);
+                warn!(link = h.id, peer = %h.ctx.peer, copy = c.slot + 1, left, reason = %why, "a latency lane connection was lost; the others carry the lane");
+            }
         }
         CopyEnd::LaneLost => {
             counters.copies.set(0);
@@ -358,39 +363,46 @@ async fn write_copy<W: AsyncWrite + Unpin>(
     let counters = &h.ctx.counters.link;
     let mut buf = BytesMut::with_capacity(2 * TRANSMIT_BATCH);
     loop {
-        let (next, closed): (Option<Bytes>, bool) = {
+        let (next, closed, dropped): (Option<Bytes>, bool, bool) = {
             let mut g = lock(&h.inner);
             if !h.carries(&g, &c) {
-                return "a newer connection took the lane over".into();
-            }
-            if g.link.is_suspended() {
-                return "the link's other lane was lost".into();
-            }
-            if g.lane.fanout.next(c.slot).is_none() {
-                g.link
-                    .poll_transmit_lane(LATENCY_LANE, &mut buf, TRANSMIT_BATCH);
-                h.dispatch(&mut g);
-                if !buf.is_empty() {
-                    let n = buf.len() as u64;
-                    g.lane.sent += n;
-                    add(&counters.wire_out, n);
-                    for slot in g.lane.fanout.push(buf.split().freeze()) {
-                        g.lane.release(slot);
-                        lock(&h.fds)[1 + slot] = None;
-                        counters.copies.set(g.lane.count() as i64);
-                        add(&counters.copies_lost, 1);
-                        warn!(
-                            link = h.id,
-                            copy = slot + 1,
-                            "a latency lane connection fell too far behind the others; dropped"
-                        );
-                    }
-                    // The other copies write these bytes too.
-                    h.wake_copies();
+                (None, false, true)
+            } else {
+                if g.link.is_suspended() {
+                    return "the link's other lane was lost".into();
                 }
+                if g.lane.fanout.next(c.slot).is_none() {
+                    g.link
+                        .poll_transmit_lane(LATENCY_LANE, &mut buf, TRANSMIT_BATCH);
+                    h.dispatch(&mut g);
+                    if !buf.is_empty() {
+                        let n = buf.len() as u64;
+                        g.lane.sent += n;
+                        add(&counters.wire_out, n);
+                        for slot in g.lane.fanout.push(buf.split().freeze()) {
+                            g.lane.release(slot);
+                            lock(&h.fds)[1 + slot] = None;
+                            counters.copies.set(g.lane.count() as i64);
+                            add(&counters.copies_lost, 1);
+                            warn!(
+                                link = h.id,
+                                copy = slot + 1,
+                                "a latency lane connection fell too far behind the others; dropped"
+                            );
+                        }
+                        // The other copies write these bytes too.
+                        h.wake_copies();
+                    }
+                }
+                (g.lane.fanout.next(c.slot), g.link.is_closed(), false)
             }
-            (g.lane.fanout.next(c.slot), g.link.is_closed())
         };
+        if dropped {
+            // Given up (the policy wants fewer, or a newer lane took over): a clean close, so
+            // the peer sees the end and not an error.
+            let _ = wr.shutdown().await;
+            return "a newer connection took the lane over".into();
+        }
         if next.is_none() && closed {
             let _ = wr.shutdown().await;
             return "closed".into();
