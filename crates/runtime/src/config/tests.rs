@@ -569,3 +569,62 @@ fn garbage_is_an_error_not_a_panic() {
         assert!(Config::parse(text, Path::new("x")).is_err());
     }
 }
+
+/// The dotted keys with values in `describe`'s output (`services[].name` for list items).
+fn described_keys(text: &str) -> Vec<String> {
+    let mut stack: Vec<(usize, String)> = Vec::new();
+    let mut keys = Vec::new();
+    for line in text.lines() {
+        let code = line.split(" #").next().unwrap_or("").trim_end();
+        if code.trim().is_empty() || code.trim_start().starts_with('#') {
+            continue;
+        }
+        let mut indent = code.len() - code.trim_start().len();
+        let mut rest = code.trim_start();
+        if let Some(item) = rest.strip_prefix("- ") {
+            // A list item: its keys are the list's, as `list[]`.
+            indent += 2;
+            rest = item;
+            if let Some(top) = stack.last_mut()
+                && !top.1.ends_with("[]")
+            {
+                top.1.push_str("[]");
+            }
+        }
+        let Some((key, value)) = rest.split_once(':') else {
+            continue;
+        };
+        stack.retain(|(i, _)| *i < indent);
+        let path: Vec<&str> = stack.iter().map(|(_, k)| k.as_str()).chain([key]).collect();
+        // Sections (a key with nothing after it) hold keys; only those with values count.
+        if !value.trim().is_empty() {
+            keys.push(path.join("."));
+        }
+        stack.push((indent, key.to_string()));
+    }
+    keys
+}
+
+/// docs/configuration.md names every key `wanoptd check` prints: a key is there in backticks,
+/// or its last part is, in a table row that names its section (`services[].compression`,
+/// `dedup`).
+#[test]
+fn the_configuration_reference_names_every_key() {
+    let doc = include_str!("../../../../docs/configuration.md");
+    let c = parse(
+        "admin:\n  listen: 127.0.0.1:9400\noptimize:\n  disk:\n    bytes: 4GiB\nservices:\n  - {name: dg, listen: '127.0.0.1:1522', class: latency, redundancy: 2}\n  - {name: rman, target: 'db:1521', idle_timeout: 'off'}\n",
+    )
+    .expect("valid");
+    let keys = described_keys(&c.describe());
+    assert!(keys.len() > 50, "{keys:?}");
+    let rows: Vec<&str> = doc.lines().filter(|l| l.starts_with("| `")).collect();
+    for key in keys.iter().filter(|k| k.contains('.')) {
+        let (parent, leaf) = key.rsplit_once('.').expect("dotted");
+        let named = doc.contains(&format!("`{key}`"))
+            || rows.iter().any(|r| {
+                let first = r.split(" | ").next().unwrap_or("");
+                first.contains(&format!("`{parent}.")) && first.contains(&format!("`{leaf}`"))
+            });
+        assert!(named, "docs/configuration.md does not name `{key}`");
+    }
+}
