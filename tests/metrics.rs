@@ -180,3 +180,42 @@ fn grafana_dashboard_uses_only_real_metrics() {
         }
     }
 }
+
+/// The shipped alerting rules query only metrics the daemon registers, and `promtool` accepts
+/// them (CI installs it from Debian's `prometheus` package and sets `WANOPT_REQUIRE_PROMTOOL=1`;
+/// elsewhere a missing promtool skips that half with a message).
+#[test]
+fn alerting_rules_use_only_real_metrics_and_pass_promtool() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let rules = root.join("config/prometheus-rules.yaml");
+    let text = std::fs::read_to_string(&rules).expect("rules");
+    let registered = std::fs::read_to_string(root.join("crates/runtime/src/counters.rs"))
+        .expect("counters.rs");
+    let mut n = 0;
+    for token in text
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|t| t.starts_with("wanopt_"))
+    {
+        let family = token.strip_suffix("_total").unwrap_or(token);
+        assert!(
+            registered.contains(&format!("\"{family}\"")),
+            "the rules query {token}, which the daemon does not register"
+        );
+        n += 1;
+    }
+    assert!(n >= 10, "{n} metrics in the rules");
+    match std::process::Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(&rules)
+        .output()
+    {
+        Ok(out) => assert!(out.status.success(), "promtool: {out:?}"),
+        Err(e) => {
+            assert!(
+                std::env::var("WANOPT_REQUIRE_PROMTOOL").as_deref() != Ok("1"),
+                "WANOPT_REQUIRE_PROMTOOL=1 but promtool cannot run: {e}"
+            );
+            eprintln!("SKIPPED promtool check rules: {e} (apt-get install prometheus)");
+        }
+    }
+}
