@@ -83,8 +83,8 @@ fn shipped_units_pass_systemd_analyze_verify() {
     let exe = bin("wanoptd");
     for name in ["wanoptd.service", "wanoptd@.service"] {
         let text = std::fs::read_to_string(units.join(name)).expect("unit");
-        assert!(text.contains("/usr/local/bin/wanoptd"), "{name}");
-        let text = text.replace("/usr/local/bin/wanoptd", exe.to_str().expect("utf8"));
+        assert!(text.contains("/usr/bin/wanoptd"), "{name}");
+        let text = text.replace("/usr/bin/wanoptd", exe.to_str().expect("utf8"));
         std::fs::write(dir.path().join(name), text).expect("write");
     }
     for unit in ["wanoptd.service", "wanoptd@west.service"] {

@@ -216,9 +216,28 @@ fn demo(dir: &Path) -> ExitCode {
     let mut cfgs = Vec::new();
     for site in ["east", "west"] {
         match load(&dir.join(format!("{site}.yaml"))) {
-            Ok(c) => cfgs.push(c),
+            Ok(mut c) => {
+                // The shipped configs leave state_dir to systemd; the demo keeps its state
+                // beside them.
+                if c.state_dir == std::path::Path::new(wanopt_runtime::config::defaults::STATE_DIR)
+                {
+                    c.state_dir = dir.join("state").join(site);
+                }
+                cfgs.push(c)
+            }
             Err(code) => return code,
         }
+    }
+    if let Some(bps) = cfgs.iter().filter_map(|c| c.link.max_rate_bps).min() {
+        // On loopback the configs' stated WAN is the only limit: say so, or a comparison
+        // with direct loopback TCP looks like the tunnel is slow.
+        eprintln!(
+            "wanoptd demo: the link is paced at {:.1} Mbit/s, 95% of the configs' link.bandwidth, as \
+             on the WAN they describe; through the tunnel, loopback runs no faster. Set \
+             link.bandwidth in both configs to compare with loopback TCP, or measure on an \
+             emulated WAN (crates/wansim/README.md)",
+            bps as f64 / 1e6
+        );
     }
     init_logging(&cfgs[0].log_level);
     run_daemons(cfgs)

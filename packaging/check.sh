@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Builds the .deb and the .rpm, installs the .deb on this machine, checks what it installed
+# (the sample configs with `wanoptd check`, the units with `systemd-analyze verify`), runs the
+# sample pair from the installed files as systemd would (as the wanopt user, each with its
+# state directory) until its link is up, lists the .rpm, and purges the package again.
+# Run as root from the repository root after `cargo build --release --workspace`; CI runs it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if dpkg -s wanopt >/dev/null 2>&1; then
+    echo "FAIL: a wanopt package is already installed here; this check installs and purges its own"
+    exit 1
+fi
+
+rm -rf target/debian target/generate-rpm
+# The release profile keeps line tables for profiling; the packages do not need them.
+for f in target/release/wanoptd target/release/wanopt-replay target/release/wansim; do
+    strip --strip-debug -o "$f.stripped" "$f" && mv "$f.stripped" "$f"
+done
+cargo deb -p wanoptd --no-build >/dev/null
+cargo generate-rpm -p crates/wanoptd >/dev/null
+deb=$(ls target/debian/wanopt_*.deb)
+rpmfile=$(ls target/generate-rpm/wanopt-*.rpm)
+echo "built $deb ($(du -h "$deb" | cut -f1)) and $rpmfile ($(du -h "$rpmfile" | cut -f1))"
+
+purge() { dpkg --purge wanopt >/dev/null 2>&1 || true; }
+trap purge EXIT
+
+apt-get install -y -qq "./$deb" >/dev/null
+for f in /usr/bin/wanoptd /usr/bin/wanopt-replay /usr/bin/wansim \
+    /usr/lib/systemd/system/wanoptd.service /usr/lib/systemd/system/wanoptd@.service \
+    /usr/lib/sysusers.d/wanopt.conf /usr/lib/sysctl.d/99-wanopt.conf \
+    /etc/wanopt/west.yaml /etc/wanopt/east.yaml /etc/wanopt/certs/ca.pem \
+    /usr/share/wanopt/prometheus-rules.yaml /usr/share/doc/wanopt/configuration.md; do
+    [ -e "$f" ] || { echo "FAIL: the package did not install $f"; exit 1; }
+done
+dpkg-query -W -f='${Conffiles}\n' wanopt | grep -q /etc/wanopt/west.yaml ||
+    { echo "FAIL: /etc/wanopt/west.yaml is not a conffile"; exit 1; }
+getent passwd wanopt >/dev/null || { echo "FAIL: no wanopt user"; exit 1; }
+[ "$(stat -c %U:%a /etc/wanopt/certs/west.key)" = "wanopt:600" ] ||
+    { echo "FAIL: west.key is $(stat -c %U:%a /etc/wanopt/certs/west.key)"; exit 1; }
+
+# The sample configs, as the daemon's user reads them.
+for site in west east; do
+    runuser -u wanopt -- wanoptd check -c "/etc/wanopt/$site.yaml" >/dev/null
+done
+systemd-analyze verify /usr/lib/systemd/system/wanoptd.service \
+    /usr/lib/systemd/system/wanoptd@west.service
+echo "installed: binaries, units (verified), sysusers, sysctl, configs (checked), certificates"
+
+# An upgrade (the same package again) leaves an edited config and the certificates alone.
+echo "# edited by the operator" >>/etc/wanopt/west.yaml
+ca=$(sha256sum /etc/wanopt/certs/ca.pem)
+dpkg -i "$deb" >/dev/null
+grep -q "edited by the operator" /etc/wanopt/west.yaml ||
+    { echo "FAIL: reinstalling replaced an edited config"; exit 1; }
+[ "$(sha256sum /etc/wanopt/certs/ca.pem)" = "$ca" ] ||
+    { echo "FAIL: reinstalling replaced the certificates"; exit 1; }
+echo "reinstalled: the edited config and the certificates stayed"
+
+# The sample pair, started as the units start it (user wanopt, STATE_DIRECTORY).
+state=$(mktemp -d)
+chown wanopt "$state"
+logs=()
+pids=()
+for site in east west; do
+    mkdir -p "$state/$site" && chown wanopt "$state/$site" && chmod 700 "$state/$site"
+    log="$state/$site.log"
+    STATE_DIRECTORY="$state/$site" runuser -u wanopt -- \
+        /usr/bin/wanoptd -c "/etc/wanopt/$site.yaml" 2>"$log" &
+    pids+=($!)
+    logs+=("$log")
+done
+up=0
+for _ in $(seq 1 100); do
+    if grep -q "link up" "${logs[0]}" && grep -q "link up" "${logs[1]}"; then
+        up=1
+        break
+    fi
+    sleep 0.1
+done
+kill "${pids[@]}" 2>/dev/null || true
+wait "${pids[@]}" 2>/dev/null || true
+if [ "$up" != 1 ]; then
+    echo "FAIL: the installed sample pair did not come up"
+    cat "${logs[@]}"
+    exit 1
+fi
+rm -rf "$state"
+echo "the installed sample pair came up"
+
+echo "rpm contents:"
+rpm -qlp "$rpmfile"
+rpm -qp --scripts "$rpmfile" | grep -q /usr/share/wanopt/setup.sh ||
+    { echo "FAIL: the rpm does not run setup.sh after install"; exit 1; }
+rpm -qcp "$rpmfile" | grep -q /etc/wanopt/east.yaml ||
+    { echo "FAIL: /etc/wanopt/east.yaml is not a config file of the rpm"; exit 1; }
+
+dpkg --purge wanopt >/dev/null
+[ ! -e /usr/bin/wanoptd ] && [ ! -e /etc/wanopt/certs ] ||
+    { echo "FAIL: purge left files behind"; exit 1; }
+trap - EXIT
+echo "packages: ok"
