@@ -358,6 +358,9 @@ pub struct TcpSample {
     pub delivery_rate: i64,
     pub bytes_sent: i64,
     pub bytes_received: i64,
+    /// Data segments sent (retransmissions included): with `retransmitted_segments`, the loss
+    /// the connection saw.
+    pub data_segments_sent: i64,
 }
 
 impl SocketMetrics {

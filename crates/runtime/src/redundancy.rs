@@ -14,7 +14,8 @@ pub enum Redundancy {
     /// One connection.
     Off,
     /// Two connections while the latency lane's traffic is a small share of the link
-    /// ([`AUTO_OFF_SHARE`]), one otherwise.
+    /// ([`AUTO_OFF_SHARE`]), one otherwise; three while its connections see more loss than
+    /// [`AUTO_THREE_LOSS`].
     #[default]
     Auto,
     /// Always this many connections (2 or 3).
@@ -37,7 +38,7 @@ impl Redundancy {
     pub fn most(self) -> usize {
         match self {
             Redundancy::Off => 1,
-            Redundancy::Auto => 2,
+            Redundancy::Auto => 3,
             Redundancy::Copies(n) => n.clamp(1, MAX_COPIES),
         }
     }
@@ -72,9 +73,10 @@ pub fn explain(link: Redundancy, bandwidth_bps: u64) -> String {
         Redundancy::Off => "one connection".into(),
         Redundancy::Copies(n) => format!("{n} connections, each with a copy of every write"),
         Redundancy::Auto => format!(
-            "2 connections while its traffic stays under {:.1} Mbit/s ({}% of link.bandwidth), else 1",
+            "2 connections while its traffic stays under {:.1} Mbit/s ({}% of link.bandwidth), else 1; 3 while they see over {}% loss",
             bandwidth_bps as f64 * AUTO_OFF_SHARE / 1e6,
-            (AUTO_OFF_SHARE * 100.0) as u32
+            (AUTO_OFF_SHARE * 100.0) as u32,
+            AUTO_THREE_LOSS * 100.0
         ),
     }
 }
@@ -85,6 +87,19 @@ pub const AUTO_OFF_SHARE: f64 = 0.10;
 /// `auto` takes its second connection again once the share stayed below this for
 /// [`AUTO_BACK_AFTER`].
 pub const AUTO_ON_SHARE: f64 = 0.05;
+/// Above this share of the lane's segments retransmitted (over [`AUTO_LOSS_WINDOW`]) `auto` keeps
+/// three connections: each connection stalls in its own loss recovery for a round trip or more,
+/// so with two a message is late whenever one copy is lost while the other recovers (on a 1%
+/// link, the 99th percentile of SYNC round trips at 2 RTT); with three, both others must be.
+pub const AUTO_THREE_LOSS: f64 = 0.002;
+/// `auto` goes back to two once the loss stayed below this over the window.
+pub const AUTO_TWO_LOSS: f64 = 0.0008;
+/// Fewest segments sent over [`AUTO_LOSS_WINDOW`] for the loss to count.
+pub const AUTO_LOSS_SEGMENTS: u64 = 500;
+/// The window the lane's loss is measured over (longer than the rate's: a SYNC lane sends a
+/// few hundred segments a second at most).
+pub const AUTO_LOSS_WINDOW: Duration = Duration::from_secs(30);
+
 /// The window the latency lane's rate is measured over.
 pub const AUTO_WINDOW: Duration = Duration::from_secs(5);
 /// How long the share must stay low before `auto` copies again.
@@ -98,8 +113,12 @@ pub struct CopyPolicy {
     bandwidth: f64,
     /// (when, bytes sent, bytes received) on the latency lane, oldest first.
     samples: VecDeque<(Instant, u64, u64)>,
+    /// (when, segments retransmitted, data segments sent) on the lane's connections.
+    losses: VecDeque<(Instant, u64, u64)>,
     /// `auto` copies now.
     on: bool,
+    /// `auto` keeps three (the lane is lossy).
+    lossy: bool,
     /// Since when the share has been below [`AUTO_ON_SHARE`] while off.
     low_since: Option<Instant>,
 }
@@ -110,7 +129,9 @@ impl CopyPolicy {
             setting,
             bandwidth: (bandwidth_bps as f64 / 8.0).max(1.0),
             samples: VecDeque::new(),
+            losses: VecDeque::new(),
             on: true,
+            lossy: false,
             low_since: None,
         }
     }
@@ -134,9 +155,40 @@ impl CopyPolicy {
         bytes / secs / self.bandwidth
     }
 
+    /// The share of the lane's segments retransmitted over the window, if enough were sent.
+    pub fn loss(&self) -> Option<f64> {
+        let (first, last) = (self.losses.front()?, self.losses.back()?);
+        let segments = last.2 - first.2;
+        (segments >= AUTO_LOSS_SEGMENTS).then(|| (last.1 - first.1) as f64 / segments as f64)
+    }
+
+    /// Records the lane connections' retransmitted and sent data segments (summed; counts that
+    /// only grow while the connections stay).
+    pub fn segments(&mut self, now: Instant, retransmitted: u64, sent: u64) {
+        if let Some(&(_, r, s)) = self.losses.back()
+            && (retransmitted < r || sent < s)
+        {
+            self.losses.clear();
+        }
+        self.losses.push_back((now, retransmitted, sent));
+        while self
+            .losses
+            .front()
+            .is_some_and(|(t, ..)| now.saturating_duration_since(*t) > AUTO_LOSS_WINDOW)
+        {
+            self.losses.pop_front();
+        }
+        match self.loss() {
+            Some(l) if l >= AUTO_THREE_LOSS => self.lossy = true,
+            Some(l) if l < AUTO_TWO_LOSS => self.lossy = false,
+            _ => {}
+        }
+    }
+
     /// How many connections to keep, given the latency lane's bytes sent and received so far
     /// (counts that only grow). `auto` switches with hysteresis: off above
-    /// [`AUTO_OFF_SHARE`], on again after [`AUTO_BACK_AFTER`] below [`AUTO_ON_SHARE`].
+    /// [`AUTO_OFF_SHARE`], on again after [`AUTO_BACK_AFTER`] below [`AUTO_ON_SHARE`]; on, it
+    /// keeps three while [`segments`](Self::segments) saw over [`AUTO_THREE_LOSS`] loss.
     pub fn wanted(&mut self, now: Instant, sent: u64, received: u64) -> usize {
         if let Some(&(_, s, r)) = self.samples.back()
             && (sent < s || received < r)
@@ -170,7 +222,11 @@ impl CopyPolicy {
                         self.low_since = None;
                     }
                 }
-                if self.on { 2 } else { 1 }
+                match (self.on, self.lossy) {
+                    (false, _) => 1,
+                    (true, false) => 2,
+                    (true, true) => 3,
+                }
             }
         }
     }
@@ -192,7 +248,7 @@ mod tests {
         assert_eq!(Redundancy::of_link([Off, Auto]), Auto);
         assert_eq!(Redundancy::of_link([Auto, Copies(2), Off]), Copies(2));
         assert_eq!(Redundancy::of_link([Copies(3), Copies(2)]), Copies(3));
-        assert_eq!((Off.most(), Auto.most(), Copies(3).most()), (1, 2, 3));
+        assert_eq!((Off.most(), Auto.most(), Copies(3).most()), (1, 3, 3));
     }
 
     /// Feeds `secs` seconds of a steady rate (bytes per second, sent) and returns the last
@@ -221,6 +277,23 @@ mod tests {
         assert_eq!(run(&mut p, &mut t, &mut sent, 400_000, 20), 1);
         assert_eq!(run(&mut p, &mut t, &mut sent, 125_000, 8), 1);
         assert_eq!(run(&mut p, &mut t, &mut sent, 125_000, 10), 2);
+        // A lossy lane: three connections (0.6% of segments retransmitted), two again once
+        // the loss stays low.
+        let mut segs = (0u64, 0u64);
+        let mut lossy = |p: &mut CopyPolicy, t: &mut Instant, sent: &mut u64, per_mille: u64| {
+            for _ in 0..31 {
+                *t += Duration::from_secs(1);
+                segs = (segs.0 + per_mille, segs.1 + 1000);
+                p.segments(*t, segs.0, segs.1);
+                *sent += 10_000;
+                p.wanted(*t, *sent, 0);
+            }
+            p.wanted(*t, *sent, 0)
+        };
+        assert_eq!(lossy(&mut p, &mut t, &mut sent, 6), 3);
+        assert!(p.loss().is_some_and(|l| (l - 0.006).abs() < 1e-9));
+        assert_eq!(lossy(&mut p, &mut t, &mut sent, 1), 3, "hysteresis");
+        assert_eq!(lossy(&mut p, &mut t, &mut sent, 0), 2);
         // Fixed settings do not look at the traffic.
         let mut fixed = CopyPolicy::new(Redundancy::Copies(3), 45_000_000);
         assert_eq!(run(&mut fixed, &mut t, &mut sent, 5_000_000, 10), 3);

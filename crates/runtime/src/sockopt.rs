@@ -211,6 +211,7 @@ pub fn tcp_info(fd: std::os::fd::RawFd) -> Option<crate::counters::TcpSample> {
         delivery_rate: info.tcpi_delivery_rate.min(i64::MAX as u64) as i64,
         bytes_sent: info.tcpi_bytes_sent.min(i64::MAX as u64) as i64,
         bytes_received: info.tcpi_bytes_received.min(i64::MAX as u64) as i64,
+        data_segments_sent: i64::from(info.tcpi_data_segs_out),
     })
 }
 

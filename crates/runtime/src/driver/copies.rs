@@ -260,6 +260,22 @@ impl LinkHandle {
         })
     }
 
+    /// Data segments the lane's connections retransmitted and sent in all (`TCP_INFO`), for the
+    /// redundancy policy's view of the lane's loss.
+    pub fn lane_segments(&self) -> (u64, u64) {
+        let fds = lock(&self.fds);
+        fds[1..]
+            .iter()
+            .flatten()
+            .filter_map(|fd| crate::sockopt::tcp_info(*fd))
+            .fold((0, 0), |(r, s), t| {
+                (
+                    r + t.retransmitted_segments.max(0) as u64,
+                    s + t.data_segments_sent.max(0) as u64,
+                )
+            })
+    }
+
     /// A copy's connection ended.
     fn copy_ended(&self, g: &mut Inner, c: &Carrier) -> CopyEnd {
         if !self.carries(g, c) {
@@ -484,13 +500,20 @@ pub(crate) async fn keep_copies(
         let Some((have, most, sent, received)) = h.lane_state() else {
             continue;
         };
-        let wanted = policy.wanted(Instant::now(), sent, received).min(most);
+        let now = Instant::now();
+        let (retransmitted, segments) = h.lane_segments();
+        policy.segments(now, retransmitted, segments);
+        let wanted = policy.wanted(now, sent, received).min(most);
         h.ctx.counters.link.copies_wanted.set(wanted as i64);
         if wanted != wanted_before && wanted_before != 0 {
+            let loss = policy
+                .loss()
+                .map_or("-".to_string(), |l| format!("{:.2}", l * 100.0));
             info!(
                 link = h.id,
                 copies = wanted,
                 share_pct = format!("{:.1}", policy.share() * 100.0),
+                loss_pct = %loss,
                 "latency lane copies: the redundancy policy changed"
             );
         }
