@@ -304,3 +304,67 @@ fn a_peer_that_takes_no_copies_gets_one_connection() {
     assert_eq!(p.west.count("latency lane copy attached"), 0);
     assert_eq!(p.east.count("rejected a latency lane copy"), 0);
 }
+
+/// `auto` on a lossy WAN (t3-100ms-1): once the lane's connections have retransmitted over
+/// 0.2% of their segments, a third connection carries the lane; every round trip stays exact.
+#[test]
+fn auto_takes_a_third_copy_on_a_lossy_wan() {
+    if !wansim::available_or_skip("latency lane copies across a lossy wansim link") {
+        return;
+    }
+    let params = wansim::preset("t3-100ms-1").expect("preset");
+    let wan = wansim::Wan::start(
+        &format!("ca{}", std::process::id() % 100_000),
+        params.clone(),
+    )
+    .expect("wansim");
+    let east_ip = wansim::Site::East.addr();
+    let l = wan
+        .in_site(wansim::Site::East, move || {
+            std::net::TcpListener::bind((east_ip, 9301))
+        })
+        .expect("east")
+        .expect("bind");
+    let sync = serve_on(l, echo_handler);
+    let (link, _) = stated_link(&params);
+    let pair = wan_pair(
+        &wan,
+        &format!("  - name: sync\n    target: {sync}\n    class: latency\n"),
+        "  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n",
+        move |_, y| link_lines(format!("{y}admin:\n  listen: 127.0.0.1:0\n"), &link),
+    );
+    pair.west.wait_log("latency lane copy attached", 20 * SEC);
+    let addr = pair.west.bound("sync");
+    let c = wan
+        .in_site(wansim::Site::West, move || TcpStream::connect(addr))
+        .expect("west")
+        .expect("connect");
+    let stop = Arc::new(AtomicBool::new(false));
+    let rounds = Arc::new(AtomicU64::new(0));
+    let looping = {
+        let (stop, rounds) = (stop.clone(), rounds.clone());
+        std::thread::spawn(move || sync_loop(c, stop, rounds, Duration::ZERO))
+    };
+    let admin = pair.west.bound("admin");
+    let copies = || {
+        let w = scrape_on(
+            wan.in_site(wansim::Site::West, move || TcpStream::connect(admin))
+                .expect("ns")
+                .expect("admin"),
+        );
+        value(&w, "wanopt_link_latency_copies ")
+    };
+    wait_until(90 * SEC, "three connections on a lossy lane", || {
+        copies() == 3
+    });
+    pair.west.wait_log("the redundancy policy changed", 5 * SEC);
+    let before = rounds.load(Ordering::Relaxed);
+    wait_until(60 * SEC, "round trips on three copies", || {
+        rounds.load(Ordering::Relaxed) >= before + 20
+    });
+    stop.store(true, Ordering::Relaxed);
+    looping
+        .join()
+        .expect("sync client")
+        .expect("every round trip answered exactly");
+}
