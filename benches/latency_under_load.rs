@@ -13,63 +13,21 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{link_lines, wan_pair};
+use common::{connect_in, east_servers, link_lines, wan_pair};
 use wansim::{Site, Wan};
 
 const RR: usize = 8 * 1024;
-
-/// In east: port 9000 echoes 8 KiB messages, port 9001 swallows everything.
-fn east_servers(wan: &Wan, addr: std::net::IpAddr) {
-    for (port, echo) in [(9000u16, true), (9001, false)] {
-        let l = wan
-            .in_site(Site::East, move || TcpListener::bind((addr, port)))
-            .expect("east")
-            .expect("bind");
-        std::thread::spawn(move || {
-            for s in l.incoming() {
-                let Ok(mut s) = s else { continue };
-                let _ = s.set_nodelay(true);
-                std::thread::spawn(move || {
-                    let mut buf = vec![0u8; if echo { RR } else { 1 << 20 }];
-                    if echo {
-                        while s.read_exact(&mut buf).is_ok() && s.write_all(&buf).is_ok() {}
-                    } else {
-                        while matches!(s.read(&mut buf), Ok(n) if n > 0) {}
-                    }
-                });
-            }
-        });
-    }
-}
-
-/// Connects from west. Direct WAN connections set CUBIC explicitly (a stock host's default);
-/// connections to the local tunnel port stay on loopback, where it does not matter.
-fn connect_in(wan: &Wan, addr: SocketAddr) -> TcpStream {
-    let s = wan
-        .in_site(Site::West, move || {
-            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-            if !addr.ip().is_loopback() {
-                sock.set_tcp_congestion(b"cubic")?;
-            }
-            sock.connect(&addr.into())?;
-            Ok::<TcpStream, std::io::Error>(sock.into())
-        })
-        .expect("west")
-        .expect("connect");
-    s.set_nodelay(true).expect("nodelay");
-    s
-}
 
 /// Round trips on `rr`, optionally while a bulk writer saturates `bulk`.
 fn measure(wan: &Wan, rr: SocketAddr, bulk: Option<SocketAddr>, rounds: usize) -> Vec<Duration> {
     let stop = Arc::new(AtomicBool::new(false));
     let writer = bulk.map(|b| {
-        let mut s = connect_in(wan, b);
+        let mut s = connect_in(wan, b, "cubic");
         let stop = stop.clone();
         std::thread::spawn(move || {
             let buf = vec![1u8; 1 << 16];
@@ -80,7 +38,7 @@ fn measure(wan: &Wan, rr: SocketAddr, bulk: Option<SocketAddr>, rounds: usize) -
         // Let the bulk stream fill the pipe and the queues first.
         std::thread::sleep(Duration::from_secs(3));
     }
-    let mut s = connect_in(wan, rr);
+    let mut s = connect_in(wan, rr, "cubic");
     let mut buf = vec![7u8; RR];
     let mut v = Vec::new();
     for _ in 0..rounds {

@@ -13,57 +13,15 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{link_lines, wan_pair};
+use common::{connect_in, east_servers, link_lines, wan_pair};
 use wansim::{Site, Wan};
 
 const RR: usize = 8 * 1024;
-
-/// In east: port 9000 echoes 8 KiB messages, port 9001 swallows everything.
-fn east_servers(wan: &Wan, addr: std::net::IpAddr) {
-    for (port, echo) in [(9000u16, true), (9001, false)] {
-        let l = wan
-            .in_site(Site::East, move || TcpListener::bind((addr, port)))
-            .expect("east")
-            .expect("bind");
-        std::thread::spawn(move || {
-            for s in l.incoming() {
-                let Ok(mut s) = s else { continue };
-                let _ = s.set_nodelay(true);
-                std::thread::spawn(move || {
-                    let mut buf = vec![0u8; if echo { RR } else { 1 << 20 }];
-                    if echo {
-                        while s.read_exact(&mut buf).is_ok() && s.write_all(&buf).is_ok() {}
-                    } else {
-                        while matches!(s.read(&mut buf), Ok(n) if n > 0) {}
-                    }
-                });
-            }
-        });
-    }
-}
-
-/// Connects from west with congestion control `cc` (loopback connections to a daemon's port
-/// keep the default: it does not matter there).
-fn connect_in(wan: &Wan, addr: SocketAddr, cc: &'static str) -> TcpStream {
-    let s = wan
-        .in_site(Site::West, move || {
-            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-            if !addr.ip().is_loopback() {
-                sock.set_tcp_congestion(cc.as_bytes())?;
-            }
-            sock.connect(&addr.into())?;
-            Ok::<TcpStream, std::io::Error>(sock.into())
-        })
-        .expect("west")
-        .expect("connect");
-    s.set_nodelay(true).expect("nodelay");
-    s
-}
 
 /// Round trips on `s` for `secs`, 20 ms apart; each answer is checked.
 fn round_trips(mut s: TcpStream, secs: u64) -> Vec<Duration> {

@@ -97,17 +97,23 @@ fn lane_ports(wan: &wansim::Wan) -> Vec<u16> {
     ports
 }
 
-/// Over an emulated T3 with 1% loss, SYNC round trips through a latency service with
-/// `redundancy: 2` are byte-exact; one of its two connections is killed mid-run and the other
-/// carries the lane with no stall (no lane loss), then a new copy is attached.
-#[test]
-fn sync_round_trips_ride_two_copies_over_a_lossy_wan() {
-    if !wansim::available_or_skip("latency lane copies across wansim") {
-        return;
-    }
+/// A pair across wansim `t3-100ms-1` (stating its link, admin on) with one latency service
+/// `sync` whose target in east echoes; `extra` is added to the service on both sides. Also
+/// starts the SYNC loop from west once a copy is attached: returns the WAN, the pair, the
+/// loop's stop flag and round counter, and the loop's thread.
+struct LossyRun {
+    wan: wansim::Wan,
+    pair: WanPair,
+    stop: Arc<AtomicBool>,
+    rounds: Arc<AtomicU64>,
+    looping: std::thread::JoinHandle<Result<Vec<Duration>, String>>,
+}
+
+fn lossy_run(tag: &str, extra: &str) -> LossyRun {
+    let params = wansim::preset("t3-100ms-1").expect("preset");
     let wan = wansim::Wan::start(
-        &format!("cp{}", std::process::id() % 100_000),
-        wansim::preset("t3-100ms-1").expect("preset"),
+        &format!("{tag}{}", std::process::id() % 100_000),
+        params.clone(),
     )
     .expect("wansim");
     let east_ip = wansim::Site::East.addr();
@@ -118,15 +124,14 @@ fn sync_round_trips_ride_two_copies_over_a_lossy_wan() {
         .expect("east")
         .expect("bind");
     let sync = serve_on(l, echo_handler);
-    let (link, _) = stated_link(&wansim::preset("t3-100ms-1").expect("preset"));
+    let (link, _) = stated_link(&params);
     let pair = wan_pair(
         &wan,
-        &format!("  - name: sync\n    target: {sync}\n    class: latency\n    redundancy: 2\n"),
-        "  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n    redundancy: 2\n",
+        &format!("  - name: sync\n    target: {sync}\n    class: latency\n{extra}"),
+        &format!("  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n{extra}"),
         move |_, y| link_lines(format!("{y}admin:\n  listen: 127.0.0.1:0\n"), &link),
     );
     pair.west.wait_log("latency lane copy attached", 20 * SEC);
-    pair.east.wait_log("latency lane copy attached", 20 * SEC);
     let addr = pair.west.bound("sync");
     let c = wan
         .in_site(wansim::Site::West, move || TcpStream::connect(addr))
@@ -138,6 +143,32 @@ fn sync_round_trips_ride_two_copies_over_a_lossy_wan() {
         let (stop, rounds) = (stop.clone(), rounds.clone());
         std::thread::spawn(move || sync_loop(c, stop, rounds, Duration::ZERO))
     };
+    LossyRun {
+        wan,
+        pair,
+        stop,
+        rounds,
+        looping,
+    }
+}
+
+/// Over an emulated T3 with 1% loss, SYNC round trips through a latency service with
+/// `redundancy: 2` are byte-exact; one of its two connections is killed mid-run and the other
+/// carries the lane with no stall (no lane loss), then a new copy is attached.
+#[test]
+fn sync_round_trips_ride_two_copies_over_a_lossy_wan() {
+    if !wansim::available_or_skip("latency lane copies across wansim") {
+        return;
+    }
+    let LossyRun {
+        wan,
+        pair,
+        stop,
+        rounds,
+        looping,
+    } = lossy_run("cp", "    redundancy: 2\n");
+    let east_ip = wansim::Site::East.addr();
+    pair.east.wait_log("latency lane copy attached", 20 * SEC);
     wait_until(60 * SEC, "round trips", || {
         rounds.load(Ordering::Relaxed) >= 40
     });
@@ -312,39 +343,13 @@ fn auto_takes_a_third_copy_on_a_lossy_wan() {
     if !wansim::available_or_skip("latency lane copies across a lossy wansim link") {
         return;
     }
-    let params = wansim::preset("t3-100ms-1").expect("preset");
-    let wan = wansim::Wan::start(
-        &format!("ca{}", std::process::id() % 100_000),
-        params.clone(),
-    )
-    .expect("wansim");
-    let east_ip = wansim::Site::East.addr();
-    let l = wan
-        .in_site(wansim::Site::East, move || {
-            std::net::TcpListener::bind((east_ip, 9301))
-        })
-        .expect("east")
-        .expect("bind");
-    let sync = serve_on(l, echo_handler);
-    let (link, _) = stated_link(&params);
-    let pair = wan_pair(
-        &wan,
-        &format!("  - name: sync\n    target: {sync}\n    class: latency\n"),
-        "  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n",
-        move |_, y| link_lines(format!("{y}admin:\n  listen: 127.0.0.1:0\n"), &link),
-    );
-    pair.west.wait_log("latency lane copy attached", 20 * SEC);
-    let addr = pair.west.bound("sync");
-    let c = wan
-        .in_site(wansim::Site::West, move || TcpStream::connect(addr))
-        .expect("west")
-        .expect("connect");
-    let stop = Arc::new(AtomicBool::new(false));
-    let rounds = Arc::new(AtomicU64::new(0));
-    let looping = {
-        let (stop, rounds) = (stop.clone(), rounds.clone());
-        std::thread::spawn(move || sync_loop(c, stop, rounds, Duration::ZERO))
-    };
+    let LossyRun {
+        wan,
+        pair,
+        stop,
+        rounds,
+        looping,
+    } = lossy_run("ca", "");
     let admin = pair.west.bound("admin");
     let copies = || {
         let w = scrape_on(

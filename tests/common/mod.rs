@@ -706,3 +706,48 @@ pub fn refusing_port() -> (socket2::Socket, SocketAddr) {
         .expect("inet address");
     (s, addr)
 }
+
+/// In wansim's east site at `addr`: port 9000 echoes 8 KiB messages, port 9001 swallows
+/// everything (the SYNC and bulk targets of the latency benches).
+pub fn east_servers(wan: &wansim::Wan, addr: std::net::IpAddr) {
+    const RR: usize = 8 * 1024;
+    for (port, echo) in [(9000u16, true), (9001, false)] {
+        let l = wan
+            .in_site(wansim::Site::East, move || TcpListener::bind((addr, port)))
+            .expect("east")
+            .expect("bind");
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { continue };
+                let _ = s.set_nodelay(true);
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; if echo { RR } else { 1 << 20 }];
+                    if echo {
+                        while s.read_exact(&mut buf).is_ok() && s.write_all(&buf).is_ok() {}
+                    } else {
+                        while matches!(s.read(&mut buf), Ok(n) if n > 0) {}
+                    }
+                });
+            }
+        });
+    }
+}
+
+/// Connects from wansim's west site with congestion control `cc` (a direct WAN path: a stock
+/// host runs CUBIC); a connection to a daemon's loopback port keeps the default, which does not
+/// matter there.
+pub fn connect_in(wan: &wansim::Wan, addr: SocketAddr, cc: &'static str) -> TcpStream {
+    let s = wan
+        .in_site(wansim::Site::West, move || {
+            let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            if !addr.ip().is_loopback() {
+                sock.set_tcp_congestion(cc.as_bytes())?;
+            }
+            sock.connect(&addr.into())?;
+            Ok::<TcpStream, std::io::Error>(sock.into())
+        })
+        .expect("west")
+        .expect("connect");
+    s.set_nodelay(true).expect("nodelay");
+    s
+}

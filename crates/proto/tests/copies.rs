@@ -11,17 +11,6 @@ const TOKEN: u64 = 0x5eed_cafe;
 const LATENCY: Duration = Duration::from_millis(20);
 const RATE: u64 = 5_000_000;
 
-fn config(c: &mut LinkConfig, codec: bool) {
-    c.resume_window = Duration::from_secs(30);
-    if codec {
-        c.codec = Some(CodecSettings {
-            cache_bytes: 64 << 20,
-            service_cache_bytes: 32 << 20,
-            ..CodecSettings::default()
-        });
-    }
-}
-
 fn attach_lane(p: &mut Pair) {
     let token = p.west.link.lane_offer().expect("east offers a lane");
     assert!(p.east.link.attach_lane(token) && p.west.link.attach_lane(token));
@@ -47,11 +36,11 @@ fn pair(codec: bool, loss: &[f64], seed: u64) -> Pair {
         LATENCY,
         RATE,
         |c| {
-            config(c, codec);
+            resumable(c, codec);
             c.token = 0;
         },
         |c| {
-            config(c, codec);
+            resumable(c, codec);
             c.token = TOKEN;
         },
     );

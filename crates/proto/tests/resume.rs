@@ -9,17 +9,6 @@ use common::*;
 
 const TOKEN: u64 = 0x5eed_cafe;
 
-fn resumable(c: &mut LinkConfig, codec: bool) {
-    c.resume_window = Duration::from_secs(30);
-    if codec {
-        c.codec = Some(CodecSettings {
-            cache_bytes: 64 << 20,
-            service_cache_bytes: 32 << 20,
-            ..CodecSettings::default()
-        });
-    }
-}
-
 /// A pair that resumes streams, up, with its latency lane attached when `laned`.
 fn resumable_pair(codec: bool, laned: bool) -> Pair {
     let mut p = Pair::with(

@@ -312,13 +312,12 @@ pub(crate) async fn open_lane(peer: Arc<Peer>, h: Arc<LinkHandle>, token: u64, t
     }
 }
 
-/// One attempt of [`open_lane`]; runs the lane until it ends once attached.
-async fn try_open_lane(
+/// Dials a connection of the latency lane (the lane itself or a copy of it): TLS to the peer,
+/// the lane's congestion control and socket options.
+async fn dial_lane(
     peer: &Arc<Peer>,
-    h: &Arc<LinkHandle>,
-    token: u64,
     target: &str,
-) -> Result<(), String> {
+) -> Result<(tokio_rustls::client::TlsStream<Wire>, SocketAddr), String> {
     let cfg = peer.cfg();
     let connector = tokio_rustls::TlsConnector::from(peer.tls().client);
     let name = tls::server_name(&cfg.link.peer).map_err(|e| e.to_string())?;
@@ -326,11 +325,22 @@ async fn try_open_lane(
         cfg.link.lane_congestion.as_str(),
         cfg.limits.connect_timeout,
     );
-    let (mut tls, addr) = dial(peer, target, &connector, name, how).await?;
+    let (tls, addr) = dial(peer, target, &connector, name, how).await?;
     sockopt::tune_lane_socket(
         &socket2::SockRef::from(tls.get_ref().0.get_ref()),
         &cfg.link,
     );
+    Ok((tls, addr))
+}
+
+/// One attempt of [`open_lane`]; runs the lane until it ends once attached.
+async fn try_open_lane(
+    peer: &Arc<Peer>,
+    h: &Arc<LinkHandle>,
+    token: u64,
+    target: &str,
+) -> Result<(), String> {
+    let (mut tls, addr) = dial_lane(peer, target).await?;
     let id: u64 = rand::random();
     let mut hello = BytesMut::new();
     h.with(|l| l.lane_hello(token, id, None)).encode(&mut hello);
@@ -391,17 +401,7 @@ async fn dial_copy(
     else {
         return Ok(None);
     };
-    let connector = tokio_rustls::TlsConnector::from(peer.tls().client);
-    let name = tls::server_name(&cfg.link.peer).map_err(|e| e.to_string())?;
-    let how = (
-        cfg.link.lane_congestion.as_str(),
-        cfg.limits.connect_timeout,
-    );
-    let (mut tls, addr) = dial(peer, target, &connector, name, how).await?;
-    sockopt::tune_lane_socket(
-        &socket2::SockRef::from(tls.get_ref().0.get_ref()),
-        &cfg.link,
-    );
+    let (mut tls, addr) = dial_lane(peer, target).await?;
     let Some((carrier, id, start)) = h.add_copy() else {
         return Ok(None);
     };

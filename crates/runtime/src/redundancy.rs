@@ -165,19 +165,11 @@ impl CopyPolicy {
     /// Records the lane connections' retransmitted and sent data segments (summed; counts that
     /// only grow while the connections stay).
     pub fn segments(&mut self, now: Instant, retransmitted: u64, sent: u64) {
-        if let Some(&(_, r, s)) = self.losses.back()
-            && (retransmitted < r || sent < s)
-        {
-            self.losses.clear();
-        }
-        self.losses.push_back((now, retransmitted, sent));
-        while self
-            .losses
-            .front()
-            .is_some_and(|(t, ..)| now.saturating_duration_since(*t) > AUTO_LOSS_WINDOW)
-        {
-            self.losses.pop_front();
-        }
+        record(
+            &mut self.losses,
+            (now, retransmitted, sent),
+            AUTO_LOSS_WINDOW,
+        );
         match self.loss() {
             Some(l) if l >= AUTO_THREE_LOSS => self.lossy = true,
             Some(l) if l < AUTO_TWO_LOSS => self.lossy = false,
@@ -190,20 +182,7 @@ impl CopyPolicy {
     /// [`AUTO_OFF_SHARE`], on again after [`AUTO_BACK_AFTER`] below [`AUTO_ON_SHARE`]; on, it
     /// keeps three while [`segments`](Self::segments) saw over [`AUTO_THREE_LOSS`] loss.
     pub fn wanted(&mut self, now: Instant, sent: u64, received: u64) -> usize {
-        if let Some(&(_, s, r)) = self.samples.back()
-            && (sent < s || received < r)
-        {
-            // Counts that went back (a new lane): start over.
-            self.samples.clear();
-        }
-        self.samples.push_back((now, sent, received));
-        while self
-            .samples
-            .front()
-            .is_some_and(|(t, ..)| now.saturating_duration_since(*t) > AUTO_WINDOW)
-        {
-            self.samples.pop_front();
-        }
+        record(&mut self.samples, (now, sent, received), AUTO_WINDOW);
         match self.setting {
             Redundancy::Off => 1,
             Redundancy::Copies(n) => n.clamp(1, MAX_COPIES),
@@ -229,6 +208,22 @@ impl CopyPolicy {
                 }
             }
         }
+    }
+}
+
+/// Appends a sample of two counts that only grow to a window of samples, oldest first, and
+/// drops those older than `window`. Counts that went back (new connections, a new lane) start
+/// the window over.
+fn record(samples: &mut VecDeque<(Instant, u64, u64)>, s: (Instant, u64, u64), window: Duration) {
+    if samples.back().is_some_and(|l| s.1 < l.1 || s.2 < l.2) {
+        samples.clear();
+    }
+    samples.push_back(s);
+    while samples
+        .front()
+        .is_some_and(|(t, ..)| s.0.saturating_duration_since(*t) > window)
+    {
+        samples.pop_front();
     }
 }
 

@@ -17,6 +17,19 @@ pub use wanopt_proto::{
     StreamPolicy,
 };
 
+/// Makes a side resume its streams after a lost connection (30 s window), with the codec's
+/// caches when `codec`.
+pub fn resumable(c: &mut LinkConfig, codec: bool) {
+    c.resume_window = Duration::from_secs(30);
+    if codec {
+        c.codec = Some(CodecSettings {
+            cache_bytes: 64 << 20,
+            service_cache_bytes: 32 << 20,
+            ..CodecSettings::default()
+        });
+    }
+}
+
 /// One direction of the emulated wire.
 pub struct Pipe {
     pub latency: Duration,
