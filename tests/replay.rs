@@ -379,7 +379,7 @@ fn compare_puts_direct_and_tunnel_side_by_side_with_the_tunnels_gain() {
         p.west.bound("dg"),
         p.west.bound("admin")
     );
-    let run = |workload: &str, json: bool| {
+    let run = |workload: &str, json: bool, extra: &[&str]| {
         let mut a: Vec<String> = [
             "compare",
             "--path",
@@ -390,6 +390,7 @@ fn compare_puts_direct_and_tunnel_side_by_side_with_the_tunnels_gain() {
             workload,
         ]
         .iter()
+        .chain(extra)
         .map(|s| s.to_string())
         .collect();
         if json {
@@ -399,7 +400,7 @@ fn compare_puts_direct_and_tunnel_side_by_side_with_the_tunnels_gain() {
         assert!(ok, "{out}\n{err}");
         out
     };
-    let out = run("gen:redo:16m", true);
+    let out = run("gen:redo:16m", true, &[]);
     let rows: serde_json::Value = serde_json::from_str(&out).expect("json rows");
     assert_eq!(rows[0]["path"], "direct-cubic");
     assert_eq!(rows[0]["bytes"], 16 << 20);
@@ -428,15 +429,24 @@ fn compare_puts_direct_and_tunnel_side_by_side_with_the_tunnels_gain() {
     let text = text.repeat((4 << 20) / text.len() + 1);
     std::fs::write(&file, &text).expect("write");
     let rows: serde_json::Value =
-        serde_json::from_str(&run(&format!("file:{}", file.display()), true)).expect("json rows");
+        serde_json::from_str(&run(&format!("file:{}", file.display()), true, &[]))
+            .expect("json rows");
     assert_eq!(rows[0]["bytes"], text.len());
     assert_eq!(rows[1]["bytes"], text.len());
     assert!(rows[1]["gain"].as_f64().expect("gain") > 1.5, "{rows}");
 
+    let chart = dir.path().join("sync.svg");
     let table = run(
         "oratcp:-mode=sync -length=8k -duration=1s -interval=1s",
         false,
+        &["--svg", &chart.display().to_string()],
     );
+    // The chart of the run: both paths' throughput, and their round trips' percentiles.
+    let svg = std::fs::read_to_string(&chart).expect("the --svg chart");
+    assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(80)]);
+    for text in ["direct-cubic", "tunnel (wire gain", "round trips", "99.9%"] {
+        assert!(svg.contains(text), "the chart lacks {text:?}");
+    }
     let lines: Vec<&str> = table.lines().collect();
     assert_eq!(lines.len(), 3, "{table}");
     assert!(

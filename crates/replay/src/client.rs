@@ -142,6 +142,9 @@ pub struct LatencySummary {
     pub p99: f64,
     pub p999: f64,
     pub max: f64,
+    /// The whole distribution, for charts: (ms, fraction at or below).
+    #[serde(skip)]
+    pub cdf: Vec<(f64, f64)>,
 }
 
 impl LatencySummary {
@@ -152,6 +155,7 @@ impl LatencySummary {
             p99: h.quantile_ms(0.99)?,
             p999: h.quantile_ms(0.999)?,
             max: h.max_ms(),
+            cdf: h.cdf_ms(),
         })
     }
 }

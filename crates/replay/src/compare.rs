@@ -10,6 +10,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::args::{Oratcp, parse_oratcptest};
+use crate::chart::{Bars, Chart, Percentiles};
 use crate::client::{self, ClientOpts, Limit, Mode, Payload};
 use crate::trace::Event;
 use crate::workload::{Generator, Workload};
@@ -118,6 +119,26 @@ pub fn parse_job(s: &str) -> Result<Job, String> {
         _ => Err(format!(
             "{kind:?}: the workload is oratcp:, gen:, file: or trace:"
         )),
+    }
+}
+
+impl Job {
+    /// A short name for tables and charts.
+    pub fn label(&self) -> String {
+        match self {
+            Job::Oratcp(c) => format!(
+                "oratcp {} {} B",
+                if c.mode == Mode::Sync {
+                    "SYNC"
+                } else {
+                    "ASYNC"
+                },
+                c.length
+            ),
+            Job::Gen(w, d) => format!("{w:?} {} MiB", d.len() >> 20).to_lowercase(),
+            Job::File(f, _) => f.clone(),
+            Job::Trace(_) => "trace".into(),
+        }
     }
 }
 
@@ -295,6 +316,77 @@ pub fn table(rows: &[Row]) -> String {
     s
 }
 
+/// The runs' charts: throughput per path and workload (a tunnel's wire gain in its name), and
+/// the round trips' percentiles where a run measured latency.
+pub fn charts(title: &str, runs: &[(String, Vec<Row>)]) -> Vec<Chart> {
+    let mut names: Vec<String> = Vec::new();
+    for r in runs.iter().flat_map(|(_, rows)| rows) {
+        if !names.contains(&r.path) {
+            names.push(r.path.clone());
+        }
+    }
+    let series = names
+        .iter()
+        .map(|n| {
+            let mine = || {
+                runs.iter()
+                    .flat_map(|(_, rows)| rows)
+                    .filter(|r| &r.path == n)
+            };
+            let gains: Vec<f64> = mine().filter_map(|r| r.gain).collect();
+            let shown = match gains.as_slice() {
+                [] => n.clone(),
+                [g] => format!("{n} (wire gain {g:.2}x)"),
+                _ => format!("{n} (wire gain {:.2}x-{:.2}x)", min(&gains), max(&gains)),
+            };
+            let values = runs
+                .iter()
+                .map(|(_, rows)| rows.iter().find(|r| &r.path == n).map(|r| r.mbytes_per_s))
+                .collect();
+            (shown, values)
+        })
+        .collect();
+    let mut out = vec![Chart::Bars(Bars {
+        title: title.to_string(),
+        unit: "Mbytes/s".into(),
+        groups: runs.iter().map(|(w, _)| w.clone()).collect(),
+        series,
+    })];
+    for (w, rows) in runs {
+        let series: Vec<(String, Vec<(f64, f64)>)> = rows
+            .iter()
+            .filter_map(|r| Some((r.path.clone(), r.latency_ms.as_ref()?.cdf.clone())))
+            .filter(|(_, c)| !c.is_empty())
+            .collect();
+        if !series.is_empty() {
+            out.push(Chart::Percentiles(Percentiles {
+                title: format!("{w}: round trips"),
+                series,
+                rtt_ms: None,
+            }));
+        }
+    }
+    out
+}
+
+fn min(v: &[f64]) -> f64 {
+    v.iter().copied().fold(f64::INFINITY, f64::min)
+}
+
+fn max(v: &[f64]) -> f64 {
+    v.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+}
+
+/// Writes the runs' charts as one SVG file.
+pub fn write_svg(
+    path: &std::path::Path,
+    title: &str,
+    runs: &[(String, Vec<Row>)],
+) -> Result<(), String> {
+    let svg = crate::chart::render(&charts(title, runs)).map_err(|e| e.to_string())?;
+    std::fs::write(path, svg).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -337,5 +429,57 @@ mod tests {
         std::fs::write(&empty, b"").expect("write");
         assert!(parse_job(&format!("file:{}", empty.display())).is_err());
         assert!(parse_job("file:/does/not/exist").is_err());
+    }
+
+    #[test]
+    fn a_run_charts_every_path_and_names_the_tunnels_gain() {
+        let row = |path: &str, mbs: f64, gain: Option<f64>, lat: bool| Row {
+            path: path.into(),
+            bytes: 1 << 20,
+            seconds: 1.0,
+            mbytes_per_s: mbs,
+            speedup: 1.0,
+            latency_ms: lat.then(|| {
+                let mut h = crate::stats::Histogram::default();
+                (100_000..101_000).for_each(|us| h.record(us));
+                client::LatencySummary::of(&h).expect("summary")
+            }),
+            raw_bytes: gain.map(|_| 2 << 20),
+            wire_bytes: gain.map(|_| 1 << 20),
+            gain,
+        };
+        let runs = vec![
+            (
+                "redo 16 MiB".to_string(),
+                vec![
+                    row("direct", 0.3, None, false),
+                    row("tunnel", 5.2, Some(2.0), false),
+                ],
+            ),
+            (
+                "oratcp SYNC 8192 B".to_string(),
+                vec![
+                    row("direct", 0.1, None, true),
+                    row("tunnel", 0.1, Some(1.5), true),
+                ],
+            ),
+        ];
+        let charts = charts("t3", &runs);
+        assert_eq!(
+            charts.len(),
+            2,
+            "throughput, and the SYNC run's percentiles"
+        );
+        let Chart::Bars(b) = &charts[0] else {
+            panic!("bars first")
+        };
+        assert_eq!(b.groups, ["redo 16 MiB", "oratcp SYNC 8192 B"]);
+        assert_eq!(b.series[1].0, "tunnel (wire gain 1.50x-2.00x)");
+        assert_eq!(b.series[1].1, [Some(5.2), Some(0.1)]);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("run.svg");
+        write_svg(&f, "t3", &runs).expect("svg");
+        let svg = std::fs::read_to_string(&f).expect("read");
+        assert!(svg.contains("tunnel (wire gain") && svg.contains("round trips"));
     }
 }

@@ -5,6 +5,7 @@
 //! connection keep the timing simple and the code easy to follow.
 
 pub mod args;
+pub mod chart;
 pub mod client;
 pub mod compare;
 pub mod progress;

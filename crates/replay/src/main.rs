@@ -169,6 +169,10 @@ enum Cmd {
         /// Print JSON rows instead of the table.
         #[arg(long)]
         json: bool,
+        /// Also draw the run as an SVG chart: throughput per path, and round-trip
+        /// percentiles when the workload measures latency.
+        #[arg(long, value_name = "FILE")]
+        svg: Option<PathBuf>,
     },
     /// Write a deterministic synthetic workload (its model: `wanopt-replay gen --help`).
     #[command(long_about = workload::MODEL)]
@@ -405,6 +409,7 @@ fn run(cmd: Cmd) -> Result<()> {
             workload,
             service,
             json,
+            svg,
         } => {
             if paths.len() < 2 {
                 anyhow::bail!("compare needs at least two --path");
@@ -416,6 +421,12 @@ fn run(cmd: Cmd) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
             } else {
                 print!("{}", compare::table(&rows));
+            }
+            if let Some(f) = svg {
+                let title = format!("{}: throughput per path", job.label());
+                compare::write_svg(&f, &title, &[(job.label(), rows)])
+                    .map_err(anyhow::Error::msg)?;
+                eprintln!("wanopt-replay: chart written to {}", f.display());
             }
             Ok(())
         }

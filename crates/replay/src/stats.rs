@@ -93,6 +93,25 @@ impl Histogram {
     pub fn max_ms(&self) -> f64 {
         self.max_us as f64 / 1000.0
     }
+
+    /// The distribution as (milliseconds, fraction at or below) per occupied bucket, each at
+    /// the bucket's lower bound as [`Histogram::quantile_ms`] reports it, the last at the maximum.
+    pub fn cdf_ms(&self) -> Vec<(f64, f64)> {
+        let mut seen = 0u64;
+        let mut out = Vec::new();
+        for (i, c) in self.counts.iter().enumerate().filter(|(_, c)| **c > 0) {
+            seen += c;
+            out.push((
+                lower(i).min(self.max_us) as f64 / 1000.0,
+                seen as f64 / self.n as f64,
+            ));
+        }
+        // Everything is at or below the largest sample.
+        if let Some(last) = out.last_mut() {
+            last.0 = last.0.max(self.max_ms());
+        }
+        out
+    }
 }
 
 /// One Mbyte as oratcptest counts it: 1024 x 1024 bytes.
@@ -138,5 +157,16 @@ mod tests {
         assert_eq!(h.max_ms(), 10.0);
         assert!((h.mean_ms().expect("mean") - 5.0005).abs() < 1e-6);
         assert_eq!(Histogram::default().quantile_ms(0.5), None);
+        let cdf = h.cdf_ms();
+        assert_eq!(cdf.last().copied(), Some((10.0, 1.0)));
+        assert!(cdf.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 < w[1].1));
+        let at = |ms: f64| {
+            cdf.iter()
+                .rev()
+                .find(|(x, _)| *x <= ms)
+                .map_or(0.0, |p| p.1)
+        };
+        assert!((at(5.0) - 0.5).abs() < 0.02, "{}", at(5.0));
+        assert!(Histogram::default().cdf_ms().is_empty());
     }
 }
