@@ -11,7 +11,8 @@
 //! Run (as root): `cargo build --release --workspace && cargo bench --bench compare`
 //! Options: `-- --preset NAME --mib N` (default 16 MiB per streaming workload), `--only WORD`
 //! (the workloads with a word in their title that starts with WORD, such as `sync`),
-//! `--sync-seconds N` (default 20), `--file PATH`.
+//! `--sync-seconds N` (default 20), `--file PATH`, `--svg FILE` (the chart; default
+//! `benches/charts/compare-PRESET.svg`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -39,7 +40,7 @@ fn main() {
     let params = wansim::preset(&preset).expect("preset");
     // The pair states the preset's own figures: a cap at 95% of a wrong bandwidth would
     // throttle every stream.
-    let (stated, stated_words) = common::stated_link(&params);
+    let (stated, stated_words) = wanopt_replay::showcase::stated_link(&params);
     let wan = Wan::start(&format!("wc{}", std::process::id() % 100_000), params).expect("wansim");
     let east_ip = std::net::IpAddr::V4(Site::East.addr());
     // The test server, in east.
@@ -113,24 +114,29 @@ fn main() {
             ""
         }
     );
+    // (title, short name for the chart, workload, service)
     let mut workloads = vec![
         (
             "redo (gen redo, streamed like ASYNC transport)".to_string(),
+            "redo".to_string(),
             format!("gen:redo:{mib}m"),
             "bench",
         ),
         (
             "RMAN backup, first copy (gen rman)".to_string(),
+            "RMAN first copy".to_string(),
             format!("gen:rman:{}m", mib * 2),
             "bench",
         ),
         (
             "RMAN backup, the same again (a repeated duplicate)".to_string(),
+            "RMAN repeat".to_string(),
             format!("gen:rman:{}m", mib * 2),
             "bench",
         ),
         (
             "SYNC 8 KiB round trips (a latency-class service)".to_string(),
+            "SYNC 8 KiB".to_string(),
             format!("oratcp:-mode=sync -length=8k -duration={sync_secs}s"),
             "sync",
         ),
@@ -141,13 +147,18 @@ fn main() {
         let slice = &data[..data.len().min(mib << 20)];
         let path = keys.path().join(format!("file{i}"));
         std::fs::write(&path, slice).expect("slice");
+        let short = Path::new(f)
+            .file_name()
+            .map_or_else(|| f.clone(), |n| n.to_string_lossy().into_owned());
         workloads.push((
             format!("{f}: first {} MiB, a first copy", slice.len() >> 20),
+            short,
             format!("file:{}", path.display()),
             "bench",
         ));
     }
-    for (title, spec, service) in workloads {
+    let mut runs = Vec::new();
+    for (title, short, spec, service) in workloads {
         if only.as_ref().is_some_and(|w| {
             // Whole words from their start: `sync` must not pick the ASYNC-like redo.
             !title
@@ -186,6 +197,7 @@ fn main() {
             .expect("west")
             .expect("compare");
         println!("{title}\n{}", compare::table(&rows));
+        runs.push((short, rows));
     }
     if let Some((_, mut children)) = ssh {
         for c in children.iter_mut() {
@@ -195,6 +207,13 @@ fn main() {
     }
     let (a, b) = wan.counters();
     println!("wansim west->east: {a}\nwansim east->west: {b}");
+    if !runs.is_empty() {
+        let svg = args.get("--svg", format!("benches/charts/compare-{preset}.svg"));
+        let _ = std::fs::create_dir_all(Path::new(&svg).parent().unwrap_or(Path::new(".")));
+        let title = format!("{preset}: throughput per path ({stated_words})");
+        compare::write_svg(Path::new(&svg), &title, &runs).expect("chart");
+        println!("chart: {svg}");
+    }
 }
 
 /// An `ssh -C -L` tunnel from west to the test server in east: sshd in east with keys made for

@@ -66,7 +66,7 @@ fn main() {
     let preset = args.get("--preset", "t3-100ms-1".to_string());
     let rounds: usize = args.get("--rounds", 100);
     let params = wansim::preset(&preset).expect("preset");
-    let (stated, stated_words) = common::stated_link(&params);
+    let (stated, stated_words) = wanopt_replay::showcase::stated_link(&params);
     let wan = Wan::start(&format!("wl{}", std::process::id() % 100_000), params).expect("wansim");
     let east_ip = std::net::IpAddr::V4(Site::East.addr());
     east_servers(&wan, east_ip);

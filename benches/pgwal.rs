@@ -114,7 +114,7 @@ fn catch_up_across_wan(port: u16, load: &Backlog, preset: &str) {
         return;
     }
     let params = wansim::preset(preset).expect("preset");
-    let (stated, stated_words) = common::stated_link(&params);
+    let (stated, stated_words) = wanopt_replay::showcase::stated_link(&params);
     let wan = Wan::start(&format!("pg{}", std::process::id() % 100_000), params).expect("wansim");
     // The server is on this host's loopback; a relay in the east site stands in for it there.
     // Its sockets face the WAN on the direct paths, so it sets their congestion control.

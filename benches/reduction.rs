@@ -21,7 +21,7 @@
 //! disk tier keeps them; 0 for memory only),
 //! `--zstd-level N` (instead of the level the config derives), `--wanopt-only` (skip the other
 //! compressors, to compare settings quickly), `--binlog-tx N` transactions for the binlog
-//! (default 40000).
+//! (default 40000), `--svg FILE` (the charts; default `benches/charts/reduction.svg`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -33,6 +33,7 @@ use std::time::Instant;
 
 use common::pg::{self, port, psql, run};
 use wanopt_codec::{CodecConfig, Decoder, Encoder, Pressure};
+use wanopt_replay::chart::{Bars, Chart, render};
 
 const DB: &str = "wanopt_reduction";
 
@@ -165,6 +166,8 @@ struct Opts {
     delta_disk: usize,
     /// A zstd level instead of the one the daemon's config derives.
     level: Option<i32>,
+    /// Where the chart goes.
+    svg: String,
 }
 
 fn main() {
@@ -178,6 +181,7 @@ fn main() {
         level: args
             .text("--zstd-level")
             .map(|l| l.parse().expect("--zstd-level N")),
+        svg: args.get("--svg", "benches/charts/reduction.svg".to_string()),
     };
     match args.text("--from").map(PathBuf::from) {
         Some(d) => {
@@ -470,6 +474,28 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
         "data", "MB", "wanopt", "cpu MB/s", "gzip-6", "zstd-6", "zstd-9", "xz-6", "patch-from"
     );
     let mut dec = Decoder::new(&cfg);
+    // The charts' columns: wire/raw per tool, and what each of wanopt's mechanisms saved.
+    let mut groups = Vec::new();
+    let mut ratios: Vec<(String, Vec<Option<f64>>)> = [
+        "wanopt",
+        "gzip -6",
+        "zstd -6",
+        "zstd -9",
+        "xz -6",
+        "zstd --patch-from",
+    ]
+    .iter()
+    .map(|t| (t.to_string(), Vec::new()))
+    .collect();
+    let mut mechanisms: Vec<(String, Vec<Option<f64>>)> = [
+        "saved by dedup",
+        "saved by delta",
+        "saved by compression",
+        "sent (wire / raw)",
+    ]
+    .iter()
+    .map(|t| (t.to_string(), Vec::new()))
+    .collect();
     let mut sets: Vec<(&str, &Path, Option<&Path>)> = vec![
         ("base backup", base1, None),
         ("WAL of the OLTP run", wal_path, None),
@@ -494,30 +520,43 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
         let mut out = Vec::with_capacity(data.len());
         dec.decode(&wire, &mut out).expect("decodes");
         assert!(out == data, "{name}: rebuilt bytes differ");
-        let ratio =
-            |t: Option<(u64, f64)>| t.map_or("-".into(), |(w, _)| format!("{:.3}", w as f64 / n));
+        let ratio = |t: Option<(u64, f64)>| t.map(|(w, _)| w as f64 / n);
         let other = |on: bool, cmd: &str, args: &[&str]| {
             if on && opts.others {
                 ratio(tool(cmd, args, path))
             } else {
-                "-".into()
+                None
             }
         };
         let from = reference.map(|r| format!("--patch-from={}", r.display()));
-        let patch = from.as_deref().map_or("-".into(), |from| {
-            other(true, "zstd", &["--long=29", from, "-q", "-c", "-T1"])
-        });
-        println!(
-            "{name:<26} {:>9.1} {:>8.3} {:>10.0} {:>8} {:>8} {:>8} {:>8} {:>10}",
-            n / 1e6,
-            wire.len() as f64 / n,
-            n / cpu / 1e6,
+        let patch = from
+            .as_deref()
+            .and_then(|from| other(true, "zstd", &["--long=29", from, "-q", "-c", "-T1"]));
+        let ours = wire.len() as f64 / n;
+        let row = [
+            Some(ours),
             other(true, "gzip", &["-6", "-c"]),
             other(true, "zstd", &["-6", "-q", "-c", "-T1"]),
             other(true, "zstd", &["-9", "-q", "-c", "-T1"]),
             other(opts.xz, "xz", &["-6", "-c", "-T1"]),
             patch,
+        ];
+        let f = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.3}"));
+        println!(
+            "{name:<26} {:>9.1} {:>8.3} {:>10.0} {:>8} {:>8} {:>8} {:>8} {:>10}",
+            n / 1e6,
+            ours,
+            n / cpu / 1e6,
+            f(row[1]),
+            f(row[2]),
+            f(row[3]),
+            f(row[4]),
+            f(row[5]),
         );
+        groups.push(name.to_string());
+        for (col, v) in ratios.iter_mut().zip(row) {
+            col.1.push(v);
+        }
         // What each mechanism kept off the wire, as a share of the raw bytes.
         let s = enc.stats();
         let d = |a: u64, b: u64| a.saturating_sub(b) as f64 / n;
@@ -529,16 +568,42 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
                 )
             })
             .sum();
-        println!(
-            "{:<26} saved by dedup {:.3}, delta {:.3} ({} chunks), compression {:.3}",
-            "",
-            d(s.hit_bytes - before.hit_bytes, s.hit_wire - before.hit_wire),
-            d(
-                s.delta_bytes - before.delta_bytes,
-                s.delta_wire - before.delta_wire
-            ),
-            s.delta_chunks - before.delta_chunks,
-            compression,
+        let dedup = d(s.hit_bytes - before.hit_bytes, s.hit_wire - before.hit_wire);
+        let delta = d(
+            s.delta_bytes - before.delta_bytes,
+            s.delta_wire - before.delta_wire,
         );
+        println!(
+            "{:<26} saved by dedup {dedup:.3}, delta {delta:.3} ({} chunks), compression {compression:.3}",
+            "",
+            s.delta_chunks - before.delta_chunks,
+        );
+        for (col, v) in mechanisms.iter_mut().zip([dedup, delta, compression, ours]) {
+            col.1.push(Some(v));
+        }
     }
+    let chart = |title: &str, unit: &str, series| {
+        Chart::Bars(Bars {
+            title: title.into(),
+            unit: unit.into(),
+            groups: groups.clone(),
+            series,
+        })
+    };
+    let svg = render(&[
+        chart(
+            "wire / raw: wanopt and the compressors a DBA would use (lower is better)",
+            "wire / raw",
+            ratios,
+        ),
+        chart(
+            "wanopt: where the raw bytes went, as a share of them",
+            "share of the raw bytes",
+            mechanisms,
+        ),
+    ])
+    .expect("chart");
+    let _ = std::fs::create_dir_all(Path::new(&opts.svg).parent().unwrap_or(Path::new(".")));
+    std::fs::write(&opts.svg, svg).expect("write chart");
+    println!("chart: {}", opts.svg);
 }

@@ -7,7 +7,8 @@
 //!
 //! Run (as root): `cargo build --release --workspace && cargo bench --bench sync_tail --
 //! --preset t3-100ms-1 --seconds 600`. Options: `--preset NAME` (default `t3-100ms-0.5`),
-//! `--seconds N` per phase (default 60), `--copies N` for the first pair (default 2).
+//! `--seconds N` per phase (default 60), `--copies N` for the first pair (default 2), `--svg
+//! FILE` (the percentile curves; default `benches/charts/sync-tail-PRESET.svg`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -19,6 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{connect_in, east_servers, link_lines, wan_pair};
+use wanopt_replay::chart::{Chart, Percentiles, cdf_of_sorted, render};
 use wansim::{Site, Wan};
 
 const RR: usize = 8 * 1024;
@@ -58,7 +60,7 @@ fn main() {
     let copies: String = args.get("--copies", "2".to_string());
     let params = wansim::preset(&preset).expect("preset");
     let rtt_ms = params.stated().1.as_secs_f64() * 1e3;
-    let (stated, stated_words) = common::stated_link(&params);
+    let (stated, stated_words) = wanopt_replay::showcase::stated_link(&params);
     let wan = Wan::start(&format!("st{}", std::process::id() % 100_000), params).expect("wansim");
     let east_ip = std::net::IpAddr::V4(Site::East.addr());
     east_servers(&wan, east_ip);
@@ -103,6 +105,7 @@ fn main() {
     println!(
         "{preset}: 8 KiB round trips 20 ms apart, {secs} s per phase, all paths at once; {stated_words}"
     );
+    let mut charts = Vec::new();
     for bulk in [false, true] {
         let stop = Arc::new(AtomicBool::new(false));
         let writer = bulk.then(|| {
@@ -150,6 +153,25 @@ fn main() {
             "{:<28} {:>7} {:>8} {:>8} {:>8} {:>8}   {:>6} {:>6}",
             "path", "rounds", "p50", "p99", "p99.9", "max", "p99/RTT", "p99.9/RTT"
         );
+        charts.push(Chart::Percentiles(Percentiles {
+            title: format!(
+                "{preset}, {}: 8 KiB round trips",
+                if bulk {
+                    "bulk stream through the pair"
+                } else {
+                    "idle link"
+                }
+            ),
+            series: paths
+                .iter()
+                .zip(&results)
+                .map(|((name, ..), v)| {
+                    let ms: Vec<f64> = v.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+                    (name.clone(), cdf_of_sorted(&ms))
+                })
+                .collect(),
+            rtt_ms: Some(rtt_ms),
+        }));
         for ((name, ..), v) in paths.iter().zip(&results) {
             println!(
                 "{name:<28} {:>7} {:>8.1} {:>8.1} {:>8.1} {:>8.1}   {:>6.2} {:>6.2}",
@@ -165,6 +187,14 @@ fn main() {
     }
     let (a, b) = wan.counters();
     println!("\nwansim west->east: {a}\nwansim east->west: {b}");
+    let svg = args.get("--svg", format!("benches/charts/sync-tail-{preset}.svg"));
+    let _ = std::fs::create_dir_all(
+        std::path::Path::new(&svg)
+            .parent()
+            .unwrap_or(std::path::Path::new(".")),
+    );
+    std::fs::write(&svg, render(&charts).expect("chart")).expect("write chart");
+    println!("chart: {svg}");
     for d in [&with_copies.west, &with_copies.east] {
         let lost = d.count("a latency lane connection was lost");
         if lost > 0 {

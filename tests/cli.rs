@@ -51,7 +51,7 @@ fn every_preset_states_a_link_the_daemon_accepts() {
     let certs = Certs::new(&["west", "east"]);
     for (name, _) in wansim::PRESETS {
         let params = wansim::preset(name).expect("preset");
-        let (lines, _) = stated_link(&params);
+        let (lines, _) = wanopt_replay::showcase::stated_link(&params);
         let yaml = link_lines(
             west_yaml("127.0.0.1:7400".parse().expect("addr"), &certs, "  []"),
             &lines,

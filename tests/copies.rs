@@ -124,7 +124,7 @@ fn lossy_run(tag: &str, extra: &str) -> LossyRun {
         .expect("east")
         .expect("bind");
     let sync = serve_on(l, echo_handler);
-    let (link, _) = stated_link(&params);
+    let (link, _) = wanopt_replay::showcase::stated_link(&params);
     let pair = wan_pair(
         &wan,
         &format!("  - name: sync\n    target: {sync}\n    class: latency\n{extra}"),

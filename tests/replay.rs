@@ -458,3 +458,88 @@ fn compare_puts_direct_and_tunnel_side_by_side_with_the_tunnels_gain() {
     );
     assert!(lines[2].starts_with("tunnel"), "{table}");
 }
+
+/// The one-command comparison: the WAN, the pair inside it stating the link, three paths per
+/// workload, the chart, and nothing left behind. On the `lan` preset so it is quick; the
+/// reference WAN is the same code with another preset.
+#[test]
+fn showcase_compares_direct_cubic_bbr_and_the_pair_on_a_wan_and_cleans_up() {
+    if !wansim::available_or_skip("showcase") {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let chart = dir.path().join("showcase.svg");
+    let child = Command::new(bin("wanopt-replay"))
+        .args([
+            "showcase",
+            "--preset",
+            "lan",
+            "--workload",
+            "gen:redo:4m",
+            "--workload",
+            "oratcp:-mode=sync -length=8k -duration=1s -interval=1s",
+            "--svg",
+        ])
+        .arg(&chart)
+        .arg("--wanoptd")
+        .arg(bin("wanoptd"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("showcase");
+    let pid = child.id();
+    let out = child.wait_with_output().expect("showcase output");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("the pair states the link's own 1000 Mbit/s and 100us"),
+        "{stdout}"
+    );
+    for w in ["redo 4 MiB", "oratcp SYNC 8192 B"] {
+        let table: Vec<&str> = stdout
+            .split(&format!("\n{w}\n"))
+            .nth(1)
+            .unwrap_or_else(|| panic!("no {w} table: {stdout}"))
+            .lines()
+            .take(4)
+            .collect();
+        assert!(table[1].starts_with("direct CUBIC"), "{stdout}");
+        assert!(table[2].starts_with("direct BBR"), "{stdout}");
+        assert!(table[3].starts_with("wanopt"), "{stdout}");
+        // The pair's own counters: the raw bytes it carried and a wire gain.
+        assert!(table[3].trim_end().ends_with('x'), "{stdout}");
+        assert!(
+            stdout.contains(&format!("{w}: wanopt moved")),
+            "no summary for {w}: {stdout}"
+        );
+    }
+    assert!(stdout.contains("round trips p99"), "{stdout}");
+    let svg = std::fs::read_to_string(&chart).expect("chart");
+    for text in [
+        "direct CUBIC",
+        "direct BBR",
+        "wanopt (wire gain",
+        "redo 4 MiB",
+        "round trips",
+    ] {
+        assert!(svg.contains(text), "the chart lacks {text:?}");
+    }
+    // Namespaces and the scratch folder are gone.
+    let prefix = format!("wshow{}", pid % 100_000);
+    let ns = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip");
+    assert!(
+        !String::from_utf8_lossy(&ns.stdout).contains(&prefix),
+        "namespaces left behind"
+    );
+    assert!(
+        !std::env::temp_dir()
+            .join(format!("wanopt-showcase-{}", pid % 100_000))
+            .exists()
+    );
+}

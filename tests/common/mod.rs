@@ -663,30 +663,6 @@ pub fn wan_pair(
     WanPair { certs, east, west }
 }
 
-/// The `link:` lines stating a wansim link's own bandwidth and RTT (see
-/// [`wansim::LinkParams::stated`]), and the same in words for a bench's output.
-pub fn stated_link(params: &wansim::LinkParams) -> (String, String) {
-    let (rate, rtt) = params.stated();
-    let rtt = if rtt.subsec_micros() % 1000 == 0 {
-        format!("{}ms", rtt.as_millis())
-    } else {
-        format!("{}us", rtt.as_micros())
-    };
-    match rate {
-        Some(bps) => (
-            format!("  bandwidth: {}kbit\n  rtt: {rtt}\n", bps / 1000),
-            format!(
-                "the pair states the link's own {} Mbit/s and {rtt}",
-                bps / 1_000_000
-            ),
-        ),
-        None => (
-            format!("  rtt: {rtt}\n"),
-            format!("the pair states the link's {rtt} and no bandwidth (the link has no limit)"),
-        ),
-    }
-}
-
 /// Adds lines (indented by two spaces) to a config's `link:` section.
 pub fn link_lines(yaml: String, lines: &str) -> String {
     yaml.replacen("link:\n", &format!("link:\n{lines}"), 1)

@@ -13,6 +13,24 @@ const PANEL: u32 = 440;
 /// The deepest percentile drawn: 99.99% (four nines).
 const NINES: f64 = 4.0;
 
+/// Series colours (Tableau 10): distinct on white and for most colour-blind readers.
+const COLOURS: [RGBColor; 10] = [
+    RGBColor(0x4e, 0x79, 0xa7),
+    RGBColor(0xf2, 0x8e, 0x2b),
+    RGBColor(0x59, 0xa1, 0x4f),
+    RGBColor(0xe1, 0x57, 0x59),
+    RGBColor(0x76, 0xb7, 0xb2),
+    RGBColor(0xed, 0xc9, 0x48),
+    RGBColor(0xb0, 0x7a, 0xa1),
+    RGBColor(0xff, 0x9d, 0xa7),
+    RGBColor(0x9c, 0x75, 0x5f),
+    RGBColor(0xba, 0xb0, 0xac),
+];
+
+fn colour(i: usize) -> RGBColor {
+    COLOURS[i % COLOURS.len()]
+}
+
 /// One bar per series in each group.
 #[derive(Debug, Clone)]
 pub struct Bars {
@@ -141,10 +159,12 @@ fn bars(b: &Bars, area: &DrawingArea<SVGBackend<'_>, Shift>) -> Result<(), Chart
     }
     // On a log scale the axis carries log10 of the value and its labels undo it.
     let log = top / low > LOG_SPAN;
+    // Headroom above the tallest bar keeps the legend clear of the bars.
     let (floor, ceil) = if log {
-        (low.log10().floor(), top.log10() + 0.25)
+        let floor = low.log10().floor();
+        (floor, top.log10() + (top.log10() - floor) * 0.6)
     } else {
-        (0.0, top * 1.18)
+        (0.0, top * 1.6)
     };
     let y = move |v: f64| if log { v.log10() } else { v };
     let groups = b.groups.len();
@@ -191,7 +211,7 @@ fn bars(b: &Bars, area: &DrawingArea<SVGBackend<'_>, Shift>) -> Result<(), Chart
     mesh.draw().map_err(draw_err)?;
     let w = 0.8 / n;
     for (s, (name, values)) in b.series.iter().enumerate() {
-        let color = Palette99::pick(s).to_rgba();
+        let color = colour(s);
         let x0 = |g: usize| g as f64 + 0.1 + w * s as f64;
         let shown = || {
             values
@@ -271,7 +291,7 @@ fn percentiles(
             .legend(|(x, y)| PathElement::new([(x, y), (x + 14, y)], BLACK.mix(0.5)));
     }
     for (s, (name, points)) in p.series.iter().enumerate() {
-        let color = Palette99::pick(s).to_rgba();
+        let color = colour(s);
         // A step curve: each point holds until the next latency.
         let mut steps = Vec::with_capacity(points.len() * 2 + 1);
         let mut y = 0.0;

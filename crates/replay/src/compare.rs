@@ -135,7 +135,7 @@ impl Job {
                 },
                 c.length
             ),
-            Job::Gen(w, d) => format!("{w:?} {} MiB", d.len() >> 20).to_lowercase(),
+            Job::Gen(w, d) => format!("{} {} MiB", format!("{w:?}").to_lowercase(), d.len() >> 20),
             Job::File(f, _) => f.clone(),
             Job::Trace(_) => "trace".into(),
         }
@@ -260,13 +260,16 @@ pub fn compare(paths: &[PathSpec], job: &Job, service: Option<&str>) -> Result<V
             }
             _ => None,
         };
-        let base = rows.first().map_or(seconds, |r| r.seconds);
+        let rate = crate::stats::mbytes_per_s(bytes, seconds);
+        // Throughput against the first path: the time ratio for a fixed amount of bytes, and
+        // still meaningful for a run of fixed duration.
+        let base = rows.first().map_or(rate, |r| r.mbytes_per_s);
         rows.push(Row {
             path: p.name.clone(),
             bytes,
             seconds,
-            mbytes_per_s: crate::stats::mbytes_per_s(bytes, seconds),
-            speedup: if seconds > 0.0 { base / seconds } else { 0.0 },
+            mbytes_per_s: rate,
+            speedup: if base > 0.0 { rate / base } else { 0.0 },
             latency_ms: latency,
             raw_bytes: counted.map(|c| c.0),
             wire_bytes: counted.map(|c| c.1),

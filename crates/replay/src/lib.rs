@@ -13,6 +13,7 @@ pub mod proto;
 pub mod record;
 pub mod replay;
 pub mod server;
+pub mod showcase;
 pub mod stats;
 pub mod trace;
 pub mod workload;

@@ -174,6 +174,25 @@ enum Cmd {
         #[arg(long, value_name = "FILE")]
         svg: Option<PathBuf>,
     },
+    /// As root: build a reference WAN with wansim, run a wanoptd pair inside it, and compare
+    /// direct TCP (CUBIC and BBR) with the pair on each workload, with a chart.
+    Showcase {
+        /// The WAN (see `wansim presets`).
+        #[arg(long, default_value = "t3-100ms-0.5")]
+        preset: String,
+        /// Workloads as for compare (oratcp:, gen:, file:), one after another.
+        #[arg(
+            long = "workload",
+            default_values_t = ["gen:redo:16m".to_string(), "oratcp:-mode=sync -length=8k -duration=20s -interval=20s".to_string()]
+        )]
+        workloads: Vec<String>,
+        /// Draw the runs as an SVG chart.
+        #[arg(long, value_name = "FILE")]
+        svg: Option<PathBuf>,
+        /// The daemon binary (default: wanoptd beside this one, else from PATH).
+        #[arg(long)]
+        wanoptd: Option<PathBuf>,
+    },
     /// Write a deterministic synthetic workload (its model: `wanopt-replay gen --help`).
     #[command(long_about = workload::MODEL)]
     Gen {
@@ -428,6 +447,24 @@ fn run(cmd: Cmd) -> Result<()> {
                     .map_err(anyhow::Error::msg)?;
                 eprintln!("wanopt-replay: chart written to {}", f.display());
             }
+            Ok(())
+        }
+        Cmd::Showcase {
+            preset,
+            workloads,
+            svg,
+            wanoptd,
+        } => {
+            let opts = wanopt_replay::showcase::ShowcaseOpts {
+                preset,
+                workloads,
+                svg,
+                wanoptd: wanoptd.unwrap_or_else(wanopt_replay::showcase::default_wanoptd),
+            };
+            print!(
+                "{}",
+                wanopt_replay::showcase::run(&opts).map_err(anyhow::Error::msg)?
+            );
             Ok(())
         }
         Cmd::Gen {

@@ -574,10 +574,15 @@ fn forward_out(to: &OwnedFd, c: &DirCounters, stop: &AtomicBool, line: &DelayLin
     }
 }
 
+/// What this host lacks to run wansim (root, TUN, `ip`), in words; empty when it can.
+pub fn missing_prerequisites() -> Vec<String> {
+    sys::missing_prerequisites()
+}
+
 /// For tests: true if wansim can run here. Otherwise prints why and returns false, unless
 /// `WANOPT_REQUIRE_NETNS=1` is set (as in CI), where it panics so the test cannot skip silently.
 pub fn available_or_skip(test: &str) -> bool {
-    let missing = sys::missing_prerequisites();
+    let missing = missing_prerequisites();
     if missing.is_empty() {
         return true;
     }
