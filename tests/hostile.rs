@@ -716,6 +716,75 @@ fn ten_thousand_idle_and_five_hundred_active_clients() {
     let _ = echo.wait();
 }
 
+/// A scraper keeps its connection for several requests; a client that sends a head too large,
+/// or too slowly, is answered with an error or closed, and others are still served.
+#[test]
+fn the_admin_endpoint_keeps_scrapers_alive_and_drops_slow_or_oversized_heads() {
+    let certs = Certs::new(&["west", "east"]);
+    let (_hold, nowhere) = refusing_port();
+    let east = east_daemon(&certs, nowhere, "admin:\n  listen: 127.0.0.1:0\n");
+    let admin = east.bound("admin");
+    // Three requests on one connection, each answer framed by its Content-Length.
+    let mut s = TcpStream::connect(admin).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut reader = std::io::BufReader::new(s.try_clone().expect("clone"));
+    for path in ["/metrics", "/healthz", "/nope"] {
+        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").expect("request");
+        let mut status = String::new();
+        std::io::BufRead::read_line(&mut reader, &mut status).expect("status");
+        let mut length = 0usize;
+        loop {
+            let mut h = String::new();
+            std::io::BufRead::read_line(&mut reader, &mut h).expect("header");
+            if h == "\r\n" {
+                break;
+            }
+            if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                length = v.trim().parse().expect("length");
+            }
+        }
+        let mut body = vec![0u8; length];
+        reader.read_exact(&mut body).expect("body");
+        let body = String::from_utf8_lossy(&body);
+        match path {
+            "/metrics" => assert!(status.contains(" 200") && body.contains("wanopt_link_up")),
+            "/healthz" => assert!(status.contains(" 200") && body == "ok\n"),
+            _ => assert!(status.contains(" 404"), "{status}"),
+        }
+    }
+    // An idle kept-alive connection is closed once the next head is five seconds late.
+    let t = Instant::now();
+    let mut one = [0u8; 1];
+    assert_eq!(reader.read(&mut one).expect("an end, not a timeout"), 0);
+    assert!(t.elapsed() >= Duration::from_secs(4), "{:?}", t.elapsed());
+    // A head past 8 KiB: an error status or a close, never a 200.
+    let mut big = TcpStream::connect(admin).expect("connect");
+    let _ = write!(
+        big,
+        "GET /metrics HTTP/1.1\r\nX-Junk: {}\r\n\r\n",
+        "a".repeat(20_000)
+    );
+    let mut got = String::new();
+    let _ = big.read_to_string(&mut got);
+    assert!(!got.starts_with("HTTP/1.1 200"), "{got}");
+    // A head that never ends is closed after five seconds.
+    let mut slow = TcpStream::connect(admin).expect("connect");
+    slow.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        .expect("partial head");
+    slow.set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    let t = Instant::now();
+    let mut rest = Vec::new();
+    let _ = slow.read_to_end(&mut rest);
+    let waited = t.elapsed();
+    assert!(
+        waited >= Duration::from_secs(4) && waited < Duration::from_secs(15),
+        "closed after {waited:?}"
+    );
+    assert!(scrape(admin).contains("wanopt_link_up"));
+}
+
 /// The admin endpoint answers the networks in `admin.allow` and closes on anyone else.
 #[test]
 fn the_admin_endpoint_answers_only_its_allow_list() {

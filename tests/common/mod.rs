@@ -573,7 +573,8 @@ pub fn scrape(addr: SocketAddr) -> String {
 
 /// A scrape over a connection already made (from inside a namespace, for instance).
 pub fn scrape_on(mut s: TcpStream) -> String {
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    // The endpoint keeps connections alive; this reader wants the end of the answer as EOF.
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         .expect("request");
     let mut out = String::new();
     s.read_to_string(&mut out).expect("response");

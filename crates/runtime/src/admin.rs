@@ -1,15 +1,23 @@
-//! The admin endpoint: a minimal HTTP/1.1 server for Prometheus scrapes (`GET /metrics`) and
-//! health checks (`GET /healthz`), on the `admin.listen` address (loopback by default).
+//! The admin endpoint: Prometheus scrapes (`GET /metrics`) and health checks (`GET /healthz`)
+//! over HTTP/1.1 with keep-alive (hyper's server), on the `admin.listen` address (loopback by
+//! default).
 //!
-//! Requests are hostile input like any other: only `admin.allow` may connect, at most 32 at a
-//! time; the head is capped at 8 KiB and must arrive within five seconds; anything but those two
-//! GETs gets a 404 or 405, and every connection is closed after one response.
+//! Requests are hostile input like any other: only `admin.allow` may connect (checked before a
+//! byte is read), at most 32 connections at a time; a request head is capped at 8 KiB and must
+//! arrive within five seconds, and a connection lives at most two minutes. Anything but those
+//! two GETs gets a 404 or 405.
 
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{CONNECTION, CONTENT_TYPE, HOST};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use ipnet::IpNet;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tracing::{debug, warn};
@@ -17,10 +25,17 @@ use tracing::{debug, warn};
 use crate::counters::Counters;
 use crate::gate::LogBudget;
 
+/// The largest request head (hyper's smallest buffer limit).
 const MAX_HEAD: usize = 8 * 1024;
-
-/// Requests answered at once; a connection beyond them is closed unanswered.
+/// A request head must arrive within this, including the wait for the next one on a kept-alive
+/// connection.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
+/// A connection is asked to close after this, so a slow reader cannot hold a slot for ever.
+const MAX_LIFETIME: Duration = Duration::from_secs(120);
+/// Connections served at once; one beyond them is closed unanswered.
 const MAX_CONNECTIONS: usize = 32;
+/// The largest answer `fetch` reads.
+const MAX_FETCH: usize = 64 << 20;
 
 static OUTSIDERS: LogBudget = LogBudget::new(Duration::from_secs(10), 10);
 
@@ -52,86 +67,95 @@ pub async fn serve(listener: TcpListener, allow: Vec<IpNet>, counters: Arc<Count
         };
         let counters = counters.clone();
         tokio::spawn(async move {
-            if let Err(e) =
-                tokio::time::timeout(Duration::from_secs(5), answer(sock, &counters)).await
-            {
-                debug!(from = %from, error = %e, "admin request timed out");
+            if let Err(e) = connection(sock, counters).await {
+                debug!(from = %from, error = %e, "admin connection ended");
             }
             drop(slot);
         });
     }
 }
 
-async fn answer(mut sock: TcpStream, counters: &Counters) {
-    let mut head = Vec::with_capacity(1024);
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        if head.len() >= MAX_HEAD {
-            let _ = sock
-                .write_all(&response(431, "text/plain", "request head too large\n"))
-                .await;
-            return;
-        }
-        match sock.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => head.extend_from_slice(&buf[..n]),
+async fn connection(sock: TcpStream, counters: Arc<Counters>) -> Result<(), hyper::Error> {
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let counters = counters.clone();
+        async move { Ok::<_, Infallible>(answer(&req, &counters)) }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEAD_TIMEOUT)
+        .max_buf_size(MAX_HEAD)
+        .serve_connection(TokioIo::new(sock), service);
+    tokio::pin!(conn);
+    tokio::select! {
+        r = conn.as_mut() => r,
+        () = tokio::time::sleep(MAX_LIFETIME) => {
+            // Finish the answer under way, then close.
+            conn.as_mut().graceful_shutdown();
+            match tokio::time::timeout(HEAD_TIMEOUT, conn).await {
+                Ok(r) => r,
+                Err(_) => Ok(()),
+            }
         }
     }
-    let line = head.split(|b| *b == b'\r').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
-    let mut parts = line.split(' ');
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = path.split('?').next().unwrap_or("");
-    let reply = match (method, path) {
-        ("GET", "/metrics") => response(
-            200,
-            "text/plain; version=0.0.4; charset=utf-8",
-            &counters.encode(),
-        ),
-        ("GET", "/healthz") => response(200, "text/plain", "ok\n"),
-        ("GET", _) => response(404, "text/plain", "not found: try /metrics\n"),
-        _ => response(405, "text/plain", "only GET\n"),
-    };
-    let _ = sock.write_all(&reply).await;
-    let _ = sock.shutdown().await;
 }
 
-fn response(code: u16, ctype: &str, body: &str) -> Vec<u8> {
-    let reason = match code {
-        200 => "OK",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        _ => "Request Header Fields Too Large",
+fn answer(req: &Request<Incoming>, counters: &Counters) -> Response<Full<Bytes>> {
+    let (code, ctype, body) = match (req.method(), req.uri().path()) {
+        (&Method::GET, "/metrics") => (
+            StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            counters.encode(),
+        ),
+        (&Method::GET, "/healthz") => (StatusCode::OK, "text/plain", "ok\n".into()),
+        (&Method::GET, _) => (
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            "not found: try /metrics\n".into(),
+        ),
+        _ => (
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "only GET\n".into(),
+        ),
     };
-    format!(
-        "HTTP/1.1 {code} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .into_bytes()
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = code;
+    r.headers_mut()
+        .insert(CONTENT_TYPE, hyper::header::HeaderValue::from_static(ctype));
+    r
 }
 
 /// Fetches `path` from an admin endpoint (used by `wanoptd stats`); returns the body of a 200.
 pub async fn fetch(addr: std::net::SocketAddr, path: &str) -> Result<String, String> {
-    let mut s = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr))
+    let work = async {
+        let s = TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("connect {addr}: {e}"))?;
+        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
+            .await
+            .map_err(|e| format!("{addr}: {e}"))?;
+        tokio::spawn(conn);
+        let req = Request::get(path)
+            .header(HOST, addr.to_string())
+            .header(CONNECTION, "close")
+            .body(http_body_util::Empty::<Bytes>::new())
+            .map_err(|e| format!("request: {e}"))?;
+        let res = send
+            .send_request(req)
+            .await
+            .map_err(|e| format!("{addr}: {e}"))?;
+        let status = res.status();
+        let body = Limited::new(res.into_body(), MAX_FETCH)
+            .collect()
+            .await
+            .map_err(|e| format!("read: {e}"))?
+            .to_bytes();
+        if status != StatusCode::OK {
+            return Err(format!("{addr}{path}: {status}"));
+        }
+        Ok(String::from_utf8_lossy(&body).into_owned())
+    };
+    tokio::time::timeout(Duration::from_secs(10), work)
         .await
-        .map_err(|_| format!("connect {addr}: timed out"))?
-        .map_err(|e| format!("connect {addr}: {e}"))?;
-    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes())
-        .await
-        .map_err(|e| format!("write: {e}"))?;
-    let mut body = Vec::new();
-    tokio::time::timeout(
-        Duration::from_secs(10),
-        s.take(64 << 20).read_to_end(&mut body),
-    )
-    .await
-    .map_err(|_| "read: timed out".to_string())?
-    .map_err(|e| format!("read: {e}"))?;
-    let text = String::from_utf8_lossy(&body);
-    let (head, body) = text.split_once("\r\n\r\n").ok_or("not an HTTP response")?;
-    if !head.starts_with("HTTP/1.1 200") {
-        return Err(head.lines().next().unwrap_or("bad response").to_string());
-    }
-    Ok(body.to_string())
+        .map_err(|_| format!("{addr}: timed out"))?
 }

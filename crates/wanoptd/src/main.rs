@@ -234,8 +234,8 @@ fn demo(dir: &Path) -> ExitCode {
         eprintln!(
             "wanoptd demo: the link is paced at {:.1} Mbit/s, 95% of the configs' link.bandwidth, as \
              on the WAN they describe; through the tunnel, loopback runs no faster. Set \
-             link.bandwidth in both configs to compare with loopback TCP, or measure on an \
-             emulated WAN (crates/wansim/README.md)",
+             link.bandwidth in both configs to compare with loopback TCP, or compare on an \
+             emulated WAN with `sudo wanopt-replay showcase`",
             bps as f64 / 1e6
         );
     }
