@@ -588,6 +588,7 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
             unit: unit.into(),
             groups: groups.clone(),
             series,
+            linear: true,
         })
     };
     let svg = render(&[

@@ -41,6 +41,9 @@ pub struct Bars {
     pub groups: Vec<String>,
     /// Series (paths, mechanisms): one value per group, `None` where it was not measured.
     pub series: Vec<(String, Vec<Option<f64>>)>,
+    /// Always a linear scale (shares of a whole); otherwise values spanning more than
+    /// [`LOG_SPAN`] get a log scale.
+    pub linear: bool,
 }
 
 /// Latency curves: each series is a CDF as points (milliseconds, fraction at or below).
@@ -132,14 +135,26 @@ pub fn render(charts: &[Chart]) -> Result<String, ChartError> {
     Ok(svg)
 }
 
-fn label(v: f64) -> String {
-    if v >= 100.0 {
-        format!("{v:.0}")
-    } else if v >= 10.0 {
-        format!("{v:.1}")
-    } else {
-        format!("{v:.2}")
+/// An axis value: as [`label`] without trailing zeros (0.1, 0.25, 100), and 0 as 0.
+fn axis_label(v: f64) -> String {
+    if v.abs() < 1e-12 {
+        return "0".into();
     }
+    let l = label(v);
+    if l.contains('.') {
+        l.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        l
+    }
+}
+
+/// Three significant digits (no fewer whole ones): 160, 11.2, 4.10, 0.128, 0.00170.
+fn label(v: f64) -> String {
+    if !v.is_finite() || v <= 0.0 {
+        return format!("{v}");
+    }
+    let decimals = (2 - v.log10().floor() as i32).clamp(0, 9) as usize;
+    format!("{v:.decimals$}")
 }
 
 /// Bars spanning more than this ratio are drawn on a log scale, so the small ones stay visible.
@@ -158,7 +173,7 @@ fn bars(b: &Bars, area: &DrawingArea<SVGBackend<'_>, Shift>) -> Result<(), Chart
         return Err(ChartError::Empty("bars without a positive value"));
     }
     // On a log scale the axis carries log10 of the value and its labels undo it.
-    let log = top / low > LOG_SPAN;
+    let log = !b.linear && top / low > LOG_SPAN;
     // Headroom above the tallest bar keeps the legend clear of the bars.
     let (floor, ceil) = if log {
         let floor = low.log10().floor();
@@ -186,13 +201,7 @@ fn bars(b: &Bars, area: &DrawingArea<SVGBackend<'_>, Shift>) -> Result<(), Chart
             String::new()
         }
     };
-    let value_label = move |v: &f64| {
-        if log {
-            label(10f64.powf(*v))
-        } else {
-            label(*v)
-        }
-    };
+    let value_label = move |v: &f64| axis_label(if log { 10f64.powf(*v) } else { *v });
     let unit = if log {
         format!("{} (log scale)", b.unit)
     } else {
@@ -331,6 +340,7 @@ mod tests {
                     ("direct CUBIC".into(), vec![Some(0.31), Some(0.29)]),
                     ("wanopt".into(), vec![Some(11.2), None]),
                 ],
+                linear: false,
             }),
             Chart::Percentiles(Percentiles {
                 title: "SYNC".into(),
@@ -372,6 +382,7 @@ mod tests {
             unit: "u".into(),
             groups: vec!["g".into()],
             series: vec![("s".into(), vec![None])],
+            linear: true,
         };
         assert!(render(&[Chart::Bars(b.clone())]).is_err());
         let nan = Bars {
@@ -387,6 +398,19 @@ mod tests {
             })])
             .is_err()
         );
+    }
+
+    #[test]
+    fn labels_keep_three_significant_digits() {
+        assert_eq!(label(160.4), "160");
+        assert_eq!(label(11.23), "11.2");
+        assert_eq!(label(4.1), "4.10");
+        assert_eq!(label(0.1284), "0.128");
+        assert_eq!(label(0.0017), "0.00170");
+        assert_eq!(label(1e-12), "0.000000000");
+        assert_eq!(axis_label(0.0), "0");
+        assert_eq!(axis_label(0.1), "0.1");
+        assert_eq!(axis_label(100.0), "100");
     }
 
     #[test]

@@ -354,6 +354,7 @@ pub fn charts(title: &str, runs: &[(String, Vec<Row>)]) -> Vec<Chart> {
         unit: "Mbytes/s".into(),
         groups: runs.iter().map(|(w, _)| w.clone()).collect(),
         series,
+        linear: false,
     })];
     for (w, rows) in runs {
         let series: Vec<(String, Vec<(f64, f64)>)> = rows
