@@ -8,7 +8,11 @@
 //! the cache kept from one data set to the next as a link keeps it), and through `gzip -6`,
 //! `zstd -6` and `zstd -9` as one stream, `xz -6`, and for the second backup `zstd --long=29
 //! --patch-from` the first. It prints wire/raw of each and wanopt's encoder CPU time, and what
-//! dedup, deltas and compression each kept off the wire.
+//! dedup, deltas and compression each kept off the wire. Behind the encoder runs a virtual T3
+//! (95% of 45 Mbit/s, as the daemon paces it) with the daemon's zstd level governor fed from
+//! it, so the level moves as a daemon's would on this host; the table shows the levels, the
+//! raw rate the pair would move over that T3, and how busy the link was (near 100%: the link,
+//! not the encoder, set the pace).
 //!
 //! Run (as root, with a PostgreSQL server): `WANOPT_PG_PORT=5432 PGPASSWORD=... cargo bench
 //! --bench reduction` (`.ci/run` shows how to set one up). Options: `--text-mib N` of row text
@@ -19,7 +23,7 @@
 //! would not), `--delta-mib N` (default 256, the daemon's: the sender's store of delta bases in
 //! memory), `--delta-disk-mib N` (default 2048: sealed files behind it, as a daemon with a 2 GiB
 //! disk tier keeps them; 0 for memory only),
-//! `--zstd-level N` (instead of the level the config derives), `--wanopt-only` (skip the other
+//! `--zstd-level N` (a fixed level: no governor), `--wanopt-only` (skip the other
 //! compressors, to compare settings quickly), `--binlog-tx N` transactions for the binlog
 //! (default 40000), `--svg FILE` (the charts; default `benches/charts/reduction.svg`).
 
@@ -29,11 +33,13 @@ mod common;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use common::pg::{self, port, psql, run};
 use wanopt_codec::{CodecConfig, Decoder, Encoder, Pressure};
 use wanopt_replay::chart::{Bars, Chart, render};
+use wanopt_runtime::policy::ZSTD_ADAPT_MAX;
+use wanopt_runtime::pressure::Governor;
 
 const DB: &str = "wanopt_reduction";
 
@@ -126,6 +132,56 @@ fn daemon_codec(cache: usize, delta: usize, level: Option<i32>) -> (CodecConfig,
     .with_avg_chunk(c.avg_chunk);
     // A stated WAN far below what a core compresses: the link is the bottleneck.
     (codec, Pressure::LinkBound)
+}
+
+/// A virtual T3 behind the encoder, with the daemon's zstd level governor fed from it: each
+/// piece's encoding time is measured (the thread's CPU time), the link drains its wire bytes at
+/// 95% of 45 Mbit/s (what `link.max_rate: auto` paces at), and the writer waits for the link when
+/// it is ahead, as a daemon's writer waits for its socket.
+struct VirtualT3 {
+    /// Wire bytes per second.
+    rate: f64,
+    now: Duration,
+    /// When the link has sent what it was given.
+    free_at: Duration,
+    /// Time the link spent sending.
+    sending: Duration,
+    t0: Instant,
+    governor: Option<Governor>,
+}
+
+impl VirtualT3 {
+    fn new(level: i32, governed: bool) -> Self {
+        let t0 = Instant::now();
+        VirtualT3 {
+            rate: 45e6 / 8.0 * 0.95,
+            now: Duration::ZERO,
+            free_at: Duration::ZERO,
+            sending: Duration::ZERO,
+            t0,
+            governor: governed.then(|| Governor::new(level, 1, ZSTD_ADAPT_MAX, t0)),
+        }
+    }
+
+    /// A piece took `cpu` seconds to encode into `wire` bytes; returns a new level if the
+    /// governor moved.
+    fn piece(&mut self, cpu: f64, wire: usize) -> Option<i32> {
+        let enc = Duration::from_secs_f64(cpu);
+        let done = self.now + enc;
+        let waited = self.free_at.saturating_sub(done);
+        self.now = done + waited;
+        let send = Duration::from_secs_f64(wire as f64 / self.rate);
+        self.free_at = self.now + send;
+        self.sending += send;
+        self.governor
+            .as_mut()?
+            .record(enc, waited, self.t0 + self.now)
+    }
+
+    /// Virtual time until the link has sent everything.
+    fn end(&self) -> Duration {
+        self.now.max(self.free_at)
+    }
 }
 
 fn thread_cpu() -> f64 {
@@ -470,9 +526,24 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
         ));
     }
     println!(
-        "{:<26} {:>9} {:>8} {:>10} {:>8} {:>8} {:>8} {:>8} {:>10}",
-        "data", "MB", "wanopt", "cpu MB/s", "gzip-6", "zstd-6", "zstd-9", "xz-6", "patch-from"
+        "{:<26} {:>9} {:>8} {:>10} {:>7} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>10}",
+        "data",
+        "MB",
+        "wanopt",
+        "cpu MB/s",
+        "level",
+        "T3 MB/s",
+        "link",
+        "gzip-6",
+        "zstd-6",
+        "zstd-9",
+        "xz-6",
+        "patch-from"
     );
+    // The governor moves the level as a daemon's does (`optimize.zstd_adapt`), unless the
+    // level is given.
+    let mut t3 = VirtualT3::new(cfg.zstd_level, opts.level.is_none());
+    let mut enc_level = cfg.zstd_level;
     let mut dec = Decoder::new(&cfg);
     // The charts' columns: wire/raw per tool, and what each of wanopt's mechanisms saved.
     let mut groups = Vec::new();
@@ -510,13 +581,26 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
         let n = data.len() as f64;
         let mut wire = Vec::with_capacity(data.len() / 2);
         let before = enc.stats().clone();
-        let cpu = thread_cpu();
+        let (start, sent_before, level_before) = (t3.end(), t3.sending, enc_level);
+        t3.now = start;
+        let mut cpu = 0.0;
         for piece in data.chunks(64 * 1024) {
+            let (t, w) = (thread_cpu(), wire.len());
             enc.push(piece, false, pressure, &mut wire);
+            let c = thread_cpu() - t;
+            cpu += c;
+            if let Some(level) = t3.piece(c, wire.len() - w) {
+                enc.set_zstd_level(level);
+                enc_level = level;
+            }
         }
         // Each data set is a connection of its own.
+        let (t, w) = (thread_cpu(), wire.len());
         enc.end_stream(pressure, &mut wire);
-        let cpu = thread_cpu() - cpu;
+        cpu += thread_cpu() - t;
+        t3.piece(thread_cpu() - t, wire.len() - w);
+        let took = (t3.end() - start).as_secs_f64();
+        let link_busy = (t3.sending - sent_before).as_secs_f64() / took;
         let mut out = Vec::with_capacity(data.len());
         dec.decode(&wire, &mut out).expect("decodes");
         assert!(out == data, "{name}: rebuilt bytes differ");
@@ -543,10 +627,17 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
         ];
         let f = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.3}"));
         println!(
-            "{name:<26} {:>9.1} {:>8.3} {:>10.0} {:>8} {:>8} {:>8} {:>8} {:>10}",
+            "{name:<26} {:>9.1} {:>8.3} {:>10.0} {:>7} {:>8.1} {:>5.0}% {:>8} {:>8} {:>8} {:>8} {:>10}",
             n / 1e6,
             ours,
             n / cpu / 1e6,
+            if level_before == enc_level {
+                enc_level.to_string()
+            } else {
+                format!("{level_before}->{enc_level}")
+            },
+            n / took / 1e6,
+            link_busy * 100.0,
             f(row[1]),
             f(row[2]),
             f(row[3]),

@@ -18,7 +18,7 @@ mod gate;
 pub mod notify;
 mod peer;
 pub mod policy;
-mod pressure;
+pub mod pressure;
 pub mod redundancy;
 mod reload;
 pub mod secure;

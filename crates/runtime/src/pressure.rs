@@ -77,7 +77,7 @@ impl Pressure {
 /// link moves nothing. So the level settles where one core encodes at least twice what the
 /// link drains.
 #[derive(Debug, Clone)]
-pub(crate) struct Governor {
+pub struct Governor {
     level: i32,
     min: i32,
     max: i32,
@@ -107,8 +107,8 @@ impl Governor {
         }
     }
 
-    #[cfg(test)]
-    fn level(&self) -> i32 {
+    /// The level in force.
+    pub fn level(&self) -> i32 {
         self.level
     }
 
