@@ -3,7 +3,10 @@
 //! stream's every chunk. Both ends count them ([`Slots`]), so a peer cannot make us allocate
 //! without bound.
 
-use super::{CodecError, Decoder, FRESH, Hint, LONG, Mirror};
+use super::{
+    CodecError, DEFERRED, Decoder, FRESH, Hint, LONG, Mirror, RUN_MAX, RUN_MAX_DECODE, TAG_RUN_END,
+    put_len,
+};
 
 /// zstd window of a stream context. On PostgreSQL WAL a 128 KiB window compressed as well as
 /// 4 MiB (0.301 against 0.306 of the raw bytes, zstd -3): redo repeats itself within a few
@@ -115,13 +118,26 @@ pub(crate) struct SendContext {
     pub(crate) serial: u64,
     pub(crate) pos: u64,
     pub(crate) window: u64,
+    /// The open run: raw bytes deferred since the last flush, their records' payload bytes,
+    /// and how many chunks.
+    run: (usize, usize, usize),
     _permit: Permit,
+}
+
+impl SendContext {
+    /// Raw bytes of the open run.
+    pub(crate) fn run_pending(&self) -> usize {
+        self.run.0
+    }
 }
 
 /// The receiving end of one stream's zstd context: none until the peer starts one.
 #[derive(Default)]
 pub struct StreamContext {
     pub(crate) dctx: Option<(zstd::zstd_safe::DCtx<'static>, Permit)>,
+    /// An open run: its chunks' lengths and whether each is cached, and the bytes rebuilt so far.
+    pub(crate) run: Vec<(usize, bool)>,
+    pub(crate) run_bytes: Vec<u8>,
 }
 
 impl std::fmt::Debug for StreamContext {
@@ -143,6 +159,7 @@ impl Mirror {
         chunk: &[u8],
         hint: &mut Hint,
         bulk: bool,
+        runs: bool,
     ) -> Option<u8> {
         use zstd::zstd_safe::{CCtx, CParameter, InBuffer, OutBuffer, zstd_sys::ZSTD_EndDirective};
         if hint.context.is_none() {
@@ -188,6 +205,7 @@ impl Mirror {
                 serial: self.serials,
                 pos: 0,
                 window,
+                run: (0, 0, 0),
                 _permit: permit,
             });
         }
@@ -198,44 +216,94 @@ impl Mirror {
                 .ok()?;
             ctx.level = self.zstd_level;
         }
+        // A long context may leave the chunk inside zstd (a run), up to RUN_MAX bytes.
+        let defer = runs && ctx.long && ctx.run.0 + chunk.len() <= RUN_MAX;
         self.scratch.clear();
-        // Room for a whole flushed block: nothing is left inside zstd after one call.
+        // Room for everything the run holds, flushed: nothing is left inside zstd after one call.
         self.scratch
-            .reserve(zstd::zstd_safe::compress_bound(chunk.len()) + 64);
+            .reserve(zstd::zstd_safe::compress_bound(ctx.run.0 + chunk.len()) + 64);
         let mut input = InBuffer::around(chunk);
         let mut output = OutBuffer::around(&mut self.scratch);
-        let r = ctx
-            .cctx
-            .compress_stream2(&mut output, &mut input, ZSTD_EndDirective::ZSTD_e_flush);
-        if r != Ok(0) || input.pos() != chunk.len() {
+        let end = if defer {
+            ZSTD_EndDirective::ZSTD_e_continue
+        } else {
+            ZSTD_EndDirective::ZSTD_e_flush
+        };
+        let r = ctx.cctx.compress_stream2(&mut output, &mut input, end);
+        if r.is_err() || (!defer && r != Ok(0)) || input.pos() != chunk.len() {
             hint.context = None;
             return None;
         }
         self.clen = output.pos();
         ctx.pos += chunk.len() as u64;
+        self.run_done = None;
+        if defer {
+            ctx.run.0 += chunk.len();
+            ctx.run.1 += self.clen;
+            ctx.run.2 += 1;
+        } else if ctx.run.2 > 0 {
+            let (raw, wire, n) = std::mem::take(&mut ctx.run);
+            self.run_done = Some((raw + chunk.len(), wire + self.clen, n + 1));
+        }
         let fresh = std::mem::replace(&mut ctx.fresh, false);
-        Some(match (fresh, ctx.long) {
-            (true, true) => FRESH | LONG,
-            (true, false) => FRESH,
-            _ => 0,
-        })
+        Some(
+            match (fresh, ctx.long) {
+                (true, true) => FRESH | LONG,
+                (true, false) => FRESH,
+                _ => 0,
+            } | if defer { DEFERRED } else { 0 },
+        )
+    }
+
+    /// Ends the stream's open run, if it has one: appends a run end (the rest of its context's
+    /// output) to `out` and returns its bytes, 0 if there was nothing to end. Every record of a
+    /// frame that is not a context literal comes after this, and so does the frame's end.
+    pub fn end_run(&mut self, hint: &mut Hint, out: &mut impl bytes::BufMut) -> usize {
+        use zstd::zstd_safe::{InBuffer, OutBuffer, zstd_sys::ZSTD_EndDirective};
+        let Some(ctx) = hint.context.as_mut().filter(|c| c.run.2 > 0) else {
+            return 0;
+        };
+        let (raw, wire, n) = std::mem::take(&mut ctx.run);
+        self.run_scratch.clear();
+        self.run_scratch
+            .reserve(zstd::zstd_safe::compress_bound(raw) + 64);
+        let mut input = InBuffer::around(&[]);
+        let mut output = OutBuffer::around(&mut self.run_scratch);
+        let r = ctx
+            .cctx
+            .compress_stream2(&mut output, &mut input, ZSTD_EndDirective::ZSTD_e_flush);
+        let clen = output.pos();
+        if r != Ok(0) {
+            // The run's chunks cannot be completed: drop the context. The peer's decoder finds
+            // the run unfinished at the next record or the frame's end and fails the stream.
+            hint.context = None;
+            return 0;
+        }
+        out.put_u8(TAG_RUN_END);
+        let h = put_len(out, clen);
+        out.put_slice(&self.run_scratch[..clen]);
+        self.learn_run(raw, wire + clen, n);
+        1 + h + clen
     }
 }
 
 impl Decoder {
-    /// Rebuilds a context record's `raw_len` bytes from `payload` in `stream`'s context (a new
-    /// one when `fresh` is `Some`, a long one if it says so). The payload must yield exactly
-    /// `raw_len` bytes, and nothing beyond them may be left in the context, or the next record
-    /// would start with this one's bytes. A window larger than the context's is refused by
-    /// zstd before it allocates.
-    pub(crate) fn decompress_in_context(
+    /// Feeds a context record's `payload` to `stream`'s context (a new one when `fresh` is
+    /// `Some`, a long one if it says so), appending what it rebuilds to the stream's run bytes,
+    /// which may grow to `limit` bytes and no further. With `complete` the payload must bring
+    /// them to exactly `limit`, and nothing beyond may be left in the context, or the next
+    /// record would start with this one's bytes. A window larger than the context's is refused
+    /// by zstd before it allocates; `limit` is checked against [`RUN_MAX_DECODE`] by the caller.
+    pub(crate) fn feed_context(
         &mut self,
         payload: &[u8],
-        raw_len: usize,
+        limit: usize,
+        complete: bool,
         fresh: Option<bool>,
         stream: &mut StreamContext,
-    ) -> Result<Vec<u8>, CodecError> {
+    ) -> Result<(), CodecError> {
         use zstd::zstd_safe::{DCtx, DParameter, InBuffer, OutBuffer};
+        debug_assert!(limit <= RUN_MAX_DECODE.max(crate::MAX_RECORD));
         if let Some(long) = fresh {
             stream.dctx = None;
             let (permit, window_log) = if long {
@@ -262,15 +330,20 @@ impl Decoder {
         let Some((dctx, _)) = stream.dctx.as_mut() else {
             return Err(CodecError::Malformed("context record without a context"));
         };
-        let mut chunk = vec![0u8; raw_len];
+        let start = stream.run_bytes.len();
+        if start > limit {
+            return Err(CodecError::Malformed("run longer than announced"));
+        }
+        stream.run_bytes.resize(limit, 0);
         let mut input = InBuffer::around(payload);
-        let mut output = OutBuffer::around(&mut chunk[..]);
+        let mut output = OutBuffer::around_pos(&mut stream.run_bytes[..], start);
         let result = loop {
-            let before = (input.pos(), output.pos());
-            if dctx.decompress_stream(&mut output, &mut input).is_err() {
-                break Err(CodecError::Decompress);
-            }
-            if input.pos() == payload.len() && output.pos() == raw_len {
+            // Checked before zstd is called: a deferred record may carry nothing, and zstd
+            // counts calls without input against the stream.
+            if input.pos() == payload.len() && (!complete || output.pos() == limit) {
+                if !complete {
+                    break Ok(());
+                }
                 // Anything more would spill into the next record.
                 let mut probe = [0u8; 1];
                 let mut more = OutBuffer::around(&mut probe[..]);
@@ -280,14 +353,22 @@ impl Decoder {
                     _ => Err(CodecError::Decompress),
                 };
             }
+            let before = (input.pos(), output.pos());
+            if dctx.decompress_stream(&mut output, &mut input).is_err() {
+                break Err(CodecError::Decompress);
+            }
             if (input.pos(), output.pos()) == before {
                 break Err(CodecError::Decompress);
             }
         };
+        let got = output.pos();
+        stream.run_bytes.truncate(got);
         if result.is_err() {
             // The context is out of step now: later records of it fail too, until a fresh one.
             stream.dctx = None;
+            stream.run.clear();
+            stream.run_bytes.clear();
         }
-        result.map(|()| chunk)
+        result
     }
 }

@@ -3,9 +3,9 @@
 //! allocates, copies or decompresses.
 
 use super::{
-    CodecConfig, CodecError, FRESH, LONG, LongContext, MAX_RECORD, NO_CACHE, Slots, StreamContext,
-    TAG_DELTA, TAG_LIT, TAG_LIT_CONTEXT, TAG_LIT_LZ4, TAG_LIT_ZSTD, TAG_RAW, TAG_REF, cache, delta,
-    get_len,
+    CodecConfig, CodecError, DEFERRED, FRESH, LONG, LongContext, MAX_RECORD, NO_CACHE,
+    RUN_MAX_DECODE, Slots, StreamContext, TAG_DELTA, TAG_LIT, TAG_LIT_CONTEXT, TAG_LIT_LZ4,
+    TAG_LIT_ZSTD, TAG_RAW, TAG_REF, TAG_RUN_END, cache, delta, get_len,
 };
 use crate::cache::{ChunkCache, Fingerprint, fingerprint};
 
@@ -149,7 +149,7 @@ impl Decoder {
             {
                 (t & !NO_CACHE, false, false)
             }
-            t if t & !(NO_CACHE | FRESH | LONG) == TAG_LIT_CONTEXT
+            t if t & !(NO_CACHE | FRESH | LONG | DEFERRED) == TAG_LIT_CONTEXT
                 && (t & LONG == 0 || t & FRESH != 0) =>
             {
                 (
@@ -167,6 +167,10 @@ impl Decoder {
                 Ok(())
             }
         };
+        // An open run (see `DEFERRED`) takes only context literals and its end.
+        if !stream.run.is_empty() && tag != TAG_LIT_CONTEXT && tag != TAG_RUN_END {
+            return Err(CodecError::Malformed("a run left unfinished"));
+        }
 
         match tag {
             TAG_RAW => {
@@ -212,7 +216,57 @@ impl Decoder {
                 }
                 Ok(at + len)
             }
-            TAG_LIT_LZ4 | TAG_LIT_ZSTD | TAG_LIT_CONTEXT => {
+            TAG_LIT_CONTEXT | TAG_RUN_END => {
+                let (raw_len, h1) = if tag == TAG_RUN_END {
+                    (0, 0)
+                } else {
+                    get_len(buf, 1)?
+                };
+                let (clen, h2) = get_len(buf, 1 + h1)?;
+                let at = 1 + h1 + h2;
+                need(at + clen)?;
+                let payload = &buf[at..at + clen];
+                let deferred = tag == TAG_LIT_CONTEXT && first & DEFERRED != 0;
+                if tag == TAG_RUN_END && stream.run.is_empty() {
+                    return Err(CodecError::Malformed("a run end without a run"));
+                }
+                if fresh && !stream.run.is_empty() {
+                    return Err(CodecError::Malformed("a fresh context inside a run"));
+                }
+                // The run's chunks and this one: all rebuilt from this record on, within what
+                // the frame announced and what a run may hold.
+                let total = stream.run.iter().map(|r| r.0).sum::<usize>() + raw_len;
+                if total > RUN_MAX_DECODE {
+                    return Err(CodecError::Malformed("run longer than a receiver accepts"));
+                }
+                fits(total)?;
+                let long = first & LONG != 0;
+                self.feed_context(payload, total, !deferred, fresh.then_some(long), stream)?;
+                if tag == TAG_LIT_CONTEXT {
+                    stream.run.push((raw_len, cache));
+                }
+                if deferred {
+                    return Ok(at + clen);
+                }
+                // The run (or the lone chunk) is whole: its chunks in order.
+                let bytes = std::mem::take(&mut stream.run_bytes);
+                let mut off = 0;
+                for (len, cached) in std::mem::take(&mut stream.run) {
+                    let chunk = &bytes[off..off + len];
+                    off += len;
+                    out.extend_from_slice(chunk);
+                    self.stats.lit_chunks += 1;
+                    self.stats.lit_bytes += len as u64;
+                    if cached {
+                        self.cache.insert(fingerprint(chunk), chunk.to_vec());
+                    }
+                }
+                // Keep the buffer for the next run.
+                stream.run_bytes = bytes;
+                stream.run_bytes.clear();
+                Ok(at + clen)
+            }
+            TAG_LIT_LZ4 | TAG_LIT_ZSTD => {
                 let (raw_len, h1) = get_len(buf, 1)?;
                 fits(raw_len)?;
                 let (clen, h2) = get_len(buf, 1 + h1)?;
@@ -220,10 +274,7 @@ impl Decoder {
                 need(at + clen)?;
                 let payload = &buf[at..at + clen];
                 // Decompression is bounded by the announced size: a bomb is an error.
-                let chunk = if tag == TAG_LIT_CONTEXT {
-                    let long = first & LONG != 0;
-                    self.decompress_in_context(payload, raw_len, fresh.then_some(long), stream)?
-                } else if tag == TAG_LIT_LZ4 {
+                let chunk = if tag == TAG_LIT_LZ4 {
                     lz4_flex::block::decompress(payload, raw_len)
                         .map_err(|_| CodecError::Decompress)?
                 } else {

@@ -465,7 +465,7 @@ impl Mirror {
         &mut self,
         f: Fingerprint,
         chunk: &[u8],
-        hint: &Hint,
+        hint: &mut Hint,
         out: &mut impl BufMut,
     ) -> Option<Report> {
         let shared = self.bases.clone()?;
@@ -512,6 +512,9 @@ impl Mirror {
         if wire as f64 >= chunk.len() as f64 * d.lit_ratio * ACCEPT {
             return None;
         }
+        let run_end = self.end_run(hint, out);
+        hint.interrupted = true;
+        let d = &mut self.delta;
         out.put_u8(TAG_DELTA);
         put_len(out, chunk.len());
         out.put_u8(n as u8);
@@ -532,14 +535,23 @@ impl Mirror {
             sent: Sent::Delta,
             raw: chunk.len(),
             wire,
+            run_end,
         })
     }
 
     /// Keeps a chunk just sent as a literal of `wire` bytes as a future base (its anchors are
     /// the ones [`encode_delta`](Self::encode_delta) computed), and learns what literals cost.
-    pub(crate) fn keep_base(&mut self, f: Fingerprint, chunk: &[u8], wire: usize, hint: &Hint) {
+    pub(crate) fn keep_base(
+        &mut self,
+        f: Fingerprint,
+        chunk: &[u8],
+        wire: Option<usize>,
+        hint: &Hint,
+    ) {
         let d = &mut self.delta;
-        d.lit_ratio += (wire as f64 / chunk.len().max(1) as f64 - d.lit_ratio) / 16.0;
+        if let Some(wire) = wire {
+            d.lit_ratio += (wire as f64 / chunk.len().max(1) as f64 - d.lit_ratio) / 16.0;
+        }
         // Where the stream context that took it (if one did) has it.
         let origin = self
             .context
@@ -548,6 +560,14 @@ impl Mirror {
         if let Some(mut bases) = self.bases.as_ref().and_then(|b| b.lock().ok()) {
             bases.insert_from(f, chunk, &d.keys, origin);
         }
+    }
+
+    /// Learns what literals cost from a run of `n` of them: `raw` bytes sent as `wire`, as `n`
+    /// literals flushed alone would teach it.
+    pub(crate) fn learn_run(&mut self, raw: usize, wire: usize, n: usize) {
+        let d = &mut self.delta;
+        let weight = (n as f64 / 16.0).min(1.0);
+        d.lit_ratio += (wire as f64 / raw.max(1) as f64 - d.lit_ratio) * weight;
     }
 
     /// A chunk sent as a reference stays a base; one the store lacks (a cache resumed after a

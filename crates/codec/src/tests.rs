@@ -332,7 +332,10 @@ fn hostile_records_are_errors_not_allocations() {
     let (mut enc, _) = pair(&CodecConfig::default());
     let mut wire = Vec::new();
     enc.push(&db_blocks(4, 1), true, Pressure::LinkBound, &mut wire);
-    for cut in 0..wire.len().min(200) {
+    let first = Decoder::new(&CodecConfig::default())
+        .decode_record(&wire, &mut Vec::new())
+        .expect("a whole record");
+    for cut in 0..first {
         let mut d = Decoder::new(&CodecConfig::default());
         let r = d.decode_record(&wire[..cut], &mut Vec::new());
         assert_eq!(r, Err(CodecError::Incomplete), "cut at {cut}");
@@ -550,7 +553,7 @@ fn context_records_are_bounded_and_fail_cleanly() {
     let mut m = Mirror::new(1 << 20, 1 << 20, 3);
     let mut hint = Hint::default();
     let mut big = Vec::new();
-    m.compress_in_context(&vec![0u8; 8 << 20], &mut hint, false)
+    m.compress_in_context(&vec![0u8; 8 << 20], &mut hint, false, false)
         .expect("compress");
     big.extend_from_slice(&m.scratch[..m.clen]);
     let mut rec = vec![TAG_LIT_CONTEXT | FRESH];
@@ -629,11 +632,13 @@ fn streams_beyond_the_mirrors_contexts_compress_alone() {
     assert_eq!(m.contexts(), 0);
 }
 
-/// A bulk stream's first chunk through a mirror with long contexts: its record.
+/// A bulk stream's first chunk through a mirror with long contexts: its record (flushed, not
+/// part of a run).
 fn long_record(m: &mut Mirror, data: &[u8], hint: &mut Hint) -> Vec<u8> {
     let policy = Policy {
         compression: Compression::Zstd,
         dedup: false,
+        runs: false,
         ..Policy::default()
     };
     let mut rec = Vec::new();
@@ -773,4 +778,146 @@ fn the_level_may_change_within_a_stream() {
     let mut out = Vec::new();
     assert_eq!(dec.decode(&wire, &mut out), Ok(wire.len()));
     assert!(out == data);
+}
+
+/// A deferred context literal's tag (a run's end shares the flag's bit, not the kind).
+fn is_deferred(tag: u8) -> bool {
+    tag & DEFERRED != 0 && tag & 0x07 == TAG_LIT_CONTEXT
+}
+
+/// Walks `wire` record by record: each record's tag, and the bytes decoded after it.
+fn records(dec: &mut Decoder, wire: &[u8]) -> Vec<(u8, usize)> {
+    let (mut out, mut at, mut tags) = (Vec::new(), 0, Vec::new());
+    while at < wire.len() {
+        let n = dec.decode_record(&wire[at..], &mut out).expect("decodes");
+        tags.push((wire[at], out.len()));
+        at += n;
+    }
+    tags
+}
+
+#[test]
+fn a_run_of_literals_rebuilds_at_its_end_exactly_and_caches_every_chunk() {
+    // No deltas: what runs save is the flushes alone.
+    let cfg = CodecConfig {
+        zstd_level: 6,
+        delta_bytes: 0,
+        ..CodecConfig::default()
+    };
+    let (mut enc, mut dec) = pair(&cfg);
+    // Rows of a table, as a binlog or a dump holds them: compressible, not trivially.
+    let noise = crate::testdata::noise(3, 1 << 20);
+    let data: Vec<u8> = (0..4000usize)
+        .flat_map(|i| {
+            let n = &noise[i * 8..i * 8 + 8];
+            format!(
+                "{i:08}|{:06}|customer-{:05}|{:02x}{:02x}{:02x}|{:03}|{}\n",
+                (i * 7919) % 1_000_000,
+                u16::from_le_bytes([n[0], n[1]]),
+                n[2],
+                n[3],
+                n[4],
+                n[5] % 97,
+                ["NEW", "PAID", "SHIPPED", "CLOSED"][usize::from(n[6] % 4)]
+            )
+            .into_bytes()
+        })
+        .collect();
+    let mut wire = Vec::new();
+    enc.push(&data, true, Pressure::LinkBound, &mut wire);
+    let tags = records(&mut dec, &wire);
+    // Deferred literals rebuild nothing until the run ends, then all of it in order.
+    let deferred = tags.iter().filter(|(t, _)| is_deferred(*t)).count();
+    assert!(deferred >= 4, "{tags:?}");
+    let mut held = 0;
+    for (t, out) in &tags {
+        if is_deferred(*t) {
+            assert_eq!(*out, held, "a deferred record rebuilds nothing yet");
+        }
+        held = *out;
+    }
+    assert_eq!(
+        tags.last().map(|t| t.0),
+        Some(TAG_RUN_END),
+        "the push ends its run"
+    );
+    assert_eq!(held, data.len());
+    // Every chunk of the run went into the receiver's cache: the same bytes again are references.
+    let mut again = Vec::new();
+    enc.push(&data, true, Pressure::LinkBound, &mut again);
+    let mut out = Vec::new();
+    dec.decode(&again, &mut out).expect("decodes");
+    assert!(out == data);
+    assert!(again.len() < data.len() / 100, "{} bytes", again.len());
+    // Without runs, the same bytes flush every chunk: more bytes.
+    let (mut flat, _) = pair(&CodecConfig {
+        runs: false,
+        ..cfg.clone()
+    });
+    let mut each = Vec::new();
+    flat.push(&data, true, Pressure::LinkBound, &mut each);
+    assert!(
+        wire.len() < each.len(),
+        "{} against {}",
+        wire.len(),
+        each.len()
+    );
+    let flat_tags = records(&mut Decoder::new(&cfg), &each);
+    assert!(
+        !flat_tags
+            .iter()
+            .any(|(t, _)| is_deferred(*t) || *t == TAG_RUN_END)
+    );
+}
+
+#[test]
+fn hostile_runs_are_errors() {
+    let cfg = CodecConfig::default();
+    let (mut enc, _) = pair(&cfg);
+    let mut wire = Vec::new();
+    enc.push(&db_blocks(8, 5), true, Pressure::LinkBound, &mut wire);
+    let first = Decoder::new(&cfg)
+        .decode_record(&wire, &mut Vec::new())
+        .expect("first");
+    assert!(is_deferred(wire[0]), "the first literal opens a run");
+    // A run end with no run.
+    let mut d = Decoder::new(&cfg);
+    assert_eq!(
+        d.decode_record(&[TAG_RUN_END, 0], &mut Vec::new()),
+        Err(CodecError::Malformed("a run end without a run"))
+    );
+    // Anything but a context literal or the run's end inside a run.
+    let mut d = Decoder::new(&cfg);
+    let mut out = Vec::new();
+    d.decode_record(&wire, &mut out).expect("deferred");
+    assert!(out.is_empty());
+    assert_eq!(
+        d.decode_record(&[TAG_RAW, 1, b'x'], &mut out),
+        Err(CodecError::Malformed("a run left unfinished"))
+    );
+    // A run end that does not complete the run's bytes.
+    let mut d = Decoder::new(&cfg);
+    d.decode_record(&wire, &mut out).expect("deferred");
+    assert_eq!(
+        d.decode_record(&[TAG_RUN_END, 0], &mut out),
+        Err(CodecError::Decompress)
+    );
+    // A run announcing more than a receiver holds, before anything is decompressed.
+    let mut d = Decoder::new(&cfg);
+    d.decode_record(&wire, &mut out).expect("deferred");
+    let mut big = vec![TAG_LIT_CONTEXT | DEFERRED];
+    put_len(&mut big, MAX_RECORD);
+    put_len(&mut big, 0);
+    assert_eq!(
+        d.decode_record(&big, &mut out),
+        Err(CodecError::Malformed("run longer than a receiver accepts"))
+    );
+    // A fresh context inside a run.
+    let mut d = Decoder::new(&cfg);
+    d.decode_record(&wire, &mut out).expect("deferred");
+    assert_eq!(
+        d.decode_record(&wire[..first], &mut out),
+        Err(CodecError::Malformed("a fresh context inside a run"))
+    );
+    assert!(out.is_empty(), "nothing rebuilt from a broken run");
 }

@@ -31,3 +31,6 @@ pub const CAP_RESUME: u64 = 32;
 /// Hello capability bit: the sender takes extra copies of its latency lane on more connections
 /// (up to its `LANE_COPIES` setting; see [`crate::copies`]).
 pub const CAP_LANE_COPIES: u64 = 64;
+/// Hello capability bit: the sender decodes runs of context literals that share one flush
+/// (deferred literals and run ends; see `wanopt_codec::RUN_MAX`).
+pub const CAP_RUNS: u64 = 128;

@@ -249,6 +249,7 @@ impl Contexts {
         self.chunking = (avg >= *codec::AVG_CHUNK_RANGE.start()).then(|| {
             CodecConfig {
                 zstd_level: self.own.zstd_level,
+                runs: self.own.runs,
                 ..CodecConfig::default()
             }
             .with_avg_chunk(avg)

@@ -39,6 +39,8 @@ impl SendCoder {
                 context: false,
                 // Long contexts only where the mirror has them (the peer offered them).
                 bulk: !latency,
+                // Only once the peer says it decodes runs.
+                runs: false,
             },
             scoped: policy.scope == Scope::Service,
             hint: Hint::default(),
@@ -176,6 +178,9 @@ pub(crate) fn emit(
         coder.stage.clear();
         coder.pos = 0;
     }
+    // A frame's records are whole: a run of its literals ends in it.
+    let n = mirror.end_run(&mut coder.hint, out);
+    stats.add_run_end(n);
     turn.raw
 }
 
@@ -245,12 +250,25 @@ impl Cut<'_> {
         let mut used = 0;
         for (off, len) in codec::chunks(&view[..end], self.chunking) {
             let t = &mut *self.turn;
+            // A run's literals have most of their bytes still to come (in this frame): keep
+            // room for them, and let this chunk join the run only if the room holds it too.
+            let pending = hint.run_pending();
+            let with_run = t.wire + codec::run_reserve(pending + len) + codec::RECORD_OVERHEAD;
+            let alone = if pending > 0 {
+                with_run
+            } else {
+                t.wire + len + codec::RECORD_OVERHEAD
+            };
             if off + len > budget
-                || (t.raw > 0 && t.wire >= self.lim.quantum)
-                || t.wire + len + codec::RECORD_OVERHEAD > self.lim.room
+                || (t.raw > 0 && t.wire + pending >= self.lim.quantum)
+                || alone > self.lim.room
             {
                 return (used, Stop::Limit);
             }
+            let policy = &Policy {
+                runs: policy.runs && with_run <= self.lim.room,
+                ..*policy
+            };
             let last = off + len == end;
             if last && !final_end && len < self.chunking.max_chunk {
                 return (used, Stop::Tail);

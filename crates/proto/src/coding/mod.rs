@@ -27,7 +27,7 @@ use self::emit::{Limits, RAW_TURN};
 pub(crate) use self::recv::{Decoded, FRAME_COST, RecvCoded};
 use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Class, Frame, StreamId};
-use crate::lane::{CAP_CONTEXT, LATENCY_LANE};
+use crate::lane::{CAP_CONTEXT, CAP_RUNS, LATENCY_LANE};
 
 /// Which cache a service's chunks go to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,6 +101,9 @@ pub struct CodecSettings {
     /// Bytes of what we sent kept as bases for deltas; 0 turns deltas off both ways (we do not
     /// offer to decode them either, as with long contexts).
     pub delta_bytes: u64,
+    /// Runs of a bulk stream's literals share one flush, both ways (off: neither sent nor
+    /// offered, as a build without them behaves).
+    pub runs: bool,
 }
 
 impl Default for CodecSettings {
@@ -114,6 +117,7 @@ impl Default for CodecSettings {
             zstd_level: 3,
             long_context: Some(LongContext::default()),
             delta_bytes: codec::delta::DEFAULT_STORE as u64,
+            runs: true,
         }
     }
 }
@@ -267,6 +271,8 @@ pub(crate) struct Coding {
     answers: usize,
     /// The peer decodes context records.
     peer_context: bool,
+    /// The peer decodes runs of context literals.
+    peer_runs: bool,
 }
 
 /// A stream's turn at sending coded bytes.
@@ -311,6 +317,7 @@ impl Coding {
             pressure: Pressure::CpuBound,
             answers: 0,
             peer_context: false,
+            peer_runs: false,
         }
     }
 
@@ -397,6 +404,7 @@ impl Coding {
     /// Takes what the peer's hello says about its codec, and the saved states it offers.
     pub fn on_peer(&mut self, peer: &PeerCodec, offers: &[CacheOffer], scoped: &[String]) {
         self.peer_context = peer.caps & CAP_CONTEXT != 0;
+        self.peer_runs = peer.caps & CAP_RUNS != 0;
         self.scoped = self
             .own_scoped()
             .iter()
@@ -436,6 +444,8 @@ impl Coding {
         c.scoped = self.scoped.contains(service);
         c.max_chunk = chunking.max_chunk;
         c.policy.context = self.peer_context;
+        // Runs only where we send them and the peer decodes them.
+        c.policy.runs = self.peer_context && self.peer_runs && chunking.runs;
         Some(Box::new(c))
     }
 

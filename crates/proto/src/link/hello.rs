@@ -7,7 +7,7 @@ use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Hello, setting};
 use crate::lane::{
     CAP_CODEC, CAP_CONTEXT, CAP_DELTA, CAP_LANE_COPIES, CAP_LATENCY_LANE, CAP_LONG_CONTEXT,
-    CAP_RESUME, MAIN_LANE,
+    CAP_RESUME, CAP_RUNS, MAIN_LANE,
 };
 
 use super::LinkConfig;
@@ -28,6 +28,9 @@ pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>, scoped: Vec<String
     }
     if cfg.codec.is_some() {
         capabilities |= CAP_CODEC | CAP_CONTEXT;
+    }
+    if cfg.codec.as_ref().is_some_and(|c| c.runs) {
+        capabilities |= CAP_RUNS;
     }
     if !cfg.resume_window.is_zero() {
         capabilities |= CAP_RESUME;

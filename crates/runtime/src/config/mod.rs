@@ -745,6 +745,8 @@ fn parse_optimize(
             zstd_level,
             long_context,
             delta_bytes,
+            // Always offered; a peer without them gets a flush per chunk.
+            runs: true,
         },
         default,
         disk,
