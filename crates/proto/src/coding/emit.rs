@@ -282,7 +282,7 @@ impl Cut<'_> {
             };
             self.stats.add(&r);
             t.raw += len;
-            t.wire += r.wire;
+            t.wire += r.wire + r.run_end;
             used = off + len;
             if first {
                 break;
@@ -323,6 +323,7 @@ mod tests {
         queued: u64,
         mirror: Mirror,
         cfg: CodecConfig,
+        pressure: Pressure,
     }
 
     impl Sender {
@@ -335,16 +336,33 @@ mod tests {
                 queued: 0,
                 mirror: Mirror::new(cfg.cache_bytes, 1 << 20, cfg.zstd_level),
                 cfg,
+                pressure: Pressure::CpuBound,
             }
+        }
+
+        /// A sender whose bulk literals go through a long context in runs, link-bound.
+        fn with_runs() -> Sender {
+            let mut s = Sender::new();
+            s.coder.policy.context = true;
+            s.coder.policy.runs = true;
+            s.mirror
+                .set_long_context(Some(codec::LongContext::default()), codec::Slots::default());
+            s.pressure = Pressure::LinkBound;
+            s
         }
 
         /// One turn; returns the records and the raw bytes they cover.
         fn emit(&mut self, budget: usize) -> (BytesMut, usize) {
+            self.emit_within(budget, usize::MAX)
+        }
+
+        /// One turn whose records must fit in `room` bytes.
+        fn emit_within(&mut self, budget: usize, room: usize) -> (BytesMut, usize) {
             let mut out = BytesMut::new();
             let lim = Limits {
                 budget,
                 quantum: usize::MAX,
-                room: usize::MAX,
+                room,
             };
             let mut stats = EncodeStats::default();
             let n = emit(
@@ -353,7 +371,7 @@ mod tests {
                 self.sent,
                 &self.cfg,
                 &mut self.mirror,
-                Pressure::CpuBound,
+                self.pressure,
                 &lim,
                 &mut out,
                 &mut stats,
@@ -420,6 +438,54 @@ mod tests {
             prop_assert_eq!(got, src);
             prop_assert!(s.queue.iter().all(Bytes::is_empty));
             prop_assert_eq!(s.coder.stage.len(), 0);
+        }
+
+        /// Runs of literals (their output still to come when a reference or the frame's end
+        /// closes them) never make a frame outgrow its room, and rebuild exactly.
+        #[test]
+        fn runs_stay_within_the_frame_room(
+            seed in any::<u64>(),
+            len in 1usize..400_000,
+            room in 33_000usize..70_000,
+            repeats in proptest::collection::vec((any::<prop::sample::Index>(), 1usize..40_000), 0..16),
+        ) {
+            // Bytes with earlier pieces repeated: references between runs.
+            // The room holds at least a largest chunk, as the link's chunking sees to.
+            // Seven bits a byte: literals that shrink a little, so a run's end is most of its
+            // raw bytes.
+            let text: Vec<u8> = data(seed, len).iter().map(|b| b & 0x7f).collect();
+            // New text and repeats of what came before, in turns.
+            let step = text.len() / (repeats.len() + 1) + 1;
+            let mut src = Vec::new();
+            for (i, part) in text.chunks(step).enumerate() {
+                src.extend_from_slice(part);
+                if let Some((at, n)) = repeats.get(i) {
+                    let from = at.index(src.len());
+                    let piece = src[from..(from + n).min(src.len())].to_vec();
+                    src.extend_from_slice(&piece);
+                }
+            }
+            let mut s = Sender::with_runs();
+            let mut dec = Decoder::with_capacity(s.cfg.cache_bytes, true);
+            dec.set_long_context(Some(codec::LongContext::default()), codec::Slots::default());
+            s.queue.push_back(Bytes::copy_from_slice(&src));
+            s.queued = src.len() as u64;
+            s.coder.flush_at = s.queued;
+            let mut got = Vec::new();
+            let mut stream = codec::StreamContext::default();
+            for _ in 0..10_000 {
+                if s.sent == s.queued {
+                    break;
+                }
+                let (out, _) = s.emit_within(RAW_TURN, room);
+                prop_assert!(out.len() <= room, "{} bytes in a room of {room}", out.len());
+                let mut buf = &out[..];
+                while !buf.is_empty() {
+                    let used = dec.decode_record_in(buf, &mut got, &mut stream).expect("decodes");
+                    buf = &buf[used..];
+                }
+            }
+            prop_assert!(got == src);
         }
 
         /// Without flush points, chunk boundaries are those of the whole stream cut at once, so
