@@ -61,28 +61,26 @@ fn bases_stat(p: &Pair) -> Option<wanopt_proto::CacheStat> {
         .find(|s| s.role == "bases")
 }
 
-/// West sends `data` to east on a link-bound coded pair whose sides have these long contexts
-/// (`None`: a build without them); returns the wire bytes.
+/// West sends `data` to east on a link-bound coded pair, each side with its own codec
+/// settings; returns the wire bytes.
+fn send_between(west: CodecSettings, east: CodecSettings, data: &Bytes) -> u64 {
+    let mut p = link_bound_pair(|c| c.codec = Some(west), east);
+    let wire = send_once(&mut p, "e-svc", Class::Bulk, data);
+    p.assert_no_leaks();
+    wire
+}
+
+/// [`send_between`] with these long contexts on each side (`None`: a build without them).
 fn send_with_long(
     west: Option<wanopt_proto::LongContext>,
     east: Option<wanopt_proto::LongContext>,
     data: &Bytes,
 ) -> u64 {
-    let mut p = link_bound_pair(
-        |c| {
-            c.codec = Some(CodecSettings {
-                long_context: west,
-                ..codec(64 << 20)
-            })
-        },
-        CodecSettings {
-            long_context: east,
-            ..codec(64 << 20)
-        },
-    );
-    let wire = send_once(&mut p, "e-svc", Class::Bulk, data);
-    p.assert_no_leaks();
-    wire
+    let side = |long_context| CodecSettings {
+        long_context,
+        ..codec(64 << 20)
+    };
+    send_between(side(west), side(east), data)
 }
 
 #[test]
@@ -116,26 +114,15 @@ fn long_contexts_are_used_only_toward_a_peer_that_offers_them() {
     );
 }
 
-/// West sends `data` to east on a link-bound coded pair whose sides do or do not offer runs
-/// (`false`: a build without them); returns the wire bytes.
+/// [`send_between`] at level 9 with runs offered or not on each side (`false`: a build
+/// without them).
 fn send_with_runs(west: bool, east: bool, data: &Bytes) -> u64 {
-    let mut p = link_bound_pair(
-        |c| {
-            c.codec = Some(CodecSettings {
-                runs: west,
-                zstd_level: 9,
-                ..codec(64 << 20)
-            })
-        },
-        CodecSettings {
-            runs: east,
-            zstd_level: 9,
-            ..codec(64 << 20)
-        },
-    );
-    let wire = send_once(&mut p, "e-svc", Class::Bulk, data);
-    p.assert_no_leaks();
-    wire
+    let side = |runs| CodecSettings {
+        runs,
+        zstd_level: 9,
+        ..codec(64 << 20)
+    };
+    send_between(side(west), side(east), data)
 }
 
 #[test]

@@ -3,6 +3,7 @@
 //! tail shows). Pure: figures in, an SVG document out, drawn with plotters' SVG backend.
 
 use plotters::coord::Shift;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
@@ -148,6 +149,20 @@ fn axis_label(v: f64) -> String {
     }
 }
 
+/// The series' legend, at `pos`, over a light background.
+fn legend<'a, 'b: 'a>(
+    chart: &mut ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
+    pos: SeriesLabelPosition,
+) -> Result<(), ChartError> {
+    chart
+        .configure_series_labels()
+        .position(pos)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK.mix(0.4))
+        .draw()
+        .map_err(draw_err)
+}
+
 /// Three significant digits (no fewer whole ones): 160, 11.2, 4.10, 0.128, 0.00170.
 fn label(v: f64) -> String {
     if !v.is_finite() || v <= 0.0 {
@@ -251,14 +266,7 @@ fn bars(b: &Bars, area: &DrawingArea<SVGBackend<'_>, Shift>) -> Result<(), Chart
             }))
             .map_err(draw_err)?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK.mix(0.4))
-        .draw()
-        .map_err(draw_err)?;
-    Ok(())
+    legend(&mut chart, SeriesLabelPosition::UpperLeft)
 }
 
 fn percentiles(
@@ -315,14 +323,7 @@ fn percentiles(
             .label(name.as_str())
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 14, y)], color.stroke_width(2)));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK.mix(0.4))
-        .draw()
-        .map_err(draw_err)?;
-    Ok(())
+    legend(&mut chart, SeriesLabelPosition::LowerRight)
 }
 
 #[cfg(test)]
