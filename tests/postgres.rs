@@ -127,10 +127,11 @@ fn base_backups_through_the_tunnel_verify_and_the_second_costs_less() {
         "pages the OLTP run changed went as deltas: {delta} bytes saved"
     );
     assert!(first_wire * 2 < first_raw, "the first backup compressed");
-    // Measured 0.21-0.27 of the first (the OLTP run's changes vary with timing); 1.23 before
-    // deltas and the disk tier.
+    // Measured 0.31-0.38 of the first (0.21-0.27 before runs of literals made the first itself
+    // smaller; the OLTP run's changes vary with the machine's speed); 1.23 before deltas and the
+    // disk tier.
     assert!(
-        second_wire * 3 < first_wire,
+        second_wire * 5 < first_wire * 3,
         "the second backup reuses the first: {second_wire} wire against {first_wire}"
     );
 }
