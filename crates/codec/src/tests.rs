@@ -780,6 +780,50 @@ fn the_level_may_change_within_a_stream() {
     assert!(out == data);
 }
 
+/// zstd takes a new level with a new frame only: a long context the governor moved starts over
+/// once it has taken `RESTART_WINDOWS` windows (not before, and not inside a run), and the
+/// stream still rebuilds exactly.
+#[test]
+fn a_new_level_starts_a_new_context_after_some_windows() {
+    let window_log = 20;
+    let cfg = CodecConfig {
+        compression: Compression::Zstd,
+        long: Some(LongContext {
+            window_log,
+            streams: 1,
+        }),
+        zstd_level: 1,
+        ..CodecConfig::default()
+    };
+    let data = db_blocks(1536, 4);
+    let (mut enc, mut dec) = pair(&cfg);
+    let mut wire = Vec::new();
+    let mut changed_at = None;
+    for piece in data.chunks(64 * 1024) {
+        enc.push(piece, false, Pressure::LinkBound, &mut wire);
+        if changed_at.is_none() && enc.stats().raw_bytes >= 1 << window_log {
+            enc.set_zstd_level(6);
+            changed_at = Some(enc.stats().raw_bytes);
+        }
+    }
+    enc.push(&[], true, Pressure::LinkBound, &mut wire);
+    let fresh: Vec<usize> = records(&mut dec, &wire)
+        .windows(2)
+        .filter(|w| w[1].0 & 0x07 == TAG_LIT_CONTEXT && w[1].0 & FRESH != 0)
+        .map(|w| w[0].1)
+        .collect();
+    let restart = crate::context::RESTART_WINDOWS << window_log;
+    assert_eq!(fresh.len(), 1, "one restart: {fresh:?}");
+    assert!(
+        (fresh[0] as u64) >= restart && (fresh[0] as u64) < restart + (256 << 10),
+        "the level changed at {changed_at:?}, the context started over at {}",
+        fresh[0]
+    );
+    let mut out = Vec::new();
+    assert_eq!(Decoder::new(&cfg).decode(&wire, &mut out), Ok(wire.len()));
+    assert!(out == data);
+}
+
 /// A deferred context literal's tag (a run's end shares the flag's bit, not the kind).
 fn is_deferred(tag: u8) -> bool {
     tag & DEFERRED != 0 && tag & 0x07 == TAG_LIT_CONTEXT
