@@ -396,7 +396,15 @@ pub struct Hint {
     /// alone): the next literal goes flushed, since a run of one costs a run end more than a
     /// flushed literal. Literals in a row start or extend a run.
     interrupted: bool,
+    /// Chunks in a row that paid (see [`TRIAL_EVERY`]).
+    paid: u32,
 }
+
+/// After this many chunks in a row of a stream paid, its chunks in context skip the LZ4 trial
+/// that tells noise apart, except every this-many-th: the trial was 2.5% of a profile of the
+/// reduction bench's row binlog (`perf record`), and data turning to noise is still caught within this many chunks (each
+/// costs zstd's time, not wire: the context's own result judges it).
+pub const TRIAL_EVERY: u32 = 16;
 
 /// After a flushed tail, this many chunks count as live: they are compressed in the stream's
 /// context too. A stream that pauses this often is live redo, whose every piece gains from the
@@ -411,6 +419,7 @@ impl std::fmt::Debug for Hint {
             .field("backoff", &self.backoff)
             .field("context", &self.context.is_some())
             .field("live", &self.live)
+            .field("paid", &self.paid)
             .finish()
     }
 }
@@ -425,9 +434,15 @@ impl Hint {
     fn incompressible(&mut self) {
         self.backoff = (self.backoff * 2).clamp(1, 64);
         self.skip = self.backoff;
+        self.paid = 0;
     }
     fn compressible(&mut self) {
         self.backoff = 0;
+        self.paid = self.paid.saturating_add(1);
+    }
+    /// Whether the stream's chunks paid long enough for this one to skip the noise trial.
+    fn trusted(&self) -> bool {
+        self.paid >= TRIAL_EVERY && self.paid % TRIAL_EVERY != 0
     }
 }
 
@@ -715,9 +730,10 @@ impl Mirror {
                 }
                 if policy.latency || pressure == Pressure::CpuBound {
                     Codec::Lz4
-                } else if in_context && chunk.len() < SMALL {
+                } else if in_context && (chunk.len() < SMALL || hint.trusted()) {
                     // A small piece alone says little: in context it compresses like its
-                    // stream, and the context's own result judges it.
+                    // stream, and the context's own result judges it. So does a chunk of a
+                    // stream whose chunks paid for a while.
                     Codec::Zstd
                 } else {
                     // Before spending zstd's CPU, a 4 KiB LZ4 trial tells noise apart.

@@ -232,6 +232,46 @@ fn database_blocks_compress_and_noise_does_not_grow() {
     );
 }
 
+/// A bulk stream whose chunks paid for a while skips the LZ4 trial, but noise after them is
+/// still caught: it grows by under 0.1% and soon skips compression altogether.
+#[test]
+fn noise_after_compressible_chunks_in_a_long_context_does_not_grow() {
+    let cfg = CodecConfig {
+        long: Some(LongContext::default()),
+        zstd_level: 3,
+        ..CodecConfig::default()
+    };
+    let (mut enc, mut dec) = pair(&cfg);
+    let blocks = db_blocks(512, 6);
+    let noise = xorshift(10, 8 << 20);
+    let mut wire = Vec::new();
+    for piece in blocks.chunks(64 * 1024) {
+        enc.push(piece, false, Pressure::LinkBound, &mut wire);
+    }
+    let before = (wire.len(), enc.stats().clone());
+    for piece in noise.chunks(64 * 1024) {
+        enc.push(piece, false, Pressure::LinkBound, &mut wire);
+    }
+    enc.push(&[], true, Pressure::LinkBound, &mut wire);
+    let grown = wire.len() - before.0;
+    assert!(
+        grown as f64 <= noise.len() as f64 * 1.001,
+        "noise grew to {grown} from {}",
+        noise.len()
+    );
+    let s = enc.stats();
+    let stored = s.codec_bytes[Codec::None.index()] - before.1.codec_bytes[Codec::None.index()];
+    assert!(
+        stored as usize * 10 >= noise.len() * 9,
+        "most of the noise goes uncompressed: {stored} of {}",
+        noise.len()
+    );
+    let mut out = Vec::new();
+    assert_eq!(dec.decode(&wire, &mut out), Ok(wire.len()));
+    assert!(out.len() == blocks.len() + noise.len());
+    assert!(out[..blocks.len()] == blocks[..] && out[blocks.len()..] == noise[..]);
+}
+
 #[test]
 fn tiny_cache_evicts_in_step() {
     let cfg = CodecConfig {
