@@ -402,8 +402,9 @@ pub struct Hint {
 
 /// After this many chunks in a row of a stream paid, its chunks in context skip the LZ4 trial
 /// that tells noise apart, except every this-many-th: the trial was 2.5% of a profile of the
-/// reduction bench's row binlog (`perf record`), and data turning to noise is still caught within this many chunks (each
-/// costs zstd's time, not wire: the context's own result judges it).
+/// reduction bench's row binlog (`perf record`), and data turning to noise is still caught
+/// within this many chunks (each costs zstd's time, not wire: the context's own result judges
+/// it).
 pub const TRIAL_EVERY: u32 = 16;
 
 /// After a flushed tail, this many chunks count as live: they are compressed in the stream's
