@@ -625,9 +625,9 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
             other(opts.xz, "xz", &["-6", "-c", "-T1"]),
             patch,
         ];
-        let f = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.3}"));
+        let f = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.4}"));
         println!(
-            "{name:<26} {:>9.1} {:>8.3} {:>10.0} {:>7} {:>8.1} {:>5.0}% {:>8} {:>8} {:>8} {:>8} {:>10}",
+            "{name:<26} {:>9.1} {:>8.4} {:>10.0} {:>7} {:>8.1} {:>5.0}% {:>8} {:>8} {:>8} {:>8} {:>10}",
             n / 1e6,
             ours,
             n / cpu / 1e6,

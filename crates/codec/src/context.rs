@@ -77,7 +77,10 @@ impl Default for LongContext {
 pub(crate) fn long_tables(window_log: u32, level: i32) -> (u32, u32) {
     let sparse = window_log.saturating_sub(4).clamp(CONTEXT_WINDOW_LOG, 22);
     if level >= 5 {
-        (window_log.saturating_sub(2).clamp(CONTEXT_WINDOW_LOG, 22), sparse)
+        (
+            window_log.saturating_sub(2).clamp(CONTEXT_WINDOW_LOG, 22),
+            sparse,
+        )
     } else {
         (sparse, sparse)
     }

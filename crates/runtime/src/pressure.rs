@@ -75,7 +75,9 @@ impl Pressure {
 /// time, the encoder would soon be the bottleneck: one level down. Encoding less than
 /// [`LOW`](Self::LOW) while the writer waits for the link (it is full): one level up. A quiet
 /// link moves nothing. So the level settles where one core encodes at least twice what the
-/// link drains.
+/// link drains. A level it had to leave because the encoder fell behind is not climbed back
+/// to for [`HOLD`](Self::HOLD), so a step too dear does not make the level (and with it the
+/// streams' contexts, see `codec::context::RESTART_WINDOWS`) swing every second.
 #[derive(Debug, Clone)]
 pub struct Governor {
     level: i32,
@@ -84,14 +86,19 @@ pub struct Governor {
     window_start: Instant,
     encoding: Duration,
     waited: Duration,
+    /// The level last left downwards, and when.
+    left: Option<(i32, Instant)>,
 }
 
 impl Governor {
     const WINDOW: Duration = Duration::from_secs(1);
     /// Encoding more than this share of the time: level down.
     const HIGH: f64 = 0.5;
-    /// Encoding less than this share while the link is full: level up.
-    const LOW: f64 = 0.3;
+    /// Encoding less than this share while the link is full: level up. With a level costing
+    /// 1.3-1.5 times the one below, a step up from here lands at 0.45-0.5.
+    const LOW: f64 = 0.35;
+    /// How long a level left downwards stays out of reach.
+    const HOLD: Duration = Duration::from_secs(30);
     /// Waiting for the socket more than this share of the time: the link is full.
     const FULL: f64 = 0.3;
 
@@ -104,6 +111,7 @@ impl Governor {
             window_start: now,
             encoding: Duration::ZERO,
             waited: Duration::ZERO,
+            left: None,
         }
     }
 
@@ -126,14 +134,20 @@ impl Governor {
         self.window_start = now;
         self.encoding = Duration::ZERO;
         self.waited = Duration::ZERO;
+        let held = self.left.is_some_and(|(level, at)| {
+            level == self.level + 1 && now.saturating_duration_since(at) < Self::HOLD
+        });
         let next = if busy > Self::HIGH {
             self.level - 1
-        } else if busy < Self::LOW && full > Self::FULL {
+        } else if busy < Self::LOW && full > Self::FULL && !held {
             self.level + 1
         } else {
             self.level
         }
         .clamp(self.min, self.max);
+        if next < self.level {
+            self.left = Some((self.level, now));
+        }
         (next != self.level).then(|| {
             self.level = next;
             next
@@ -186,6 +200,16 @@ mod tests {
         // A cheap encoder climbs to the top; one that cannot keep up drops to the bottom.
         assert_eq!(*settle(|_| 0.05, 3).last().expect("l"), 9);
         assert_eq!(*settle(|_| 0.95, 6).last().expect("l"), 1);
+    }
+
+    #[test]
+    fn a_level_too_dear_is_not_retried_at_once() {
+        // Level 5 leaves room for level 6 by the thresholds, but level 6 is too dear: one try,
+        // then level 5 for the rest of the hold.
+        let cost = |l: i32| if l <= 5 { 0.3 } else { 0.6 };
+        let levels = settle(cost, 5);
+        assert_eq!(levels.iter().filter(|l| **l == 6).count(), 1, "{levels:?}");
+        assert!(levels[2..].iter().all(|l| *l == 5), "{levels:?}");
     }
 
     #[test]
