@@ -165,6 +165,56 @@ fn repeated_backup_costs_a_fraction_on_the_wire() {
     );
 }
 
+/// A pair stating 1 Gbit/s across a 45 Mbit/s wansim link: after 30 s of sending all it can,
+/// west warns that the link delivers under half what its config states, with the measured rate;
+/// the bytes still arrive exact.
+#[test]
+fn a_link_slower_than_stated_is_told_in_the_log() {
+    if !wansim::available_or_skip("a stated bandwidth checked across wansim") {
+        return;
+    }
+    let wan = Wan::start(
+        &format!("wb{}", std::process::id() % 100_000),
+        wansim::preset("t3-100ms-clean").expect("preset"),
+    )
+    .expect("wansim");
+    let east_ip = Site::East.addr();
+    let l = wan
+        .in_site(Site::East, move || TcpListener::bind((east_ip, 9100)))
+        .expect("east")
+        .expect("bind");
+    let srv = serve_on(l, hash_handler);
+    let stated = "  bandwidth: 1gbit\n  rtt: 100ms\n";
+    let p = wan_pair(
+        &wan,
+        &format!("  - name: bulk\n    target: {srv}\n    compression: none\n"),
+        "  - name: bulk\n    listen: 127.0.0.1:0\n    compression: none\n",
+        |_, y| link_lines(y, stated),
+    );
+    let bulk = p.west.bound("bulk");
+    // About 48 s at the T3's 45 Mbit/s: the check needs 30 s of a full link.
+    let len = 256u64 << 20;
+    let s = wan
+        .in_site(Site::West, move || TcpStream::connect(bulk))
+        .expect("west")
+        .expect("connect");
+    send_checked_on(s, len, |off, buf| fill(7, off, buf)).expect("bulk");
+    let line = p.west.wait_log(
+        "the link delivers under half its stated bandwidth",
+        Duration::from_secs(10),
+    );
+    let measured: u64 = line
+        .split("measured_mbit=")
+        .nth(1)
+        .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        line.contains("stated_mbit=1000") && (20..=50).contains(&measured),
+        "{line}"
+    );
+}
+
 /// Redo from `wanopt-replay gen redo` across a 45 Mbit/s wansim link: the link is the bottleneck: the adaptive codec notices its
 /// writer waiting on the socket and spends CPU on ratio (zstd), as on the reference WAN.
 #[test]

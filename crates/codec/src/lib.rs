@@ -443,7 +443,7 @@ impl Hint {
     }
     /// Whether the stream's chunks paid long enough for this one to skip the noise trial.
     fn trusted(&self) -> bool {
-        self.paid >= TRIAL_EVERY && self.paid % TRIAL_EVERY != 0
+        self.paid >= TRIAL_EVERY && !self.paid.is_multiple_of(TRIAL_EVERY)
     }
 }
 

@@ -361,6 +361,9 @@ pub struct TcpSample {
     /// Data segments sent (retransmissions included): with `retransmitted_segments`, the loss
     /// the connection saw.
     pub data_segments_sent: i64,
+    /// The kernel marked the delivery-rate sample as limited by the application (nothing more
+    /// to send), so it says nothing about the link's capacity.
+    pub app_limited: bool,
 }
 
 impl SocketMetrics {

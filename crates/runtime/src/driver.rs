@@ -25,6 +25,7 @@ use wanopt_proto::copies::MAX_COPIES;
 
 use crate::cachedir::CacheDir;
 use crate::counters::{Counters, add};
+use crate::policy::RateCheck;
 use crate::pressure::{Governor, Pressure};
 use crate::sockopt;
 
@@ -76,6 +77,8 @@ pub(crate) struct LinkCtx {
     pub handshake_timeout: Duration,
     /// The stated link speed makes the link the bottleneck for good (see [`Pressure`]).
     pub link_bound: bool,
+    /// `link.bandwidth`, if the config states it (checked against the socket: [`RateCheck`]).
+    pub stated_bps: Option<u64>,
     /// The zstd level to start at, and the levels the governor may move it between (`None`:
     /// it stays).
     pub zstd: (i32, Option<(i32, i32)>),
@@ -610,6 +613,7 @@ async fn watch_suspended(h: &Arc<LinkHandle>) {
 /// every two seconds.
 async fn sample_sockets(h: Arc<LinkHandle>) {
     let mut stalls = 0;
+    let mut rate = h.ctx.stated_bps.map(RateCheck::new);
     loop {
         {
             // The lock keeps a lane's descriptor from being cleared and closed during the read.
@@ -620,6 +624,18 @@ async fn sample_sockets(h: Arc<LinkHandle>) {
             {
                 if let Some(t) = fds.get(i).copied().flatten().and_then(sockopt::tcp_info) {
                     h.ctx.counters.sockets.record(name, &t);
+                    if i == 0
+                        && let Some(check) = rate.as_mut()
+                        && let Some(bps) =
+                            check.sample(t.delivery_rate.max(0) as u64, t.app_limited)
+                    {
+                        warn!(
+                            peer = %h.ctx.peer,
+                            stated_mbit = h.ctx.stated_bps.unwrap_or(0) / 1_000_000,
+                            measured_mbit = bps / 1_000_000,
+                            "the link delivers under half its stated bandwidth while sending all it can; correct link.bandwidth"
+                        );
+                    }
                 }
             }
         }

@@ -137,6 +137,7 @@ impl Peer {
             peer: cfg.link.peer.clone(),
             handshake_timeout: cfg.limits.handshake_timeout,
             link_bound: policy::link_bound(&cfg.link),
+            stated_bps: cfg.link.bandwidth_stated.then_some(cfg.link.bandwidth_bps),
             zstd: (
                 cfg.optimize.codec.zstd_level,
                 policy::zstd_range(&cfg.optimize),

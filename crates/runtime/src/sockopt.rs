@@ -204,6 +204,10 @@ pub fn tcp_info(fd: std::os::fd::RawFd) -> Option<crate::counters::TcpSample> {
     if r != 0 {
         return None;
     }
+    // The byte after the window scales holds `tcpi_delivery_rate_app_limited` in its lowest
+    // bit (a C bitfield libc leaves as padding, before the 4-byte aligned `tcpi_rto`).
+    // SAFETY: the struct is at least 8 bytes, zeroed and then written by the kernel.
+    let flags = unsafe { *(&info as *const libc::tcp_info).cast::<u8>().add(7) };
     Some(crate::counters::TcpSample {
         rtt_seconds: f64::from(info.tcpi_rtt) / 1e6,
         cwnd_segments: i64::from(info.tcpi_snd_cwnd),
@@ -212,6 +216,7 @@ pub fn tcp_info(fd: std::os::fd::RawFd) -> Option<crate::counters::TcpSample> {
         bytes_sent: info.tcpi_bytes_sent.min(i64::MAX as u64) as i64,
         bytes_received: info.tcpi_bytes_received.min(i64::MAX as u64) as i64,
         data_segments_sent: i64::from(info.tcpi_data_segs_out),
+        app_limited: flags & 1 != 0,
     })
 }
 
