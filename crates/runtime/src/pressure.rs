@@ -88,6 +88,8 @@ pub struct Governor {
     waited: Duration,
     /// The level last left downwards, and when.
     left: Option<(i32, Instant)>,
+    /// The smoothed share of time spent encoding (none before the first window).
+    busy: Option<f64>,
 }
 
 impl Governor {
@@ -98,7 +100,7 @@ impl Governor {
     /// 1.3-1.5 times the one below, a step up from here lands at 0.45-0.5.
     const LOW: f64 = 0.35;
     /// How long a level left downwards stays out of reach.
-    const HOLD: Duration = Duration::from_secs(30);
+    const HOLD: Duration = Duration::from_secs(10);
     /// Waiting for the socket more than this share of the time: the link is full.
     const FULL: f64 = 0.3;
 
@@ -112,6 +114,7 @@ impl Governor {
             encoding: Duration::ZERO,
             waited: Duration::ZERO,
             left: None,
+            busy: None,
         }
     }
 
@@ -129,7 +132,14 @@ impl Governor {
         if span < Self::WINDOW {
             return None;
         }
-        let busy = self.encoding.as_secs_f64() / span.as_secs_f64();
+        // Smoothed over about two windows: one dear second (a stretch of deltas) is not a
+        // trend.
+        let now_busy = self.encoding.as_secs_f64() / span.as_secs_f64();
+        let busy = match self.busy {
+            Some(b) => (b + now_busy) / 2.0,
+            None => now_busy,
+        };
+        self.busy = Some(busy);
         let full = self.waited.as_secs_f64() / span.as_secs_f64();
         self.window_start = now;
         self.encoding = Duration::ZERO;
@@ -147,6 +157,10 @@ impl Governor {
         .clamp(self.min, self.max);
         if next < self.level {
             self.left = Some((self.level, now));
+        }
+        if next != self.level {
+            // The new level's cost is still to be seen.
+            self.busy = None;
         }
         (next != self.level).then(|| {
             self.level = next;
@@ -204,12 +218,20 @@ mod tests {
 
     #[test]
     fn a_level_too_dear_is_not_retried_at_once() {
-        // Level 5 leaves room for level 6 by the thresholds, but level 6 is too dear: one try,
-        // then level 5 for the rest of the hold.
+        // Level 5 leaves room for level 6 by the thresholds, but level 6 is too dear.
         let cost = |l: i32| if l <= 5 { 0.3 } else { 0.6 };
         let levels = settle(cost, 5);
-        assert_eq!(levels.iter().filter(|l| **l == 6).count(), 1, "{levels:?}");
-        assert!(levels[2..].iter().all(|l| *l == 5), "{levels:?}");
+        // One try, then none for the hold (ten seconds); one more try in the next ten.
+        assert_eq!(
+            levels[..10].iter().filter(|l| **l == 6).count(),
+            1,
+            "{levels:?}"
+        );
+        assert!(levels[2..10].iter().all(|l| *l == 5), "{levels:?}");
+        assert!(
+            levels.iter().filter(|l| **l == 6).count() <= 2,
+            "{levels:?}"
+        );
     }
 
     #[test]
