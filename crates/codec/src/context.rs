@@ -69,9 +69,11 @@ impl Default for LongContext {
 
 /// The hash and chain table logs of a long context of window `2^window_log` at `level`. zstd's
 /// own tables are sized for windows of 0.5-2 MiB and forget most of a long one. The fast levels
-/// (1-4) get one entry per 16 bytes of window in each table: on a real base backup (`zstd -3
-/// --single-thread --zstd=wlog=23,hlog=19,clog=19`) 0.140 of the raw bytes against 0.163 with
-/// level 3's own tables, at about twice `zstd -9`'s speed. The lazy levels (5 and up, zstd's
+/// (1-4) get one entry per 16 bytes of window in each table, up to 2^19 (2 MiB each): on a real
+/// base backup (`zstd -3 --single-thread --zstd=wlog=23,hlog=19,clog=19`) 0.140 of the raw
+/// bytes against 0.163 with level 3's own tables, at about twice `zstd -9`'s speed; with a 16
+/// MiB window, 2^20 entries made level 4 a fifth slower in the reduction bench for 1-2% fewer
+/// bytes, and the fast levels are the ones the governor picks when time is short. The lazy levels (5 and up, zstd's
 /// row match finder, which has no chain table) need a denser hash table to pay for their
 /// search: at level 6 with one entry per 16 bytes the same backup costs 0.147, more than level
 /// 3; with one per 4 bytes 0.122 (row binlog: 0.212 against 0.220, `zstd -9` 0.213), at about
@@ -79,7 +81,7 @@ impl Default for LongContext {
 /// per 2 bytes cost a tenth more time for 0.2077 against 0.2105 on the binlog). With these the
 /// levels stay in order of ratio and cost, which the level governor relies on.
 pub(crate) fn long_tables(window_log: u32, level: i32) -> (u32, u32) {
-    let sparse = window_log.saturating_sub(4).clamp(CONTEXT_WINDOW_LOG, 22);
+    let sparse = window_log.saturating_sub(4).clamp(CONTEXT_WINDOW_LOG, 19);
     if level >= 5 {
         (
             window_log.saturating_sub(2).clamp(CONTEXT_WINDOW_LOG, 21),
