@@ -165,6 +165,78 @@ fn repeated_backup_costs_a_fraction_on_the_wire() {
     );
 }
 
+/// Two pairs side by side across one WAN, as docs/scaling.md describes: each with its own link
+/// port, services and cache. Both carry a stream at the same time, exactly; a data set repeated
+/// through the pair that carried it dedups, and the same data through the other pair costs a
+/// first copy.
+#[test]
+fn two_pairs_side_by_side_each_keep_their_own_cache() {
+    if !wansim::available_or_skip("two pairs side by side across wansim") {
+        return;
+    }
+    let wan = Wan::start(
+        &format!("w2{}", std::process::id() % 100_000),
+        wansim::preset("lan").expect("preset"),
+    )
+    .expect("wansim");
+    let east_ip = Site::East.addr();
+    let l = wan
+        .in_site(Site::East, move || TcpListener::bind((east_ip, 9100)))
+        .expect("east")
+        .expect("bind");
+    let srv = serve_on(l, hash_handler);
+    let with_admin = |y: String| format!("{y}admin:\n  listen: 127.0.0.1:0\n");
+    let pair = |name: &str, port: &str| {
+        wan_pair(
+            &wan,
+            &format!("  - name: {name}\n    target: {srv}\n"),
+            &format!("  - name: {name}\n    listen: 127.0.0.1:0\n"),
+            |_, y| with_admin(y.replace(":7400", port)),
+        )
+    };
+    let (a, b) = (pair("a", ":7400"), pair("b", ":7401"));
+    let connect = |addr: SocketAddr| {
+        wan.in_site(Site::West, move || TcpStream::connect(addr))
+            .expect("west")
+            .expect("connect")
+    };
+    let len = 16u64 << 20;
+    let send = |p: &WanPair, service: &str, seed: u64| {
+        hash_client_on(connect(p.west.bound(service)), seed, len, 0)
+    };
+    let wire = |p: &WanPair, service: &str| {
+        let m = scrape_on(connect(p.west.bound("admin")));
+        (
+            value(&m, &series("wanopt_wire_bytes_total", service, "out")),
+            m,
+        )
+    };
+    // Both pairs at once, each stream on a thread of its own.
+    let (ca, cb) = (connect(a.west.bound("a")), connect(b.west.bound("b")));
+    let ta = std::thread::spawn(move || hash_client_on(ca, 1, len, 0));
+    let tb = std::thread::spawn(move || hash_client_on(cb, 2, len, 0));
+    ta.join().expect("a").expect("stream through pair a");
+    tb.join().expect("b").expect("stream through pair b");
+    let (a_first, am) = wire(&a, "a");
+    let (b_first, bm) = wire(&b, "b");
+    assert!(a_first >= len && b_first >= len, "{a_first} {b_first}");
+    assert!(!am.contains("service=\"b\"") && !bm.contains("service=\"a\""));
+    // Pair a has seen seed 1: a repeat costs references only.
+    send(&a, "a", 1).expect("repeat through pair a");
+    let a_repeat = wire(&a, "a").0 - a_first;
+    assert!(
+        a_repeat * 50 < len,
+        "a repeat through the same pair: {a_repeat} wire bytes"
+    );
+    // Pair b has not: its own cache, a first copy.
+    send(&b, "b", 1).expect("the same data through pair b");
+    let b_other = wire(&b, "b").0 - b_first;
+    assert!(
+        b_other * 10 > len * 9,
+        "pair b's first copy of it: {b_other} wire bytes"
+    );
+}
+
 /// A pair stating 1 Gbit/s across a 45 Mbit/s wansim link: after 30 s of sending all it can,
 /// west warns that the link delivers under half what its config states, with the measured rate;
 /// the bytes still arrive exact.
