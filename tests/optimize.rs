@@ -165,6 +165,22 @@ fn repeated_backup_costs_a_fraction_on_the_wire() {
     );
 }
 
+/// A wansim WAN of `preset` (namespaces named after `tag`) with a [`hash_handler`] server in east
+/// on port 9100.
+fn wan_with_hash_server(tag: &str, preset: &str) -> (Wan, SocketAddr) {
+    let wan = Wan::start(
+        &format!("{tag}{}", std::process::id() % 100_000),
+        wansim::preset(preset).expect("preset"),
+    )
+    .expect("wansim");
+    let east_ip = Site::East.addr();
+    let l = wan
+        .in_site(Site::East, move || TcpListener::bind((east_ip, 9100)))
+        .expect("east")
+        .expect("bind");
+    (wan, serve_on(l, hash_handler))
+}
+
 /// Two pairs side by side across one WAN, as docs/scaling.md describes: each with its own link
 /// port, services and cache. Both carry a stream at the same time, exactly; a data set repeated
 /// through the pair that carried it dedups, and the same data through the other pair costs a
@@ -174,17 +190,7 @@ fn two_pairs_side_by_side_each_keep_their_own_cache() {
     if !wansim::available_or_skip("two pairs side by side across wansim") {
         return;
     }
-    let wan = Wan::start(
-        &format!("w2{}", std::process::id() % 100_000),
-        wansim::preset("lan").expect("preset"),
-    )
-    .expect("wansim");
-    let east_ip = Site::East.addr();
-    let l = wan
-        .in_site(Site::East, move || TcpListener::bind((east_ip, 9100)))
-        .expect("east")
-        .expect("bind");
-    let srv = serve_on(l, hash_handler);
+    let (wan, srv) = wan_with_hash_server("w2", "lan");
     let with_admin = |y: String| format!("{y}admin:\n  listen: 127.0.0.1:0\n");
     let pair = |name: &str, port: &str| {
         wan_pair(
@@ -245,17 +251,7 @@ fn a_link_slower_than_stated_is_told_in_the_log() {
     if !wansim::available_or_skip("a stated bandwidth checked across wansim") {
         return;
     }
-    let wan = Wan::start(
-        &format!("wb{}", std::process::id() % 100_000),
-        wansim::preset("t3-100ms-clean").expect("preset"),
-    )
-    .expect("wansim");
-    let east_ip = Site::East.addr();
-    let l = wan
-        .in_site(Site::East, move || TcpListener::bind((east_ip, 9100)))
-        .expect("east")
-        .expect("bind");
-    let srv = serve_on(l, hash_handler);
+    let (wan, srv) = wan_with_hash_server("wb", "t3-100ms-clean");
     let stated = "  bandwidth: 1gbit\n  rtt: 100ms\n";
     let p = wan_pair(
         &wan,
@@ -294,17 +290,7 @@ fn redo_across_a_t3_is_compressed_with_zstd() {
     if !wansim::available_or_skip("redo across wansim") {
         return;
     }
-    let wan = Wan::start(
-        &format!("wo{}", std::process::id() % 100_000),
-        wansim::preset("t3-100ms-clean").expect("preset"),
-    )
-    .expect("wansim");
-    let east_ip = Site::East.addr();
-    let l = wan
-        .in_site(Site::East, move || TcpListener::bind((east_ip, 9100)))
-        .expect("east")
-        .expect("bind");
-    let srv = serve_on(l, hash_handler);
+    let (wan, srv) = wan_with_hash_server("wo", "t3-100ms-clean");
     let p = wan_pair(
         &wan,
         &format!("  - name: dg\n    target: {srv}\n"),

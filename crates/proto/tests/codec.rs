@@ -83,24 +83,38 @@ fn send_with_long(
     send_between(side(west), side(east), data)
 }
 
-#[test]
-fn long_contexts_are_used_only_toward_a_peer_that_offers_them() {
-    // Rows whose repeats lie further apart than a chunk: what a long context is for.
-    let data: Bytes = (0..200_000u32)
+/// `n` order rows: number, order, customer, item, quantity and status, each field after its
+/// separator in `sep` (rows whose repeats lie further apart than a chunk).
+fn order_rows(n: u32, sep: [&str; 5]) -> Bytes {
+    (0..n)
         .flat_map(|i| {
             format!(
-                "{:08} ORDER {:06} customer-{:05} item {:04} qty {:03} status {}\n",
+                "{:08}{}{:06}{}{:05}{}{:04}{}{:03}{}{}\n",
                 i,
+                sep[0],
                 (i * 7919) % 1_000_000,
+                sep[1],
                 (i * 31) % 40_000,
+                sep[2],
                 (i * 17) % 5000,
+                sep[3],
                 i % 97,
+                sep[4],
                 ["NEW", "PAID", "SHIPPED", "CLOSED"][(i % 4) as usize]
             )
             .into_bytes()
         })
         .collect::<Vec<u8>>()
-        .into();
+        .into()
+}
+
+#[test]
+fn long_contexts_are_used_only_toward_a_peer_that_offers_them() {
+    // Rows whose repeats lie further apart than a chunk: what a long context is for.
+    let data = order_rows(
+        200_000,
+        [" ORDER ", " customer-", " item ", " qty ", " status "],
+    );
     let long = Some(wanopt_proto::LongContext::default());
     let both = send_with_long(long, long, &data);
     let old_receiver = send_with_long(long, None, &data);
@@ -128,21 +142,7 @@ fn send_with_runs(west: bool, east: bool, data: &Bytes) -> u64 {
 #[test]
 fn runs_of_literals_share_a_flush_only_toward_a_peer_that_decodes_them() {
     // Rows that compress well in a long context, in chunks that each end a record.
-    let data: Bytes = (0..150_000u32)
-        .flat_map(|i| {
-            format!(
-                "{:08}|{:06}|customer-{:05}|{:04}|{:03}|{}\n",
-                i,
-                (i * 7919) % 1_000_000,
-                (i * 31) % 40_000,
-                (i * 17) % 5000,
-                i % 97,
-                ["NEW", "PAID", "SHIPPED", "CLOSED"][(i % 4) as usize]
-            )
-            .into_bytes()
-        })
-        .collect::<Vec<u8>>()
-        .into();
+    let data = order_rows(150_000, ["|", "|customer-", "|", "|", "|"]);
     let both = send_with_runs(true, true, &data);
     let old_receiver = send_with_runs(true, false, &data);
     let old_sender = send_with_runs(false, true, &data);
