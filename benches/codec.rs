@@ -15,7 +15,9 @@
 //! backups) measures what delta encoding against similar chunks would recover: NEW's chunks
 //! found in OLD (references), those with a similar chunk in OLD by super-features (each
 //! compressed with that chunk as zstd's prefix), and the rest (compressed alone), at 8, 4 and
-//! 2 KiB average chunks.
+//! 2 KiB average chunks. `--threads N` measures the encoder with its chunks prepared on 1 to N
+//! threads (`limits.threads`), on the LZ4 path and on zstd alone (each `--file` too), as ratios
+//! to one thread in the same run.
 
 #[path = "../tests/common/args.rs"]
 mod args;
@@ -100,6 +102,64 @@ fn run_writes(
         data.len() as f64 / dsecs / 1e6,
         wire.len() as f64 / data.len() as f64
     );
+}
+
+/// Encoder and decoder throughput with chunks prepared on 1 to `most` threads (the daemon's
+/// pool), on the LZ4 path (CPU-bound) and on zstd alone (link-bound, no stream contexts), wall
+/// time; the decoder decodes what the encoder made with as many threads.
+fn threads(name: &str, data: &[u8], most: usize) {
+    for (path, compression, pressure) in [
+        ("lz4 (cpu-bound)", Compression::Adaptive, Pressure::CpuBound),
+        (
+            "zstd alone (link-bound)",
+            Compression::Adaptive,
+            Pressure::LinkBound,
+        ),
+    ] {
+        let cfg = CodecConfig {
+            compression,
+            zstd_level: *LEVEL.get_or_init(|| CodecConfig::default().zstd_level),
+            context: false,
+            delta_bytes: 0,
+            ..CodecConfig::default()
+        };
+        let mut one = (0.0, 0.0);
+        let mut wires = Vec::new();
+        for n in 1..=most {
+            let mut enc = Encoder::new(cfg.clone());
+            enc.set_workers(wanopt_runtime::workers::Pool::start(n));
+            let mut wire = vec![1u8; data.len() + data.len() / 100 + 4096];
+            wire.clear();
+            let t = Instant::now();
+            for piece in data.chunks(256 * 1024) {
+                enc.push(piece, false, pressure, &mut wire);
+            }
+            enc.push(&[], true, pressure, &mut wire);
+            let rate = data.len() as f64 / t.elapsed().as_secs_f64() / 1e6;
+            let mut dec = Decoder::new(&cfg);
+            dec.set_workers(wanopt_runtime::workers::Pool::start(n));
+            let mut out = vec![1u8; data.len() + 4096];
+            out.clear();
+            let t = Instant::now();
+            dec.decode(&wire, &mut out).expect("decode");
+            let drate = data.len() as f64 / t.elapsed().as_secs_f64() / 1e6;
+            assert!(out == data, "round trip");
+            if n == 1 {
+                one = (rate, drate);
+            }
+            println!(
+                "{name:<28} {path:<24} threads {n:>2}: encode {rate:>5.0} MB/s ({:.2}x)  decode {drate:>5.0} MB/s ({:.2}x)  wire/raw {:.3}",
+                rate / one.0,
+                drate / one.1,
+                wire.len() as f64 / data.len() as f64
+            );
+            wires.push(wire);
+        }
+        assert!(
+            wires.windows(2).all(|w| w[0] == w[1]),
+            "the same records on any number of threads"
+        );
+    }
 }
 
 /// A real file as a bulk stream at a stated WAN (zstd chosen), with and without long contexts,
@@ -468,6 +528,18 @@ fn main() {
         "one core, {mib} MiB per case, 64 KiB writes, first transfer (empty cache), zstd level {level}{}",
         if context { "" } else { ", no stream contexts" }
     );
+    if let Some(n) = args.text("--threads") {
+        let n: usize = n.parse().expect("--threads N");
+        let mut sets = vec![("db-like".to_string(), db.clone())];
+        for path in args.all("--file") {
+            let data = std::fs::read(&path).unwrap_or_else(|e| panic!("--file {path}: {e}"));
+            sets.push((path.clone(), data));
+        }
+        for (name, data) in &sets {
+            threads(name, data, n);
+        }
+        return;
+    }
     if let Some(path) = args.text("--wal") {
         let wal = std::fs::read(&path).unwrap_or_else(|e| panic!("--wal {path}: {e}"));
         run_writes(

@@ -375,6 +375,42 @@ fn concurrent_streams_sharing_chunks_arrive_exact() {
     assert!(dedup(&w, "svc", "out", "hit") > 32 << 20, "{w}");
 }
 
+/// With the codec's pool on both sides (`limits.threads`), streams of new, repeated and
+/// incompressible bytes arrive exact, and repeats still deduplicate: the pool prepares chunks
+/// and decompresses literals, the mirror and the cache stay in link order.
+#[test]
+fn streams_through_daemons_with_codec_threads_arrive_exact() {
+    let srv = hash_server();
+    // The `limits:` section is the last of the config: its extra keys follow.
+    let p = Pair::start_extra(
+        &format!("  - name: svc\n    target: {srv}\n"),
+        "  - name: svc\n    listen: 127.0.0.1:0\n",
+        "  threads: 4\nadmin:\n  listen: 127.0.0.1:0\n",
+    );
+    let addr = p.west.bound("svc");
+    let threads: Vec<_> = (0..4u64)
+        .map(|i| {
+            std::thread::spawn(move || {
+                if i == 3 {
+                    // Noise: literals sent as they are.
+                    let noise = wanopt_codec::testdata::noise(i, 8 << 20);
+                    send_checked(addr, noise.len() as u64, |off, buf| {
+                        let at = off as usize;
+                        buf.copy_from_slice(&noise[at..at + buf.len()]);
+                    })
+                } else {
+                    send_backup(addr, i % 2, 24 << 20, (i == 2).then_some(7))
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("thread").expect("exact");
+    }
+    let w = scrape(p.west.bound("admin"));
+    assert!(dedup(&w, "svc", "out", "hit") > 8 << 20, "{w}");
+}
+
 #[test]
 fn receiver_restarted_with_an_empty_cache_never_misreads() {
     // The data flows east→west here, so the receiver (west) is the side that reconnects.

@@ -1,5 +1,6 @@
 //! Fuzzes the optimization codec's decoder: arbitrary records must never panic or allocate past
-//! the record limit, whatever the cache holds, and whatever zstd context the stream has.
+//! the record limit, whatever the cache holds, and whatever zstd context the stream has; a
+//! decoder that decompresses literals ahead on workers must rebuild exactly the same.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -25,10 +26,16 @@ fuzz_target!(|data: &[u8]| {
     } else {
         enc.push(prime, true, Pressure::CpuBound, &mut wire);
     }
+    let mut pooled = Decoder::new(&cfg);
+    pooled.set_workers(Some(std::sync::Arc::new(wanopt_codec::prepare::Inline)));
     let mut out = Vec::new();
     let _ = dec.decode(&wire, &mut out);
+    let _ = pooled.decode(&wire, &mut Vec::new());
     // Then feed the raw input as records.
     let mut out = Vec::new();
-    let _ = dec.decode(data, &mut out);
+    let r = dec.decode(data, &mut out);
     assert!(out.len() <= data.len().saturating_mul(300) + wanopt_codec::MAX_RECORD * 2);
+    let mut again = Vec::new();
+    assert_eq!(pooled.decode(data, &mut again), r);
+    assert!(again == out);
 });

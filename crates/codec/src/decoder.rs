@@ -8,6 +8,7 @@ use super::{
     TAG_LIT_ZSTD, TAG_RAW, TAG_REF, TAG_RUN_END, cache, delta, get_len,
 };
 use crate::cache::{ChunkCache, Fingerprint, fingerprint};
+use crate::prepare;
 
 /// What a decoder rebuilt: chunks found in its cache (hits) and chunks that came as data.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -32,7 +33,16 @@ pub struct Decoder {
     /// The context of [`Decoder::decode_record`]'s one stream.
     pub(crate) own: StreamContext,
     pub(crate) delta: delta::RecvScratch,
+    /// Threads to decompress literals on ahead (see [`prepare`]); `None`: in turn.
+    workers: Option<std::sync::Arc<dyn prepare::Workers>>,
+    /// What [`prepare`](Decoder::prepare) made: by record offset, with the record's tag, raw
+    /// and payload lengths (a slot serves only the record it was made for).
+    batch: Vec<(usize, u8, usize, usize, prepare::Prepared)>,
 }
+
+/// Literals a decoder prepares at once: the raw bytes they rebuild are allocated ahead, so at
+/// most this many of them (and no more than their frame announced).
+const PREPARE_BYTES: usize = 4 << 20;
 
 impl Decoder {
     pub fn new(cfg: &CodecConfig) -> Self {
@@ -57,7 +67,106 @@ impl Decoder {
             long: None,
             own: StreamContext::default(),
             delta: delta::RecvScratch::default(),
+            workers: None,
+            batch: Vec::new(),
         }
+    }
+
+    /// Decompresses literals on `workers` ahead (see [`prepare`](Self::prepare)).
+    pub fn set_workers(&mut self, workers: Option<std::sync::Arc<dyn prepare::Workers>>) {
+        self.workers = workers;
+    }
+
+    /// Decompresses and fingerprints, on the workers, the literals alone among the whole records
+    /// at the front of `buf` (up to [`BATCH`](crate::BATCH) of them, rebuilding at most `room`
+    /// bytes), for [`decode_record_at`](Self::decode_record_at) to insert in order. The scan
+    /// stops at the first record that is not a reference or a literal alone; every record is
+    /// still checked in full when it is decoded. False if nothing was prepared.
+    pub fn prepare(&mut self, buf: &[u8], room: usize) -> bool {
+        use prepare::{Job, Work};
+        self.batch.clear();
+        let Some(w) = self.workers.clone() else {
+            return false;
+        };
+        let room = room.min(PREPARE_BYTES);
+        let (mut at, mut raw) = (0, 0);
+        // (record offset, tag, raw length, payload range, work)
+        let mut found = Vec::new();
+        while found.len() < crate::BATCH {
+            let Some(&first) = buf.get(at) else { break };
+            let rec = &buf[at..];
+            if first == TAG_REF {
+                let Ok((_, h)) = get_len(rec, 17) else { break };
+                at += 17 + h;
+                continue;
+            }
+            let tag = first & !NO_CACHE;
+            if !matches!(tag, TAG_LIT | TAG_LIT_LZ4 | TAG_LIT_ZSTD) {
+                break;
+            }
+            let hash = self.dedup && first & NO_CACHE == 0;
+            let Ok((raw_len, h1)) = get_len(rec, 1) else {
+                break;
+            };
+            raw += raw_len;
+            if raw > room {
+                break;
+            }
+            let (clen, h2) = if tag == TAG_LIT {
+                (raw_len, 0)
+            } else {
+                let Ok(l) = get_len(rec, 1 + h1) else { break };
+                l
+            };
+            let start = at + 1 + h1 + h2;
+            let Some(end) = start.checked_add(clen).filter(|e| *e <= buf.len()) else {
+                break;
+            };
+            let work = match tag {
+                TAG_LIT_LZ4 => Some(Work::Unlz4 { raw_len, hash }),
+                TAG_LIT_ZSTD => Some(Work::Unzstd { raw_len, hash }),
+                _ => hash.then_some(Work::Fingerprint),
+            };
+            if let Some(work) = work {
+                found.push((at, first, raw_len, start..end, work));
+            }
+            at = end;
+        }
+        if found.len() < 2 {
+            return false;
+        }
+        self.batch.extend(
+            found
+                .iter()
+                .map(|(at, tag, raw_len, p, _)| (*at, *tag, *raw_len, p.len(), Default::default())),
+        );
+        let mut jobs: Vec<Job<'_>> = found
+            .into_iter()
+            .zip(self.batch.iter_mut())
+            .map(|((_, _, _, p, work), slot)| Job::new(&buf[p], work, &mut slot.4))
+            .collect();
+        w.run(&mut jobs);
+        true
+    }
+
+    /// What was prepared for the record at `at` with this tag and lengths, taken; `None` if
+    /// nothing was (or it was made for another record).
+    fn prepared(
+        &mut self,
+        at: Option<usize>,
+        tag: u8,
+        raw: usize,
+        clen: usize,
+    ) -> Option<prepare::Prepared> {
+        let at = at?;
+        let i = self.batch.iter().position(|b| b.0 == at)?;
+        let b = &mut self.batch[i];
+        (b.1 == tag && b.2 == raw && b.3 == clen).then(|| std::mem::take(&mut b.4))
+    }
+
+    /// Forgets what was prepared.
+    pub fn end_batch(&mut self) {
+        self.batch.clear();
     }
 
     /// Accepts long contexts of at most `long`'s window, and twice its streams at once (counted
@@ -129,6 +238,19 @@ impl Decoder {
         out: &mut Vec<u8>,
         stream: &mut StreamContext,
         room: usize,
+    ) -> Result<usize, CodecError> {
+        self.decode_record_at(buf, out, stream, room, None)
+    }
+
+    /// Like [`decode_record_within`](Self::decode_record_within), for the record at offset `rec_at`
+    /// of the bytes [`prepare`](Self::prepare) was given, using what it made for that record.
+    pub fn decode_record_at(
+        &mut self,
+        buf: &[u8],
+        out: &mut Vec<u8>,
+        stream: &mut StreamContext,
+        room: usize,
+        rec_at: Option<usize>,
     ) -> Result<usize, CodecError> {
         let fits = |n: usize| {
             if n > room {
@@ -212,7 +334,12 @@ impl Decoder {
                 self.stats.lit_chunks += 1;
                 self.stats.lit_bytes += len as u64;
                 if cache {
-                    self.cache.insert(fingerprint(chunk), chunk.to_vec());
+                    let f = match self.prepared(rec_at, first, len, len) {
+                        Some(p) => p.fingerprint,
+                        None => None,
+                    };
+                    self.cache
+                        .insert(f.unwrap_or_else(|| fingerprint(chunk)), chunk.to_vec());
                 }
                 Ok(at + len)
             }
@@ -273,16 +400,10 @@ impl Decoder {
                 let at = 1 + h1 + h2;
                 need(at + clen)?;
                 let payload = &buf[at..at + clen];
-                // Decompression is bounded by the announced size: a bomb is an error.
-                let chunk = if tag == TAG_LIT_LZ4 {
-                    lz4_flex::block::decompress(payload, raw_len)
-                        .map_err(|_| CodecError::Decompress)?
-                } else {
-                    self.zstd
-                        .as_mut()
-                        .ok_or(CodecError::Decompress)?
-                        .decompress(payload, raw_len)
-                        .map_err(|_| CodecError::Decompress)?
+                // Decompressed ahead on a worker (into exactly the announced size), or here.
+                let (chunk, f) = match self.prepared(rec_at, first, raw_len, clen) {
+                    Some(p) if p.decoded => (p.out, p.fingerprint),
+                    _ => (self.decompress(tag, payload, raw_len)?, None),
                 };
                 if chunk.len() != raw_len {
                     return Err(CodecError::Decompress);
@@ -291,7 +412,8 @@ impl Decoder {
                 self.stats.lit_chunks += 1;
                 self.stats.lit_bytes += raw_len as u64;
                 if cache {
-                    self.cache.insert(fingerprint(&chunk), chunk);
+                    self.cache
+                        .insert(f.unwrap_or_else(|| fingerprint(&chunk)), chunk);
                 }
                 Ok(at + clen)
             }
@@ -303,15 +425,49 @@ impl Decoder {
         }
     }
 
+    /// A literal alone's payload decompressed.
+    fn decompress(
+        &mut self,
+        tag: u8,
+        payload: &[u8],
+        raw_len: usize,
+    ) -> Result<Vec<u8>, CodecError> {
+        // Decompression is bounded by the announced size: a bomb is an error.
+        if tag == TAG_LIT_LZ4 {
+            lz4_flex::block::decompress(payload, raw_len).map_err(|_| CodecError::Decompress)
+        } else {
+            self.zstd
+                .as_mut()
+                .ok_or(CodecError::Decompress)?
+                .decompress(payload, raw_len)
+                .map_err(|_| CodecError::Decompress)
+        }
+    }
+
     /// Decodes every whole record at the front of `buf`; returns the bytes used.
+    /// With workers, literals are prepared [`BATCH`](crate::BATCH) records at a time.
     pub fn decode(&mut self, buf: &[u8], out: &mut Vec<u8>) -> Result<usize, CodecError> {
         let mut used = 0;
-        loop {
-            match self.decode_record(&buf[used..], out) {
-                Ok(n) => used += n,
-                Err(CodecError::Incomplete) => return Ok(used),
-                Err(e) => return Err(e),
+        let mut own = std::mem::take(&mut self.own);
+        // Where the prepared bytes start, and records decoded since.
+        let (mut base, mut n) = (0, crate::BATCH);
+        let r = loop {
+            if self.workers.is_some() && n >= crate::BATCH {
+                self.prepare(&buf[used..], usize::MAX);
+                (base, n) = (used, 0);
             }
-        }
+            let at = Some(used - base).filter(|_| self.workers.is_some());
+            match self.decode_record_at(&buf[used..], out, &mut own, usize::MAX, at) {
+                Ok(k) => {
+                    used += k;
+                    n += 1;
+                }
+                Err(CodecError::Incomplete) => break Ok(used),
+                Err(e) => break Err(e),
+            }
+        };
+        self.end_batch();
+        self.own = own;
+        r
     }
 }

@@ -21,6 +21,9 @@ pub mod cache;
 mod context;
 mod decoder;
 pub mod delta;
+mod encoder;
+pub mod prepare;
+pub use encoder::{BATCH, Encoder};
 pub mod store;
 pub mod testdata;
 
@@ -473,6 +476,11 @@ pub struct Mirror {
     run_scratch: Vec<u8>,
     /// The context record in the scratch ended a run: its raw bytes, payload bytes and chunks.
     run_done: Option<(usize, usize, usize)>,
+    /// Threads to prepare a turn's chunks on (see [`prepare`]); `None`: each chunk in turn.
+    workers: Option<std::sync::Arc<dyn prepare::Workers>>,
+    /// What [`prepare`](Mirror::prepare) made of the turn's chunks (the first `batch_len`).
+    batch: Vec<prepare::Prepared>,
+    batch_len: usize,
 }
 
 /// The bytes of the chunks sent as references most recently, bounded in bytes: the receiver asks
@@ -543,7 +551,140 @@ impl Mirror {
             context: None,
             run_scratch: Vec::new(),
             run_done: None,
+            workers: None,
+            batch: Vec::new(),
+            batch_len: 0,
         }
+    }
+
+    /// Prepares chunks on `workers` before encoding them (see [`prepare`]); `None`: each chunk
+    /// is fingerprinted and compressed as it is encoded.
+    pub fn set_workers(&mut self, workers: Option<std::sync::Arc<dyn prepare::Workers>>) {
+        self.workers = workers;
+    }
+
+    /// Whether chunks are prepared on workers.
+    pub fn has_workers(&self) -> bool {
+        self.workers.is_some()
+    }
+
+    /// Fingerprints the chunks of `view` at `bounds` (offset, length), and compresses those that
+    /// will go as literals alone, on the workers, before [`encode_prepared`](Self::encode_prepared)
+    /// encodes them in order. False (nothing prepared) without workers, for fewer than two
+    /// chunks, or for a latency-class stream (its small writes never wait for a pool).
+    pub fn prepare(
+        &mut self,
+        view: &[u8],
+        bounds: &[(usize, usize)],
+        policy: &Policy,
+        pressure: Pressure,
+        hint: &Hint,
+    ) -> bool {
+        use prepare::{Job, Work};
+        self.batch_len = 0;
+        let Some(w) = self.workers.clone() else {
+            return false;
+        };
+        if bounds.len() < 2 || policy.latency || bounds.iter().any(|&(o, l)| o + l > view.len()) {
+            return false;
+        }
+        if self.batch.len() < bounds.len() {
+            self.batch.resize_with(bounds.len(), Default::default);
+        }
+        for (s, &(_, l)) in self.batch.iter_mut().zip(bounds) {
+            s.reset(l);
+        }
+        let piece = |&(o, l): &(usize, usize)| &view[o..o + l];
+        let work = if policy.dedup {
+            Work::Fingerprint
+        } else {
+            // Nothing to fingerprint: only compression.
+            match self.literal_work(policy, pressure, hint) {
+                Some(w) => w,
+                None => return false,
+            }
+        };
+        let mut jobs: Vec<Job<'_>> = bounds
+            .iter()
+            .zip(self.batch.iter_mut())
+            .map(|(b, s)| Job::new(piece(b), work, s))
+            .collect();
+        w.run(&mut jobs);
+        drop(jobs);
+        if policy.dedup
+            && let Some(work) = self.literal_work(policy, pressure, hint)
+        {
+            // Only what will go as a literal: not held by the peer, nor earlier in the turn.
+            let cache = &self.cache;
+            let mut seen = std::collections::HashSet::with_capacity(bounds.len());
+            let mut jobs: Vec<Job<'_>> = bounds
+                .iter()
+                .zip(self.batch.iter_mut())
+                .filter(|(_, s)| {
+                    s.fingerprint
+                        .is_some_and(|f| !cache.contains(&f) && seen.insert(f))
+                })
+                .map(|(b, s)| Job::new(piece(b), work, s))
+                .collect();
+            if !jobs.is_empty() {
+                w.run(&mut jobs);
+            }
+        }
+        self.batch_len = bounds.len();
+        true
+    }
+
+    /// The compression a literal alone of this stream would get, to do ahead; `None` where
+    /// its literals go through the stream's context (or are not compressed).
+    fn literal_work(
+        &self,
+        policy: &Policy,
+        pressure: Pressure,
+        hint: &Hint,
+    ) -> Option<prepare::Work> {
+        use prepare::Work;
+        let in_context = policy.context && (hint.live > 0 || (policy.bulk && self.long.is_some()));
+        match policy.compression {
+            Compression::None => None,
+            Compression::Lz4 => Some(Work::Lz4),
+            Compression::Zstd => (!in_context).then_some(Work::Zstd {
+                level: self.zstd_level,
+                trial: false,
+            }),
+            Compression::Adaptive if policy.latency || pressure == Pressure::CpuBound => {
+                Some(Work::Lz4)
+            }
+            Compression::Adaptive => (!in_context).then_some(Work::Zstd {
+                level: self.zstd_level,
+                trial: true,
+            }),
+        }
+    }
+
+    /// Appends the record for the `i`th chunk [`prepare`](Self::prepare) was given, `chunk`,
+    /// with what was prepared for it (as [`encode_chunk`](Self::encode_chunk) without).
+    pub fn encode_prepared(
+        &mut self,
+        i: usize,
+        chunk: &[u8],
+        policy: &Policy,
+        pressure: Pressure,
+        hint: &mut Hint,
+        out: &mut impl BufMut,
+    ) -> Report {
+        let mut p = (i < self.batch_len && self.batch[i].len == chunk.len())
+            .then(|| std::mem::take(&mut self.batch[i]));
+        let r = self.encode_with(chunk, policy, pressure, hint, out, p.as_mut());
+        if let Some(p) = p {
+            // Its buffer serves the next turn.
+            self.batch[i] = p;
+        }
+        r
+    }
+
+    /// Forgets what was prepared.
+    pub fn end_batch(&mut self) {
+        self.batch_len = 0;
     }
 
     /// Lets bulk streams use long contexts as agreed with the peer, counted in `slots` (shared
@@ -611,14 +752,27 @@ impl Mirror {
         hint: &mut Hint,
         out: &mut impl BufMut,
     ) -> Report {
+        self.encode_with(chunk, policy, pressure, hint, out, None)
+    }
+
+    fn encode_with(
+        &mut self,
+        chunk: &[u8],
+        policy: &Policy,
+        pressure: Pressure,
+        hint: &mut Hint,
+        out: &mut impl BufMut,
+        prep: Option<&mut prepare::Prepared>,
+    ) -> Report {
         // A live stream's chunks join its tails' context; a bulk stream's all go through its
         // long context when there is one to have.
         let live = policy.context && (hint.live > 0 || (policy.bulk && self.long.is_some()));
         hint.live = hint.live.saturating_sub(1);
-        self.encode_piece(chunk, policy, pressure, hint, out, live)
+        self.encode_piece(chunk, policy, pressure, hint, out, live, prep)
     }
 
     /// Appends the record for a chunk or a tail to `out`; a tail may use the stream's context.
+    #[allow(clippy::too_many_arguments)]
     fn encode_piece(
         &mut self,
         chunk: &[u8],
@@ -627,9 +781,13 @@ impl Mirror {
         hint: &mut Hint,
         out: &mut impl BufMut,
         in_context: bool,
+        prep: Option<&mut prepare::Prepared>,
     ) -> Report {
         let f = if policy.dedup {
-            let f = fingerprint(chunk);
+            let f = match prep.as_ref().and_then(|p| p.fingerprint) {
+                Some(f) => f,
+                None => fingerprint(chunk),
+            };
             if self.cache.contains(&f) {
                 self.cache.touch(&f);
                 self.recent.put(f, chunk);
@@ -659,7 +817,7 @@ impl Mirror {
         {
             return r;
         }
-        let codec = self.compress(chunk, policy, pressure, hint, in_context);
+        let codec = self.compress(chunk, policy, pressure, hint, in_context, prep);
         hint.interrupted = self.context.is_none();
         // Only a context literal goes inside a run (or ends it itself).
         let run_end = if self.context.is_none() {
@@ -718,6 +876,7 @@ impl Mirror {
         pressure: Pressure,
         hint: &mut Hint,
         in_context: bool,
+        prep: Option<&mut prepare::Prepared>,
     ) -> Option<Codec> {
         self.context = None;
         let codec = match policy.compression {
@@ -739,7 +898,11 @@ impl Mirror {
                 } else {
                     // Before spending zstd's CPU, a 4 KiB LZ4 trial tells noise apart.
                     let sample = &chunk[..chunk.len().min(4096)];
-                    if !self.lz4(sample) || !pays(sample.len(), self.clen) {
+                    let paid = match prep.as_ref().and_then(|p| p.trial) {
+                        Some(paid) => paid,
+                        None => self.lz4(sample) && pays(sample.len(), self.clen),
+                    };
+                    if !paid {
                         hint.incompressible();
                         return None;
                     }
@@ -767,9 +930,21 @@ impl Mirror {
             }
             return Some(codec);
         }
-        let ok = match codec {
-            Codec::Lz4 => self.lz4(chunk),
-            _ => match self.zstd.as_mut() {
+        // Compressed ahead on a worker (the same codec and level, so the same bytes): the
+        // buffers trade places.
+        let ready = match codec {
+            Codec::Zstd => Some((codec, self.zstd_level)),
+            _ => Some((codec, 0)),
+        };
+        let ok = match prep.filter(|p| p.compressed.is_some() && p.compressed == ready) {
+            Some(p) => {
+                std::mem::swap(&mut self.scratch, &mut p.out);
+                self.clen = p.clen;
+                p.compressed = None;
+                true
+            }
+            None if codec == Codec::Lz4 => self.lz4(chunk),
+            None => match self.zstd.as_mut() {
                 Some(z) => {
                     self.scratch.clear();
                     self.scratch
@@ -862,7 +1037,7 @@ pub fn encode_tail(
     if in_context {
         hint.live = LIVE_CHUNKS;
     }
-    mirror.encode_piece(tail, &once, pressure, hint, out, in_context)
+    mirror.encode_piece(tail, &once, pressure, hint, out, in_context, None)
 }
 
 /// Appends a raw record (bytes sent as they are, not cached) to `out`.
@@ -875,155 +1050,6 @@ pub fn encode_raw(data: &[u8], out: &mut impl BufMut) -> Report {
         raw: data.len(),
         wire: 1 + h + data.len(),
         run_end: 0,
-    }
-}
-
-/// One direction of one stream, encoded as a whole: chunking state, a mirror and counts.
-pub struct Encoder {
-    cfg: CodecConfig,
-    mirror: Mirror,
-    hint: Hint,
-    pending: Vec<u8>,
-    stats: EncodeStats,
-}
-
-impl Encoder {
-    pub fn new(cfg: CodecConfig) -> Self {
-        let mut mirror = Mirror::new(cfg.cache_bytes, 64 << 20, cfg.zstd_level);
-        mirror.set_long_context(cfg.long, Slots::default());
-        mirror.set_bases(delta::shared(cfg.delta_bytes));
-        Encoder {
-            mirror,
-            hint: Hint::default(),
-            cfg,
-            pending: Vec::new(),
-            stats: EncodeStats::default(),
-        }
-    }
-
-    pub fn stats(&self) -> &EncodeStats {
-        &self.stats
-    }
-
-    /// See [`Mirror::set_zstd_level`].
-    pub fn set_zstd_level(&mut self, level: i32) {
-        self.mirror.set_zstd_level(level);
-    }
-
-    /// Replaces the store of delta bases `cfg.delta_bytes` made (one with a disk tier, say).
-    pub fn set_bases(&mut self, bases: Option<SharedBases>) {
-        self.mirror.set_bases(bases);
-    }
-
-    /// The mirror cache (for its size and evictions).
-    pub fn cache(&self) -> &ChunkCache {
-        self.mirror.cache()
-    }
-
-    /// Ends the stream: what waits is sent (into `out`) and the next bytes start a new stream
-    /// on the same caches, with a context of its own, as a new connection would.
-    pub fn end_stream(&mut self, pressure: Pressure, out: &mut Vec<u8>) {
-        self.push(&[], true, pressure, out);
-        self.hint = Hint::default();
-    }
-
-    /// Bytes held back waiting for a chunk boundary.
-    pub fn pending(&self) -> usize {
-        self.pending.len()
-    }
-
-    /// Takes stream bytes and appends records to `out`. Without `flush`, the bytes after the last
-    /// chunk boundary wait for more data; with it (latency class, end of stream) nothing waits.
-    pub fn push(&mut self, data: &[u8], flush: bool, pressure: Pressure, out: &mut Vec<u8>) {
-        self.push_in_run(data, flush, pressure, out);
-        // What was pushed goes out whole, as a frame does.
-        let n = self.mirror.end_run(&mut self.hint, out);
-        self.stats.add_run_end(n);
-    }
-
-    fn push_in_run(&mut self, data: &[u8], flush: bool, pressure: Pressure, out: &mut Vec<u8>) {
-        let mut data = data;
-        // Chunks are cut in the caller's bytes. Only a chunk that spans the waiting bytes and
-        // the new ones is put together, from a copy of just enough of the new bytes to cut it.
-        while !self.pending.is_empty() {
-            let owned = self.pending.len();
-            let take = self.cfg.max_chunk.saturating_sub(owned).min(data.len());
-            let last = take == data.len();
-            let mut joined = std::mem::take(&mut self.pending);
-            joined.extend_from_slice(&data[..take]);
-            if last {
-                let consumed = self.encode(&joined, flush, pressure, out);
-                joined.drain(..consumed);
-                self.pending = joined;
-                return;
-            }
-            // A whole chunk's worth: its first chunk is complete. Only that one is encoded here;
-            // the ones after it are cut in place, not scanned twice.
-            let consumed = self.encode_first(&joined, pressure, out);
-            if consumed >= owned {
-                // The waiting bytes went; go on in the caller's bytes where the chunk ended.
-                data = &data[consumed - owned..];
-            } else if consumed > 0 {
-                joined.truncate(owned);
-                joined.drain(..consumed);
-                self.pending = joined;
-            } else {
-                // Not reached (a whole chunk's worth always holds a boundary), but never spin.
-                joined.truncate(owned);
-                joined.extend_from_slice(data);
-                let consumed = self.encode(&joined, flush, pressure, out);
-                joined.drain(..consumed);
-                self.pending = joined;
-                return;
-            }
-        }
-        let consumed = self.encode(data, flush, pressure, out);
-        self.pending.extend_from_slice(&data[consumed..]);
-    }
-
-    /// Encodes the first chunk of `src`, which holds at least one whole chunk; returns its length.
-    fn encode_first(&mut self, src: &[u8], pressure: Pressure, out: &mut Vec<u8>) -> usize {
-        let Some((_, len)) = chunks(src, &self.cfg).next() else {
-            return 0;
-        };
-        let policy = self.cfg.policy();
-        let r = self
-            .mirror
-            .encode_chunk(&src[..len], &policy, pressure, &mut self.hint, out);
-        self.stats.add(&r);
-        len
-    }
-
-    /// Encodes the whole chunks of `src` (and with `flush` the rest); returns the bytes used.
-    fn encode(&mut self, src: &[u8], flush: bool, pressure: Pressure, out: &mut Vec<u8>) -> usize {
-        let policy = self.cfg.policy();
-        let mut consumed = 0;
-        let mut it = chunks(src, &self.cfg).peekable();
-        while let Some((off, len)) = it.next() {
-            let last = it.peek().is_none();
-            // The last piece ends at the buffer's end, not at a content boundary: it waits, unless
-            // it is a full-size chunk or the caller flushes.
-            if last && !flush && len < self.cfg.max_chunk {
-                break;
-            }
-            let chunk = &src[off..off + len];
-            let r = if last && len < self.cfg.min_chunk {
-                encode_tail(
-                    &mut self.mirror,
-                    chunk,
-                    &policy,
-                    pressure,
-                    &mut self.hint,
-                    out,
-                )
-            } else {
-                self.mirror
-                    .encode_chunk(chunk, &policy, pressure, &mut self.hint, out)
-            };
-            self.stats.add(&r);
-            consumed = off + len;
-        }
-        consumed
     }
 }
 

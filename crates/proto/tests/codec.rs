@@ -1161,3 +1161,42 @@ fn repeated_checkpoints_from_a_peer_cost_nothing_and_save_once() {
     assert_eq!(p.east.app.checkpoints.len(), before);
     p.assert_no_leaks();
 }
+
+/// Workers on both sides (chunks prepared ahead of the mirror, literals decompressed ahead of
+/// the cache) change nothing: the same wire bytes for a first copy and a repeat, and after
+/// east's memory goes bad the same misses asked for and answered, as on a pair without them.
+#[test]
+fn workers_change_nothing_on_the_wire() {
+    let run = |workers: bool| {
+        let with = |c: &mut LinkConfig, token: u64| {
+            c.codec = Some(codec(64 << 20));
+            c.token = token;
+            if workers {
+                c.workers = Some(Arc::new(wanopt_codec::prepare::Inline));
+            }
+        };
+        let mut p = Pair::with(
+            Duration::from_millis(20),
+            50_000_000,
+            |c| with(c, 0),
+            |c| with(c, 7),
+        );
+        p.drive(Duration::from_secs(1));
+        assert!(p.west.app.up && p.east.app.up);
+        let mut v = db_blocks(256, 3).to_vec();
+        v.extend_from_slice(&pattern(5, 1 << 20));
+        v.extend_from_slice(&db_blocks(256, 4));
+        let data = Bytes::from(v);
+        let first = send_once(&mut p, "e-svc", Class::Bulk, &data);
+        let again = send_once(&mut p, "e-svc", Class::Bulk, &data);
+        assert!(p.east.link.corrupt_caches_for_test() > 0);
+        let mut v = data[..512 * 1024].to_vec();
+        v.extend_from_slice(&db_blocks(64, 9));
+        let damaged = send_once(&mut p, "e-svc", Class::Bulk, &Bytes::from(v));
+        let needs = counts(&mut p.east.link).needs;
+        assert!(needs > 0, "the damaged chunks were asked for");
+        p.assert_no_leaks();
+        (first, again, damaged, needs)
+    };
+    assert_eq!(run(true), run(false));
+}

@@ -30,6 +30,7 @@ pub mod store;
 mod supervisor;
 pub mod tls;
 mod wire;
+pub mod workers;
 
 pub use config::{Config, ConfigError};
 pub use daemon::{Bound, Daemon, DaemonError};

@@ -33,6 +33,8 @@ pub(crate) struct Peer {
     supervisor: mpsc::UnboundedSender<LinkMsg>,
     /// Stream slots of our local clients (per service, per client, bulk).
     pub slots: Arc<crate::slots::Slots>,
+    /// The threads links prepare chunks on (`limits.threads`; fixed until a restart).
+    workers: Option<Arc<dyn wanopt_codec::prepare::Workers>>,
 }
 
 impl Peer {
@@ -44,7 +46,9 @@ impl Peer {
         shutdown: watch::Receiver<bool>,
         supervisor: mpsc::UnboundedSender<LinkMsg>,
     ) -> Self {
+        let workers = crate::workers::shared(cfg.limits.threads);
         Peer {
+            workers,
             cfg: RwLock::new(cfg),
             tls: RwLock::new(tls),
             counters,
@@ -124,6 +128,7 @@ impl Peer {
         let cfg = self.cfg();
         let mut lc = link_config(&cfg, self.caches.as_ref());
         lc.delta_bases = self.bases(&cfg);
+        lc.workers = self.workers.clone();
         if lc.cache_storage.is_some() {
             lc.saved_states = self.saved_states().await;
         }

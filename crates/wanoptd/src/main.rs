@@ -246,20 +246,13 @@ fn demo(dir: &Path) -> ExitCode {
 /// Binds every daemon (exit 64 for TLS file and state directory problems, 1 for bind failures), then serves until
 /// SIGTERM or SIGINT.
 fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
-    let threads = cfgs.iter().map(|c| c.limits.threads).max().unwrap_or(1);
+    // One runtime thread moves the bytes (a second one measured slower: cross-thread wakeups);
+    // encoding work goes to the codec's pool of `limits.threads` (see `wanopt_runtime::workers`).
     // Disk I/O runs on at most 32 blocking threads (the units' TasksMax= counts on it).
-    let built = if threads <= 1 {
-        tokio::runtime::Builder::new_current_thread()
-            .max_blocking_threads(32)
-            .enable_all()
-            .build()
-    } else {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(threads)
-            .max_blocking_threads(32)
-            .enable_all()
-            .build()
-    };
+    let built = tokio::runtime::Builder::new_current_thread()
+        .max_blocking_threads(32)
+        .enable_all()
+        .build();
     let rt = match built {
         Ok(rt) => rt,
         Err(e) => {

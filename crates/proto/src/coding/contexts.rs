@@ -55,6 +55,8 @@ pub(crate) struct Contexts {
     bases: Option<SharedBases>,
     /// A store handed in by the runtime, outliving the link.
     pub given_bases: Option<SharedBases>,
+    /// Threads the mirrors prepare chunks on (the runtime's pool).
+    pub workers: Option<Arc<dyn codec::prepare::Workers>>,
 }
 
 impl std::fmt::Debug for Contexts {
@@ -116,6 +118,7 @@ impl Contexts {
             long_in: Slots::default(),
             bases: None,
             given_bases: None,
+            workers: None,
         }
     }
 
@@ -268,10 +271,13 @@ impl Contexts {
         let long = (self.long_send, self.long_out.clone());
         // The latency lane sends no deltas (its streams never would).
         let bases = self.bases.clone().filter(|_| lane == MAIN_LANE);
+        // Nor does it prepare chunks on workers: its small writes never wait for a pool.
+        let workers = self.workers.clone().filter(|_| lane == MAIN_LANE);
         self.mirrors.entry(key).or_insert_with(|| {
             let mut m = Mirror::new(to_usize(lane_share(size, lane)), resend, level);
             m.set_long_context(long.0, long.1);
             m.set_bases(bases);
+            m.set_workers(workers);
             if let Some(s) = resume {
                 // A state of another size cannot be resumed: start empty (the peer's cache then
                 // holds more than we assume, which only costs dedup).
@@ -287,6 +293,7 @@ impl Contexts {
         let (mem, disk) = self.own.limits(lane, scope.is_empty());
         let storage = self.storage.clone();
         let long = (self.own.long_context, self.long_in.clone());
+        let workers = self.workers.clone().filter(|_| lane == MAIN_LANE);
         self.decoders.entry(key).or_insert_with(|| {
             let store = (disk > 0)
                 .then(|| storage.as_ref().and_then(|s| s.store(lane, scope)))
@@ -302,6 +309,8 @@ impl Contexts {
             let mut d = Decoder::with_cache(cache, true);
             // What we offered in our hello, counted per link.
             d.set_long_context(long.0, long.1);
+            // The latency lane's small frames never wait for a pool.
+            d.set_workers(workers);
             d
         })
     }
@@ -384,13 +393,20 @@ impl Contexts {
             let mut out = Vec::new();
             let mut miss = None;
             let mut on_store = false;
+            // With workers, the frame's literals alone are decompressed on them first.
+            let announced = usize::try_from(p.remaining).unwrap_or(usize::MAX);
+            let prepared = dec.prepare(&p.records, announced);
+            let mut at = 0;
+            let mut failed = None;
             while !p.records.is_empty() {
                 // Each record within what the frame announced (and paid credit for).
-                let room = usize::try_from(p.remaining)
-                    .unwrap_or(usize::MAX)
-                    .saturating_sub(out.len());
-                match dec.decode_record_within(&p.records, &mut out, &mut rc.context, room) {
-                    Ok(n) => p.records.advance(n),
+                let room = announced.saturating_sub(out.len());
+                let rec_at = prepared.then_some(at);
+                match dec.decode_record_at(&p.records, &mut out, &mut rc.context, room, rec_at) {
+                    Ok(n) => {
+                        p.records.advance(n);
+                        at += n;
+                    }
                     Err(CodecError::Miss(f)) => {
                         miss = Some((f, p.scoped));
                         break;
@@ -400,9 +416,19 @@ impl Contexts {
                         on_store = true;
                         break;
                     }
-                    Err(CodecError::Incomplete) => return Err("truncated record".into()),
-                    Err(e) => return Err(e.to_string()),
+                    Err(CodecError::Incomplete) => {
+                        failed = Some("truncated record".to_string());
+                        break;
+                    }
+                    Err(e) => {
+                        failed = Some(e.to_string());
+                        break;
+                    }
                 }
+            }
+            dec.end_batch();
+            if let Some(e) = failed {
+                return Err(e);
             }
             let after = dec.stats();
             let r = &mut self.counts.entry(service.clone()).or_default().received;

@@ -26,6 +26,9 @@ pub(crate) struct SendCoder {
     pub flush_at: u64,
     /// Largest chunk: this many unsent bytes always hold a whole chunk.
     pub max_chunk: usize,
+    /// Record bytes per raw byte of the stream's recent turns: how many chunks a frame's room
+    /// will hold, so that no more are prepared on workers than go in the turn.
+    ratio: f64,
 }
 
 impl SendCoder {
@@ -48,6 +51,7 @@ impl SendCoder {
             pos: 0,
             flush_at: 0,
             max_chunk: usize::MAX,
+            ratio: 1.0,
         }
     }
 }
@@ -69,6 +73,10 @@ pub(crate) struct Limits {
 /// two of them is put together in the stage: the previous buffer's unfinished tail (the carry),
 /// plus a copy of just enough of the next buffer to find the boundary. Boundaries still depend
 /// only on the content since the previous boundary, however the bytes were split into writes.
+///
+/// With workers (a bulk stream), the turn's bytes are put together in the stage instead, so
+/// that one view holds a batch of chunks to prepare at once: the application's writes arrive in
+/// buffers of 64 KiB or less, six chunks each, too few to pay for waking the pool.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn emit(
     coder: &mut SendCoder,
@@ -82,6 +90,7 @@ pub(crate) fn emit(
     stats: &mut EncodeStats,
 ) -> usize {
     let mut turn = Turn::default();
+    let gather = mirror.has_workers() && !coder.policy.latency;
     loop {
         let budget = lim.budget.saturating_sub(turn.raw);
         if budget == 0 {
@@ -101,8 +110,38 @@ pub(crate) fn emit(
             out: &mut *out,
             stats: &mut *stats,
             turn: &mut turn,
+            ratio: coder.ratio,
         };
-        if coder.stage.len() > coder.pos {
+        if gather {
+            // The budget's worth of bytes (and a chunk more, to find the last boundary) in one
+            // view; the stage holds at most that.
+            let want = budget.saturating_add(chunking.max_chunk);
+            while coder.stage.len() - coder.pos < want {
+                let Some(front) = queue.front() else {
+                    break;
+                };
+                let k = front.len().min(want - (coder.stage.len() - coder.pos));
+                coder.stage.extend_from_slice(&front[..k]);
+                advance_front(queue, k);
+            }
+            let view = &coder.stage[coder.pos..];
+            if view.is_empty() {
+                break;
+            }
+            let (used, stop) = cx.cut(view, flush, budget, false, &coder.policy, &mut coder.hint);
+            coder.pos += used;
+            if coder.pos == coder.stage.len() {
+                coder.stage.clear();
+                coder.pos = 0;
+            } else if coder.pos > coder.stage.len() / 2 {
+                coder.stage.drain(..coder.pos);
+                coder.pos = 0;
+            }
+            // A piece that waits for its boundary goes on only if more bytes are queued.
+            if used == 0 || stop == Stop::Limit || (stop == Stop::Tail && queue.is_empty()) {
+                break;
+            }
+        } else if coder.stage.len() > coder.pos {
             // The carry: fill the stage up to a whole chunk's worth. Buffers that fit join the
             // carry; of the one that does not, only a copy of what is needed (it stays queued).
             let mut peek = 0;
@@ -181,6 +220,10 @@ pub(crate) fn emit(
     // A frame's records are whole: a run of its literals ends in it.
     let n = mirror.end_run(&mut coder.hint, out);
     stats.add_run_end(n);
+    if turn.raw > 0 {
+        let r = (turn.wire + n) as f64 / turn.raw as f64;
+        coder.ratio = ((coder.ratio + r) / 2.0).clamp(0.001, 1.1);
+    }
     turn.raw
 }
 
@@ -217,6 +260,15 @@ enum Stop {
     Limit,
 }
 
+/// The bytes [`Cut::cut`] encodes from: chunks end by `end` (a flush point with `final_end`),
+/// and start before `budget`.
+struct View<'a> {
+    view: &'a [u8],
+    end: usize,
+    final_end: bool,
+    budget: usize,
+}
+
 /// What encoding one contiguous run of bytes needs.
 struct Cut<'a> {
     chunking: &'a CodecConfig,
@@ -226,11 +278,14 @@ struct Cut<'a> {
     out: &'a mut BytesMut,
     stats: &'a mut EncodeStats,
     turn: &'a mut Turn,
+    /// The stream's recent record bytes per raw byte (see [`SendCoder`]).
+    ratio: f64,
 }
 
 impl Cut<'_> {
     /// Encodes the chunks of `view` (with `first`, only its first), which starts at a chunk
-    /// boundary; returns the bytes used.
+    /// boundary; returns the bytes used. With workers, the chunks that can go in this turn are
+    /// cut a batch at a time and prepared together first (see `codec::prepare`).
     #[allow(clippy::too_many_arguments)]
     fn cut(
         &mut self,
@@ -247,48 +302,107 @@ impl Cut<'_> {
         } else {
             (view.len(), false)
         };
+        let at = View {
+            view,
+            end,
+            final_end,
+            budget,
+        };
+        if first || policy.latency || !self.mirror.has_workers() {
+            for (off, len) in codec::chunks(&view[..end], self.chunking) {
+                if let Some(stop) = self.one(&at, (off, len), policy, hint, None) {
+                    return stop;
+                }
+                if first {
+                    return (off + len, Stop::End);
+                }
+            }
+            // Every chunk up to `end` went.
+            return (end, Stop::End);
+        }
         let mut used = 0;
-        for (off, len) in codec::chunks(&view[..end], self.chunking) {
-            let t = &mut *self.turn;
-            // A run's literals have most of their bytes still to come (in this frame): keep
-            // room for them, and let this chunk join the run only if the room holds it too.
-            let pending = hint.run_pending();
-            let with_run = t.wire + codec::run_reserve(pending + len) + codec::RECORD_OVERHEAD;
-            let alone = if pending > 0 {
-                with_run
-            } else {
-                t.wire + len + codec::RECORD_OVERHEAD
-            };
-            if off + len > budget
-                || (t.raw > 0 && t.wire + pending >= self.lim.quantum)
-                || alone > self.lim.room
-            {
-                return (used, Stop::Limit);
+        let mut bounds = Vec::with_capacity(codec::BATCH);
+        while used < end {
+            bounds.clear();
+            // As many chunks as the frame's room and the turn's quantum will likely take (a
+            // prepared chunk that does not go is prepared again in the next turn).
+            let fits = self.lim.room.min(self.lim.quantum);
+            let mut wire = self.turn.wire;
+            for (off, len) in codec::chunks(&view[used..end], self.chunking) {
+                bounds.push((used + off, len));
+                wire += (len as f64 * self.ratio) as usize + codec::RECORD_OVERHEAD;
+                if bounds.len() == codec::BATCH || used + off + len >= budget || wire >= fits {
+                    break;
+                }
             }
-            let policy = &Policy {
-                runs: policy.runs && with_run <= self.lim.room,
-                ..*policy
+            // The last piece may wait for more bytes or go as a tail: never prepared.
+            let ahead = match bounds.last() {
+                Some(&(off, len)) if off + len == end => bounds.len() - 1,
+                _ => bounds.len(),
             };
-            let last = off + len == end;
-            if last && !final_end && len < self.chunking.max_chunk {
-                return (used, Stop::Tail);
+            let prepared = self
+                .mirror
+                .prepare(view, &bounds[..ahead], policy, self.pressure, hint);
+            for (i, &b) in bounds.iter().enumerate() {
+                let prep = (prepared && i < ahead).then_some(i);
+                if let Some(stop) = self.one(&at, b, policy, hint, prep) {
+                    self.mirror.end_batch();
+                    return stop;
+                }
+                used = b.0 + b.1;
             }
-            let chunk = &view[off..off + len];
-            let r = if last && len < self.chunking.min_chunk {
-                codec::encode_tail(self.mirror, chunk, policy, self.pressure, hint, self.out)
-            } else {
-                self.mirror
-                    .encode_chunk(chunk, policy, self.pressure, hint, self.out)
-            };
-            self.stats.add(&r);
-            t.raw += len;
-            t.wire += r.wire + r.run_end;
-            used = off + len;
-            if first {
-                break;
-            }
+            self.mirror.end_batch();
         }
         (used, Stop::End)
+    }
+
+    /// Encodes the chunk at `(off, len)` of `at.view` (prepared as the `prep`th of a batch);
+    /// `Some` when the turn stops before it, with the bytes used before it.
+    fn one(
+        &mut self,
+        at: &View<'_>,
+        (off, len): (usize, usize),
+        policy: &Policy,
+        hint: &mut Hint,
+        prep: Option<usize>,
+    ) -> Option<(usize, Stop)> {
+        let t = &mut *self.turn;
+        // A run's literals have most of their bytes still to come (in this frame): keep
+        // room for them, and let this chunk join the run only if the room holds it too.
+        let pending = hint.run_pending();
+        let with_run = t.wire + codec::run_reserve(pending + len) + codec::RECORD_OVERHEAD;
+        let alone = if pending > 0 {
+            with_run
+        } else {
+            t.wire + len + codec::RECORD_OVERHEAD
+        };
+        if off + len > at.budget
+            || (t.raw > 0 && t.wire + pending >= self.lim.quantum)
+            || alone > self.lim.room
+        {
+            return Some((off, Stop::Limit));
+        }
+        let policy = &Policy {
+            runs: policy.runs && with_run <= self.lim.room,
+            ..*policy
+        };
+        let last = off + len == at.end;
+        if last && !at.final_end && len < self.chunking.max_chunk {
+            return Some((off, Stop::Tail));
+        }
+        let chunk = &at.view[off..off + len];
+        let (m, out) = (&mut *self.mirror, &mut *self.out);
+        let r = if last && len < self.chunking.min_chunk {
+            codec::encode_tail(m, chunk, policy, self.pressure, hint, out)
+        } else if let Some(i) = prep {
+            m.encode_prepared(i, chunk, policy, self.pressure, hint, out)
+        } else {
+            m.encode_chunk(chunk, policy, self.pressure, hint, out)
+        };
+        self.stats.add(&r);
+        t.raw += len;
+        t.wire += r.wire + r.run_end;
+        None
     }
 }
 
@@ -483,6 +597,63 @@ mod tests {
                 while !buf.is_empty() {
                     let used = dec.decode_record_in(buf, &mut got, &mut stream).expect("decodes");
                     buf = &buf[used..];
+                }
+            }
+            prop_assert!(got == src);
+        }
+
+        /// Chunks prepared on workers make the very frames the mirror writes alone, whatever the
+        /// write sizes, budgets, rooms and flush points, with and without runs.
+        #[test]
+        fn prepared_turns_write_the_same_frames(
+            seed in any::<u64>(),
+            len in 0usize..400_000,
+            cuts in proptest::collection::vec((1usize..90_000, 1usize..300_000, 33_000usize..200_000, any::<bool>()), 1..30),
+            runs in any::<bool>(),
+            repeat in any::<bool>(),
+        ) {
+            let mut src = data(seed, len);
+            if repeat {
+                let again = src[..len / 2].to_vec();
+                src.extend_from_slice(&again);
+            }
+            let make = |workers: bool| {
+                let mut s = if runs { Sender::with_runs() } else { Sender::new() };
+                if workers {
+                    s.mirror.set_workers(Some(std::sync::Arc::new(codec::prepare::Inline)));
+                }
+                s
+            };
+            let (mut a, mut b) = (make(false), make(true));
+            let mut dec = Decoder::with_capacity(a.cfg.cache_bytes, true);
+            dec.set_long_context(Some(codec::LongContext::default()), codec::Slots::default());
+            let mut stream = codec::StreamContext::default();
+            let mut got = Vec::new();
+            let mut at = 0;
+            let steps = cuts.iter().copied().chain(std::iter::repeat_n((usize::MAX, RAW_TURN, 200_000, true), 2000));
+            for (piece, budget, room, flush) in steps {
+                let k = piece.min(src.len() - at);
+                for s in [&mut a, &mut b] {
+                    if k > 0 {
+                        s.queue.push_back(Bytes::copy_from_slice(&src[at..at + k]));
+                        s.queued += k as u64;
+                    }
+                    if flush {
+                        s.coder.flush_at = s.queued;
+                    }
+                }
+                at += k;
+                let (x, n) = a.emit_within(budget, room);
+                let (y, m) = b.emit_within(budget, room);
+                prop_assert_eq!(n, m);
+                prop_assert!(x == y, "frames of {} and {} bytes", x.len(), y.len());
+                let mut buf = &y[..];
+                while !buf.is_empty() {
+                    let used = dec.decode_record_in(buf, &mut got, &mut stream).expect("decodes");
+                    buf = &buf[used..];
+                }
+                if at == src.len() && b.sent == b.queued {
+                    break;
                 }
             }
             prop_assert!(got == src);

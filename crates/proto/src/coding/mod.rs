@@ -335,6 +335,7 @@ impl Coding {
         if let (Some(new), Some(old)) = (c.ctx.as_mut(), self.ctx.as_ref()) {
             new.set_zstd_level(old.zstd_level());
             new.given_bases = old.given_bases.clone();
+            new.workers = old.workers.clone();
         }
         c
     }
@@ -388,6 +389,13 @@ impl Coding {
     pub fn set_bases(&mut self, bases: Option<codec::SharedBases>) {
         if let Some(ctx) = self.ctx.as_mut() {
             ctx.given_bases = bases;
+        }
+    }
+
+    /// Prepares chunks on `workers` (see [`LinkConfig`](crate::LinkConfig)).
+    pub fn set_workers(&mut self, workers: Option<Arc<dyn codec::prepare::Workers>>) {
+        if let Some(ctx) = self.ctx.as_mut() {
+            ctx.workers = workers;
         }
     }
 

@@ -81,6 +81,9 @@ pub struct LinkConfig {
     /// so a reconnect does not start it empty (the runtime keeps one per peer); `None`: the
     /// link makes one of `codec.delta_bytes`.
     pub delta_bases: Option<wanopt_codec::SharedBases>,
+    /// Threads the mirrors prepare chunks on ahead of encoding them (see
+    /// `wanopt_codec::prepare`); `None`: each chunk is prepared as it is encoded.
+    pub workers: Option<Arc<dyn wanopt_codec::prepare::Workers>>,
     /// How long streams wait for a new connection after the link's was lost (zero: a lost
     /// connection resets every stream, and the hello does not offer resumption).
     pub resume_window: Duration,
@@ -109,6 +112,7 @@ impl LinkConfig {
             checkpoint_interval: Duration::from_secs(60),
             saved_states: Vec::new(),
             delta_bases: None,
+            workers: None,
             resume_window: Duration::ZERO,
         }
     }
@@ -322,6 +326,7 @@ impl Link {
             cfg.saved_states.clone(),
         );
         coding.set_bases(cfg.delta_bases.clone());
+        coding.set_workers(cfg.workers.clone());
         let hello = hello::ours(&cfg, coding.offers(), Vec::new());
         Link {
             state: State::Handshake,

@@ -37,7 +37,8 @@ pub struct Limits {
     pub link_wait: Duration,
     pub handshake_timeout: Duration,
     pub idle_timeout: Duration,
-    /// Runtime worker threads; 1 runs the daemon on one thread (no cross-thread wakeups).
+    /// Threads that prepare chunks (fingerprints, literals alone): the runtime's own and
+    /// `threads - 1` workers (see `crate::workers`); 1 encodes on the runtime's thread alone.
     pub threads: usize,
     /// Of `max_streams`, the streams bulk services may not take: kept for latency services.
     pub latency_reserve: u32,
@@ -109,7 +110,7 @@ pub(super) fn parse_limits(
         max_handshakes,
         handshakes_per_source,
         threads: match r.threads {
-            None => defaults::THREADS,
+            None => defaults::threads(),
             Some(n) => in_range(n, 1, 256).map_err(|m| cx.err("limits.threads", m))?,
         },
         max_streams,

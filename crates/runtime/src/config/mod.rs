@@ -392,7 +392,10 @@ pub mod defaults {
     pub const STREAMS_PER_CLIENT: u32 = 256;
     pub const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
     pub const HANDSHAKES_PER_SOURCE: u32 = 8;
-    pub const THREADS: usize = 1;
+    /// Threads that encode: the host's cores (at most 64).
+    pub fn threads() -> usize {
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(64))
+    }
     pub const STATE_DIR: &str = "/var/lib/wanoptd";
     pub const LOG_LEVEL: &str = "info";
 }

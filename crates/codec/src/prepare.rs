@@ -1,0 +1,187 @@
+//! The part of encoding a chunk that does not need the mirror's order: its fingerprint, and its
+//! compression when it goes alone (LZ4, or zstd outside a stream context). A mirror given
+//! [`Workers`] prepares a turn's chunks together, possibly on several threads, then encodes them
+//! in link order with the results: the records are byte for byte the ones it would have written
+//! preparing nothing. A decoder likewise decompresses and fingerprints a frame's literals alone
+//! ahead, and inserts them into its cache in order.
+
+use std::cell::RefCell;
+
+use crate::Codec;
+use crate::cache::{Fingerprint, fingerprint};
+
+/// Runs jobs, several at once where it can; returns when every one is done. The runtime gives
+/// one backed by a pool of threads; [`Inline`] runs them in turn on the calling thread.
+pub trait Workers: Send + Sync + std::fmt::Debug {
+    /// Runs every job (see [`Job::run`]).
+    fn run(&self, jobs: &mut [Job<'_>]);
+}
+
+/// Runs jobs one after the other on the calling thread.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Inline;
+
+impl Workers for Inline {
+    fn run(&self, jobs: &mut [Job<'_>]) {
+        jobs.iter_mut().for_each(Job::run);
+    }
+}
+
+/// What a job computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Work {
+    Fingerprint,
+    Lz4,
+    /// zstd at `level`, after (with `trial`) the adaptive choice's LZ4 trial on the first 4 KiB;
+    /// a failed trial compresses nothing.
+    Zstd {
+        level: i32,
+        trial: bool,
+    },
+    /// Decompress a literal's payload into exactly `raw_len` bytes (zstd or LZ4), then
+    /// fingerprint them with `hash`.
+    Unzstd {
+        raw_len: usize,
+        hash: bool,
+    },
+    Unlz4 {
+        raw_len: usize,
+        hash: bool,
+    },
+}
+
+/// One chunk's preparation; made by the mirror, run by [`Workers`].
+pub struct Job<'a> {
+    chunk: &'a [u8],
+    work: Work,
+    slot: &'a mut Prepared,
+}
+
+/// What was prepared for one chunk.
+#[derive(Debug, Default)]
+pub(crate) struct Prepared {
+    /// The chunk's length: a slot is used only for a chunk of its length.
+    pub len: usize,
+    pub fingerprint: Option<Fingerprint>,
+    /// The adaptive choice's trial: whether LZ4 shrank the first 4 KiB enough to pay.
+    pub trial: Option<bool>,
+    /// The chunk compressed (the first `clen` bytes of `out`), with the codec and zstd level.
+    pub compressed: Option<(Codec, i32)>,
+    pub out: Vec<u8>,
+    pub clen: usize,
+    /// A decoder's job: the payload decompressed into `out`, exactly as long as announced.
+    pub decoded: bool,
+}
+
+impl Prepared {
+    /// Empties the slot for a chunk of `len` bytes (its buffer stays).
+    pub(crate) fn reset(&mut self, len: usize) {
+        self.len = len;
+        self.fingerprint = None;
+        self.trial = None;
+        self.compressed = None;
+        self.clen = 0;
+        self.decoded = false;
+    }
+}
+
+impl<'a> Job<'a> {
+    pub(crate) fn new(chunk: &'a [u8], work: Work, slot: &'a mut Prepared) -> Self {
+        Job { chunk, work, slot }
+    }
+
+    /// Does the job's work (a worker thread calls this).
+    pub fn run(&mut self) {
+        let s = &mut *self.slot;
+        match self.work {
+            Work::Fingerprint => s.fingerprint = Some(fingerprint(self.chunk)),
+            Work::Lz4 => {
+                if let Some(n) = lz4_into(self.chunk, &mut s.out) {
+                    s.clen = n;
+                    s.compressed = Some((Codec::Lz4, 0));
+                }
+            }
+            Work::Zstd { level, trial } => {
+                if trial {
+                    let sample = &self.chunk[..self.chunk.len().min(4096)];
+                    let ok =
+                        lz4_into(sample, &mut s.out).is_some_and(|n| crate::pays(sample.len(), n));
+                    s.trial = Some(ok);
+                    if !ok {
+                        return;
+                    }
+                }
+                if zstd_into(self.chunk, level, &mut s.out) {
+                    s.clen = s.out.len();
+                    s.compressed = Some((Codec::Zstd, level));
+                }
+            }
+            Work::Unzstd { raw_len, hash } | Work::Unlz4 { raw_len, hash } => {
+                let zstd = matches!(self.work, Work::Unzstd { .. });
+                // A fresh buffer: it becomes the cached chunk.
+                s.out = Vec::new();
+                s.decoded = if zstd {
+                    unzstd_into(self.chunk, raw_len, &mut s.out)
+                } else {
+                    s.out.resize(raw_len, 0);
+                    lz4_flex::block::decompress_into(self.chunk, &mut s.out)
+                        .is_ok_and(|n| n == raw_len)
+                };
+                if s.decoded && hash {
+                    s.fingerprint = Some(fingerprint(&s.out));
+                }
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// A worker's zstd decompression context.
+    static UNZSTD: RefCell<Option<zstd::bulk::Decompressor<'static>>> = const { RefCell::new(None) };
+}
+
+/// zstd of `payload` decompressed into `out`: true if it made exactly `raw_len` bytes (it may
+/// not make more: the buffer holds no more).
+fn unzstd_into(payload: &[u8], raw_len: usize, out: &mut Vec<u8>) -> bool {
+    UNZSTD.with_borrow_mut(|z| {
+        if z.is_none() {
+            *z = zstd::bulk::Decompressor::new().ok();
+        }
+        let Some(d) = z.as_mut() else {
+            return false;
+        };
+        out.clear();
+        out.reserve_exact(raw_len);
+        d.decompress_to_buffer(payload, out)
+            .is_ok_and(|n| n == raw_len)
+    })
+}
+
+/// LZ4 of `data` into `out` (grown, never shrunk or zeroed again); the compressed length.
+pub(crate) fn lz4_into(data: &[u8], out: &mut Vec<u8>) -> Option<usize> {
+    let need = lz4_flex::block::get_maximum_output_size(data.len());
+    if out.len() < need {
+        out.resize(need, 0);
+    }
+    lz4_flex::block::compress_into(data, &mut out[..need]).ok()
+}
+
+thread_local! {
+    /// A worker's zstd context and its level: creating one per chunk costs more than compressing.
+    static ZSTD: RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> = const { RefCell::new(None) };
+}
+
+/// zstd of `data` at `level` into `out` (cleared first), as a mirror's own context does it.
+fn zstd_into(data: &[u8], level: i32, out: &mut Vec<u8>) -> bool {
+    ZSTD.with_borrow_mut(|z| {
+        if z.as_ref().is_none_or(|(l, _)| *l != level) {
+            *z = zstd::bulk::Compressor::new(level).ok().map(|c| (level, c));
+        }
+        let Some((_, c)) = z.as_mut() else {
+            return false;
+        };
+        out.clear();
+        out.reserve(zstd::zstd_safe::compress_bound(data.len()));
+        c.compress_to_buffer(data, out).is_ok()
+    })
+}

@@ -1,0 +1,253 @@
+//! The codec's worker threads: one pool per daemon that the links' mirrors prepare chunks on
+//! (fingerprints and literals alone, see `wanopt_codec::prepare`) before encoding them in link
+//! order. The calling thread works through the batch beside the pool's, so `limits.threads: N`
+//! is N threads encoding.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use wanopt_codec::prepare::{Job, Workers};
+
+/// Jobs taken at a time: small enough to even out chunks that cost more (literals) and less
+/// (references) across threads.
+const PART: usize = 2;
+
+/// A pool of `threads - 1` threads, plus the caller's. Whether the pool's threads make batches
+/// faster is measured, not assumed: every so often [`PROBE`] batches run on the caller alone
+/// and as many with the pool, and the next [`HOLD`] batches run the faster way. On a host whose
+/// cores are all busy, waking a pool thread waits for the scheduler and moves work between
+/// cores that are full anyway: on the 2-core test VM, with both daemons and the applications
+/// on it, the pool cost a loopback pair a sixth of its rate (benches/README.md).
+#[derive(Debug)]
+pub struct Pool {
+    pool: rayon::ThreadPool,
+    threads: usize,
+    judge: Mutex<Judge>,
+}
+
+/// Batches of each kind a probe runs.
+const PROBE: u32 = 16;
+/// Batches run the way the last probe chose, before the next probe.
+const HOLD: u32 = 256;
+/// The pool is used when it makes a job at least this much faster than the caller alone.
+const GAIN: f64 = 0.85;
+
+/// Where the pool's probe stands.
+#[derive(Debug, Default)]
+struct Judge {
+    /// Batches left in the current stage: probing alone, probing with the pool, or holding.
+    left: u32,
+    stage: Stage,
+    /// Time and jobs of the probe's batches alone and with the pool.
+    alone: (Duration, u64),
+    helped: (Duration, u64),
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    #[default]
+    ProbeAlone,
+    ProbeHelped,
+    Hold {
+        helped: bool,
+    },
+}
+
+impl Judge {
+    /// Whether the next batch uses the pool.
+    fn helped(&self) -> bool {
+        match self.stage {
+            Stage::ProbeAlone => false,
+            Stage::ProbeHelped => true,
+            Stage::Hold { helped } => helped,
+        }
+    }
+
+    /// Counts a batch of `jobs` that took `took`, and moves on.
+    fn done(&mut self, jobs: u64, took: Duration) {
+        let slot = match self.stage {
+            Stage::ProbeAlone => Some(&mut self.alone),
+            Stage::ProbeHelped => Some(&mut self.helped),
+            Stage::Hold { .. } => None,
+        };
+        if let Some(s) = slot {
+            s.0 += took;
+            s.1 += jobs;
+        }
+        self.left = self.left.saturating_sub(1);
+        if self.left > 0 {
+            return;
+        }
+        (self.stage, self.left) = match self.stage {
+            Stage::ProbeAlone => (Stage::ProbeHelped, PROBE),
+            Stage::ProbeHelped => {
+                let per = |(t, n): (Duration, u64)| t.as_secs_f64() / n.max(1) as f64;
+                let helped = per(self.helped) < per(self.alone) * GAIN;
+                self.alone = Default::default();
+                self.helped = Default::default();
+                (Stage::Hold { helped }, HOLD)
+            }
+            Stage::Hold { .. } => (Stage::ProbeAlone, PROBE),
+        };
+    }
+}
+
+impl Pool {
+    /// A pool for `threads` encoding threads; `None` for one (the caller alone) or if the
+    /// threads could not be started (then each chunk is prepared as it is encoded).
+    pub fn start(threads: usize) -> Option<Arc<dyn Workers>> {
+        Self::starting(threads, Stage::ProbeAlone, PROBE).map(|p| p as Arc<dyn Workers>)
+    }
+
+    /// A pool whose judge starts at `stage` for `left` batches.
+    fn starting(threads: usize, stage: Stage, left: u32) -> Option<Arc<Pool>> {
+        if threads < 2 {
+            return None;
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads - 1)
+            .thread_name(|i| format!("wanopt-codec-{i}"))
+            .build();
+        match pool {
+            Ok(pool) => Some(Arc::new(Pool {
+                pool,
+                threads,
+                judge: Mutex::new(Judge {
+                    left,
+                    stage,
+                    ..Judge::default()
+                }),
+            })),
+            Err(e) => {
+                tracing::warn!(error = %e, "codec worker threads could not start; encoding on one");
+                None
+            }
+        }
+    }
+
+    /// Runs the jobs on the caller and `helpers` of the pool's threads.
+    fn run_on(&self, jobs: &mut [Job<'_>], helpers: usize) {
+        if helpers == 0 {
+            jobs.iter_mut().for_each(Job::run);
+            return;
+        }
+        let parts = Mutex::new(jobs.chunks_mut(PART));
+        let work = || {
+            loop {
+                // A part is taken under the lock and run outside it.
+                let part = match parts.lock() {
+                    Ok(mut p) => p.next(),
+                    Err(_) => None,
+                };
+                let Some(part) = part else { break };
+                part.iter_mut().for_each(Job::run);
+            }
+        };
+        self.pool.in_place_scope(|s| {
+            for _ in 0..helpers {
+                s.spawn(|_| work());
+            }
+            work();
+        });
+    }
+}
+
+/// The process's pool, started by the first daemon that asks, with its `threads`; the daemons
+/// of one process (`wanoptd demo`, several configs) share it rather than start one each.
+pub fn shared(threads: usize) -> Option<Arc<dyn Workers>> {
+    static POOL: std::sync::OnceLock<Option<Arc<dyn Workers>>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| Pool::start(threads)).clone()
+}
+
+impl Workers for Pool {
+    fn run(&self, jobs: &mut [Job<'_>]) {
+        let lock = || self.judge.lock().unwrap_or_else(|p| p.into_inner());
+        let helped = lock().helped();
+        // No more helpers than parts: a helper with nothing to take only costs a wakeup.
+        let helpers = if helped {
+            self.threads
+                .min(jobs.len().div_ceil(PART))
+                .saturating_sub(1)
+        } else {
+            0
+        };
+        let t = Instant::now();
+        self.run_on(jobs, helpers);
+        lock().done(jobs.len() as u64, t.elapsed());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wanopt_codec::{CodecConfig, Decoder, Encoder, Pressure};
+
+    /// Runs a judge through a probe where a batch takes `alone` alone and `helped` with the
+    /// pool; returns whether the batches after it use the pool, and for how many.
+    fn probe(alone: u64, helped: u64) -> (bool, u32) {
+        let mut j = Judge {
+            left: PROBE,
+            ..Judge::default()
+        };
+        for _ in 0..2 * PROBE {
+            let t = if j.helped() { helped } else { alone };
+            j.done(10, Duration::from_micros(t));
+        }
+        let mut held = 0;
+        let used = j.helped();
+        while j.stage != Stage::ProbeAlone {
+            assert_eq!(j.helped(), used);
+            j.done(10, Duration::from_micros(1));
+            held += 1;
+        }
+        (used, held)
+    }
+
+    #[test]
+    fn the_pool_is_used_only_where_it_makes_batches_faster() {
+        // Idle cores: the pool halves a batch's time.
+        assert_eq!(probe(100, 55), (true, HOLD));
+        // Busy cores: waking the pool's threads costs what they save, or more.
+        assert_eq!(probe(100, 95), (false, HOLD));
+        assert_eq!(probe(100, 140), (false, HOLD));
+    }
+
+    /// A stream encoded with the pool's help is the stream encoded alone, byte for byte.
+    #[test]
+    fn a_pool_encodes_what_one_thread_does() {
+        let data: Vec<u8> = (0..3_000_000u32)
+            .flat_map(|i| format!("row {} value {}\n", i % 9973, i / 7).into_bytes())
+            .take(4 << 20)
+            .collect();
+        let cfg = CodecConfig {
+            context: false,
+            ..CodecConfig::default()
+        };
+        let encode = |workers: Option<Arc<dyn Workers>>| {
+            let mut e = Encoder::new(cfg.clone());
+            e.set_workers(workers);
+            let mut wire = Vec::new();
+            for piece in data.chunks(256 << 10) {
+                e.push(piece, false, Pressure::CpuBound, &mut wire);
+            }
+            e.push(&[], true, Pressure::CpuBound, &mut wire);
+            wire
+        };
+        let alone = encode(None);
+        assert!(Pool::start(1).is_none());
+        // The pool in use from the first batch (a probe would start with the caller alone).
+        let pool = Pool::starting(3, Stage::Hold { helped: true }, u32::MAX).expect("pool");
+        let pooled = encode(Some(pool));
+        assert!(
+            alone == pooled,
+            "{} against {} bytes",
+            pooled.len(),
+            alone.len()
+        );
+        let mut out = Vec::new();
+        Decoder::new(&cfg)
+            .decode(&pooled, &mut out)
+            .expect("decodes");
+        assert!(out == data);
+    }
+}
