@@ -27,17 +27,21 @@ fn coded_pair(cache: u64, laned: bool) -> Pair {
 
 /// [`coded_pair`] before the hellos are exchanged (policies set now shape the scopes).
 fn coded_pair_starting(cache: u64) -> Pair {
+    coded_pair_with(cache, |_| {})
+}
+
+/// [`coded_pair_starting`] with `more` set on both sides' configs.
+fn coded_pair_with(cache: u64, more: impl Fn(&mut LinkConfig)) -> Pair {
+    let side = |c: &mut LinkConfig, token| {
+        c.codec = Some(codec(cache));
+        c.token = token;
+        more(c);
+    };
     Pair::with(
         Duration::from_millis(20),
         50_000_000,
-        |c| {
-            c.codec = Some(codec(cache));
-            c.token = 0;
-        },
-        |c| {
-            c.codec = Some(codec(cache));
-            c.token = 7;
-        },
+        |c| side(c, 0),
+        |c| side(c, 7),
     )
 }
 
@@ -1168,19 +1172,11 @@ fn repeated_checkpoints_from_a_peer_cost_nothing_and_save_once() {
 #[test]
 fn workers_change_nothing_on_the_wire() {
     let run = |workers: bool| {
-        let with = |c: &mut LinkConfig, token: u64| {
-            c.codec = Some(codec(64 << 20));
-            c.token = token;
+        let mut p = coded_pair_with(64 << 20, |c| {
             if workers {
                 c.workers = Some(Arc::new(wanopt_codec::prepare::Inline));
             }
-        };
-        let mut p = Pair::with(
-            Duration::from_millis(20),
-            50_000_000,
-            |c| with(c, 0),
-            |c| with(c, 7),
-        );
+        });
         p.drive(Duration::from_secs(1));
         assert!(p.west.app.up && p.east.app.up);
         let mut v = db_blocks(256, 3).to_vec();
