@@ -80,6 +80,9 @@ fn counters_match_the_bytes_moved() {
     // The governor's zstd level, within its range (from 3 without a stated bandwidth).
     let level = value(&w, "wanopt_link_zstd_level ");
     assert!((1..=9).contains(&level), "zstd level {level}");
+    // The codec's threads: the host's cores by default.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get().min(64));
+    assert_eq!(value(&w, "wanopt_codec_threads "), cores as u64, "{w}");
     // The test certificates (rcgen, see tls.rs) expire on 2031-01-01 and the CA on 2036-01-01.
     for (cert, t) in [
         ("own", 1_924_992_000),

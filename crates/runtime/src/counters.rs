@@ -244,6 +244,17 @@ impl LinkCounters {
             "The zstd level the link compresses at now (moved by optimize.zstd_adapt)",
             m.zstd_level.clone(),
         );
+        let (threads, in_use) = crate::workers::gauges();
+        r.register(
+            "wanopt_codec_threads",
+            "Threads that encode and decode (limits.threads of the process's codec pool)",
+            threads,
+        );
+        r.register(
+            "wanopt_codec_pool_in_use",
+            "1 while the codec pool's threads are used: its last probe found they make batches faster",
+            in_use,
+        );
         r.register(
             "wanopt_link_outages",
             "Link connections lost while streams waited for the next one (link.resume_window)",

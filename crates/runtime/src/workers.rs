@@ -3,8 +3,11 @@
 //! order. The calling thread works through the batch beside the pool's, so `limits.threads: N`
 //! is N threads encoding.
 
+use std::sync::LazyLock;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use prometheus_client::metrics::gauge::Gauge;
 
 use wanopt_codec::prepare::{Job, Workers};
 
@@ -63,8 +66,9 @@ impl Judge {
         }
     }
 
-    /// Counts a batch of `jobs` that took `took`, and moves on.
-    fn done(&mut self, jobs: u64, took: Duration) {
+    /// Counts a batch of `jobs` that took `took`, and moves on; after a probe, whether the
+    /// batches until the next one use the pool.
+    fn done(&mut self, jobs: u64, took: Duration) -> Option<bool> {
         let slot = match self.stage {
             Stage::ProbeAlone => Some(&mut self.alone),
             Stage::ProbeHelped => Some(&mut self.helped),
@@ -76,7 +80,7 @@ impl Judge {
         }
         self.left = self.left.saturating_sub(1);
         if self.left > 0 {
-            return;
+            return None;
         }
         (self.stage, self.left) = match self.stage {
             Stage::ProbeAlone => (Stage::ProbeHelped, PROBE),
@@ -89,6 +93,10 @@ impl Judge {
             }
             Stage::Hold { .. } => (Stage::ProbeAlone, PROBE),
         };
+        match self.stage {
+            Stage::Hold { helped } => Some(helped),
+            _ => None,
+        }
     }
 }
 
@@ -152,11 +160,25 @@ impl Pool {
     }
 }
 
+/// `limits.threads` of the process's pool, and 1 while the last probe found the pool makes
+/// batches faster (see [`Pool`]); the daemons register them with their metrics.
+static THREADS: LazyLock<Gauge> = LazyLock::new(Gauge::default);
+static IN_USE: LazyLock<Gauge> = LazyLock::new(Gauge::default);
+
+/// The gauges of the process's pool: its threads, and whether it is in use.
+pub fn gauges() -> (Gauge, Gauge) {
+    (THREADS.clone(), IN_USE.clone())
+}
+
 /// The process's pool, started by the first daemon that asks, with its `threads`; the daemons
 /// of one process (`wanoptd demo`, several configs) share it rather than start one each.
 pub fn shared(threads: usize) -> Option<Arc<dyn Workers>> {
     static POOL: std::sync::OnceLock<Option<Arc<dyn Workers>>> = std::sync::OnceLock::new();
-    POOL.get_or_init(|| Pool::start(threads)).clone()
+    POOL.get_or_init(|| {
+        THREADS.set(i64::try_from(threads).unwrap_or(i64::MAX));
+        Pool::start(threads)
+    })
+    .clone()
 }
 
 impl Workers for Pool {
@@ -173,7 +195,9 @@ impl Workers for Pool {
         };
         let t = Instant::now();
         self.run_on(jobs, helpers);
-        lock().done(jobs.len() as u64, t.elapsed());
+        if let Some(helped) = lock().done(jobs.len() as u64, t.elapsed()) {
+            IN_USE.set(i64::from(helped));
+        }
     }
 }
 
