@@ -4,6 +4,7 @@
 mod common;
 
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use common::*;
 
@@ -195,4 +196,78 @@ fn certs_then_check_prints_the_effective_config() {
     let (code, _, err) = wanoptd(&["certs", "--out", certs.to_str().expect("utf8"), "Bad_Name"]);
     assert_ne!(code, 0);
     assert!(err.contains("Bad_Name"), "{err}");
+}
+
+/// `wanoptd demo` runs both sites' configs in one process (a runtime thread each, with
+/// `limits.threads: 2`), creating their certificates: the link comes up and a stream crosses
+/// it exactly.
+#[test]
+fn demo_runs_both_sites_in_one_process() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let srv = hash_server();
+    let (link, svc) = (free_port(), free_port());
+    for (site, peer, l, s) in [
+        (
+            "east",
+            "west",
+            format!("listen: 127.0.0.1:{link}"),
+            format!("target: {srv}"),
+        ),
+        (
+            "west",
+            "east",
+            format!("connect: 127.0.0.1:{link}"),
+            format!("listen: 127.0.0.1:{svc}"),
+        ),
+    ] {
+        let yaml = format!(
+            "site: {site}\nlink:\n  {l}\n  peer: {peer}\n  congestion: cubic\ntls: {{ca: certs/ca.pem, cert: certs/{site}.pem, key: certs/{site}.key}}\nservices:\n  - name: svc\n    {s}\nlimits:\n  threads: 2\n"
+        );
+        std::fs::write(dir.path().join(format!("{site}.yaml")), yaml).expect("config");
+    }
+    let mut child = Command::new(bin("wanoptd"))
+        .args(["demo", "--dir"])
+        .arg(dir.path())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn demo");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let mut ups = 0;
+    let end = Instant::now() + Duration::from_secs(20);
+    let mut log = Vec::new();
+    while ups < 2 {
+        let left = end.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => {
+                ups += usize::from(l.contains("link up"));
+                log.push(l);
+            }
+            Err(_) => {
+                let _ = child.kill();
+                panic!("no link up from both sites: {}", log.join("\n"));
+            }
+        }
+    }
+    let r = hash_client(
+        format!("127.0.0.1:{svc}").parse().expect("addr"),
+        5,
+        4 << 20,
+        1 << 20,
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    r.expect("a stream through the demo pair");
+    assert!(dir.path().join("certs/ca.pem").exists());
 }

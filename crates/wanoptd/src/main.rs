@@ -246,13 +246,24 @@ fn demo(dir: &Path) -> ExitCode {
 /// Binds every daemon (exit 64 for TLS file and state directory problems, 1 for bind failures), then serves until
 /// SIGTERM or SIGINT.
 fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
-    // One runtime thread moves the bytes (a second one measured slower: cross-thread wakeups);
-    // encoding work goes to the codec's pool of `limits.threads` (see `wanopt_runtime::workers`).
+    // A link's bytes move on one runtime thread (for one link a second measured slower:
+    // cross-thread wakeups), its encoding work also on the codec's pool of `limits.threads`
+    // (see `wanopt_runtime::workers`). Several daemons in one process (several configs) get a
+    // runtime thread each, up to `limits.threads`, so their links run side by side.
     // Disk I/O runs on at most 32 blocking threads (the units' TasksMax= counts on it).
-    let built = tokio::runtime::Builder::new_current_thread()
-        .max_blocking_threads(32)
-        .enable_all()
-        .build();
+    let threads = cfgs.iter().map(|c| c.limits.threads).max().unwrap_or(1);
+    let built = if threads.min(cfgs.len()) <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .max_blocking_threads(32)
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads.min(cfgs.len()))
+            .max_blocking_threads(32)
+            .enable_all()
+            .build()
+    };
     let rt = match built {
         Ok(rt) => rt,
         Err(e) => {
