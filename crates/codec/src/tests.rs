@@ -43,6 +43,21 @@ fn round_trip(
     pieces: &[usize],
     flush_each: bool,
 ) -> (Vec<u8>, usize) {
+    let wire = encode_all(pressure, enc, data, pieces, flush_each);
+    let mut out = Vec::new();
+    let used = dec.decode(&wire, &mut out).expect("decodes");
+    assert_eq!(used, wire.len(), "every record is whole after a flush");
+    (out, wire.len())
+}
+
+/// The records of `data` pushed in pieces of the given sizes, in turn (flushing at the end).
+fn encode_all(
+    pressure: Pressure,
+    enc: &mut Encoder,
+    data: &[u8],
+    pieces: &[usize],
+    flush_each: bool,
+) -> Vec<u8> {
     let mut wire = Vec::new();
     let mut off = 0;
     let mut i = 0;
@@ -58,10 +73,23 @@ fn round_trip(
         i += 1;
     }
     enc.push(&[], true, pressure, &mut wire);
-    let mut out = Vec::new();
-    let used = dec.decode(&wire, &mut out).expect("decodes");
-    assert_eq!(used, wire.len(), "every record is whole after a flush");
-    (out, wire.len())
+    wire
+}
+
+/// Noise, database blocks and repeats of what came before, as `(kind, len, seed)` parts say.
+fn mix(parts: &[(u8, usize, u64)]) -> Vec<u8> {
+    let mut data = Vec::new();
+    for (kind, len, seed) in parts {
+        match kind {
+            0 => data.extend(xorshift(*seed, *len)),
+            1 => data.extend(db_blocks(len / 8192 + 1, *seed)),
+            _ => {
+                let d = data.clone();
+                data.extend(d.iter().take(*len));
+            }
+        }
+    }
+    data
 }
 
 fn pair(cfg: &CodecConfig) -> (Encoder, Decoder) {
@@ -79,14 +107,7 @@ proptest! {
         dedup in any::<bool>(),
         link_bound in any::<bool>(),
     ) {
-        let mut data = Vec::new();
-        for (kind, len, seed) in &parts {
-            match kind {
-                0 => data.extend(xorshift(*seed, *len)),
-                1 => data.extend(db_blocks(len / 8192 + 1, *seed)),
-                _ => { let d = data.clone(); data.extend(d.iter().take(*len)); }
-            }
-        }
+        let data = mix(&parts);
         let cfg = CodecConfig { compression: comp, cache_bytes: 1 << 20, dedup, ..CodecConfig::default() };
         let enc_ = Encoder::new(cfg.clone());
         // The decoder caches unless a record says not to: with dedup off, nothing may enter it.
@@ -1038,35 +1059,10 @@ proptest! {
         context in any::<bool>(),
         threads in 1usize..4,
     ) {
-        let mut data = Vec::new();
-        for (kind, len, seed) in parts {
-            match kind {
-                0 => data.extend_from_slice(&db_blocks(len / 8192 + 1, seed)[..len]),
-                1 => data.extend_from_slice(&xorshift(seed, len)),
-                _ => {
-                    // A repeat of what came before.
-                    let from = (seed as usize) % (data.len() + 1);
-                    let piece = data[from..(from + len).min(data.len())].to_vec();
-                    data.extend_from_slice(&piece);
-                }
-            }
-        }
+        let data = mix(&parts);
         let cfg = CodecConfig { compression, dedup, context, ..CodecConfig::default() };
         let pressure = if cpu { Pressure::CpuBound } else { Pressure::LinkBound };
-        let wire = |enc: &mut Encoder| {
-            let mut wire = Vec::new();
-            let mut off = 0;
-            for n in pieces.iter().cycle() {
-                if off == data.len() {
-                    break;
-                }
-                let n = (*n).min(data.len() - off);
-                enc.push(&data[off..off + n], false, pressure, &mut wire);
-                off += n;
-            }
-            enc.push(&[], true, pressure, &mut wire);
-            wire
-        };
+        let wire = |enc: &mut Encoder| encode_all(pressure, enc, &data, &pieces, false);
         let (mut alone, _) = pair(&cfg);
         let (mut pooled, mut dec) = pair(&cfg);
         pooled.set_workers(Some(std::sync::Arc::new(Threads(threads))));
