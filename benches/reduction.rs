@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 use common::pg::{self, port, psql, run};
 use wanopt_codec::{CodecConfig, Decoder, Encoder, Pressure};
 use wanopt_replay::chart::{Bars, Chart, render};
-use wanopt_runtime::policy::ZSTD_ADAPT_MAX;
+use wanopt_runtime::config::ZSTD_ADAPT_MAX;
 use wanopt_runtime::pressure::Governor;
 
 const DB: &str = "wanopt_reduction";

@@ -23,7 +23,7 @@ use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
 use crate::counters::Counters;
-use crate::gate::LogBudget;
+use crate::sync::LogBudget;
 
 /// The largest request head (hyper's smallest buffer limit).
 const MAX_HEAD: usize = 8 * 1024;

@@ -2,7 +2,7 @@
 //! port conflict stops it at start), then serves: a supervisor per peer, the link's accept or
 //! connect loop, a task per service listener, reloads, and a graceful shutdown that drains the
 //! streams and closes the link cleanly. The pieces live in `peer.rs`, `supervisor.rs`,
-//! `establish.rs`, `driver.rs`, `services.rs` and `reload.rs`.
+//! `accept.rs`, `dial.rs`, `driver/`, `services.rs` and `reload.rs`.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -21,7 +21,7 @@ use crate::driver::LinkMsg;
 use crate::peer::Peer;
 use crate::reload::{self, Listener};
 use crate::tls;
-use crate::{establish, services, sockopt, supervisor};
+use crate::{accept, dial, services, sockopt, supervisor};
 
 /// A failure that stops the daemon.
 #[derive(Debug, thiserror::Error)]
@@ -212,8 +212,8 @@ impl Daemon {
             )));
         }
         let link_task = match self.link_listener {
-            Some(l) => tokio::spawn(establish::accept_links(peer.clone(), l)),
-            None => tokio::spawn(establish::connect_loop(peer.clone())),
+            Some(l) => tokio::spawn(accept::accept_links(peer.clone(), l)),
+            None => tokio::spawn(dial::connect_loop(peer.clone())),
         };
         tokio::pin!(stop);
         loop {

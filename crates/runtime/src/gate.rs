@@ -1,4 +1,4 @@
-//! Admission before authentication, and logs that a flood cannot multiply. The link port admits a
+//! Admission before authentication. The link port admits a
 //! bounded number of connections that have not yet proved who they are, and a bounded number per
 //! source address; when full, the oldest pending one is dropped for the newcomer, so a flood of idle
 //! connections cannot hold the door shut against the real peer, which completes in a round trip.
@@ -6,11 +6,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use crate::driver::lock;
+use crate::sync::lock;
 
 /// Why an admission pushed an older pending connection out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,41 +105,6 @@ impl Gate {
     }
 }
 
-/// Lets a kind of log line through at most `burst` times per `period` and counts the rest, so a
-/// flood of failures costs a few lines, each saying how many were left out before it.
-pub(crate) struct LogBudget {
-    period: Duration,
-    burst: u32,
-    state: Mutex<(Option<Instant>, u32, u64)>,
-}
-
-impl LogBudget {
-    pub(crate) const fn new(period: Duration, burst: u32) -> LogBudget {
-        LogBudget {
-            period,
-            burst,
-            state: Mutex::new((None, 0, 0)),
-        }
-    }
-
-    /// `Some(n)` when a line may be written now (`n` lines were suppressed since the last one).
-    pub(crate) fn take(&self, now: Instant) -> Option<u64> {
-        let mut g = lock(&self.state);
-        let (start, used, suppressed) = &mut *g;
-        if start.is_none_or(|s| now.duration_since(s) >= self.period) {
-            *start = Some(now);
-            *used = 0;
-        }
-        if *used < self.burst {
-            *used += 1;
-            Some(std::mem::take(suppressed))
-        } else {
-            *suppressed += 1;
-            None
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,16 +142,5 @@ mod tests {
         drop((_a3, _b1, _a2));
         assert_eq!(g.pending(), 0);
         assert!(lock(&g.state).per_source.is_empty(), "nothing leaked");
-    }
-
-    #[test]
-    fn a_log_budget_lets_a_burst_through_then_counts() {
-        let b = LogBudget::new(Duration::from_secs(10), 2);
-        let t0 = Instant::now();
-        assert_eq!(b.take(t0), Some(0));
-        assert_eq!(b.take(t0), Some(0));
-        assert_eq!(b.take(t0), None);
-        assert_eq!(b.take(t0 + Duration::from_secs(1)), None);
-        assert_eq!(b.take(t0 + Duration::from_secs(11)), Some(2));
     }
 }

@@ -6,15 +6,18 @@
 //! [`counters`] keeps raw and wire byte counts per service as Prometheus metrics, and [`admin`]
 //! serves them over HTTP. [`cachedir`] keeps the chunk caches' disk tiers and saved states.
 
+mod accept;
 pub mod admin;
 pub mod cachedir;
 pub mod config;
 pub mod counters;
 pub mod daemon;
+mod dial;
 pub mod disk;
 mod driver;
-mod establish;
 mod gate;
+mod handshake;
+mod listen;
 pub mod notify;
 mod peer;
 pub mod policy;
@@ -28,6 +31,7 @@ pub mod sockopt;
 pub mod stats;
 pub mod store;
 mod supervisor;
+mod sync;
 pub mod tls;
 mod wire;
 pub mod workers;

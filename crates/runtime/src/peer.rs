@@ -1,6 +1,6 @@
 //! Everything about one peer: the config and TLS material in force (a reload swaps them), its
 //! counters, its caches' directory, and the current link, which the peer's supervisor publishes
-//! for the service tasks to open streams on. A daemon with several peers holds several.
+//! for the service tasks to open streams on.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, RwLock};
@@ -124,7 +124,7 @@ impl Peer {
 
     /// A new link on a connection whose main socket is `fd`, set up from the config in force.
     /// The saved cache states it offers are listed on a blocking thread.
-    pub async fn new_link(&self, fd: std::os::fd::RawFd) -> Arc<LinkHandle> {
+    pub async fn new_link(&self, fd: Option<std::os::fd::RawFd>) -> Arc<LinkHandle> {
         let cfg = self.cfg();
         let mut lc = link_config(&cfg, self.caches.as_ref());
         lc.delta_bases = self.bases(&cfg);
@@ -145,7 +145,7 @@ impl Peer {
             stated_bps: cfg.link.bandwidth_stated.then_some(cfg.link.bandwidth_bps),
             zstd: (
                 cfg.optimize.codec.zstd_level,
-                policy::zstd_range(&cfg.optimize),
+                crate::config::zstd_range(&cfg.optimize),
             ),
         };
         let id = self.next_link_id.fetch_add(1, Relaxed);

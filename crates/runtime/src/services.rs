@@ -14,11 +14,12 @@ use wanopt_proto::{ReadOutcome, ResetCode, StreamId};
 
 use crate::config::ServiceKind;
 use crate::counters::{ServiceCounters, add};
-use crate::driver::{LinkHandle, READ_CHUNK, StreamSignal, lock};
-use crate::establish::accept_loop;
-use crate::gate::LogBudget;
+use crate::driver::{LinkHandle, StreamSignal};
+use crate::listen::accept_loop;
 use crate::peer::Peer;
 use crate::sockopt;
+use crate::sync::LogBudget;
+use crate::wire::READ_CHUNK;
 
 /// Anyone can connect to a service port: refusals of outsiders are rationed in the log.
 static OUTSIDERS: LogBudget = LogBudget::new(Duration::from_secs(10), 10);
@@ -188,8 +189,7 @@ async fn pump(
                     }
                 };
                 if n == 0 {
-                    h.with(|l| l.finish(id)).map_err(|_| sig.reason())?;
-                    h.kick();
+                    h.finish(id).map_err(|_| sig.reason())?;
                     return Ok::<(), String>(());
                 }
                 add(&c.raw_out, n as u64);
@@ -205,53 +205,34 @@ async fn pump(
                     buf = BytesMut::new();
                 }
                 while !chunk.is_empty() {
-                    let (k, wants) = {
-                        let mut g = lock(&h.inner);
-                        let k = g.link.write_bytes(id, &mut chunk);
-                        if drained && chunk.is_empty() {
-                            g.link.flush(id);
-                        }
-                        h.dispatch(&mut g);
-                        (k.map_err(|_| sig.reason())?, h.wants(&g))
-                    };
+                    let k = h.write(id, &mut chunk, drained).map_err(|_| sig.reason())?;
                     if k == 0 {
                         tokio::select! {
                             _ = sig.writable.notified() => {}
                             _ = sig.gone.notified() => return Err(sig.reason()),
                         }
-                    } else {
-                        h.wake(wants);
                     }
                 }
             }
         };
         let down = async {
             loop {
-                let r = {
-                    let mut g = lock(&h.inner);
-                    let r = g.link.read(id);
-                    let credit = g.link.wants_transmit();
-                    (r, credit)
-                };
-                match r {
-                    (Ok(ReadOutcome::Data(b)), credit) => {
-                        if credit {
-                            h.kick();
-                        }
+                match h.read(id) {
+                    Ok(ReadOutcome::Data(b)) => {
                         wr.write_all(&b)
                             .await
                             .map_err(|e| format!("local write: {e}"))?;
                         add(&c.raw_in, b.len() as u64);
                         moved();
                     }
-                    (Ok(ReadOutcome::Blocked), _) => sig.readable.notified().await,
-                    (Ok(ReadOutcome::Fin), _) => {
+                    Ok(ReadOutcome::Blocked) => sig.readable.notified().await,
+                    Ok(ReadOutcome::Fin) => {
                         wr.shutdown()
                             .await
                             .map_err(|e| format!("local shutdown: {e}"))?;
                         return Ok::<(), String>(());
                     }
-                    (Err(_), _) => return Err(sig.reason()),
+                    Err(_) => return Err(sig.reason()),
                 }
             }
         };
@@ -264,8 +245,8 @@ async fn pump(
         // Both ways finished: wait until the link has sent our end too, so a link that dies
         // before then still fails the client.
         Ok(_) => loop {
-            if !h.with(|l| l.contains(id)) {
-                break match lock(&sig.reset).clone() {
+            if !h.contains(id) {
+                break match sig.reset_reason() {
                     Some(r) => Err(r),
                     None => Ok(()),
                 };

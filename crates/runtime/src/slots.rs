@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use wanopt_proto::Class;
 
 use crate::config::{Limits, Service};
-use crate::driver::lock;
+use crate::sync::lock;
 
 #[derive(Default)]
 struct Counts {

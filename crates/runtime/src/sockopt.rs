@@ -288,7 +288,7 @@ mod tests {
             eprintln!("skipping: the kernel lacks bbr or cubic ({available})");
             return;
         }
-        let cfg = crate::Config::parse(
+        let cfg = crate::config::Config::parse(
             "site: west\nlink:\n  listen: 127.0.0.1:0\n  peer: east\n  congestion: bbr\n  lane_congestion: cubic\ntls:\n  ca: c\n  cert: c\n  key: k\n",
             std::path::Path::new("/tmp/x.yaml"),
         )

@@ -15,7 +15,7 @@ use crate::config::LinkRole;
 use crate::counters::add;
 use crate::driver::{LinkHandle, LinkMsg};
 use crate::peer::Peer;
-use crate::{establish, services};
+use crate::{dial, services};
 
 /// Runs until every link task and the daemon dropped their senders.
 pub(crate) async fn run(peer: Arc<Peer>, mut rx: mpsc::UnboundedReceiver<LinkMsg>) {
@@ -72,7 +72,7 @@ fn up(peer: &Arc<Peer>, h: Arc<LinkHandle>, addr: SocketAddr) {
     open_lane(peer, &h);
     if matches!(cfg.link.role, LinkRole::Connect(_)) {
         // Ended with the connection (as the lane's tasks are); a resumed link comes up again.
-        let task = tokio::spawn(crate::driver::keep_copies(peer.clone(), h.clone()));
+        let task = tokio::spawn(dial::keep_copies(peer.clone(), h.clone()));
         h.keep_task(task);
     }
 }
@@ -81,7 +81,7 @@ fn up(peer: &Arc<Peer>, h: Arc<LinkHandle>, addr: SocketAddr) {
 fn open_lane(peer: &Arc<Peer>, h: &Arc<LinkHandle>) {
     let cfg = peer.cfg();
     if let (Some(token), LinkRole::Connect(target)) = (h.with(|l| l.lane_offer()), &cfg.link.role) {
-        let task = tokio::spawn(establish::open_lane(
+        let task = tokio::spawn(dial::open_lane(
             peer.clone(),
             h.clone(),
             token,

@@ -10,6 +10,9 @@ use std::task::{Context, Poll, ready};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
+/// Read size for local sockets and the link.
+pub(crate) const READ_CHUNK: usize = 64 * 1024;
+
 /// A TCP stream with a read buffer that is allocated only when [`Wire::buffer`] asks for one.
 pub(crate) struct Wire {
     tcp: TcpStream,

@@ -1,6 +1,7 @@
 //! `Config::describe`: the effective config printed back as YAML (`wanoptd check`), every
 //! default filled in, in a form `Config::parse` reads back to the same config.
 
+use super::fields::{dur, on_off, one_line, quoted};
 use super::*;
 
 impl Config {
@@ -115,7 +116,7 @@ impl Config {
             op.codec.avg_chunk,
             op.codec.zstd_level,
             on_off(op.zstd_adapt),
-            crate::policy::zstd_range(op).map_or(String::new(), |(lo, hi)| format!(
+            zstd_range(op).map_or(String::new(), |(lo, hi)| format!(
                 "  # levels {lo}-{hi}: the highest at which one core encodes twice what the link drains"
             )),
             op.codec
@@ -123,7 +124,7 @@ impl Config {
                 .map_or("off".to_string(), |l| l.window().to_string()),
             op.codec
                 .long_context
-                .map_or(LongContext::default().streams, |l| l.streams),
+                .map_or(wanopt_proto::LongContext::default().streams, |l| l.streams),
             match op.codec.delta_bytes {
                 0 => "off".to_string(),
                 n => n.to_string(),

@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{ConfigError, Ctx, LinkSettings, defaults, in_range};
-use crate::units::parse_size;
+use super::fields::{ConfigError, Ctx, defaults, in_range};
+use super::link::LinkSettings;
+use wanopt_units::parse_size;
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -1,4 +1,8 @@
 //! Config parsing: defaults, every error naming its field, and describe round trips.
+use std::time::Duration;
+
+use wanopt_proto::{Compression, Scope, StreamPolicy};
+
 use super::*;
 
 #[test]

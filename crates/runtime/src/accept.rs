@@ -1,0 +1,246 @@
+//! The listening side of link establishment: accepting the peer's TLS connections through the
+//! [`Gate`], checking who it is, and telling a new link's main connection (or one that resumes
+//! the current link) from a latency lane, or a copy of it, that attaches to the link whose token
+//! it presents.
+
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
+use tracing::{info, warn};
+use wanopt_proto::Frame;
+
+use crate::counters::add;
+use crate::driver::{self, LinkHandle};
+use crate::gate::{Gate, Ticket};
+use crate::handshake::{read_first_frame, record_peer_expiry};
+use crate::listen::accept_loop;
+use crate::peer::Peer;
+use crate::sockopt;
+use crate::sync::LogBudget;
+use crate::tls;
+use crate::wire::{READ_CHUNK, Wire};
+
+/// Accepts the peer's TLS connections (listening side), admitting a bounded number of them at a
+/// time until they have authenticated.
+pub(crate) async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
+    let gate = Arc::new(Gate::default());
+    accept_loop(&listener, "link", |tcp, addr| {
+        let limits = &peer.cfg().limits;
+        let (ticket, evicted) =
+            gate.admit(addr.ip(), limits.max_handshakes, limits.handshakes_per_source);
+        if let Some(why) = evicted {
+            add(&peer.counters.link.handshakes_evicted, 1);
+            if let Some(suppressed) = EVICTIONS.take(Instant::now()) {
+                warn!(from = %addr, reason = ?why, suppressed, "too many link connections authenticating; dropped the oldest");
+            }
+        }
+        peer.counters.link.handshakes_pending.set(gate.pending() as i64);
+        let (peer, gate) = (peer.clone(), gate.clone());
+        tokio::spawn(async move {
+            accept_link(&peer, tcp, addr, ticket).await;
+            peer.counters.link.handshakes_pending.set(gate.pending() as i64);
+        });
+        true
+    })
+    .await;
+}
+
+/// Failures before authentication are anyone's to cause: their log lines are rationed.
+static REJECTIONS: LogBudget = LogBudget::new(Duration::from_secs(10), 10);
+static EVICTIONS: LogBudget = LogBudget::new(Duration::from_secs(10), 1);
+
+fn reject(peer: &Peer, addr: SocketAddr, why: &str, error: &dyn std::fmt::Display) {
+    add(&peer.counters.link.rejected, 1);
+    if let Some(suppressed) = REJECTIONS.take(Instant::now()) {
+        warn!(from = %addr, error = %error, suppressed, "rejected link: {why}");
+    }
+}
+
+/// Authenticates one incoming connection and runs it as a link or attaches it as a lane.
+async fn accept_link(peer: &Arc<Peer>, tcp: TcpStream, addr: SocketAddr, ticket: Ticket) {
+    let cfg = peer.cfg();
+    let pre_auth = async {
+        let acceptor = tokio_rustls::TlsAcceptor::from(peer.tls().server);
+        // Congestion control stays the listener's (the lane's) until the hello shows the role.
+        sockopt::tune_link_options(&socket2::SockRef::from(&tcp), &cfg.link);
+        let hs = tokio::time::timeout(
+            cfg.limits.handshake_timeout,
+            acceptor.accept(Wire::new(tcp)),
+        )
+        .await;
+        let mut tls = match hs {
+            Ok(Ok(t)) => t,
+            Ok(Err(e)) => return Err(("TLS handshake failed", e.to_string())),
+            Err(_) => return Err(("TLS handshake timed out", "timeout".into())),
+        };
+        record_peer_expiry(peer, tls.get_ref().1.peer_certificates());
+        if let Err(e) = tls::check_peer_name(tls.get_ref().1.peer_certificates(), &cfg.link.peer) {
+            return Err(("wrong peer", e.to_string()));
+        }
+        // Authenticated: reads may now be buffered.
+        tls.get_mut().0.buffer(READ_CHUNK);
+        match read_first_frame(&mut tls, cfg.limits.handshake_timeout).await {
+            Ok((buf, first, n)) => Ok((tls, buf, first, n)),
+            Err(e) => Err(("no valid hello", e)),
+        }
+    };
+    let (tls, mut buf, first, n) = tokio::select! {
+        r = pre_auth => match r {
+            Ok(x) => x,
+            Err((why, e)) => return reject(peer, addr, why, &e),
+        },
+        _ = ticket.evicted.notified() => {
+            return reject(peer, addr, "evicted while authenticating", &"a newer connection took its place");
+        }
+    };
+    drop(ticket);
+    let setting = |id| match &first {
+        Frame::Hello(h) => h.setting(id),
+        _ => None,
+    };
+    use wanopt_proto::frame::setting::{ATTACH, COPY_AT, COPY_OF};
+    let attach = setting(ATTACH);
+    let (lane_id, copy_at) = (setting(COPY_OF), setting(COPY_AT));
+    let sock = socket2::SockRef::from(tls.get_ref().0.get_ref());
+    let fd = Some(tls.get_ref().0.get_ref().as_raw_fd());
+    match attach {
+        None => {
+            sockopt::tune_main_lane(&sock, &cfg.link);
+            sockopt::log_effective(&sock, &cfg.link);
+            let resume = match &first {
+                Frame::Hello(h) => h.setting(wanopt_proto::frame::setting::RESUME),
+                _ => None,
+            };
+            let h = match resumed_link(peer, resume, fd).await {
+                Some(h) => {
+                    info!(link = h.id, from = %addr, "the peer resumes the link");
+                    h
+                }
+                // Not ours to resume (a forged or spent token, or a link given up): a new
+                // link, whose hello tells the peer its old streams are gone.
+                None => peer.new_link(fd).await,
+            };
+            // The hello stays in the buffer: the link reads it first.
+            driver::run_link(h, tls, addr, buf).await
+        }
+        Some(token) => {
+            let _ = buf.split_to(n);
+            sockopt::tune_lane_socket(&sock, &cfg.link);
+            match (lane_id, copy_at) {
+                (Some(id), Some(at)) => accept_copy(peer, tls, fd, addr, (token, id, at), buf),
+                _ => accept_lane(peer.clone(), tls, fd, addr, (token, lane_id), buf).await,
+            }
+        }
+    }
+}
+
+/// The current link, if a connection presenting `token` resumes it; it is then handed the
+/// connection's socket `fd` (see [`LinkHandle::reconnect`]).
+async fn resumed_link(
+    peer: &Arc<Peer>,
+    token: Option<u64>,
+    fd: Option<std::os::fd::RawFd>,
+) -> Option<Arc<LinkHandle>> {
+    let token = token?;
+    let h = peer.current.borrow().clone()?;
+    if !h.with(|l| l.resumes(token)) {
+        return None;
+    }
+    let saved = peer.saved_states().await;
+    h.reconnect(fd, saved, Some(token)).then_some(h)
+}
+
+/// Attaches an incoming connection as one more copy of the current link's latency lane: it
+/// presents the link's token and the lane's id, and where its bytes start (`at`). Our answer,
+/// where ours start, goes first on it.
+fn accept_copy<S>(
+    peer: &Arc<Peer>,
+    stream: S,
+    fd: Option<std::os::fd::RawFd>,
+    addr: SocketAddr,
+    (token, id, at): (u64, u64, u64),
+    buf: BytesMut,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let current = peer.current.borrow().clone();
+    let accepted = current
+        .ok_or_else(|| "no link".to_string())
+        .and_then(|h| Ok((h.accept_copy(token, id, at)?, h)));
+    match accepted {
+        Ok(((carrier, ours), h)) => {
+            let mut answer = BytesMut::new();
+            h.with(|l| l.copy_answer(ours)).encode(&mut answer);
+            info!(link = h.id, from = %addr, copy = carrier.slot + 1, "latency lane copy attached");
+            let task = tokio::spawn(driver::run_lane(
+                h.clone(),
+                stream,
+                fd,
+                addr,
+                buf,
+                carrier,
+                Some(answer),
+            ));
+            h.keep_task(task);
+        }
+        Err(why) => {
+            add(&peer.counters.link.rejected, 1);
+            warn!(from = %addr, reason = %why, "rejected a latency lane copy");
+        }
+    }
+}
+
+/// Attaches an incoming second connection as the latency lane of the link whose token it
+/// presents; `id` is the lane's, which its copies will name.
+async fn accept_lane<S>(
+    peer: Arc<Peer>,
+    stream: S,
+    fd: Option<std::os::fd::RawFd>,
+    addr: SocketAddr,
+    (token, id): (u64, Option<u64>),
+    buf: BytesMut,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    // The lane may arrive before this side has processed the main connection's hello.
+    let mut rx = peer.current.subscribe();
+    let attached = tokio::time::timeout(peer.cfg().limits.handshake_timeout, async {
+        loop {
+            let current = rx.borrow_and_update().clone();
+            if let Some(h) = current
+                && let Some(conn) = h.attach_lane(token, id)
+            {
+                return Some((h, conn));
+            }
+            if rx.changed().await.is_err() {
+                return None;
+            }
+        }
+    })
+    .await;
+    match attached {
+        Ok(Some((h, conn))) => {
+            info!(link = h.id, from = %addr, "latency lane attached");
+            peer.counters.link.lanes.set(2);
+            let task = tokio::spawn(driver::run_lane(
+                h.clone(),
+                stream,
+                fd,
+                addr,
+                buf,
+                conn,
+                None,
+            ));
+            h.keep_task(task);
+        }
+        _ => {
+            add(&peer.counters.link.rejected, 1);
+            warn!(from = %addr, "rejected latency lane: no link with its token");
+        }
+    }
+}

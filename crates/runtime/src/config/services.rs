@@ -1,0 +1,229 @@
+//! The `services` section: each service's name and side (a local listener with its allow list,
+//! or a target the peer's streams are connected to), class, optimization policy, stream limits,
+//! idle timeout and latency-lane redundancy; and allow lists, which the admin endpoint shares.
+
+use std::collections::HashSet;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde::Deserialize;
+use wanopt_proto::{Class, StreamPolicy};
+
+use super::fields::{
+    ConfigError, Ctx, Toggle, Word, defaults, in_range, parse_host_port, parse_sockaddr, valid_name,
+};
+use super::limits::Limits;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawService {
+    name: String,
+    listen: Option<String>,
+    allow: Option<Vec<String>>,
+    target: Option<String>,
+    class: Option<String>,
+    compression: Option<String>,
+    dedup: Option<Toggle>,
+    dedup_scope: Option<String>,
+    max_streams: Option<u32>,
+    max_streams_per_client: Option<u32>,
+    idle_timeout: Option<String>,
+    redundancy: Option<Word>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Service {
+    pub name: String,
+    pub class: Class,
+    pub kind: ServiceKind,
+    /// How this service's bytes are optimized on the way to the peer (this side's choice).
+    pub policy: StreamPolicy,
+    /// Streams of this service open at once (its clients', or the peer's for a target).
+    pub max_streams: u32,
+    /// Streams one client address may hold open (listen services).
+    pub max_streams_per_client: u32,
+    /// A stream with no bytes either way for this long is reset; `None`: never.
+    pub idle_timeout: Option<Duration>,
+    /// Latency services: how many connections carry the latency lane, each with a copy.
+    pub redundancy: crate::redundancy::Redundancy,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ServiceKind {
+    /// Local clients connect here; their streams go to the peer's service of the same name.
+    Listen { addr: SocketAddr, allow: Vec<IpNet> },
+    /// Streams from the peer for this service are connected to this `host:port`.
+    Target { addr: String },
+}
+
+/// The networks allowed to reach a listener at `addr`: CIDRs or IPs, required (and not
+/// empty) unless `addr` is loopback, so a listener open to the network is a stated choice.
+pub(super) fn parse_allow(
+    cx: &Ctx<'_>,
+    field: &str,
+    raw: Option<&[String]>,
+    addr: SocketAddr,
+) -> Result<Vec<IpNet>, ConfigError> {
+    let mut allow = Vec::new();
+    for (j, c) in raw.into_iter().flatten().enumerate() {
+        let net = c
+            .parse::<IpNet>()
+            .or_else(|_| c.parse::<IpAddr>().map(IpNet::from))
+            .map_err(|_| {
+                cx.err(
+                    format!("{field}[{j}]"),
+                    format!("{c:?} is not a CIDR (10.0.0.0/8) or IP"),
+                )
+            })?;
+        allow.push(net);
+    }
+    if allow.is_empty() && !addr.ip().is_loopback() {
+        return Err(cx.err(
+            field,
+            format!(
+                "required: {addr} is reachable beyond this host; list the client networks \
+                 (0.0.0.0/0 and ::/0 allow any host)"
+            ),
+        ));
+    }
+    Ok(allow)
+}
+
+/// Most services one daemon serves.
+pub const MAX_SERVICES: usize = wanopt_proto::frame::MAX_SCOPED;
+
+pub(super) fn parse_services(
+    cx: &Ctx<'_>,
+    raw: &[RawService],
+    default: StreamPolicy,
+    limits: &Limits,
+) -> Result<Vec<Service>, ConfigError> {
+    if raw.len() > MAX_SERVICES {
+        return Err(cx.err(
+            "services",
+            format!(
+                "{} services; at most {MAX_SERVICES} (the link's hello names each scope)",
+                raw.len()
+            ),
+        ));
+    }
+    let mut services = Vec::new();
+    let mut names = HashSet::new();
+    for (i, s) in raw.iter().enumerate() {
+        let svc = parse_service(cx, i, s, default, limits)?;
+        if !names.insert(svc.name.clone()) {
+            return Err(cx.err(
+                format!("services[{i}].name"),
+                format!("service {:?} is defined twice", s.name),
+            ));
+        }
+        services.push(svc);
+    }
+    Ok(services)
+}
+
+fn parse_service(
+    cx: &Ctx<'_>,
+    i: usize,
+    s: &RawService,
+    default: StreamPolicy,
+    limits: &Limits,
+) -> Result<Service, ConfigError> {
+    let field = |f: &str| format!("services[{i}].{f}");
+    if !valid_name(&s.name) {
+        return Err(cx.err(
+            field("name"),
+            format!("{:?} must be a lowercase DNS label", s.name),
+        ));
+    }
+    let class = cx.opt(&field("class"), &s.class, Class::Bulk, str::parse)?;
+    let kind = match (&s.listen, &s.target) {
+        (Some(a), None) => {
+            let addr = parse_sockaddr(a).map_err(|m| cx.err(field("listen"), m))?;
+            let allow = parse_allow(cx, &field("allow"), s.allow.as_deref(), addr)?;
+            ServiceKind::Listen { addr, allow }
+        }
+        (None, Some(t)) => {
+            if s.allow.is_some() {
+                return Err(cx.err(field("allow"), "allow applies to listen services only"));
+            }
+            ServiceKind::Target {
+                addr: parse_host_port(t).map_err(|m| cx.err(field("target"), m))?,
+            }
+        }
+        _ => {
+            return Err(cx.err(
+                format!("services[{i}]"),
+                "set exactly one of listen or target",
+            ));
+        }
+    };
+    let policy = StreamPolicy {
+        compression: cx.opt(
+            &field("compression"),
+            &s.compression,
+            default.compression,
+            str::parse,
+        )?,
+        dedup: cx.toggle(&field("dedup"), &s.dedup, default.dedup)?,
+        scope: cx.opt(
+            &field("dedup_scope"),
+            &s.dedup_scope,
+            default.scope,
+            str::parse,
+        )?,
+    };
+    // Bulk services leave the latency reserve alone; a client gets a share, not the service.
+    let most = match class {
+        Class::Bulk => limits.max_streams - limits.latency_reserve,
+        Class::Latency => limits.max_streams,
+    };
+    let max_streams = match s.max_streams {
+        None => most,
+        Some(n) => in_range(n, 1, most).map_err(|m| cx.err(field("max_streams"), m))?,
+    };
+    let max_streams_per_client = match (s.max_streams_per_client, &kind) {
+        (None, _) => defaults::STREAMS_PER_CLIENT.min(max_streams),
+        (Some(_), ServiceKind::Target { .. }) => {
+            return Err(cx.err(
+                field("max_streams_per_client"),
+                "applies to listen services only",
+            ));
+        }
+        (Some(n), _) => {
+            in_range(n, 1, max_streams).map_err(|m| cx.err(field("max_streams_per_client"), m))?
+        }
+    };
+    let idle_timeout = match s.idle_timeout.as_deref() {
+        Some("off") => None,
+        v => Some(cx.dur(
+            &field("idle_timeout"),
+            &v.map(str::to_string),
+            defaults::STREAM_IDLE_TIMEOUT,
+            Duration::from_secs(1),
+            Duration::from_secs(7 * 86_400),
+        )?),
+    };
+    let redundancy = match (&s.redundancy, class) {
+        (None, _) => crate::redundancy::Redundancy::default(),
+        (Some(_), Class::Bulk) => {
+            return Err(cx.err(
+                field("redundancy"),
+                "applies to latency-class services only (bulk streams are never copied)",
+            ));
+        }
+        (Some(w), Class::Latency) => crate::redundancy::Redundancy::parse(&w.text())
+            .map_err(|m| cx.err(field("redundancy"), m))?,
+    };
+    Ok(Service {
+        name: s.name.clone(),
+        class,
+        kind,
+        policy,
+        max_streams,
+        max_streams_per_client,
+        idle_timeout,
+        redundancy,
+    })
+}
