@@ -2,7 +2,7 @@
 //!
 //! Messages are short and lowercase; the runtime adds context (peer, stream) when it logs them.
 
-use crate::frame::{CloseCode, StreamId};
+use crate::codes::{CloseCode, StreamId};
 
 /// A frame could not be decoded. `Incomplete` is not a failure: wait for more bytes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -5,6 +5,7 @@
 //! Nothing in this crate touches sockets, threads or clocks: it consumes bytes and `now` values and
 //! emits bytes and events, so it is tested deterministically (see `tests/pair.rs`) and fuzzed.
 
+pub mod codes;
 pub mod coding;
 pub mod copies;
 pub mod error;
