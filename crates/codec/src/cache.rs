@@ -16,16 +16,8 @@ use std::task::Poll;
 
 use crate::store::{ChunkStore, Loc};
 
-/// A chunk fingerprint: the first 16 bytes (128 bits) of its BLAKE3 hash.
-pub type Fingerprint = [u8; 16];
-
-/// The fingerprint of `data`.
-pub fn fingerprint(data: &[u8]) -> Fingerprint {
-    let h = blake3::hash(data);
-    let mut f = [0u8; 16];
-    f.copy_from_slice(&h.as_bytes()[..16]);
-    f
-}
+/// Chunks are named by their fingerprint (see [`crate::fingerprint`]).
+pub use crate::fingerprint::{Fingerprint, fingerprint};
 
 #[derive(Debug)]
 struct Entry {
@@ -769,7 +761,7 @@ impl Snapshot {
                 }),
                 _ => return Err(SnapshotError::Malformed("bad location flag")),
             };
-            if len as usize > crate::MAX_RECORD {
+            if len as usize > crate::record::MAX_RECORD {
                 return Err(SnapshotError::Malformed("chunk too large"));
             }
             if !seen.insert(fingerprint) {

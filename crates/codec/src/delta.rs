@@ -12,22 +12,18 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use bytes::{BufMut, Bytes};
 use zstd::zstd_safe::{CCtx, DCtx};
 
-use crate::cache::{ChunkCache, Fingerprint, Lookup, TierStats, fingerprint};
+use crate::cache::{ChunkCache, Lookup, TierStats};
+use crate::fingerprint::Fingerprint;
 use crate::store::ChunkStore;
-use crate::{
-    CodecError, Compression, Decoder, Hint, Mirror, Policy, Pressure, Report, Sent, TAG_DELTA,
-    get_len, put_len,
-};
 
 /// Bytes of sent chunks a link keeps as bases unless configured otherwise.
 pub const DEFAULT_STORE: usize = 256 << 20;
 /// A delta is sent only if it is smaller than this share of what a literal of the chunk is
 /// expected to cost (the mirror's recent literals' ratio): a weak base would cost the stream
 /// context the chunk's bytes for little gain.
-const ACCEPT: f64 = 0.8;
+pub(crate) const ACCEPT: f64 = 0.8;
 
 /// A store of bases shared by a link's mirrors.
 pub type SharedBases = Arc<Mutex<Bases>>;
@@ -49,7 +45,7 @@ pub const MAX_BASES: usize = 8;
 /// between pages (`cargo bench --bench reduction`, 153 MB database): eight gave 0.123 of the
 /// raw bytes, four 0.130 (`zstd --patch-from`: 0.108), and the WAL between the backups 0.153
 /// against 0.167. (On a backup whose bulk had not changed, four did as well as eight.)
-const SEND_BASES: usize = 8;
+pub(crate) const SEND_BASES: usize = 8;
 /// A base that shares a single anchor with a chunk is not worth its place in the dictionary.
 /// Skipping chunks whose best base has one (a quarter of the candidates in a first backup) cost
 /// 0.002 of the ratio and saved a fifth of the delta work. Leaving such bases out of the other
@@ -57,7 +53,7 @@ const SEND_BASES: usize = 8;
 /// WAL; loading them was 30% of the encoder's CPU): the encoder ran 20-40% faster for 0.003-0.004
 /// more of the raw bytes (WAL 0.168 to 0.171, second backup 0.142 to 0.146; `cargo bench
 /// --bench reduction -- --from DIR --wanopt-only`).
-const MIN_VOTES: u32 = 2;
+pub(crate) const MIN_VOTES: u32 = 2;
 /// Anchors sit where the rolling hash's low seven bits are zero: one position in 128, so a
 /// row of 100 bytes or so that moved to another page is likely to carry one. Against one in
 /// 512 it gave 0.121 against 0.140 on the second backup, 0.133 against 0.142 on the first.
@@ -246,7 +242,7 @@ impl Bases {
 
     /// Like [`insert`](Self::insert), for a chunk a stream context took, ending at `origin`'s
     /// position of context `origin`'s serial.
-    fn insert_from(
+    pub(crate) fn insert_from(
         &mut self,
         f: Fingerprint,
         data: &[u8],
@@ -284,7 +280,7 @@ impl Bases {
 
     /// True if a held chunk is still within the reach of the stream context `ctx` (serial,
     /// position now, window): compressed in it, it costs less than any delta.
-    fn in_context(&self, f: &Fingerprint, ctx: (u64, u64, u64)) -> bool {
+    pub(crate) fn in_context(&self, f: &Fingerprint, ctx: (u64, u64, u64)) -> bool {
         self.meta.get(f).is_some_and(|m| {
             m.origin.is_some_and(|(serial, end)| {
                 let start = end.saturating_sub(u64::from(m.len));
@@ -401,18 +397,18 @@ impl Bases {
 /// from 13% of the run's CPU to 8% for 0.004-0.006 more of the raw bytes (WAL 0.157 against
 /// 0.153). From level 4 up the lazy matchers earn their fill: at level 6 the second backup
 /// costs 0.116 with level-6 deltas against 0.131 with level-3 ones.
-fn delta_level(level: i32) -> i32 {
+pub(crate) fn delta_level(level: i32) -> i32 {
     if level <= 3 { level.min(2) } else { level }
 }
 
 /// A mirror's reusable delta state.
 pub(crate) struct SendScratch {
-    keys: Vec<u64>,
-    found: Vec<Fingerprint>,
-    dict: Vec<u8>,
-    cctx: Option<CCtx<'static>>,
+    pub(crate) keys: Vec<u64>,
+    pub(crate) found: Vec<Fingerprint>,
+    pub(crate) dict: Vec<u8>,
+    pub(crate) cctx: Option<CCtx<'static>>,
     /// Wire bytes per raw byte of recent literals.
-    lit_ratio: f64,
+    pub(crate) lit_ratio: f64,
 }
 
 impl Default for SendScratch {
@@ -430,234 +426,16 @@ impl Default for SendScratch {
 /// A decoder's reusable delta state.
 #[derive(Default)]
 pub(crate) struct RecvScratch {
-    dict: Vec<u8>,
-    dctx: Option<DCtx<'static>>,
+    pub(crate) dict: Vec<u8>,
+    pub(crate) dctx: Option<DCtx<'static>>,
 }
 
 /// Bytes of a varint length.
-fn len_len(n: usize) -> usize {
+pub(crate) fn len_len(n: usize) -> usize {
     match n {
         0..0x80 => 1,
         0x80..0x4000 => 2,
         _ => 3,
-    }
-}
-
-impl Mirror {
-    /// Deltas are tried for a cacheable chunk of a stream that is neither latency-class nor
-    /// CPU-bound nor noise, when zstd may be used and there is a store.
-    pub(crate) fn delta_wanted(&self, policy: &Policy, pressure: Pressure, hint: &Hint) -> bool {
-        self.bases.is_some()
-            && policy.dedup
-            && !policy.latency
-            && pressure == Pressure::LinkBound
-            && hint.skip == 0
-            && matches!(
-                policy.compression,
-                Compression::Zstd | Compression::Adaptive
-            )
-    }
-
-    /// Appends a delta record for `chunk` if similar chunks the peer holds make one that pays;
-    /// the chunk then joins the cache and the store. `None`: nothing was written (the anchors are
-    /// kept for [`keep_base`](Self::keep_base)).
-    pub(crate) fn encode_delta(
-        &mut self,
-        f: Fingerprint,
-        chunk: &[u8],
-        hint: &mut Hint,
-        out: &mut impl BufMut,
-    ) -> Option<Report> {
-        let shared = self.bases.clone()?;
-        let d = &mut self.delta;
-        anchors(chunk, &mut d.keys);
-        let mut bases = shared.lock().ok()?;
-        let cache = &self.cache;
-        bases.find(
-            &d.keys,
-            (SEND_BASES, MIN_VOTES),
-            |b| cache.contains(b),
-            &mut d.found,
-        );
-        let best = d.found.last()?;
-        // The stream's own context still reaches the best base: a literal in it costs less
-        // (it sees the base and everything around it, and names nothing).
-        if let Some(c) = hint.context.as_ref()
-            && bases.in_context(best, (c.serial, c.pos, c.window))
-        {
-            return None;
-        }
-        // Whatever comes of this one, the chunks after the best base are likely next.
-        bases.prefetch(best);
-        if !bases.dictionary(&mut d.found, &mut d.dict) {
-            return None;
-        }
-        if d.cctx.is_none() {
-            d.cctx = CCtx::try_create();
-        }
-        let cctx = d.cctx.as_mut()?;
-        self.scratch.clear();
-        self.scratch
-            .reserve(zstd::zstd_safe::compress_bound(chunk.len()));
-        // The chunk right behind its bases in one buffer: zstd sees one contiguous prefix and
-        // matches without its slower separate-dictionary path.
-        let bases_len = d.dict.len();
-        d.dict.extend_from_slice(chunk);
-        let (dict, src) = d.dict.split_at(bases_len);
-        cctx.compress_using_dict(&mut self.scratch, src, dict, delta_level(self.zstd_level))
-            .ok()?;
-        let clen = self.scratch.len();
-        let n = d.found.len();
-        let wire = 1 + len_len(chunk.len()) + 1 + 16 * (n + 1) + len_len(clen) + clen;
-        if wire as f64 >= chunk.len() as f64 * d.lit_ratio * ACCEPT {
-            return None;
-        }
-        let run_end = self.end_run(hint, out);
-        hint.interrupted = true;
-        let d = &mut self.delta;
-        out.put_u8(TAG_DELTA);
-        put_len(out, chunk.len());
-        out.put_u8(n as u8);
-        // The peer looks the bases up in this order: the mirror touches them in it.
-        for b in &d.found {
-            out.put_slice(b);
-            self.cache.touch(b);
-        }
-        out.put_slice(&f);
-        put_len(out, clen);
-        out.put_slice(&self.scratch[..clen]);
-        self.cache.insert_len(f, chunk.len());
-        // A miss of a base is answered with the chunk itself.
-        self.recent
-            .put_with(f, chunk.len(), || Bytes::copy_from_slice(chunk));
-        bases.insert(f, chunk, &d.keys);
-        Some(Report {
-            sent: Sent::Delta,
-            raw: chunk.len(),
-            wire,
-            run_end,
-        })
-    }
-
-    /// Keeps a chunk just sent as a literal of `wire` bytes as a future base (its anchors are
-    /// the ones [`encode_delta`](Self::encode_delta) computed), and learns what literals cost.
-    pub(crate) fn keep_base(
-        &mut self,
-        f: Fingerprint,
-        chunk: &[u8],
-        wire: Option<usize>,
-        hint: &Hint,
-    ) {
-        let d = &mut self.delta;
-        if let Some(wire) = wire {
-            d.lit_ratio += (wire as f64 / chunk.len().max(1) as f64 - d.lit_ratio) / 16.0;
-        }
-        // Where the stream context that took it (if one did) has it.
-        let origin = self
-            .context
-            .and(hint.context.as_ref())
-            .map(|c| (c.serial, c.pos));
-        if let Some(mut bases) = self.bases.as_ref().and_then(|b| b.lock().ok()) {
-            bases.insert_from(f, chunk, &d.keys, origin);
-        }
-    }
-
-    /// Learns what literals cost from a run of `n` of them: `raw` bytes sent as `wire`, as `n`
-    /// literals flushed alone would teach it.
-    pub(crate) fn learn_run(&mut self, raw: usize, wire: usize, n: usize) {
-        let d = &mut self.delta;
-        let weight = (n as f64 / 16.0).min(1.0);
-        d.lit_ratio += (wire as f64 / raw.max(1) as f64 - d.lit_ratio) * weight;
-    }
-
-    /// A chunk sent as a reference stays a base; one the store lacks (a cache resumed after a
-    /// restart) joins it.
-    pub(crate) fn ref_base(&mut self, f: Fingerprint, chunk: &[u8]) {
-        let Some(mut bases) = self.bases.as_ref().and_then(|b| b.lock().ok()) else {
-            return;
-        };
-        if !bases.touch(&f) {
-            anchors(chunk, &mut self.delta.keys);
-            bases.insert(f, chunk, &self.delta.keys);
-        }
-    }
-}
-
-impl Decoder {
-    /// Decodes a delta record: the chunk itself if the cache holds it (the peer re-sent it after
-    /// a miss), else rebuilt from the named bases and checked against its fingerprint. A base we
-    /// lack, or a result that does not match, is a miss of the chunk (the peer re-sends it),
-    /// never wrong data.
-    pub(crate) fn decode_delta(
-        &mut self,
-        buf: &[u8],
-        out: &mut Vec<u8>,
-    ) -> Result<usize, CodecError> {
-        let (raw_len, h) = get_len(buf, 1)?;
-        let mut at = 1 + h;
-        let n = usize::from(*buf.get(at).ok_or(CodecError::Incomplete)?);
-        if n == 0 || n > MAX_BASES {
-            return Err(CodecError::Malformed("delta with no or too many bases"));
-        }
-        at += 1;
-        let names = buf.get(at..at + 16 * n).ok_or(CodecError::Incomplete)?;
-        let mut target = [0u8; 16];
-        target.copy_from_slice(
-            buf.get(at + 16 * n..at + 16 * (n + 1))
-                .ok_or(CodecError::Incomplete)?,
-        );
-        at += 16 * (n + 1);
-        let (clen, h) = get_len(buf, at)?;
-        at += h;
-        let payload = buf.get(at..at + clen).ok_or(CodecError::Incomplete)?;
-        let used = at + clen;
-        match self.cache.lookup(&target) {
-            Lookup::Hit(c) if c.len() == raw_len => {
-                out.extend_from_slice(c);
-                self.stats.delta_chunks += 1;
-                self.stats.delta_bytes += raw_len as u64;
-                return Ok(used);
-            }
-            Lookup::Hit(_) => {
-                return Err(CodecError::Malformed("delta length differs from the chunk"));
-            }
-            Lookup::Pending => return Err(CodecError::Pending(target)),
-            Lookup::Miss => {}
-        }
-        let d = &mut self.delta;
-        d.dict.clear();
-        for name in names.chunks_exact(16) {
-            let mut b = [0u8; 16];
-            b.copy_from_slice(name);
-            match self.cache.lookup(&b) {
-                Lookup::Hit(c) => d.dict.extend_from_slice(c),
-                Lookup::Miss => return Err(CodecError::Miss(target)),
-                Lookup::Pending => return Err(CodecError::Pending(b)),
-            }
-        }
-        if is_dict_magic(&d.dict) {
-            return Err(CodecError::Malformed(
-                "delta bases read as a zstd dictionary",
-            ));
-        }
-        if d.dctx.is_none() {
-            d.dctx = DCtx::try_create();
-        }
-        let dctx = d.dctx.as_mut().ok_or(CodecError::Decompress)?;
-        // Bounded by the announced size, itself bounded by MAX_RECORD.
-        let mut chunk = Vec::with_capacity(raw_len);
-        let ok = dctx
-            .decompress_using_dict(&mut chunk, payload, &d.dict)
-            .is_ok();
-        // Bases that differ from the sender's rebuild something else: ask for the chunk.
-        if !ok || chunk.len() != raw_len || fingerprint(&chunk) != target {
-            return Err(CodecError::Miss(target));
-        }
-        out.extend_from_slice(&chunk);
-        self.stats.delta_chunks += 1;
-        self.stats.delta_bytes += raw_len as u64;
-        self.cache.insert(target, chunk);
-        Ok(used)
     }
 }
 
@@ -669,334 +447,9 @@ pub(crate) fn is_dict_magic(dict: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use proptest::prelude::*;
-
     use super::*;
+    use crate::fingerprint::fingerprint;
     use crate::testdata::noise;
-    use crate::{CodecConfig, Encoder, MAX_RECORD, chunks};
-
-    /// 8 KiB pages of text rows, and the same pages after an OLTP run: in each, a few fields
-    /// updated in place and, in some, a row moved in from the next page.
-    fn pages(n: usize, seed: u64) -> (Vec<u8>, Vec<u8>) {
-        let mut x = seed | 1;
-        let mut rnd = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
-        let mut first = Vec::with_capacity(n * 8192);
-        for p in 0..n {
-            let mut page = format!("PAGE{p:08}|").into_bytes();
-            let mut r = 0;
-            while page.len() < 8000 {
-                r += 1;
-                let row = format!(
-                    "{}|customer {} of {}|{} items|status {}|note {}\n",
-                    p * 100 + r,
-                    rnd() % 90_000,
-                    ["Lisbon", "Oslo", "Quito", "Perth", "Accra"][rnd() as usize % 5],
-                    rnd() % 40,
-                    ["open", "shipped", "closed"][rnd() as usize % 3],
-                    rnd() % 1_000_000_007
-                );
-                page.extend_from_slice(row.as_bytes());
-            }
-            page.resize(8192, b' ');
-            first.extend_from_slice(&page);
-        }
-        let mut second = first.clone();
-        for p in 0..n {
-            for _ in 0..3 {
-                let at = p * 8192 + 64 + rnd() as usize % 8000;
-                second[at] = b'0' + (rnd() % 10) as u8;
-            }
-            if p % 4 == 0 && p + 1 < n {
-                let (a, b) = (p * 8192 + 2000, (p + 1) * 8192 + 3000);
-                let row = first[b..b + 90].to_vec();
-                second[a..a + 90].copy_from_slice(&row);
-            }
-        }
-        (first, second)
-    }
-
-    /// Decodes `wire` in full, answering each miss with the encoder's copy of the chunk, as the
-    /// link does with `Need` and `Chunk`; returns the bytes and how many misses there were.
-    fn decode_answering(enc: &Encoder, dec: &mut Decoder, wire: &[u8]) -> (Vec<u8>, usize) {
-        let (mut out, mut at, mut misses) = (Vec::new(), 0, 0);
-        while at < wire.len() {
-            match dec.decode_record(&wire[at..], &mut out) {
-                Ok(n) => at += n,
-                Err(CodecError::Miss(f)) => {
-                    misses += 1;
-                    let data = enc.mirror.chunk(&f).expect("the sender kept the chunk");
-                    assert!(dec.insert_verified(f, data));
-                }
-                Err(e) => panic!("decode: {e}"),
-            }
-        }
-        (out, misses)
-    }
-
-    /// `data` as a stream of its own.
-    fn send(enc: &mut Encoder, data: &[u8]) -> Vec<u8> {
-        let mut wire = Vec::new();
-        enc.push(data, false, Pressure::LinkBound, &mut wire);
-        enc.end_stream(Pressure::LinkBound, &mut wire);
-        wire
-    }
-
-    #[test]
-    fn a_changed_backup_goes_as_deltas_and_rebuilds_exactly() {
-        let cfg = CodecConfig::default();
-        let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
-        let (first, second) = pages(512, 7);
-        let w1 = send(&mut enc, &first);
-        assert_eq!(decode_answering(&enc, &mut dec, &w1), (first.clone(), 0));
-        let early = enc.stats().delta_chunks;
-        let w2 = send(&mut enc, &second);
-        assert_eq!(decode_answering(&enc, &mut dec, &w2), (second.clone(), 0));
-        let s = enc.stats();
-        let chunks = chunks(&second, &cfg).count() as u64;
-        eprintln!(
-            "first {} B, changed {} B; {} of {chunks} chunks as deltas ({} -> {} B)",
-            w1.len(),
-            w2.len(),
-            s.delta_chunks,
-            s.delta_bytes,
-            s.delta_wire
-        );
-        assert!(
-            (s.delta_chunks - early) * 10 >= chunks * 8,
-            "most chunks are deltas"
-        );
-        assert!(w2.len() * 4 <= w1.len(), "{} vs {}", w2.len(), w1.len());
-        assert_eq!(dec.stats().delta_chunks, s.delta_chunks);
-        // The same bytes without a store: literals only.
-        let plain = CodecConfig {
-            delta_bytes: 0,
-            ..cfg.clone()
-        };
-        let mut enc = Encoder::new(plain);
-        send(&mut enc, &first);
-        let w = send(&mut enc, &second);
-        assert!(
-            w2.len() * 3 <= w.len(),
-            "deltas {} vs none {}",
-            w2.len(),
-            w.len()
-        );
-        assert_eq!(enc.stats().delta_chunks, 0);
-    }
-
-    /// A disk store whose every record is at hand only the second time it is asked for, as a
-    /// store that reads on a thread of its own answers: `Pending` first.
-    struct Reading(
-        crate::store::MemStore,
-        std::collections::HashSet<(u32, u64)>,
-    );
-
-    impl ChunkStore for Reading {
-        fn append(&mut self, f: &Fingerprint, data: &[u8]) -> Option<crate::store::Loc> {
-            self.0.append(f, data)
-        }
-        fn read(&mut self, loc: crate::store::Loc, f: &Fingerprint) -> Option<Vec<u8>> {
-            self.0.read(loc, f)
-        }
-        fn try_read(
-            &mut self,
-            loc: crate::store::Loc,
-            f: &Fingerprint,
-        ) -> std::task::Poll<Option<Vec<u8>>> {
-            if self.1.insert((loc.seg, loc.off)) {
-                return std::task::Poll::Pending;
-            }
-            std::task::Poll::Ready(self.0.read(loc, f))
-        }
-        fn remove_segment(&mut self, seg: u32) {
-            self.0.remove_segment(seg);
-        }
-        fn segments(&self) -> Vec<(u32, u64)> {
-            self.0.segments()
-        }
-        fn segment_limit(&self) -> u64 {
-            self.0.segment_limit()
-        }
-    }
-
-    /// Sends `first` then `second` through an encoder whose store of bases is `bases`; returns
-    /// the second's wire bytes and the share of its chunks that went as deltas, after checking
-    /// that both rebuild exactly.
-    fn changed_backup_with(
-        bases: Option<SharedBases>,
-        first: &[u8],
-        second: &[u8],
-    ) -> (usize, f64) {
-        let cfg = CodecConfig::default();
-        let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
-        enc.mirror.set_bases(bases);
-        let w1 = send(&mut enc, first);
-        assert_eq!(decode_answering(&enc, &mut dec, &w1).0, first);
-        let early = enc.stats().delta_chunks;
-        let w2 = send(&mut enc, second);
-        assert_eq!(decode_answering(&enc, &mut dec, &w2).0, second);
-        let n = chunks(second, &cfg).count() as f64;
-        (w2.len(), (enc.stats().delta_chunks - early) as f64 / n)
-    }
-
-    #[test]
-    fn bases_memory_forgot_are_found_on_the_disk_tier_and_read_ahead() {
-        let (first, second) = pages(512, 11);
-        let mem = 256 << 10;
-        let disk = || Box::new(crate::store::MemStore::new(1 << 20));
-        // Memory alone: the first backup (4 MiB) has left a 256 KiB store by the time the second
-        // comes.
-        let (alone, share) = changed_backup_with(shared(mem), &first, &second);
-        assert!(share < 0.2, "memory only: {share}");
-        // With a disk tier behind the same memory, its pages are bases again.
-        let tiered = shared_tiered(mem, 16 << 20, disk()).expect("store");
-        let (w, share) = changed_backup_with(Some(tiered.clone()), &first, &second);
-        assert!(share > 0.8, "tiered: {share}");
-        assert!(w * 3 <= alone, "tiered {w} vs memory only {alone}");
-        let t = tiered.lock().expect("lock").tier_stats();
-        assert!(t.disk && t.disk_chunks > 500, "{t:?}");
-        assert!(t.mem_bytes <= mem as u64, "{t:?}");
-        // A disk that answers only once it has read: the sender never waits, and reading ahead
-        // of the bases it used has the next chunks' bases at hand when they come.
-        let reading = Box::new(Reading(
-            crate::store::MemStore::new(1 << 20),
-            Default::default(),
-        ));
-        let slow = shared_tiered(mem, 16 << 20, reading).expect("store");
-        let (w_slow, share) = changed_backup_with(Some(slow), &first, &second);
-        assert!(share > 0.7, "read ahead: {share}");
-        assert!(
-            w_slow * 2 <= alone,
-            "read ahead {w_slow} vs memory only {alone}"
-        );
-    }
-
-    #[test]
-    fn no_deltas_when_cpu_bound_or_for_latency_or_uncompressed_streams() {
-        let (first, second) = pages(64, 9);
-        for (pressure, compression, latency) in [
-            (Pressure::CpuBound, Compression::Adaptive, false),
-            (Pressure::LinkBound, Compression::Lz4, false),
-            (Pressure::LinkBound, Compression::None, false),
-            (Pressure::LinkBound, Compression::Adaptive, true),
-        ] {
-            let mut m = Mirror::new(64 << 20, 1 << 20, 3);
-            m.set_bases(shared(16 << 20));
-            let policy = Policy {
-                compression,
-                latency,
-                ..Policy::default()
-            };
-            let mut hint = Hint::default();
-            let mut wire = Vec::new();
-            for data in [&first, &second] {
-                for (o, l) in chunks(data, &CodecConfig::default()) {
-                    let r =
-                        m.encode_chunk(&data[o..o + l], &policy, pressure, &mut hint, &mut wire);
-                    assert_ne!(
-                        r.sent,
-                        Sent::Delta,
-                        "{pressure:?} {compression:?} {latency}"
-                    );
-                }
-            }
-        }
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(12))]
-        /// Bases the receiver lost (evicted, damaged) turn deltas into misses that the sender's
-        /// copy answers: the bytes still arrive exactly.
-        #[test]
-        fn deltas_round_trip_with_bases_lost_at_random(
-            seed in any::<u64>(),
-            lost in proptest::collection::vec(any::<prop::sample::Index>(), 0..40),
-        ) {
-            let cfg = CodecConfig::default();
-            let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
-            let (first, second) = pages(96, seed);
-            let w1 = send(&mut enc, &first);
-            prop_assert_eq!(decode_answering(&enc, &mut dec, &w1).0, first.clone());
-            let names: Vec<Fingerprint> = chunks(&first, &cfg)
-                .map(|(o, l)| fingerprint(&first[o..o + l]))
-                .collect();
-            for i in &lost {
-                dec.cache_mut().corrupt_for_test(&names[i.index(names.len())]);
-            }
-            let w2 = send(&mut enc, &second);
-            let (out, misses) = decode_answering(&enc, &mut dec, &w2);
-            prop_assert!(out == second);
-            prop_assert!(misses == 0 || !lost.is_empty());
-            prop_assert!(lost.is_empty() || enc.stats().delta_chunks > 0);
-        }
-    }
-
-    #[test]
-    fn hostile_delta_records_are_errors() {
-        let cfg = CodecConfig::default();
-        let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
-        let (first, second) = pages(16, 3);
-        let w1 = send(&mut enc, &first);
-        decode_answering(&enc, &mut dec, &w1);
-        let wire = send(&mut enc, &second);
-        assert_eq!(wire[0], TAG_DELTA, "the first chunk goes as a delta");
-        let mut out = Vec::new();
-        let (raw, h) = get_len(&wire, 1).expect("length");
-        let n_at = 1 + h;
-        let n = usize::from(wire[n_at]);
-        let t = n_at + 1 + 16 * n;
-        let (clen, h) = get_len(&wire, t + 16).expect("length");
-        let whole = t + 16 + h + clen;
-        // Every truncation is incomplete, never a panic or a partial chunk.
-        for cut in 0..whole {
-            out.clear();
-            assert_eq!(
-                dec.decode_record(&wire[..cut], &mut out),
-                Err(CodecError::Incomplete)
-            );
-            assert!(out.is_empty());
-        }
-        for n in [0u8, MAX_BASES as u8 + 1, 255] {
-            let mut bad = wire[..whole].to_vec();
-            bad[n_at] = n;
-            assert!(matches!(
-                dec.decode_record(&bad, &mut out),
-                Err(CodecError::Malformed(_))
-            ));
-        }
-        // A wrong name for the chunk: what the bases rebuild does not match it, a miss.
-        let mut bad = wire[..whole].to_vec();
-        bad[t] ^= 1;
-        let mut name = [0u8; 16];
-        name.copy_from_slice(&bad[t..t + 16]);
-        assert_eq!(
-            dec.decode_record(&bad, &mut out),
-            Err(CodecError::Miss(name))
-        );
-        // A damaged payload is a miss too.
-        let mut bad = wire[..whole].to_vec();
-        bad[whole - 3] ^= 0x55;
-        assert!(matches!(
-            dec.decode_record(&bad, &mut out),
-            Err(CodecError::Miss(_))
-        ));
-        // An announced size beyond the limit is refused before anything is allocated.
-        let mut big = vec![TAG_DELTA];
-        put_len(&mut big, MAX_RECORD + 1);
-        assert_eq!(
-            dec.decode_record(&big, &mut out),
-            Err(CodecError::TooLarge(MAX_RECORD + 1))
-        );
-        // The genuine record still decodes.
-        out.clear();
-        assert_eq!(dec.decode_record(&wire, &mut out), Ok(whole));
-        assert_eq!(out.len(), raw);
-    }
 
     fn put(b: &mut Bases, data: &[u8]) -> Fingerprint {
         let f = fingerprint(data);

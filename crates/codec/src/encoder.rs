@@ -2,14 +2,12 @@
 //! tools, benches and tests that hold a stream's bytes rather than a link's queues.
 
 use crate::cache::ChunkCache;
-use crate::{
-    CodecConfig, EncodeStats, Hint, Mirror, Pressure, SharedBases, Slots, chunks, delta,
-    encode_tail, prepare,
-};
-
-/// Chunks prepared together (see [`prepare`]): 64 of 8 KiB, half a megabyte, keep two to
-/// sixteen workers busy between the mirror's turns.
-pub const BATCH: usize = 64;
+use crate::config::{CodecConfig, Pressure, chunks};
+use crate::context::Slots;
+use crate::delta::{self, SharedBases};
+use crate::mirror::{Hint, Mirror, encode_tail};
+use crate::prepare::{self, BATCH};
+use crate::stats::EncodeStats;
 
 /// One direction of one stream, encoded as a whole: chunking state, a mirror and counts.
 pub struct Encoder {

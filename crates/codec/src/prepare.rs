@@ -7,8 +7,12 @@
 
 use std::cell::RefCell;
 
-use crate::Codec;
-use crate::cache::{Fingerprint, fingerprint};
+use crate::config::Codec;
+use crate::fingerprint::{Fingerprint, fingerprint};
+
+/// Chunks prepared together (see this module): 64 of 8 KiB, half a megabyte, keep two to
+/// sixteen workers busy between the mirror's turns.
+pub const BATCH: usize = 64;
 
 /// Runs jobs, several at once where it can; returns when every one is done. The runtime gives
 /// one backed by a pool of threads; [`Inline`] runs them in turn on the calling thread.
@@ -104,8 +108,8 @@ impl<'a> Job<'a> {
             Work::Zstd { level, trial } => {
                 if trial {
                     let sample = &self.chunk[..self.chunk.len().min(4096)];
-                    let ok =
-                        lz4_into(sample, &mut s.out).is_some_and(|n| crate::pays(sample.len(), n));
+                    let ok = lz4_into(sample, &mut s.out)
+                        .is_some_and(|n| crate::record::pays(sample.len(), n));
                     s.trial = Some(ok);
                     if !ok {
                         return;

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::Poll;
 
-use crate::cache::{Fingerprint, fingerprint};
+use crate::fingerprint::{Fingerprint, fingerprint};
 
 /// Bytes a store spends on each record besides the stored body.
 pub const RECORD_HEADER: u64 = 24;

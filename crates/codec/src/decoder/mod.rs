@@ -1,14 +1,21 @@
 //! The receiving side of one direction: a [`Decoder`] rebuilds records into bytes against its
 //! cache, checking every length against what the record and its frame announced before it
-//! allocates, copies or decompresses.
+//! allocates, copies or decompresses. A context record is fed to its stream's context in
+//! `in_context.rs`; a delta is rebuilt from its bases in `with_bases.rs`.
 
-use super::{
-    CodecConfig, CodecError, DEFERRED, FRESH, LONG, LongContext, MAX_RECORD, NO_CACHE,
-    RUN_MAX_DECODE, Slots, StreamContext, TAG_DELTA, TAG_LIT, TAG_LIT_CONTEXT, TAG_LIT_LZ4,
-    TAG_LIT_ZSTD, TAG_RAW, TAG_REF, TAG_RUN_END, cache, delta, get_len,
+use crate::cache::{self, ChunkCache};
+use crate::config::CodecConfig;
+use crate::context::{LongContext, Slots, StreamContext};
+use crate::delta;
+use crate::fingerprint::{Fingerprint, fingerprint};
+use crate::prepare::{self, BATCH};
+use crate::record::{
+    CodecError, DEFERRED, FRESH, LONG, MAX_RECORD, NO_CACHE, RUN_MAX_DECODE, TAG_DELTA, TAG_LIT,
+    TAG_LIT_CONTEXT, TAG_LIT_LZ4, TAG_LIT_ZSTD, TAG_RAW, TAG_REF, TAG_RUN_END, get_len,
 };
-use crate::cache::{ChunkCache, Fingerprint, fingerprint};
-use crate::prepare;
+
+mod in_context;
+mod with_bases;
 
 /// What a decoder rebuilt: chunks found in its cache (hits) and chunks that came as data.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -78,7 +85,7 @@ impl Decoder {
     }
 
     /// Decompresses and fingerprints, on the workers, the literals alone among the whole records
-    /// at the front of `buf` (up to [`BATCH`](crate::BATCH) of them, rebuilding at most `room`
+    /// at the front of `buf` (up to [`BATCH`](BATCH) of them, rebuilding at most `room`
     /// bytes), for [`decode_record_at`](Self::decode_record_at) to insert in order. The scan
     /// stops at the first record that is not a reference or a literal alone; every record is
     /// still checked in full when it is decoded. False if nothing was prepared.
@@ -92,7 +99,7 @@ impl Decoder {
         let (mut at, mut raw) = (0, 0);
         // (record offset, tag, raw length, payload range, work)
         let mut found = Vec::new();
-        while found.len() < crate::BATCH {
+        while found.len() < BATCH {
             let Some(&first) = buf.get(at) else { break };
             let rec = &buf[at..];
             if first == TAG_REF {
@@ -445,14 +452,14 @@ impl Decoder {
     }
 
     /// Decodes every whole record at the front of `buf`; returns the bytes used.
-    /// With workers, literals are prepared [`BATCH`](crate::BATCH) records at a time.
+    /// With workers, literals are prepared [`BATCH`](BATCH) records at a time.
     pub fn decode(&mut self, buf: &[u8], out: &mut Vec<u8>) -> Result<usize, CodecError> {
         let mut used = 0;
         let mut own = std::mem::take(&mut self.own);
         // Where the prepared bytes start, and records decoded since.
-        let (mut base, mut n) = (0, crate::BATCH);
+        let (mut base, mut n) = (0, BATCH);
         let r = loop {
-            if self.workers.is_some() && n >= crate::BATCH {
+            if self.workers.is_some() && n >= BATCH {
                 self.prepare(&buf[used..], usize::MAX);
                 (base, n) = (used, 0);
             }

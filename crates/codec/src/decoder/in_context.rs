@@ -1,0 +1,92 @@
+//! A context record on the receiving side: its payload fed to the stream's zstd context, which
+//! rebuilds what the sender compressed in it, bounded by what the record announced.
+
+use super::Decoder;
+use crate::context::{CONTEXT_WINDOW_LOG, DECODER_CONTEXTS, StreamContext};
+use crate::record::{CodecError, RUN_MAX_DECODE};
+
+impl Decoder {
+    /// Feeds a context record's `payload` to `stream`'s context (a new one when `fresh` is
+    /// `Some`, a long one if it says so), appending what it rebuilds to the stream's run bytes,
+    /// which may grow to `limit` bytes and no further. With `complete` the payload must bring
+    /// them to exactly `limit`, and nothing beyond may be left in the context, or the next
+    /// record would start with this one's bytes. A window larger than the context's is refused
+    /// by zstd before it allocates; `limit` is checked against [`RUN_MAX_DECODE`] by the caller.
+    pub(crate) fn feed_context(
+        &mut self,
+        payload: &[u8],
+        limit: usize,
+        complete: bool,
+        fresh: Option<bool>,
+        stream: &mut StreamContext,
+    ) -> Result<(), CodecError> {
+        use zstd::zstd_safe::{DCtx, DParameter, InBuffer, OutBuffer};
+        debug_assert!(limit <= RUN_MAX_DECODE.max(crate::record::MAX_RECORD));
+        if let Some(long) = fresh {
+            stream.dctx = None;
+            let (permit, window_log) = if long {
+                let (l, slots) = self
+                    .long
+                    .as_ref()
+                    .ok_or(CodecError::Malformed("a long context was not offered"))?;
+                let permit = slots
+                    .take(l.streams * 2)
+                    .ok_or(CodecError::Malformed("too many long compression contexts"))?;
+                (permit, l.window_log)
+            } else {
+                let permit = self
+                    .contexts
+                    .take(DECODER_CONTEXTS)
+                    .ok_or(CodecError::Malformed("too many compression contexts"))?;
+                (permit, CONTEXT_WINDOW_LOG)
+            };
+            let mut dctx = DCtx::try_create().ok_or(CodecError::Decompress)?;
+            dctx.set_parameter(DParameter::WindowLogMax(window_log))
+                .map_err(|_| CodecError::Decompress)?;
+            stream.dctx = Some((dctx, permit));
+        }
+        let Some((dctx, _)) = stream.dctx.as_mut() else {
+            return Err(CodecError::Malformed("context record without a context"));
+        };
+        let start = stream.run_bytes.len();
+        if start > limit {
+            return Err(CodecError::Malformed("run longer than announced"));
+        }
+        stream.run_bytes.resize(limit, 0);
+        let mut input = InBuffer::around(payload);
+        let mut output = OutBuffer::around_pos(&mut stream.run_bytes[..], start);
+        let result = loop {
+            // Checked before zstd is called: a deferred record may carry nothing, and zstd
+            // counts calls without input against the stream.
+            if input.pos() == payload.len() && (!complete || output.pos() == limit) {
+                if !complete {
+                    break Ok(());
+                }
+                // Anything more would spill into the next record.
+                let mut probe = [0u8; 1];
+                let mut more = OutBuffer::around(&mut probe[..]);
+                let mut none = InBuffer::around(&[]);
+                break match dctx.decompress_stream(&mut more, &mut none) {
+                    Ok(_) if more.pos() == 0 => Ok(()),
+                    _ => Err(CodecError::Decompress),
+                };
+            }
+            let before = (input.pos(), output.pos());
+            if dctx.decompress_stream(&mut output, &mut input).is_err() {
+                break Err(CodecError::Decompress);
+            }
+            if (input.pos(), output.pos()) == before {
+                break Err(CodecError::Decompress);
+            }
+        };
+        let got = output.pos();
+        stream.run_bytes.truncate(got);
+        if result.is_err() {
+            // The context is out of step now: later records of it fail too, until a fresh one.
+            stream.dctx = None;
+            stream.run.clear();
+            stream.run_bytes.clear();
+        }
+        result
+    }
+}

@@ -1,0 +1,684 @@
+//! The encoding side of one cache: a [`Mirror`] of the peer decoder's cache, which turns each
+//! chunk into a record (a reference, a literal, a delta, or raw bytes), and each stream's
+//! [`Hint`], its memory between chunks. The chunk in its stream's context is `in_context.rs`;
+//! deltas against the store of what was sent are `with_bases.rs`.
+
+use bytes::BufMut;
+
+use crate::cache::ChunkCache;
+use crate::config::{Codec, Compression, Policy, Pressure};
+use crate::context::{LongContext, SendContext, Slots};
+use crate::delta::{self, SharedBases};
+use crate::fingerprint::{Fingerprint, fingerprint};
+use crate::prepare;
+use crate::record::{DEFERRED, NO_CACHE, TAG_LIT_CONTEXT, TAG_RAW, TAG_REF, pays, put_len};
+use crate::stats::{Report, Sent};
+
+mod in_context;
+mod with_bases;
+
+/// Per-stream memory of the encoder: the adaptive choice's (after incompressible chunks, skip the
+/// trial for a growing number of chunks, so encrypted or compressed data costs almost nothing)
+/// and the stream's zstd context, once it has one.
+#[derive(Default)]
+pub struct Hint {
+    skip: u32,
+    backoff: u32,
+    context: Option<SendContext>,
+    /// Chunks still to be treated as part of a live stream, counted down from [`LIVE_CHUNKS`]
+    /// at each flushed tail.
+    live: u32,
+    /// The stream's last record was not a context literal (a reference, a delta, a literal
+    /// alone): the next literal goes flushed, since a run of one costs a run end more than a
+    /// flushed literal. Literals in a row start or extend a run.
+    interrupted: bool,
+    /// Chunks in a row that paid (see [`TRIAL_EVERY`]).
+    paid: u32,
+}
+
+/// After this many chunks in a row of a stream paid, its chunks in context skip the LZ4 trial
+/// that tells noise apart, except every this-many-th: the trial was 2.5% of a profile of the
+/// reduction bench's row binlog (`perf record`), and data turning to noise is still caught
+/// within this many chunks (each costs zstd's time, not wire: the context's own result judges
+/// it).
+pub const TRIAL_EVERY: u32 = 16;
+
+/// After a flushed tail, this many chunks count as live: they are compressed in the stream's
+/// context too. A stream that pauses this often is live redo, whose every piece gains from the
+/// context (pgbench's WAL: 0.108 of the raw bytes with all pieces in context, 0.144 with tails
+/// only); a steady bulk stream never pauses, and its chunks compress alone (a third faster).
+pub const LIVE_CHUNKS: u32 = 32;
+
+impl std::fmt::Debug for Hint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hint")
+            .field("skip", &self.skip)
+            .field("backoff", &self.backoff)
+            .field("context", &self.context.is_some())
+            .field("live", &self.live)
+            .field("paid", &self.paid)
+            .finish()
+    }
+}
+
+impl Hint {
+    /// Raw bytes of the stream's open run: their zstd output is still to come, in a later
+    /// record (at most about as many bytes; see [`run_reserve`]).
+    pub fn run_pending(&self) -> usize {
+        self.context.as_ref().map_or(0, |c| c.run_pending())
+    }
+
+    fn incompressible(&mut self) {
+        self.backoff = (self.backoff * 2).clamp(1, 64);
+        self.skip = self.backoff;
+        self.paid = 0;
+    }
+    fn compressible(&mut self) {
+        self.backoff = 0;
+        self.paid = self.paid.saturating_add(1);
+    }
+    /// Whether the stream's chunks paid long enough for this one to skip the noise trial.
+    fn trusted(&self) -> bool {
+        self.paid >= TRIAL_EVERY && !self.paid.is_multiple_of(TRIAL_EVERY)
+    }
+}
+
+/// The encoding side of one cache: an index-only mirror of the peer decoder's cache (same
+/// capacity, same inserts and touches in the same order), the bytes of recently referenced chunks
+/// (to answer a miss), and reusable compression state.
+pub struct Mirror {
+    cache: ChunkCache,
+    recent: Recent,
+    zstd: Option<zstd::bulk::Compressor<'static>>,
+    zstd_level: i32,
+    contexts: Slots,
+    /// Long contexts both sides agreed on, and the link's count of them in use.
+    long: Option<(LongContext, Slots)>,
+    /// The store of what we sent, for deltas against it; `None`: no deltas.
+    bases: Option<SharedBases>,
+    delta: delta::SendScratch,
+    /// Stream contexts started so far (each one's serial).
+    serials: u64,
+    /// Compression output: the first `clen` bytes.
+    scratch: Vec<u8>,
+    clen: usize,
+    /// The scratch holds a context record's payload: its tag flags ([`FRESH`], [`LONG`],
+    /// [`DEFERRED`]).
+    context: Option<u8>,
+    /// A run's end is put together here (the scratch may hold the next record's payload).
+    run_scratch: Vec<u8>,
+    /// The context record in the scratch ended a run: its raw bytes, payload bytes and chunks.
+    run_done: Option<(usize, usize, usize)>,
+    /// Threads to prepare a turn's chunks on (see [`prepare`]); `None`: each chunk in turn.
+    workers: Option<std::sync::Arc<dyn prepare::Workers>>,
+    /// What [`prepare`](Mirror::prepare) made of the turn's chunks (the first `batch_len`).
+    batch: Vec<prepare::Prepared>,
+    batch_len: usize,
+}
+
+/// The bytes of the chunks sent as references most recently, bounded in bytes: the receiver asks
+/// for one only if it could not resolve it, within about a round trip of receiving it.
+struct Recent {
+    capacity: usize,
+    size: usize,
+    seq: u64,
+    map: std::collections::HashMap<Fingerprint, (u64, bytes::Bytes)>,
+    order: std::collections::VecDeque<(u64, Fingerprint)>,
+}
+
+impl Recent {
+    fn put(&mut self, f: Fingerprint, data: &[u8]) {
+        self.put_with(f, data.len(), || bytes::Bytes::copy_from_slice(data));
+    }
+
+    /// Keeps a chunk's bytes (made by `data` only if not held yet), dropping the oldest to fit.
+    fn put_with(&mut self, f: Fingerprint, len: usize, data: impl FnOnce() -> bytes::Bytes) {
+        if len > self.capacity {
+            return;
+        }
+        self.seq += 1;
+        match self.map.get_mut(&f) {
+            Some(e) => e.0 = self.seq,
+            None => {
+                self.size += len;
+                self.map.insert(f, (self.seq, data()));
+            }
+        }
+        self.order.push_back((self.seq, f));
+        while self.size > self.capacity || self.order.len() > 4 * self.map.len() + 64 {
+            let Some((seq, victim)) = self.order.pop_front() else {
+                break;
+            };
+            if self.map.get(&victim).is_some_and(|e| e.0 == seq)
+                && let Some((_, d)) = self.map.remove(&victim)
+            {
+                self.size -= d.len();
+            }
+        }
+    }
+}
+
+impl Mirror {
+    /// What the last compression left in the scratch buffer (tests build records from it).
+    #[cfg(test)]
+    pub(crate) fn compressed(&self) -> &[u8] {
+        &self.scratch[..self.clen]
+    }
+}
+
+impl Mirror {
+    /// A mirror of a peer cache of `cache_bytes`, keeping up to `resend_bytes` of recently
+    /// referenced chunks, compressing with zstd at `zstd_level`.
+    pub fn new(cache_bytes: usize, resend_bytes: usize, zstd_level: i32) -> Self {
+        Mirror {
+            cache: ChunkCache::new(cache_bytes),
+            recent: Recent {
+                capacity: resend_bytes,
+                size: 0,
+                seq: 0,
+                map: std::collections::HashMap::new(),
+                order: std::collections::VecDeque::new(),
+            },
+            // One zstd context for the mirror's life: creating one per chunk cost more than compressing.
+            zstd: zstd::bulk::Compressor::new(zstd_level).ok(),
+            zstd_level,
+            contexts: Slots::default(),
+            long: None,
+            bases: None,
+            delta: delta::SendScratch::default(),
+            serials: 0,
+            scratch: Vec::new(),
+            clen: 0,
+            context: None,
+            run_scratch: Vec::new(),
+            run_done: None,
+            workers: None,
+            batch: Vec::new(),
+            batch_len: 0,
+        }
+    }
+
+    /// Prepares chunks on `workers` before encoding them (see [`prepare`]); `None`: each chunk
+    /// is fingerprinted and compressed as it is encoded.
+    pub fn set_workers(&mut self, workers: Option<std::sync::Arc<dyn prepare::Workers>>) {
+        self.workers = workers;
+    }
+
+    /// Whether chunks are prepared on workers.
+    pub fn has_workers(&self) -> bool {
+        self.workers.is_some()
+    }
+
+    /// Fingerprints the chunks of `view` at `bounds` (offset, length), and compresses those that
+    /// will go as literals alone, on the workers, before [`encode_prepared`](Self::encode_prepared)
+    /// encodes them in order. False (nothing prepared) without workers, for fewer than two
+    /// chunks, or for a latency-class stream (its small writes never wait for a pool).
+    pub fn prepare(
+        &mut self,
+        view: &[u8],
+        bounds: &[(usize, usize)],
+        policy: &Policy,
+        pressure: Pressure,
+        hint: &Hint,
+    ) -> bool {
+        use prepare::{Job, Work};
+        self.batch_len = 0;
+        let Some(w) = self.workers.clone() else {
+            return false;
+        };
+        if bounds.len() < 2 || policy.latency || bounds.iter().any(|&(o, l)| o + l > view.len()) {
+            return false;
+        }
+        if self.batch.len() < bounds.len() {
+            self.batch.resize_with(bounds.len(), Default::default);
+        }
+        for (s, &(_, l)) in self.batch.iter_mut().zip(bounds) {
+            s.reset(l);
+        }
+        let piece = |&(o, l): &(usize, usize)| &view[o..o + l];
+        let work = if policy.dedup {
+            Work::Fingerprint
+        } else {
+            // Nothing to fingerprint: only compression.
+            match self.literal_work(policy, pressure, hint) {
+                Some(w) => w,
+                None => return false,
+            }
+        };
+        let mut jobs: Vec<Job<'_>> = bounds
+            .iter()
+            .zip(self.batch.iter_mut())
+            .map(|(b, s)| Job::new(piece(b), work, s))
+            .collect();
+        w.run(&mut jobs);
+        drop(jobs);
+        if policy.dedup
+            && let Some(work) = self.literal_work(policy, pressure, hint)
+        {
+            // Only what will go as a literal: not held by the peer, nor earlier in the turn.
+            let cache = &self.cache;
+            let mut seen = std::collections::HashSet::with_capacity(bounds.len());
+            let mut jobs: Vec<Job<'_>> = bounds
+                .iter()
+                .zip(self.batch.iter_mut())
+                .filter(|(_, s)| {
+                    s.fingerprint
+                        .is_some_and(|f| !cache.contains(&f) && seen.insert(f))
+                })
+                .map(|(b, s)| Job::new(piece(b), work, s))
+                .collect();
+            if !jobs.is_empty() {
+                w.run(&mut jobs);
+            }
+        }
+        self.batch_len = bounds.len();
+        true
+    }
+
+    /// The compression a literal alone of this stream would get, to do ahead; `None` where
+    /// its literals go through the stream's context (or are not compressed).
+    fn literal_work(
+        &self,
+        policy: &Policy,
+        pressure: Pressure,
+        hint: &Hint,
+    ) -> Option<prepare::Work> {
+        use prepare::Work;
+        let in_context = policy.context && (hint.live > 0 || (policy.bulk && self.long.is_some()));
+        match policy.compression {
+            Compression::None => None,
+            Compression::Lz4 => Some(Work::Lz4),
+            Compression::Zstd => (!in_context).then_some(Work::Zstd {
+                level: self.zstd_level,
+                trial: false,
+            }),
+            Compression::Adaptive if policy.latency || pressure == Pressure::CpuBound => {
+                Some(Work::Lz4)
+            }
+            Compression::Adaptive => (!in_context).then_some(Work::Zstd {
+                level: self.zstd_level,
+                trial: true,
+            }),
+        }
+    }
+
+    /// Appends the record for the `i`th chunk [`prepare`](Self::prepare) was given, `chunk`,
+    /// with what was prepared for it (as [`encode_chunk`](Self::encode_chunk) without).
+    pub fn encode_prepared(
+        &mut self,
+        i: usize,
+        chunk: &[u8],
+        policy: &Policy,
+        pressure: Pressure,
+        hint: &mut Hint,
+        out: &mut impl BufMut,
+    ) -> Report {
+        let mut p = (i < self.batch_len && self.batch[i].len == chunk.len())
+            .then(|| std::mem::take(&mut self.batch[i]));
+        let r = self.encode_with(chunk, policy, pressure, hint, out, p.as_mut());
+        if let Some(p) = p {
+            // Its buffer serves the next turn.
+            self.batch[i] = p;
+        }
+        r
+    }
+
+    /// Forgets what was prepared.
+    pub fn end_batch(&mut self) {
+        self.batch_len = 0;
+    }
+
+    /// Lets bulk streams use long contexts as agreed with the peer, counted in `slots` (shared
+    /// by the link's mirrors); `None` compresses their chunks alone.
+    pub fn set_long_context(&mut self, long: Option<LongContext>, slots: Slots) {
+        self.long = long.map(|l| (l, slots));
+    }
+
+    /// Stream contexts in use.
+    pub fn contexts(&self) -> usize {
+        self.contexts.in_use()
+    }
+
+    /// Lets chunks go as deltas against what `bases` holds (the store may be shared by the
+    /// link's mirrors: a base is used only while this mirror's peer cache holds it); `None`
+    /// sends no deltas. Only when the peer decodes delta records.
+    pub fn set_bases(&mut self, bases: Option<SharedBases>) {
+        self.bases = bases;
+    }
+
+    /// The zstd level of what is compressed from now on, stream contexts included (zstd takes
+    /// a new level between blocks of a frame; the receiver needs to know nothing).
+    pub fn set_zstd_level(&mut self, level: i32) {
+        if level != self.zstd_level {
+            self.zstd_level = level;
+            if let Some(z) = self.zstd.as_mut()
+                && z.set_compression_level(level).is_err()
+            {
+                self.zstd = zstd::bulk::Compressor::new(level).ok();
+            }
+        }
+    }
+
+    /// The zstd level in use.
+    pub fn zstd_level(&self) -> i32 {
+        self.zstd_level
+    }
+
+    /// The mirrored cache (for its size and evictions).
+    pub fn cache(&self) -> &ChunkCache {
+        &self.cache
+    }
+
+    /// The mirrored cache, to restore a snapshot into.
+    pub fn cache_mut(&mut self) -> &mut ChunkCache {
+        &mut self.cache
+    }
+
+    /// Bytes held to answer misses.
+    pub fn resend_bytes(&self) -> usize {
+        self.recent.size
+    }
+
+    /// The bytes of a recently referenced chunk, to answer the peer's miss.
+    pub fn chunk(&self, f: &Fingerprint) -> Option<&bytes::Bytes> {
+        self.recent.map.get(f).map(|(_, d)| d)
+    }
+
+    /// Appends the record for one chunk to `out`.
+    pub fn encode_chunk(
+        &mut self,
+        chunk: &[u8],
+        policy: &Policy,
+        pressure: Pressure,
+        hint: &mut Hint,
+        out: &mut impl BufMut,
+    ) -> Report {
+        self.encode_with(chunk, policy, pressure, hint, out, None)
+    }
+
+    fn encode_with(
+        &mut self,
+        chunk: &[u8],
+        policy: &Policy,
+        pressure: Pressure,
+        hint: &mut Hint,
+        out: &mut impl BufMut,
+        prep: Option<&mut prepare::Prepared>,
+    ) -> Report {
+        // A live stream's chunks join its tails' context; a bulk stream's all go through its
+        // long context when there is one to have.
+        let live = policy.context && (hint.live > 0 || (policy.bulk && self.long.is_some()));
+        hint.live = hint.live.saturating_sub(1);
+        self.encode_piece(chunk, policy, pressure, hint, out, live, prep)
+    }
+
+    /// Appends the record for a chunk or a tail to `out`; a tail may use the stream's context.
+    #[allow(clippy::too_many_arguments)]
+    fn encode_piece(
+        &mut self,
+        chunk: &[u8],
+        policy: &Policy,
+        pressure: Pressure,
+        hint: &mut Hint,
+        out: &mut impl BufMut,
+        in_context: bool,
+        prep: Option<&mut prepare::Prepared>,
+    ) -> Report {
+        let f = if policy.dedup {
+            let f = match prep.as_ref().and_then(|p| p.fingerprint) {
+                Some(f) => f,
+                None => fingerprint(chunk),
+            };
+            if self.cache.contains(&f) {
+                self.cache.touch(&f);
+                self.recent.put(f, chunk);
+                // Only where deltas are wanted: a CPU-bound repeat (the LZ4 path) takes no lock.
+                if self.delta_wanted(policy, pressure, hint) {
+                    self.ref_base(f, chunk);
+                }
+                let run_end = self.end_run(hint, out);
+                hint.interrupted = true;
+                out.put_u8(TAG_REF);
+                out.put_slice(&f);
+                let wire = 17 + put_len(out, chunk.len());
+                return Report {
+                    sent: Sent::Ref,
+                    raw: chunk.len(),
+                    wire,
+                    run_end,
+                };
+            }
+            Some(f)
+        } else {
+            None
+        };
+        let delta = f.is_some() && self.delta_wanted(policy, pressure, hint);
+        if let Some(f) = f.filter(|_| delta)
+            && let Some(r) = self.encode_delta(f, chunk, hint, out)
+        {
+            return r;
+        }
+        let codec = self.compress(chunk, policy, pressure, hint, in_context, prep);
+        hint.interrupted = self.context.is_none();
+        // Only a context literal goes inside a run (or ends it itself).
+        let run_end = if self.context.is_none() {
+            self.end_run(hint, out)
+        } else {
+            0
+        };
+        let wire = match codec {
+            Some(codec) => {
+                let c = &self.scratch[..self.clen];
+                let tag = match self.context {
+                    Some(flags) => TAG_LIT_CONTEXT | flags | if f.is_some() { 0 } else { NO_CACHE },
+                    None => codec.tag(f.is_some()),
+                };
+                out.put_u8(tag);
+                let h = put_len(out, chunk.len()) + put_len(out, c.len());
+                out.put_slice(c);
+                1 + h + c.len()
+            }
+            None => {
+                out.put_u8(Codec::None.tag(f.is_some()));
+                let h = put_len(out, chunk.len());
+                out.put_slice(chunk);
+                1 + h + chunk.len()
+            }
+        };
+        // What a literal costs: known for a chunk flushed alone, for a run only at its end.
+        let learn = match (self.context, self.run_done.take()) {
+            (Some(flags), _) if flags & DEFERRED != 0 => None,
+            (Some(_), Some((raw, wire, n))) => {
+                self.learn_run(raw, wire, n);
+                None
+            }
+            _ => Some(wire),
+        };
+        if let Some(f) = f {
+            self.cache.insert_len(f, chunk.len());
+            if delta && codec.is_some() {
+                self.keep_base(f, chunk, learn, hint);
+            }
+        }
+        Report {
+            sent: Sent::Lit(codec.unwrap_or(Codec::None)),
+            raw: chunk.len(),
+            wire,
+            run_end,
+        }
+    }
+
+    /// Compresses `chunk` into the scratch buffer if that pays (with zstd in the stream's context
+    /// if `in_context`); returns the codec used.
+    fn compress(
+        &mut self,
+        chunk: &[u8],
+        policy: &Policy,
+        pressure: Pressure,
+        hint: &mut Hint,
+        in_context: bool,
+        prep: Option<&mut prepare::Prepared>,
+    ) -> Option<Codec> {
+        self.context = None;
+        let codec = match policy.compression {
+            Compression::None => return None,
+            Compression::Lz4 => Codec::Lz4,
+            Compression::Zstd => Codec::Zstd,
+            Compression::Adaptive => {
+                if hint.skip > 0 {
+                    hint.skip -= 1;
+                    return None;
+                }
+                if policy.latency || pressure == Pressure::CpuBound {
+                    Codec::Lz4
+                } else if in_context && (chunk.len() < SMALL || hint.trusted()) {
+                    // A small piece alone says little: in context it compresses like its
+                    // stream, and the context's own result judges it. So does a chunk of a
+                    // stream whose chunks paid for a while.
+                    Codec::Zstd
+                } else {
+                    // Before spending zstd's CPU, a 4 KiB LZ4 trial tells noise apart.
+                    let sample = &chunk[..chunk.len().min(4096)];
+                    let paid = match prep.as_ref().and_then(|p| p.trial) {
+                        Some(paid) => paid,
+                        None => self.lz4(sample) && pays(sample.len(), self.clen),
+                    };
+                    if !paid {
+                        hint.incompressible();
+                        return None;
+                    }
+                    Codec::Zstd
+                }
+            }
+        };
+        if codec == Codec::Zstd
+            && in_context
+            && let Some(flags) = self.compress_in_context(
+                chunk,
+                hint,
+                policy.bulk,
+                policy.runs && policy.bulk && !hint.interrupted,
+            )
+        {
+            // The context has taken the chunk: it must go as compressed, paying or not (the
+            // LZ4 trial already told it from noise). A deferred chunk's cost is not known yet.
+            self.context = Some(flags);
+            let run = flags & DEFERRED != 0 || self.run_done.is_some();
+            if run || pays(chunk.len(), self.clen) {
+                hint.compressible();
+            } else if chunk.len() >= SMALL {
+                hint.incompressible();
+            }
+            return Some(codec);
+        }
+        // Compressed ahead on a worker (the same codec and level, so the same bytes): the
+        // buffers trade places.
+        let ready = match codec {
+            Codec::Zstd => Some((codec, self.zstd_level)),
+            _ => Some((codec, 0)),
+        };
+        let ok = match prep.filter(|p| p.compressed.is_some() && p.compressed == ready) {
+            Some(p) => {
+                std::mem::swap(&mut self.scratch, &mut p.out);
+                self.clen = p.clen;
+                p.compressed = None;
+                true
+            }
+            None if codec == Codec::Lz4 => self.lz4(chunk),
+            None => match self.zstd.as_mut() {
+                Some(z) => {
+                    self.scratch.clear();
+                    self.scratch
+                        .reserve(zstd::zstd_safe::compress_bound(chunk.len()));
+                    let ok = z.compress_to_buffer(chunk, &mut self.scratch).is_ok();
+                    self.clen = self.scratch.len();
+                    ok
+                }
+                None => false,
+            },
+        };
+        if ok && pays(chunk.len(), self.clen) {
+            hint.compressible();
+            Some(codec)
+        } else {
+            hint.incompressible();
+            None
+        }
+    }
+
+    fn lz4(&mut self, data: &[u8]) -> bool {
+        // Grow only: zeroing the buffer for every chunk cost a tenth of the compression.
+        let need = lz4_flex::block::get_maximum_output_size(data.len());
+        if self.scratch.len() < need {
+            self.scratch.resize(need, 0);
+        }
+        match lz4_flex::block::compress_into(data, &mut self.scratch[..need]) {
+            Ok(n) => {
+                self.clen = n;
+                true
+            }
+            Err(_) => false,
+        }
+    }
+}
+
+/// Below this, a flushed tail goes as raw bytes: compressing it could not pay for its header.
+pub const TAIL_RAW: usize = 128;
+/// The same in a stream's context, where even short pieces find matches in what came before.
+pub const TAIL_RAW_IN_CONTEXT: usize = 24;
+/// Pieces shorter than this are judged by what their stream's context makes of them, and do
+/// not count as evidence of noise.
+const SMALL: usize = 1024;
+
+/// Appends the record for a flushed tail: bytes that end where the writer paused, not at a
+/// content boundary. It is never cached (a boundary-less piece would rarely repeat), but it is
+/// compressed when that pays, so small latency-class writes shrink too.
+pub fn encode_tail(
+    mirror: &mut Mirror,
+    tail: &[u8],
+    policy: &Policy,
+    pressure: Pressure,
+    hint: &mut Hint,
+    out: &mut impl BufMut,
+) -> Report {
+    let in_context = policy.context
+        && !policy.latency
+        && match policy.compression {
+            Compression::Zstd => true,
+            Compression::Adaptive => pressure == Pressure::LinkBound,
+            _ => false,
+        };
+    let least = if in_context {
+        TAIL_RAW_IN_CONTEXT
+    } else {
+        TAIL_RAW
+    };
+    if tail.len() < least || policy.compression == Compression::None {
+        let run_end = mirror.end_run(hint, out);
+        return Report {
+            run_end,
+            ..encode_raw(tail, out)
+        };
+    }
+    let once = Policy {
+        dedup: false,
+        ..*policy
+    };
+    if in_context {
+        hint.live = LIVE_CHUNKS;
+    }
+    mirror.encode_piece(tail, &once, pressure, hint, out, in_context, None)
+}
+
+/// Appends a raw record (bytes sent as they are, not cached) to `out`.
+pub fn encode_raw(data: &[u8], out: &mut impl BufMut) -> Report {
+    out.put_u8(TAG_RAW);
+    let h = put_len(out, data.len());
+    out.put_slice(data);
+    Report {
+        sent: Sent::Raw,
+        raw: data.len(),
+        wire: 1 + h + data.len(),
+        run_end: 0,
+    }
+}

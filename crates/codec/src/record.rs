@@ -1,0 +1,100 @@
+//! What a record is on the wire: its tags and the flags on them, the limits a decoder checks
+//! before it allocates, lengths as short varints, and what can be wrong with a record.
+
+use bytes::BufMut;
+
+use crate::fingerprint::Fingerprint;
+
+/// Largest chunk or raw record a decoder accepts, checked before anything is allocated.
+pub const MAX_RECORD: usize = 1 << 20;
+/// Largest overhead of one record over the chunk bytes it carries.
+pub const RECORD_OVERHEAD: usize = 7;
+pub(crate) const TAG_RAW: u8 = 1;
+pub(crate) const TAG_LIT: u8 = 2;
+pub(crate) const TAG_REF: u8 = 3;
+pub(crate) const TAG_LIT_LZ4: u8 = 4;
+pub(crate) const TAG_LIT_ZSTD: u8 = 5;
+/// A zstd literal compressed in its stream's context.
+pub(crate) const TAG_LIT_CONTEXT: u8 = 6;
+/// A chunk as a zstd delta against chunks both caches hold (see [`delta`]).
+pub(crate) const TAG_DELTA: u8 = 7;
+/// Flag on a literal's tag: the receiver must not cache it (the sender's stream has dedup off,
+/// so its mirror will not either).
+pub(crate) const NO_CACHE: u8 = 0x40;
+/// Flag on a context literal's tag: the sender started a new context with it.
+pub(crate) const FRESH: u8 = 0x20;
+/// Flag on a fresh context literal's tag: the context has a long window (see [`LongContext`]).
+pub(crate) const LONG: u8 = 0x10;
+/// Flag on a context literal's tag: the payload need not rebuild the chunk yet. The context was
+/// not flushed after it, so its bytes come with a later record of the same run: the next context
+/// literal without the flag, or a [`TAG_RUN_END`]. A run is the consecutive records of one
+/// frame, and the receiver rebuilds (and caches) its chunks in order when it ends.
+pub(crate) const DEFERRED: u8 = 0x08;
+/// The end of a run of deferred context literals: the rest of the context's output.
+pub(crate) const TAG_RUN_END: u8 = 8;
+/// Most raw bytes a run defers before a record flushes it (the sender's limit).
+pub const RUN_MAX: usize = 256 * 1024;
+/// Most raw bytes a receiver lets a run defer: more is malformed.
+pub const RUN_MAX_DECODE: usize = 1 << 20;
+
+/// Record bytes to keep free for `raw` bytes that may come out of a run's context at once:
+/// zstd's bound for them (raw plus 1/256, and a block header per 128 KiB) and a record header.
+pub fn run_reserve(raw: usize) -> usize {
+    raw + raw / 128 + 64
+}
+
+/// Compression pays when it saves its header and at least 3% of the chunk.
+pub(crate) fn pays(raw: usize, compressed: usize) -> bool {
+    compressed + 4 + raw / 32 < raw
+}
+
+/// Writes a length as a little-endian base-128 varint (at most 3 bytes for lengths up to
+/// [`MAX_RECORD`]); returns its size. Records of 8 KiB chunks thus carry 3 bytes of header.
+pub(crate) fn put_len(out: &mut impl BufMut, mut n: usize) -> usize {
+    let mut k = 0;
+    loop {
+        k += 1;
+        if n < 0x80 {
+            out.put_u8(n as u8);
+            return k;
+        }
+        out.put_u8((n as u8 & 0x7f) | 0x80);
+        n >>= 7;
+    }
+}
+
+/// Reads a varint length at `at`: (length, bytes used). More than 3 bytes is malformed, more
+/// than [`MAX_RECORD`] too large, both before anything is allocated.
+pub(crate) fn get_len(buf: &[u8], at: usize) -> Result<(usize, usize), CodecError> {
+    let mut n = 0usize;
+    for i in 0..3 {
+        let b = *buf.get(at + i).ok_or(CodecError::Incomplete)?;
+        n |= usize::from(b & 0x7f) << (7 * i);
+        if b & 0x80 == 0 {
+            if n > MAX_RECORD {
+                return Err(CodecError::TooLarge(n));
+            }
+            return Ok((n, i + 1));
+        }
+    }
+    Err(CodecError::Malformed("length longer than 3 bytes"))
+}
+
+/// A decoding failure. `Incomplete` is normal: wait for more bytes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    #[error("incomplete record")]
+    Incomplete,
+    #[error("malformed record: {0}")]
+    Malformed(&'static str),
+    #[error("record of {0} bytes exceeds the limit")]
+    TooLarge(usize),
+    #[error("chunk not in the cache (or damaged there)")]
+    Miss(Fingerprint),
+    /// The chunk is cached on disk and the store is reading it: decode the record again once
+    /// the store has it.
+    #[error("chunk being read from disk")]
+    Pending(Fingerprint),
+    #[error("decompression failed")]
+    Decompress,
+}

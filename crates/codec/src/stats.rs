@@ -1,0 +1,107 @@
+//! What encoding reports: how each chunk was sent ([`Sent`], [`Report`]) and the counts of a
+//! stream or a link ([`EncodeStats`]).
+
+use crate::config::Codec;
+
+/// How one chunk was sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sent {
+    /// As a reference to a chunk the peer holds.
+    Ref,
+    /// As data, with this codec.
+    Lit(Codec),
+    /// As a delta against similar chunks the peer holds.
+    Delta,
+    /// As raw bytes, not cached.
+    Raw,
+}
+
+/// What encoding one chunk did: how, raw bytes in, record bytes out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Report {
+    pub sent: Sent,
+    pub raw: usize,
+    pub wire: usize,
+    /// Bytes of a run's end written before the chunk's record: earlier literals' zstd output.
+    pub run_end: usize,
+}
+
+/// Byte and chunk counts, summed from [`Report`]s.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EncodeStats {
+    pub raw_bytes: u64,
+    pub wire_bytes: u64,
+    pub hit_chunks: u64,
+    pub hit_bytes: u64,
+    /// The reference records' bytes: `hit_bytes` minus these is what dedup saved.
+    pub hit_wire: u64,
+    /// Chunks sent as data (literals), and their raw bytes.
+    pub miss_chunks: u64,
+    pub miss_bytes: u64,
+    /// Chunks sent as deltas, their raw bytes and their records' bytes.
+    pub delta_chunks: u64,
+    pub delta_bytes: u64,
+    pub delta_wire: u64,
+    /// Raw bytes of literal chunks (and raw records, as none) sent with each codec: none, lz4, zstd.
+    pub codec_bytes: [u64; 3],
+    /// The record bytes they took: `codec_bytes` minus these is what each codec saved.
+    pub codec_wire: [u64; 3],
+}
+
+impl EncodeStats {
+    /// Adds another set of counts.
+    pub fn merge(&mut self, o: &EncodeStats) {
+        self.raw_bytes += o.raw_bytes;
+        self.wire_bytes += o.wire_bytes;
+        self.hit_chunks += o.hit_chunks;
+        self.hit_bytes += o.hit_bytes;
+        self.hit_wire += o.hit_wire;
+        self.miss_chunks += o.miss_chunks;
+        self.miss_bytes += o.miss_bytes;
+        self.delta_chunks += o.delta_chunks;
+        self.delta_bytes += o.delta_bytes;
+        self.delta_wire += o.delta_wire;
+        for (a, b) in self.codec_bytes.iter_mut().zip(o.codec_bytes) {
+            *a += b;
+        }
+        for (a, b) in self.codec_wire.iter_mut().zip(o.codec_wire) {
+            *a += b;
+        }
+    }
+
+    /// Adds one chunk's report.
+    pub fn add(&mut self, r: &Report) {
+        self.add_run_end(r.run_end);
+        let raw = r.raw as u64;
+        self.raw_bytes += raw;
+        self.wire_bytes += r.wire as u64;
+        match r.sent {
+            Sent::Ref => {
+                self.hit_chunks += 1;
+                self.hit_bytes += raw;
+                self.hit_wire += r.wire as u64;
+            }
+            Sent::Delta => {
+                self.delta_chunks += 1;
+                self.delta_bytes += raw;
+                self.delta_wire += r.wire as u64;
+            }
+            Sent::Lit(c) => {
+                self.miss_chunks += 1;
+                self.miss_bytes += raw;
+                self.codec_bytes[c.index()] += raw;
+                self.codec_wire[c.index()] += r.wire as u64;
+            }
+            Sent::Raw => {
+                self.codec_bytes[0] += raw;
+                self.codec_wire[0] += r.wire as u64;
+            }
+        }
+    }
+
+    /// Adds a run's end: zstd output of literals counted already.
+    pub fn add_run_end(&mut self, wire: usize) {
+        self.wire_bytes += wire as u64;
+        self.codec_wire[Codec::Zstd.index()] += wire as u64;
+    }
+}

@@ -1,0 +1,328 @@
+//! Deltas end to end: changed backups go as deltas and rebuild exactly, with bases lost at
+//! random, from the disk tier, or not used where they must not be; hostile delta records are
+//! errors.
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::delta::{shared, shared_tiered};
+use crate::fingerprint::{Fingerprint, fingerprint};
+use crate::store::ChunkStore;
+
+/// 8 KiB pages of text rows, and the same pages after an OLTP run: in each, a few fields
+/// updated in place and, in some, a row moved in from the next page.
+fn pages(n: usize, seed: u64) -> (Vec<u8>, Vec<u8>) {
+    let mut x = seed | 1;
+    let mut rnd = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut first = Vec::with_capacity(n * 8192);
+    for p in 0..n {
+        let mut page = format!("PAGE{p:08}|").into_bytes();
+        let mut r = 0;
+        while page.len() < 8000 {
+            r += 1;
+            let row = format!(
+                "{}|customer {} of {}|{} items|status {}|note {}\n",
+                p * 100 + r,
+                rnd() % 90_000,
+                ["Lisbon", "Oslo", "Quito", "Perth", "Accra"][rnd() as usize % 5],
+                rnd() % 40,
+                ["open", "shipped", "closed"][rnd() as usize % 3],
+                rnd() % 1_000_000_007
+            );
+            page.extend_from_slice(row.as_bytes());
+        }
+        page.resize(8192, b' ');
+        first.extend_from_slice(&page);
+    }
+    let mut second = first.clone();
+    for p in 0..n {
+        for _ in 0..3 {
+            let at = p * 8192 + 64 + rnd() as usize % 8000;
+            second[at] = b'0' + (rnd() % 10) as u8;
+        }
+        if p % 4 == 0 && p + 1 < n {
+            let (a, b) = (p * 8192 + 2000, (p + 1) * 8192 + 3000);
+            let row = first[b..b + 90].to_vec();
+            second[a..a + 90].copy_from_slice(&row);
+        }
+    }
+    (first, second)
+}
+
+/// Decodes `wire` in full, answering each miss with the encoder's copy of the chunk, as the
+/// link does with `Need` and `Chunk`; returns the bytes and how many misses there were.
+fn decode_answering(enc: &Encoder, dec: &mut Decoder, wire: &[u8]) -> (Vec<u8>, usize) {
+    let (mut out, mut at, mut misses) = (Vec::new(), 0, 0);
+    while at < wire.len() {
+        match dec.decode_record(&wire[at..], &mut out) {
+            Ok(n) => at += n,
+            Err(CodecError::Miss(f)) => {
+                misses += 1;
+                let data = enc.mirror.chunk(&f).expect("the sender kept the chunk");
+                assert!(dec.insert_verified(f, data));
+            }
+            Err(e) => panic!("decode: {e}"),
+        }
+    }
+    (out, misses)
+}
+
+/// `data` as a stream of its own.
+fn send(enc: &mut Encoder, data: &[u8]) -> Vec<u8> {
+    let mut wire = Vec::new();
+    enc.push(data, false, Pressure::LinkBound, &mut wire);
+    enc.end_stream(Pressure::LinkBound, &mut wire);
+    wire
+}
+
+#[test]
+fn a_changed_backup_goes_as_deltas_and_rebuilds_exactly() {
+    let cfg = CodecConfig::default();
+    let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+    let (first, second) = pages(512, 7);
+    let w1 = send(&mut enc, &first);
+    assert_eq!(decode_answering(&enc, &mut dec, &w1), (first.clone(), 0));
+    let early = enc.stats().delta_chunks;
+    let w2 = send(&mut enc, &second);
+    assert_eq!(decode_answering(&enc, &mut dec, &w2), (second.clone(), 0));
+    let s = enc.stats();
+    let chunks = chunks(&second, &cfg).count() as u64;
+    eprintln!(
+        "first {} B, changed {} B; {} of {chunks} chunks as deltas ({} -> {} B)",
+        w1.len(),
+        w2.len(),
+        s.delta_chunks,
+        s.delta_bytes,
+        s.delta_wire
+    );
+    assert!(
+        (s.delta_chunks - early) * 10 >= chunks * 8,
+        "most chunks are deltas"
+    );
+    assert!(w2.len() * 4 <= w1.len(), "{} vs {}", w2.len(), w1.len());
+    assert_eq!(dec.stats().delta_chunks, s.delta_chunks);
+    // The same bytes without a store: literals only.
+    let plain = CodecConfig {
+        delta_bytes: 0,
+        ..cfg.clone()
+    };
+    let mut enc = Encoder::new(plain);
+    send(&mut enc, &first);
+    let w = send(&mut enc, &second);
+    assert!(
+        w2.len() * 3 <= w.len(),
+        "deltas {} vs none {}",
+        w2.len(),
+        w.len()
+    );
+    assert_eq!(enc.stats().delta_chunks, 0);
+}
+
+/// A disk store whose every record is at hand only the second time it is asked for, as a
+/// store that reads on a thread of its own answers: `Pending` first.
+struct Reading(
+    crate::store::MemStore,
+    std::collections::HashSet<(u32, u64)>,
+);
+
+impl ChunkStore for Reading {
+    fn append(&mut self, f: &Fingerprint, data: &[u8]) -> Option<crate::store::Loc> {
+        self.0.append(f, data)
+    }
+    fn read(&mut self, loc: crate::store::Loc, f: &Fingerprint) -> Option<Vec<u8>> {
+        self.0.read(loc, f)
+    }
+    fn try_read(
+        &mut self,
+        loc: crate::store::Loc,
+        f: &Fingerprint,
+    ) -> std::task::Poll<Option<Vec<u8>>> {
+        if self.1.insert((loc.seg, loc.off)) {
+            return std::task::Poll::Pending;
+        }
+        std::task::Poll::Ready(self.0.read(loc, f))
+    }
+    fn remove_segment(&mut self, seg: u32) {
+        self.0.remove_segment(seg);
+    }
+    fn segments(&self) -> Vec<(u32, u64)> {
+        self.0.segments()
+    }
+    fn segment_limit(&self) -> u64 {
+        self.0.segment_limit()
+    }
+}
+
+/// Sends `first` then `second` through an encoder whose store of bases is `bases`; returns
+/// the second's wire bytes and the share of its chunks that went as deltas, after checking
+/// that both rebuild exactly.
+fn changed_backup_with(bases: Option<SharedBases>, first: &[u8], second: &[u8]) -> (usize, f64) {
+    let cfg = CodecConfig::default();
+    let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+    enc.mirror.set_bases(bases);
+    let w1 = send(&mut enc, first);
+    assert_eq!(decode_answering(&enc, &mut dec, &w1).0, first);
+    let early = enc.stats().delta_chunks;
+    let w2 = send(&mut enc, second);
+    assert_eq!(decode_answering(&enc, &mut dec, &w2).0, second);
+    let n = chunks(second, &cfg).count() as f64;
+    (w2.len(), (enc.stats().delta_chunks - early) as f64 / n)
+}
+
+#[test]
+fn bases_memory_forgot_are_found_on_the_disk_tier_and_read_ahead() {
+    let (first, second) = pages(512, 11);
+    let mem = 256 << 10;
+    let disk = || Box::new(crate::store::MemStore::new(1 << 20));
+    // Memory alone: the first backup (4 MiB) has left a 256 KiB store by the time the second
+    // comes.
+    let (alone, share) = changed_backup_with(shared(mem), &first, &second);
+    assert!(share < 0.2, "memory only: {share}");
+    // With a disk tier behind the same memory, its pages are bases again.
+    let tiered = shared_tiered(mem, 16 << 20, disk()).expect("store");
+    let (w, share) = changed_backup_with(Some(tiered.clone()), &first, &second);
+    assert!(share > 0.8, "tiered: {share}");
+    assert!(w * 3 <= alone, "tiered {w} vs memory only {alone}");
+    let t = tiered.lock().expect("lock").tier_stats();
+    assert!(t.disk && t.disk_chunks > 500, "{t:?}");
+    assert!(t.mem_bytes <= mem as u64, "{t:?}");
+    // A disk that answers only once it has read: the sender never waits, and reading ahead
+    // of the bases it used has the next chunks' bases at hand when they come.
+    let reading = Box::new(Reading(
+        crate::store::MemStore::new(1 << 20),
+        Default::default(),
+    ));
+    let slow = shared_tiered(mem, 16 << 20, reading).expect("store");
+    let (w_slow, share) = changed_backup_with(Some(slow), &first, &second);
+    assert!(share > 0.7, "read ahead: {share}");
+    assert!(
+        w_slow * 2 <= alone,
+        "read ahead {w_slow} vs memory only {alone}"
+    );
+}
+
+#[test]
+fn no_deltas_when_cpu_bound_or_for_latency_or_uncompressed_streams() {
+    let (first, second) = pages(64, 9);
+    for (pressure, compression, latency) in [
+        (Pressure::CpuBound, Compression::Adaptive, false),
+        (Pressure::LinkBound, Compression::Lz4, false),
+        (Pressure::LinkBound, Compression::None, false),
+        (Pressure::LinkBound, Compression::Adaptive, true),
+    ] {
+        let mut m = Mirror::new(64 << 20, 1 << 20, 3);
+        m.set_bases(shared(16 << 20));
+        let policy = Policy {
+            compression,
+            latency,
+            ..Policy::default()
+        };
+        let mut hint = Hint::default();
+        let mut wire = Vec::new();
+        for data in [&first, &second] {
+            for (o, l) in chunks(data, &CodecConfig::default()) {
+                let r = m.encode_chunk(&data[o..o + l], &policy, pressure, &mut hint, &mut wire);
+                assert_ne!(
+                    r.sent,
+                    Sent::Delta,
+                    "{pressure:?} {compression:?} {latency}"
+                );
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+    /// Bases the receiver lost (evicted, damaged) turn deltas into misses that the sender's
+    /// copy answers: the bytes still arrive exactly.
+    #[test]
+    fn deltas_round_trip_with_bases_lost_at_random(
+        seed in any::<u64>(),
+        lost in proptest::collection::vec(any::<prop::sample::Index>(), 0..40),
+    ) {
+        let cfg = CodecConfig::default();
+        let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+        let (first, second) = pages(96, seed);
+        let w1 = send(&mut enc, &first);
+        prop_assert_eq!(decode_answering(&enc, &mut dec, &w1).0, first.clone());
+        let names: Vec<Fingerprint> = chunks(&first, &cfg)
+            .map(|(o, l)| fingerprint(&first[o..o + l]))
+            .collect();
+        for i in &lost {
+            dec.cache_mut().corrupt_for_test(&names[i.index(names.len())]);
+        }
+        let w2 = send(&mut enc, &second);
+        let (out, misses) = decode_answering(&enc, &mut dec, &w2);
+        prop_assert!(out == second);
+        prop_assert!(misses == 0 || !lost.is_empty());
+        prop_assert!(lost.is_empty() || enc.stats().delta_chunks > 0);
+    }
+}
+
+#[test]
+fn hostile_delta_records_are_errors() {
+    let cfg = CodecConfig::default();
+    let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+    let (first, second) = pages(16, 3);
+    let w1 = send(&mut enc, &first);
+    decode_answering(&enc, &mut dec, &w1);
+    let wire = send(&mut enc, &second);
+    assert_eq!(wire[0], TAG_DELTA, "the first chunk goes as a delta");
+    let mut out = Vec::new();
+    let (raw, h) = get_len(&wire, 1).expect("length");
+    let n_at = 1 + h;
+    let n = usize::from(wire[n_at]);
+    let t = n_at + 1 + 16 * n;
+    let (clen, h) = get_len(&wire, t + 16).expect("length");
+    let whole = t + 16 + h + clen;
+    // Every truncation is incomplete, never a panic or a partial chunk.
+    for cut in 0..whole {
+        out.clear();
+        assert_eq!(
+            dec.decode_record(&wire[..cut], &mut out),
+            Err(CodecError::Incomplete)
+        );
+        assert!(out.is_empty());
+    }
+    for n in [0u8, MAX_BASES as u8 + 1, 255] {
+        let mut bad = wire[..whole].to_vec();
+        bad[n_at] = n;
+        assert!(matches!(
+            dec.decode_record(&bad, &mut out),
+            Err(CodecError::Malformed(_))
+        ));
+    }
+    // A wrong name for the chunk: what the bases rebuild does not match it, a miss.
+    let mut bad = wire[..whole].to_vec();
+    bad[t] ^= 1;
+    let mut name = [0u8; 16];
+    name.copy_from_slice(&bad[t..t + 16]);
+    assert_eq!(
+        dec.decode_record(&bad, &mut out),
+        Err(CodecError::Miss(name))
+    );
+    // A damaged payload is a miss too.
+    let mut bad = wire[..whole].to_vec();
+    bad[whole - 3] ^= 0x55;
+    assert!(matches!(
+        dec.decode_record(&bad, &mut out),
+        Err(CodecError::Miss(_))
+    ));
+    // An announced size beyond the limit is refused before anything is allocated.
+    let mut big = vec![TAG_DELTA];
+    put_len(&mut big, MAX_RECORD + 1);
+    assert_eq!(
+        dec.decode_record(&big, &mut out),
+        Err(CodecError::TooLarge(MAX_RECORD + 1))
+    );
+    // The genuine record still decodes.
+    out.clear();
+    assert_eq!(dec.decode_record(&wire, &mut out), Ok(whole));
+    assert_eq!(out.len(), raw);
+}

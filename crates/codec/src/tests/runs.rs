@@ -1,0 +1,216 @@
+//! Runs of deferred literals rebuild at their end exactly, hostile runs are errors, and
+//! prepared chunks (on workers) encode and decode to the same records as chunks in turn.
+
+use super::*;
+
+#[test]
+fn a_run_of_literals_rebuilds_at_its_end_exactly_and_caches_every_chunk() {
+    // No deltas: what runs save is the flushes alone.
+    let cfg = CodecConfig {
+        zstd_level: 6,
+        delta_bytes: 0,
+        ..CodecConfig::default()
+    };
+    let (mut enc, mut dec) = pair(&cfg);
+    // Rows of a table, as a binlog or a dump holds them: compressible, not trivially.
+    let noise = crate::testdata::noise(3, 1 << 20);
+    let data: Vec<u8> = (0..4000usize)
+        .flat_map(|i| {
+            let n = &noise[i * 8..i * 8 + 8];
+            format!(
+                "{i:08}|{:06}|customer-{:05}|{:02x}{:02x}{:02x}|{:03}|{}\n",
+                (i * 7919) % 1_000_000,
+                u16::from_le_bytes([n[0], n[1]]),
+                n[2],
+                n[3],
+                n[4],
+                n[5] % 97,
+                ["NEW", "PAID", "SHIPPED", "CLOSED"][usize::from(n[6] % 4)]
+            )
+            .into_bytes()
+        })
+        .collect();
+    let mut wire = Vec::new();
+    enc.push(&data, true, Pressure::LinkBound, &mut wire);
+    let tags = records(&mut dec, &wire);
+    // Deferred literals rebuild nothing until the run ends, then all of it in order.
+    let deferred = tags.iter().filter(|(t, _)| is_deferred(*t)).count();
+    assert!(deferred >= 4, "{tags:?}");
+    let mut held = 0;
+    for (t, out) in &tags {
+        if is_deferred(*t) {
+            assert_eq!(*out, held, "a deferred record rebuilds nothing yet");
+        }
+        held = *out;
+    }
+    assert_eq!(
+        tags.last().map(|t| t.0),
+        Some(TAG_RUN_END),
+        "the push ends its run"
+    );
+    assert_eq!(held, data.len());
+    // Every chunk of the run went into the receiver's cache: the same bytes again are references.
+    let mut again = Vec::new();
+    enc.push(&data, true, Pressure::LinkBound, &mut again);
+    let mut out = Vec::new();
+    dec.decode(&again, &mut out).expect("decodes");
+    assert!(out == data);
+    assert!(again.len() < data.len() / 100, "{} bytes", again.len());
+    // Without runs, the same bytes flush every chunk: more bytes.
+    let (mut flat, _) = pair(&CodecConfig {
+        runs: false,
+        ..cfg.clone()
+    });
+    let mut each = Vec::new();
+    flat.push(&data, true, Pressure::LinkBound, &mut each);
+    assert!(
+        wire.len() < each.len(),
+        "{} against {}",
+        wire.len(),
+        each.len()
+    );
+    let flat_tags = records(&mut Decoder::new(&cfg), &each);
+    assert!(
+        !flat_tags
+            .iter()
+            .any(|(t, _)| is_deferred(*t) || *t == TAG_RUN_END)
+    );
+}
+
+#[test]
+fn hostile_runs_are_errors() {
+    let cfg = CodecConfig::default();
+    let (mut enc, _) = pair(&cfg);
+    let mut wire = Vec::new();
+    enc.push(&db_blocks(8, 5), true, Pressure::LinkBound, &mut wire);
+    let first = Decoder::new(&cfg)
+        .decode_record(&wire, &mut Vec::new())
+        .expect("first");
+    assert!(is_deferred(wire[0]), "the first literal opens a run");
+    // A run end with no run.
+    let mut d = Decoder::new(&cfg);
+    assert_eq!(
+        d.decode_record(&[TAG_RUN_END, 0], &mut Vec::new()),
+        Err(CodecError::Malformed("a run end without a run"))
+    );
+    // Anything but a context literal or the run's end inside a run.
+    let mut d = Decoder::new(&cfg);
+    let mut out = Vec::new();
+    d.decode_record(&wire, &mut out).expect("deferred");
+    assert!(out.is_empty());
+    assert_eq!(
+        d.decode_record(&[TAG_RAW, 1, b'x'], &mut out),
+        Err(CodecError::Malformed("a run left unfinished"))
+    );
+    // A run end that does not complete the run's bytes.
+    let mut d = Decoder::new(&cfg);
+    d.decode_record(&wire, &mut out).expect("deferred");
+    assert_eq!(
+        d.decode_record(&[TAG_RUN_END, 0], &mut out),
+        Err(CodecError::Decompress)
+    );
+    // A run announcing more than a receiver holds, before anything is decompressed.
+    let mut d = Decoder::new(&cfg);
+    d.decode_record(&wire, &mut out).expect("deferred");
+    let mut big = vec![TAG_LIT_CONTEXT | DEFERRED];
+    put_len(&mut big, MAX_RECORD);
+    put_len(&mut big, 0);
+    assert_eq!(
+        d.decode_record(&big, &mut out),
+        Err(CodecError::Malformed("run longer than a receiver accepts"))
+    );
+    // A fresh context inside a run.
+    let mut d = Decoder::new(&cfg);
+    d.decode_record(&wire, &mut out).expect("deferred");
+    assert_eq!(
+        d.decode_record(&wire[..first], &mut out),
+        Err(CodecError::Malformed("a fresh context inside a run"))
+    );
+    assert!(out.is_empty(), "nothing rebuilt from a broken run");
+}
+
+/// Workers on threads of their own: the jobs split in `.0` parts, one thread each.
+#[derive(Debug)]
+struct Threads(usize);
+
+impl prepare::Workers for Threads {
+    fn run(&self, jobs: &mut [prepare::Job<'_>]) {
+        let per = jobs.len().div_ceil(self.0).max(1);
+        std::thread::scope(|s| {
+            for part in jobs.chunks_mut(per) {
+                s.spawn(move || part.iter_mut().for_each(prepare::Job::run));
+            }
+        });
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+    /// Chunks prepared on worker threads encode to the very records the encoder writes alone,
+    /// whatever the codec, pressure, dedup and write sizes (repeats and noise included), and
+    /// decode to the stream.
+    #[test]
+    fn prepared_chunks_encode_to_the_same_records(
+        parts in proptest::collection::vec((0u8..3, 0usize..120_000, any::<u64>()), 1..6),
+        pieces in proptest::collection::vec(1usize..200_000, 1..6),
+        compression in prop::sample::select(vec![
+            Compression::Adaptive, Compression::Lz4, Compression::Zstd, Compression::None,
+        ]),
+        cpu in any::<bool>(),
+        dedup in any::<bool>(),
+        context in any::<bool>(),
+        threads in 1usize..4,
+    ) {
+        let data = mix(&parts);
+        let cfg = CodecConfig { compression, dedup, context, ..CodecConfig::default() };
+        let pressure = if cpu { Pressure::CpuBound } else { Pressure::LinkBound };
+        let wire = |enc: &mut Encoder| encode_all(pressure, enc, &data, &pieces, false);
+        let (mut alone, _) = pair(&cfg);
+        let (mut pooled, mut dec) = pair(&cfg);
+        pooled.set_workers(Some(std::sync::Arc::new(Threads(threads))));
+        let a = wire(&mut alone);
+        let b = wire(&mut pooled);
+        prop_assert!(a == b, "{} and {} bytes", a.len(), b.len());
+        prop_assert_eq!(alone.stats(), pooled.stats());
+        let mut out = Vec::new();
+        dec.decode(&b, &mut out).expect("decodes");
+        prop_assert!(out == data);
+        // A decoder that decompresses on the workers rebuilds the same, and caches the same.
+        let mut pooled_dec = Decoder::new(&cfg);
+        pooled_dec.set_workers(Some(std::sync::Arc::new(Threads(threads))));
+        let mut out2 = Vec::new();
+        pooled_dec.decode(&b, &mut out2).expect("decodes");
+        prop_assert!(out2 == data);
+        prop_assert_eq!(pooled_dec.stats(), dec.stats());
+        prop_assert_eq!(pooled_dec.cache().snapshot().digest(), dec.cache().snapshot().digest());
+    }
+
+    /// Damaged records decode through a decoder with workers exactly as through one without:
+    /// the same bytes, then the same error (or none).
+    #[test]
+    fn prepared_decoding_of_damaged_records_matches(
+        len in 1usize..200_000,
+        seed in any::<u64>(),
+        hits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..8),
+        cut in any::<prop::sample::Index>(),
+    ) {
+        let cfg = CodecConfig { context: false, ..CodecConfig::default() };
+        let data = [db_blocks(len / 8192 + 1, seed), xorshift(seed, len / 3)].concat();
+        let (mut enc, _) = pair(&cfg);
+        let mut wire = Vec::new();
+        enc.push(&data, true, Pressure::CpuBound, &mut wire);
+        enc.push(&data[..len / 2], true, Pressure::CpuBound, &mut wire);
+        for (at, x) in hits {
+            let i = at.index(wire.len());
+            wire[i] ^= x;
+        }
+        wire.truncate(cut.index(wire.len() + 1));
+        let (mut plain, mut pooled) = (Decoder::new(&cfg), Decoder::new(&cfg));
+        pooled.set_workers(Some(std::sync::Arc::new(Threads(2))));
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        let ra = plain.decode(&wire, &mut a);
+        let rb = pooled.decode(&wire, &mut b);
+        prop_assert_eq!(ra, rb);
+        prop_assert!(a == b);
+    }
+}
