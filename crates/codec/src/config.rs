@@ -199,3 +199,33 @@ pub fn chunks<'a>(
     fastcdc::v2020::FastCDC::new(data, cfg.min_chunk, cfg.avg_chunk, cfg.max_chunk)
         .map(|c| (c.offset, c.length))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_read_back_and_chunks_cover_the_bytes() {
+        for c in [
+            Compression::None,
+            Compression::Lz4,
+            Compression::Zstd,
+            Compression::Adaptive,
+        ] {
+            assert_eq!(c.to_string().parse::<Compression>(), Ok(c));
+        }
+        assert!("gzip".parse::<Compression>().is_err());
+        assert_eq!(Codec::Zstd.label(), "zstd");
+        assert_eq!(Codec::Lz4.tag(false) & NO_CACHE, NO_CACHE);
+        let cfg = CodecConfig::default();
+        assert!(AVG_CHUNK_RANGE.contains(&cfg.avg_chunk));
+        let data = crate::testdata::noise(5, 1 << 20);
+        let mut at = 0;
+        for (o, l) in chunks(&data, &cfg) {
+            assert_eq!(o, at, "no gap, no overlap");
+            assert!(l <= cfg.max_chunk);
+            at += l;
+        }
+        assert_eq!(at, data.len());
+    }
+}

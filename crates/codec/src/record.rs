@@ -98,3 +98,28 @@ pub enum CodecError {
     #[error("decompression failed")]
     Decompress,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lengths_round_trip_in_three_bytes_and_are_checked_before_use() {
+        for n in [0, 1, 0x7f, 0x80, 8192, 0x3fff, 0x4000, MAX_RECORD] {
+            let mut b = Vec::new();
+            let k = put_len(&mut b, n);
+            assert!(k <= 3 && k == b.len());
+            assert_eq!(get_len(&b, 0), Ok((n, k)));
+            assert_eq!(get_len(&b[..k - 1], 0), Err(CodecError::Incomplete));
+        }
+        let mut b = Vec::new();
+        put_len(&mut b, MAX_RECORD + 1);
+        assert_eq!(get_len(&b, 0), Err(CodecError::TooLarge(MAX_RECORD + 1)));
+        assert_eq!(
+            get_len(&[0x80, 0x80, 0x80, 1], 0),
+            Err(CodecError::Malformed("length longer than 3 bytes"))
+        );
+        assert!(run_reserve(1 << 17) > 1 << 17);
+        assert!(pays(8192, 4000) && !pays(8192, 8000));
+    }
+}

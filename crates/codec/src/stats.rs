@@ -105,3 +105,36 @@ impl EncodeStats {
         self.codec_wire[Codec::Zstd.index()] += wire as u64;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_add_up_by_how_each_chunk_went_and_merge() {
+        let r = |sent, raw, wire| Report {
+            sent,
+            raw,
+            wire,
+            run_end: 0,
+        };
+        let mut s = EncodeStats::default();
+        s.add(&r(Sent::Ref, 8192, 20));
+        s.add(&r(Sent::Lit(Codec::Lz4), 8192, 3000));
+        s.add(&r(Sent::Delta, 8192, 100));
+        s.add(&Report {
+            run_end: 50,
+            ..r(Sent::Raw, 10, 12)
+        });
+        assert_eq!(
+            (s.raw_bytes, s.wire_bytes),
+            (3 * 8192 + 10, 20 + 3000 + 100 + 12 + 50)
+        );
+        assert_eq!((s.hit_chunks, s.miss_chunks, s.delta_chunks), (1, 1, 1));
+        assert_eq!(s.codec_wire, [12, 3000, 50]);
+        let mut twice = s.clone();
+        twice.merge(&s);
+        assert_eq!(twice.wire_bytes, 2 * s.wire_bytes);
+        assert_eq!(twice.codec_bytes[1], 2 * 8192);
+    }
+}

@@ -244,3 +244,49 @@ async fn accept_lane<S>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncWriteExt;
+
+    use super::*;
+    use crate::peer::testing::{certs, peer};
+
+    /// Waits until `f` holds, for at most ten seconds.
+    async fn until(mut f: impl FnMut() -> bool) {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while !f() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("in time");
+    }
+
+    /// Garbage instead of TLS, and a certificate of the right CA but another site's name, are
+    /// both rejected and counted; nothing of them reaches the supervisor.
+    #[tokio::test]
+    async fn strangers_and_other_sites_are_rejected() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        certs(dir.path(), &["west", "east", "north"]);
+        let mut east = peer(dir.path(), "east", "{listen: '127.0.0.1:0', peer: west}");
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let task = tokio::spawn(accept_links(east.peer.clone(), l));
+        let rejected = || east.peer.counters.link.rejected.get();
+
+        let mut s = TcpStream::connect(addr).await.expect("connect");
+        s.write_all(b"GET / HTTP/1.1\r\n\r\n").await.expect("write");
+        until(|| rejected() == 1).await;
+
+        let north = peer(dir.path(), "north", "{connect: 'x:1', peer: east}");
+        let connector = tokio_rustls::TlsConnector::from(north.peer.tls().client);
+        let tcp = TcpStream::connect(addr).await.expect("connect");
+        let name = tls::server_name("east").expect("name");
+        // The handshake may complete on our side before the listener checks the name.
+        let _ = connector.connect(name, tcp).await;
+        until(|| rejected() == 2).await;
+        assert!(east.rx.try_recv().is_err(), "no link came up");
+        task.abort();
+    }
+}

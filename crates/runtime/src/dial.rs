@@ -331,3 +331,62 @@ pub(crate) async fn keep_copies(peer: Arc<Peer>, h: Arc<LinkHandle>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::LinkMsg;
+    use crate::peer::testing::{certs, peer};
+
+    /// The connecting side dials the listening side, both authenticate, and the link comes up
+    /// on both; the listener's link offers a latency lane, which the dialer then attaches.
+    #[tokio::test]
+    async fn a_dialed_link_comes_up_on_both_sides_and_its_lane_attaches() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        certs(dir.path(), &["west", "east"]);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr");
+        let mut east = peer(dir.path(), "east", "{listen: '127.0.0.1:0', peer: west}");
+        let mut west = peer(
+            dir.path(),
+            "west",
+            &format!("{{connect: '{addr}', peer: east}}"),
+        );
+        let accepting = tokio::spawn(crate::accept::accept_links(east.peer.clone(), l));
+        let dialing = tokio::spawn(connect_loop(west.peer.clone()));
+        let soon = Duration::from_secs(10);
+        let up = |m: Option<LinkMsg>| match m {
+            Some(LinkMsg::Up(h, _)) => h,
+            _ => panic!("the link came up first"),
+        };
+        let wh = up(tokio::time::timeout(soon, west.rx.recv())
+            .await
+            .expect("west up"));
+        let eh = up(tokio::time::timeout(soon, east.rx.recv())
+            .await
+            .expect("east up"));
+        assert!(!wh.with(|l| l.is_closed()) && !eh.with(|l| l.is_closed()));
+
+        let token = wh.with(|l| l.lane_offer()).expect("a lane is offered");
+        west.peer.current.send_replace(Some(wh.clone()));
+        east.peer.current.send_replace(Some(eh.clone()));
+        let lane = tokio::spawn(open_lane(
+            west.peer.clone(),
+            wh.clone(),
+            token,
+            addr.to_string(),
+        ));
+        tokio::time::timeout(soon, async {
+            while !(wh.with(|l| l.lane_attached()) && eh.with(|l| l.lane_attached())) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the lane attached on both sides");
+        for t in [accepting, dialing, lane] {
+            t.abort();
+        }
+    }
+}

@@ -235,3 +235,48 @@ fn link_config(cfg: &Config, caches: Option<&Arc<CacheDir>>) -> LinkConfig {
     }
     c
 }
+
+/// Test support: a peer of a site, with certificates minted in a folder of its own, and what its
+/// links tell its supervisor.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::path::Path;
+    use std::sync::Arc;
+
+    use tokio::sync::{mpsc, watch};
+
+    use super::Peer;
+    use crate::config::Config;
+    use crate::counters::Counters;
+    use crate::driver::LinkMsg;
+
+    pub(crate) struct TestPeer {
+        pub peer: Arc<Peer>,
+        pub rx: mpsc::UnboundedReceiver<LinkMsg>,
+        _stop: watch::Sender<bool>,
+    }
+
+    /// Mints a CA and certificates for `sites` in `dir` (reusing its CA if there is one).
+    pub(crate) fn certs(dir: &Path, sites: &[&str]) {
+        let sites: Vec<String> = sites.iter().map(|s| s.to_string()).collect();
+        crate::tls::create_site_certs(dir, &sites).expect("certificates");
+    }
+
+    /// A peer of `site` whose certificates are in `dir`, with `link` as its config's link
+    /// section (a YAML flow mapping) and optimization off.
+    pub(crate) fn peer(dir: &Path, site: &str, link: &str) -> TestPeer {
+        let yaml = format!(
+            "site: {site}\nlink: {link}\ntls: {{ca: ca.pem, cert: {site}.pem, key: {site}.key}}\nstate_dir: state-{site}\noptimize: {{enabled: false}}\n"
+        );
+        let cfg = Config::parse(&yaml, &dir.join(format!("{site}.yaml"))).expect("config");
+        let tls = crate::tls::load(&cfg.tls).expect("tls");
+        let (stop, shutdown) = watch::channel(false);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let counters = Arc::new(Counters::new());
+        TestPeer {
+            peer: Arc::new(Peer::new(Arc::new(cfg), tls, counters, None, shutdown, tx)),
+            rx,
+            _stop: stop,
+        }
+    }
+}

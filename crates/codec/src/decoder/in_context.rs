@@ -90,3 +90,34 @@ impl Decoder {
         result
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::CodecConfig;
+    use crate::mirror::{Hint, Mirror};
+
+    /// What a mirror compressed in a stream's context is rebuilt by feeding it to the stream's
+    /// context on this side, exactly to the announced length; garbage fails and leaves no
+    /// context behind.
+    #[test]
+    fn a_context_payload_rebuilds_what_the_mirror_compressed() {
+        let mut m = Mirror::new(1 << 20, 1 << 20, 3);
+        let mut hint = Hint::default();
+        let page = vec![7u8; 4096];
+        m.compress_in_context(&page, &mut hint, false, false)
+            .expect("a context");
+        let payload = m.compressed().to_vec();
+        let mut dec = Decoder::new(&CodecConfig::default());
+        let mut s = StreamContext::default();
+        dec.feed_context(&payload, page.len(), true, Some(false), &mut s)
+            .expect("rebuilt");
+        assert_eq!(s.run_bytes, page);
+        let mut bad = StreamContext::default();
+        assert!(
+            dec.feed_context(&[0xff; 16], 4096, true, Some(false), &mut bad)
+                .is_err()
+        );
+        assert!(bad.dctx.is_none(), "a failed context is dropped");
+    }
+}

@@ -478,3 +478,34 @@ impl Decoder {
         r
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mirror::encode_raw;
+
+    /// Raw records rebuild as they are and are never cached; a reference to a chunk the cache
+    /// does not hold is a miss; an unknown tag is malformed.
+    #[test]
+    fn raw_records_rebuild_and_unknown_references_miss() {
+        let mut dec = Decoder::new(&CodecConfig::default());
+        let mut wire = Vec::new();
+        encode_raw(b"redo", &mut wire);
+        let mut out = Vec::new();
+        assert_eq!(dec.decode(&wire, &mut out), Ok(wire.len()));
+        assert_eq!(out, b"redo");
+        let f = fingerprint(b"never sent");
+        let mut r = vec![TAG_REF];
+        r.extend_from_slice(&f);
+        put(&mut r, 10);
+        assert_eq!(dec.decode(&r, &mut Vec::new()), Err(CodecError::Miss(f)));
+        assert!(matches!(
+            dec.decode(&[0x3f, 0, 0], &mut Vec::new()),
+            Err(CodecError::Malformed(_))
+        ));
+    }
+
+    fn put(out: &mut Vec<u8>, n: usize) {
+        crate::record::put_len(out, n);
+    }
+}

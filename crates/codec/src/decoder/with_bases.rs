@@ -86,3 +86,46 @@ impl Decoder {
         Ok(used)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::CodecConfig;
+    use crate::record::{TAG_DELTA, put_len};
+
+    /// A delta record naming bases the cache does not hold is a miss of its chunk, never bytes;
+    /// one naming no bases, or more than allowed, is malformed; a cut one is incomplete.
+    #[test]
+    fn a_delta_against_missing_bases_is_a_miss() {
+        let mut dec = Decoder::new(&CodecConfig::default());
+        let target = fingerprint(b"the chunk");
+        let mut rec = vec![TAG_DELTA];
+        put_len(&mut rec, 9);
+        rec.push(1);
+        rec.extend_from_slice(&fingerprint(b"a base never sent"));
+        rec.extend_from_slice(&target);
+        put_len(&mut rec, 3);
+        rec.extend_from_slice(&[1, 2, 3]);
+        let mut out = Vec::new();
+        assert_eq!(
+            dec.decode_delta(&rec, &mut out),
+            Err(CodecError::Miss(target))
+        );
+        assert!(out.is_empty());
+        assert_eq!(
+            dec.decode_delta(&rec[..rec.len() - 1], &mut out),
+            Err(CodecError::Incomplete)
+        );
+        let mut none = rec.clone();
+        none[2] = 0;
+        assert!(matches!(
+            dec.decode_delta(&none, &mut out),
+            Err(CodecError::Malformed(_))
+        ));
+        none[2] = (MAX_BASES + 1) as u8;
+        assert!(matches!(
+            dec.decode_delta(&none, &mut out),
+            Err(CodecError::Malformed(_))
+        ));
+    }
+}

@@ -149,3 +149,42 @@ impl Mirror {
         1 + h + clen
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first chunk in a stream's context starts it (and says so to the peer); the next goes
+    /// on in it; a run of deferred chunks ends with a record of the rest of the context's output.
+    #[test]
+    fn a_context_starts_fresh_then_goes_on_and_a_run_ends() {
+        let mut m = Mirror::new(1 << 20, 1 << 20, 3);
+        m.set_long_context(
+            Some(crate::context::LongContext::default()),
+            Default::default(),
+        );
+        let mut hint = Hint::default();
+        let page = |i: u8| vec![i; 4096];
+        let first = m
+            .compress_in_context(&page(1), &mut hint, true, false)
+            .expect("a context");
+        assert_eq!(
+            first & (FRESH | LONG),
+            FRESH | LONG,
+            "a bulk stream's is a long one"
+        );
+        let next = m
+            .compress_in_context(&page(2), &mut hint, true, false)
+            .expect("the same");
+        assert_eq!(next & FRESH, 0);
+        let deferred = m
+            .compress_in_context(&page(3), &mut hint, true, true)
+            .expect("a run");
+        assert_ne!(deferred & DEFERRED, 0);
+        assert!(hint.run_pending() > 0);
+        let mut out = Vec::new();
+        assert!(m.end_run(&mut hint, &mut out) > 0);
+        assert_eq!(out.first().copied(), Some(TAG_RUN_END));
+        assert_eq!(hint.run_pending(), 0);
+    }
+}

@@ -682,3 +682,39 @@ pub fn encode_raw(data: &[u8], out: &mut impl BufMut) -> Report {
         run_end: 0,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::CodecConfig;
+    use crate::decoder::Decoder;
+
+    /// A chunk goes as a literal the first time and as a reference the second; the receiver
+    /// rebuilds both; a short flushed tail goes raw and is never cached.
+    #[test]
+    fn a_repeated_chunk_goes_as_a_reference() {
+        let cfg = CodecConfig::default();
+        let policy = cfg.policy();
+        let chunk = crate::testdata::noise(1, 4096);
+        let mut m = Mirror::new(cfg.cache_bytes, 1 << 20, 3);
+        let mut hint = Hint::default();
+        let mut wire = Vec::new();
+        let first = m.encode_chunk(&chunk, &policy, Pressure::LinkBound, &mut hint, &mut wire);
+        assert!(matches!(first.sent, Sent::Lit(_)));
+        let second = m.encode_chunk(&chunk, &policy, Pressure::LinkBound, &mut hint, &mut wire);
+        assert_eq!(second.sent, Sent::Ref);
+        assert!(second.wire < 32);
+        let tail = encode_tail(
+            &mut m,
+            b"COMMIT;",
+            &policy,
+            Pressure::LinkBound,
+            &mut hint,
+            &mut wire,
+        );
+        assert_eq!(tail.sent, Sent::Raw);
+        let mut out = Vec::new();
+        assert_eq!(Decoder::new(&cfg).decode(&wire, &mut out), Ok(wire.len()));
+        assert_eq!(out, [&chunk[..], &chunk[..], b"COMMIT;"].concat());
+    }
+}

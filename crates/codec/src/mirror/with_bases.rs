@@ -151,3 +151,36 @@ impl Mirror {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::CodecConfig;
+    use crate::delta::shared;
+
+    /// Deltas are tried only with a store of bases, for cacheable bulk chunks of a link-bound
+    /// stream that may use zstd.
+    #[test]
+    fn deltas_are_tried_only_where_they_can_pay() {
+        let policy = CodecConfig::default().policy();
+        let hint = Hint::default();
+        let mut m = Mirror::new(1 << 20, 1 << 20, 3);
+        assert!(
+            !m.delta_wanted(&policy, Pressure::LinkBound, &hint),
+            "no store"
+        );
+        m.set_bases(shared(1 << 20));
+        assert!(m.delta_wanted(&policy, Pressure::LinkBound, &hint));
+        assert!(!m.delta_wanted(&policy, Pressure::CpuBound, &hint));
+        let latency = Policy {
+            latency: true,
+            ..policy
+        };
+        assert!(!m.delta_wanted(&latency, Pressure::LinkBound, &hint));
+        let lz4 = Policy {
+            compression: Compression::Lz4,
+            ..policy
+        };
+        assert!(!m.delta_wanted(&lz4, Pressure::LinkBound, &hint));
+    }
+}

@@ -247,3 +247,37 @@ pub(super) fn congestion_name(s: &str) -> Result<String, String> {
         Ok(s.to_string())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_value_checks_name_what_is_wrong() {
+        assert_eq!(in_range(5, 1, 10), Ok(5));
+        assert!(in_range(11, 1, 10).is_err_and(|m| m.contains("out of range")));
+        assert_eq!(parse_host_port("db:1521").as_deref(), Ok("db:1521"));
+        assert!(parse_host_port("db:0").is_err() && parse_host_port(":1521").is_err());
+        assert!(congestion_name("bbr").is_ok() && congestion_name("bbr; rm").is_err());
+        assert!(valid_name("west-1") && !valid_name("West") && !valid_name("-a"));
+        assert_eq!(quoted("[::1]:7400"), "\"[::1]:7400\"");
+        assert_eq!(dur(Duration::from_millis(1500)), "1500ms");
+        assert_eq!(dur(Duration::from_micros(1500)), "1500us");
+        let cx = Ctx {
+            path: Path::new("/etc/wanopt/west.yaml"),
+        };
+        assert_eq!(cx.resolve("ca.pem"), PathBuf::from("/etc/wanopt/ca.pem"));
+        assert_eq!(cx.resolve("/x/ca.pem"), PathBuf::from("/x/ca.pem"));
+        assert!(
+            cx.toggle("a.b", &Some(Toggle::Word("maybe".into())), true)
+                .is_err_and(|e| e.to_string().contains("a.b"))
+        );
+        let lan: IpNet = "10.0.0.0/8".parse().expect("net");
+        assert!(allowed(&[lan], "10.1.2.3".parse().expect("ip")));
+        assert!(
+            allowed(&[lan], "::ffff:10.1.2.3".parse().expect("ip")),
+            "v4 on a v6 socket"
+        );
+        assert!(!allowed(&[lan], "192.168.0.1".parse().expect("ip")));
+    }
+}

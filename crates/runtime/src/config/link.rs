@@ -262,3 +262,61 @@ pub(super) fn parse_tls(cx: &Ctx<'_>, t: &RawTls) -> TlsPaths {
         key: cx.resolve(&t.key),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn raw(yaml: &str) -> RawLink {
+        yaml_serde::from_str(yaml).expect("yaml")
+    }
+
+    #[test]
+    fn the_link_section_names_the_field_it_refuses() {
+        let cx = Ctx {
+            path: Path::new("west.yaml"),
+        };
+        let ok = parse_link(
+            &cx,
+            &raw("{connect: 'east:7400', peer: east, bandwidth: 45mbit}"),
+            "west",
+        )
+        .expect("valid");
+        assert_eq!(ok.role, LinkRole::Connect("east:7400".into()));
+        assert!(ok.bandwidth_stated);
+        assert_eq!(
+            ok.max_rate_bps,
+            Some(45_000_000 / 100 * 95),
+            "paced at 95% when stated"
+        );
+        for (yaml, field) in [
+            ("{listen: '0.0.0.0:1', connect: 'e:1', peer: east}", "link:"),
+            ("{connect: 'e:1', peer: west}", "link.peer"),
+            ("{connect: 'e:1', peer: east, rtt: 11s}", "link.rtt"),
+            (
+                "{connect: 'e:1', peer: east, reconnect_min: 5s, reconnect_max: 1s}",
+                "link.reconnect_max",
+            ),
+            (
+                "{connect: 'e:1', peer: east, send_buffer: 1KiB}",
+                "link.send_buffer",
+            ),
+        ] {
+            let e = parse_link(&cx, &raw(yaml), "west")
+                .expect_err(yaml)
+                .to_string();
+            assert!(e.contains(field), "{yaml}: {e}");
+        }
+    }
+
+    #[test]
+    fn buffer_sizes_read_back_as_they_print() {
+        for s in ["auto", "4096", "1048576"] {
+            let b: BufferSize = s.parse().expect("valid");
+            assert_eq!(b.to_string(), s);
+        }
+        assert!("4095".parse::<BufferSize>().is_err());
+    }
+}

@@ -353,3 +353,34 @@ fn parse_disk(
         }),
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn cfg(extra: &str) -> Config {
+        let y = format!(
+            "site: west\nlink: {{connect: 'e:1', peer: east{extra}}}\ntls: {{ca: a, cert: b, key: c}}\n"
+        );
+        Config::parse(&y, Path::new("w.yaml")).expect("valid")
+    }
+
+    /// zstd -6 where a stated WAN leaves a core the time for it, -3 otherwise; the governor
+    /// moves between 1 and at least [`ZSTD_ADAPT_MAX`].
+    #[test]
+    fn the_zstd_level_follows_the_stated_bandwidth() {
+        assert_eq!(cfg(", bandwidth: 45mbit").optimize.codec.zstd_level, 6);
+        assert_eq!(cfg(", bandwidth: 1gbit").optimize.codec.zstd_level, 3);
+        assert_eq!(cfg("").optimize.codec.zstd_level, 3, "an assumed bandwidth");
+        let c = cfg(", bandwidth: 45mbit");
+        assert_eq!(default_zstd_level(&c.link), 6);
+        assert_eq!(
+            zstd_range(&c.optimize),
+            c.optimize.zstd_adapt.then_some((1, ZSTD_ADAPT_MAX))
+        );
+        let mut off = c.optimize.clone();
+        off.enabled = false;
+        assert_eq!(zstd_range(&off), None);
+    }
+}

@@ -227,3 +227,32 @@ fn parse_service(
         redundancy,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    /// A listener reachable beyond the host must name its clients; on loopback it need not.
+    #[test]
+    fn allow_lists_are_required_off_loopback_and_checked() {
+        let cx = Ctx {
+            path: Path::new("w.yaml"),
+        };
+        let lo: SocketAddr = "127.0.0.1:1522".parse().expect("addr");
+        let lan: SocketAddr = "10.0.0.5:1522".parse().expect("addr");
+        assert_eq!(parse_allow(&cx, "f", None, lo).expect("loopback"), vec![]);
+        assert!(
+            parse_allow(&cx, "services[0].allow", None, lan)
+                .is_err_and(|e| e.to_string().contains("services[0].allow"))
+        );
+        let nets = ["10.0.0.0/8".to_string(), "192.168.1.7".to_string()];
+        let got = parse_allow(&cx, "f", Some(&nets), lan).expect("valid");
+        assert_eq!(got.len(), 2);
+        assert!(
+            parse_allow(&cx, "f", Some(&["ten".to_string()]), lan)
+                .is_err_and(|e| e.to_string().contains("f[0]"))
+        );
+    }
+}
