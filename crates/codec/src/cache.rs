@@ -761,7 +761,7 @@ impl Snapshot {
                 }),
                 _ => return Err(SnapshotError::Malformed("bad location flag")),
             };
-            if len as usize > crate::record::MAX_RECORD {
+            if len as usize > crate::format::MAX_RECORD {
                 return Err(SnapshotError::Malformed("chunk too large"));
             }
             if !seen.insert(fingerprint) {

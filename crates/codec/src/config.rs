@@ -4,7 +4,7 @@
 
 use crate::context::LongContext;
 use crate::delta;
-use crate::record::{NO_CACHE, TAG_LIT, TAG_LIT_LZ4, TAG_LIT_ZSTD};
+use crate::format::{NO_CACHE, TAG_LIT, TAG_LIT_LZ4, TAG_LIT_ZSTD};
 
 /// Smallest and largest average chunk size accepted in a [`CodecConfig`].
 pub const AVG_CHUNK_RANGE: std::ops::RangeInclusive<usize> = 1024..=64 * 1024;

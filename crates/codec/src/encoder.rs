@@ -7,7 +7,7 @@ use crate::context::Slots;
 use crate::delta::{self, SharedBases};
 use crate::mirror::{Hint, Mirror, encode_tail};
 use crate::prepare::{self, BATCH};
-use crate::stats::EncodeStats;
+use crate::report::EncodeStats;
 
 /// One direction of one stream, encoded as a whole: chunking state, a mirror and counts.
 pub struct Encoder {

@@ -24,10 +24,10 @@ mod decoder;
 pub mod delta;
 mod encoder;
 mod fingerprint;
+mod format;
 mod mirror;
 pub mod prepare;
-mod record;
-mod stats;
+mod report;
 pub mod store;
 pub mod testdata;
 
@@ -38,12 +38,12 @@ pub use context::{
 pub use decoder::{DecodeStats, Decoder};
 pub use delta::{Bases, MAX_BASES, SharedBases};
 pub use encoder::Encoder;
+pub use format::{CodecError, MAX_RECORD, RECORD_OVERHEAD, RUN_MAX, RUN_MAX_DECODE, run_reserve};
 pub use mirror::{
     Hint, LIVE_CHUNKS, Mirror, TAIL_RAW, TAIL_RAW_IN_CONTEXT, TRIAL_EVERY, encode_raw, encode_tail,
 };
 pub use prepare::BATCH;
-pub use record::{CodecError, MAX_RECORD, RECORD_OVERHEAD, RUN_MAX, RUN_MAX_DECODE, run_reserve};
-pub use stats::{EncodeStats, Report, Sent};
+pub use report::{EncodeStats, Report, Sent};
 
 #[cfg(test)]
 mod tests;

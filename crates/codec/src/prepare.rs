@@ -109,7 +109,7 @@ impl<'a> Job<'a> {
                 if trial {
                     let sample = &self.chunk[..self.chunk.len().min(4096)];
                     let ok = lz4_into(sample, &mut s.out)
-                        .is_some_and(|n| crate::record::pays(sample.len(), n));
+                        .is_some_and(|n| crate::format::pays(sample.len(), n));
                     s.trial = Some(ok);
                     if !ok {
                         return;

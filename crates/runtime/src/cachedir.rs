@@ -21,9 +21,9 @@ use wanopt_proto::{
     CacheStorage, ChunkStore, CodecSettings, Role, SavedCache, SavedState, Snapshot,
 };
 
+use crate::async_store::AsyncStore;
 use crate::config::valid_name;
 use crate::secure::no_follow;
-use crate::store::AsyncStore;
 
 /// Saved states kept per cache: the newest few, so a side that missed the last one can still
 /// agree on an earlier one with its peer. A mirror's states are small and saved at once, while

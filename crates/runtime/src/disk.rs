@@ -162,7 +162,7 @@ impl DiskStore {
             }
     }
 
-    /// Writes a chunk where a planner chose to put it (see `store::Layout`): the segment is
+    /// Writes a chunk where a planner chose to put it (see `async_store::Layout`): the segment is
     /// opened if it is not the current one, and the record must go where that segment ends.
     pub fn write_at(&mut self, loc: Loc, f: &Fingerprint, data: &[u8]) -> Result<(), DiskError> {
         if data.len() > MAX_RECORD {

@@ -8,6 +8,7 @@
 
 mod accept;
 pub mod admin;
+pub mod async_store;
 pub mod cachedir;
 pub mod config;
 pub mod counters;
@@ -29,7 +30,6 @@ mod services;
 mod slots;
 pub mod sockopt;
 pub mod stats;
-pub mod store;
 mod supervisor;
 mod sync;
 pub mod tls;

@@ -3,7 +3,7 @@
 
 use super::Decoder;
 use crate::context::{CONTEXT_WINDOW_LOG, DECODER_CONTEXTS, StreamContext};
-use crate::record::{CodecError, RUN_MAX_DECODE};
+use crate::format::{CodecError, RUN_MAX_DECODE};
 
 impl Decoder {
     /// Feeds a context record's `payload` to `stream`'s context (a new one when `fresh` is
@@ -21,7 +21,7 @@ impl Decoder {
         stream: &mut StreamContext,
     ) -> Result<(), CodecError> {
         use zstd::zstd_safe::{DCtx, DParameter, InBuffer, OutBuffer};
-        debug_assert!(limit <= RUN_MAX_DECODE.max(crate::record::MAX_RECORD));
+        debug_assert!(limit <= RUN_MAX_DECODE.max(crate::format::MAX_RECORD));
         if let Some(long) = fresh {
             stream.dctx = None;
             let (permit, window_log) = if long {

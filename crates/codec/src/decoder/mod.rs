@@ -8,11 +8,11 @@ use crate::config::CodecConfig;
 use crate::context::{LongContext, Slots, StreamContext};
 use crate::delta;
 use crate::fingerprint::{Fingerprint, fingerprint};
-use crate::prepare::{self, BATCH};
-use crate::record::{
+use crate::format::{
     CodecError, DEFERRED, FRESH, LONG, MAX_RECORD, NO_CACHE, RUN_MAX_DECODE, TAG_DELTA, TAG_LIT,
     TAG_LIT_CONTEXT, TAG_LIT_LZ4, TAG_LIT_ZSTD, TAG_RAW, TAG_REF, TAG_RUN_END, get_len,
 };
+use crate::prepare::{self, BATCH};
 
 mod in_context;
 mod with_bases;
@@ -506,6 +506,6 @@ mod tests {
     }
 
     fn put(out: &mut Vec<u8>, n: usize) {
-        crate::record::put_len(out, n);
+        crate::format::put_len(out, n);
     }
 }

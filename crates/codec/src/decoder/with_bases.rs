@@ -7,7 +7,7 @@ use crate::delta::{MAX_BASES, is_dict_magic};
 use zstd::zstd_safe::DCtx;
 
 use crate::fingerprint::fingerprint;
-use crate::record::{CodecError, get_len};
+use crate::format::{CodecError, get_len};
 
 impl Decoder {
     /// Decodes a delta record: the chunk itself if the cache holds it (the peer re-sent it after
@@ -91,7 +91,7 @@ impl Decoder {
 mod tests {
     use super::*;
     use crate::config::CodecConfig;
-    use crate::record::{TAG_DELTA, put_len};
+    use crate::format::{TAG_DELTA, put_len};
 
     /// A delta record naming bases the cache does not hold is a miss of its chunk, never bytes;
     /// one naming no bases, or more than allowed, is malformed; a cut one is incomplete.

@@ -6,7 +6,7 @@ use super::{Hint, Mirror};
 use crate::context::{
     CONTEXT_WINDOW_LOG, MIRROR_CONTEXTS, RESTART_WINDOWS, SendContext, long_tables,
 };
-use crate::record::{DEFERRED, FRESH, LONG, RUN_MAX, TAG_RUN_END, put_len};
+use crate::format::{DEFERRED, FRESH, LONG, RUN_MAX, TAG_RUN_END, put_len};
 
 impl Mirror {
     /// Compresses `chunk` in the stream's context into the scratch buffer, flushed so that the

@@ -10,9 +10,9 @@ use crate::config::{Codec, Compression, Policy, Pressure};
 use crate::context::{LongContext, SendContext, Slots};
 use crate::delta::{self, SharedBases};
 use crate::fingerprint::{Fingerprint, fingerprint};
+use crate::format::{DEFERRED, NO_CACHE, TAG_LIT_CONTEXT, TAG_RAW, TAG_REF, pays, put_len};
 use crate::prepare;
-use crate::record::{DEFERRED, NO_CACHE, TAG_LIT_CONTEXT, TAG_RAW, TAG_REF, pays, put_len};
-use crate::stats::{Report, Sent};
+use crate::report::{Report, Sent};
 
 mod in_context;
 mod with_bases;

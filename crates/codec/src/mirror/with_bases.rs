@@ -9,8 +9,8 @@ use zstd::zstd_safe::CCtx;
 
 use crate::delta::{ACCEPT, MIN_VOTES, SEND_BASES, anchors, delta_level, len_len};
 use crate::fingerprint::Fingerprint;
-use crate::record::{TAG_DELTA, put_len};
-use crate::stats::{Report, Sent};
+use crate::format::{TAG_DELTA, put_len};
+use crate::report::{Report, Sent};
 
 impl Mirror {
     /// Deltas are tried for a cacheable chunk of a stream that is neither latency-class nor

@@ -5,14 +5,14 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::record::{
+use crate::format::{
     DEFERRED, FRESH, LONG, NO_CACHE, TAG_DELTA, TAG_LIT_CONTEXT, TAG_LIT_LZ4, TAG_LIT_ZSTD,
     TAG_RAW, TAG_RUN_END, get_len, put_len,
 };
 
-mod contexts;
 mod deltas;
 mod runs;
+mod stream_contexts;
 
 pub(crate) use crate::testdata::noise as xorshift;
 

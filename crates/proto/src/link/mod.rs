@@ -4,9 +4,9 @@
 //! send ([`Link::poll_transmit`]); the application side writes and reads stream bytes and learns what
 //! changed from [`Link::poll_event`]. Time comes in as `now` arguments; nothing here does I/O.
 //! Frames in are handled in `input.rs`, frames out are scheduled in `transmit.rs`, the codec's frames
-//! are wired to the streams in `codec.rs`, and each stream's halves live in `streams/`.
+//! are wired to the streams in `coded.rs`, and each stream's halves live in `streams/`.
 
-mod codec;
+mod coded;
 mod hello;
 mod input;
 mod resume;

@@ -1,6 +1,6 @@
 //! The bookkeeping of the connections carrying a link's latency lane: which slot each holds and
 //! in which generation ([`Carrier`]), and the lane's [`Fanout`] and [`Merge`] of their copies.
-//! Pure data; the tasks that move the copies' bytes are in `lane.rs`.
+//! Pure data; the tasks that move the copies' bytes are in `lane_copies.rs`.
 
 use bytes::BytesMut;
 use wanopt_proto::copies::{COPY_LAG_LIMIT, Fanout, MAX_COPIES, Merge};

@@ -17,7 +17,7 @@ use wanopt_proto::{CloseCode, LATENCY_LANE, Link, LinkError, MAIN_LANE};
 
 use super::carriers::Carrier;
 use super::handle::{LinkHandle, LinkMsg};
-use super::lane::{CopyEnd, write_copy};
+use super::lane_copies::{CopyEnd, write_copy};
 use super::reader::read_link;
 use super::sampler::sample_sockets;
 use super::writer::write_link;

@@ -6,13 +6,13 @@
 //!
 //! Floors, from the ground: `carriers` (the latency lane's bookkeeping), `state` (what the lock
 //! guards), `dispatch` (routing the link's events), `handle` (every operation on a link), then
-//! `lane` (copies of the latency lane), `reader`, `writer` and `sampler`, and `lifecycle`, which
+//! `lane_copies` (copies of the latency lane), `reader`, `writer` and `sampler`, and `lifecycle`, which
 //! runs a connection with them.
 
 mod carriers;
 mod dispatch;
 mod handle;
-mod lane;
+mod lane_copies;
 mod lifecycle;
 mod reader;
 mod sampler;

@@ -15,7 +15,7 @@ use wanopt_proto::{CloseCode, LinkError, MAIN_LANE, StateRequest};
 
 use super::carriers::Carrier;
 use super::handle::{LinkHandle, LinkMsg};
-use super::lane::copy_input;
+use super::lane_copies::copy_input;
 use crate::cachedir::CacheDir;
 use crate::counters::add;
 use crate::wire::READ_CHUNK;
