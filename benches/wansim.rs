@@ -98,8 +98,9 @@ fn main() {
     let g = tcp_goodput(&wan, 5201, secs);
     let (a, b) = wan.stop();
     println!(
-        "135 Mbit/s, 100 ms RTT, one TCP stream for {secs} s: goodput {:.1} Mbit/s",
-        g / 1e6
+        "135 Mbit/s, 100 ms RTT, one TCP stream for {secs} s: goodput {:.1} Mbit/s ({:.1}% of the line rate)",
+        g / 1e6,
+        g / 135e6 * 100.0
     );
     println!(
         "  timing error west->east: mean {} µs, max {} µs, {} of {} packets over 1 ms",

@@ -324,8 +324,12 @@ fn a_peer_that_takes_no_copies_gets_one_connection() {
         let (stop, rounds) = (stop.clone(), rounds.clone());
         std::thread::spawn(move || sync_loop(c, stop, rounds, Duration::ZERO))
     };
-    // The keeper looks every second: three looks, no copy.
-    std::thread::sleep(3 * SEC);
+    // The keeper has looked once it publishes what it wants: one connection, since the peer
+    // takes no more (what the peer takes is fixed for the link, so no later look wants more).
+    let (w, _) = eventually(p.west.bound("admin"), p.east.bound("admin"), |w, _| {
+        value(w, "wanopt_link_latency_copies_wanted ") == 1
+    });
+    assert_eq!(value(&w, "wanopt_link_latency_copies_wanted "), 1, "{w}");
     stop.store(true, Ordering::Relaxed);
     let times = looping.join().expect("client").expect("exact");
     assert!(!times.is_empty());

@@ -442,9 +442,28 @@ fn receiver_restarted_with_an_empty_cache_never_misreads() {
     let len = 64u64 << 20;
     send_backup(addr, 5, len, None).expect("first");
     // A transfer in flight when the receiver dies fails with an error, never with wrong bytes.
-    let inflight = std::thread::spawn(move || send_backup(addr, 5, 4 * len, None));
-    std::thread::sleep(Duration::from_millis(300));
+    // It pauses a quarter of the way in until the receiver is dead, so it cannot finish first.
+    let (started, until_killed) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+    let (started_tx, started_rx) = started;
+    let (killed_tx, killed_rx) = until_killed;
+    let inflight = std::thread::spawn(move || {
+        let mut paused = false;
+        send_checked(addr, 4 * len, |off, buf| {
+            if !paused && off >= len {
+                paused = true;
+                let _ = started_tx.send(());
+                let _ = killed_rx.recv();
+            }
+            for (i, b) in buf.chunks_mut(BLOCK).enumerate() {
+                backup_block(5, off / BLOCK as u64 + i as u64, None, b);
+            }
+        })
+    });
+    started_rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the transfer got a quarter of the way");
     west.stop(libc::SIGKILL);
+    drop(killed_tx);
     assert!(
         inflight.join().expect("thread").is_err(),
         "the cut stream must fail"

@@ -31,7 +31,10 @@ fn reload_adds_removes_and_keeps_services() {
     let (keep, old) = (p.west.bound("keep"), p.west.bound("old"));
     hash_client(old, 1, 1000, 1000).expect("old works before the reload");
 
-    // A stream on the kept service, sending slowly across the reload.
+    // A stream on the kept service, sending across the reload: half its bytes before it, half
+    // after (it waits for the reload in between).
+    let (half_tx, half_rx) = std::sync::mpsc::channel::<()>();
+    let (reloaded_tx, reloaded_rx) = std::sync::mpsc::channel::<()>();
     let slow = std::thread::spawn(move || -> Result<(), String> {
         let mut s = TcpStream::connect(keep).map_err(|e| e.to_string())?;
         let seed = 77u64;
@@ -43,11 +46,14 @@ fn reload_adds_removes_and_keeps_services() {
         let mut h = blake3::Hasher::new();
         let mut buf = vec![0u8; 65536];
         for i in 0..40u64 {
+            if i == 20 {
+                let _ = half_tx.send(());
+                let _ = reloaded_rx.recv();
+            }
             fill(seed, i * 65536, &mut buf);
             s.write_all(&buf)
                 .map_err(|e| format!("write during reload: {e}"))?;
             h.update(&buf);
-            std::thread::sleep(Duration::from_millis(50));
         }
         s.shutdown(Shutdown::Write).map_err(|e| e.to_string())?;
         let mut got = [0u8; 32];
@@ -62,7 +68,10 @@ fn reload_adds_removes_and_keeps_services() {
         }
         Ok(())
     });
-    std::thread::sleep(Duration::from_millis(500));
+    half_rx
+        .recv_timeout(10 * SEC)
+        .expect("the kept stream sent its first half");
+    p.east.wait_log("stream connected", 10 * SEC);
 
     // East gains `new` and loses `old`; west too, and `keep` becomes latency class.
     let east_yaml = std::fs::read_to_string(p.east.config_path()).expect("east config");
@@ -87,6 +96,8 @@ fn reload_adds_removes_and_keeps_services() {
     let line = p.west.wait_log("reloaded", 5 * SEC);
     p.west.wait_log("certificates re-read", SEC);
     assert!(line.contains("stopped=") && line.contains("old"), "{line}");
+    // The kept stream sends its second half on the reloaded config.
+    drop(reloaded_tx);
 
     let new = p.west.bound("new");
     hash_client(new, 2, 200_000, 200_000).expect("the added service works");
@@ -137,7 +148,8 @@ fn reload_adds_removes_and_keeps_services() {
     std::fs::write(p.west.config_path(), broken).expect("write");
     p.west.signal(libc::SIGHUP);
     p.west.wait_log_n("reload refused", 2, 5 * SEC);
-    std::thread::sleep(Duration::from_millis(300));
+    // A refused config never reaches the daemon (it is checked whole first), so nothing of it
+    // can start after the refusal is logged.
     assert_eq!(p.west.count("service=extra"), 0, "{:?}", p.west.log());
     hash_client(new, 6, 1000, 1000).expect("still serving after a refused reload");
 }

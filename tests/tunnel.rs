@@ -173,9 +173,11 @@ fn client_outside_allow_list_is_refused() {
     assert_eq!(p.east.count("stream connected"), 0);
 }
 
+/// East rejects west for `needle`, and again when west dials again: a link that came up in
+/// between would have stopped the dialing, so after the second rejection neither side may have
+/// seen one.
 fn assert_rejected(east: &Daemon, west: &Daemon, needle: &str) {
-    east.wait_log(needle, 10 * SEC);
-    std::thread::sleep(SEC);
+    east.wait_log_n(needle, 2, 10 * SEC);
     assert_eq!(east.count("link up"), 0, "east accepted a bad peer");
     assert_eq!(west.count("link up"), 0, "west accepted a bad peer");
 }
@@ -317,8 +319,8 @@ fn sigterm_drains_streams_then_exits_cleanly() {
     });
     let Pair {
         certs: _certs,
-        east: _east,
-        west,
+        east,
+        mut west,
     } = Pair::start(
         &format!("  - name: svc\n    target: {target}\n"),
         "  - name: svc\n    listen: 127.0.0.1:0\n",
@@ -326,19 +328,17 @@ fn sigterm_drains_streams_then_exits_cleanly() {
     let addr = west.bound("svc");
     let mut c = TcpStream::connect(addr).expect("connect");
     c.write_all(b"first half").expect("write");
-    std::thread::sleep(Duration::from_millis(300));
-    let west_pid_stop = std::thread::spawn(move || {
-        let mut west = west;
-        (west.stop(libc::SIGTERM), west)
-    });
-    std::thread::sleep(Duration::from_millis(500));
+    // The stream reached the target before the drain begins.
+    east.wait_log("stream connected", 10 * SEC);
+    west.signal(libc::SIGTERM);
+    west.wait_log("shutting down", 10 * SEC);
     // The stream still works during the drain.
     c.write_all(b" second half").expect("write during drain");
     c.shutdown(Shutdown::Write).expect("fin");
     let mut n = [0u8; 8];
     c.read_exact(&mut n).expect("answer during drain");
     assert_eq!(u64::from_le_bytes(n), 22);
-    let (status, west) = west_pid_stop.join().expect("stop");
+    let status = west.wait_exit();
     assert!(status.success(), "exit {status:?}");
     assert!(west.count("shutting down") == 1);
     // New clients are not accepted any more.

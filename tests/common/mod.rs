@@ -70,16 +70,28 @@ impl Daemon {
 
     /// Like [`start_in`](Self::start_in), with extra environment variables.
     pub fn start_env(netns: Option<&str>, name: &str, yaml: &str, env: &[(&str, &str)]) -> Daemon {
+        Self::start_bin(&bin("wanoptd"), netns, name, yaml, env)
+    }
+
+    /// Like [`start_env`](Self::start_env), running the `wanoptd` binary at `exe` (another
+    /// build's, for interoperation).
+    pub fn start_bin(
+        exe: &Path,
+        netns: Option<&str>,
+        name: &str,
+        yaml: &str,
+        env: &[(&str, &str)],
+    ) -> Daemon {
         let cfg_dir = tempfile::tempdir().expect("tempdir");
         let path = cfg_dir.path().join(format!("{name}.yaml"));
         std::fs::write(&path, yaml).expect("write config");
         let mut cmd = match netns {
             Some(ns) => {
                 let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns]).arg(bin("wanoptd"));
+                c.args(["netns", "exec", ns]).arg(exe);
                 c
             }
-            None => Command::new(bin("wanoptd")),
+            None => Command::new(exe),
         };
         let mut child = cmd
             .arg("-c")
@@ -178,10 +190,14 @@ impl Daemon {
 
     /// Sends a signal and waits for the exit status.
     pub fn stop(&mut self, signal: i32) -> std::process::ExitStatus {
+        self.signal(signal);
+        self.wait_exit()
+    }
+
+    /// Waits (at most 30 s) for the daemon to exit, after a signal sent with
+    /// [`signal`](Self::signal).
+    pub fn wait_exit(&mut self) -> std::process::ExitStatus {
         let mut child = self.child.take().expect("running");
-        unsafe {
-            libc::kill(child.id() as i32, signal);
-        }
         let end = Instant::now() + Duration::from_secs(30);
         loop {
             if let Some(st) = child.try_wait().expect("wait") {

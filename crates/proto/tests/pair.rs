@@ -146,6 +146,10 @@ fn service_limits_and_the_latency_reserve_hold() {
     let again = open(&mut p, "e-svc", Class::Bulk);
     assert!(!p.west.app.resets.iter().any(|(id, _)| *id == again));
     assert_eq!(p.east.app.opened.len(), 7, "{:?}", p.east.app.opened);
+    // Closing the link ends every stream, and nothing is left behind.
+    p.west.link.close(CloseCode::Normal, "done");
+    p.drive(Duration::from_secs(1));
+    p.assert_no_leaks();
     let _ = lat;
 }
 
@@ -244,6 +248,9 @@ fn version_mismatch_is_a_clear_error_on_both_sides() {
             ..
         }
     ));
+    for l in [&link, &peer] {
+        assert_eq!((l.stream_count(), l.buffered_bytes()), (0, 0));
+    }
 }
 
 #[test]
@@ -260,6 +267,7 @@ fn wrong_site_name_is_rejected() {
         Some(Some(LinkError::WrongPeer { .. }))
     ));
     assert!(p.east.link.is_closed() && p.west.link.is_closed());
+    p.assert_no_leaks();
 }
 
 #[test]
@@ -268,6 +276,7 @@ fn garbage_closes_the_link_without_panicking() {
     let err = link.handle_input(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", Instant::now());
     assert!(err.is_err());
     assert!(link.is_closed());
+    assert_eq!((link.stream_count(), link.buffered_bytes()), (0, 0));
 }
 
 #[test]
@@ -287,6 +296,7 @@ fn silent_peer_times_out_and_pings_measure_rtt() {
         p.west.link.close_error(),
         Some(LinkError::Timeout)
     ));
+    p.assert_no_leaks();
 }
 
 #[test]
@@ -309,8 +319,7 @@ fn link_close_fails_every_stream() {
             ..
         }))
     ));
-    assert_eq!(p.east.link.stream_count(), 0);
-    assert_eq!(p.west.link.stream_count(), 0);
+    p.assert_no_leaks();
 }
 
 proptest! {
@@ -393,6 +402,7 @@ fn lane_input_before_attach_is_a_protocol_error() {
     let mut junk = BytesMut::from(&b"anything"[..]);
     assert!(p.east.link.handle_lane_input(1, &mut junk, p.now).is_err());
     assert!(p.east.link.is_closed());
+    p.assert_no_leaks();
 }
 
 // ---- The optimization codec on the link ----
