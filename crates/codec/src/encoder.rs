@@ -125,7 +125,7 @@ impl Encoder {
         let policy = self.cfg.policy();
         let r = self
             .mirror
-            .encode_chunk(&src[..len], &policy, pressure, &mut self.hint, out);
+            .encode_chunk(&src[..len], &policy, pressure, &mut self.hint, out, None);
         self.stats.add(&r);
         len
     }
@@ -155,10 +155,9 @@ impl Encoder {
                 let (m, h) = (&mut self.mirror, &mut self.hint);
                 let r = if last && len < self.cfg.min_chunk {
                     encode_tail(m, chunk, &policy, pressure, h, out)
-                } else if prepared && i < ahead {
-                    m.encode_prepared(i - start, chunk, &policy, pressure, h, out)
                 } else {
-                    m.encode_chunk(chunk, &policy, pressure, h, out)
+                    let prep = (prepared && i < ahead).then(|| i - start);
+                    m.encode_chunk(chunk, &policy, pressure, h, out, prep)
                 };
                 self.stats.add(&r);
                 consumed = off + len;

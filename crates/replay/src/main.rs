@@ -28,6 +28,20 @@ struct Cli {
     cmd: Cmd,
 }
 
+/// How `replay` and `sink` play a trace: which one, at what pace, and how long to wait.
+#[derive(clap::Args, Debug)]
+struct Play {
+    /// The trace `record` wrote.
+    #[arg(long)]
+    trace: PathBuf,
+    /// asap: as fast as causality allows; recorded: also keep the recorded timing.
+    #[arg(long, default_value = "asap", value_parser = replay::Pace::parse)]
+    pace: replay::Pace,
+    /// Longest wait for the peer's bytes.
+    #[arg(long, default_value = "30s", value_parser = |s: &str| args::time(s, std::time::Duration::from_secs(1)))]
+    timeout: std::time::Duration,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Receive test messages (oratcptest -server).
@@ -125,14 +139,8 @@ enum Cmd {
     Replay {
         /// host:port of the path (the sink, directly or through the tunnel).
         addr: String,
-        #[arg(long)]
-        trace: PathBuf,
-        /// asap: as fast as causality allows; recorded: also keep the recorded timing.
-        #[arg(long, default_value = "asap", value_parser = replay::Pace::parse)]
-        pace: replay::Pace,
-        /// Longest wait for the peer's bytes.
-        #[arg(long, default_value = "30s", value_parser = |s: &str| args::time(s, std::time::Duration::from_secs(1)))]
-        timeout: std::time::Duration,
+        #[command(flatten)]
+        play: Play,
         /// Print a JSON summary.
         #[arg(long)]
         json: bool,
@@ -142,12 +150,8 @@ enum Cmd {
         /// Address to listen on.
         #[arg(long)]
         listen: SocketAddr,
-        #[arg(long)]
-        trace: PathBuf,
-        #[arg(long, default_value = "asap", value_parser = replay::Pace::parse)]
-        pace: replay::Pace,
-        #[arg(long, default_value = "30s", value_parser = |s: &str| args::time(s, std::time::Duration::from_secs(1)))]
-        timeout: std::time::Duration,
+        #[command(flatten)]
+        play: Play,
         /// Exit once every connection of the trace was served.
         #[arg(long)]
         once: bool,
@@ -381,9 +385,12 @@ fn run(cmd: Cmd) -> Result<()> {
         }
         Cmd::Replay {
             addr,
-            trace: path,
-            pace,
-            timeout,
+            play:
+                Play {
+                    trace: path,
+                    pace,
+                    timeout,
+                },
             json,
         } => {
             let events = trace::load(&path)
@@ -405,9 +412,12 @@ fn run(cmd: Cmd) -> Result<()> {
         }
         Cmd::Sink {
             listen,
-            trace: path,
-            pace,
-            timeout,
+            play:
+                Play {
+                    trace: path,
+                    pace,
+                    timeout,
+                },
             once,
         } => {
             let events = trace::load(&path)

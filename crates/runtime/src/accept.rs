@@ -155,6 +155,31 @@ async fn resumed_link(
     h.reconnect(fd, saved, Some(token)).then_some(h)
 }
 
+/// Runs an accepted connection of the latency lane (`first` goes out before any lane byte) as a
+/// task that ends with the link.
+fn start_lane<S>(
+    h: &Arc<LinkHandle>,
+    stream: S,
+    fd: Option<std::os::fd::RawFd>,
+    addr: SocketAddr,
+    buf: BytesMut,
+    carrier: driver::Carrier,
+    first: Option<BytesMut>,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let task = tokio::spawn(driver::run_lane(
+        h.clone(),
+        stream,
+        fd,
+        addr,
+        buf,
+        carrier,
+        first,
+    ));
+    h.keep_task(task);
+}
+
 /// Attaches an incoming connection as one more copy of the current link's latency lane: it
 /// presents the link's token and the lane's id, and where its bytes start (`at`). Our answer,
 /// where ours start, goes first on it.
@@ -177,16 +202,7 @@ fn accept_copy<S>(
             let mut answer = BytesMut::new();
             h.with(|l| l.copy_answer(ours)).encode(&mut answer);
             info!(link = h.id, from = %addr, copy = carrier.slot + 1, "latency lane copy attached");
-            let task = tokio::spawn(driver::run_lane(
-                h.clone(),
-                stream,
-                fd,
-                addr,
-                buf,
-                carrier,
-                Some(answer),
-            ));
-            h.keep_task(task);
+            start_lane(&h, stream, fd, addr, buf, carrier, Some(answer));
         }
         Err(why) => {
             add(&peer.counters.link.rejected, 1);
@@ -227,16 +243,7 @@ async fn accept_lane<S>(
         Ok(Some((h, conn))) => {
             info!(link = h.id, from = %addr, "latency lane attached");
             peer.counters.link.lanes.set(2);
-            let task = tokio::spawn(driver::run_lane(
-                h.clone(),
-                stream,
-                fd,
-                addr,
-                buf,
-                conn,
-                None,
-            ));
-            h.keep_task(task);
+            start_lane(&h, stream, fd, addr, buf, conn, None);
         }
         _ => {
             add(&peer.counters.link.rejected, 1);

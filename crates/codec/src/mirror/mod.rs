@@ -210,7 +210,7 @@ impl Mirror {
     }
 
     /// Fingerprints the chunks of `view` at `bounds` (offset, length), and compresses those that
-    /// will go as literals alone, on the workers, before [`encode_prepared`](Self::encode_prepared)
+    /// will go as literals alone, on the workers, before [`encode_chunk`](Self::encode_chunk)
     /// encodes them in order. False (nothing prepared) without workers, for fewer than two
     /// chunks, or for a latency-class stream (its small writes never wait for a pool).
     pub fn prepare(
@@ -302,27 +302,6 @@ impl Mirror {
         }
     }
 
-    /// Appends the record for the `i`th chunk [`prepare`](Self::prepare) was given, `chunk`,
-    /// with what was prepared for it (as [`encode_chunk`](Self::encode_chunk) without).
-    pub fn encode_prepared(
-        &mut self,
-        i: usize,
-        chunk: &[u8],
-        policy: &Policy,
-        pressure: Pressure,
-        hint: &mut Hint,
-        out: &mut impl BufMut,
-    ) -> Report {
-        let mut p = (i < self.batch_len && self.batch[i].len == chunk.len())
-            .then(|| std::mem::take(&mut self.batch[i]));
-        let r = self.encode_with(chunk, policy, pressure, hint, out, p.as_mut());
-        if let Some(p) = p {
-            // Its buffer serves the next turn.
-            self.batch[i] = p;
-        }
-        r
-    }
-
     /// Forgets what was prepared.
     pub fn end_batch(&mut self) {
         self.batch_len = 0;
@@ -384,7 +363,9 @@ impl Mirror {
         self.recent.map.get(f).map(|(_, d)| d)
     }
 
-    /// Appends the record for one chunk to `out`.
+    /// Appends the record for one chunk to `out`. With `prepared: Some(i)`, `chunk` is the `i`th
+    /// chunk [`prepare`](Self::prepare) was given, and what was prepared for it is used (the
+    /// record is the same either way).
     pub fn encode_chunk(
         &mut self,
         chunk: &[u8],
@@ -392,24 +373,20 @@ impl Mirror {
         pressure: Pressure,
         hint: &mut Hint,
         out: &mut impl BufMut,
+        prepared: Option<usize>,
     ) -> Report {
-        self.encode_with(chunk, policy, pressure, hint, out, None)
-    }
-
-    fn encode_with(
-        &mut self,
-        chunk: &[u8],
-        policy: &Policy,
-        pressure: Pressure,
-        hint: &mut Hint,
-        out: &mut impl BufMut,
-        prep: Option<&mut prepare::Prepared>,
-    ) -> Report {
+        let i = prepared.filter(|i| *i < self.batch_len && self.batch[*i].len == chunk.len());
+        let mut p = i.map(|i| std::mem::take(&mut self.batch[i]));
         // A live stream's chunks join its tails' context; a bulk stream's all go through its
         // long context when there is one to have.
         let live = policy.context && (hint.live > 0 || (policy.bulk && self.long.is_some()));
         hint.live = hint.live.saturating_sub(1);
-        self.encode_piece(chunk, policy, pressure, hint, out, live, prep)
+        let r = self.encode_piece(chunk, live, policy, pressure, hint, out, p.as_mut());
+        if let (Some(i), Some(p)) = (i, p) {
+            // Its buffer serves the next turn.
+            self.batch[i] = p;
+        }
+        r
     }
 
     /// Appends the record for a chunk or a tail to `out`; a tail may use the stream's context.
@@ -417,11 +394,11 @@ impl Mirror {
     fn encode_piece(
         &mut self,
         chunk: &[u8],
+        in_context: bool,
         policy: &Policy,
         pressure: Pressure,
         hint: &mut Hint,
         out: &mut impl BufMut,
-        in_context: bool,
         prep: Option<&mut prepare::Prepared>,
     ) -> Report {
         let f = if policy.dedup {
@@ -667,7 +644,7 @@ pub fn encode_tail(
     if in_context {
         hint.live = LIVE_CHUNKS;
     }
-    mirror.encode_piece(tail, &once, pressure, hint, out, in_context, None)
+    mirror.encode_piece(tail, in_context, &once, pressure, hint, out, None)
 }
 
 /// Appends a raw record (bytes sent as they are, not cached) to `out`.
@@ -699,9 +676,13 @@ mod tests {
         let mut m = Mirror::new(cfg.cache_bytes, 1 << 20, 3);
         let mut hint = Hint::default();
         let mut wire = Vec::new();
-        let first = m.encode_chunk(&chunk, &policy, Pressure::LinkBound, &mut hint, &mut wire);
+        let mut sent = Vec::new();
+        for _ in 0..2 {
+            let pressure = Pressure::LinkBound;
+            sent.push(m.encode_chunk(&chunk, &policy, pressure, &mut hint, &mut wire, None));
+        }
+        let (first, second) = (sent[0], sent[1]);
         assert!(matches!(first.sent, Sent::Lit(_)));
-        let second = m.encode_chunk(&chunk, &policy, Pressure::LinkBound, &mut hint, &mut wire);
         assert_eq!(second.sent, Sent::Ref);
         assert!(second.wire < 32);
         let tail = encode_tail(

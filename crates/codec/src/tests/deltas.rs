@@ -226,7 +226,14 @@ fn no_deltas_when_cpu_bound_or_for_latency_or_uncompressed_streams() {
         let mut wire = Vec::new();
         for data in [&first, &second] {
             for (o, l) in chunks(data, &CodecConfig::default()) {
-                let r = m.encode_chunk(&data[o..o + l], &policy, pressure, &mut hint, &mut wire);
+                let r = m.encode_chunk(
+                    &data[o..o + l],
+                    &policy,
+                    pressure,
+                    &mut hint,
+                    &mut wire,
+                    None,
+                );
                 assert_ne!(
                     r.sent,
                     Sent::Delta,

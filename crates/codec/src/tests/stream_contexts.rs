@@ -125,7 +125,14 @@ fn context_records_are_bounded_and_fail_cleanly() {
     for i in 0..=LIVE_CHUNKS {
         let mut whole = Vec::new();
         let block = db_blocks(1, 5 + u64::from(i));
-        m.encode_chunk(&block, &policy, Pressure::LinkBound, &mut hint, &mut whole);
+        m.encode_chunk(
+            &block,
+            &policy,
+            Pressure::LinkBound,
+            &mut hint,
+            &mut whole,
+            None,
+        );
         let want = if i < LIVE_CHUNKS {
             TAG_LIT_CONTEXT
         } else {
@@ -142,6 +149,7 @@ fn context_records_are_bounded_and_fail_cleanly() {
         Pressure::LinkBound,
         &mut Hint::default(),
         &mut whole,
+        None,
     );
     assert_eq!(whole[0], TAG_LIT_ZSTD | NO_CACHE);
 
@@ -254,7 +262,7 @@ fn long_record(m: &mut Mirror, data: &[u8], hint: &mut Hint) -> Vec<u8> {
         ..Policy::default()
     };
     let mut rec = Vec::new();
-    m.encode_chunk(data, &policy, Pressure::LinkBound, hint, &mut rec);
+    m.encode_chunk(data, &policy, Pressure::LinkBound, hint, &mut rec, None);
     rec
 }
 

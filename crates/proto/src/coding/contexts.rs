@@ -378,7 +378,8 @@ impl Contexts {
         move |f| m.and_then(|m| m.chunk(f)).cloned()
     }
 
-    /// Decodes a stream's waiting frames until they run out or a reference misses.
+    /// Decodes a stream's waiting frames until they run out or a reference misses (counted as
+    /// a need of the stream's service when it asks the peer).
     pub fn decode(
         &mut self,
         rc: &mut RecvCoded,
@@ -465,6 +466,7 @@ impl Contexts {
                 rc.on_store = on_store;
                 if !on_store {
                     got.need = Some(m);
+                    self.counts.entry(service.clone()).or_default().needs += 1;
                 }
                 return Ok(got);
             }

@@ -394,10 +394,8 @@ impl Cut<'_> {
         let (m, out) = (&mut *self.mirror, &mut *self.out);
         let r = if last && len < self.chunking.min_chunk {
             codec::encode_tail(m, chunk, policy, self.pressure, hint, out)
-        } else if let Some(i) = prep {
-            m.encode_prepared(i, chunk, policy, self.pressure, hint, out)
         } else {
-            m.encode_chunk(chunk, policy, self.pressure, hint, out)
+            m.encode_chunk(chunk, policy, self.pressure, hint, out, prep)
         };
         self.stats.add(&r);
         t.raw += len;

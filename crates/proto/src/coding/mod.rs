@@ -514,21 +514,10 @@ impl Coding {
         Ok(())
     }
 
-    /// Decodes what a stream has waiting, until it runs out or a reference misses (counted).
-    pub fn decode(
-        &mut self,
-        rc: &mut RecvCoded,
-        lane: usize,
-        service: &Arc<str>,
-    ) -> Result<Decoded, String> {
-        let Some(ctx) = self.ctx.as_mut() else {
-            return Ok(Decoded::default());
-        };
-        let got = ctx.decode(rc, lane, service)?;
-        if got.need.is_some() {
-            ctx.counts.entry(service.clone()).or_default().needs += 1;
-        }
-        Ok(got)
+    /// The caches and decoders, when the link has the codec: what decodes a stream's waiting
+    /// frames ([`Contexts::decode`]).
+    pub(crate) fn contexts(&mut self) -> Option<&mut Contexts> {
+        self.ctx.as_mut()
     }
 
     /// Decodes a frame of a stream we already closed: what it puts in the shared cache keeps our

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::{Event, Link};
-use crate::coding::{FRAME_COST, Fingerprint, Role};
+use crate::coding::{Decoded, FRAME_COST, Fingerprint, Role};
 use crate::error::LinkError;
 use crate::frame::{Frame, ResetCode, StreamId};
 
@@ -89,7 +89,11 @@ impl Link {
         let Some(rc) = s.recv.coded.as_mut() else {
             return;
         };
-        match self.coding.decode(rc, s.lane, &s.service) {
+        let decoded = self.coding.contexts().map_or_else(
+            || Ok(Decoded::default()),
+            |c| c.decode(rc, s.lane, &s.service),
+        );
+        match decoded {
             Ok(got) => {
                 s.recv.queue.extend(got.data);
                 if let Some((fingerprint, scoped)) = got.need {
