@@ -21,6 +21,8 @@
 
 #[path = "../tests/common/args.rs"]
 mod args;
+#[path = "../tests/common/report.rs"]
+mod report;
 
 use std::time::Instant;
 
@@ -96,11 +98,15 @@ fn run_writes(
     dec.decode(&wire, &mut out).expect("decode");
     let dsecs = t.elapsed().as_secs_f64();
     assert!(out == data, "round trip");
-    println!(
-        "{name:<34} encode {:>7.0} MB/s   decode {:>7.0} MB/s   wire/raw {:.3}",
-        data.len() as f64 / secs / 1e6,
-        data.len() as f64 / dsecs / 1e6,
-        wire.len() as f64 / data.len() as f64
+    report::row(
+        "First copies on one core",
+        &["case", "encode MB/s", "decode MB/s", "wire/raw"],
+        vec![
+            name.into(),
+            format!("{:.0}", data.len() as f64 / secs / 1e6),
+            format!("{:.0}", data.len() as f64 / dsecs / 1e6),
+            format!("{:.3}", wire.len() as f64 / data.len() as f64),
+        ],
     );
 }
 
@@ -147,11 +153,28 @@ fn threads(name: &str, data: &[u8], most: usize) {
             if n == 1 {
                 one = (rate, drate);
             }
-            println!(
-                "{name:<28} {path:<24} threads {n:>2}: encode {rate:>5.0} MB/s ({:.2}x)  decode {drate:>5.0} MB/s ({:.2}x)  wire/raw {:.3}",
-                rate / one.0,
-                drate / one.1,
-                wire.len() as f64 / data.len() as f64
+            report::row(
+                "Encoding and decoding on the pool (wall time)",
+                &[
+                    "data",
+                    "path",
+                    "threads",
+                    "encode MB/s",
+                    "vs 1",
+                    "decode MB/s",
+                    "vs 1",
+                    "wire/raw",
+                ],
+                vec![
+                    name.into(),
+                    path.to_string(),
+                    n.to_string(),
+                    format!("{rate:.0}"),
+                    format!("{:.2}x", rate / one.0),
+                    format!("{drate:.0}"),
+                    format!("{:.2}x", drate / one.1),
+                    format!("{:.3}", wire.len() as f64 / data.len() as f64),
+                ],
             );
             wires.push(wire);
         }
@@ -167,7 +190,8 @@ fn threads(name: &str, data: &[u8], most: usize) {
 fn file_vs_stream_compressors(path: &str) {
     let data = std::fs::read(path).unwrap_or_else(|e| panic!("--file {path}: {e}"));
     let n = data.len() as f64;
-    println!("{path}: {:.1} MB", n / 1e6);
+    let title = format!("{path} ({:.1} MB) against the stream compressors", n / 1e6);
+    let header = ["compressor", "wire/raw", "encode MB/s"];
     let tool = |cmd: &str, args: &[&str]| -> Option<(usize, f64)> {
         let t = Instant::now();
         let out = std::process::Command::new(cmd)
@@ -197,34 +221,46 @@ fn file_vs_stream_compressors(path: &str) {
             let mut out = Vec::with_capacity(data.len());
             Decoder::new(&cfg).decode(&wire, &mut out).expect("decode");
             assert!(out == data, "round trip");
-            println!(
-                "  wanopt zstd {level}, {:<24} wire/raw {:.3}   encode {:>6.0} MB/s",
-                if long.is_some() {
-                    "long contexts"
-                } else {
-                    "chunks alone"
-                },
-                wire.len() as f64 / n,
-                n / secs / 1e6
+            report::row(
+                &title,
+                &header,
+                vec![
+                    format!(
+                        "wanopt zstd {level}, {}",
+                        if long.is_some() {
+                            "long contexts"
+                        } else {
+                            "chunks alone"
+                        }
+                    ),
+                    format!("{:.3}", wire.len() as f64 / n),
+                    format!("{:.0}", n / secs / 1e6),
+                ],
             );
         }
         let l = format!("-{level}");
         if let Some((len, secs)) = tool("zstd", &[&l, "-q", "-c", "-T1"]) {
-            println!(
-                "  zstd -{level} (one stream){:<16} wire/raw {:.3}   encode {:>6.0} MB/s",
-                "",
-                len as f64 / n,
-                n / secs / 1e6
+            report::row(
+                &title,
+                &header,
+                vec![
+                    format!("zstd -{level} (one stream)"),
+                    format!("{:.3}", len as f64 / n),
+                    format!("{:.0}", n / secs / 1e6),
+                ],
             );
         }
     }
     for (cmd, args) in [("gzip", ["-6", "-c"]), ("xz", ["-6", "-c"])] {
         if let Some((len, secs)) = tool(cmd, &args) {
-            println!(
-                "  {cmd} -6{:<32} wire/raw {:.3}   encode {:>6.0} MB/s",
-                "",
-                len as f64 / n,
-                n / secs / 1e6
+            report::row(
+                &title,
+                &header,
+                vec![
+                    format!("{cmd} -6"),
+                    format!("{:.3}", len as f64 / n),
+                    format!("{:.0}", n / secs / 1e6),
+                ],
             );
         }
     }
@@ -459,10 +495,15 @@ fn stages(name: &str, data: &[u8]) {
         x ^= wanopt_codec::cache::fingerprint(&data[off..off + len])[0];
     }
     let hashing = t.elapsed().as_secs_f64();
-    println!(
-        "{name:<34} chunking {:>7.0} MB/s   chunking+blake3 {:>7.0} MB/s   ({n} chunks, {x})",
-        data.len() as f64 / chunking / 1e6,
-        data.len() as f64 / hashing / 1e6,
+    report::row(
+        "Stages on one core",
+        &["data", "chunking MB/s", "chunking + BLAKE3 MB/s", "chunks"],
+        vec![
+            name.into(),
+            format!("{:.0}", data.len() as f64 / chunking / 1e6),
+            format!("{:.0}", data.len() as f64 / hashing / 1e6),
+            format!("{n} ({x})"),
+        ],
     );
 }
 
@@ -507,12 +548,16 @@ fn tiers(data: &[u8]) {
         if key.is_none() {
             base = (speeds[0], speeds[1]);
         }
-        println!(
-            "decode into {name:<22} new {:>7.0} MB/s ({:.2}x)   repeat {:>7.0} MB/s ({:.2}x)",
-            speeds[0],
-            speeds[0] / base.0,
-            speeds[1],
-            speeds[1] / base.1
+        report::row(
+            "Decoding incompressible data into each cache setup",
+            &["cache", "new MB/s", "vs memory", "repeat MB/s", "vs memory"],
+            vec![
+                name.into(),
+                format!("{:.0}", speeds[0]),
+                format!("{:.2}x", speeds[0] / base.0),
+                format!("{:.0}", speeds[1]),
+                format!("{:.2}x", speeds[1] / base.1),
+            ],
         );
     }
 }
@@ -524,10 +569,10 @@ fn main() {
     let context = *CONTEXT.get_or_init(|| !args.flag("--no-context"));
     let db = db_like(mib << 20);
     let noise = xorshift(7, mib << 20);
-    println!(
-        "one core, {mib} MiB per case, 64 KiB writes, first transfer (empty cache), zstd level {level}{}",
+    report::note(format!(
+        "One core, {mib} MiB per case, 64 KiB writes, first transfer (empty cache), zstd level {level}{}.",
         if context { "" } else { ", no stream contexts" }
-    );
+    ));
     if let Some(n) = args.text("--threads") {
         let n: usize = n.parse().expect("--threads N");
         let mut sets = vec![("db-like".to_string(), db.clone())];
@@ -538,6 +583,7 @@ fn main() {
         for (name, data) in &sets {
             threads(name, data, n);
         }
+        report::finish("codec-threads", "codec --threads: the pool on this machine");
         return;
     }
     if let Some(path) = args.text("--wal") {
@@ -614,4 +660,5 @@ fn main() {
         Pressure::CpuBound,
     );
     tiers(&noise);
+    report::finish("codec", "codec: encoding and decoding on one core");
 }

@@ -22,7 +22,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{link_lines, wan_pair};
+use common::{link_lines, report, wan_pair};
 use wanopt_replay::compare::{self, Job, PathSpec};
 use wanopt_replay::server::{self, ServerOpts};
 use wansim::{Site, Wan};
@@ -104,16 +104,18 @@ fn main() {
             congestion: None,
             metrics: None,
         }),
-        None => println!("no ssh -C path: OpenSSH's server (openssh-server) is not installed"),
+        None => {
+            report::note("No `ssh -C` path: OpenSSH's server (openssh-server) is not installed.")
+        }
     }
-    println!(
-        "{preset}: direct (CUBIC, BBR) against the wanopt pair{} ({stated_words}); one run, same workloads\n",
+    report::note(format!(
+        "`{preset}`: direct (CUBIC, BBR) against the wanopt pair{} ({stated_words}); one run, same workloads.",
         if ssh.is_some() {
-            " and an ssh -C tunnel (the namespace's default congestion control)"
+            " and an `ssh -C` tunnel (the namespace's default congestion control)"
         } else {
             ""
         }
-    );
+    ));
     // (title, short name for the chart, workload, service)
     let mut workloads = vec![
         (
@@ -183,7 +185,9 @@ fn main() {
                     }
                 })
                 .expect("west");
-            println!("link connections in use: {lanes} (2: the latency lane is up)");
+            report::note(format!(
+                "Link connections in use: {lanes} (2: the latency lane is up)."
+            ));
         }
         let job: Job = compare::parse_job(&spec).expect("workload");
         let mut p = paths.clone();
@@ -196,7 +200,10 @@ fn main() {
             })
             .expect("west")
             .expect("compare");
-        println!("{title}\n{}", compare::table(&rows));
+        let header: Vec<&str> = compare::COLUMNS.iter().map(|(h, _)| *h).collect();
+        for r in &rows {
+            report::row(&title, &header, compare::cells(r));
+        }
         runs.push((short, rows));
     }
     if let Some((_, mut children)) = ssh {
@@ -206,14 +213,15 @@ fn main() {
         }
     }
     let (a, b) = wan.counters();
-    println!("wansim west->east: {a}\nwansim east->west: {b}");
+    report::note(format!("wansim west→east: {a}; east→west: {b}."));
     if !runs.is_empty() {
         let svg = args.get("--svg", format!("benches/charts/compare-{preset}.svg"));
         let _ = std::fs::create_dir_all(Path::new(&svg).parent().unwrap_or(Path::new(".")));
         let title = format!("{preset}: throughput per path ({stated_words})");
         compare::write_svg(Path::new(&svg), &title, &runs).expect("chart");
-        println!("chart: {svg}");
+        report::note(format!("Chart: `{svg}`."));
     }
+    report::finish("compare", "compare: the reference comparison across wansim");
 }
 
 /// An `ssh -C -L` tunnel from west to the test server in east: sshd in east with keys made for

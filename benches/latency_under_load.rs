@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{connect_in, east_servers, link_lines, wan_pair};
+use common::{connect_in, east_servers, link_lines, report, wan_pair};
 use wansim::{Site, Wan};
 
 const RR: usize = 8 * 1024;
@@ -97,8 +97,9 @@ fn main() {
         SocketAddr::new(east_ip, 9001),
     );
 
-    println!("{preset}: 8 KiB round trips, {rounds} per case (ms); {stated_words}");
-    println!("{:<52} {:>8} {:>8} {:>8}", "case", "p50", "p90", "p99");
+    report::note(format!(
+        "`{preset}`: 8 KiB round trips, {rounds} per case; {stated_words}."
+    ));
     for (name, rr, bulk) in [
         ("direct (cubic), idle", d_lat, None),
         (
@@ -114,13 +115,17 @@ fn main() {
         ),
     ] {
         let v = measure(&wan, rr, bulk, rounds);
-        println!(
-            "{name:<52} {:>8.1} {:>8.1} {:>8.1}",
-            ms(&v, 0.5),
-            ms(&v, 0.9),
-            ms(&v, 0.99)
+        let q = |p| format!("{:.1}", ms(&v, p));
+        report::row(
+            "Round trips (ms)",
+            &["case", "p50", "p90", "p99"],
+            vec![name.into(), q(0.5), q(0.9), q(0.99)],
         );
     }
     let (a, b) = wan.counters();
-    println!("wansim west->east: {a}\nwansim east->west: {b}");
+    report::note(format!("wansim west→east: {a}; east→west: {b}."));
+    report::finish(
+        "latency_under_load",
+        "latency_under_load: round trips beside a bulk stream",
+    );
 }

@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use common::args::Args;
 use common::pg::{self, Backlog, WalLoad, Workload};
-use common::{Pair, link_lines, wan_pair};
+use common::{Pair, link_lines, report, wan_pair};
 use wansim::{Site, Wan};
 
 fn main() {
@@ -59,17 +59,22 @@ fn main() {
         let preset = args.get("--preset", "t3-100ms-0.5".to_string());
         catch_up_across_wan(port, &load, &preset);
     }
+    report::finish("pgwal", "pgwal: PostgreSQL WAL through the pair");
 }
 
 /// WAL's wire/raw through the pair, in clear and with PostgreSQL's own TLS.
 fn ratio(port: u16, scale: u32, seconds: u32, clients: u32) {
-    println!(
+    let t = format!(
         "PostgreSQL WAL through the tunnel: scale {scale}, {clients} clients, {seconds} s each; stated link 45 Mbit/s"
     );
-    println!(
-        "{:<34} {:>8} {:>9} {:>9} {:>9} {:>9}",
-        "replication connection", "tps", "raw MB", "wire MB", "wire/raw", "segments"
-    );
+    let h = [
+        "replication connection",
+        "tps",
+        "raw MB",
+        "wire MB",
+        "wire/raw",
+        "segments",
+    ];
     for (title, workload, ssl) in [
         ("tpcb, in clear inside the tunnel", Workload::Tpcb, false),
         (
@@ -94,16 +99,19 @@ fn ratio(port: u16, scale: u32, seconds: u32, clients: u32) {
             db: "wanopt_bench_wal",
         };
         match pg::stream_wal(&pair, port, &load) {
-            Ok(r) => println!(
-                "{:<34} {:>8.0} {:>9.1} {:>9.1} {:>9.4} {:>9}",
-                title,
-                r.tps,
-                r.raw as f64 / 1e6,
-                r.wire as f64 / 1e6,
-                r.wire as f64 / r.raw.max(1) as f64,
-                r.segments
+            Ok(r) => report::row(
+                &t,
+                &h,
+                vec![
+                    title.into(),
+                    format!("{:.0}", r.tps),
+                    format!("{:.1}", r.raw as f64 / 1e6),
+                    format!("{:.1}", r.wire as f64 / 1e6),
+                    format!("{:.4}", r.wire as f64 / r.raw.max(1) as f64),
+                    r.segments.to_string(),
+                ],
             ),
-            Err(e) => println!("{title:<34} failed: {e}"),
+            Err(e) => report::note(format!("{title}: failed: {e}")),
         }
     }
 }
@@ -150,17 +158,21 @@ fn catch_up_across_wan(port: u16, load: &Backlog, preset: &str) {
         |_, y| link_lines(y, &stated),
     );
     let tunnel = pair.west.bound("pg");
-    println!(
-        "\n{preset} ({stated_words}): a standby fetching {} s of {} WAL ({} clients) it missed; limit {} s",
+    let t = format!(
+        "`{preset}` ({stated_words}): a standby fetching {} s of {} WAL ({} clients) it missed; limit {} s",
         load.seconds,
         load.workload.name(),
         load.clients,
         load.limit.as_secs()
     );
-    println!(
-        "{:<14} {:>10} {:>12} {:>10} {:>9} {:>9}",
-        "path", "backlog MB", "catch-up s", "MB/s", "speedup", "segments"
-    );
+    let h = [
+        "path",
+        "backlog MB",
+        "catch-up s",
+        "MB/s",
+        "speedup",
+        "segments",
+    ];
     let mut base = None;
     for (i, (name, addr, cc)) in [
         ("direct cubic", relay, Some("cubic")),
@@ -191,28 +203,31 @@ fn catch_up_across_wan(port: u16, load: &Backlog, preset: &str) {
                 // Cut off by the limit: the rate of what had arrived by then.
                 let rate = r.received as f64 / 1e6 / secs;
                 let base_rate = *base.get_or_insert(rate);
-                println!(
-                    "{:<14} {:>10.1} {:>12} {:>10.2} {:>9} {:>9}",
-                    name,
-                    mb,
-                    r.seconds
-                        .map_or_else(|| format!("> {secs:.0}"), |s| format!("{s:.1}")),
-                    rate,
-                    if base_rate > 0.0 {
-                        format!("{:.1}x", rate / base_rate)
-                    } else {
-                        "-".into()
-                    },
-                    r.segments
+                report::row(
+                    &t,
+                    &h,
+                    vec![
+                        name.into(),
+                        format!("{mb:.1}"),
+                        r.seconds
+                            .map_or_else(|| format!("> {secs:.0}"), |s| format!("{s:.1}")),
+                        format!("{rate:.2}"),
+                        if base_rate > 0.0 {
+                            format!("{:.1}x", rate / base_rate)
+                        } else {
+                            "-".into()
+                        },
+                        r.segments.to_string(),
+                    ],
                 );
             }
-            Err(e) => println!("{name:<14} failed: {e}"),
+            Err(e) => report::note(format!("{name}: failed: {e}")),
         }
         let _ = std::io::stdout().flush();
     }
     let _ = pg::psql(port, "postgres", &format!("DROP DATABASE IF EXISTS {db}"));
     let (a, b) = wan.counters();
-    println!("wansim west->east: {a}\nwansim east->west: {b}");
+    report::note(format!("wansim west→east: {a}; east→west: {b}."));
 }
 
 /// Copies both ways between two sockets until each side ends.

@@ -36,6 +36,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::pg::{self, port, psql, run};
+use common::report;
 use wanopt_codec::{CodecConfig, Decoder, Encoder, Pressure};
 use wanopt_replay::chart::{Bars, Chart, render};
 use wanopt_runtime::config::ZSTD_ADAPT_MAX;
@@ -324,15 +325,15 @@ fn make_data(pg: u16, args: &common::args::Args) -> DataSets {
         .find(|l| l.starts_with("tps"))
         .unwrap_or("")
         .to_string();
-    println!(
-        "PostgreSQL data: {text_mib} MiB of changelog text rows, {seconds} s of OLTP ({tps}), data in {}",
-        dir.display()
-    );
+    report::note(format!(
+        "PostgreSQL data: {text_mib} MiB of changelog text rows, {seconds} s of OLTP ({tps})."
+    ));
+    println!("data in {}", dir.display());
     let _ = psql(pg, "postgres", &format!("DROP DATABASE IF EXISTS {DB}"));
     let binlog = match mariadb_binlog(&dir, &tsv, args.get("--binlog-tx", 40_000)) {
         Ok(p) => Some(p),
         Err(e) => {
-            println!("no MariaDB binlog data set: {e}");
+            report::note(format!("No MariaDB binlog data set: {e}."));
             None
         }
     };
@@ -487,24 +488,24 @@ fn mariadb_binlog(dir: &Path, tsv: &Path, transactions: u32) -> Result<PathBuf, 
     }
     let path = dir.join("run.binlog");
     std::fs::write(&path, &out).map_err(|e| e.to_string())?;
-    println!(
-        "MariaDB: {rows} rows, {transactions} OLTP transactions in {secs:.0} s, {} MB of row binlog",
+    report::note(format!(
+        "MariaDB: {rows} rows, {transactions} OLTP transactions in {secs:.0} s, {} MB of row binlog.",
         out.len() / 1_000_000
-    );
+    ));
     Ok(path)
 }
 
 fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, opts: &Opts) {
     let (cfg, pressure) = daemon_codec(opts.cache, opts.delta, opts.level);
-    println!(
-        "wanopt: the encoder as a daemon stating 45 Mbit/s sets it (zstd {}, long context {}), one {} MiB cache and a delta store of {} MiB in memory and {} MiB of sealed files across the data sets",
+    report::note(format!(
+        "wanopt: the encoder as a daemon stating 45 Mbit/s sets it (zstd {}, long context {}), one {} MiB cache and a delta store of {} MiB in memory and {} MiB of sealed files across the data sets.",
         cfg.zstd_level,
         cfg.long
             .map_or("off".into(), |l| format!("{} MiB", l.window() >> 20)),
         cfg.cache_bytes >> 20,
         cfg.delta_bytes >> 20,
         opts.delta_disk >> 20
-    );
+    ));
     let mut enc = Encoder::new(cfg.clone());
     // The disk tier behind the bases, as a daemon with `disk.delta_bytes` and a key keeps it
     // (its writes and reads on a thread of their own).
@@ -525,8 +526,8 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
             store,
         ));
     }
-    println!(
-        "{:<26} {:>9} {:>8} {:>10} {:>7} {:>8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>10}",
+    let title = "Wire/raw per data set, in order through one encoder (the caches carry over)";
+    let header = [
         "data",
         "MB",
         "wanopt",
@@ -534,12 +535,13 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
         "level",
         "T3 MB/s",
         "link",
-        "gzip-6",
-        "zstd-6",
-        "zstd-9",
-        "xz-6",
-        "patch-from"
-    );
+        "gzip -6",
+        "zstd -6",
+        "zstd -9",
+        "xz -6",
+        "zstd --patch-from",
+    ];
+    let saved = "What each mechanism kept off the wire, as a share of the raw bytes";
     // The governor moves the level as a daemon's does (`optimize.zstd_adapt`), unless the
     // level is given.
     let mut t3 = VirtualT3::new(cfg.zstd_level, opts.level.is_none());
@@ -629,23 +631,27 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
             patch,
         ];
         let f = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.4}"));
-        println!(
-            "{name:<26} {:>9.1} {:>8.4} {:>10.0} {:>7} {:>8.1} {:>5.0}% {:>8} {:>8} {:>8} {:>8} {:>10}",
-            n / 1e6,
-            ours,
-            n / cpu / 1e6,
-            if level_before == enc_level {
-                enc_level.to_string()
-            } else {
-                format!("{level_before}->{enc_level}")
-            },
-            n / took / 1e6,
-            link_busy * 100.0,
-            f(row[1]),
-            f(row[2]),
-            f(row[3]),
-            f(row[4]),
-            f(row[5]),
+        report::row(
+            title,
+            &header,
+            vec![
+                name.to_string(),
+                format!("{:.1}", n / 1e6),
+                format!("{ours:.4}"),
+                format!("{:.0}", n / cpu / 1e6),
+                if level_before == enc_level {
+                    enc_level.to_string()
+                } else {
+                    format!("{level_before}→{enc_level}")
+                },
+                format!("{:.1}", n / took / 1e6),
+                format!("{:.0}%", link_busy * 100.0),
+                f(row[1]),
+                f(row[2]),
+                f(row[3]),
+                f(row[4]),
+                f(row[5]),
+            ],
         );
         groups.push(name.to_string());
         for (col, v) in ratios.iter_mut().zip(row) {
@@ -667,10 +673,16 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
             s.delta_bytes - before.delta_bytes,
             s.delta_wire - before.delta_wire,
         );
-        println!(
-            "{:<26} saved by dedup {dedup:.3}, delta {delta:.3} ({} chunks), compression {compression:.3}",
-            "",
-            s.delta_chunks - before.delta_chunks,
+        report::row(
+            saved,
+            &["data", "dedup", "delta", "delta chunks", "compression"],
+            vec![
+                name.to_string(),
+                format!("{dedup:.3}"),
+                format!("{delta:.3}"),
+                (s.delta_chunks - before.delta_chunks).to_string(),
+                format!("{compression:.3}"),
+            ],
         );
         for (col, v) in mechanisms.iter_mut().zip([dedup, delta, compression, ours]) {
             col.1.push(Some(v));
@@ -700,5 +712,6 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
     .expect("chart");
     let _ = std::fs::create_dir_all(Path::new(&opts.svg).parent().unwrap_or(Path::new(".")));
     std::fs::write(&opts.svg, svg).expect("write chart");
-    println!("chart: {}", opts.svg);
+    report::note(format!("Chart: `{}`.", opts.svg));
+    report::finish("reduction", "reduction: wire/raw of real database data");
 }

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Certs, Daemon, fill, send_pattern, server, site_yaml};
+use common::{Certs, Daemon, fill, report, send_pattern, server, site_yaml};
 
 const RR: usize = 8 * 1024;
 const BACKUP: u64 = 64 << 20;
@@ -167,14 +167,10 @@ fn main() {
     let targets = (server(echo), server(sink));
     let certs = Certs::new(&["west", "east"]);
 
-    println!(
-        "loopback, 8 KiB latency-class round trips ({rounds} per case, ms) while a {} MiB backup repeats from east's disk tier",
+    report::note(format!(
+        "Loopback, 8 KiB latency-class round trips ({rounds} per case) while a {} MiB backup repeats from east's disk tier.",
         BACKUP >> 20
-    );
-    println!(
-        "{:<44} {:>7} {:>7} {:>7} {:>7} {:>9} {:>9}",
-        "case", "p50", "p99", "p99.9", "max", "bulk MiB", "disk MiB"
-    );
+    ));
     // Message seeds never repeat across cases.
     let mut seed = 0x5EED_0000;
     for delay in delays {
@@ -212,17 +208,26 @@ fn main() {
             let (v, moved) = measure(rr, b, rounds, seed);
             seed += rounds as u64;
             let hit = hits(&site.east) - before;
-            println!(
-                "{name:<44} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>9} {:>9}",
-                ms(&v, 0.5),
-                ms(&v, 0.99),
-                ms(&v, 0.999),
-                ms(&v, 1.0),
-                moved >> 20,
-                hit >> 20
+            let q = |p| format!("{:.2}", ms(&v, p));
+            report::row(
+                "Round trips (ms), and what the bulk stream moved",
+                &["case", "p50", "p99", "p99.9", "max", "bulk MiB", "disk MiB"],
+                vec![
+                    name,
+                    q(0.5),
+                    q(0.99),
+                    q(0.999),
+                    q(1.0),
+                    (moved >> 20).to_string(),
+                    (hit >> 20).to_string(),
+                ],
             );
         }
         // What a slow disk still has queued would hold a clean shutdown for its 30 s limit.
         kill(site);
     }
+    report::finish(
+        "slow_store",
+        "slow_store: latency-class streams beside a slow disk tier",
+    );
 }

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{connect_in, east_servers, link_lines, wan_pair};
+use common::{connect_in, east_servers, link_lines, report, wan_pair};
 use wanopt_replay::chart::{Chart, Percentiles, cdf_of_sorted, render};
 use wansim::{Site, Wan};
 
@@ -102,9 +102,9 @@ fn main() {
             "cubic",
         ),
     ];
-    println!(
-        "{preset}: 8 KiB round trips 20 ms apart, {secs} s per phase, all paths at once; {stated_words}"
-    );
+    report::note(format!(
+        "`{preset}`: 8 KiB round trips 20 ms apart, {secs} s per phase, all paths at once; {stated_words}."
+    ));
     let mut charts = Vec::new();
     for bulk in [false, true] {
         let stop = Arc::new(AtomicBool::new(false));
@@ -141,18 +141,21 @@ fn main() {
             .collect();
         stop.store(true, Ordering::Relaxed);
         drop(writer);
-        println!(
-            "\n{}",
-            if bulk {
-                "while a bulk stream through the pair fills the link"
-            } else {
-                "idle link"
-            }
-        );
-        println!(
-            "{:<28} {:>7} {:>8} {:>8} {:>8} {:>8}   {:>6} {:>6}",
-            "path", "rounds", "p50", "p99", "p99.9", "max", "p99/RTT", "p99.9/RTT"
-        );
+        let title = if bulk {
+            "While a bulk stream through the pair fills the link (ms)"
+        } else {
+            "Idle link (ms)"
+        };
+        let header = [
+            "path",
+            "rounds",
+            "p50",
+            "p99",
+            "p99.9",
+            "max",
+            "p99/RTT",
+            "p99.9/RTT",
+        ];
         charts.push(Chart::Percentiles(Percentiles {
             title: format!(
                 "{preset}, {}: 8 KiB round trips",
@@ -173,20 +176,25 @@ fn main() {
             rtt_ms: Some(rtt_ms),
         }));
         for ((name, ..), v) in paths.iter().zip(&results) {
-            println!(
-                "{name:<28} {:>7} {:>8.1} {:>8.1} {:>8.1} {:>8.1}   {:>6.2} {:>6.2}",
-                v.len(),
-                ms(v, 0.5),
-                ms(v, 0.99),
-                ms(v, 0.999),
-                ms(v, 1.0),
-                ms(v, 0.99) / rtt_ms,
-                ms(v, 0.999) / rtt_ms
+            let q = |p| format!("{:.1}", ms(v, p));
+            report::row(
+                title,
+                &header,
+                vec![
+                    name.clone(),
+                    v.len().to_string(),
+                    q(0.5),
+                    q(0.99),
+                    q(0.999),
+                    q(1.0),
+                    format!("{:.2}", ms(v, 0.99) / rtt_ms),
+                    format!("{:.2}", ms(v, 0.999) / rtt_ms),
+                ],
             );
         }
     }
     let (a, b) = wan.counters();
-    println!("\nwansim west->east: {a}\nwansim east->west: {b}");
+    report::note(format!("wansim west→east: {a}; east→west: {b}."));
     let svg = args.get("--svg", format!("benches/charts/sync-tail-{preset}.svg"));
     let _ = std::fs::create_dir_all(
         std::path::Path::new(&svg)
@@ -194,11 +202,15 @@ fn main() {
             .unwrap_or(std::path::Path::new(".")),
     );
     std::fs::write(&svg, render(&charts).expect("chart")).expect("write chart");
-    println!("chart: {svg}");
+    report::note(format!("Chart: `{svg}`."));
     for d in [&with_copies.west, &with_copies.east] {
         let lost = d.count("a latency lane connection was lost");
         if lost > 0 {
-            println!("{}: {lost} copy connections lost and replaced", d.name);
+            report::note(format!(
+                "{}: {lost} copy connections lost and replaced.",
+                d.name
+            ));
         }
     }
+    report::finish("sync_tail", "sync_tail: SYNC round trips on a lossy WAN");
 }

@@ -25,7 +25,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Certs, Pair};
+use common::{Certs, Pair, report};
 
 const RR_SIZE: usize = 8 * 1024;
 
@@ -348,11 +348,11 @@ fn main() {
     if let Some(only) = opts.text("--only") {
         paths.retain(|p| p.0 == only || p.0 == "direct cubic");
     }
-    println!(
-        "loopback, one bulk stream of {} MiB x{repeat} (median), {rounds} round trips of 8 KiB, optimization {}",
+    report::note(format!(
+        "Loopback, one bulk stream of {} MiB x{repeat} (median), {rounds} round trips of 8 KiB, optimization {}.",
         bytes >> 20,
         if optimize { "on" } else { "off" }
-    );
+    ));
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
     let mut cpu = vec![0.0f64; paths.len()];
     for _ in 0..repeat {
@@ -376,10 +376,16 @@ fn main() {
     for r in &mut rtts {
         r.sort();
     }
-    println!(
-        "{:<14} {:>10} {:>14} {:>12} {:>12} {:>12} {:>12}",
-        "path", "MB/s", "relay CPU s/GB", "rtt p50 µs", "rtt p99 µs", "p99.9 µs", "CPU µs/rtt"
-    );
+    let title = "Throughput, relay CPU and 8 KiB round trips per path";
+    let header = [
+        "path",
+        "MB/s",
+        "relay CPU s/GB",
+        "rtt p50 µs",
+        "rtt p99 µs",
+        "p99.9 µs",
+        "CPU µs/rtt",
+    ];
     let gb = (bytes * repeat as u64) as f64 / 1e9;
     let mut med = Vec::new();
     for (i, (name, _, _, pids, has_bulk)) in paths.iter().enumerate() {
@@ -407,52 +413,73 @@ fn main() {
         } else {
             "-".to_string()
         };
-        println!(
-            "{:<14} {:>10} {:>14} {:>12.1} {:>12.1} {:>12.1} {:>12}",
-            name,
-            mbs,
-            cpu_gb,
-            pct(r, 0.5).as_secs_f64() * 1e6,
-            pct(r, 0.99).as_secs_f64() * 1e6,
-            pct(r, 0.999).as_secs_f64() * 1e6,
-            cpu_rtt
+        let us = |q| format!("{:.1}", pct(r, q).as_secs_f64() * 1e6);
+        report::row(
+            title,
+            &header,
+            vec![
+                name.to_string(),
+                mbs,
+                cpu_gb,
+                us(0.5),
+                us(0.99),
+                us(0.999),
+                cpu_rtt,
+            ],
         );
     }
     let Some(w) = paths.iter().position(|p| p.0 == "wanopt") else {
+        report::finish("tunnel", "tunnel: throughput and round trips on loopback");
         return;
     };
     let direct_p50 = pct(&rtts[0], 0.5).as_secs_f64() * 1e6;
     let wan_p50 = pct(&rtts[w], 0.5).as_secs_f64() * 1e6;
-    println!(
-        "ratio wanopt/direct-cubic throughput: {:.2}",
-        med[w] / med[0]
+    let t = "Ratios";
+    let h = ["figure", "value", "target"];
+    let ratio = |what: &str, v: String, target: &str| {
+        report::row(t, &h, vec![what.into(), v, target.into()]);
+    };
+    ratio(
+        "wanopt / direct cubic throughput",
+        format!("{:.2}", med[w] / med[0]),
+        "",
     );
     if let Some(s) = paths.iter().position(|p| p.0 == "stunnel") {
-        println!(
-            "ratio wanopt/stunnel throughput:      {:.2}  (target >= 1.00)",
-            med[w] / med[s]
+        ratio(
+            "wanopt / stunnel throughput",
+            format!("{:.2}", med[w] / med[s]),
+            ">= 1.00",
         );
-        println!(
-            "ratio wanopt/stunnel CPU per byte:    {:.2}  (lower is better)",
-            cpu[w] / cpu[s]
+        ratio(
+            "wanopt / stunnel CPU per byte",
+            format!("{:.2}", cpu[w] / cpu[s]),
+            "lower is better",
         );
     }
-    println!(
-        "8 KiB round trip added over direct:   {:.1} µs at the median  (target <= 100)",
-        wan_p50 - direct_p50
+    ratio(
+        "8 KiB round trip added over direct, median (µs)",
+        format!("{:.1}", wan_p50 - direct_p50),
+        "<= 100",
     );
     if let Some(r) = paths.iter().position(|p| p.0 == "2 plain relays") {
         let relay_p50 = pct(&rtts[r], 0.5).as_secs_f64() * 1e6;
-        println!(
-            "  of which two plain relays (the floor of any two-proxy path) add {:.1} µs; wanopt adds {:.1} µs beyond them",
-            relay_p50 - direct_p50,
-            wan_p50 - relay_p50
+        ratio(
+            "of which two plain relays add (µs)",
+            format!("{:.1}", relay_p50 - direct_p50),
+            "the floor of any two-proxy path",
+        );
+        ratio(
+            "wanopt beyond two plain relays (µs)",
+            format!("{:.1}", wan_p50 - relay_p50),
+            "",
         );
     }
     if let Some(y) = paths.iter().position(|p| p.0 == "wanopt sync") {
-        println!(
-            "through a latency-class service (its own lane): {:.1} µs added at the median",
-            pct(&rtts[y], 0.5).as_secs_f64() * 1e6 - direct_p50
+        ratio(
+            "added through a latency-class service (its own lane), median (µs)",
+            format!("{:.1}", pct(&rtts[y], 0.5).as_secs_f64() * 1e6 - direct_p50),
+            "",
         );
     }
+    report::finish("tunnel", "tunnel: throughput and round trips on loopback");
 }

@@ -6,6 +6,8 @@
 
 #[path = "../tests/common/args.rs"]
 mod args;
+#[path = "../tests/common/report.rs"]
+mod report;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -88,6 +90,7 @@ fn main() {
         return;
     }
     let secs: u64 = args::Args::new().get("--seconds", 8);
+    report::note(format!("Each measurement runs {secs} s."));
 
     let oc3 = LinkParams::symmetric(DirParams {
         rate_bps: Some(135_000_000),
@@ -97,25 +100,29 @@ fn main() {
     let wan = Wan::start(&format!("wb{}", std::process::id() % 100_000), oc3).expect("start");
     let g = tcp_goodput(&wan, 5201, secs);
     let (a, b) = wan.stop();
-    println!(
-        "135 Mbit/s, 100 ms RTT, one TCP stream for {secs} s: goodput {:.1} Mbit/s ({:.1}% of the line rate)",
-        g / 1e6,
-        g / 135e6 * 100.0
-    );
-    println!(
-        "  timing error west->east: mean {} µs, max {} µs, {} of {} packets over 1 ms",
-        a.late_mean_ns / 1000,
-        a.late_max_ns / 1000,
-        a.late_over_1ms,
-        a.packets_out
-    );
-    println!(
-        "  timing error east->west: mean {} µs, max {} µs, {} of {} packets over 1 ms",
-        b.late_mean_ns / 1000,
-        b.late_max_ns / 1000,
-        b.late_over_1ms,
-        b.packets_out
-    );
+    let t = "A 135 Mbit/s, 100 ms RTT link filled by one TCP stream";
+    let h = [
+        "direction",
+        "goodput (Mbit/s)",
+        "of the line rate",
+        "timing error mean (µs)",
+        "max (µs)",
+        "packets over 1 ms late",
+    ];
+    for (dir, d, goodput) in [("west→east", &a, Some(g)), ("east→west", &b, None)] {
+        report::row(
+            t,
+            &h,
+            vec![
+                dir.into(),
+                goodput.map_or("(acks)".into(), |g| format!("{:.1}", g / 1e6)),
+                goodput.map_or("".into(), |g| format!("{:.1}%", g / 135e6 * 100.0)),
+                (d.late_mean_ns / 1000).to_string(),
+                (d.late_max_ns / 1000).to_string(),
+                format!("{} of {}", d.late_over_1ms, d.packets_out),
+            ],
+        );
+    }
 
     let wan = Wan::start(
         &format!("wc{}", std::process::id() % 100_000),
@@ -127,13 +134,21 @@ fn main() {
     let g = tcp_goodput(&wan, 5202, secs);
     let cpu = (thread_cpu("wansim-") - cpu0) / t0.elapsed().as_secs_f64();
     let (a, _) = wan.stop();
-    println!(
-        "unlimited (no rate, delay or loss), one TCP stream: goodput {:.0} Mbit/s, {:.0} kpackets/s forwarded west->east",
-        g / 1e6,
-        a.packets_out as f64 / t0.elapsed().as_secs_f64() / 1e3
+    report::row(
+        "Unlimited (no rate, delay or loss), one TCP stream",
+        &[
+            "goodput (Mbit/s)",
+            "kpackets/s forwarded west→east",
+            "forwarding threads' CPU (% of a core)",
+        ],
+        vec![
+            format!("{:.0}", g / 1e6),
+            format!(
+                "{:.0}",
+                a.packets_out as f64 / t0.elapsed().as_secs_f64() / 1e3
+            ),
+            format!("{:.0}", cpu * 100.0),
+        ],
     );
-    println!(
-        "  wansim forwarding threads used {:.0}% of one core",
-        cpu * 100.0
-    );
+    report::finish("wansim", "wansim: timing and forwarding");
 }

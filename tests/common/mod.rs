@@ -5,6 +5,7 @@
 
 pub mod args;
 pub mod pg;
+pub mod report;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};

@@ -281,40 +281,56 @@ pub fn compare(paths: &[PathSpec], job: &Job, service: Option<&str>) -> Result<V
     Ok(rows)
 }
 
+/// The columns of a comparison's table, and each one's width in [`table`].
+pub const COLUMNS: [(&str, usize); 11] = [
+    ("path", 16),
+    ("bytes", 13),
+    ("time s", 9),
+    ("Mbytes/s", 10),
+    ("speedup", 8),
+    ("p50 ms", 9),
+    ("p99 ms", 9),
+    ("p99.9 ms", 9),
+    ("raw bytes", 13),
+    ("wire bytes", 13),
+    ("gain", 7),
+];
+
+/// One row's cells, in the order of [`COLUMNS`].
+pub fn cells(r: &Row) -> Vec<String> {
+    let l = r.latency_ms.as_ref();
+    let opt = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.3}"));
+    vec![
+        r.path.clone(),
+        r.bytes.to_string(),
+        format!("{:.3}", r.seconds),
+        format!("{:.3}", r.mbytes_per_s),
+        format!("{:.2}x", r.speedup),
+        opt(l.map(|l| l.p50)),
+        opt(l.map(|l| l.p99)),
+        opt(l.map(|l| l.p999)),
+        r.raw_bytes.map_or("-".into(), |v| v.to_string()),
+        r.wire_bytes.map_or("-".into(), |v| v.to_string()),
+        r.gain.map_or("-".into(), |g| format!("{g:.2}x")),
+    ]
+}
+
 /// The side-by-side table.
 pub fn table(rows: &[Row]) -> String {
-    let mut s = format!(
-        "{:<16} {:>13} {:>9} {:>10} {:>8} {:>9} {:>9} {:>9} {:>13} {:>13} {:>7}\n",
-        "path",
-        "bytes",
-        "time s",
-        "Mbytes/s",
-        "speedup",
-        "p50 ms",
-        "p99 ms",
-        "p99.9 ms",
-        "raw bytes",
-        "wire bytes",
-        "gain"
-    );
-    let opt = |v: Option<f64>, w: usize| v.map_or(format!("{:>w$}", "-"), |x| format!("{x:>w$.3}"));
+    let line = |cells: Vec<String>| {
+        let mut s = String::new();
+        for (i, (c, (_, w))) in cells.iter().zip(COLUMNS).enumerate() {
+            if i == 0 {
+                s += &format!("{c:<w$}");
+            } else {
+                s += &format!(" {c:>w$}");
+            }
+        }
+        s + "\n"
+    };
+    let mut s = line(COLUMNS.iter().map(|(h, _)| h.to_string()).collect());
     for r in rows {
-        let l = r.latency_ms.as_ref();
-        s += &format!(
-            "{:<16} {:>13} {:>9.3} {:>10.3} {:>7.2}x {} {} {} {:>13} {:>13} {}\n",
-            r.path,
-            r.bytes,
-            r.seconds,
-            r.mbytes_per_s,
-            r.speedup,
-            opt(l.map(|l| l.p50), 9),
-            opt(l.map(|l| l.p99), 9),
-            opt(l.map(|l| l.p999), 9),
-            r.raw_bytes.map_or("-".into(), |v| v.to_string()),
-            r.wire_bytes.map_or("-".into(), |v| v.to_string()),
-            r.gain
-                .map_or(format!("{:>7}", "-"), |g| format!("{g:>6.2}x")),
-        );
+        s += &line(cells(r));
     }
     s
 }
