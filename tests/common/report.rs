@@ -87,7 +87,17 @@ fn markdown() -> String {
     out
 }
 
-fn command(bench: &str) -> String {
+/// The bench's name: its executable's, without the hash cargo adds.
+fn bench_name() -> String {
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .map(|s| s.rsplit_once('-').map_or(s.clone(), |(n, _)| n.to_string()))
+        .unwrap_or_default()
+}
+
+fn command() -> String {
+    let bench = bench_name();
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| a != "--bench" && a != "--write")
@@ -111,9 +121,20 @@ fn commit() -> String {
     let Some(c) = output("git", &["-C", root, "rev-parse", "--short", "HEAD"]) else {
         return "unknown (no git)".into();
     };
+    // What the benches write themselves does not count.
     let dirty = output(
         "git",
-        &["-C", root, "status", "--porcelain", "--untracked-files=no"],
+        &[
+            "-C",
+            root,
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            ".",
+            ":!benches/README.md",
+            ":!benches/charts",
+        ],
     )
     .is_some_and(|s| !s.is_empty());
     if dirty {
@@ -153,9 +174,9 @@ fn today() -> String {
     output("date", &["-u", "+%Y-%m-%d"]).unwrap_or_default()
 }
 
-/// Ends the report of `bench`: with `--write` (or `WANOPT_BENCH_WRITE=1`), its section of
-/// `benches/README.md` (between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`) is replaced
-/// by this run's, or added at the end.
+/// Ends the report: with `--write` (or `WANOPT_BENCH_WRITE=1`), the section `bench` of
+/// `benches/README.md` (between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`; a bench with
+/// several modes has a section per mode) is replaced by this run's, or added at the end.
 pub fn finish(bench: &str, title: &str) {
     let wanted = std::env::args().any(|a| a == "--write")
         || std::env::var("WANOPT_BENCH_WRITE").as_deref() == Ok("1");
@@ -164,7 +185,7 @@ pub fn finish(bench: &str, title: &str) {
     }
     let section = format!(
         "<!-- bench:{bench} -->\n## {title}\n\n`{}`, commit {}, {}, {}.\n\n{}<!-- /bench:{bench} -->\n",
-        command(bench),
+        command(),
         commit(),
         machine(),
         today(),

@@ -20,7 +20,7 @@ const PART: usize = 2;
 /// and as many with the pool, and the next [`HOLD`] batches run the faster way. On a host whose
 /// cores are all busy, waking a pool thread waits for the scheduler and moves work between
 /// cores that are full anyway: on the 2-core test VM, with both daemons and the applications
-/// on it, the pool cost a loopback pair a sixth of its rate (benches/README.md).
+/// on it, the pool cost a loopback pair a sixth of its rate (benches/README.md at 0a2ddc0).
 #[derive(Debug)]
 pub struct Pool {
     pool: rayon::ThreadPool,
