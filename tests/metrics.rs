@@ -18,6 +18,18 @@ fn counters_match_the_bytes_moved() {
         "  - name: svc\n    listen: 127.0.0.1:0\n",
     );
     let (wa, ea) = (p.west.bound("admin"), p.east.bound("admin"));
+    // The body is OpenMetrics text, served as such.
+    let first = scrape(wa);
+    let head = first
+        .split("\r\n\r\n")
+        .next()
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    assert!(
+        head.contains("content-type: application/openmetrics-text; version=1.0.0"),
+        "{head}"
+    );
+    assert!(first.trim_end().ends_with("# EOF"), "{first}");
     let addr = p.west.bound("svc");
     let (up, down) = (3_000_000u64, 1_234_567u64);
     for i in 0..3 {
@@ -116,6 +128,37 @@ fn counters_match_the_bytes_moved() {
     assert!(
         table.contains("svc") && table.contains("raw out") && table.contains("x "),
         "{table}"
+    );
+
+    // A reader that goes away (`wanoptd stats --watch | head`) ends the command quietly.
+    let mut watch = Command::new(bin("wanoptd"))
+        .args([
+            "stats",
+            "--watch",
+            "--interval",
+            "1",
+            "--admin",
+            &wa.to_string(),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("stats --watch");
+    let mut first = [0u8; 64];
+    watch
+        .stdout
+        .as_mut()
+        .expect("stdout")
+        .read_exact(&mut first)
+        .expect("a table");
+    drop(watch.stdout.take());
+    let out = watch
+        .wait_with_output()
+        .expect("ends once its reader is gone");
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("panicked"),
+        "{out:?}"
     );
 
     // Junk on the admin port is answered or dropped, and the endpoint keeps working.

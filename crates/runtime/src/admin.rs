@@ -101,9 +101,11 @@ async fn connection(sock: TcpStream, counters: Arc<Counters>) -> Result<(), hype
 
 fn answer(req: &Request<Incoming>, counters: &Counters) -> Response<Full<Bytes>> {
     let (code, ctype, body) = match (req.method(), req.uri().path()) {
+        // The body is OpenMetrics text (`# EOF`, `_total` samples of `counter` families), and
+        // says so: Prometheus parses it as such.
         (&Method::GET, "/metrics") => (
             StatusCode::OK,
-            "text/plain; version=0.0.4; charset=utf-8",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
             counters.encode(),
         ),
         (&Method::GET, "/healthz") => (StatusCode::OK, "text/plain", "ok\n".into()),

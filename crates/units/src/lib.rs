@@ -1,4 +1,4 @@
-//! Human units in configs and command lines: sizes (`512MiB`, `64k`), rates (`45mbit`, `1gbit`),
+//! Human units in configs and command lines: sizes (`512MiB`, `64k`), rates (`45mbit`, `45 Mbit/s`, `5.625MB/s`),
 //! durations (`100ms`, `30s`, `2m`) and probabilities (`0.25%`). Parsing is strict: a value that
 //! does not parse is an error, never a default.
 
@@ -51,25 +51,63 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     checked(v * mult).ok_or_else(|| format!("{s:?} is out of range"))
 }
 
-/// Parses a rate into bits per second: `45mbit`, `1.5gbit`, `800kbit`, `10mbps` (bits),
-/// `100MB/s` (bytes).
+/// Parses a rate in bits per second. Bits: `45mbit`, `45 Mbit/s`, `45mbps`, `1gbit`, `64000bps`;
+/// bytes (times 8): `5.625MB/s`, `5.625MBps`, `100 Mbyte/s`. The prefix (`k`, `m`, `g`) is
+/// read in either case, as networking tools write it; the `b` is not: a lowercase `b` is a bit
+/// and a capital `B` a byte, so `mbps` and `MBps` are not the same rate. `mb/s`, which
+/// people write for either, is refused as ambiguous.
 pub fn parse_rate(s: &str) -> Result<u64, String> {
-    let (v, unit) = split(s).ok_or_else(|| format!("{s:?} is not a rate (try 45mbit)"))?;
-    let mult: f64 = match unit.as_str() {
-        "bit" | "bps" => 1.0,
-        "kbit" | "kbps" => 1e3,
-        "mbit" | "mbps" => 1e6,
-        "gbit" | "gbps" => 1e9,
-        "kb/s" => 8e3,
-        "mb/s" => 8e6,
-        "gb/s" => 8e9,
-        _ => {
+    let t = s.trim();
+    let end = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(end);
+    let v: f64 = num
+        .parse()
+        .ok()
+        .filter(|v: &f64| v.is_finite() && *v >= 0.0)
+        .ok_or_else(|| format!("{s:?} is not a rate (try 45mbit)"))?;
+    let unit = unit.trim();
+    let bits_per_unit = rate_unit(unit).map_err(|why| format!("{s:?}: {why}"))?;
+    checked(v * bits_per_unit).ok_or_else(|| format!("{s:?} is out of range"))
+}
+
+/// Bits per second in one `unit` of a rate (see [`parse_rate`]).
+fn rate_unit(unit: &str) -> Result<f64, String> {
+    let unknown =
+        || format!("unknown rate unit {unit:?} (use kbit, mbit, gbit, or MB/s for bytes)");
+    let (scale, rest) = match unit.chars().next() {
+        Some('k' | 'K') if unit.len() > 1 => (1e3, &unit[1..]),
+        Some('m' | 'M') if unit.len() > 1 => (1e6, &unit[1..]),
+        Some('g' | 'G') if unit.len() > 1 => (1e9, &unit[1..]),
+        _ => (1.0, unit),
+    };
+    // `/s` or `ps` says "per second"; `bit` alone is one already.
+    let (base, per) = match rest.strip_suffix("/s") {
+        Some(b) => (b, "/s"),
+        None => match rest.strip_suffix("ps") {
+            Some(b) => (b, "ps"),
+            None => (rest, ""),
+        },
+    };
+    let bits = match base {
+        b if b.eq_ignore_ascii_case("bit") || b.eq_ignore_ascii_case("bits") => 1.0,
+        b if (b.eq_ignore_ascii_case("byte") || b.eq_ignore_ascii_case("bytes"))
+            && !per.is_empty() =>
+        {
+            8.0
+        }
+        "b" if per == "ps" => 1.0,
+        "B" if !per.is_empty() => 8.0,
+        "b" if per == "/s" => {
             return Err(format!(
-                "{s:?}: unknown rate unit {unit:?} (use kbit, mbit, gbit)"
+                "{unit:?} is ambiguous (bits or bytes?): write {0}bit/s or {0}B/s",
+                &unit[..unit.len() - rest.len()]
             ));
         }
+        _ => return Err(unknown()),
     };
-    checked(v * mult).ok_or_else(|| format!("{s:?} is out of range"))
+    Ok(scale * bits)
 }
 
 /// Parses a duration: `250us`, `100ms`, `30s`, `2m`, `1h`.
@@ -128,6 +166,31 @@ mod tests {
         assert_eq!(parse_rate("1.5gbit"), Ok(1_500_000_000));
         assert_eq!(parse_rate("100MB/s"), Ok(800_000_000));
         assert!(parse_rate("45").is_err());
+        // Bits, however the docs' prose and networking tools write them.
+        for t in [
+            "45 Mbit/s",
+            "45mbit/s",
+            "45Mbps",
+            "45 mbps",
+            "45 Mbits/s",
+            "45000 kbit",
+            "0.045Gbit",
+        ] {
+            assert_eq!(parse_rate(t), Ok(45_000_000), "{t}");
+        }
+        assert_eq!(parse_rate("64000bps"), Ok(64_000));
+        assert_eq!(parse_rate("64000 bit/s"), Ok(64_000));
+        // Bytes: a capital B, or the word.
+        for t in ["5.625MB/s", "5.625 MBps", "5.625 Mbyte/s", "5.625 mbytes/s"] {
+            assert_eq!(parse_rate(t), Ok(45_000_000), "{t}");
+        }
+        assert_eq!(parse_rate("1000 B/s"), Ok(8000));
+        // A lowercase b over a slash is either: refused, naming both readings.
+        let e = parse_rate("45 mb/s").expect_err("ambiguous");
+        assert!(e.contains("mbit/s") && e.contains("mB/s"), "{e}");
+        for t in ["45MB", "45 bytes", "45 furlongs", "45 m", "mbit", "-1mbit"] {
+            assert!(parse_rate(t).is_err(), "{t}");
+        }
     }
 
     #[test]

@@ -158,10 +158,18 @@ fn stats(addr: std::net::SocketAddr, watch: bool, interval: u64) -> ExitCode {
     loop {
         match rt.block_on(wanopt_runtime::admin::fetch(addr, "/metrics")) {
             Ok(text) => {
-                if watch {
-                    print!("\x1b[2J\x1b[H");
+                use std::io::Write;
+                let clear = if watch { "\x1b[2J\x1b[H" } else { "" };
+                let table = wanopt_runtime::stats::render(&text);
+                let mut out = std::io::stdout().lock();
+                // A reader that went away (`wanoptd stats --watch | head`) ends the command
+                // quietly, as any filter's does.
+                if write!(out, "{clear}{table}")
+                    .and_then(|()| out.flush())
+                    .is_err()
+                {
+                    return ExitCode::SUCCESS;
                 }
-                print!("{}", wanopt_runtime::stats::render(&text));
             }
             Err(e) => {
                 eprintln!("wanoptd stats: {addr}: {e}");
