@@ -32,9 +32,23 @@ if [ ! -e /etc/wanopt/certs ]; then
         "(ca.key is only needed to add a site: move it off this host)"
 fi
 
-# Socket buffer maxima, BBR, fq (the drop-in also applies at every boot).
-if command -v systemd-sysctl >/dev/null 2>&1; then
-    systemd-sysctl /usr/lib/sysctl.d/99-wanopt.conf >/dev/null 2>&1 || true
+# Socket buffer maxima, BBR, fq (the drop-in also applies at every boot). systemd-sysctl is not
+# on PATH on Debian 12 (it is in /usr/lib/systemd/), and a host without systemd has sysctl(8).
+# A host that refuses (a container's read-only /proc/sys) is told, not failed: the drop-in then
+# applies at the next boot.
+conf=/usr/lib/sysctl.d/99-wanopt.conf
+applied=no
+for tool in systemd-sysctl /usr/lib/systemd/systemd-sysctl /lib/systemd/systemd-sysctl; do
+    if command -v "$tool" >/dev/null 2>&1; then
+        "$tool" "$conf" >/dev/null 2>&1 && applied=yes
+        break
+    fi
+done
+if [ "$applied" = no ] && command -v sysctl >/dev/null 2>&1; then
+    sysctl -q -p "$conf" >/dev/null 2>&1 && applied=yes
+fi
+if [ "$applied" = no ]; then
+    echo "wanopt: could not apply $conf now (it applies at the next boot); see docs/install.md" >&2
 fi
 
 if [ -d /run/systemd/system ]; then

@@ -566,8 +566,11 @@ fn the_disk_tier_keeps_dedup_across_restarts_and_damage_is_resent() {
         value(&w, &series("wanopt_wire_bytes_total", "rman", "out"))
     };
     let stop = |mut east: Daemon, mut west: Daemon| {
-        // West sends; shutting it down first has both sides save where the cache stands.
+        // West sends; shutting it down first has both sides save where the cache stands. East
+        // saves its side when it reads west's last checkpoint, which comes before west's
+        // goodbye: east is stopped only once it has read that.
         assert!(west.stop(libc::SIGTERM).success());
+        east.wait_log("peer closed the link", Duration::from_secs(10));
         assert!(east.stop(libc::SIGTERM).success());
     };
 

@@ -221,8 +221,9 @@ pub(crate) async fn run_lane<S>(
         w = &mut writer => w,
         why = ticker(&h, c.conn, LATENCY_LANE, Some(c)) => why,
     };
-    let (end, lane_only) = {
+    let (end, lane_only, closed) = {
         let mut g = h.state();
+        let closed = g.link.is_closed();
         let end = h.copy_ended(&mut g, &c);
         let mut lane_only = false;
         if matches!(end, CopyEnd::LaneLost) {
@@ -233,7 +234,7 @@ pub(crate) async fn run_lane<S>(
             }
             h.dispatch(&mut g);
         }
-        (end, lane_only)
+        (end, lane_only, closed)
     };
     h.kick();
     let counters = &h.ctx.counters.link;
@@ -241,7 +242,10 @@ pub(crate) async fn run_lane<S>(
         CopyEnd::Stale => {}
         CopyEnd::Others(left) => {
             counters.copies.set(left as i64);
-            if why == "peer closed the connection" {
+            if closed {
+                // The link closed (a shutdown, a newer link): its connections end with it.
+                info!(link = h.id, peer = %h.ctx.peer, copy = c.slot + 1, "a latency lane connection closed with the link");
+            } else if why == "peer closed the connection" {
                 // The peer's policy wants fewer connections.
                 info!(link = h.id, peer = %h.ctx.peer, copy = c.slot + 1, left, "the peer closed a latency lane connection; the others carry the lane");
             } else {
