@@ -2,8 +2,12 @@
 //! crate's part of the module map, every fuzz target is named, every path the page names exists,
 //! and each crate's row of the crate map lists exactly the dependencies its Cargo.toml declares.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+
+use common::rust_files;
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -14,22 +18,16 @@ fn page() -> String {
 }
 
 /// Every `.rs` file below `dir`, as paths relative to it.
-fn rust_files(dir: &Path) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut dirs = vec![dir.to_path_buf()];
-    while let Some(d) = dirs.pop() {
-        for e in std::fs::read_dir(&d).expect("dir").flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                dirs.push(p);
-            } else if p.extension().is_some_and(|x| x == "rs") {
-                let rel = p.strip_prefix(dir).expect("below").to_string_lossy();
-                out.push(rel.into_owned());
-            }
-        }
-    }
-    out.sort();
-    out
+fn rust_files_in(dir: &Path) -> Vec<String> {
+    rust_files(&[dir.to_path_buf()])
+        .iter()
+        .map(|p| {
+            p.strip_prefix(dir)
+                .expect("below")
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect()
 }
 
 /// The crates of the workspace: the folders under `crates/`.
@@ -72,7 +70,7 @@ fn every_module_file_is_named_in_its_crates_section() {
     let mut missing = Vec::new();
     for c in crates() {
         let spans: BTreeSet<&str> = code_spans(section(&page, &c)).into_iter().collect();
-        for f in rust_files(&root().join("crates").join(&c).join("src")) {
+        for f in rust_files_in(&root().join("crates").join(&c).join("src")) {
             if !spans.contains(f.as_str()) {
                 missing.push(format!("crates/{c}/src/{f}"));
             }
@@ -88,7 +86,7 @@ fn every_module_file_is_named_in_its_crates_section() {
 fn every_fuzz_target_is_named() {
     let page = page();
     let spans: BTreeSet<&str> = code_spans(&page).into_iter().collect();
-    let targets = rust_files(&root().join("fuzz/fuzz_targets"));
+    let targets = rust_files_in(&root().join("fuzz/fuzz_targets"));
     assert!(targets.len() >= 5, "{targets:?}");
     for t in targets {
         let name = t.trim_end_matches(".rs");

@@ -17,21 +17,10 @@ fn read(rel: &str) -> String {
 /// message an operator sees.
 fn logged_messages() -> Vec<(String, String)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut files = Vec::new();
-    let mut dirs = vec![
+    let files = rust_files(&[
         root.join("crates/runtime/src"),
         root.join("crates/wanoptd/src"),
-    ];
-    while let Some(d) = dirs.pop() {
-        for e in std::fs::read_dir(&d).expect("dir").flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                dirs.push(p);
-            } else if p.extension().is_some_and(|x| x == "rs") {
-                files.push(p);
-            }
-        }
-    }
+    ]);
     let mut out = Vec::new();
     for f in files {
         let src = std::fs::read_to_string(&f).expect("source");

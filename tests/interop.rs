@@ -10,8 +10,6 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -41,34 +39,6 @@ fn earlier() -> Option<PathBuf> {
     }
 }
 
-/// Sends `body` through the service at `addr` to [`hash_handler`] and checks the server got
-/// exactly it, and the reply of `down` bytes arrived exactly.
-fn send_checked(addr: SocketAddr, body: &[u8], down: u64) -> Result<(), String> {
-    let mut s = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(60))).ok();
-    let seed = 99u64;
-    let mut hdr = [0u8; 16];
-    hdr[..8].copy_from_slice(&seed.to_le_bytes());
-    hdr[8..].copy_from_slice(&down.to_le_bytes());
-    s.write_all(&hdr).map_err(|e| format!("write: {e}"))?;
-    for piece in body.chunks(100_000) {
-        s.write_all(piece).map_err(|e| format!("write: {e}"))?;
-    }
-    s.shutdown(Shutdown::Write)
-        .map_err(|e| format!("shutdown: {e}"))?;
-    let mut got = [0u8; 32];
-    s.read_exact(&mut got)
-        .map_err(|e| format!("read hash: {e}"))?;
-    if got != *blake3::hash(body).as_bytes() {
-        return Err("the server got other bytes than were sent".into());
-    }
-    let (n, h) = read_all(&mut s).map_err(|e| format!("read reply: {e}"))?;
-    if n != down || h != pattern_hash(seed ^ 0xABCD, down) {
-        return Err(format!("the reply of {n} bytes differs (expected {down})"));
-    }
-    Ok(())
-}
-
 /// Rows of text as a database page holds them: compressible, and cut into chunks that repeat.
 fn rows(n: usize) -> Vec<u8> {
     let mut out = Vec::new();
@@ -94,30 +64,22 @@ fn run(east_exe: &std::path::Path, west_exe: &std::path::Path, label: &str) {
         east_exe,
         None,
         "east",
-        &site_yaml(
-            "east",
-            "west",
-            "listen: 127.0.0.1:0",
+        &east_yaml(
             &certs,
             &format!(
                 "  - name: bulk\n    target: {target}\n  - name: sync\n    target: {target}\n    class: latency\n"
             ),
-            "",
         ),
         &[],
     );
-    let link = east.bound("link");
     let west = Daemon::start_bin(
         west_exe,
         None,
         "west",
-        &site_yaml(
-            "west",
-            "east",
-            &format!("connect: {link}"),
+        &west_yaml(
+            east.bound("link"),
             &certs,
             "  - name: bulk\n    listen: 127.0.0.1:0\n  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n",
-            "",
         ),
         &[],
     );
@@ -133,7 +95,11 @@ fn run(east_exe: &std::path::Path, west_exe: &std::path::Path, label: &str) {
         ("rows again", &text),
         ("noise again", &noise),
     ] {
-        send_checked(bulk, body, 1 << 20).unwrap_or_else(|e| panic!("{label}, {what}: {e}"));
+        send_checked(bulk, body.len() as u64, |off, buf| {
+            let at = off as usize;
+            buf.copy_from_slice(&body[at..at + buf.len()]);
+        })
+        .unwrap_or_else(|e| panic!("{label}, {what}: {e}"));
     }
     for i in 0..50u64 {
         hash_client(sync, i, 8192, 512).unwrap_or_else(|e| panic!("{label}, sync {i}: {e}"));

@@ -5,8 +5,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
 use common::*;
@@ -32,45 +31,6 @@ fn backup_block(seed: u64, block: u64, version: Option<u64>, buf: &mut [u8]) {
     {
         buf[..8].copy_from_slice(&v.to_le_bytes());
     }
-}
-
-/// Sends `len` bytes from `produce` to the hash server behind `addr` and checks its hash of them.
-fn send_checked(
-    addr: SocketAddr,
-    len: u64,
-    produce: impl FnMut(u64, &mut [u8]),
-) -> Result<(), String> {
-    let s = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
-    send_checked_on(s, len, produce)
-}
-
-/// Like [`send_checked`] on a connection already made.
-fn send_checked_on(
-    mut s: TcpStream,
-    len: u64,
-    mut produce: impl FnMut(u64, &mut [u8]),
-) -> Result<(), String> {
-    s.set_read_timeout(Some(Duration::from_secs(300))).ok();
-    s.write_all(&[0u8; 16]).map_err(|e| format!("write: {e}"))?;
-    let mut h = blake3::Hasher::new();
-    let mut buf = vec![0u8; 64 * BLOCK];
-    let mut off = 0u64;
-    while off < len {
-        let n = (len - off).min(buf.len() as u64) as usize;
-        produce(off, &mut buf[..n]);
-        s.write_all(&buf[..n]).map_err(|e| format!("write: {e}"))?;
-        h.update(&buf[..n]);
-        off += n as u64;
-    }
-    s.shutdown(Shutdown::Write)
-        .map_err(|e| format!("shutdown: {e}"))?;
-    let mut got = [0u8; 32];
-    s.read_exact(&mut got)
-        .map_err(|e| format!("read hash: {e}"))?;
-    if got != *h.finalize().as_bytes() {
-        return Err("the server hashed different bytes".into());
-    }
-    Ok(())
 }
 
 fn send_backup(addr: SocketAddr, seed: u64, len: u64, version: Option<u64>) -> Result<(), String> {

@@ -27,6 +27,24 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
+/// Every `.rs` file below the folders `dirs`, sorted.
+pub fn rust_files(dirs: &[PathBuf]) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    let mut todo = dirs.to_vec();
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).expect("dir").flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
 /// A temporary folder with site certificates under one CA.
 pub struct Certs {
     pub dir: tempfile::TempDir,
@@ -478,6 +496,45 @@ pub fn hash_client_on(mut s: TcpStream, seed: u64, up: u64, down: u64) -> Result
         return Err(format!(
             "stream {seed}: reply of {n} bytes differs (expected {down})"
         ));
+    }
+    Ok(())
+}
+
+/// Sends `len` bytes from `produce` to the hash server behind `addr` and checks its hash of them.
+pub fn send_checked(
+    addr: SocketAddr,
+    len: u64,
+    produce: impl FnMut(u64, &mut [u8]),
+) -> Result<(), String> {
+    let s = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+    send_checked_on(s, len, produce)
+}
+
+/// Like [`send_checked`] on a connection already made.
+pub fn send_checked_on(
+    mut s: TcpStream,
+    len: u64,
+    mut produce: impl FnMut(u64, &mut [u8]),
+) -> Result<(), String> {
+    s.set_read_timeout(Some(Duration::from_secs(300))).ok();
+    s.write_all(&[0u8; 16]).map_err(|e| format!("write: {e}"))?;
+    let mut h = blake3::Hasher::new();
+    let mut buf = vec![0u8; 512 * 1024];
+    let mut off = 0u64;
+    while off < len {
+        let n = (len - off).min(buf.len() as u64) as usize;
+        produce(off, &mut buf[..n]);
+        s.write_all(&buf[..n]).map_err(|e| format!("write: {e}"))?;
+        h.update(&buf[..n]);
+        off += n as u64;
+    }
+    s.shutdown(Shutdown::Write)
+        .map_err(|e| format!("shutdown: {e}"))?;
+    let mut got = [0u8; 32];
+    s.read_exact(&mut got)
+        .map_err(|e| format!("read hash: {e}"))?;
+    if got != *h.finalize().as_bytes() {
+        return Err("the server hashed different bytes".into());
     }
     Ok(())
 }
