@@ -47,6 +47,17 @@ fn west_udp(wan: &Wan) -> UdpSocket {
         .expect("bind in west")
 }
 
+/// `recv`, again after a signal interrupts it (a signal to the test process is not the end of
+/// the traffic); a timeout still ends it.
+fn recv(s: &UdpSocket, buf: &mut [u8]) -> std::io::Result<usize> {
+    loop {
+        match s.recv(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            r => return r,
+        }
+    }
+}
+
 fn east_addr() -> SocketAddr {
     SocketAddr::from((Site::East.addr(), EAST_PORT))
 }
@@ -59,7 +70,7 @@ fn udp_train(wan: &Wan, n: u32, size: usize, gap: Duration) -> Vec<u32> {
     let recv = std::thread::spawn(move || {
         let mut got = Vec::new();
         let mut buf = vec![0u8; 2048];
-        while let Ok(k) = rx.recv(&mut buf) {
+        while let Ok(k) = recv(&rx, &mut buf) {
             if k >= 4 {
                 got.push(u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]));
             }
@@ -97,8 +108,15 @@ fn round_trips_take_the_configured_delay_never_less() {
     let echo = east_udp(&wan);
     std::thread::spawn(move || {
         let mut buf = [0u8; 1500];
-        while let Ok((n, from)) = echo.recv_from(&mut buf) {
-            let _ = echo.send_to(&buf[..n], from);
+        loop {
+            match echo.recv_from(&mut buf) {
+                Ok((n, from)) => {
+                    let _ = echo.send_to(&buf[..n], from);
+                }
+                // A signal to the test process is not the end of the echo.
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
         }
     });
     let c = west_udp(&wan);
@@ -108,7 +126,7 @@ fn round_trips_take_the_configured_delay_never_less() {
         let t = Instant::now();
         c.send_to(&i.to_le_bytes(), east_addr()).expect("send");
         let mut buf = [0u8; 16];
-        let n = c.recv(&mut buf).expect("echo");
+        let n = recv(&c, &mut buf).expect("echo");
         assert_eq!(&buf[..n], &i.to_le_bytes());
         rtts.push(t.elapsed());
         std::thread::sleep(Duration::from_millis(5));
@@ -155,7 +173,7 @@ fn the_rate_caps_what_crosses_and_the_queue_drops_the_excess() {
     let recv = std::thread::spawn(move || {
         let mut buf = vec![0u8; 2048];
         let (mut first, mut last, mut bytes, mut count) = (None, Instant::now(), 0u64, 0u64);
-        while let Ok(k) = rx.recv(&mut buf) {
+        while let Ok(k) = recv(&rx, &mut buf) {
             let now = Instant::now();
             if first.is_none() {
                 first = Some(now);
