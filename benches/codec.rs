@@ -62,6 +62,11 @@ fn db_like(len: usize) -> Vec<u8> {
 static LEVEL: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
 static CONTEXT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
 
+/// A rate in MB/s, for the tables: `bytes` in `secs`.
+fn mbs(bytes: usize, secs: f64) -> String {
+    format!("{:.0}", bytes as f64 / secs / 1e6)
+}
+
 fn run(name: &str, data: &[u8], compression: Compression, pressure: Pressure) {
     run_writes(name, data, compression, pressure, 64 * 1024, false);
 }
@@ -103,8 +108,8 @@ fn run_writes(
         &["case", "encode MB/s", "decode MB/s", "wire/raw"],
         vec![
             name.into(),
-            format!("{:.0}", data.len() as f64 / secs / 1e6),
-            format!("{:.0}", data.len() as f64 / dsecs / 1e6),
+            mbs(data.len(), secs),
+            mbs(data.len(), dsecs),
             format!("{:.3}", wire.len() as f64 / data.len() as f64),
         ],
     );
@@ -500,8 +505,8 @@ fn stages(name: &str, data: &[u8]) {
         &["data", "chunking MB/s", "chunking + BLAKE3 MB/s", "chunks"],
         vec![
             name.into(),
-            format!("{:.0}", data.len() as f64 / chunking / 1e6),
-            format!("{:.0}", data.len() as f64 / hashing / 1e6),
+            mbs(data.len(), chunking),
+            mbs(data.len(), hashing),
             format!("{n} ({x})"),
         ],
     );
