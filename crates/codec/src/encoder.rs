@@ -1,20 +1,32 @@
-//! A whole stream encoded in one go ([`Encoder`]): chunking, the mirror and the counts, for
-//! tools, benches and tests that hold a stream's bytes rather than a link's queues.
+//! A whole stream encoded in one go ([`Encoder`]), for tools, benches and tests that hold a
+//! stream's bytes rather than a link's queues. It runs the link's own send path
+//! ([`send::emit`](crate::send::emit)) turn after turn, with a turn's raw budget as the link's
+//! ([`RAW_TURN`]) and no frame room or fairness quantum to end a turn early: the records are the
+//! ones a link writes for the same bytes, except where a link's turn ends a run of literals
+//! sooner (a smaller frame, another stream's turn).
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
 
 use crate::cache::ChunkCache;
-use crate::config::{CodecConfig, Pressure, chunks};
+use crate::config::{CodecConfig, Pressure};
 use crate::context::Slots;
 use crate::delta::{self, SharedBases};
-use crate::mirror::{Hint, Mirror, encode_tail};
-use crate::prepare::{self, BATCH};
+use crate::mirror::Mirror;
+use crate::prepare;
 use crate::report::EncodeStats;
+use crate::send::{self, Limits, RAW_TURN, Sender};
 
-/// One direction of one stream, encoded as a whole: chunking state, a mirror and counts.
+/// One direction of one stream, encoded as a whole: the stream's sender, a mirror and counts.
 pub struct Encoder {
     cfg: CodecConfig,
     pub(crate) mirror: Mirror,
-    hint: Hint,
-    pending: Vec<u8>,
+    sender: Sender,
+    /// What was pushed and not sent yet (a chunk waiting for its boundary).
+    queue: VecDeque<Bytes>,
+    queued: u64,
+    sent: u64,
     stats: EncodeStats,
 }
 
@@ -25,9 +37,11 @@ impl Encoder {
         mirror.set_bases(delta::shared(cfg.delta_bytes));
         Encoder {
             mirror,
-            hint: Hint::default(),
+            sender: Sender::new(cfg.policy()),
             cfg,
-            pending: Vec::new(),
+            queue: VecDeque::new(),
+            queued: 0,
+            sent: 0,
             stats: EncodeStats::default(),
         }
     }
@@ -60,110 +74,48 @@ impl Encoder {
     /// on the same caches, with a context of its own, as a new connection would.
     pub fn end_stream(&mut self, pressure: Pressure, out: &mut Vec<u8>) {
         self.push(&[], true, pressure, out);
-        self.hint = Hint::default();
+        self.sender = Sender::new(self.cfg.policy());
+        self.queued = 0;
+        self.sent = 0;
     }
 
     /// Bytes held back waiting for a chunk boundary.
     pub fn pending(&self) -> usize {
-        self.pending.len()
+        (self.queued - self.sent) as usize
     }
 
     /// Takes stream bytes and appends records to `out`. Without `flush`, the bytes after the last
     /// chunk boundary wait for more data; with it (latency class, end of stream) nothing waits.
     pub fn push(&mut self, data: &[u8], flush: bool, pressure: Pressure, out: &mut Vec<u8>) {
-        self.push_in_run(data, flush, pressure, out);
-        // What was pushed goes out whole, as a frame does.
-        let n = self.mirror.end_run(&mut self.hint, out);
-        self.stats.add_run_end(n);
-    }
-
-    fn push_in_run(&mut self, data: &[u8], flush: bool, pressure: Pressure, out: &mut Vec<u8>) {
-        let mut data = data;
-        // Chunks are cut in the caller's bytes. Only a chunk that spans the waiting bytes and
-        // the new ones is put together, from a copy of just enough of the new bytes to cut it.
-        while !self.pending.is_empty() {
-            let owned = self.pending.len();
-            let take = self.cfg.max_chunk.saturating_sub(owned).min(data.len());
-            let last = take == data.len();
-            let mut joined = std::mem::take(&mut self.pending);
-            joined.extend_from_slice(&data[..take]);
-            if last {
-                let consumed = self.encode(&joined, flush, pressure, out);
-                joined.drain(..consumed);
-                self.pending = joined;
-                return;
-            }
-            // A whole chunk's worth: its first chunk is complete. Only that one is encoded here;
-            // the ones after it are cut in place, not scanned twice.
-            let consumed = self.encode_first(&joined, pressure, out);
-            if consumed >= owned {
-                // The waiting bytes went; go on in the caller's bytes where the chunk ended.
-                data = &data[consumed - owned..];
-            } else if consumed > 0 {
-                joined.truncate(owned);
-                joined.drain(..consumed);
-                self.pending = joined;
-            } else {
-                // Not reached (a whole chunk's worth always holds a boundary), but never spin.
-                joined.truncate(owned);
-                joined.extend_from_slice(data);
-                let consumed = self.encode(&joined, flush, pressure, out);
-                joined.drain(..consumed);
-                self.pending = joined;
-                return;
-            }
+        if !data.is_empty() {
+            self.queue.push_back(Bytes::copy_from_slice(data));
+            self.queued += data.len() as u64;
         }
-        let consumed = self.encode(data, flush, pressure, out);
-        self.pending.extend_from_slice(&data[consumed..]);
-    }
-
-    /// Encodes the first chunk of `src`, which holds at least one whole chunk; returns its length.
-    fn encode_first(&mut self, src: &[u8], pressure: Pressure, out: &mut Vec<u8>) -> usize {
-        let Some((_, len)) = chunks(src, &self.cfg).next() else {
-            return 0;
+        if flush {
+            self.sender.flush_at = self.queued;
+        }
+        let lim = Limits {
+            budget: RAW_TURN,
+            quantum: usize::MAX,
+            room: usize::MAX,
         };
-        let policy = self.cfg.policy();
-        let r = self
-            .mirror
-            .encode_chunk(&src[..len], &policy, pressure, &mut self.hint, out, None);
-        self.stats.add(&r);
-        len
-    }
-
-    /// Encodes the whole chunks of `src` (and with `flush` the rest); returns the bytes used.
-    /// With workers, up to [`BATCH`] chunks at a time are prepared together first.
-    fn encode(&mut self, src: &[u8], flush: bool, pressure: Pressure, out: &mut Vec<u8>) -> usize {
-        let policy = self.cfg.policy();
-        let mut consumed = 0;
-        let bounds: Vec<(usize, usize)> = chunks(src, &self.cfg).collect();
-        let n = bounds.len();
-        for start in (0..n).step_by(BATCH) {
-            let end = (start + BATCH).min(n);
-            // The last piece may wait for more bytes or go as a tail: never prepared.
-            let ahead = if end == n { end - 1 } else { end };
-            let prepared =
-                self.mirror
-                    .prepare(src, &bounds[start..ahead], &policy, pressure, &self.hint);
-            for (i, &(off, len)) in bounds.iter().enumerate().take(end).skip(start) {
-                let last = i + 1 == n;
-                // The last piece ends at the buffer's end, not at a content boundary: it waits,
-                // unless it is a full-size chunk or the caller flushes.
-                if last && !flush && len < self.cfg.max_chunk {
-                    break;
-                }
-                let chunk = &src[off..off + len];
-                let (m, h) = (&mut self.mirror, &mut self.hint);
-                let r = if last && len < self.cfg.min_chunk {
-                    encode_tail(m, chunk, &policy, pressure, h, out)
-                } else {
-                    let prep = (prepared && i < ahead).then(|| i - start);
-                    m.encode_chunk(chunk, &policy, pressure, h, out, prep)
-                };
-                self.stats.add(&r);
-                consumed = off + len;
+        // Turn after turn, as the link's scheduler runs them, until nothing more may go.
+        while self.sent < self.queued {
+            let n = send::emit(
+                &mut self.sender,
+                &mut self.queue,
+                self.sent,
+                &self.cfg,
+                &mut self.mirror,
+                pressure,
+                &lim,
+                out,
+                &mut self.stats,
+            );
+            if n == 0 {
+                break;
             }
-            self.mirror.end_batch();
+            self.sent += n as u64;
         }
-        consumed
     }
 }

@@ -28,6 +28,7 @@ mod format;
 mod mirror;
 pub mod prepare;
 mod report;
+pub mod send;
 pub mod store;
 pub mod testdata;
 
@@ -44,6 +45,7 @@ pub use mirror::{
 };
 pub use prepare::BATCH;
 pub use report::{EncodeStats, Report, Sent};
+pub use send::Sender;
 
 #[cfg(test)]
 mod tests;

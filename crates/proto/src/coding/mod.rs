@@ -7,8 +7,8 @@
 //! have no fixed order relative to each other.
 
 mod contexts;
-mod emit;
 mod recv;
+mod send;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -16,15 +16,15 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use wanopt_codec as codec;
 use wanopt_codec::cache::Snapshot;
+use wanopt_codec::send::{Limits, RAW_TURN, emit};
 
 pub use wanopt_codec::cache::{Fingerprint, TierStats};
 pub use wanopt_codec::store::ChunkStore;
 pub use wanopt_codec::{Compression, DecodeStats, EncodeStats, LongContext, Pressure};
 
 use self::contexts::Contexts;
-pub(crate) use self::emit::SendCoder;
-use self::emit::{Limits, RAW_TURN};
 pub(crate) use self::recv::{Decoded, FRAME_COST, RecvCoded};
+pub(crate) use self::send::SendCoder;
 use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Class, Frame, StreamId};
 use crate::lane::{CAP_CONTEXT, CAP_RUNS, LATENCY_LANE};
@@ -451,9 +451,9 @@ impl Coding {
         let mut c = SendCoder::new(&p, class == Class::Latency);
         c.scoped = self.scoped.contains(service);
         c.max_chunk = chunking.max_chunk;
-        c.policy.context = self.peer_context;
+        c.sender.policy.context = self.peer_context;
         // Runs only where we send them and the peer decodes them.
-        c.policy.runs = self.peer_context && self.peer_runs && chunking.runs;
+        c.sender.policy.runs = self.peer_context && self.peer_runs && chunking.runs;
         Some(Box::new(c))
     }
 
@@ -481,8 +481,8 @@ impl Coding {
             room: t.room,
         };
         let mut stats = EncodeStats::default();
-        let raw = emit::emit(
-            coder,
+        let raw = emit(
+            &mut coder.sender,
             queue,
             t.sent,
             &chunking,

@@ -153,7 +153,7 @@ impl SendHalf {
             return false;
         }
         // What was plain before goes without waiting for a boundary.
-        let flush_at = self.coder.as_ref().map_or(end, |c| c.flush_at);
+        let flush_at = self.coder.as_ref().map_or(end, |c| c.sender.flush_at);
         self.queue = queue;
         self.queued = (end - received) as usize;
         self.credit.resync(received, max);
@@ -163,7 +163,7 @@ impl SendHalf {
             self.fin_sent = false;
         }
         self.coder = coder.map(|mut c| {
-            c.flush_at = flush_at;
+            c.sender.flush_at = flush_at;
             c
         });
         true
@@ -177,7 +177,7 @@ impl SendHalf {
         match &self.coder {
             None => (self.queued > 0 && self.credit.available() > 0) || fin_only,
             Some(c) => {
-                let ready = self.queued >= c.max_chunk || c.flush_at > self.credit.sent();
+                let ready = self.queued >= c.max_chunk || c.sender.flush_at > self.credit.sent();
                 (self.queued > 0 && ready && self.credit.available() >= self.min_credit())
                     || fin_only
             }
@@ -223,8 +223,8 @@ impl SendHalf {
     pub fn flush_all(&mut self) -> bool {
         let end = self.credit.sent() + self.queued as u64;
         match self.coder.as_mut() {
-            Some(c) if c.flush_at < end => {
-                c.flush_at = end;
+            Some(c) if c.sender.flush_at < end => {
+                c.sender.flush_at = end;
                 true
             }
             _ => false,

@@ -1,63 +1,58 @@
-//! The send side of an optimized stream: its [`SendCoder`] and [`emit`], which cuts FastCDC chunks
-//! in place in the application's queued buffers and encodes them against the mirror of the peer's
-//! cache, straight into a coded frame. Boundaries depend on the content alone, never on how the
-//! application split its writes.
+//! The send side of one stream: its [`Sender`], which cuts FastCDC chunks in place in the
+//! application's queued buffers and encodes them against the mirror of the peer's cache into
+//! records. The link runs it for every optimized stream (a turn's limits from its scheduler and
+//! frame room); [`Encoder`](crate::Encoder) runs it for a stream held whole (tools, benches,
+//! tests). Boundaries depend on the content alone, never on how the application split its writes.
 
 use std::collections::VecDeque;
 
-use bytes::{Buf, Bytes, BytesMut};
-use wanopt_codec::{self as codec, CodecConfig, EncodeStats, Hint, Mirror, Policy, Pressure};
+use bytes::{Buf, BufMut, Bytes};
 
-use super::{Scope, StreamPolicy};
+use crate::config::{CodecConfig, Policy, Pressure, chunks};
+use crate::format::{RECORD_OVERHEAD, run_reserve};
+use crate::mirror::{Hint, Mirror, encode_tail};
+use crate::prepare::BATCH;
+use crate::report::EncodeStats;
 
-/// Most bytes a bulk stream's chunker looks at in one scheduling turn.
-pub(crate) const RAW_TURN: usize = 256 * 1024;
+/// Most bytes a bulk stream's chunker looks at in one turn.
+pub const RAW_TURN: usize = 256 * 1024;
 
-/// The send side of one optimized stream.
+/// The send side of one stream's encoding.
 #[derive(Debug)]
-pub(crate) struct SendCoder {
+pub struct Sender {
     pub policy: Policy,
-    pub scoped: bool,
     hint: Hint,
     /// Bytes taken from the send queue but not sent yet (a chunk waiting for its boundary).
     stage: Vec<u8>,
     pos: usize,
     /// Stream offset up to which everything must go out without waiting for a boundary.
     pub flush_at: u64,
-    /// Largest chunk: this many unsent bytes always hold a whole chunk.
-    pub max_chunk: usize,
     /// Record bytes per raw byte of the stream's recent turns: how many chunks a frame's room
     /// will hold, so that no more are prepared on workers than go in the turn.
     ratio: f64,
 }
 
-impl SendCoder {
-    pub fn new(policy: &StreamPolicy, latency: bool) -> Self {
-        SendCoder {
-            policy: Policy {
-                dedup: policy.dedup,
-                compression: policy.compression,
-                latency,
-                // Only once the peer says it decodes them.
-                context: false,
-                // Long contexts only where the mirror has them (the peer offered them).
-                bulk: !latency,
-                // Only once the peer says it decodes runs.
-                runs: false,
-            },
-            scoped: policy.scope == Scope::Service,
+impl Sender {
+    pub fn new(policy: Policy) -> Self {
+        Sender {
+            policy,
             hint: Hint::default(),
             stage: Vec::new(),
             pos: 0,
             flush_at: 0,
-            max_chunk: usize::MAX,
             ratio: 1.0,
         }
     }
+
+    /// Bytes taken from the queue and held for their chunk's boundary.
+    pub fn staged(&self) -> usize {
+        self.stage.len() - self.pos
+    }
 }
 
-/// Limits of one coded frame.
-pub(crate) struct Limits {
+/// Limits of one turn (one coded frame on the link).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
     /// Raw bytes the stream and link credit allow.
     pub budget: usize,
     /// Record bytes after which the turn ends (fairness); at least one chunk is always sent.
@@ -66,8 +61,8 @@ pub(crate) struct Limits {
     pub room: usize,
 }
 
-/// Encodes the next chunks of a stream into `out` (after a coded frame header); returns the raw
-/// bytes they cover, 0 if nothing may go yet. `sent` is the stream offset of the first unsent byte.
+/// Encodes the next chunks of a stream into `out`; returns the raw bytes they cover, 0 if
+/// nothing may go yet. `sent` is the stream offset of the first unsent byte.
 ///
 /// Chunks are cut in place in the queued buffers the application wrote. Only a chunk that spans
 /// two of them is put together in the stage: the previous buffer's unfinished tail (the carry),
@@ -78,15 +73,15 @@ pub(crate) struct Limits {
 /// that one view holds a batch of chunks to prepare at once: the application's writes arrive in
 /// buffers of 64 KiB or less, six chunks each, too few to pay for waking the pool.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn emit(
-    coder: &mut SendCoder,
+pub fn emit<B: BufMut>(
+    coder: &mut Sender,
     queue: &mut VecDeque<Bytes>,
     sent: u64,
     chunking: &CodecConfig,
     mirror: &mut Mirror,
     pressure: Pressure,
     lim: &Limits,
-    out: &mut BytesMut,
+    out: &mut B,
     stats: &mut EncodeStats,
 ) -> usize {
     let mut turn = Turn::default();
@@ -270,22 +265,22 @@ struct View<'a> {
 }
 
 /// What encoding one contiguous run of bytes needs.
-struct Cut<'a> {
+struct Cut<'a, B> {
     chunking: &'a CodecConfig,
     mirror: &'a mut Mirror,
     pressure: Pressure,
     lim: &'a Limits,
-    out: &'a mut BytesMut,
+    out: &'a mut B,
     stats: &'a mut EncodeStats,
     turn: &'a mut Turn,
-    /// The stream's recent record bytes per raw byte (see [`SendCoder`]).
+    /// The stream's recent record bytes per raw byte (see [`Sender`]).
     ratio: f64,
 }
 
-impl Cut<'_> {
+impl<B: BufMut> Cut<'_, B> {
     /// Encodes the chunks of `view` (with `first`, only its first), which starts at a chunk
     /// boundary; returns the bytes used. With workers, the chunks that can go in this turn are
-    /// cut a batch at a time and prepared together first (see `codec::prepare`).
+    /// cut a batch at a time and prepared together first (see [`crate::prepare`]).
     #[allow(clippy::too_many_arguments)]
     fn cut(
         &mut self,
@@ -309,7 +304,7 @@ impl Cut<'_> {
             budget,
         };
         if first || policy.latency || !self.mirror.has_workers() {
-            for (off, len) in codec::chunks(&view[..end], self.chunking) {
+            for (off, len) in chunks(&view[..end], self.chunking) {
                 if let Some(stop) = self.one(&at, (off, len), policy, hint, None) {
                     return stop;
                 }
@@ -321,17 +316,17 @@ impl Cut<'_> {
             return (end, Stop::End);
         }
         let mut used = 0;
-        let mut bounds = Vec::with_capacity(codec::BATCH);
+        let mut bounds = Vec::with_capacity(BATCH);
         while used < end {
             bounds.clear();
             // As many chunks as the frame's room and the turn's quantum will likely take (a
             // prepared chunk that does not go is prepared again in the next turn).
             let fits = self.lim.room.min(self.lim.quantum);
             let mut wire = self.turn.wire;
-            for (off, len) in codec::chunks(&view[used..end], self.chunking) {
+            for (off, len) in chunks(&view[used..end], self.chunking) {
                 bounds.push((used + off, len));
-                wire += (len as f64 * self.ratio) as usize + codec::RECORD_OVERHEAD;
-                if bounds.len() == codec::BATCH || used + off + len >= budget || wire >= fits {
+                wire += (len as f64 * self.ratio) as usize + RECORD_OVERHEAD;
+                if bounds.len() == BATCH || used + off + len >= budget || wire >= fits {
                     break;
                 }
             }
@@ -370,11 +365,11 @@ impl Cut<'_> {
         // A run's literals have most of their bytes still to come (in this frame): keep
         // room for them, and let this chunk join the run only if the room holds it too.
         let pending = hint.run_pending();
-        let with_run = t.wire + codec::run_reserve(pending + len) + codec::RECORD_OVERHEAD;
+        let with_run = t.wire + run_reserve(pending + len) + RECORD_OVERHEAD;
         let alone = if pending > 0 {
             with_run
         } else {
-            t.wire + len + codec::RECORD_OVERHEAD
+            t.wire + len + RECORD_OVERHEAD
         };
         if off + len > at.budget
             || (t.raw > 0 && t.wire + pending >= self.lim.quantum)
@@ -393,7 +388,7 @@ impl Cut<'_> {
         let chunk = &at.view[off..off + len];
         let (m, out) = (&mut *self.mirror, &mut *self.out);
         let r = if last && len < self.chunking.min_chunk {
-            codec::encode_tail(m, chunk, policy, self.pressure, hint, out)
+            encode_tail(m, chunk, policy, self.pressure, hint, out)
         } else {
             m.encode_chunk(chunk, policy, self.pressure, hint, out, prep)
         };
@@ -407,8 +402,9 @@ impl Cut<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{self as codec, Decoder};
+    use bytes::BytesMut;
     use proptest::prelude::*;
-    use wanopt_codec::Decoder;
 
     /// Noise with runs of one byte, so that chunks both compress and not (fingerprints of a
     /// counter serve as the deterministic noise).
@@ -428,8 +424,8 @@ mod tests {
         v
     }
 
-    struct Sender {
-        coder: SendCoder,
+    struct Stream {
+        coder: super::Sender,
         queue: VecDeque<Bytes>,
         sent: u64,
         queued: u64,
@@ -438,11 +434,16 @@ mod tests {
         pressure: Pressure,
     }
 
-    impl Sender {
-        fn new() -> Sender {
+    impl Stream {
+        fn new() -> Stream {
             let cfg = CodecConfig::default();
-            Sender {
-                coder: SendCoder::new(&StreamPolicy::default(), false),
+            Stream {
+                // As the link's coder starts: the peer has not said it decodes contexts or runs.
+                coder: super::Sender::new(Policy {
+                    context: false,
+                    runs: false,
+                    ..Policy::default()
+                }),
                 queue: VecDeque::new(),
                 sent: 0,
                 queued: 0,
@@ -453,8 +454,8 @@ mod tests {
         }
 
         /// A sender whose bulk literals go through a long context in runs, link-bound.
-        fn with_runs() -> Sender {
-            let mut s = Sender::new();
+        fn with_runs() -> Stream {
+            let mut s = Stream::new();
             s.coder.policy.context = true;
             s.coder.policy.runs = true;
             s.mirror
@@ -517,7 +518,7 @@ mod tests {
             cuts in proptest::collection::vec((1usize..70_000, 1usize..300_000, any::<bool>()), 1..40),
         ) {
             let src = data(seed, len);
-            let mut s = Sender::new();
+            let mut s = Stream::new();
             let mut dec = Decoder::with_capacity(s.cfg.cache_bytes, true);
             let mut got = Vec::new();
             let mut at = 0;
@@ -577,7 +578,7 @@ mod tests {
                     src.extend_from_slice(&piece);
                 }
             }
-            let mut s = Sender::with_runs();
+            let mut s = Stream::with_runs();
             let mut dec = Decoder::with_capacity(s.cfg.cache_bytes, true);
             dec.set_long_context(Some(codec::LongContext::default()), codec::Slots::default());
             s.queue.push_back(Bytes::copy_from_slice(&src));
@@ -616,7 +617,7 @@ mod tests {
                 src.extend_from_slice(&again);
             }
             let make = |workers: bool| {
-                let mut s = if runs { Sender::with_runs() } else { Sender::new() };
+                let mut s = if runs { Stream::with_runs() } else { Stream::new() };
                 if workers {
                     s.mirror.set_workers(Some(std::sync::Arc::new(codec::prepare::Inline)));
                 }
@@ -666,7 +667,7 @@ mod tests {
             pieces in proptest::collection::vec(1usize..70_000, 1..40),
         ) {
             let src = data(seed, len);
-            let mut s = Sender::new();
+            let mut s = Stream::new();
             let mut dec = Decoder::with_capacity(s.cfg.cache_bytes, true);
             let (mut got, mut lens) = (Vec::new(), Vec::new());
             let mut at = 0;
