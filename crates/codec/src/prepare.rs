@@ -36,8 +36,8 @@ impl Workers for Inline {
 pub(crate) enum Work {
     Fingerprint,
     Lz4,
-    /// zstd at `level`, after (with `trial`) the adaptive choice's LZ4 trial on the first 4 KiB;
-    /// a failed trial compresses nothing.
+    /// zstd at `level`, after (with `trial`) the adaptive choice's trial on the first 4 KiB
+    /// (skewed bytes, or LZ4 shrinks them); a failed trial compresses nothing.
     Zstd {
         level: i32,
         trial: bool,
@@ -67,7 +67,8 @@ pub(crate) struct Prepared {
     /// The chunk's length: a slot is used only for a chunk of its length.
     pub len: usize,
     pub fingerprint: Option<Fingerprint>,
-    /// The adaptive choice's trial: whether LZ4 shrank the first 4 KiB enough to pay.
+    /// The adaptive choice's trial: whether the first 4 KiB are skewed or LZ4 shrank them enough
+    /// to pay.
     pub trial: Option<bool>,
     /// The chunk compressed (the first `clen` bytes of `out`), with the codec and zstd level.
     pub compressed: Option<(Codec, i32)>,
@@ -108,8 +109,9 @@ impl<'a> Job<'a> {
             Work::Zstd { level, trial } => {
                 if trial {
                     let sample = &self.chunk[..self.chunk.len().min(4096)];
-                    let ok = lz4_into(sample, &mut s.out)
-                        .is_some_and(|n| crate::format::pays(sample.len(), n));
+                    let ok = crate::format::skewed(sample)
+                        || lz4_into(sample, &mut s.out)
+                            .is_some_and(|n| crate::format::pays(sample.len(), n));
                     s.trial = Some(ok);
                     if !ok {
                         return;

@@ -24,6 +24,9 @@ pub struct Report {
     pub wire: usize,
     /// Bytes of a run's end written before the chunk's record: earlier literals' zstd output.
     pub run_end: usize,
+    /// A literal for which the delta index offered a base the peer holds, yet no delta went
+    /// (it did not pay, the stream's context reached the base, or its bytes were on disk).
+    pub no_base: bool,
 }
 
 /// Byte and chunk counts, summed from [`Report`]s.
@@ -46,6 +49,10 @@ pub struct EncodeStats {
     pub codec_bytes: [u64; 3],
     /// The record bytes they took: `codec_bytes` minus these is what each codec saved.
     pub codec_wire: [u64; 3],
+    /// Literal chunks (and their raw bytes) for which the delta index offered a base but none
+    /// was used: what the index found and could not turn into a delta.
+    pub no_base_chunks: u64,
+    pub no_base_bytes: u64,
 }
 
 impl EncodeStats {
@@ -61,6 +68,8 @@ impl EncodeStats {
         self.delta_chunks += o.delta_chunks;
         self.delta_bytes += o.delta_bytes;
         self.delta_wire += o.delta_wire;
+        self.no_base_chunks += o.no_base_chunks;
+        self.no_base_bytes += o.no_base_bytes;
         for (a, b) in self.codec_bytes.iter_mut().zip(o.codec_bytes) {
             *a += b;
         }
@@ -91,6 +100,10 @@ impl EncodeStats {
                 self.miss_bytes += raw;
                 self.codec_bytes[c.index()] += raw;
                 self.codec_wire[c.index()] += r.wire as u64;
+                if r.no_base {
+                    self.no_base_chunks += 1;
+                    self.no_base_bytes += raw;
+                }
             }
             Sent::Raw => {
                 self.codec_bytes[0] += raw;
@@ -117,21 +130,27 @@ mod tests {
             raw,
             wire,
             run_end: 0,
+            no_base: false,
         };
         let mut s = EncodeStats::default();
         s.add(&r(Sent::Ref, 8192, 20));
         s.add(&r(Sent::Lit(Codec::Lz4), 8192, 3000));
         s.add(&r(Sent::Delta, 8192, 100));
         s.add(&Report {
+            no_base: true,
+            ..r(Sent::Lit(Codec::Zstd), 4096, 1000)
+        });
+        s.add(&Report {
             run_end: 50,
             ..r(Sent::Raw, 10, 12)
         });
         assert_eq!(
             (s.raw_bytes, s.wire_bytes),
-            (3 * 8192 + 10, 20 + 3000 + 100 + 12 + 50)
+            (3 * 8192 + 4096 + 10, 20 + 3000 + 100 + 1000 + 12 + 50)
         );
-        assert_eq!((s.hit_chunks, s.miss_chunks, s.delta_chunks), (1, 1, 1));
-        assert_eq!(s.codec_wire, [12, 3000, 50]);
+        assert_eq!((s.hit_chunks, s.miss_chunks, s.delta_chunks), (1, 2, 1));
+        assert_eq!(s.codec_wire, [12, 3000, 1050]);
+        assert_eq!((s.no_base_chunks, s.no_base_bytes), (1, 4096));
         let mut twice = s.clone();
         twice.merge(&s);
         assert_eq!(twice.wire_bytes, 2 * s.wire_bytes);

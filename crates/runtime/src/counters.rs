@@ -461,6 +461,8 @@ pub struct CodecMetrics {
     codec_bytes: Family<CodecLabel, Counter>,
     codec_wire: Family<CodecLabel, Counter>,
     saved: Family<SavedLabel, Counter>,
+    no_base_bytes: Family<ServiceLabel, Counter>,
+    no_base_chunks: Family<ServiceLabel, Counter>,
     resends: Family<ServiceDir, Counter>,
     cache_bytes: Family<CacheLabel, Gauge>,
     cache_chunks: Family<CacheLabel, Gauge>,
@@ -499,6 +501,18 @@ impl CodecMetrics {
              references), delta (chunks sent as deltas against similar ones the peer holds), \
              compression (literals)",
             m.saved.clone(),
+        );
+        r.register(
+            "wanopt_delta_no_base_bytes",
+            "Raw bytes of chunks sent as data although the delta index offered a similar chunk the \
+             peer holds, per service: the base did not pay, the stream's own context reached it, or \
+             its bytes were still on disk (a share of wanopt_dedup_bytes{result=\"miss\"})",
+            m.no_base_bytes.clone(),
+        );
+        r.register(
+            "wanopt_delta_no_base_chunks",
+            "Chunks counted in wanopt_delta_no_base_bytes, per service",
+            m.no_base_chunks.clone(),
         );
         r.register(
             "wanopt_stall_timeouts",
@@ -600,6 +614,18 @@ impl CodecMetrics {
                     })
                     .inc_by(n);
             }
+        }
+        if s.raw_bytes > 0 {
+            // Zeros too: a service whose deltas never miss shows that it never did.
+            let label = ServiceLabel {
+                service: service.to_string(),
+            };
+            self.no_base_bytes
+                .get_or_create(&label)
+                .inc_by(s.no_base_bytes);
+            self.no_base_chunks
+                .get_or_create(&label)
+                .inc_by(s.no_base_chunks);
         }
         for (direction, n) in [(OUT, c.resent), (IN, c.needs)] {
             if n > 0 {

@@ -10,7 +10,7 @@ use crate::config::{Codec, Compression, Policy, Pressure};
 use crate::context::{LongContext, SendContext, Slots};
 use crate::delta::{self, SharedBases};
 use crate::fingerprint::{Fingerprint, fingerprint};
-use crate::format::{DEFERRED, NO_CACHE, TAG_LIT_CONTEXT, TAG_RAW, TAG_REF, pays, put_len};
+use crate::format::{DEFERRED, NO_CACHE, TAG_LIT_CONTEXT, TAG_RAW, TAG_REF, pays, put_len, skewed};
 use crate::prepare;
 use crate::report::{Report, Sent};
 
@@ -423,6 +423,7 @@ impl Mirror {
                     raw: chunk.len(),
                     wire,
                     run_end,
+                    no_base: false,
                 };
             }
             Some(f)
@@ -430,6 +431,7 @@ impl Mirror {
             None
         };
         let delta = f.is_some() && self.delta_wanted(policy, pressure, hint);
+        self.delta.offered = false;
         if let Some(f) = f.filter(|_| delta)
             && let Some(r) = self.encode_delta(f, chunk, hint, out)
         {
@@ -482,6 +484,7 @@ impl Mirror {
             raw: chunk.len(),
             wire,
             run_end,
+            no_base: delta && self.delta.offered,
         }
     }
 
@@ -514,11 +517,14 @@ impl Mirror {
                     // stream whose chunks paid for a while.
                     Codec::Zstd
                 } else {
-                    // Before spending zstd's CPU, a 4 KiB LZ4 trial tells noise apart.
+                    // Before spending zstd's CPU, a 4 KiB trial tells noise apart: skewed bytes
+                    // (entropy coding pays) or repeats LZ4 finds.
                     let sample = &chunk[..chunk.len().min(4096)];
                     let paid = match prep.as_ref().and_then(|p| p.trial) {
                         Some(paid) => paid,
-                        None => self.lz4(sample) && pays(sample.len(), self.clen),
+                        None => {
+                            skewed(sample) || (self.lz4(sample) && pays(sample.len(), self.clen))
+                        }
                     };
                     if !paid {
                         hint.incompressible();
@@ -657,6 +663,7 @@ pub fn encode_raw(data: &[u8], out: &mut impl BufMut) -> Report {
         raw: data.len(),
         wire: 1 + h + data.len(),
         run_end: 0,
+        no_base: false,
     }
 }
 

@@ -7,7 +7,7 @@ use super::{Hint, Mirror};
 use crate::config::{Compression, Policy, Pressure};
 use zstd::zstd_safe::CCtx;
 
-use crate::delta::{ACCEPT, MIN_VOTES, SEND_BASES, anchors, delta_level, len_len};
+use crate::delta::{ACCEPT, MIN_VOTES, SEND_BASES, anchors, compress_delta, delta_level, len_len};
 use crate::fingerprint::Fingerprint;
 use crate::format::{TAG_DELTA, put_len};
 use crate::report::{Report, Sent};
@@ -49,6 +49,7 @@ impl Mirror {
             &mut d.found,
         );
         let best = d.found.last()?;
+        d.offered = true;
         // The stream's own context still reaches the best base: a literal in it costs less
         // (it sees the base and everything around it, and names nothing).
         if let Some(c) = hint.context.as_ref()
@@ -68,13 +69,18 @@ impl Mirror {
         self.scratch.clear();
         self.scratch
             .reserve(zstd::zstd_safe::compress_bound(chunk.len()));
-        // The chunk right behind its bases in one buffer: zstd sees one contiguous prefix and
-        // matches without its slower separate-dictionary path.
+        // The chunk right behind its bases in one buffer (one allocation, reused).
         let bases_len = d.dict.len();
         d.dict.extend_from_slice(chunk);
         let (dict, src) = d.dict.split_at(bases_len);
-        cctx.compress_using_dict(&mut self.scratch, src, dict, delta_level(self.zstd_level))
-            .ok()?;
+        compress_delta(
+            cctx,
+            &mut self.scratch,
+            src,
+            dict,
+            delta_level(self.zstd_level),
+        )
+        .ok()?;
         let clen = self.scratch.len();
         let n = d.found.len();
         let wire = 1 + len_len(chunk.len()) + 1 + 16 * (n + 1) + len_len(clen) + clen;
@@ -105,6 +111,7 @@ impl Mirror {
             raw: chunk.len(),
             wire,
             run_end,
+            no_base: false,
         })
     }
 

@@ -123,6 +123,48 @@ fn a_changed_backup_goes_as_deltas_and_rebuilds_exactly() {
     assert_eq!(enc.stats().delta_chunks, 0);
 }
 
+/// Within one stream whose long context still holds the first pages, the changed ones go as
+/// literals in that context, not as deltas: the index offered their bases and none was used,
+/// which the counts show (what an operator reads as `wanopt_delta_no_base_bytes`).
+#[test]
+fn bases_the_index_offers_and_the_encoder_declines_are_counted() {
+    let cfg = CodecConfig::default();
+    let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+    let (first, second) = pages(256, 11);
+    let mut wire = Vec::new();
+    enc.push(&first, false, Pressure::LinkBound, &mut wire);
+    let before = enc.stats().clone();
+    enc.push(&second, false, Pressure::LinkBound, &mut wire);
+    enc.end_stream(Pressure::LinkBound, &mut wire);
+    let both = [first.clone(), second.clone()].concat();
+    assert_eq!(decode_answering(&enc, &mut dec, &wire), (both, 0));
+    let s = enc.stats();
+    let changed = s.miss_chunks - before.miss_chunks;
+    assert!(changed > 100, "the changed pages are new chunks: {changed}");
+    assert_eq!(s.delta_chunks, before.delta_chunks, "no deltas in context");
+    let offered = s.no_base_chunks - before.no_base_chunks;
+    assert!(
+        offered * 10 >= changed * 8,
+        "{offered} of {changed} literals had a base offered"
+    );
+    assert!(s.no_base_bytes - before.no_base_bytes >= offered * cfg.min_chunk as u64);
+    // A new stream is out of that context's reach: the same pages changed again go as deltas,
+    // and the index's offers are taken.
+    let mut third = second.clone();
+    for p in (0..256).step_by(3) {
+        third[p * 8192 + 100] ^= 1;
+    }
+    let before = enc.stats().clone();
+    let w = send(&mut enc, &third);
+    assert_eq!(decode_answering(&enc, &mut dec, &w).0, third);
+    let s = enc.stats();
+    assert!(s.delta_chunks - before.delta_chunks > 50);
+    assert!(
+        (s.no_base_chunks - before.no_base_chunks) * 4 < s.delta_chunks - before.delta_chunks,
+        "few offers declined out of context"
+    );
+}
+
 /// A disk store whose every record is at hand only the second time it is asked for, as a
 /// store that reads on a thread of its own answers: `Pending` first.
 struct Reading(

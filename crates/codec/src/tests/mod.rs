@@ -251,6 +251,44 @@ fn database_blocks_compress_and_noise_does_not_grow() {
     );
 }
 
+/// Rows of random digit groups (sysbench's `c` column: nothing for LZ4 to repeat, four bits of
+/// entropy a byte) pass the noise trial and go through zstd, link-bound; they went raw when the
+/// trial asked LZ4 alone. Noise after them still goes raw.
+#[test]
+fn skewed_rows_without_repeats_are_compressed_and_noise_is_not() {
+    let cfg = CodecConfig::default();
+    let (mut enc, mut dec) = pair(&cfg);
+    let digits: Vec<u8> = xorshift(21, 4 << 20)
+        .iter()
+        .enumerate()
+        .map(|(i, b)| if i % 12 == 11 { b'-' } else { b'0' + b % 10 })
+        .collect();
+    let noise = xorshift(22, 1 << 20);
+    let data = [digits.clone(), noise.clone()].concat();
+    let (out, wire) = round_trip(
+        Pressure::LinkBound,
+        &mut enc,
+        &mut dec,
+        &data,
+        &[64 * 1024],
+        false,
+    );
+    assert!(out == data);
+    let s = enc.stats();
+    let zstd = Codec::Zstd.index();
+    assert!(
+        s.codec_bytes[zstd] >= digits.len() as u64 * 9 / 10,
+        "{} of {} digit bytes through zstd",
+        s.codec_bytes[zstd],
+        digits.len()
+    );
+    assert!(
+        (wire as f64) < digits.len() as f64 * 0.5 + noise.len() as f64 * 1.01,
+        "{wire} wire bytes"
+    );
+    assert!(s.codec_bytes[0] >= noise.len() as u64 / 2, "noise goes raw");
+}
+
 /// A bulk stream whose chunks paid for a while skips the LZ4 trial, but noise after them is
 /// still caught: it grows by under 0.1% and soon skips compression altogether.
 #[test]
