@@ -26,6 +26,14 @@
 //! `--zstd-level N` (a fixed level: no governor), `--wanopt-only` (skip the other
 //! compressors, to compare settings quickly), `--binlog-tx N` transactions for the binlog
 //! (default 40000), `--svg FILE` (the charts; default `benches/charts/reduction.svg`).
+//!
+//! `--pairs DIR` measures a corpus of first/changed pairs instead (`benches/corpus.sh DIR`
+//! builds one from Debian's packages: an OLTP benchmark's backups, text rows, InnoDB files, a
+//! growing query log, two kernel releases): each pair's first copy, then its changed copy, each
+//! a stream of its own through one encoder whose caches carry over from pair to pair, against
+//! `zstd -9` of each copy alone and `zstd --long=31 --patch-from` the first. It prints every
+//! pair, the changed copy's cost against `--patch-from`, and the memory of the delta store and
+//! its index after the run against their configured bounds.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -37,7 +45,7 @@ use std::time::{Duration, Instant};
 
 use common::pg::{self, port, psql, run};
 use common::report;
-use wanopt_codec::{CodecConfig, Decoder, Encoder, Pressure};
+use wanopt_codec::{CodecConfig, Decoder, Encoder, Pressure, SharedBases};
 use wanopt_replay::chart::{Bars, Chart, render};
 use wanopt_runtime::config::ZSTD_ADAPT_MAX;
 use wanopt_runtime::pressure::Governor;
@@ -240,6 +248,10 @@ fn main() {
             .map(|l| l.parse().expect("--zstd-level N")),
         svg: args.get("--svg", "benches/charts/reduction.svg".to_string()),
     };
+    if let Some(d) = args.text("--pairs").map(PathBuf::from) {
+        measure_pairs(&d, &opts);
+        return;
+    }
     match args.text("--from").map(PathBuf::from) {
         Some(d) => {
             let binlog = Some(d.join("run.binlog")).filter(|p| p.exists());
@@ -495,6 +507,212 @@ fn mariadb_binlog(dir: &Path, tsv: &Path, transactions: u32) -> Result<PathBuf, 
     Ok(path)
 }
 
+/// The encoder a daemon runs with `cfg`, and the store of delta bases behind it: with a disk
+/// tier in `state` as a daemon with `disk.delta_bytes` and a key keeps it (its writes and reads
+/// on a thread of their own).
+fn encoder(cfg: &CodecConfig, opts: &Opts, state: &Path) -> (Encoder, Option<SharedBases>) {
+    let mut enc = Encoder::new(cfg.clone());
+    let dir = wanopt_runtime::cachedir::CacheDir::open(
+        state,
+        "east",
+        Default::default(),
+        Some([0x5a; 32]),
+    )
+    .expect("cache directory");
+    let bases = if opts.delta_disk > 0 {
+        let limit = opts.delta_disk as u64;
+        let store = dir.bases_store(limit).expect("disk tier");
+        wanopt_codec::delta::shared_tiered(cfg.delta_bytes, limit, store)
+    } else {
+        wanopt_codec::delta::shared(cfg.delta_bytes)
+    };
+    enc.set_bases(bases.clone());
+    (enc, bases)
+}
+
+/// One data set as a stream of its own through `enc`, written in 64 KiB pieces as a client
+/// writes, behind the virtual T3 (whose governor may move the level): the records, the
+/// encoder's CPU seconds, the virtual seconds the link took and the share of them it was busy.
+fn stream(
+    enc: &mut Encoder,
+    t3: &mut VirtualT3,
+    level: &mut i32,
+    pressure: Pressure,
+    data: &[u8],
+) -> (Vec<u8>, f64, f64, f64) {
+    // The wire buffer's pages are touched before the clock runs: a daemon writes its frames
+    // into buffers it reuses, and first-touch page faults were a tenth of the measured CPU.
+    let mut wire = vec![0u8; data.len() / 2 + (1 << 20)];
+    wire.clear();
+    let (start, sent_before) = (t3.end(), t3.sending);
+    t3.now = start;
+    let mut cpu = 0.0;
+    for piece in data.chunks(64 * 1024) {
+        let (t, w) = (thread_cpu(), wire.len());
+        enc.push(piece, false, pressure, &mut wire);
+        let c = thread_cpu() - t;
+        cpu += c;
+        if let Some(l) = t3.piece(c, wire.len() - w) {
+            enc.set_zstd_level(l);
+            *level = l;
+        }
+    }
+    // Each data set is a connection of its own.
+    let (t, w) = (thread_cpu(), wire.len());
+    enc.end_stream(pressure, &mut wire);
+    let c = thread_cpu() - t;
+    cpu += c;
+    t3.piece(c, wire.len() - w);
+    let took = (t3.end() - start).as_secs_f64();
+    let busy = (t3.sending - sent_before).as_secs_f64() / took;
+    (wire, cpu, took, busy)
+}
+
+/// Decodes `wire` and checks it rebuilds `data` exactly.
+fn check(dec: &mut Decoder, wire: &[u8], data: &[u8], name: &str) {
+    let mut out = Vec::with_capacity(data.len());
+    dec.decode(wire, &mut out).expect("decodes");
+    assert!(out == data, "{name}: rebuilt bytes differ");
+}
+
+/// The corpus in `dir` (a directory per pair, each with `first` and `changed`): see the
+/// module's documentation.
+fn measure_pairs(dir: &Path, opts: &Opts) {
+    let mut pairs: Vec<PathBuf> = std::fs::read_dir(dir)
+        .expect("corpus directory")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join("first").is_file() && p.join("changed").is_file())
+        .collect();
+    pairs.sort();
+    assert!(
+        !pairs.is_empty(),
+        "no pairs in {}: run benches/corpus.sh",
+        dir.display()
+    );
+    let (cfg, pressure) = daemon_codec(opts.cache, opts.delta, opts.level);
+    report::note(format!(
+        "wanopt: the link's send path as a daemon stating 45 Mbit/s sets it (zstd {}, governed unless --zstd-level; long context {}), one {} MiB cache and a delta store of {} MiB in memory and {} MiB of sealed files, carried over from pair to pair; every stream decoded and checked.",
+        cfg.zstd_level,
+        cfg.long
+            .map_or("off".into(), |l| format!("{} MiB", l.window() >> 20)),
+        cfg.cache_bytes >> 20,
+        cfg.delta_bytes >> 20,
+        opts.delta_disk >> 20
+    ));
+    let state = tempfile::tempdir().expect("tempdir");
+    let (mut enc, bases) = encoder(&cfg, opts, state.path());
+    let mut dec = Decoder::new(&cfg);
+    let mut t3 = VirtualT3::new(cfg.zstd_level, opts.level.is_none());
+    let mut level = cfg.zstd_level;
+    let title = "Every pair: wire/raw of the first copy, then of the changed copy after it";
+    let header = [
+        "pair",
+        "first MB",
+        "wanopt",
+        "zstd -9",
+        "changed MB",
+        "wanopt",
+        "zstd -9",
+        "--patch-from",
+        "wanopt / patch",
+        "cpu MB/s",
+        "level",
+        "no base",
+    ];
+    let mut worst: f64 = 0.0;
+    for p in &pairs {
+        let name = p
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("?")
+            .to_string();
+        let (first_path, changed_path) = (p.join("first"), p.join("changed"));
+        let first = std::fs::read(&first_path).expect("first");
+        let (w1, _, _, _) = stream(&mut enc, &mut t3, &mut level, pressure, &first);
+        check(&mut dec, &w1, &first, &name);
+        let changed = std::fs::read(&changed_path).expect("changed");
+        let level_before = level;
+        let before = enc.stats().clone();
+        let (w2, cpu, _, _) = stream(&mut enc, &mut t3, &mut level, pressure, &changed);
+        check(&mut dec, &w2, &changed, &name);
+        let s = enc.stats();
+        let ratio = |w: usize, n: usize| w as f64 / n as f64;
+        let z9 = |f: &Path| {
+            opts.others
+                .then(|| tool("zstd", &["-9", "-q", "-c", "-T1"], f))
+                .flatten()
+                .map(|(w, _)| w)
+        };
+        let from = format!("--patch-from={}", first_path.display());
+        let patch = opts
+            .others
+            .then(|| {
+                tool(
+                    "zstd",
+                    &["-3", "--long=31", &from, "-q", "-c", "-T1"],
+                    &changed_path,
+                )
+            })
+            .flatten()
+            .map(|(w, _)| w);
+        let f = |v: Option<u64>, n: usize| {
+            v.map_or("-".into(), |v| format!("{:.4}", v as f64 / n as f64))
+        };
+        let vs = patch.map(|pw| w2.len() as f64 / pw as f64);
+        if let Some(v) = vs {
+            worst = worst.max(v);
+        }
+        report::row(
+            title,
+            &header,
+            vec![
+                name,
+                format!("{:.1}", first.len() as f64 / 1e6),
+                format!("{:.4}", ratio(w1.len(), first.len())),
+                f(z9(&first_path), first.len()),
+                format!("{:.1}", changed.len() as f64 / 1e6),
+                format!("{:.4}", ratio(w2.len(), changed.len())),
+                f(z9(&changed_path), changed.len()),
+                f(patch, changed.len()),
+                vs.map_or("-".into(), |v| format!("{v:.2}x")),
+                format!("{:.0}", changed.len() as f64 / cpu / 1e6),
+                if level_before == level {
+                    level.to_string()
+                } else {
+                    format!("{level_before}→{level}")
+                },
+                format!(
+                    "{:.3}",
+                    (s.no_base_bytes - before.no_base_bytes) as f64 / changed.len() as f64
+                ),
+            ],
+        );
+    }
+    if worst > 0.0 {
+        report::note(format!(
+            "Worst changed copy against `zstd --long=31 --patch-from`: {worst:.2}x (target: at most 1.2x). \"no base\": share of the changed copy's bytes sent as literals although the delta index offered a base."
+        ));
+    }
+    if let Some(b) = bases.as_ref().and_then(|b| b.lock().ok()) {
+        let t = b.tier_stats();
+        report::note(format!(
+            "Delta store after the run: {} MB of bases in memory (bound {} MB), {} MB on disk (bound {} MB); the store and its index take at most {} MB of memory. Mirror cache: {} MB (bound {} MB).",
+            t.mem_bytes / 1_000_000,
+            cfg.delta_bytes / 1_000_000,
+            t.disk_bytes / 1_000_000,
+            opts.delta_disk / 1_000_000,
+            b.footprint() / 1_000_000,
+            enc.cache().size() / 1_000_000,
+            cfg.cache_bytes / 1_000_000,
+        ));
+    }
+    report::finish(
+        "reduction-pairs",
+        "reduction: every pair of the corpus, first and changed",
+    );
+}
+
 fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, opts: &Opts) {
     let (cfg, pressure) = daemon_codec(opts.cache, opts.delta, opts.level);
     report::note(format!(
@@ -506,26 +724,8 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
         cfg.delta_bytes >> 20,
         opts.delta_disk >> 20
     ));
-    let mut enc = Encoder::new(cfg.clone());
-    // The disk tier behind the bases, as a daemon with `disk.delta_bytes` and a key keeps it
-    // (its writes and reads on a thread of their own).
     let state = tempfile::tempdir().expect("tempdir");
-    let dir = wanopt_runtime::cachedir::CacheDir::open(
-        state.path(),
-        "east",
-        Default::default(),
-        Some([0x5a; 32]),
-    )
-    .expect("cache directory");
-    if cfg.delta_bytes > 0 && opts.delta_disk > 0 {
-        let limit = opts.delta_disk as u64;
-        let store = dir.bases_store(limit).expect("disk tier");
-        enc.set_bases(wanopt_codec::delta::shared_tiered(
-            cfg.delta_bytes,
-            limit,
-            store,
-        ));
-    }
+    let (mut enc, _bases) = encoder(&cfg, opts, state.path());
     let title = "Wire/raw per data set, in order through one encoder (the caches carry over)";
     let header = [
         "data",
@@ -581,34 +781,11 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
     for (name, path, reference) in sets {
         let data = std::fs::read(path).expect("data set");
         let n = data.len() as f64;
-        // The wire buffer's pages are touched before the clock runs: a daemon writes its frames
-        // into buffers it reuses, and first-touch page faults were a tenth of the measured CPU.
-        let mut wire = vec![0u8; data.len() / 2 + (1 << 20)];
-        wire.clear();
         let before = enc.stats().clone();
-        let (start, sent_before, level_before) = (t3.end(), t3.sending, enc_level);
-        t3.now = start;
-        let mut cpu = 0.0;
-        for piece in data.chunks(64 * 1024) {
-            let (t, w) = (thread_cpu(), wire.len());
-            enc.push(piece, false, pressure, &mut wire);
-            let c = thread_cpu() - t;
-            cpu += c;
-            if let Some(level) = t3.piece(c, wire.len() - w) {
-                enc.set_zstd_level(level);
-                enc_level = level;
-            }
-        }
-        // Each data set is a connection of its own.
-        let (t, w) = (thread_cpu(), wire.len());
-        enc.end_stream(pressure, &mut wire);
-        cpu += thread_cpu() - t;
-        t3.piece(thread_cpu() - t, wire.len() - w);
-        let took = (t3.end() - start).as_secs_f64();
-        let link_busy = (t3.sending - sent_before).as_secs_f64() / took;
-        let mut out = Vec::with_capacity(data.len());
-        dec.decode(&wire, &mut out).expect("decodes");
-        assert!(out == data, "{name}: rebuilt bytes differ");
+        let level_before = enc_level;
+        let (wire, cpu, took, link_busy) =
+            stream(&mut enc, &mut t3, &mut enc_level, pressure, &data);
+        check(&mut dec, &wire, &data, name);
         let ratio = |t: Option<(u64, f64)>| t.map(|(w, _)| w as f64 / n);
         let other = |on: bool, cmd: &str, args: &[&str]| {
             if on && opts.others {
