@@ -530,6 +530,19 @@ fn encoder(cfg: &CodecConfig, opts: &Opts, state: &Path) -> (Encoder, Option<Sha
     (enc, bases)
 }
 
+/// The report's note of the encoder's settings; `scope` says how the caches are shared.
+fn settings_note(cfg: &CodecConfig, opts: &Opts, scope: &str) {
+    report::note(format!(
+        "wanopt: the link's send path as a daemon stating 45 Mbit/s sets it (zstd {}, governed unless --zstd-level; long context {}), one {} MiB cache and a delta store of {} MiB in memory and {} MiB of sealed files, {scope}.",
+        cfg.zstd_level,
+        cfg.long
+            .map_or("off".into(), |l| format!("{} MiB", l.window() >> 20)),
+        cfg.cache_bytes >> 20,
+        cfg.delta_bytes >> 20,
+        opts.delta_disk >> 20
+    ));
+}
+
 /// One data set as a stream of its own through `enc`, written in 64 KiB pieces as a client
 /// writes, behind the virtual T3 (whose governor may move the level): the records, the
 /// encoder's CPU seconds, the virtual seconds the link took and the share of them it was busy.
@@ -591,15 +604,11 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
         dir.display()
     );
     let (cfg, pressure) = daemon_codec(opts.cache, opts.delta, opts.level);
-    report::note(format!(
-        "wanopt: the link's send path as a daemon stating 45 Mbit/s sets it (zstd {}, governed unless --zstd-level; long context {}), one {} MiB cache and a delta store of {} MiB in memory and {} MiB of sealed files, carried over from pair to pair; every stream decoded and checked.",
-        cfg.zstd_level,
-        cfg.long
-            .map_or("off".into(), |l| format!("{} MiB", l.window() >> 20)),
-        cfg.cache_bytes >> 20,
-        cfg.delta_bytes >> 20,
-        opts.delta_disk >> 20
-    ));
+    settings_note(
+        &cfg,
+        opts,
+        "carried over from pair to pair; every stream decoded and checked",
+    );
     let state = tempfile::tempdir().expect("tempdir");
     let (mut enc, bases) = encoder(&cfg, opts, state.path());
     let mut dec = Decoder::new(&cfg);
@@ -715,15 +724,7 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
 
 fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, opts: &Opts) {
     let (cfg, pressure) = daemon_codec(opts.cache, opts.delta, opts.level);
-    report::note(format!(
-        "wanopt: the encoder as a daemon stating 45 Mbit/s sets it (zstd {}, long context {}), one {} MiB cache and a delta store of {} MiB in memory and {} MiB of sealed files across the data sets.",
-        cfg.zstd_level,
-        cfg.long
-            .map_or("off".into(), |l| format!("{} MiB", l.window() >> 20)),
-        cfg.cache_bytes >> 20,
-        cfg.delta_bytes >> 20,
-        opts.delta_disk >> 20
-    ));
+    settings_note(&cfg, opts, "across the data sets");
     let state = tempfile::tempdir().expect("tempdir");
     let (mut enc, _bases) = encoder(&cfg, opts, state.path());
     let title = "Wire/raw per data set, in order through one encoder (the caches carry over)";
