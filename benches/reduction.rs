@@ -126,7 +126,13 @@ fn wal_between(pg: u16, from: &str, to: &str) -> Result<Vec<u8>, String> {
 
 /// The codec settings a daemon derives from a config stating a 45 Mbit/s, 100 ms link, with a
 /// cache of `cache` bytes and a store of `delta` bytes for delta bases.
-fn daemon_codec(cache: usize, delta: usize, level: Option<i32>) -> (CodecConfig, Pressure) {
+/// The codec a daemon stating 45 Mbit/s runs, the pressure it encodes under, and its coded
+/// streams' turns (quantum, frame room).
+fn daemon_codec(
+    cache: usize,
+    delta: usize,
+    level: Option<i32>,
+) -> (CodecConfig, Pressure, (usize, usize)) {
     let yaml = "site: west\nlink:\n  connect: 127.0.0.1:7400\n  peer: east\n  bandwidth: 45mbit\n  rtt: 100ms\ntls:\n  ca: ca.pem\n  cert: c.pem\n  key: k.key\n";
     let cfg = wanopt_runtime::config::Config::parse(yaml, Path::new("/etc/wanopt/west.yaml"))
         .expect("config");
@@ -139,8 +145,13 @@ fn daemon_codec(cache: usize, delta: usize, level: Option<i32>) -> (CodecConfig,
         ..CodecConfig::default()
     }
     .with_avg_chunk(c.avg_chunk);
+    let max_frame = wanopt_runtime::link_config(&cfg, None).max_frame as usize;
     // A stated WAN far below what a core compresses: the link is the bottleneck.
-    (codec, Pressure::LinkBound)
+    (
+        codec,
+        Pressure::LinkBound,
+        wanopt_proto::coded_turn(max_frame),
+    )
 }
 
 /// A virtual T3 behind the encoder, with the daemon's zstd level governor fed from it: each
@@ -510,8 +521,15 @@ fn mariadb_binlog(dir: &Path, tsv: &Path, transactions: u32) -> Result<PathBuf, 
 /// The encoder a daemon runs with `cfg`, and the store of delta bases behind it: with a disk
 /// tier in `state` as a daemon with `disk.delta_bytes` and a key keeps it (its writes and reads
 /// on a thread of their own).
-fn encoder(cfg: &CodecConfig, opts: &Opts, state: &Path) -> (Encoder, Option<SharedBases>) {
+/// The daemon's encoder: its codec, its coded streams' turns, and its delta store.
+fn encoder(
+    cfg: &CodecConfig,
+    (quantum, room): (usize, usize),
+    opts: &Opts,
+    state: &Path,
+) -> (Encoder, Option<SharedBases>) {
     let mut enc = Encoder::new(cfg.clone());
+    enc.set_turn_limits(quantum, room);
     let dir = wanopt_runtime::cachedir::CacheDir::open(
         state,
         "east",
@@ -603,14 +621,14 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
         "no pairs in {}: run benches/corpus.sh",
         dir.display()
     );
-    let (cfg, pressure) = daemon_codec(opts.cache, opts.delta, opts.level);
+    let (cfg, pressure, turn) = daemon_codec(opts.cache, opts.delta, opts.level);
     settings_note(
         &cfg,
         opts,
         "carried over from pair to pair; every stream decoded and checked",
     );
     let state = tempfile::tempdir().expect("tempdir");
-    let (mut enc, bases) = encoder(&cfg, opts, state.path());
+    let (mut enc, bases) = encoder(&cfg, turn, opts, state.path());
     let mut dec = Decoder::new(&cfg);
     let mut t3 = VirtualT3::new(cfg.zstd_level, opts.level.is_none());
     let mut level = cfg.zstd_level;
@@ -672,6 +690,21 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
         if let Some(v) = vs {
             worst = worst.max(v);
         }
+        // Where the changed copy's wire bytes went, for whoever tunes the index.
+        let d = |a: u64, b: u64| (a - b) as f64 / 1e6;
+        eprintln!(
+            "{name} changed: refs {:.1} MB in {:.3} MB, deltas {:.1} MB in {:.3} MB, literals {:.1} MB in {:.3} MB ({:.1} MB offered a base)",
+            d(s.hit_bytes, before.hit_bytes),
+            d(s.hit_wire, before.hit_wire),
+            d(s.delta_bytes, before.delta_bytes),
+            d(s.delta_wire, before.delta_wire),
+            d(s.miss_bytes, before.miss_bytes),
+            d(
+                s.wire_bytes - s.hit_wire - s.delta_wire,
+                before.wire_bytes - before.hit_wire - before.delta_wire
+            ),
+            d(s.no_base_bytes, before.no_base_bytes),
+        );
         report::row(
             title,
             &header,
@@ -723,10 +756,10 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
 }
 
 fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, opts: &Opts) {
-    let (cfg, pressure) = daemon_codec(opts.cache, opts.delta, opts.level);
+    let (cfg, pressure, turn) = daemon_codec(opts.cache, opts.delta, opts.level);
     settings_note(&cfg, opts, "across the data sets");
     let state = tempfile::tempdir().expect("tempdir");
-    let (mut enc, _bases) = encoder(&cfg, opts, state.path());
+    let (mut enc, _bases) = encoder(&cfg, turn, opts, state.path());
     let title = "Wire/raw per data set, in order through one encoder (the caches carry over)";
     let header = [
         "data",

@@ -1,4 +1,4 @@
-//! Fuzzes the decoding of delta records: against a cache holding real bases, arbitrary payloads
+//! Fuzzes the decoding of delta records and delta runs: against a cache holding real bases, arbitrary payloads
 //! (zstd with the bases as dictionary), genuine delta records with bytes flipped, and arbitrary
 //! records must never panic, allocate past the record limit or hand over bytes that do not match
 //! the chunk's fingerprint.
@@ -107,7 +107,21 @@ fuzz_target!(|data: &[u8]| {
     put_len(&mut rec, payload.len());
     rec.extend_from_slice(payload);
     check(&mut dec, &rec);
-    // Genuine deltas with the input's bytes flipped into them.
+    // A delta run record built the same way: real bases, fuzzed lengths, check and payload.
+    let chunks = 1 + usize::from(sel >> 5);
+    let mut run = vec![9u8, chunks as u8, n as u8];
+    for i in 0..n {
+        let pick = rest.get(1 + i).copied().unwrap_or(0) as usize;
+        run.extend_from_slice(&p.bases[pick % p.bases.len()]);
+    }
+    for i in 0..chunks {
+        put_len(&mut run, 1 + usize::from(rest.get(9 + i).copied().unwrap_or(0)) * 64);
+    }
+    run.extend_from_slice(&name);
+    put_len(&mut run, payload.len());
+    run.extend_from_slice(payload);
+    check(&mut dec, &run);
+    // Genuine deltas and delta runs with the input's bytes flipped into them.
     let mut flipped = p.second.clone();
     for (i, b) in data.iter().enumerate() {
         let at = (i * 7919 + usize::from(sel) * 131) % flipped.len();

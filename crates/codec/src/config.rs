@@ -110,6 +110,9 @@ pub struct Policy {
     /// With a long context, consecutive literals may share one flush (the peer decodes runs:
     /// see [`DEFERRED`]): flushing every chunk cost a row binlog 4% of its bytes at level 9.
     pub runs: bool,
+    /// Deltas go as runs (the peer decodes `TAG_DELTA_RUN`): consecutive chunks with bases in
+    /// one zstd frame against the union of their bases.
+    pub delta_runs: bool,
 }
 
 impl Default for Policy {
@@ -121,6 +124,7 @@ impl Default for Policy {
             context: true,
             bulk: true,
             runs: true,
+            delta_runs: true,
         }
     }
 }
@@ -164,6 +168,7 @@ impl CodecConfig {
             context: self.context,
             bulk: true,
             runs: self.runs,
+            delta_runs: self.runs,
         }
     }
 }

@@ -28,6 +28,8 @@ pub struct Encoder {
     queued: u64,
     sent: u64,
     stats: EncodeStats,
+    /// A turn's quantum and frame room (see [`set_turn_limits`](Self::set_turn_limits)).
+    turn: (usize, usize),
 }
 
 impl Encoder {
@@ -43,7 +45,14 @@ impl Encoder {
             queued: 0,
             sent: 0,
             stats: EncodeStats::default(),
+            turn: (usize::MAX, usize::MAX),
         }
+    }
+
+    /// Ends each turn as a link's does: after `quantum` record bytes, and within a frame of
+    /// `room` (unbounded unless set). Runs of literals and of deltas end with their frame.
+    pub fn set_turn_limits(&mut self, quantum: usize, room: usize) {
+        self.turn = (quantum, room);
     }
 
     pub fn stats(&self) -> &EncodeStats {
@@ -96,8 +105,8 @@ impl Encoder {
         }
         let lim = Limits {
             budget: RAW_TURN,
-            quantum: usize::MAX,
-            room: usize::MAX,
+            quantum: self.turn.0,
+            room: self.turn.1,
         };
         // Turn after turn, as the link's scheduler runs them, until nothing more may go.
         while self.sent < self.queued {

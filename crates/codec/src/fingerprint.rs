@@ -12,6 +12,20 @@ pub fn fingerprint(data: &[u8]) -> Fingerprint {
     f
 }
 
+/// What a delta run record carries in place of its chunks' names: the fingerprint of their
+/// fingerprints in order. The receiver computes each rebuilt chunk's (to cache it) and checks
+/// them all at once: 16 bytes a run instead of 16 a chunk (on the changed `pgbench` copy's
+/// 35,000 deltas, 0.55 MB of 3.7).
+pub(crate) fn run_check<'a>(names: impl Iterator<Item = &'a Fingerprint>) -> Fingerprint {
+    let mut h = blake3::Hasher::new();
+    for f in names {
+        h.update(f);
+    }
+    let mut c = [0u8; 16];
+    c.copy_from_slice(&h.finalize().as_bytes()[..16]);
+    c
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -32,6 +32,18 @@ pub(crate) const LONG: u8 = 0x10;
 pub(crate) const DEFERRED: u8 = 0x08;
 /// The end of a run of deferred context literals: the rest of the context's output.
 pub(crate) const TAG_RUN_END: u8 = 8;
+/// Consecutive chunks sent as one zstd frame against the union of their bases (see
+/// [`delta`](crate::delta)): one dictionary load and one frame for up to [`MAX_RUN_CHUNKS`]
+/// chunks, each base named once.
+pub(crate) const TAG_DELTA_RUN: u8 = 9;
+/// Most chunks one delta run record carries (a receiver's limit; the sender's is the same).
+pub const MAX_RUN_CHUNKS: usize = 32;
+/// Most bases one delta run record names.
+pub const MAX_RUN_BASES: usize = 64;
+/// Most bytes of bases a sender puts in one delta run's dictionary.
+pub const RUN_DICT: usize = 1 << 20;
+/// Most bytes of bases a receiver loads for one delta run: more is malformed.
+pub const RUN_DICT_DECODE: usize = 4 << 20;
 /// Most raw bytes a run defers before a record flushes it (the sender's limit).
 pub const RUN_MAX: usize = 256 * 1024;
 /// Most raw bytes a receiver lets a run defer: more is malformed.

@@ -14,6 +14,9 @@ pub enum Sent {
     Delta,
     /// As raw bytes, not cached.
     Raw,
+    /// Gathered into a delta run: its record comes when the run is flushed (one for the run,
+    /// or a literal if the run did not pay), counted then (see `Mirror::take_late`).
+    InRun,
 }
 
 /// What encoding one chunk did: how, raw bytes in, record bytes out.
@@ -22,7 +25,8 @@ pub struct Report {
     pub sent: Sent,
     pub raw: usize,
     pub wire: usize,
-    /// Bytes of a run's end written before the chunk's record: earlier literals' zstd output.
+    /// Bytes written before the chunk's record for earlier chunks (a run's end, a delta run):
+    /// counted with them, in the mirror's late counts (see `Mirror::take_late`).
     pub run_end: usize,
     /// A literal for which the delta index offered a base the peer holds, yet no delta went
     /// (it did not pay, the stream's context reached the base, or its bytes were on disk).
@@ -80,7 +84,6 @@ impl EncodeStats {
 
     /// Adds one chunk's report.
     pub fn add(&mut self, r: &Report) {
-        self.add_run_end(r.run_end);
         let raw = r.raw as u64;
         self.raw_bytes += raw;
         self.wire_bytes += r.wire as u64;
@@ -109,6 +112,7 @@ impl EncodeStats {
                 self.codec_bytes[0] += raw;
                 self.codec_wire[0] += r.wire as u64;
             }
+            Sent::InRun => {}
         }
     }
 
@@ -144,9 +148,12 @@ mod tests {
             run_end: 50,
             ..r(Sent::Raw, 10, 12)
         });
+        s.add_run_end(50);
+        // Gathered into a delta run: its raw bytes now, its record's when the run goes.
+        s.add(&r(Sent::InRun, 8192, 0));
         assert_eq!(
             (s.raw_bytes, s.wire_bytes),
-            (3 * 8192 + 4096 + 10, 20 + 3000 + 100 + 1000 + 12 + 50)
+            (4 * 8192 + 4096 + 10, 20 + 3000 + 100 + 1000 + 12 + 50)
         );
         assert_eq!((s.hit_chunks, s.miss_chunks, s.delta_chunks), (1, 2, 1));
         assert_eq!(s.codec_wire, [12, 3000, 1050]);

@@ -214,7 +214,7 @@ pub fn emit<B: BufMut>(
     }
     // A frame's records are whole: a run of its literals ends in it.
     let n = mirror.end_run(&mut coder.hint, out);
-    stats.add_run_end(n);
+    stats.merge(&mirror.take_late());
     if turn.raw > 0 {
         let r = (turn.wire + n) as f64 / turn.raw as f64;
         coder.ratio = ((coder.ratio + r) / 2.0).clamp(0.001, 1.1);
@@ -393,6 +393,7 @@ impl<B: BufMut> Cut<'_, B> {
             m.encode_chunk(chunk, policy, self.pressure, hint, out, prep)
         };
         self.stats.add(&r);
+        self.stats.merge(&m.take_late());
         t.raw += len;
         t.wire += r.wire + r.run_end;
         None

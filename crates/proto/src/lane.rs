@@ -34,3 +34,6 @@ pub const CAP_LANE_COPIES: u64 = 64;
 /// Hello capability bit: the sender decodes runs of context literals that share one flush
 /// (deferred literals and run ends; see `wanopt_codec::RUN_MAX`).
 pub const CAP_RUNS: u64 = 128;
+/// Hello capability bit: the sender decodes delta runs (consecutive chunks sent as one zstd
+/// frame against the union of their bases; see `wanopt_codec::MAX_RUN_CHUNKS`).
+pub const CAP_DELTA_RUNS: u64 = 256;

@@ -38,4 +38,5 @@ pub mod workers;
 
 pub use config::{Config, ConfigError};
 pub use daemon::{Bound, Daemon, DaemonError};
+pub use peer::link_config;
 pub use wanopt_units as units;

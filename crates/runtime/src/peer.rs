@@ -205,7 +205,8 @@ fn policies(cfg: &Config) -> Vec<(String, wanopt_proto::StreamPolicy)> {
         .collect()
 }
 
-fn link_config(cfg: &Config, caches: Option<&Arc<CacheDir>>) -> LinkConfig {
+/// The link's settings a daemon of `cfg` runs with (benches encode with its frame size).
+pub fn link_config(cfg: &Config, caches: Option<&Arc<CacheDir>>) -> LinkConfig {
     let mut c = LinkConfig::new(
         &cfg.site,
         &cfg.link.peer,

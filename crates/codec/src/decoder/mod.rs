@@ -9,8 +9,9 @@ use crate::context::{LongContext, Slots, StreamContext};
 use crate::delta;
 use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::format::{
-    CodecError, DEFERRED, FRESH, LONG, MAX_RECORD, NO_CACHE, RUN_MAX_DECODE, TAG_DELTA, TAG_LIT,
-    TAG_LIT_CONTEXT, TAG_LIT_LZ4, TAG_LIT_ZSTD, TAG_RAW, TAG_REF, TAG_RUN_END, get_len,
+    CodecError, DEFERRED, FRESH, LONG, MAX_RECORD, NO_CACHE, RUN_MAX_DECODE, TAG_DELTA,
+    TAG_DELTA_RUN, TAG_LIT, TAG_LIT_CONTEXT, TAG_LIT_LZ4, TAG_LIT_ZSTD, TAG_RAW, TAG_REF,
+    TAG_RUN_END, get_len,
 };
 use crate::prepare::{self, BATCH};
 
@@ -428,6 +429,7 @@ impl Decoder {
                 fits(get_len(buf, 1)?.0)?;
                 self.decode_delta(buf, out)
             }
+            TAG_DELTA_RUN => self.decode_delta_run(buf, out, room),
             _ => Err(CodecError::Malformed("unknown record")),
         }
     }

@@ -6,8 +6,10 @@ use crate::cache::Lookup;
 use crate::delta::{MAX_BASES, is_dict_magic};
 use zstd::zstd_safe::DCtx;
 
-use crate::fingerprint::fingerprint;
-use crate::format::{CodecError, get_len};
+use crate::fingerprint::{fingerprint, run_check};
+use crate::format::{
+    CodecError, MAX_RUN_BASES, MAX_RUN_CHUNKS, RUN_DICT_DECODE, RUN_MAX_DECODE, get_len,
+};
 
 impl Decoder {
     /// Decodes a delta record: the chunk itself if the cache holds it (the peer re-sent it after
@@ -83,6 +85,116 @@ impl Decoder {
         self.stats.delta_chunks += 1;
         self.stats.delta_bytes += raw_len as u64;
         self.cache.insert(target, chunk);
+        Ok(used)
+    }
+}
+
+impl Decoder {
+    /// Decodes a delta run record: its chunks rebuilt from one zstd frame against the bases it
+    /// names, checked all at once against the record's check (the fingerprint of their
+    /// fingerprints), then added to the cache in order. Counts, lengths and the dictionary's
+    /// bytes are checked against the limits before anything is allocated; the chunks may
+    /// rebuild at most `room` bytes. A base we lack is a miss of that base (the peer re-sends
+    /// it); chunks that do not match their check are an error, never wrong data.
+    pub(crate) fn decode_delta_run(
+        &mut self,
+        buf: &[u8],
+        out: &mut Vec<u8>,
+        room: usize,
+    ) -> Result<usize, CodecError> {
+        let n = usize::from(*buf.get(1).ok_or(CodecError::Incomplete)?);
+        let nb = usize::from(*buf.get(2).ok_or(CodecError::Incomplete)?);
+        if n == 0 || n > MAX_RUN_CHUNKS || nb == 0 || nb > MAX_RUN_BASES {
+            return Err(CodecError::Malformed(
+                "delta run with no or too many chunks or bases",
+            ));
+        }
+        let mut at = 3;
+        let names = buf.get(at..at + 16 * nb).ok_or(CodecError::Incomplete)?;
+        at += 16 * nb;
+        let mut lens = [0usize; MAX_RUN_CHUNKS];
+        let mut total = 0usize;
+        for len in &mut lens[..n] {
+            let (l, h) = get_len(buf, at)?;
+            at += h;
+            if l == 0 {
+                return Err(CodecError::Malformed("empty chunk in a delta run"));
+            }
+            total += l;
+            if total > RUN_MAX_DECODE {
+                return Err(CodecError::Malformed(
+                    "delta run longer than a receiver accepts",
+                ));
+            }
+            *len = l;
+        }
+        if total > room {
+            return Err(CodecError::Malformed(
+                "record rebuilds more than its frame announced",
+            ));
+        }
+        let mut check = [0u8; 16];
+        check.copy_from_slice(buf.get(at..at + 16).ok_or(CodecError::Incomplete)?);
+        at += 16;
+        let (clen, h) = get_len(buf, at)?;
+        at += h;
+        let payload = buf.get(at..at + clen).ok_or(CodecError::Incomplete)?;
+        let used = at + clen;
+        let d = &mut self.delta;
+        d.dict.clear();
+        for name in names.chunks_exact(16) {
+            let mut b = [0u8; 16];
+            b.copy_from_slice(name);
+            match self.cache.lookup(&b) {
+                Lookup::Hit(c) if d.dict.len() + c.len() <= RUN_DICT_DECODE => {
+                    d.dict.extend_from_slice(c)
+                }
+                Lookup::Hit(_) => {
+                    return Err(CodecError::Malformed(
+                        "delta run bases larger than a receiver loads",
+                    ));
+                }
+                Lookup::Miss => return Err(CodecError::Miss(b)),
+                Lookup::Pending => return Err(CodecError::Pending(b)),
+            }
+        }
+        if is_dict_magic(&d.dict) {
+            return Err(CodecError::Malformed(
+                "delta bases read as a zstd dictionary",
+            ));
+        }
+        if d.dctx.is_none() {
+            d.dctx = DCtx::try_create();
+        }
+        let dctx = d.dctx.as_mut().ok_or(CodecError::Decompress)?;
+        // Bounded by the announced sizes, themselves bounded by RUN_MAX_DECODE.
+        let mut rebuilt = Vec::with_capacity(total);
+        if dctx
+            .decompress_using_dict(&mut rebuilt, payload, &d.dict)
+            .is_err()
+            || rebuilt.len() != total
+        {
+            return Err(CodecError::Decompress);
+        }
+        // Every chunk checked before any is added or appended.
+        let mut names = [[0u8; 16]; MAX_RUN_CHUNKS];
+        let mut off = 0;
+        for (name, len) in names.iter_mut().zip(&lens[..n]) {
+            *name = fingerprint(&rebuilt[off..off + len]);
+            off += len;
+        }
+        if run_check(names[..n].iter()) != check {
+            return Err(CodecError::Malformed("delta run does not match its check"));
+        }
+        let mut off = 0;
+        for (name, &len) in names.iter().zip(&lens[..n]) {
+            let chunk = &rebuilt[off..off + len];
+            out.extend_from_slice(chunk);
+            self.cache.insert(*name, chunk.to_vec());
+            off += len;
+        }
+        self.stats.delta_chunks += n as u64;
+        self.stats.delta_bytes += total as u64;
         Ok(used)
     }
 }

@@ -118,10 +118,23 @@ impl Mirror {
         )
     }
 
-    /// Ends the stream's open run, if it has one: appends a run end (the rest of its context's
-    /// output) to `out` and returns its bytes, 0 if there was nothing to end. Every record of a
-    /// frame that is not a context literal comes after this, and so does the frame's end.
+    /// Ends the stream's open runs: writes its delta run, then ends its run of context
+    /// literals (only one is ever open), and returns the bytes written, 0 if there was nothing
+    /// to end. Every record of a frame that is not in a run comes after this, and so does the
+    /// frame's end. What it wrote is counted in [`take_late`](Self::take_late).
     pub fn end_run(&mut self, hint: &mut Hint, out: &mut impl bytes::BufMut) -> usize {
+        let n = self.flush_run(hint, out);
+        n + self.end_context_run(hint, out)
+    }
+
+    /// Ends the stream's open run of context literals, if it has one: appends a run end (the
+    /// rest of its context's output) to `out` and returns its bytes, 0 if there was nothing to
+    /// end.
+    pub(crate) fn end_context_run(
+        &mut self,
+        hint: &mut Hint,
+        out: &mut impl bytes::BufMut,
+    ) -> usize {
         use zstd::zstd_safe::{InBuffer, OutBuffer, zstd_sys::ZSTD_EndDirective};
         let Some(ctx) = hint.context.as_mut().filter(|c| c.run.2 > 0) else {
             return 0;
@@ -146,6 +159,7 @@ impl Mirror {
         let h = put_len(out, clen);
         out.put_slice(&self.run_scratch[..clen]);
         self.learn_run(raw, wire + clen, n);
+        self.late.add_run_end(1 + h + clen);
         1 + h + clen
     }
 }

@@ -12,10 +12,12 @@ use crate::delta::{self, SharedBases};
 use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::format::{DEFERRED, NO_CACHE, TAG_LIT_CONTEXT, TAG_RAW, TAG_REF, pays, put_len, skewed};
 use crate::prepare;
-use crate::report::{Report, Sent};
+use crate::report::{EncodeStats, Report, Sent};
 
 mod in_context;
 mod with_bases;
+
+use with_bases::Run;
 
 /// Per-stream memory of the encoder: the adaptive choice's (after incompressible chunks, skip the
 /// trial for a growing number of chunks, so encrypted or compressed data costs almost nothing)
@@ -34,6 +36,8 @@ pub struct Hint {
     interrupted: bool,
     /// Chunks in a row that paid (see [`TRIAL_EVERY`]).
     paid: u32,
+    /// The delta run being gathered (see [`with_bases`]), flushed before any other record.
+    run: Option<Box<Run>>,
 }
 
 /// After this many chunks in a row of a stream paid, its chunks in context skip the LZ4 trial
@@ -57,15 +61,18 @@ impl std::fmt::Debug for Hint {
             .field("context", &self.context.is_some())
             .field("live", &self.live)
             .field("paid", &self.paid)
+            .field("run", &self.run.as_ref().map_or(0, |r| r.chunks.len()))
             .finish()
     }
 }
 
 impl Hint {
-    /// Raw bytes of the stream's open run: their zstd output is still to come, in a later
-    /// record (at most about as many bytes; see [`run_reserve`]).
+    /// Raw bytes of the stream's open run (of context literals, or of a delta run's chunks):
+    /// their records are still to come, in this frame (at most about as many bytes; see
+    /// [`run_reserve`]).
     pub fn run_pending(&self) -> usize {
         self.context.as_ref().map_or(0, |c| c.run_pending())
+            + self.run.as_ref().map_or(0, |r| r.pending())
     }
 
     fn incompressible(&mut self) {
@@ -114,6 +121,11 @@ pub struct Mirror {
     /// What [`prepare`](Mirror::prepare) made of the turn's chunks (the first `batch_len`).
     batch: Vec<prepare::Prepared>,
     batch_len: usize,
+    /// A delta run's buffers between runs (a stream holds them only while it gathers one).
+    run_spare: Option<Box<Run>>,
+    /// Counts of records written for chunks reported earlier (a delta run's, a run's end):
+    /// see [`take_late`](Mirror::take_late).
+    late: EncodeStats,
 }
 
 /// The bytes of the chunks sent as references most recently, bounded in bytes: the receiver asks
@@ -164,6 +176,12 @@ impl Mirror {
     pub(crate) fn compressed(&self) -> &[u8] {
         &self.scratch[..self.clen]
     }
+
+    /// What literals are believed to cost, wire bytes per raw byte (tests set it).
+    #[cfg(test)]
+    pub(crate) fn set_lit_ratio(&mut self, r: f64) {
+        self.delta.lit_ratio = r;
+    }
 }
 
 impl Mirror {
@@ -195,7 +213,16 @@ impl Mirror {
             workers: None,
             batch: Vec::new(),
             batch_len: 0,
+            run_spare: None,
+            late: EncodeStats::default(),
         }
+    }
+
+    /// Counts of the records written since the last call for chunks whose reports came
+    /// earlier: a delta run flushed (as one, or as literals if it did not pay) and the ends of
+    /// context runs. Their raw bytes were counted with the chunks' reports.
+    pub fn take_late(&mut self) -> EncodeStats {
+        std::mem::take(&mut self.late)
     }
 
     /// Prepares chunks on `workers` before encoding them (see [`prepare`]); `None`: each chunk
@@ -407,13 +434,14 @@ impl Mirror {
                 None => fingerprint(chunk),
             };
             if self.cache.contains(&f) {
+                // Earlier chunks' records first: the peer's cache sees them before this one.
+                let run_end = self.end_run(hint, out);
                 self.cache.touch(&f);
                 self.recent.put(f, chunk);
                 // Only where deltas are wanted: a CPU-bound repeat (the LZ4 path) takes no lock.
                 if self.delta_wanted(policy, pressure, hint) {
                     self.ref_base(f, chunk);
                 }
-                let run_end = self.end_run(hint, out);
                 hint.interrupted = true;
                 out.put_u8(TAG_REF);
                 out.put_slice(&f);
@@ -432,11 +460,46 @@ impl Mirror {
         };
         let delta = f.is_some() && self.delta_wanted(policy, pressure, hint);
         self.delta.offered = false;
-        if let Some(f) = f.filter(|_| delta)
-            && let Some(r) = self.encode_delta(f, chunk, hint, out)
-        {
-            return r;
+        if let Some(f) = f.filter(|_| delta) {
+            let r = if policy.delta_runs {
+                self.join_run(f, chunk, (policy, pressure), in_context, hint, out)
+            } else {
+                self.encode_delta(f, chunk, hint, out)
+            };
+            if let Some(r) = r {
+                return r;
+            }
         }
+        // A delta run gathered so far goes before this chunk.
+        let flushed = self.flush_run(hint, out);
+        let r = self.encode_literal(
+            f,
+            chunk,
+            (policy, pressure),
+            (in_context, delta),
+            hint,
+            out,
+            prep,
+        );
+        Report {
+            run_end: r.run_end + flushed,
+            ..r
+        }
+    }
+
+    /// Appends a literal record for `chunk` (fingerprint `f` if cached; `delta`: deltas were
+    /// tried for it), compressed in the stream's context if `in_context`.
+    #[allow(clippy::too_many_arguments)]
+    fn encode_literal(
+        &mut self,
+        f: Option<Fingerprint>,
+        chunk: &[u8],
+        (policy, pressure): (&Policy, Pressure),
+        (in_context, delta): (bool, bool),
+        hint: &mut Hint,
+        out: &mut impl BufMut,
+        prep: Option<&mut prepare::Prepared>,
+    ) -> Report {
         let codec = self.compress(chunk, policy, pressure, hint, in_context, prep);
         hint.interrupted = self.context.is_none();
         // Only a context literal goes inside a run (or ends it itself).

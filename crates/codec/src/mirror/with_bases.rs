@@ -7,9 +7,14 @@ use super::{Hint, Mirror};
 use crate::config::{Compression, Policy, Pressure};
 use zstd::zstd_safe::CCtx;
 
-use crate::delta::{ACCEPT, MIN_VOTES, SEND_BASES, anchors, compress_delta, delta_level, len_len};
-use crate::fingerprint::Fingerprint;
-use crate::format::{TAG_DELTA, put_len};
+use crate::delta::{
+    ACCEPT, DELTA_TABLE_LOG, MAX_BASES, MIN_VOTES, RUN_TABLE_LOG, SEND_BASES, anchors,
+    compress_delta, delta_level, len_len, run_level,
+};
+use crate::fingerprint::{Fingerprint, run_check};
+use crate::format::{
+    MAX_RUN_BASES, MAX_RUN_CHUNKS, RUN_DICT, RUN_MAX, TAG_DELTA, TAG_DELTA_RUN, put_len,
+};
 use crate::report::{Report, Sent};
 
 impl Mirror {
@@ -78,7 +83,7 @@ impl Mirror {
             &mut self.scratch,
             src,
             dict,
-            delta_level(self.zstd_level),
+            (delta_level(self.zstd_level), DELTA_TABLE_LOG),
         )
         .ok()?;
         let clen = self.scratch.len();
@@ -156,6 +161,270 @@ impl Mirror {
             anchors(chunk, &mut self.delta.keys);
             bases.insert(f, chunk, &self.delta.keys);
         }
+    }
+}
+
+/// Chunks gathered for one delta run record (`TAG_DELTA_RUN`), in the stream's order: their
+/// bytes one after another; each one's fingerprint, length, the end of its anchor keys in
+/// `keys` and whether its literal would go in the stream's context; the union of their bases
+/// in dictionary order, and the bases' bytes. Its chunks enter neither cache until the run is
+/// flushed, so none is another's base, and the peer's cache sees the same order.
+#[derive(Default)]
+pub(crate) struct Run {
+    pub(crate) bytes: Vec<u8>,
+    pub(crate) chunks: Vec<(Fingerprint, usize, usize, bool)>,
+    keys: Vec<u64>,
+    bases: Vec<Fingerprint>,
+    base_bytes: usize,
+    /// The stream's policy and pressure when the run started.
+    how: Option<(Policy, Pressure)>,
+}
+
+impl Run {
+    /// Raw bytes gathered and a bound on what their records take over them.
+    pub(crate) fn pending(&self) -> usize {
+        self.bytes.len() + 32 * self.chunks.len()
+    }
+
+    fn clear(&mut self) {
+        self.bytes.clear();
+        self.chunks.clear();
+        self.keys.clear();
+        self.bases.clear();
+        self.base_bytes = 0;
+        self.how = None;
+    }
+}
+
+impl Mirror {
+    /// Adds `chunk` to the stream's delta run if similar chunks the peer holds are at hand as
+    /// bases (flushing the run first if it is full); `None`: it has no base and goes as a
+    /// literal. The chunk's record comes with the run's (see [`flush_run`](Self::flush_run)).
+    pub(crate) fn join_run(
+        &mut self,
+        f: Fingerprint,
+        chunk: &[u8],
+        (policy, pressure): (&Policy, Pressure),
+        in_context: bool,
+        hint: &mut Hint,
+        out: &mut impl BufMut,
+    ) -> Option<Report> {
+        let shared = self.bases.clone()?;
+        let d = &mut self.delta;
+        anchors(chunk, &mut d.keys);
+        let lens = {
+            let mut bases = shared.lock().ok()?;
+            let cache = &self.cache;
+            bases.find(
+                &d.keys,
+                (SEND_BASES, MIN_VOTES),
+                |b| cache.contains(b),
+                &mut d.found,
+            );
+            let best = *d.found.last()?;
+            d.offered = true;
+            // The stream's own context still reaches the best base: a literal in it costs less.
+            if let Some(c) = hint.context.as_ref()
+                && bases.in_context(&best, (c.serial, c.pos, c.window))
+            {
+                return None;
+            }
+            // Whatever comes of this one, the chunks after the best base are likely next.
+            bases.prefetch(&best);
+            bases.at_hand(&mut d.found);
+            if d.found.is_empty() {
+                return None;
+            }
+            let mut lens = [0usize; MAX_BASES];
+            for (l, b) in lens.iter_mut().zip(&d.found) {
+                *l = bases.held_len(b).unwrap_or(0);
+            }
+            lens
+        };
+        let found = &self.delta.found;
+        // Bases of this chunk the run does not name yet, and their bytes.
+        let new = |run: &Run| {
+            found
+                .iter()
+                .zip(lens)
+                .filter(|(b, _)| !run.bases.contains(b))
+                .fold((0, 0), |(n, bytes), (_, l)| (n + 1, bytes + l))
+        };
+        // A full run goes first; this chunk starts the next.
+        let full = hint.run.as_deref().is_some_and(|r| {
+            let (n, bytes) = new(r);
+            !r.chunks.is_empty()
+                && (r.chunks.len() >= MAX_RUN_CHUNKS
+                    || r.bytes.len() + chunk.len() > RUN_MAX
+                    || r.bases.len() + n > MAX_RUN_BASES
+                    || r.base_bytes + bytes > RUN_DICT)
+        });
+        let mut run_end = if full { self.flush_run(hint, out) } else { 0 };
+        if hint.run.as_deref().is_none_or(|r| r.chunks.is_empty()) {
+            // Context literals before the run end before it.
+            run_end += self.end_context_run(hint, out);
+        }
+        let spare = &mut self.run_spare;
+        let run = hint
+            .run
+            .get_or_insert_with(|| spare.take().unwrap_or_default());
+        let d = &self.delta;
+        if run.chunks.is_empty() {
+            run.how = Some((*policy, pressure));
+        }
+        for (b, l) in d.found.iter().zip(lens) {
+            if !run.bases.contains(b) {
+                run.bases.push(*b);
+                run.base_bytes += l;
+            }
+        }
+        run.bytes.extend_from_slice(chunk);
+        run.keys.extend_from_slice(&d.keys);
+        run.chunks
+            .push((f, chunk.len(), run.keys.len(), in_context));
+        hint.interrupted = true;
+        Some(Report {
+            sent: Sent::InRun,
+            raw: chunk.len(),
+            wire: 0,
+            run_end,
+            no_base: false,
+        })
+    }
+
+    /// Writes the stream's delta run, if it has one: one record if it pays against what
+    /// literals of its chunks are expected to cost, else each chunk as a literal. Returns the
+    /// bytes written; their counts go to [`take_late`](Self::take_late).
+    pub(crate) fn flush_run(&mut self, hint: &mut Hint, out: &mut impl BufMut) -> usize {
+        let Some(mut run) = hint.run.take() else {
+            return 0;
+        };
+        let n = match run.how {
+            Some(how) if !run.chunks.is_empty() => {
+                let n = self.write_run(&mut run, out);
+                if n > 0 {
+                    n
+                } else {
+                    self.run_as_literals(&run, how, hint, out)
+                }
+            }
+            _ => 0,
+        };
+        hint.interrupted = true;
+        run.clear();
+        self.run_spare = Some(run);
+        n
+    }
+
+    /// The run as one record, if it pays; 0 (nothing written) if not.
+    fn write_run(&mut self, run: &mut Run, out: &mut impl BufMut) -> usize {
+        let Some(shared) = self.bases.clone() else {
+            return 0;
+        };
+        let Ok(mut bases) = shared.lock() else {
+            return 0;
+        };
+        let cache = &self.cache;
+        run.bases.retain(|b| cache.contains(b));
+        let d = &mut self.delta;
+        if !bases.dictionary(&mut run.bases, &mut d.dict) {
+            return 0;
+        }
+        if d.cctx.is_none() {
+            d.cctx = CCtx::try_create();
+        }
+        let Some(cctx) = d.cctx.as_mut() else {
+            return 0;
+        };
+        self.scratch.clear();
+        self.scratch
+            .reserve(zstd::zstd_safe::compress_bound(run.bytes.len()));
+        let level = (run_level(self.zstd_level), RUN_TABLE_LOG);
+        if compress_delta(cctx, &mut self.scratch, &run.bytes, &d.dict, level).is_err() {
+            return 0;
+        }
+        let clen = self.scratch.len();
+        let raw = run.bytes.len();
+        let lens: usize = run.chunks.iter().map(|c| len_len(c.1)).sum();
+        let wire = 3 + 16 * run.bases.len() + lens + 16 + len_len(clen) + clen;
+        if wire as f64 >= raw as f64 * d.lit_ratio * ACCEPT {
+            return 0;
+        }
+        out.put_u8(TAG_DELTA_RUN);
+        out.put_u8(run.chunks.len() as u8);
+        out.put_u8(run.bases.len() as u8);
+        // The peer looks the bases up in this order, then adds the chunks: the mirror does too.
+        // A base it lacks is a miss of the base: the chunks are named by none but the check.
+        let mut at = 0;
+        for b in &run.bases {
+            out.put_slice(b);
+            self.cache.touch(b);
+            let len = bases.held_len(b).unwrap_or(0).min(d.dict.len() - at);
+            let data = &d.dict[at..at + len];
+            self.recent
+                .put_with(*b, len, || Bytes::copy_from_slice(data));
+            at += len;
+        }
+        for (_, len, _, _) in &run.chunks {
+            put_len(out, *len);
+        }
+        out.put_slice(&run_check(run.chunks.iter().map(|c| &c.0)));
+        put_len(out, clen);
+        out.put_slice(&self.scratch[..clen]);
+        let (mut at, mut k) = (0, 0);
+        for &(f, len, keys_end, _) in &run.chunks {
+            let chunk = &run.bytes[at..at + len];
+            self.cache.insert_len(f, len);
+            // A miss of a base is answered with the chunks themselves.
+            self.recent
+                .put_with(f, len, || Bytes::copy_from_slice(chunk));
+            bases.insert(f, chunk, &run.keys[k..keys_end]);
+            (at, k) = (at + len, keys_end);
+        }
+        let l = &mut self.late;
+        l.delta_chunks += run.chunks.len() as u64;
+        l.delta_bytes += raw as u64;
+        l.delta_wire += wire as u64;
+        l.wire_bytes += wire as u64;
+        wire
+    }
+
+    /// The run's chunks as literals, each flushed alone (in the stream's context where its
+    /// literal would have gone there).
+    fn run_as_literals(
+        &mut self,
+        run: &Run,
+        (policy, pressure): (Policy, Pressure),
+        hint: &mut Hint,
+        out: &mut impl BufMut,
+    ) -> usize {
+        let policy = Policy {
+            runs: false,
+            ..policy
+        };
+        let (mut at, mut k, mut n) = (0, 0, 0);
+        for &(f, len, keys_end, in_context) in &run.chunks {
+            let chunk = &run.bytes[at..at + len];
+            // What keeps it as a base: its anchors.
+            self.delta.keys.clear();
+            self.delta.keys.extend_from_slice(&run.keys[k..keys_end]);
+            self.delta.offered = true;
+            let r = self.encode_literal(
+                Some(f),
+                chunk,
+                (&policy, pressure),
+                (in_context, true),
+                hint,
+                out,
+                None,
+            );
+            n += r.wire + r.run_end;
+            // Its raw bytes were counted with its report.
+            self.late.add(&r);
+            self.late.raw_bytes -= r.raw as u64;
+            (at, k) = (at + len, keys_end);
+        }
+        n
     }
 }
 

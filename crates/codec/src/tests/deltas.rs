@@ -7,6 +7,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::delta::{shared, shared_tiered};
 use crate::fingerprint::{Fingerprint, fingerprint};
+use crate::format::{MAX_RUN_BASES, MAX_RUN_CHUNKS};
 use crate::store::ChunkStore;
 
 /// 8 KiB pages of text rows, and the same pages after an OLTP run: in each, a few fields
@@ -294,8 +295,10 @@ proptest! {
     fn deltas_round_trip_with_bases_lost_at_random(
         seed in any::<u64>(),
         lost in proptest::collection::vec(any::<prop::sample::Index>(), 0..40),
+        runs in any::<bool>(),
     ) {
-        let cfg = CodecConfig::default();
+        // With runs, deltas go as delta runs; without, one record each (an older peer's).
+        let cfg = CodecConfig { runs, ..CodecConfig::default() };
         let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
         let (first, second) = pages(96, seed);
         let w1 = send(&mut enc, &first);
@@ -316,7 +319,11 @@ proptest! {
 
 #[test]
 fn hostile_delta_records_are_errors() {
-    let cfg = CodecConfig::default();
+    // One delta record per chunk, as for a peer that does not decode delta runs.
+    let cfg = CodecConfig {
+        runs: false,
+        ..CodecConfig::default()
+    };
     let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
     let (first, second) = pages(16, 3);
     let w1 = send(&mut enc, &first);
@@ -372,6 +379,146 @@ fn hostile_delta_records_are_errors() {
     );
     // The genuine record still decodes.
     out.clear();
+    assert_eq!(dec.decode_record(&wire, &mut out), Ok(whole));
+    assert_eq!(out.len(), raw);
+}
+
+/// A changed backup's deltas cost less as runs than one record each (one dictionary and one
+/// frame per run, every base named once), and rebuild the same bytes.
+#[test]
+fn delta_runs_cost_less_than_deltas_one_by_one() {
+    let (first, second) = pages(96, 11);
+    let mut wire = [0usize; 2];
+    for (runs, w) in [false, true].into_iter().zip(&mut wire) {
+        let cfg = CodecConfig {
+            runs,
+            ..CodecConfig::default()
+        };
+        let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+        let w1 = send(&mut enc, &first);
+        decode_answering(&enc, &mut dec, &w1);
+        let w2 = send(&mut enc, &second);
+        assert_eq!(decode_answering(&enc, &mut dec, &w2), (second.clone(), 0));
+        assert!(enc.stats().delta_chunks > 60, "{:?}", enc.stats());
+        assert_eq!(w2[0] == TAG_DELTA_RUN, runs, "the first chunk's record");
+        *w = w2.len();
+    }
+    assert!(
+        wire[1] * 10 < wire[0] * 9,
+        "runs {} against one by one {}",
+        wire[1],
+        wire[0]
+    );
+}
+
+/// A delta run that costs more than literals of its chunks are expected to (here: literals
+/// believed almost free) goes as literals, counted as offered a base, and the bytes still
+/// arrive exactly; the runs after it, once literals taught their real cost, go as runs.
+#[test]
+fn a_delta_run_that_does_not_pay_goes_as_literals() {
+    let cfg = CodecConfig::default();
+    let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+    let (first, second) = pages(96, 5);
+    let w1 = send(&mut enc, &first);
+    decode_answering(&enc, &mut dec, &w1);
+    let before = enc.stats().clone();
+    enc.mirror.set_lit_ratio(0.001);
+    let w2 = send(&mut enc, &second);
+    assert_eq!(decode_answering(&enc, &mut dec, &w2), (second.clone(), 0));
+    let s = enc.stats();
+    assert!(s.no_base_chunks > before.no_base_chunks + 8, "{s:?}");
+    assert!(s.delta_chunks > before.delta_chunks, "{s:?}");
+    assert_eq!(s.raw_bytes - before.raw_bytes, second.len() as u64);
+    assert_eq!(s.wire_bytes - before.wire_bytes, w2.len() as u64);
+}
+
+#[test]
+fn hostile_delta_run_records_are_errors() {
+    let cfg = CodecConfig::default();
+    let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+    let (first, second) = pages(16, 3);
+    let w1 = send(&mut enc, &first);
+    decode_answering(&enc, &mut dec, &w1);
+    let wire = send(&mut enc, &second);
+    assert_eq!(
+        wire[0], TAG_DELTA_RUN,
+        "the changed pages go as a delta run"
+    );
+    let (n, nb) = (usize::from(wire[1]), usize::from(wire[2]));
+    assert!(n > 1 && nb >= 1, "{n} chunks, {nb} bases");
+    let mut at = 3 + 16 * nb;
+    let mut raw = 0;
+    for _ in 0..n {
+        let (len, h) = get_len(&wire, at).expect("length");
+        raw += len;
+        at += h;
+    }
+    let check_at = at;
+    let (clen, h) = get_len(&wire, at + 16).expect("length");
+    let whole = at + 16 + h + clen;
+    let mut out = Vec::new();
+    // Every truncation is incomplete, never a panic or a partial chunk.
+    for cut in 0..whole {
+        out.clear();
+        assert_eq!(
+            dec.decode_record(&wire[..cut], &mut out),
+            Err(CodecError::Incomplete)
+        );
+        assert!(out.is_empty());
+    }
+    // No chunks, no bases, or more than a receiver takes: malformed.
+    for (i, v) in [
+        (1, 0u8),
+        (1, MAX_RUN_CHUNKS as u8 + 1),
+        (2, 0),
+        (2, MAX_RUN_BASES as u8 + 1),
+    ] {
+        let mut bad = wire[..whole].to_vec();
+        bad[i] = v;
+        assert!(matches!(
+            dec.decode_record(&bad, &mut out),
+            Err(CodecError::Malformed(_))
+        ));
+    }
+    // Lengths that add up to more than a run may rebuild, or than its frame announced.
+    let mut long = vec![TAG_DELTA_RUN, 2, 1];
+    long.extend_from_slice(&[0; 16]);
+    for _ in 0..2 {
+        put_len(&mut long, MAX_RECORD);
+    }
+    assert!(matches!(
+        dec.decode_record(&long, &mut out),
+        Err(CodecError::Malformed(_))
+    ));
+    let mut s = crate::StreamContext::default();
+    assert!(matches!(
+        dec.decode_record_within(&wire[..whole], &mut out, &mut s, raw - 1),
+        Err(CodecError::Malformed(_))
+    ));
+    // A wrong check: what the bases rebuild is not what the sender said, an error.
+    let mut bad = wire[..whole].to_vec();
+    bad[check_at] ^= 1;
+    assert!(matches!(
+        dec.decode_record(&bad, &mut out),
+        Err(CodecError::Malformed(_))
+    ));
+    // A base nobody holds is a miss of that base; a damaged payload does not decompress.
+    let mut bad = wire[..whole].to_vec();
+    bad[3] ^= 1;
+    let mut base = [0u8; 16];
+    base.copy_from_slice(&bad[3..19]);
+    assert_eq!(
+        dec.decode_record(&bad, &mut out),
+        Err(CodecError::Miss(base))
+    );
+    let mut bad = wire[..whole].to_vec();
+    bad[whole - 3] ^= 0x55;
+    assert!(matches!(
+        dec.decode_record(&bad, &mut out),
+        Err(CodecError::Decompress | CodecError::Malformed(_))
+    ));
+    assert!(out.is_empty(), "nothing rebuilt from a bad record");
+    // The genuine record still decodes.
     assert_eq!(dec.decode_record(&wire, &mut out), Ok(whole));
     assert_eq!(out.len(), raw);
 }

@@ -6,8 +6,8 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::format::{
-    DEFERRED, FRESH, LONG, NO_CACHE, TAG_DELTA, TAG_LIT_CONTEXT, TAG_LIT_LZ4, TAG_LIT_ZSTD,
-    TAG_RAW, TAG_RUN_END, get_len, put_len,
+    DEFERRED, FRESH, LONG, NO_CACHE, TAG_DELTA, TAG_DELTA_RUN, TAG_LIT_CONTEXT, TAG_LIT_LZ4,
+    TAG_LIT_ZSTD, TAG_RAW, TAG_RUN_END, get_len, put_len,
 };
 
 mod deltas;

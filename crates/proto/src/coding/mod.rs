@@ -27,7 +27,7 @@ pub(crate) use self::recv::{Decoded, FRAME_COST, RecvCoded};
 pub(crate) use self::send::SendCoder;
 use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Class, Frame, StreamId};
-use crate::lane::{CAP_CONTEXT, CAP_RUNS, LATENCY_LANE};
+use crate::lane::{CAP_CONTEXT, CAP_DELTA_RUNS, CAP_RUNS, LATENCY_LANE};
 
 /// Which cache a service's chunks go to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -273,6 +273,8 @@ pub(crate) struct Coding {
     peer_context: bool,
     /// The peer decodes runs of context literals.
     peer_runs: bool,
+    /// The peer decodes delta runs.
+    peer_delta_runs: bool,
 }
 
 /// A stream's turn at sending coded bytes.
@@ -318,6 +320,7 @@ impl Coding {
             answers: 0,
             peer_context: false,
             peer_runs: false,
+            peer_delta_runs: false,
         }
     }
 
@@ -413,6 +416,7 @@ impl Coding {
     pub fn on_peer(&mut self, peer: &PeerCodec, offers: &[CacheOffer], scoped: &[String]) {
         self.peer_context = peer.caps & CAP_CONTEXT != 0;
         self.peer_runs = peer.caps & CAP_RUNS != 0;
+        self.peer_delta_runs = peer.caps & CAP_DELTA_RUNS != 0;
         self.scoped = self
             .own_scoped()
             .iter()
@@ -454,6 +458,7 @@ impl Coding {
         c.sender.policy.context = self.peer_context;
         // Runs only where we send them and the peer decodes them.
         c.sender.policy.runs = self.peer_context && self.peer_runs && chunking.runs;
+        c.sender.policy.delta_runs = self.peer_delta_runs && chunking.runs;
         Some(Box::new(c))
     }
 

@@ -28,6 +28,8 @@ impl SendCoder {
                 bulk: !latency,
                 // Only once the peer says it decodes runs.
                 runs: false,
+                // Only once the peer says it decodes delta runs.
+                delta_runs: false,
             }),
             scoped: policy.scope == Scope::Service,
             max_chunk: usize::MAX,

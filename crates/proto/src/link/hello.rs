@@ -6,8 +6,8 @@ use crate::coding::LongContext;
 use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Hello, setting};
 use crate::lane::{
-    CAP_CODEC, CAP_CONTEXT, CAP_DELTA, CAP_LANE_COPIES, CAP_LATENCY_LANE, CAP_LONG_CONTEXT,
-    CAP_RESUME, CAP_RUNS, MAIN_LANE,
+    CAP_CODEC, CAP_CONTEXT, CAP_DELTA, CAP_DELTA_RUNS, CAP_LANE_COPIES, CAP_LATENCY_LANE,
+    CAP_LONG_CONTEXT, CAP_RESUME, CAP_RUNS, MAIN_LANE,
 };
 
 use super::LinkConfig;
@@ -27,7 +27,7 @@ pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>, scoped: Vec<String
         capabilities |= CAP_LATENCY_LANE;
     }
     if cfg.codec.is_some() {
-        capabilities |= CAP_CODEC | CAP_CONTEXT;
+        capabilities |= CAP_CODEC | CAP_CONTEXT | CAP_DELTA_RUNS;
     }
     if cfg.codec.as_ref().is_some_and(|c| c.runs) {
         capabilities |= CAP_RUNS;

@@ -13,6 +13,7 @@ mod resume;
 mod streams;
 mod timer;
 mod transmit;
+pub use transmit::coded_turn;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;

@@ -15,6 +15,14 @@ use crate::lane::LANES;
 /// Bytes a bulk stream may send in one scheduling turn before the next stream gets its turn.
 const BULK_QUANTUM: usize = 32 * 1024;
 
+/// A coded stream's turn for a peer that takes frames of up to `peer_max_frame` bytes: the
+/// record bytes after which it ends (its quantum) and the frame's room for them. A turn is a
+/// whole frame: records cost CPU to make, and a frame of them keeps framing overhead under a
+/// thousandth. (Benches encode with the same limits.)
+pub fn coded_turn(peer_max_frame: usize) -> (usize, usize) {
+    (peer_max_frame, peer_max_frame.saturating_sub(4))
+}
+
 /// How a stream's turn ended.
 enum Turn {
     /// It sent a frame, or had nothing to send: go on with the next stream.
@@ -132,10 +140,8 @@ impl Link {
         if !s.send.wants_send() {
             return Turn::Next;
         }
-        // Optimized frames carry records, which cost CPU to make: a coded bulk stream's turn is a
-        // whole frame, which also keeps framing overhead under a thousandth.
         let quantum = if queue == Queue::Latency || s.send.coder.is_some() {
-            peer_max_frame
+            coded_turn(peer_max_frame).0
         } else {
             BULK_QUANTUM.min(peer_max_frame)
         };
@@ -157,7 +163,7 @@ impl Link {
                 fin_requested: s.send.fin_requested,
                 budget: s.send.credit.available().min(link_avail) as usize,
                 quantum,
-                room: peer_max_frame.saturating_sub(4),
+                room: coded_turn(peer_max_frame).1,
             };
             match self.coding.emit_frame(turn, coder, &mut s.send.queue, out) {
                 Some(e) => (e.raw, e.fin),
