@@ -139,3 +139,82 @@ fn base_backups_through_the_tunnel_verify_and_the_second_costs_less() {
         "the second backup reuses the first: {second_wire} wire against {first_wire}"
     );
 }
+
+/// The issue's own measurement, through the real daemons: PostgreSQL's OLTP benchmark
+/// (`pgbench`), a base backup, a run of TPC-B, a second base backup. The second costs the link
+/// at most 1.5 times what `zstd --long=31 --patch-from=first` makes of the same bytes (the
+/// reduction bench holds the corpus to 1.2x; this is looser so that it does not flake), and
+/// both backups arrive whole (`pg_basebackup` checks the tar stream as it writes it).
+#[test]
+fn a_changed_pgbench_backup_costs_at_most_half_again_patch_from() {
+    let Some(port) = pg::port() else { return };
+    let _turn = server_turn();
+    let zstd = match pg::run(std::process::Command::new("zstd").arg("--version")) {
+        Ok(_) => "zstd",
+        Err(e) if std::env::var_os("WANOPT_REQUIRE_POSTGRES").is_some() => {
+            panic!("zstd is needed to compare with --patch-from: {e}")
+        }
+        Err(e) => {
+            eprintln!("skipped: zstd is needed to compare with --patch-from: {e}");
+            return;
+        }
+    };
+    // The shipped defaults, stating the T3 of the issue: deltas, their disk tier, runs.
+    let state = tempfile::tempdir().expect("tempdir");
+    let pair = Pair::start_link(
+        &format!("  - name: pg\n    target: 127.0.0.1:{port}\n"),
+        "  - name: pg\n    listen: 127.0.0.1:0\n",
+        &format!(
+            "admin:\n  listen: 127.0.0.1:0\nstate_dir: {}\noptimize:\n  disk:\n    bytes: 1GiB\n",
+            state.path().display()
+        ),
+        "\n  bandwidth: 45mbit",
+    );
+    let db = "wanopt_test_pgbench";
+    pg::prepare(port, db, Workload::Tpcb, 8).expect("pgbench -i");
+    let west = pair.west.bound("pg").port();
+    let wire = || {
+        let (w, _) = eventually(
+            pair.west.bound("admin"),
+            pair.east.bound("admin"),
+            |w, e| {
+                let out = value(e, &series("wanopt_wire_bytes_total", "pg", "out"));
+                out > 0 && out == value(w, &series("wanopt_wire_bytes_total", "pg", "in"))
+            },
+        );
+        value(&w, &series("wanopt_wire_bytes_total", "pg", "in"))
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (first, second) = (dir.path().join("first"), dir.path().join("second"));
+    // One tar of the cluster each, as the issue's backups were.
+    pg::base_backup(west, &first, &["-Ft", "-X", "none"]).expect("first backup");
+    let first_wire = wire();
+    pg::oltp(port, db, Workload::Tpcb, 8, 30).expect("pgbench");
+    pg::base_backup(west, &second, &["-Ft", "-X", "none"]).expect("second backup");
+    let second_wire = wire() - first_wire;
+    let _ = pg::psql(port, "postgres", &format!("DROP DATABASE IF EXISTS {db}"));
+    let size = |p: &std::path::Path| std::fs::metadata(p).expect("a tar").len();
+    let (a, b) = (first.join("base.tar"), second.join("base.tar"));
+    let patched = dir.path().join("patch.zst");
+    pg::run(
+        std::process::Command::new(zstd)
+            .args(["-3", "--long=31", "-q", "-f", "-T1"])
+            .arg(format!("--patch-from={}", a.display()))
+            .arg(&b)
+            .arg("-o")
+            .arg(&patched),
+    )
+    .expect("zstd --patch-from");
+    let patch = size(&patched);
+    eprintln!(
+        "first backup {} bytes, {first_wire} wire; second {} bytes, {second_wire} wire; zstd --patch-from {patch} ({:.2}x)",
+        size(&a),
+        size(&b),
+        second_wire as f64 / patch as f64
+    );
+    assert!(size(&b) > 100 << 20, "a backup of pgbench at scale 8");
+    assert!(
+        second_wire * 2 <= patch * 3,
+        "the changed backup cost {second_wire} wire bytes, more than 1.5x --patch-from's {patch}"
+    );
+}

@@ -1,4 +1,4 @@
-//! Fuzzes the decoding of delta records and delta runs: against a cache holding real bases, arbitrary payloads
+//! Fuzzes the decoding of delta records, delta runs and reference runs: against a cache holding real bases, arbitrary payloads
 //! (zstd with the bases as dictionary), genuine delta records with bytes flipped, and arbitrary
 //! records must never panic, allocate past the record limit or hand over bytes that do not match
 //! the chunk's fingerprint.
@@ -121,7 +121,14 @@ fuzz_target!(|data: &[u8]| {
     put_len(&mut run, payload.len());
     run.extend_from_slice(payload);
     check(&mut dec, &run);
-    // Genuine deltas and delta runs with the input's bytes flipped into them.
+    // A reference run at a fuzzed place of the primed stream's log, with a fuzzed check.
+    let mut refs = vec![11u8];
+    put_len(&mut refs, usize::from(sel & 3));
+    put_len(&mut refs, usize::from(rest.get(2).copied().unwrap_or(0)));
+    put_len(&mut refs, usize::from(sel >> 2));
+    refs.extend_from_slice(&name);
+    check(&mut dec, &refs);
+    // Genuine deltas, delta runs and reference runs with the input's bytes flipped into them.
     let mut flipped = p.second.clone();
     for (i, b) in data.iter().enumerate() {
         let at = (i * 7919 + usize::from(sel) * 131) % flipped.len();

@@ -265,6 +265,11 @@ impl ChunkCache {
         self.entries.contains_key(f)
     }
 
+    /// Bytes of a held chunk (its bytes unread), if it is held.
+    pub fn held_len(&self, f: &Fingerprint) -> Option<usize> {
+        self.entries.get(f).map(|e| e.len)
+    }
+
     /// True if the chunk is held with its bytes in memory.
     pub fn in_memory(&self, f: &Fingerprint) -> bool {
         self.entries.get(f).is_some_and(|e| e.mem.is_some())

@@ -113,6 +113,9 @@ pub struct Policy {
     /// Deltas go as runs (the peer decodes `TAG_DELTA_RUN`): consecutive chunks with bases in
     /// one zstd frame against the union of their bases.
     pub delta_runs: bool,
+    /// Streams keep logs and references go as runs named by their place in a log (the peer
+    /// decodes `TAG_LOG` and `TAG_REF_RUN`; see [`logs`](crate::logs)).
+    pub ref_runs: bool,
 }
 
 impl Default for Policy {
@@ -125,6 +128,7 @@ impl Default for Policy {
             bulk: true,
             runs: true,
             delta_runs: true,
+            ref_runs: true,
         }
     }
 }
@@ -147,6 +151,8 @@ pub struct CodecConfig {
     pub delta_bytes: usize,
     /// Bulk streams' literals may share a flush (see [`Policy::runs`]).
     pub runs: bool,
+    /// With `runs`, streams keep logs and references go as runs (see [`Policy::ref_runs`]).
+    pub logs: bool,
 }
 
 impl CodecConfig {
@@ -169,6 +175,7 @@ impl CodecConfig {
             bulk: true,
             runs: self.runs,
             delta_runs: self.runs,
+            ref_runs: self.runs && self.logs,
         }
     }
 }
@@ -191,6 +198,7 @@ impl Default for CodecConfig {
             long: Some(LongContext::default()),
             delta_bytes: delta::DEFAULT_STORE,
             runs: true,
+            logs: true,
         }
     }
 }

@@ -155,6 +155,8 @@ pub struct StreamContext {
     /// An open run: its chunks' lengths and whether each is cached, and the bytes rebuilt so far.
     pub(crate) run: Vec<(usize, bool)>,
     pub(crate) run_bytes: Vec<u8>,
+    /// The serial of the stream's log, once its sender started one (see `crate::logs`).
+    pub(crate) log: Option<u32>,
 }
 
 impl std::fmt::Debug for StreamContext {

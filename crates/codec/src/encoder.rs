@@ -1,9 +1,9 @@
 //! A whole stream encoded in one go ([`Encoder`]), for tools, benches and tests that hold a
 //! stream's bytes rather than a link's queues. It runs the link's own send path
 //! ([`send::emit`](crate::send::emit)) turn after turn, with a turn's raw budget as the link's
-//! ([`RAW_TURN`]) and no frame room or fairness quantum to end a turn early: the records are the
-//! ones a link writes for the same bytes, except where a link's turn ends a run of literals
-//! sooner (a smaller frame, another stream's turn).
+//! ([`RAW_TURN`]), and a turn's quantum and frame room as a link's when they are set
+//! ([`Encoder::set_turn_limits`]; unbounded otherwise): the records are the ones a link writes
+//! for the same bytes, except where another stream's turn ends a run sooner.
 
 use std::collections::VecDeque;
 

@@ -44,6 +44,12 @@ pub const MAX_RUN_BASES: usize = 64;
 pub const RUN_DICT: usize = 1 << 20;
 /// Most bytes of bases a receiver loads for one delta run: more is malformed.
 pub const RUN_DICT_DECODE: usize = 4 << 20;
+/// The stream's cached chunks are logged, from here, under the serial that follows (a varint;
+/// see [`logs`](crate::logs)).
+pub(crate) const TAG_LOG: u8 = 10;
+/// Chunks the peer holds, named by their place in a stream log: serial, index and count
+/// (varints), and a 16-byte check (the fingerprint of their fingerprints).
+pub(crate) const TAG_REF_RUN: u8 = 11;
 /// Most raw bytes a run defers before a record flushes it (the sender's limit).
 pub const RUN_MAX: usize = 256 * 1024;
 /// Most raw bytes a receiver lets a run defer: more is malformed.
@@ -121,6 +127,38 @@ pub(crate) fn get_len(buf: &[u8], at: usize) -> Result<(usize, usize), CodecErro
     Err(CodecError::Malformed("length longer than 3 bytes"))
 }
 
+/// Writes a number as a little-endian base-128 varint (at most 10 bytes); returns its size.
+pub(crate) fn put_varint(out: &mut impl BufMut, mut n: u64) -> usize {
+    let mut k = 0;
+    loop {
+        k += 1;
+        if n < 0x80 {
+            out.put_u8(n as u8);
+            return k;
+        }
+        out.put_u8((n as u8 & 0x7f) | 0x80);
+        n >>= 7;
+    }
+}
+
+/// Reads a varint number at `at`: (number, bytes used). More than 10 bytes, or more than 64
+/// bits, is malformed.
+pub(crate) fn get_varint(buf: &[u8], at: usize) -> Result<(u64, usize), CodecError> {
+    let mut n = 0u64;
+    for i in 0..10 {
+        let b = *buf.get(at + i).ok_or(CodecError::Incomplete)?;
+        let part = u64::from(b & 0x7f);
+        if i == 9 && part > 1 {
+            return Err(CodecError::Malformed("varint beyond 64 bits"));
+        }
+        n |= part << (7 * i);
+        if b & 0x80 == 0 {
+            return Ok((n, i + 1));
+        }
+    }
+    Err(CodecError::Malformed("varint longer than 10 bytes"))
+}
+
 /// A decoding failure. `Incomplete` is normal: wait for more bytes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CodecError {
@@ -161,6 +199,23 @@ mod tests {
             Err(CodecError::Malformed("length longer than 3 bytes"))
         );
         assert!(run_reserve(1 << 17) > 1 << 17);
+        for n in [0, 1, 0x7f, 0x80, u64::from(u32::MAX), u64::MAX] {
+            let mut b = Vec::new();
+            let k = put_varint(&mut b, n);
+            assert_eq!(get_varint(&b, 0), Ok((n, k)));
+            assert_eq!(get_varint(&b[..k - 1], 0), Err(CodecError::Incomplete));
+        }
+        assert!(matches!(
+            get_varint(&[0xff; 10], 0),
+            Err(CodecError::Malformed(_))
+        ));
+        assert!(matches!(
+            get_varint(
+                &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02],
+                0
+            ),
+            Err(CodecError::Malformed(_))
+        ));
         assert!(pays(8192, 4000) && !pays(8192, 8000));
     }
 

@@ -25,6 +25,7 @@ pub mod delta;
 mod encoder;
 mod fingerprint;
 mod format;
+mod logs;
 mod mirror;
 pub mod prepare;
 mod report;

@@ -37,3 +37,6 @@ pub const CAP_RUNS: u64 = 128;
 /// Hello capability bit: the sender decodes delta runs (consecutive chunks sent as one zstd
 /// frame against the union of their bases; see `wanopt_codec::MAX_RUN_CHUNKS`).
 pub const CAP_DELTA_RUNS: u64 = 256;
+/// Hello capability bit: the sender keeps stream logs and decodes references named by their
+/// place in one (see `wanopt_codec::MAX_REF_RUN`).
+pub const CAP_REF_RUNS: u64 = 512;

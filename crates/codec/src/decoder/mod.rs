@@ -10,12 +10,13 @@ use crate::delta;
 use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::format::{
     CodecError, DEFERRED, FRESH, LONG, MAX_RECORD, NO_CACHE, RUN_MAX_DECODE, TAG_DELTA,
-    TAG_DELTA_RUN, TAG_LIT, TAG_LIT_CONTEXT, TAG_LIT_LZ4, TAG_LIT_ZSTD, TAG_RAW, TAG_REF,
-    TAG_RUN_END, get_len,
+    TAG_DELTA_RUN, TAG_LIT, TAG_LIT_CONTEXT, TAG_LIT_LZ4, TAG_LIT_ZSTD, TAG_LOG, TAG_RAW, TAG_REF,
+    TAG_REF_RUN, TAG_RUN_END, get_len, get_varint,
 };
 use crate::prepare::{self, BATCH};
 
 mod in_context;
+mod logged;
 mod with_bases;
 
 /// What a decoder rebuilt: chunks found in its cache (hits) and chunks that came as data.
@@ -46,6 +47,14 @@ pub struct Decoder {
     /// What [`prepare`](Decoder::prepare) made: by record offset, with the record's tag, raw
     /// and payload lengths (a slot serves only the record it was made for).
     batch: Vec<(usize, u8, usize, usize, prepare::Prepared)>,
+    /// The streams' logs, the names of reference runs the peer re-sent by their check (our
+    /// log differed), and scratch for names.
+    pub(crate) logs: crate::logs::Logs,
+    pub(crate) resolved: std::collections::HashMap<Fingerprint, Vec<Fingerprint>>,
+    pub(crate) names: Vec<Fingerprint>,
+    /// The checks whose names we asked for, and whether the names must match the check (a
+    /// reference run's do; a delta run's bases are checked by what they rebuild).
+    asked: std::collections::HashMap<Fingerprint, bool>,
 }
 
 /// Literals a decoder prepares at once: the raw bytes they rebuild are allocated ahead, so at
@@ -67,7 +76,6 @@ impl Decoder {
     /// A decoder using `cache` (a two-tier one, or one restored from a snapshot).
     pub fn with_cache(cache: ChunkCache, dedup: bool) -> Self {
         Decoder {
-            cache,
             dedup,
             zstd: zstd::bulk::Decompressor::new().ok(),
             stats: DecodeStats::default(),
@@ -77,6 +85,11 @@ impl Decoder {
             delta: delta::RecvScratch::default(),
             workers: None,
             batch: Vec::new(),
+            logs: crate::logs::Logs::for_cache(cache.capacity()),
+            resolved: std::collections::HashMap::new(),
+            names: Vec::new(),
+            asked: std::collections::HashMap::new(),
+            cache,
         }
     }
 
@@ -206,13 +219,59 @@ impl Decoder {
     }
 
     /// Adds a chunk the peer re-sent after a miss; false (and nothing added) unless it matches
-    /// its fingerprint.
+    /// its fingerprint. Or, for a reference run we could not name from our log, keeps the
+    /// names the peer re-sent if they match the run's check (see [`logs`](crate::logs)).
     pub fn insert_verified(&mut self, f: Fingerprint, data: &[u8]) -> bool {
-        if data.len() > MAX_RECORD || fingerprint(data) != f {
+        if data.len() > MAX_RECORD {
             return false;
         }
-        self.cache.insert(f, data.to_vec());
+        if fingerprint(data) == f {
+            self.cache.insert(f, data.to_vec());
+            return true;
+        }
+        let k = data.len() / 16;
+        if k == 0 || !data.len().is_multiple_of(16) || k > crate::logs::MAX_REF_RUN {
+            return false;
+        }
+        // Only names we asked for.
+        let Some(verify) = self.asked.remove(&f) else {
+            return false;
+        };
+        let names: Vec<Fingerprint> = data
+            .chunks_exact(16)
+            .map(|c| {
+                let mut n = [0u8; 16];
+                n.copy_from_slice(c);
+                n
+            })
+            .collect();
+        if verify && crate::fingerprint::run_check(names.iter()) != f {
+            return false;
+        }
+        // A few runs at a time are ever waiting for their names.
+        if self.resolved.len() >= 64 {
+            self.resolved.clear();
+        }
+        self.resolved.insert(f, names);
         true
+    }
+
+    /// A miss of a run's `check`: the peer answers with the names we lack (which must match
+    /// the check if `verify`).
+    pub(crate) fn ask(&mut self, check: Fingerprint, verify: bool) -> CodecError {
+        // A few runs at a time are ever waiting for their names.
+        if self.asked.len() >= 64 {
+            self.asked.clear();
+        }
+        self.asked.insert(check, verify);
+        CodecError::Miss(check)
+    }
+
+    /// Logs a cached chunk of the stream whose log is `log` (none: the stream keeps none).
+    pub(crate) fn log_chunk(&mut self, log: Option<u32>, f: Fingerprint) {
+        if let Some(serial) = log {
+            self.logs.append(serial, f);
+        }
     }
 
     /// Decodes the first whole record of `buf` of a decoder used by one stream (its context is
@@ -330,6 +389,7 @@ impl Decoder {
                 out.extend_from_slice(chunk);
                 self.stats.hit_chunks += 1;
                 self.stats.hit_bytes += len as u64;
+                self.log_chunk(stream.log, f);
                 Ok(17 + h)
             }
             TAG_LIT => {
@@ -346,8 +406,9 @@ impl Decoder {
                         Some(p) => p.fingerprint,
                         None => None,
                     };
-                    self.cache
-                        .insert(f.unwrap_or_else(|| fingerprint(chunk)), chunk.to_vec());
+                    let f = f.unwrap_or_else(|| fingerprint(chunk));
+                    self.cache.insert(f, chunk.to_vec());
+                    self.log_chunk(stream.log, f);
                 }
                 Ok(at + len)
             }
@@ -393,7 +454,9 @@ impl Decoder {
                     self.stats.lit_chunks += 1;
                     self.stats.lit_bytes += len as u64;
                     if cached {
-                        self.cache.insert(fingerprint(chunk), chunk.to_vec());
+                        let f = fingerprint(chunk);
+                        self.cache.insert(f, chunk.to_vec());
+                        self.log_chunk(stream.log, f);
                     }
                 }
                 // Keep the buffer for the next run.
@@ -420,16 +483,25 @@ impl Decoder {
                 self.stats.lit_chunks += 1;
                 self.stats.lit_bytes += raw_len as u64;
                 if cache {
-                    self.cache
-                        .insert(f.unwrap_or_else(|| fingerprint(&chunk)), chunk);
+                    let f = f.unwrap_or_else(|| fingerprint(&chunk));
+                    self.cache.insert(f, chunk);
+                    self.log_chunk(stream.log, f);
                 }
                 Ok(at + clen)
             }
             TAG_DELTA => {
                 fits(get_len(buf, 1)?.0)?;
-                self.decode_delta(buf, out)
+                self.decode_delta(buf, out, stream.log)
             }
-            TAG_DELTA_RUN => self.decode_delta_run(buf, out, room),
+            TAG_DELTA_RUN => self.decode_delta_run(buf, out, room, stream.log),
+            TAG_LOG => {
+                let (serial, h) = get_varint(buf, 1)?;
+                let serial = u32::try_from(serial)
+                    .map_err(|_| CodecError::Malformed("log serial beyond 32 bits"))?;
+                stream.log = Some(serial);
+                Ok(1 + h)
+            }
+            TAG_REF_RUN => self.decode_ref_run(buf, out, stream.log, room),
             _ => Err(CodecError::Malformed("unknown record")),
         }
     }

@@ -8,7 +8,7 @@ use zstd::zstd_safe::DCtx;
 
 use crate::fingerprint::{fingerprint, run_check};
 use crate::format::{
-    CodecError, MAX_RUN_BASES, MAX_RUN_CHUNKS, RUN_DICT_DECODE, RUN_MAX_DECODE, get_len,
+    CodecError, MAX_RUN_BASES, MAX_RUN_CHUNKS, RUN_DICT_DECODE, RUN_MAX_DECODE, get_len, get_varint,
 };
 
 impl Decoder {
@@ -20,6 +20,7 @@ impl Decoder {
         &mut self,
         buf: &[u8],
         out: &mut Vec<u8>,
+        log: Option<u32>,
     ) -> Result<usize, CodecError> {
         let (raw_len, h) = get_len(buf, 1)?;
         let mut at = 1 + h;
@@ -44,6 +45,7 @@ impl Decoder {
                 out.extend_from_slice(c);
                 self.stats.delta_chunks += 1;
                 self.stats.delta_bytes += raw_len as u64;
+                self.log_chunk(log, target);
                 return Ok(used);
             }
             Lookup::Hit(_) => {
@@ -85,6 +87,7 @@ impl Decoder {
         self.stats.delta_chunks += 1;
         self.stats.delta_bytes += raw_len as u64;
         self.cache.insert(target, chunk);
+        self.log_chunk(log, target);
         Ok(used)
     }
 }
@@ -101,6 +104,7 @@ impl Decoder {
         buf: &[u8],
         out: &mut Vec<u8>,
         room: usize,
+        log: Option<u32>,
     ) -> Result<usize, CodecError> {
         let n = usize::from(*buf.get(1).ok_or(CodecError::Incomplete)?);
         let nb = usize::from(*buf.get(2).ok_or(CodecError::Incomplete)?);
@@ -110,8 +114,38 @@ impl Decoder {
             ));
         }
         let mut at = 3;
-        let names = buf.get(at..at + 16 * nb).ok_or(CodecError::Incomplete)?;
-        at += 16 * nb;
+        // The bases, by name or by place in a log (see `put_base`).
+        let mut names = [[0u8; 16]; MAX_RUN_BASES];
+        let (mut prev, mut placed, mut unresolved) = (None::<(u32, u64)>, false, false);
+        for name in &mut names[..nb] {
+            let (v, h) = get_varint(buf, at)?;
+            at += h;
+            if v == 0 {
+                name.copy_from_slice(buf.get(at..at + 16).ok_or(CodecError::Incomplete)?);
+                at += 16;
+                continue;
+            }
+            let place = if v % 2 == 1 {
+                let (s, i) = prev.ok_or(CodecError::Malformed(
+                    "a base placed after no other placed base",
+                ))?;
+                let zz = (v - 1) / 2;
+                let d = ((zz >> 1) as i64) ^ -((zz & 1) as i64);
+                (s, i.wrapping_add(1).wrapping_add(d as u64))
+            } else {
+                let s = u32::try_from(v / 2 - 1)
+                    .map_err(|_| CodecError::Malformed("log serial beyond 32 bits"))?;
+                let (i, h) = get_varint(buf, at)?;
+                at += h;
+                (s, i)
+            };
+            prev = Some(place);
+            placed = true;
+            match self.logs.get(place.0, place.1) {
+                Some(f) => *name = *f,
+                None => unresolved = true,
+            }
+        }
         let mut lens = [0usize; MAX_RUN_CHUNKS];
         let mut total = 0usize;
         for len in &mut lens[..n] {
@@ -140,12 +174,18 @@ impl Decoder {
         at += h;
         let payload = buf.get(at..at + clen).ok_or(CodecError::Incomplete)?;
         let used = at + clen;
+        // Places our log does not hold: the names the peer re-sent for the run, or ask.
+        let mut re_sent = false;
+        if placed && let Some(r) = self.resolved.get(&check).filter(|r| r.len() == nb) {
+            names[..nb].copy_from_slice(r);
+            re_sent = true;
+        } else if unresolved {
+            return Err(self.ask(check, false));
+        }
         let d = &mut self.delta;
         d.dict.clear();
-        for name in names.chunks_exact(16) {
-            let mut b = [0u8; 16];
-            b.copy_from_slice(name);
-            match self.cache.lookup(&b) {
+        for b in &names[..nb] {
+            match self.cache.lookup(b) {
                 Lookup::Hit(c) if d.dict.len() + c.len() <= RUN_DICT_DECODE => {
                     d.dict.extend_from_slice(c)
                 }
@@ -154,8 +194,8 @@ impl Decoder {
                         "delta run bases larger than a receiver loads",
                     ));
                 }
-                Lookup::Miss => return Err(CodecError::Miss(b)),
-                Lookup::Pending => return Err(CodecError::Pending(b)),
+                Lookup::Miss => return Err(CodecError::Miss(*b)),
+                Lookup::Pending => return Err(CodecError::Pending(*b)),
             }
         }
         if is_dict_magic(&d.dict) {
@@ -177,20 +217,28 @@ impl Decoder {
             return Err(CodecError::Decompress);
         }
         // Every chunk checked before any is added or appended.
-        let mut names = [[0u8; 16]; MAX_RUN_CHUNKS];
+        let mut chunks = [[0u8; 16]; MAX_RUN_CHUNKS];
         let mut off = 0;
-        for (name, len) in names.iter_mut().zip(&lens[..n]) {
+        for (name, len) in chunks.iter_mut().zip(&lens[..n]) {
             *name = fingerprint(&rebuilt[off..off + len]);
             off += len;
         }
-        if run_check(names[..n].iter()) != check {
+        if run_check(chunks[..n].iter()) != check {
+            // Bases placed by a log that differs from the sender's: ask for their names.
+            if placed && !re_sent {
+                return Err(self.ask(check, false));
+            }
             return Err(CodecError::Malformed("delta run does not match its check"));
         }
+        if re_sent {
+            self.resolved.remove(&check);
+        }
         let mut off = 0;
-        for (name, &len) in names.iter().zip(&lens[..n]) {
+        for (name, &len) in chunks.iter().zip(&lens[..n]) {
             let chunk = &rebuilt[off..off + len];
             out.extend_from_slice(chunk);
             self.cache.insert(*name, chunk.to_vec());
+            self.log_chunk(log, *name);
             off += len;
         }
         self.stats.delta_chunks += n as u64;
@@ -220,23 +268,23 @@ mod tests {
         rec.extend_from_slice(&[1, 2, 3]);
         let mut out = Vec::new();
         assert_eq!(
-            dec.decode_delta(&rec, &mut out),
+            dec.decode_delta(&rec, &mut out, None),
             Err(CodecError::Miss(target))
         );
         assert!(out.is_empty());
         assert_eq!(
-            dec.decode_delta(&rec[..rec.len() - 1], &mut out),
+            dec.decode_delta(&rec[..rec.len() - 1], &mut out, None),
             Err(CodecError::Incomplete)
         );
         let mut none = rec.clone();
         none[2] = 0;
         assert!(matches!(
-            dec.decode_delta(&none, &mut out),
+            dec.decode_delta(&none, &mut out, None),
             Err(CodecError::Malformed(_))
         ));
         none[2] = (MAX_BASES + 1) as u8;
         assert!(matches!(
-            dec.decode_delta(&none, &mut out),
+            dec.decode_delta(&none, &mut out, None),
             Err(CodecError::Malformed(_))
         ));
     }

@@ -118,12 +118,12 @@ impl Mirror {
         )
     }
 
-    /// Ends the stream's open runs: writes its delta run, then ends its run of context
-    /// literals (only one is ever open), and returns the bytes written, 0 if there was nothing
+    /// Ends the stream's open runs: writes its delta run or its reference run, or ends its run
+    /// of context literals (only one is ever open), and returns the bytes written, 0 if there was nothing
     /// to end. Every record of a frame that is not in a run comes after this, and so does the
     /// frame's end. What it wrote is counted in [`take_late`](Self::take_late).
     pub fn end_run(&mut self, hint: &mut Hint, out: &mut impl bytes::BufMut) -> usize {
-        let n = self.flush_run(hint, out);
+        let n = self.flush_run(hint, out) + self.flush_refs(hint, out);
         n + self.end_context_run(hint, out)
     }
 

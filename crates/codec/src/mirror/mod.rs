@@ -15,8 +15,10 @@ use crate::prepare;
 use crate::report::{EncodeStats, Report, Sent};
 
 mod in_context;
+mod logged;
 mod with_bases;
 
+use logged::RefRun;
 use with_bases::Run;
 
 /// Per-stream memory of the encoder: the adaptive choice's (after incompressible chunks, skip the
@@ -38,6 +40,10 @@ pub struct Hint {
     paid: u32,
     /// The delta run being gathered (see [`with_bases`]), flushed before any other record.
     run: Option<Box<Run>>,
+    /// The serial of the stream's log, once it has one (see [`logged`]).
+    log: Option<u32>,
+    /// The reference run being gathered, flushed before any other record.
+    refs: Option<Box<RefRun>>,
 }
 
 /// After this many chunks in a row of a stream paid, its chunks in context skip the LZ4 trial
@@ -73,6 +79,7 @@ impl Hint {
     pub fn run_pending(&self) -> usize {
         self.context.as_ref().map_or(0, |c| c.run_pending())
             + self.run.as_ref().map_or(0, |r| r.pending())
+            + self.refs.as_ref().map_or(0, |r| r.pending())
     }
 
     fn incompressible(&mut self) {
@@ -126,6 +133,14 @@ pub struct Mirror {
     /// Counts of records written for chunks reported earlier (a delta run's, a run's end):
     /// see [`take_late`](Mirror::take_late).
     late: EncodeStats,
+    /// The streams' logs as the peer keeps them, where each chunk was logged last, and the
+    /// last serial given.
+    logs: crate::logs::Logs,
+    places: std::collections::HashMap<Fingerprint, (u32, u64)>,
+    log_serials: u32,
+    names_scratch: Vec<Fingerprint>,
+    /// A delta run's list of bases, put together.
+    names_buf: Vec<u8>,
 }
 
 /// The bytes of the chunks sent as references most recently, bounded in bytes: the receiver asks
@@ -215,6 +230,11 @@ impl Mirror {
             batch_len: 0,
             run_spare: None,
             late: EncodeStats::default(),
+            logs: crate::logs::Logs::for_cache(cache_bytes),
+            places: std::collections::HashMap::new(),
+            log_serials: 0,
+            names_scratch: Vec::new(),
+            names_buf: Vec::new(),
         }
     }
 
@@ -408,7 +428,12 @@ impl Mirror {
         // long context when there is one to have.
         let live = policy.context && (hint.live > 0 || (policy.bulk && self.long.is_some()));
         hint.live = hint.live.saturating_sub(1);
+        let started = self.start_log(policy, hint, out);
         let r = self.encode_piece(chunk, live, policy, pressure, hint, out, p.as_mut());
+        let r = Report {
+            run_end: r.run_end + started,
+            ..r
+        };
         if let (Some(i), Some(p)) = (i, p) {
             // Its buffer serves the next turn.
             self.batch[i] = p;
@@ -434,14 +459,20 @@ impl Mirror {
                 None => fingerprint(chunk),
             };
             if self.cache.contains(&f) {
-                // Earlier chunks' records first: the peer's cache sees them before this one.
-                let run_end = self.end_run(hint, out);
-                self.cache.touch(&f);
-                self.recent.put(f, chunk);
                 // Only where deltas are wanted: a CPU-bound repeat (the LZ4 path) takes no lock.
                 if self.delta_wanted(policy, pressure, hint) {
                     self.ref_base(f, chunk);
                 }
+                if policy.ref_runs
+                    && let Some(r) = self.join_refs(f, chunk, hint, out)
+                {
+                    return r;
+                }
+                // Earlier chunks' records first: the peer's cache sees them before this one.
+                let run_end = self.end_run(hint, out);
+                self.cache.touch(&f);
+                self.recent.put(f, chunk);
+                self.log_chunk(hint, f);
                 hint.interrupted = true;
                 out.put_u8(TAG_REF);
                 out.put_slice(&f);
@@ -470,8 +501,8 @@ impl Mirror {
                 return r;
             }
         }
-        // A delta run gathered so far goes before this chunk.
-        let flushed = self.flush_run(hint, out);
+        // A delta run or a reference run gathered so far goes before this chunk.
+        let flushed = self.flush_run(hint, out) + self.flush_refs(hint, out);
         let r = self.encode_literal(
             f,
             chunk,
@@ -538,6 +569,7 @@ impl Mirror {
         };
         if let Some(f) = f {
             self.cache.insert_len(f, chunk.len());
+            self.log_chunk(hint, f);
             if delta && codec.is_some() {
                 self.keep_base(f, chunk, learn, hint);
             }

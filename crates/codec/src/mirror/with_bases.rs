@@ -13,7 +13,7 @@ use crate::delta::{
 };
 use crate::fingerprint::{Fingerprint, run_check};
 use crate::format::{
-    MAX_RUN_BASES, MAX_RUN_CHUNKS, RUN_DICT, RUN_MAX, TAG_DELTA, TAG_DELTA_RUN, put_len,
+    MAX_RUN_BASES, MAX_RUN_CHUNKS, RUN_DICT, RUN_MAX, TAG_DELTA, TAG_DELTA_RUN, put_len, put_varint,
 };
 use crate::report::{Report, Sent};
 
@@ -111,6 +111,8 @@ impl Mirror {
         self.recent
             .put_with(f, chunk.len(), || Bytes::copy_from_slice(chunk));
         bases.insert(f, chunk, &d.keys);
+        drop(bases);
+        self.log_chunk(hint, f);
         Some(Report {
             sent: Sent::Delta,
             raw: chunk.len(),
@@ -160,6 +162,37 @@ impl Mirror {
         if !bases.touch(&f) {
             anchors(chunk, &mut self.delta.keys);
             bases.insert(f, chunk, &self.delta.keys);
+        }
+    }
+}
+
+/// Writes one base of a delta run's list: by its `place` in a log if it has one (relative to
+/// the `prev` base placed, when in the same log), else by its fingerprint. Returns the place
+/// the next base is relative to. A varint `v`: 0, the fingerprint follows; odd, the same log as
+/// the previous placed base, at its index + 1 + zigzag((v - 1) / 2); even, log v / 2 - 1, its
+/// index (a varint) follows.
+pub(crate) fn put_base(
+    out: &mut Vec<u8>,
+    name: &Fingerprint,
+    place: Option<(u32, u64)>,
+    prev: Option<(u32, u64)>,
+) -> Option<(u32, u64)> {
+    match (place, prev) {
+        (None, _) => {
+            out.push(0);
+            out.extend_from_slice(name);
+            prev
+        }
+        (Some((s, i)), Some((ps, pi))) if s == ps => {
+            let d = i.wrapping_sub(pi.wrapping_add(1)) as i64;
+            let zz = ((d << 1) ^ (d >> 63)) as u64;
+            put_varint(out, 1 + 2 * zz);
+            place
+        }
+        (Some((s, i)), _) => {
+            put_varint(out, 2 + 2 * u64::from(s));
+            put_varint(out, i);
+            place
         }
     }
 }
@@ -261,8 +294,8 @@ impl Mirror {
         });
         let mut run_end = if full { self.flush_run(hint, out) } else { 0 };
         if hint.run.as_deref().is_none_or(|r| r.chunks.is_empty()) {
-            // Context literals before the run end before it.
-            run_end += self.end_context_run(hint, out);
+            // References and context literals before the run go before it.
+            run_end += self.flush_refs(hint, out) + self.end_context_run(hint, out);
         }
         let spare = &mut self.run_spare;
         let run = hint
@@ -301,7 +334,7 @@ impl Mirror {
         };
         let n = match run.how {
             Some(how) if !run.chunks.is_empty() => {
-                let n = self.write_run(&mut run, out);
+                let n = self.write_run(&mut run, hint, out);
                 if n > 0 {
                     n
                 } else {
@@ -317,7 +350,7 @@ impl Mirror {
     }
 
     /// The run as one record, if it pays; 0 (nothing written) if not.
-    fn write_run(&mut self, run: &mut Run, out: &mut impl BufMut) -> usize {
+    fn write_run(&mut self, run: &mut Run, hint: &Hint, out: &mut impl BufMut) -> usize {
         let Some(shared) = self.bases.clone() else {
             return 0;
         };
@@ -346,18 +379,40 @@ impl Mirror {
         let clen = self.scratch.len();
         let raw = run.bytes.len();
         let lens: usize = run.chunks.iter().map(|c| len_len(c.1)).sum();
-        let wire = 3 + 16 * run.bases.len() + lens + 16 + len_len(clen) + clen;
+        // The bases by their place in a log where the peer's log holds them, else by name.
+        let mut names = std::mem::take(&mut self.names_buf);
+        names.clear();
+        let mut prev: Option<(u32, u64)> = None;
+        for b in &run.bases {
+            let place = self
+                .places
+                .get(b)
+                .copied()
+                .filter(|&(s, i)| self.logs.get(s, i) == Some(b));
+            prev = put_base(&mut names, b, place, prev);
+        }
+        let wire = 3 + names.len() + lens + 16 + len_len(clen) + clen;
         if wire as f64 >= raw as f64 * d.lit_ratio * ACCEPT {
+            self.names_buf = names;
             return 0;
         }
         out.put_u8(TAG_DELTA_RUN);
         out.put_u8(run.chunks.len() as u8);
         out.put_u8(run.bases.len() as u8);
+        out.put_slice(&names);
+        // A peer whose log differs asks for the bases' names by the run's check.
+        let check = run_check(run.chunks.iter().map(|c| &c.0));
+        if prev.is_some() {
+            let bases = &run.bases;
+            self.recent.put_with(check, 16 * bases.len(), || {
+                Bytes::from(bases.iter().flatten().copied().collect::<Vec<u8>>())
+            });
+        }
+        self.names_buf = names;
         // The peer looks the bases up in this order, then adds the chunks: the mirror does too.
         // A base it lacks is a miss of the base: the chunks are named by none but the check.
         let mut at = 0;
         for b in &run.bases {
-            out.put_slice(b);
             self.cache.touch(b);
             let len = bases.held_len(b).unwrap_or(0).min(d.dict.len() - at);
             let data = &d.dict[at..at + len];
@@ -368,13 +423,14 @@ impl Mirror {
         for (_, len, _, _) in &run.chunks {
             put_len(out, *len);
         }
-        out.put_slice(&run_check(run.chunks.iter().map(|c| &c.0)));
+        out.put_slice(&check);
         put_len(out, clen);
         out.put_slice(&self.scratch[..clen]);
         let (mut at, mut k) = (0, 0);
         for &(f, len, keys_end, _) in &run.chunks {
             let chunk = &run.bytes[at..at + len];
             self.cache.insert_len(f, len);
+            self.log_chunk(hint, f);
             // A miss of a base is answered with the chunks themselves.
             self.recent
                 .put_with(f, len, || Bytes::copy_from_slice(chunk));

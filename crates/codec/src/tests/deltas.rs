@@ -400,7 +400,11 @@ fn delta_runs_cost_less_than_deltas_one_by_one() {
         let w2 = send(&mut enc, &second);
         assert_eq!(decode_answering(&enc, &mut dec, &w2), (second.clone(), 0));
         assert!(enc.stats().delta_chunks > 60, "{:?}", enc.stats());
-        assert_eq!(w2[0] == TAG_DELTA_RUN, runs, "the first chunk's record");
+        assert_eq!(
+            without_log(&w2)[0] == TAG_DELTA_RUN,
+            runs,
+            "the first chunk's record"
+        );
         *w = w2.len();
     }
     assert!(
@@ -434,27 +438,33 @@ fn a_delta_run_that_does_not_pay_goes_as_literals() {
 
 #[test]
 fn hostile_delta_run_records_are_errors() {
-    let cfg = CodecConfig::default();
+    // Bases named by their fingerprints (no stream logs to name them by place).
+    let cfg = CodecConfig {
+        logs: false,
+        ..CodecConfig::default()
+    };
     let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
     let (first, second) = pages(16, 3);
     let w1 = send(&mut enc, &first);
     decode_answering(&enc, &mut dec, &w1);
     let wire = send(&mut enc, &second);
+    let wire = without_log(&wire);
     assert_eq!(
         wire[0], TAG_DELTA_RUN,
         "the changed pages go as a delta run"
     );
     let (n, nb) = (usize::from(wire[1]), usize::from(wire[2]));
     assert!(n > 1 && nb >= 1, "{n} chunks, {nb} bases");
-    let mut at = 3 + 16 * nb;
+    // Each base: a zero (by name) and its fingerprint.
+    let mut at = 3 + 17 * nb;
     let mut raw = 0;
     for _ in 0..n {
-        let (len, h) = get_len(&wire, at).expect("length");
+        let (len, h) = get_len(wire, at).expect("length");
         raw += len;
         at += h;
     }
     let check_at = at;
-    let (clen, h) = get_len(&wire, at + 16).expect("length");
+    let (clen, h) = get_len(wire, at + 16).expect("length");
     let whole = at + 16 + h + clen;
     let mut out = Vec::new();
     // Every truncation is incomplete, never a panic or a partial chunk.
@@ -504,9 +514,9 @@ fn hostile_delta_run_records_are_errors() {
     ));
     // A base nobody holds is a miss of that base; a damaged payload does not decompress.
     let mut bad = wire[..whole].to_vec();
-    bad[3] ^= 1;
+    bad[4] ^= 1;
     let mut base = [0u8; 16];
-    base.copy_from_slice(&bad[3..19]);
+    base.copy_from_slice(&bad[4..20]);
     assert_eq!(
         dec.decode_record(&bad, &mut out),
         Err(CodecError::Miss(base))
@@ -519,6 +529,48 @@ fn hostile_delta_run_records_are_errors() {
     ));
     assert!(out.is_empty(), "nothing rebuilt from a bad record");
     // The genuine record still decodes.
-    assert_eq!(dec.decode_record(&wire, &mut out), Ok(whole));
+    assert_eq!(dec.decode_record(wire, &mut out), Ok(whole));
     assert_eq!(out.len(), raw);
+}
+
+/// Bases named by their place in the first copy's log rebuild the changed copy; a receiver
+/// whose logs differ (here: it lost them) asks for their names by the run's check, and still
+/// rebuilds it exactly. Names nobody asked for are refused.
+#[test]
+fn bases_named_by_place_are_asked_for_by_name_when_the_logs_differ() {
+    let cfg = CodecConfig::default();
+    let (first, second) = pages(64, 9);
+    let mut wire = [0usize; 2];
+    for (lose, w) in [false, true].into_iter().zip(&mut wire) {
+        let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+        let w1 = send(&mut enc, &first);
+        decode_answering(&enc, &mut dec, &w1);
+        if lose {
+            dec.logs = crate::logs::Logs::for_cache(cfg.cache_bytes);
+        }
+        let w2 = send(&mut enc, &second);
+        let (out, misses) = decode_answering(&enc, &mut dec, &w2);
+        assert!(out == second);
+        assert_eq!(misses > 0, lose);
+        assert!(enc.stats().delta_chunks > 40, "{:?}", enc.stats());
+        *w = w2.len();
+    }
+    // By name, the same bases cost more.
+    let named = CodecConfig {
+        logs: false,
+        ..cfg.clone()
+    };
+    let mut enc = Encoder::new(named);
+    send(&mut enc, &first);
+    let by_name = send(&mut enc, &second).len();
+    assert!(
+        wire[0] < by_name,
+        "by place {} against by name {by_name}",
+        wire[0]
+    );
+    let mut dec = Decoder::new(&cfg);
+    assert!(
+        !dec.insert_verified([7; 16], &[0u8; 32]),
+        "names nobody asked for"
+    );
 }

@@ -27,7 +27,7 @@ pub(crate) use self::recv::{Decoded, FRAME_COST, RecvCoded};
 pub(crate) use self::send::SendCoder;
 use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Class, Frame, StreamId};
-use crate::lane::{CAP_CONTEXT, CAP_DELTA_RUNS, CAP_RUNS, LATENCY_LANE};
+use crate::lane::{CAP_CONTEXT, CAP_DELTA_RUNS, CAP_REF_RUNS, CAP_RUNS, LATENCY_LANE};
 
 /// Which cache a service's chunks go to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -275,6 +275,8 @@ pub(crate) struct Coding {
     peer_runs: bool,
     /// The peer decodes delta runs.
     peer_delta_runs: bool,
+    /// The peer keeps stream logs.
+    peer_ref_runs: bool,
 }
 
 /// A stream's turn at sending coded bytes.
@@ -321,6 +323,7 @@ impl Coding {
             peer_context: false,
             peer_runs: false,
             peer_delta_runs: false,
+            peer_ref_runs: false,
         }
     }
 
@@ -417,6 +420,7 @@ impl Coding {
         self.peer_context = peer.caps & CAP_CONTEXT != 0;
         self.peer_runs = peer.caps & CAP_RUNS != 0;
         self.peer_delta_runs = peer.caps & CAP_DELTA_RUNS != 0;
+        self.peer_ref_runs = peer.caps & CAP_REF_RUNS != 0;
         self.scoped = self
             .own_scoped()
             .iter()
@@ -459,6 +463,7 @@ impl Coding {
         // Runs only where we send them and the peer decodes them.
         c.sender.policy.runs = self.peer_context && self.peer_runs && chunking.runs;
         c.sender.policy.delta_runs = self.peer_delta_runs && chunking.runs;
+        c.sender.policy.ref_runs = self.peer_ref_runs && chunking.runs;
         Some(Box::new(c))
     }
 

@@ -30,6 +30,8 @@ impl SendCoder {
                 runs: false,
                 // Only once the peer says it decodes delta runs.
                 delta_runs: false,
+                // Only once the peer says it keeps stream logs.
+                ref_runs: false,
             }),
             scoped: policy.scope == Scope::Service,
             max_chunk: usize::MAX,

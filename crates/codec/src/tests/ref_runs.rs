@@ -1,0 +1,223 @@
+//! References named by their place in a stream log: a second copy of what was sent goes as a
+//! few reference runs and rebuilds exactly; a receiver whose logs differ (restarted, or it
+//! never read some records) asks for the names and still rebuilds exactly; hostile reference
+//! runs are errors.
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::format::{TAG_REF_RUN, put_varint};
+use crate::logs::MAX_REF_RUN;
+
+/// Files of a source tree: text lines, some repeated across files.
+fn tree(files: usize, seed: u64) -> Vec<u8> {
+    let noise = crate::testdata::noise(seed, files * 64);
+    let mut v = Vec::new();
+    for f in 0..files {
+        let n = &noise[f * 64..f * 64 + 64];
+        for l in 0..200 {
+            v.extend_from_slice(
+                format!(
+                    "/* file {f} line {l} */ int v{}_{} = {};\n",
+                    n[l % 64],
+                    l,
+                    n[(l * 7) % 64]
+                )
+                .as_bytes(),
+            );
+        }
+    }
+    v
+}
+
+/// Decodes `wire` in full with the stream context `s`, answering each miss (of a chunk, or
+/// of a run's names) from the encoder; returns the bytes and the misses.
+fn decode_answering(
+    enc: &Encoder,
+    dec: &mut Decoder,
+    s: &mut crate::StreamContext,
+    wire: &[u8],
+) -> (Vec<u8>, usize) {
+    let (mut out, mut at, mut misses) = (Vec::new(), 0, 0);
+    while at < wire.len() {
+        match dec.decode_record_in(&wire[at..], &mut out, s) {
+            Ok(n) => at += n,
+            Err(CodecError::Miss(f)) => {
+                misses += 1;
+                let data = enc.mirror.chunk(&f).expect("the sender kept it");
+                assert!(dec.insert_verified(f, data));
+            }
+            Err(e) => panic!("decode: {e}"),
+        }
+    }
+    (out, misses)
+}
+
+/// A stream context in the same log as `s`.
+fn like(s: &crate::StreamContext) -> crate::StreamContext {
+    crate::StreamContext {
+        log: s.log,
+        ..Default::default()
+    }
+}
+
+/// `data` as a stream of its own.
+fn send(enc: &mut Encoder, data: &[u8]) -> Vec<u8> {
+    let mut wire = Vec::new();
+    enc.push(data, false, Pressure::LinkBound, &mut wire);
+    enc.end_stream(Pressure::LinkBound, &mut wire);
+    wire
+}
+
+/// The same tree again, one file in ten edited: the unchanged files' chunks go as reference
+/// runs named by their place in the first copy's log, a small part of what references one by
+/// one cost, and both rebuild exactly.
+#[test]
+fn a_second_copy_goes_as_reference_runs() {
+    let first = tree(400, 1);
+    let mut second = first.clone();
+    for at in (0..second.len()).step_by(first.len() / 40) {
+        second[at] = b'#';
+    }
+    let mut refs_wire = [0u64; 2];
+    for (runs, w) in [false, true].into_iter().zip(&mut refs_wire) {
+        let cfg = CodecConfig {
+            runs,
+            ..CodecConfig::default()
+        };
+        let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+        let w1 = send(&mut enc, &first);
+        let mut s = crate::StreamContext::default();
+        assert_eq!(decode_answering(&enc, &mut dec, &mut s, &w1).0, first);
+        let before = enc.stats().clone();
+        let w2 = send(&mut enc, &second);
+        let mut s = crate::StreamContext::default();
+        assert_eq!(
+            decode_answering(&enc, &mut dec, &mut s, &w2),
+            (second.clone(), 0)
+        );
+        let st = enc.stats();
+        assert!(st.hit_chunks - before.hit_chunks > 50, "{st:?}");
+        assert_eq!(dec.stats().hit_chunks, st.hit_chunks);
+        *w = st.hit_wire - before.hit_wire;
+    }
+    assert!(
+        refs_wire[1] * 4 < refs_wire[0],
+        "reference runs {} bytes against {} one by one",
+        refs_wire[1],
+        refs_wire[0]
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+    /// A receiver that missed some of the sender's streams (it restarted, or they failed on
+    /// its side), or lost chunks, gets the names or the chunks it asks for: the bytes still
+    /// arrive exactly, and references still go as runs.
+    #[test]
+    fn reference_runs_round_trip_when_the_logs_differ(
+        seed in any::<u64>(),
+        skipped in proptest::collection::vec(any::<bool>(), 4),
+        lost in proptest::collection::vec(any::<prop::sample::Index>(), 0..20),
+    ) {
+        let cfg = CodecConfig::default();
+        let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+        let data = tree(120, seed);
+        let mut misses = 0;
+        for (i, skip) in skipped.iter().enumerate() {
+            // Each stream sends the tree with one part changed.
+            let mut copy = data.clone();
+            let at = (seed as usize + i * 7919) % copy.len();
+            copy[at] ^= 0x20;
+            let wire = send(&mut enc, &copy);
+            if *skip && i > 0 {
+                // This receiver never reads that stream: its logs and cache lack it.
+                continue;
+            }
+            let names: Vec<_> = chunks(&data, &cfg)
+                .map(|(o, l)| crate::fingerprint::fingerprint(&data[o..o + l]))
+                .collect();
+            for l in &lost {
+                dec.cache_mut().corrupt_for_test(&names[l.index(names.len())]);
+            }
+            let mut s = crate::StreamContext::default();
+            let (out, m) = decode_answering(&enc, &mut dec, &mut s, &wire);
+            prop_assert!(out == copy);
+            misses += m;
+        }
+        prop_assert!(misses == 0 || skipped.iter().skip(1).any(|s| *s) || !lost.is_empty());
+    }
+}
+
+#[test]
+fn hostile_reference_runs_are_errors() {
+    let cfg = CodecConfig::default();
+    let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+    let data = tree(100, 3);
+    let w1 = send(&mut enc, &data);
+    let mut s = crate::StreamContext::default();
+    decode_answering(&enc, &mut dec, &mut s, &w1);
+    let w2 = send(&mut enc, &data);
+    let mut s = crate::StreamContext::default();
+    let log_len = w2.len() - without_log(&w2).len();
+    dec.decode_record_in(&w2, &mut Vec::new(), &mut s)
+        .expect("the log's start");
+    let wire = &w2[log_len..];
+    assert_eq!(wire[0], TAG_REF_RUN, "the copy goes as reference runs");
+    let (_, a) = crate::format::get_varint(wire, 1).expect("serial");
+    let (_, b) = crate::format::get_varint(wire, 1 + a).expect("index");
+    let (count, c) = crate::format::get_varint(wire, 1 + a + b).expect("count");
+    let whole = 1 + a + b + c + 16;
+    let mut out = Vec::new();
+    // Every truncation is incomplete, never a panic or partial bytes.
+    for cut in 0..whole {
+        let mut t = like(&s);
+        assert_eq!(
+            dec.decode_record_in(&wire[..cut], &mut out, &mut t),
+            Err(CodecError::Incomplete)
+        );
+        assert!(out.is_empty());
+    }
+    // No chunks, too many, a serial beyond 32 bits: malformed.
+    for (serial, n) in [(1u64, 0u64), (1, MAX_REF_RUN as u64 + 1), (1 << 32, 2)] {
+        let mut bad = vec![TAG_REF_RUN];
+        put_varint(&mut bad, serial);
+        put_varint(&mut bad, 0);
+        put_varint(&mut bad, n);
+        bad.extend_from_slice(&[0; 16]);
+        assert!(matches!(
+            dec.decode_record_in(&bad, &mut out, &mut like(&s)),
+            Err(CodecError::Malformed(_))
+        ));
+    }
+    // A place nobody logged, or a wrong check: a miss of the check, until the names come.
+    let mut bad = wire[..whole].to_vec();
+    bad[whole - 1] ^= 1;
+    let mut check = [0u8; 16];
+    check.copy_from_slice(&bad[whole - 16..whole]);
+    assert_eq!(
+        dec.decode_record_in(&bad, &mut out, &mut like(&s)),
+        Err(CodecError::Miss(check))
+    );
+    // Names that do not match their check are refused.
+    let names = enc.mirror.chunk(&{
+        let mut c = [0u8; 16];
+        c.copy_from_slice(&wire[whole - 16..whole]);
+        c
+    });
+    let names = names.expect("the run's names").to_vec();
+    assert_eq!(names.len() as u64, 16 * count);
+    assert!(!dec.insert_verified(check, &names));
+    // More than the frame announced, before anything is copied.
+    assert!(matches!(
+        dec.decode_record_within(&wire[..whole], &mut out, &mut like(&s), 1),
+        Err(CodecError::Malformed(_))
+    ));
+    assert!(out.is_empty());
+    // The genuine record decodes.
+    assert_eq!(
+        dec.decode_record_in(&wire[..whole], &mut out, &mut s),
+        Ok(whole)
+    );
+    assert!(!out.is_empty());
+}
