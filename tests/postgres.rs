@@ -54,6 +54,36 @@ fn postgres_wal_streams_exactly_and_compressed() {
     }
 }
 
+/// A pair with a `pg` service (west listens, east's target is the server at `port`), an
+/// admin endpoint on each side, a state directory with the `optimize:` lines `optimize`, and a
+/// stated link `bandwidth`: a WAN on which the encoder spends CPU on ratio, deltas included.
+fn backup_pair(port: u16, optimize: &str, bandwidth: &str) -> (Pair, tempfile::TempDir) {
+    let state = tempfile::tempdir().expect("tempdir");
+    let pair = Pair::start_link(
+        &format!("  - name: pg\n    target: 127.0.0.1:{port}\n"),
+        "  - name: pg\n    listen: 127.0.0.1:0\n",
+        &format!(
+            "admin:\n  listen: 127.0.0.1:0\nstate_dir: {}\noptimize:\n{optimize}",
+            state.path().display()
+        ),
+        &format!("\n  bandwidth: {bandwidth}"),
+    );
+    (pair, state)
+}
+
+/// The wire bytes of `pg` from east to west so far, once west has read all east sent.
+fn wire_to_west(pair: &Pair) -> u64 {
+    let (w, _) = eventually(
+        pair.west.bound("admin"),
+        pair.east.bound("admin"),
+        |w, e| {
+            let out = value(e, &series("wanopt_wire_bytes_total", "pg", "out"));
+            out > 0 && out == value(w, &series("wanopt_wire_bytes_total", "pg", "in"))
+        },
+    );
+    value(&w, &series("wanopt_wire_bytes_total", "pg", "in"))
+}
+
 /// A base backup through the tunnel, an OLTP run, and a second base backup: both arrive exactly
 /// (`pg_verifybackup` checks every file against the manifest the server computed), and the
 /// second, whose pages are mostly the first's, costs the link less than the first.
@@ -63,30 +93,15 @@ fn base_backups_through_the_tunnel_verify_and_the_second_costs_less() {
     let _turn = server_turn();
     // A stated WAN: the encoder spends CPU on ratio, deltas included. The delta bases have a
     // sliver of memory: the first backup's pages are found again in their disk tier.
-    let state = tempfile::tempdir().expect("tempdir");
-    let pair = Pair::start_link(
-        &format!("  - name: pg\n    target: 127.0.0.1:{port}\n"),
-        "  - name: pg\n    listen: 127.0.0.1:0\n",
-        &format!(
-            "admin:\n  listen: 127.0.0.1:0\nstate_dir: {}\noptimize:\n  delta_memory: 4MiB\n  disk:\n    bytes: 512MiB\n",
-            state.path().display()
-        ),
-        "\n  bandwidth: 200mbit",
+    let (pair, _state) = backup_pair(
+        port,
+        "  delta_memory: 4MiB\n  disk:\n    bytes: 512MiB\n",
+        "200mbit",
     );
     let db = "wanopt_test_backup";
     pg::prepare(port, db, Workload::Orders, 4).expect("prepare");
     let west = pair.west.bound("pg").port();
-    let wire = || {
-        let (w, _) = eventually(
-            pair.west.bound("admin"),
-            pair.east.bound("admin"),
-            |w, e| {
-                let out = value(e, &series("wanopt_wire_bytes_total", "pg", "out"));
-                out > 0 && out == value(w, &series("wanopt_wire_bytes_total", "pg", "in"))
-            },
-        );
-        value(&w, &series("wanopt_wire_bytes_total", "pg", "in"))
-    };
+    let wire = || wire_to_west(&pair);
     let raw = || {
         value(
             &scrape(pair.west.bound("admin")),
@@ -160,30 +175,11 @@ fn a_changed_pgbench_backup_costs_at_most_half_again_patch_from() {
         }
     };
     // The shipped defaults, stating the T3 of the issue: deltas, their disk tier, runs.
-    let state = tempfile::tempdir().expect("tempdir");
-    let pair = Pair::start_link(
-        &format!("  - name: pg\n    target: 127.0.0.1:{port}\n"),
-        "  - name: pg\n    listen: 127.0.0.1:0\n",
-        &format!(
-            "admin:\n  listen: 127.0.0.1:0\nstate_dir: {}\noptimize:\n  disk:\n    bytes: 1GiB\n",
-            state.path().display()
-        ),
-        "\n  bandwidth: 45mbit",
-    );
+    let (pair, _state) = backup_pair(port, "  disk:\n    bytes: 1GiB\n", "45mbit");
     let db = "wanopt_test_pgbench";
     pg::prepare(port, db, Workload::Tpcb, 8).expect("pgbench -i");
     let west = pair.west.bound("pg").port();
-    let wire = || {
-        let (w, _) = eventually(
-            pair.west.bound("admin"),
-            pair.east.bound("admin"),
-            |w, e| {
-                let out = value(e, &series("wanopt_wire_bytes_total", "pg", "out"));
-                out > 0 && out == value(w, &series("wanopt_wire_bytes_total", "pg", "in"))
-            },
-        );
-        value(&w, &series("wanopt_wire_bytes_total", "pg", "in"))
-    };
+    let wire = || wire_to_west(&pair);
     let dir = tempfile::tempdir().expect("tempdir");
     let (first, second) = (dir.path().join("first"), dir.path().join("second"));
     // One tar of the cluster each, as the issue's backups were.

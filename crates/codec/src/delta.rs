@@ -496,6 +496,35 @@ pub(crate) struct RecvScratch {
     pub(crate) dctx: Option<DCtx<'static>>,
 }
 
+impl RecvScratch {
+    /// Decompresses `payload` against the bases gathered in `dict` into exactly `len` bytes
+    /// (the announced size, itself bounded before this); `None` if it does not decompress to
+    /// that. Bases that would be read as a trained zstd dictionary are malformed.
+    pub(crate) fn rebuild(
+        &mut self,
+        payload: &[u8],
+        len: usize,
+    ) -> Result<Option<Vec<u8>>, crate::format::CodecError> {
+        if is_dict_magic(&self.dict) {
+            return Err(crate::format::CodecError::Malformed(
+                "delta bases read as a zstd dictionary",
+            ));
+        }
+        if self.dctx.is_none() {
+            self.dctx = DCtx::try_create();
+        }
+        let dctx = self
+            .dctx
+            .as_mut()
+            .ok_or(crate::format::CodecError::Decompress)?;
+        let mut out = Vec::with_capacity(len);
+        let ok = dctx
+            .decompress_using_dict(&mut out, payload, &self.dict)
+            .is_ok();
+        Ok((ok && out.len() == len).then_some(out))
+    }
+}
+
 /// Bytes of a varint length.
 pub(crate) fn len_len(n: usize) -> usize {
     match n {

@@ -97,17 +97,8 @@ pub(crate) fn skewed(sample: &[u8]) -> bool {
 
 /// Writes a length as a little-endian base-128 varint (at most 3 bytes for lengths up to
 /// [`MAX_RECORD`]); returns its size. Records of 8 KiB chunks thus carry 3 bytes of header.
-pub(crate) fn put_len(out: &mut impl BufMut, mut n: usize) -> usize {
-    let mut k = 0;
-    loop {
-        k += 1;
-        if n < 0x80 {
-            out.put_u8(n as u8);
-            return k;
-        }
-        out.put_u8((n as u8 & 0x7f) | 0x80);
-        n >>= 7;
-    }
+pub(crate) fn put_len(out: &mut impl BufMut, n: usize) -> usize {
+    put_varint(out, n as u64)
 }
 
 /// Reads a varint length at `at`: (length, bytes used). More than 3 bytes is malformed, more

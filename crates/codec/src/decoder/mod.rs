@@ -121,6 +121,17 @@ impl Decoder {
                 at += 17 + h;
                 continue;
             }
+            // A log's start and a reference run rebuild nothing to prepare: step over them.
+            if first == TAG_LOG || first == TAG_REF_RUN {
+                let fields = if first == TAG_LOG { 1 } else { 3 };
+                let mut k = Some(1);
+                for _ in 0..fields {
+                    k = k.and_then(|k| get_varint(rec, k).ok().map(|(_, h)| k + h));
+                }
+                let Some(k) = k else { break };
+                at += k + if first == TAG_REF_RUN { 16 } else { 0 };
+                continue;
+            }
             let tag = first & !NO_CACHE;
             if !matches!(tag, TAG_LIT | TAG_LIT_LZ4 | TAG_LIT_ZSTD) {
                 break;

@@ -3,8 +3,7 @@
 
 use super::Decoder;
 use crate::cache::Lookup;
-use crate::delta::{MAX_BASES, is_dict_magic};
-use zstd::zstd_safe::DCtx;
+use crate::delta::MAX_BASES;
 
 use crate::fingerprint::{fingerprint, run_check};
 use crate::format::{
@@ -65,24 +64,11 @@ impl Decoder {
                 Lookup::Pending => return Err(CodecError::Pending(b)),
             }
         }
-        if is_dict_magic(&d.dict) {
-            return Err(CodecError::Malformed(
-                "delta bases read as a zstd dictionary",
-            ));
-        }
-        if d.dctx.is_none() {
-            d.dctx = DCtx::try_create();
-        }
-        let dctx = d.dctx.as_mut().ok_or(CodecError::Decompress)?;
-        // Bounded by the announced size, itself bounded by MAX_RECORD.
-        let mut chunk = Vec::with_capacity(raw_len);
-        let ok = dctx
-            .decompress_using_dict(&mut chunk, payload, &d.dict)
-            .is_ok();
         // Bases that differ from the sender's rebuild something else: ask for the chunk.
-        if !ok || chunk.len() != raw_len || fingerprint(&chunk) != target {
-            return Err(CodecError::Miss(target));
-        }
+        let chunk = d
+            .rebuild(payload, raw_len)?
+            .filter(|c| fingerprint(c) == target)
+            .ok_or(CodecError::Miss(target))?;
         out.extend_from_slice(&chunk);
         self.stats.delta_chunks += 1;
         self.stats.delta_bytes += raw_len as u64;
@@ -198,24 +184,7 @@ impl Decoder {
                 Lookup::Pending => return Err(CodecError::Pending(*b)),
             }
         }
-        if is_dict_magic(&d.dict) {
-            return Err(CodecError::Malformed(
-                "delta bases read as a zstd dictionary",
-            ));
-        }
-        if d.dctx.is_none() {
-            d.dctx = DCtx::try_create();
-        }
-        let dctx = d.dctx.as_mut().ok_or(CodecError::Decompress)?;
-        // Bounded by the announced sizes, themselves bounded by RUN_MAX_DECODE.
-        let mut rebuilt = Vec::with_capacity(total);
-        if dctx
-            .decompress_using_dict(&mut rebuilt, payload, &d.dict)
-            .is_err()
-            || rebuilt.len() != total
-        {
-            return Err(CodecError::Decompress);
-        }
+        let rebuilt = d.rebuild(payload, total)?.ok_or(CodecError::Decompress)?;
         // Every chunk checked before any is added or appended.
         let mut chunks = [[0u8; 16]; MAX_RUN_CHUNKS];
         let mut off = 0;

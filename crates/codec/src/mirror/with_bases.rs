@@ -42,28 +42,10 @@ impl Mirror {
         hint: &mut Hint,
         out: &mut impl BufMut,
     ) -> Option<Report> {
+        self.find_bases(chunk, hint)?;
         let shared = self.bases.clone()?;
-        let d = &mut self.delta;
-        anchors(chunk, &mut d.keys);
         let mut bases = shared.lock().ok()?;
-        let cache = &self.cache;
-        bases.find(
-            &d.keys,
-            (SEND_BASES, MIN_VOTES),
-            |b| cache.contains(b),
-            &mut d.found,
-        );
-        let best = d.found.last()?;
-        d.offered = true;
-        // The stream's own context still reaches the best base: a literal in it costs less
-        // (it sees the base and everything around it, and names nothing).
-        if let Some(c) = hint.context.as_ref()
-            && bases.in_context(best, (c.serial, c.pos, c.window))
-        {
-            return None;
-        }
-        // Whatever comes of this one, the chunks after the best base are likely next.
-        bases.prefetch(best);
+        let d = &mut self.delta;
         if !bases.dictionary(&mut d.found, &mut d.dict) {
             return None;
         }
@@ -230,6 +212,34 @@ impl Run {
 }
 
 impl Mirror {
+    /// Finds bases for `chunk`: its anchors into the delta scratch's keys, the bases the index
+    /// offers that the peer holds into its found list (best last), and reads ahead after the
+    /// best. `None`: no base, or the stream's own context still reaches the best (a literal in
+    /// it costs less: it sees the base and everything around it, and names nothing).
+    fn find_bases(&mut self, chunk: &[u8], hint: &Hint) -> Option<()> {
+        let shared = self.bases.clone()?;
+        let d = &mut self.delta;
+        anchors(chunk, &mut d.keys);
+        let mut bases = shared.lock().ok()?;
+        let cache = &self.cache;
+        bases.find(
+            &d.keys,
+            (SEND_BASES, MIN_VOTES),
+            |b| cache.contains(b),
+            &mut d.found,
+        );
+        let best = *d.found.last()?;
+        d.offered = true;
+        if let Some(c) = hint.context.as_ref()
+            && bases.in_context(&best, (c.serial, c.pos, c.window))
+        {
+            return None;
+        }
+        // Whatever comes of this one, the chunks after the best base are likely next.
+        bases.prefetch(&best);
+        Some(())
+    }
+
     /// Adds `chunk` to the stream's delta run if similar chunks the peer holds are at hand as
     /// bases (flushing the run first if it is full); `None`: it has no base and goes as a
     /// literal. The chunk's record comes with the run's (see [`flush_run`](Self::flush_run)).
@@ -242,28 +252,11 @@ impl Mirror {
         hint: &mut Hint,
         out: &mut impl BufMut,
     ) -> Option<Report> {
+        self.find_bases(chunk, hint)?;
         let shared = self.bases.clone()?;
-        let d = &mut self.delta;
-        anchors(chunk, &mut d.keys);
         let lens = {
             let mut bases = shared.lock().ok()?;
-            let cache = &self.cache;
-            bases.find(
-                &d.keys,
-                (SEND_BASES, MIN_VOTES),
-                |b| cache.contains(b),
-                &mut d.found,
-            );
-            let best = *d.found.last()?;
-            d.offered = true;
-            // The stream's own context still reaches the best base: a literal in it costs less.
-            if let Some(c) = hint.context.as_ref()
-                && bases.in_context(&best, (c.serial, c.pos, c.window))
-            {
-                return None;
-            }
-            // Whatever comes of this one, the chunks after the best base are likely next.
-            bases.prefetch(&best);
+            let d = &mut self.delta;
             bases.at_hand(&mut d.found);
             if d.found.is_empty() {
                 return None;

@@ -55,30 +55,12 @@ fn pages(n: usize, seed: u64) -> (Vec<u8>, Vec<u8>) {
     (first, second)
 }
 
-/// Decodes `wire` in full, answering each miss with the encoder's copy of the chunk, as the
-/// link does with `Need` and `Chunk`; returns the bytes and how many misses there were.
+/// Decodes `wire` in full in the decoder's own stream context (see [`answer_all`]).
 fn decode_answering(enc: &Encoder, dec: &mut Decoder, wire: &[u8]) -> (Vec<u8>, usize) {
-    let (mut out, mut at, mut misses) = (Vec::new(), 0, 0);
-    while at < wire.len() {
-        match dec.decode_record(&wire[at..], &mut out) {
-            Ok(n) => at += n,
-            Err(CodecError::Miss(f)) => {
-                misses += 1;
-                let data = enc.mirror.chunk(&f).expect("the sender kept the chunk");
-                assert!(dec.insert_verified(f, data));
-            }
-            Err(e) => panic!("decode: {e}"),
-        }
-    }
-    (out, misses)
-}
-
-/// `data` as a stream of its own.
-fn send(enc: &mut Encoder, data: &[u8]) -> Vec<u8> {
-    let mut wire = Vec::new();
-    enc.push(data, false, Pressure::LinkBound, &mut wire);
-    enc.end_stream(Pressure::LinkBound, &mut wire);
-    wire
+    let mut own = std::mem::take(&mut dec.own);
+    let r = answer_all(enc, dec, &mut own, wire);
+    dec.own = own;
+    r
 }
 
 #[test]

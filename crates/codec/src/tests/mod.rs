@@ -101,6 +101,38 @@ fn mix(parts: &[(u8, usize, u64)]) -> Vec<u8> {
     data
 }
 
+/// Decodes `wire` in full in the stream context `s`, answering each miss (of a chunk, or of a
+/// run's names) with what the encoder kept, as the link does with `Need` and `Chunk`; returns
+/// the bytes and how many misses there were.
+fn answer_all(
+    enc: &Encoder,
+    dec: &mut Decoder,
+    s: &mut StreamContext,
+    wire: &[u8],
+) -> (Vec<u8>, usize) {
+    let (mut out, mut at, mut misses) = (Vec::new(), 0, 0);
+    while at < wire.len() {
+        match dec.decode_record_in(&wire[at..], &mut out, s) {
+            Ok(n) => at += n,
+            Err(CodecError::Miss(f)) => {
+                misses += 1;
+                let data = enc.mirror.chunk(&f).expect("the sender kept it");
+                assert!(dec.insert_verified(f, data));
+            }
+            Err(e) => panic!("decode: {e}"),
+        }
+    }
+    (out, misses)
+}
+
+/// `data` as a stream of its own.
+fn send(enc: &mut Encoder, data: &[u8]) -> Vec<u8> {
+    let mut wire = Vec::new();
+    enc.push(data, false, Pressure::LinkBound, &mut wire);
+    enc.end_stream(Pressure::LinkBound, &mut wire);
+    wire
+}
+
 /// A stream's records after the start of its log (a `TAG_LOG` record and its serial), which
 /// no other record depends on.
 fn without_log(wire: &[u8]) -> &[u8] {

@@ -30,43 +30,12 @@ fn tree(files: usize, seed: u64) -> Vec<u8> {
     v
 }
 
-/// Decodes `wire` in full with the stream context `s`, answering each miss (of a chunk, or
-/// of a run's names) from the encoder; returns the bytes and the misses.
-fn decode_answering(
-    enc: &Encoder,
-    dec: &mut Decoder,
-    s: &mut crate::StreamContext,
-    wire: &[u8],
-) -> (Vec<u8>, usize) {
-    let (mut out, mut at, mut misses) = (Vec::new(), 0, 0);
-    while at < wire.len() {
-        match dec.decode_record_in(&wire[at..], &mut out, s) {
-            Ok(n) => at += n,
-            Err(CodecError::Miss(f)) => {
-                misses += 1;
-                let data = enc.mirror.chunk(&f).expect("the sender kept it");
-                assert!(dec.insert_verified(f, data));
-            }
-            Err(e) => panic!("decode: {e}"),
-        }
-    }
-    (out, misses)
-}
-
 /// A stream context in the same log as `s`.
 fn like(s: &crate::StreamContext) -> crate::StreamContext {
     crate::StreamContext {
         log: s.log,
         ..Default::default()
     }
-}
-
-/// `data` as a stream of its own.
-fn send(enc: &mut Encoder, data: &[u8]) -> Vec<u8> {
-    let mut wire = Vec::new();
-    enc.push(data, false, Pressure::LinkBound, &mut wire);
-    enc.end_stream(Pressure::LinkBound, &mut wire);
-    wire
 }
 
 /// The same tree again, one file in ten edited: the unchanged files' chunks go as reference
@@ -88,14 +57,11 @@ fn a_second_copy_goes_as_reference_runs() {
         let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
         let w1 = send(&mut enc, &first);
         let mut s = crate::StreamContext::default();
-        assert_eq!(decode_answering(&enc, &mut dec, &mut s, &w1).0, first);
+        assert_eq!(answer_all(&enc, &mut dec, &mut s, &w1).0, first);
         let before = enc.stats().clone();
         let w2 = send(&mut enc, &second);
         let mut s = crate::StreamContext::default();
-        assert_eq!(
-            decode_answering(&enc, &mut dec, &mut s, &w2),
-            (second.clone(), 0)
-        );
+        assert_eq!(answer_all(&enc, &mut dec, &mut s, &w2), (second.clone(), 0));
         let st = enc.stats();
         assert!(st.hit_chunks - before.hit_chunks > 50, "{st:?}");
         assert_eq!(dec.stats().hit_chunks, st.hit_chunks);
@@ -141,7 +107,7 @@ proptest! {
                 dec.cache_mut().corrupt_for_test(&names[l.index(names.len())]);
             }
             let mut s = crate::StreamContext::default();
-            let (out, m) = decode_answering(&enc, &mut dec, &mut s, &wire);
+            let (out, m) = answer_all(&enc, &mut dec, &mut s, &wire);
             prop_assert!(out == copy);
             misses += m;
         }
@@ -156,7 +122,7 @@ fn hostile_reference_runs_are_errors() {
     let data = tree(100, 3);
     let w1 = send(&mut enc, &data);
     let mut s = crate::StreamContext::default();
-    decode_answering(&enc, &mut dec, &mut s, &w1);
+    answer_all(&enc, &mut dec, &mut s, &w1);
     let w2 = send(&mut enc, &data);
     let mut s = crate::StreamContext::default();
     let log_len = w2.len() - without_log(&w2).len();
