@@ -450,10 +450,11 @@ pub(crate) fn compress_delta(
 
 /// Tables of a single chunk's delta: at most 2^15 entries (see [`compress_delta`]).
 pub(crate) const DELTA_TABLE_LOG: u32 = 15;
-/// Tables of a delta run's frame: it indexes up to [`RUN_DICT`](crate::format::RUN_DICT) of
-/// bases and [`RUN_MAX`](crate::format::RUN_MAX) of chunks. With 2^15 entries a run of 32
-/// chunks at level 6 cost the changed `pgbench` copy 45% more than one of 16; with 2^17, 0.5%
-/// less (`cargo bench --bench reduction -- --pairs DIR`).
+/// Tables of a delta run's frame: it indexes up to `RUN_DICT` (1 MiB) of bases and `RUN_MAX`
+/// (256 KiB) of chunks. Measured on the changed `pgbench` copy's deltas at level 6 (a scratch
+/// prototype over the bench's chunks and bases): with 2^15 entries runs of 32 cost 44% more
+/// than runs of 16; with 2^18, 0.4% less; 2^17 and 2^18 gave the same for runs of 16 (4.78
+/// and 4.77 MB).
 pub(crate) const RUN_TABLE_LOG: u32 = 17;
 /// The zstd level of a delta run, for a stream at `level`: never below 6, where zstd's lazy
 /// matcher starts. An edited page matched greedily breaks its long matches at every edit: on
@@ -494,35 +495,6 @@ impl Default for SendScratch {
 pub(crate) struct RecvScratch {
     pub(crate) dict: Vec<u8>,
     pub(crate) dctx: Option<DCtx<'static>>,
-}
-
-impl RecvScratch {
-    /// Decompresses `payload` against the bases gathered in `dict` into exactly `len` bytes
-    /// (the announced size, itself bounded before this); `None` if it does not decompress to
-    /// that. Bases that would be read as a trained zstd dictionary are malformed.
-    pub(crate) fn rebuild(
-        &mut self,
-        payload: &[u8],
-        len: usize,
-    ) -> Result<Option<Vec<u8>>, crate::format::CodecError> {
-        if is_dict_magic(&self.dict) {
-            return Err(crate::format::CodecError::Malformed(
-                "delta bases read as a zstd dictionary",
-            ));
-        }
-        if self.dctx.is_none() {
-            self.dctx = DCtx::try_create();
-        }
-        let dctx = self
-            .dctx
-            .as_mut()
-            .ok_or(crate::format::CodecError::Decompress)?;
-        let mut out = Vec::with_capacity(len);
-        let ok = dctx
-            .decompress_using_dict(&mut out, payload, &self.dict)
-            .is_ok();
-        Ok((ok && out.len() == len).then_some(out))
-    }
 }
 
 /// Bytes of a varint length.

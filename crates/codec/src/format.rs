@@ -33,7 +33,7 @@ pub(crate) const DEFERRED: u8 = 0x08;
 /// The end of a run of deferred context literals: the rest of the context's output.
 pub(crate) const TAG_RUN_END: u8 = 8;
 /// Consecutive chunks sent as one zstd frame against the union of their bases (see
-/// [`delta`](crate::delta)): one dictionary load and one frame for up to [`MAX_RUN_CHUNKS`]
+/// `delta`): one dictionary load and one frame for up to [`MAX_RUN_CHUNKS`]
 /// chunks, each base named once.
 pub(crate) const TAG_DELTA_RUN: u8 = 9;
 /// Most chunks one delta run record carries (a receiver's limit; the sender's is the same).

@@ -3,7 +3,8 @@
 
 use super::Decoder;
 use crate::cache::Lookup;
-use crate::delta::MAX_BASES;
+use crate::delta::{MAX_BASES, RecvScratch, is_dict_magic};
+use zstd::zstd_safe::DCtx;
 
 use crate::fingerprint::{fingerprint, run_check};
 use crate::format::{
@@ -65,8 +66,7 @@ impl Decoder {
             }
         }
         // Bases that differ from the sender's rebuild something else: ask for the chunk.
-        let chunk = d
-            .rebuild(payload, raw_len)?
+        let chunk = rebuild(d, payload, raw_len)?
             .filter(|c| fingerprint(c) == target)
             .ok_or(CodecError::Miss(target))?;
         out.extend_from_slice(&chunk);
@@ -184,7 +184,7 @@ impl Decoder {
                 Lookup::Pending => return Err(CodecError::Pending(*b)),
             }
         }
-        let rebuilt = d.rebuild(payload, total)?.ok_or(CodecError::Decompress)?;
+        let rebuilt = rebuild(d, payload, total)?.ok_or(CodecError::Decompress)?;
         // Every chunk checked before any is added or appended.
         let mut chunks = [[0u8; 16]; MAX_RUN_CHUNKS];
         let mut off = 0;
@@ -214,6 +214,26 @@ impl Decoder {
         self.stats.delta_bytes += total as u64;
         Ok(used)
     }
+}
+
+/// Decompresses `payload` against the bases gathered in `d`'s dictionary into exactly `len`
+/// bytes (the announced size, itself bounded before this); `None` if it does not decompress
+/// to that. Bases that would be read as a trained zstd dictionary are malformed.
+fn rebuild(d: &mut RecvScratch, payload: &[u8], len: usize) -> Result<Option<Vec<u8>>, CodecError> {
+    if is_dict_magic(&d.dict) {
+        return Err(CodecError::Malformed(
+            "delta bases read as a zstd dictionary",
+        ));
+    }
+    if d.dctx.is_none() {
+        d.dctx = DCtx::try_create();
+    }
+    let dctx = d.dctx.as_mut().ok_or(CodecError::Decompress)?;
+    let mut out = Vec::with_capacity(len);
+    let ok = dctx
+        .decompress_using_dict(&mut out, payload, &d.dict)
+        .is_ok();
+    Ok((ok && out.len() == len).then_some(out))
 }
 
 #[cfg(test)]
