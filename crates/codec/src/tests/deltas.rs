@@ -55,6 +55,14 @@ fn pages(n: usize, seed: u64) -> (Vec<u8>, Vec<u8>) {
     (first, second)
 }
 
+/// An encoder and a decoder that `first` went through, as its own stream.
+fn primed(cfg: &CodecConfig, first: &[u8]) -> (Encoder, Decoder) {
+    let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(cfg));
+    let w1 = send(&mut enc, first);
+    decode_answering(&enc, &mut dec, &w1);
+    (enc, dec)
+}
+
 /// Decodes `wire` in full in the decoder's own stream context (see [`answer_all`]).
 fn decode_answering(enc: &Encoder, dec: &mut Decoder, wire: &[u8]) -> (Vec<u8>, usize) {
     let mut own = std::mem::take(&mut dec.own);
@@ -306,10 +314,8 @@ fn hostile_delta_records_are_errors() {
         runs: false,
         ..CodecConfig::default()
     };
-    let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
     let (first, second) = pages(16, 3);
-    let w1 = send(&mut enc, &first);
-    decode_answering(&enc, &mut dec, &w1);
+    let (mut enc, mut dec) = primed(&cfg, &first);
     let wire = send(&mut enc, &second);
     assert_eq!(wire[0], TAG_DELTA, "the first chunk goes as a delta");
     let mut out = Vec::new();
@@ -376,9 +382,7 @@ fn delta_runs_cost_less_than_deltas_one_by_one() {
             runs,
             ..CodecConfig::default()
         };
-        let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
-        let w1 = send(&mut enc, &first);
-        decode_answering(&enc, &mut dec, &w1);
+        let (mut enc, mut dec) = primed(&cfg, &first);
         let w2 = send(&mut enc, &second);
         assert_eq!(decode_answering(&enc, &mut dec, &w2), (second.clone(), 0));
         assert!(enc.stats().delta_chunks > 60, "{:?}", enc.stats());
@@ -403,10 +407,8 @@ fn delta_runs_cost_less_than_deltas_one_by_one() {
 #[test]
 fn a_delta_run_that_does_not_pay_goes_as_literals() {
     let cfg = CodecConfig::default();
-    let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
     let (first, second) = pages(96, 5);
-    let w1 = send(&mut enc, &first);
-    decode_answering(&enc, &mut dec, &w1);
+    let (mut enc, mut dec) = primed(&cfg, &first);
     let before = enc.stats().clone();
     enc.mirror.set_lit_ratio(0.001);
     let w2 = send(&mut enc, &second);
@@ -425,10 +427,8 @@ fn hostile_delta_run_records_are_errors() {
         logs: false,
         ..CodecConfig::default()
     };
-    let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
     let (first, second) = pages(16, 3);
-    let w1 = send(&mut enc, &first);
-    decode_answering(&enc, &mut dec, &w1);
+    let (mut enc, mut dec) = primed(&cfg, &first);
     let wire = send(&mut enc, &second);
     let wire = without_log(&wire);
     assert_eq!(
@@ -524,9 +524,7 @@ fn bases_named_by_place_are_asked_for_by_name_when_the_logs_differ() {
     let (first, second) = pages(64, 9);
     let mut wire = [0usize; 2];
     for (lose, w) in [false, true].into_iter().zip(&mut wire) {
-        let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
-        let w1 = send(&mut enc, &first);
-        decode_answering(&enc, &mut dec, &w1);
+        let (mut enc, mut dec) = primed(&cfg, &first);
         if lose {
             dec.logs = crate::logs::Logs::for_cache(cfg.cache_bytes);
         }
