@@ -34,7 +34,10 @@ for f in /usr/bin/wanoptd /usr/bin/wanopt-replay /usr/bin/wansim \
     /usr/share/wanopt/prometheus-rules.yaml /usr/share/doc/wanopt/configuration.md; do
     [ -e "$f" ] || { echo "FAIL: the package did not install $f"; exit 1; }
 done
-dpkg-query -W -f='${Conffiles}\n' wanopt | grep -q /etc/wanopt/west.yaml ||
+# Each listing is read whole before it is searched: `grep -q` stops at its first match, and under
+# pipefail a writer that then meets the closed pipe fails the check.
+conffiles=$(dpkg-query -W -f='${Conffiles}\n' wanopt)
+grep -q /etc/wanopt/west.yaml <<<"$conffiles" ||
     { echo "FAIL: /etc/wanopt/west.yaml is not a conffile"; exit 1; }
 getent passwd wanopt >/dev/null || { echo "FAIL: no wanopt user"; exit 1; }
 [ "$(stat -c %U:%a /etc/wanopt/certs/west.key)" = "wanopt:600" ] ||
@@ -111,9 +114,11 @@ echo "the installed sample pair came up"
 
 echo "rpm contents:"
 rpm -qlp "$rpmfile"
-rpm -qp --scripts "$rpmfile" | grep -q /usr/share/wanopt/setup.sh ||
+scripts=$(rpm -qp --scripts "$rpmfile")
+grep -q /usr/share/wanopt/setup.sh <<<"$scripts" ||
     { echo "FAIL: the rpm does not run setup.sh after install"; exit 1; }
-rpm -qcp "$rpmfile" | grep -q /etc/wanopt/east.yaml ||
+configs=$(rpm -qcp "$rpmfile")
+grep -q /etc/wanopt/east.yaml <<<"$configs" ||
     { echo "FAIL: /etc/wanopt/east.yaml is not a config file of the rpm"; exit 1; }
 
 dpkg --purge wanopt >/dev/null
