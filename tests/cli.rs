@@ -123,43 +123,70 @@ fn missing_tls_files_exit_64_before_binding() {
 
 /// A TLS key others can read and a state directory others can write are refused with exit 64,
 /// naming the file and the fix, before any port is bound.
+/// What the daemon refuses at start, `wanoptd check` refuses too, each with exit 64 and nothing
+/// bound: a key open to others, a state directory others may write, a certificate issued to
+/// another site, one from another CA, a key that is not the certificate's.
 #[test]
-fn exposed_keys_and_shared_state_dirs_exit_64_before_binding() {
+fn check_and_start_refuse_the_same_files_before_binding() {
     use std::os::unix::fs::PermissionsExt;
     let certs = Certs::new(&["west", "east"]);
+    let other = Certs::new(&["west"]);
     let dir = tempfile::tempdir().expect("tempdir");
     let port = free_port();
     let state = dir.path().join("state");
     std::fs::create_dir(&state).expect("mkdir");
     let p = dir.path().join("west.yaml");
-    std::fs::write(
-        &p,
-        format!(
-            "site: west\nlink: {{listen: '127.0.0.1:{port}', peer: east}}\n{}state_dir: {}\noptimize:\n  disk:\n    bytes: 512MiB\n",
-            certs.tls_yaml("west"),
-            state.display()
-        ),
-    )
-    .expect("write");
+    let write = |ca: &std::path::Path, cert: &std::path::Path, key: &std::path::Path| {
+        std::fs::write(
+            &p,
+            format!(
+                "site: west\nlink: {{listen: '127.0.0.1:{port}', peer: east}}\n\
+                 tls: {{ca: {}, cert: {}, key: {}}}\nstate_dir: {}\noptimize:\n  disk:\n    bytes: 512MiB\n",
+                ca.display(),
+                cert.display(),
+                key.display(),
+                state.display()
+            ),
+        )
+        .expect("write")
+    };
+    let d = certs.path();
+    let own = || write(&d.join("ca.pem"), &d.join("west.pem"), &d.join("west.key"));
+    let path = p.to_str().expect("utf8");
+    let refused = |what: &str, needles: &[&str]| {
+        for args in [vec!["-c", path], vec!["check", "-c", path]] {
+            let (code, _, err) = wanoptd(&args);
+            assert_eq!(code, 64, "{what}, {args:?}: {err}");
+            for n in needles {
+                assert!(err.contains(n), "{what}, {args:?}: {err}");
+            }
+        }
+    };
     let chmod = |f: &std::path::Path, m: u32| {
         std::fs::set_permissions(f, std::fs::Permissions::from_mode(m)).expect("chmod")
     };
-    let key = certs.path().join("west.key");
-    chmod(&key, 0o644);
-    let (code, _, err) = wanoptd(&["-c", p.to_str().expect("utf8")]);
-    assert_eq!(code, 64, "{err}");
+    own();
+    let (code, out, err) = wanoptd(&["check", "-c", path]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("site: west"), "{out}");
     assert!(
-        err.contains("west.key") && err.contains("chmod 600"),
-        "{err}"
+        err.contains("not checked: the peer's certificate"),
+        "check says what it could not check: {err}"
     );
+    let key = d.join("west.key");
+    chmod(&key, 0o644);
+    refused("an exposed key", &["west.key", "chmod 600"]);
     chmod(&key, 0o600);
     chmod(&state, 0o777);
-    let (code, _, err) = wanoptd(&["-c", p.to_str().expect("utf8")]);
-    assert_eq!(code, 64, "{err}");
-    assert!(
-        err.contains("state_dir") && err.contains("chmod 700"),
-        "{err}"
-    );
+    refused("a world-writable state_dir", &["state_dir", "chmod 700"]);
+    chmod(&state, 0o700);
+    write(&d.join("ca.pem"), &d.join("east.pem"), &d.join("east.key"));
+    refused("east's certificate", &["east.pem", "not issued to this site \"west\""]);
+    let o = other.path();
+    write(&d.join("ca.pem"), &o.join("west.pem"), &o.join("west.key"));
+    refused("another CA's certificate", &["not signed by the configured CA"]);
+    write(&d.join("ca.pem"), &d.join("west.pem"), &d.join("east.key"));
+    refused("another certificate's key", &["east.key", "does not fit"]);
     std::net::TcpListener::bind(("127.0.0.1", port)).expect("port still free");
 }
 

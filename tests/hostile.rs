@@ -300,6 +300,7 @@ impl Hostile {
             ca: d.join("ca.pem"),
             cert: d.join(format!("{site}.pem")),
             key: d.join(format!("{site}.key")),
+            site: site.to_owned(),
         })
         .expect("tls");
         let name = wanopt_runtime::tls::server_name("east").expect("name");

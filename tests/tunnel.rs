@@ -182,7 +182,8 @@ fn assert_rejected(east: &Daemon, west: &Daemon, needle: &str) {
     assert_eq!(west.count("link up"), 0, "west accepted a bad peer");
 }
 
-/// A peer whose certificate comes from another CA is rejected during the handshake.
+/// A peer whose certificate comes from another CA is rejected during the handshake (the impostor
+/// is consistent in itself: its config trusts the CA that signed it, or it would not start).
 #[test]
 fn peer_from_another_ca_is_rejected() {
     let good = Certs::new(&["west", "east"]);
@@ -191,8 +192,8 @@ fn peer_from_another_ca_is_rejected() {
     let link = east.bound("link");
     let mut yaml = west_yaml(link, &good, "  []");
     yaml = yaml.replace(
-        &format!("{}/west", good.path().display()),
-        &format!("{}/west", other.path().display()),
+        &good.path().display().to_string(),
+        &other.path().display().to_string(),
     );
     let west = Daemon::start("west", &yaml);
     assert_rejected(&east, &west, "rejected link: TLS handshake failed");
@@ -205,18 +206,20 @@ fn peer_with_wrong_site_name_is_rejected() {
     let certs = Certs::new(&["west", "east", "north"]);
     let east = Daemon::start("east", &east_yaml(&certs, "  []"));
     let link = east.bound("link");
-    // West presents north's certificate.
+    // Site north, with its own certificate, dials east in west's place.
     let yaml = west_yaml(link, &certs, "  []")
+        .replace("site: west", "site: north")
         .replace("/west.pem", "/north.pem")
         .replace("/west.key", "/north.key");
     let west = Daemon::start("west", &yaml);
     assert_rejected(&east, &west, "rejected link: wrong peer");
     drop(west);
 
-    // East presents north's certificate: west's TLS client refuses it.
+    // North listens where west expects east: west's TLS client refuses its certificate.
     let east2 = Daemon::start(
         "east2",
         &east_yaml(&certs, "  []")
+            .replace("site: east", "site: north")
             .replace("/east.pem", "/north.pem")
             .replace("/east.key", "/north.key"),
     );

@@ -30,24 +30,65 @@ pub fn private_key_file(path: &Path) -> Result<(), String> {
 /// Creates the state directory (0700) if it does not exist; refuses one that is not a directory,
 /// belongs to someone other than this user or root, or that group or others may write.
 pub fn state_dir(path: &Path) -> Result<(), String> {
-    let shown = path.display();
+    if !exists(path)? {
+        DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(path)
+            .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+    }
     let euid = unsafe { libc::geteuid() };
-    let trusted = |uid: u32| uid == euid || uid == 0;
-    let link = match std::fs::symlink_metadata(path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(path)
-                .map_err(|e| format!("cannot create {shown}: {e}"))?;
-            std::fs::symlink_metadata(path).map_err(|e| format!("{shown}: {e}"))?
-        }
-        Err(e) => return Err(format!("{shown}: {e}")),
-    };
+    trusted_dir(
+        path,
+        &|uid| uid == euid || uid == 0,
+        &format!("this daemon's user (uid {euid}) or root"),
+    )
+}
+
+/// What [`state_dir_as_found`] could judge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Found {
+    /// Not there yet: the daemon creates it.
+    Missing,
+    /// Type, owner and mode are what the daemon accepts when run as this user.
+    Checked,
+    /// Run as root: type and mode checked, the owner not (the daemon's user is unknown here).
+    OwnerUnknown,
+}
+
+/// What `wanoptd check` can say of a state directory without creating it; an error for what the
+/// daemon would refuse.
+pub fn state_dir_as_found(path: &Path) -> Result<Found, String> {
+    if !exists(path)? {
+        return Ok(Found::Missing);
+    }
+    let euid = unsafe { libc::geteuid() };
+    if euid == 0 {
+        trusted_dir(path, &|_| true, "anyone")?;
+        return Ok(Found::OwnerUnknown);
+    }
+    trusted_dir(
+        path,
+        &|uid| uid == euid || uid == 0,
+        &format!("this user (uid {euid}) or root"),
+    )?;
+    Ok(Found::Checked)
+}
+
+fn exists(path: &Path) -> Result<bool, String> {
+    match std::fs::symlink_metadata(path) {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(format!("{}: {e}", path.display())),
+    }
+}
+
+fn trusted_dir(path: &Path, trusted: &dyn Fn(u32) -> bool, who: &str) -> Result<(), String> {
+    let shown = path.display();
+    let link = std::fs::symlink_metadata(path).map_err(|e| format!("{shown}: {e}"))?;
     if link.file_type().is_symlink() && !trusted(link.uid()) {
         return Err(format!(
-            "{shown} is a symlink owned by uid {}, not by this daemon's user (uid {euid}) or root",
+            "{shown} is a symlink owned by uid {}, not by {who}",
             link.uid()
         ));
     }
@@ -56,10 +97,7 @@ pub fn state_dir(path: &Path) -> Result<(), String> {
         return Err(format!("{shown} is not a directory"));
     }
     if !trusted(m.uid()) {
-        return Err(format!(
-            "{shown} is owned by uid {}, not by this daemon's user (uid {euid}) or root",
-            m.uid()
-        ));
+        return Err(format!("{shown} is owned by uid {}, not by {who}", m.uid()));
     }
     let mode = m.mode() & 0o7777;
     if mode & 0o022 != 0 {
@@ -112,6 +150,21 @@ mod tests {
         let l = d.path().join("link");
         std::os::unix::fs::symlink(&s, &l).expect("symlink");
         state_dir(&l).expect("own symlink");
+        // The check's view: the same verdicts, and nothing created.
+        assert!(matches!(
+            state_dir_as_found(&s),
+            Ok(Found::Checked | Found::OwnerUnknown)
+        ));
+        let missing = d.path().join("not/yet");
+        assert_eq!(state_dir_as_found(&missing), Ok(Found::Missing));
+        assert!(!missing.exists());
+        chmod(&s, 0o777);
+        assert!(
+            state_dir_as_found(&s)
+                .expect_err("world-writable")
+                .contains("chmod 700")
+        );
+        chmod(&s, 0o700);
         // Someone else's directory is refused (only root can make one here).
         if unsafe { libc::geteuid() } == 0 {
             let theirs = d.path().join("theirs");

@@ -99,6 +99,7 @@ pub fn load(paths: &TlsPaths) -> Result<TlsMaterial, TlsError> {
     let ca_expiry = ca.first().and_then(|c| not_after(c));
     let cert_expiry = chain.first().and_then(|c| not_after(c));
     let key = load_key(&paths.key)?;
+    check_own(&ca, &chain, paths)?;
     let mut roots = RootCertStore::empty();
     for c in ca {
         roots.add(c).map_err(|e| TlsError::Bad {
@@ -135,6 +136,74 @@ pub fn load(paths: &TlsPaths) -> Result<TlsMaterial, TlsError> {
         cert_expiry,
         ca_expiry,
     })
+}
+
+/// Refuses, before anything is bound, a certificate the peer would refuse at every handshake:
+/// one issued to another site than the config's `site`, one the configured CA did not sign, or
+/// one outside its validity (expired, or not yet valid by this host's clock).
+fn check_own(
+    ca: &[CertificateDer<'static>],
+    chain: &[CertificateDer<'static>],
+    paths: &TlsPaths,
+) -> Result<(), TlsError> {
+    let bad = |path: &Path, msg: String| TlsError::Bad {
+        path: path.to_path_buf(),
+        msg,
+    };
+    let (own, intermediates) = chain
+        .split_first()
+        .ok_or_else(|| bad(&paths.cert, "no certificate in PEM file".into()))?;
+    let ee = webpki::EndEntityCert::try_from(own)
+        .map_err(|e| bad(&paths.cert, format!("unparsable certificate: {e}")))?;
+    let site = &paths.site;
+    let name = server_name(site)?;
+    ee.verify_is_valid_for_subject_name(&name).map_err(|_| {
+        bad(
+            &paths.cert,
+            format!(
+                "the certificate is not issued to this site {site:?} (the config's `site`); \
+                 the peer would refuse it: `wanoptd certs --out DIR {site}`"
+            ),
+        )
+    })?;
+    let anchors = ca
+        .iter()
+        .map(|c| {
+            webpki::anchor_from_trusted_cert(c)
+                .map(|a| a.to_owned())
+                .map_err(|e| bad(&paths.ca, format!("not a CA certificate: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let now = rustls::pki_types::UnixTime::now();
+    for usage in [
+        webpki::KeyUsage::server_auth(),
+        webpki::KeyUsage::client_auth(),
+    ] {
+        ee.verify_for_usage(
+            webpki::ALL_VERIFICATION_ALGS,
+            &anchors,
+            intermediates,
+            now,
+            usage,
+            None,
+            None,
+        )
+        .map_err(|e| {
+            let why = match e {
+                webpki::Error::CertExpired { .. } => "the certificate has expired; renew it".to_string(),
+                webpki::Error::CertNotValidYet { .. } => {
+                    "the certificate is not valid yet (check this host's clock)".to_string()
+                }
+                webpki::Error::UnknownIssuer | webpki::Error::InvalidSignatureForPublicKey => format!(
+                    "the certificate is not signed by the configured CA {}; the peer would refuse it",
+                    paths.ca.display()
+                ),
+                other => format!("the certificate does not verify against the configured CA: {other}"),
+            };
+            bad(&paths.cert, why)
+        })?;
+    }
+    Ok(())
 }
 
 /// One DER element: (tag, contents, rest). Lengths are checked against the input.
@@ -338,6 +407,7 @@ mod tests {
             ca: dir.path().join("ca.pem"),
             cert: dir.path().join("west.pem"),
             key: dir.path().join("west.key"),
+            site: "west".into(),
         };
         load(&paths).expect("loads");
         let east = load_certs(&dir.path().join("east.pem")).expect("east cert");
@@ -353,6 +423,44 @@ mod tests {
         // A later call adds a site under the same CA.
         create_site_certs(dir.path(), &["north".into()]).expect("more");
         assert!(dir.path().join("north.pem").exists());
+    }
+
+    #[test]
+    fn a_certificate_the_peer_would_refuse_is_refused_at_load() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let other = tempfile::tempdir().expect("tempdir");
+        create_site_certs(dir.path(), &["west".into(), "east".into()]).expect("certs");
+        create_site_certs(other.path(), &["west".into()]).expect("other CA");
+        let paths = |ca: &Path, cert: &Path, key: &Path, site: &str| TlsPaths {
+            ca: ca.join("ca.pem"),
+            cert: cert.join(format!("{site}.pem")),
+            key: key.join(format!("{site}.key")),
+            site: site.into(),
+        };
+        let d = dir.path();
+        load(&paths(d, d, d, "west")).expect("west's own files load");
+        // East's certificate and key in west's config.
+        let mut p = paths(d, d, d, "east");
+        p.site = "west".into();
+        let e = load(&p)
+            .expect_err("east's certificate for west")
+            .to_string();
+        assert!(
+            e.contains("east.pem") && e.contains("not issued to this site \"west\""),
+            "{e}"
+        );
+        // A certificate from another CA.
+        let e = load(&paths(d, other.path(), other.path(), "west"))
+            .expect_err("another CA")
+            .to_string();
+        assert!(e.contains("not signed by the configured CA"), "{e}");
+        // West's certificate with east's key.
+        let mut p = paths(d, d, d, "west");
+        p.key = d.join("east.key");
+        let e = load(&p)
+            .expect_err("a key of another certificate")
+            .to_string();
+        assert!(e.contains("east.key") && e.contains("does not fit"), "{e}");
     }
 
     #[test]
@@ -380,6 +488,7 @@ mod tests {
             ca: dir.path().join("ca.pem"),
             cert: dir.path().join("west.pem"),
             key: dir.path().join("west.key"),
+            site: "west".into(),
         };
         let e = load(&paths).expect_err("missing");
         assert!(

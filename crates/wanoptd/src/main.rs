@@ -88,16 +88,7 @@ fn main() -> ExitCode {
                 return ExitCode::from(EXIT_CONFIG);
             };
             match load(&path) {
-                Ok(cfg) => match tls::load(&cfg.tls) {
-                    Ok(_) => {
-                        print!("{}", cfg.describe());
-                        ExitCode::SUCCESS
-                    }
-                    Err(e) => {
-                        eprintln!("wanoptd: {e}");
-                        ExitCode::from(EXIT_CONFIG)
-                    }
-                },
+                Ok(cfg) => check(&cfg),
                 Err(code) => code,
             }
         }
@@ -142,6 +133,45 @@ fn main() -> ExitCode {
             stats(addr, watch, interval.max(1))
         }
     }
+}
+
+/// `wanoptd check`: refuses what `wanoptd` would refuse at start (the config, the TLS files and
+/// whether the certificate fits `site` and the CA, the state directory), prints the effective
+/// config, and says what only a running pair can show.
+fn check(cfg: &Config) -> ExitCode {
+    if let Err(e) = tls::load(&cfg.tls) {
+        eprintln!("wanoptd: {e}");
+        return ExitCode::from(EXIT_CONFIG);
+    }
+    let mut notes = Vec::new();
+    if cfg.optimize.enabled && cfg.optimize.disk.is_some() {
+        use wanopt_runtime::secure::{Found, state_dir_as_found};
+        match state_dir_as_found(&cfg.state_dir) {
+            Err(e) => {
+                eprintln!("wanoptd: state_dir: {e}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+            Ok(Found::Missing) => notes.push(format!(
+                "state_dir {} does not exist yet; wanoptd creates it (mode 0700)",
+                cfg.state_dir.display()
+            )),
+            Ok(Found::OwnerUnknown) => notes.push(format!(
+                "state_dir {}: checked as root, so its owner was not compared with the daemon's user",
+                cfg.state_dir.display()
+            )),
+            Ok(Found::Checked) => {}
+        }
+    }
+    print!("{}", cfg.describe());
+    notes.push(format!(
+        "not checked: the peer's certificate (site {:?}; it is checked when the link comes up), \
+         and whether the ports are free (checked when they are bound)",
+        cfg.link.peer
+    ));
+    for n in notes {
+        eprintln!("wanoptd check: {n}");
+    }
+    ExitCode::SUCCESS
 }
 
 fn stats(addr: std::net::SocketAddr, watch: bool, interval: u64) -> ExitCode {

@@ -102,6 +102,8 @@ pub struct TlsPaths {
     pub ca: PathBuf,
     pub cert: PathBuf,
     pub key: PathBuf,
+    /// The name `cert` must be issued to: the config's `site`.
+    pub site: String,
 }
 
 impl std::str::FromStr for BufferSize {
@@ -255,11 +257,12 @@ pub(super) fn parse_link(
     })
 }
 
-pub(super) fn parse_tls(cx: &Ctx<'_>, t: &RawTls) -> TlsPaths {
+pub(super) fn parse_tls(cx: &Ctx<'_>, t: &RawTls, site: &str) -> TlsPaths {
     TlsPaths {
         ca: cx.resolve(&t.ca),
         cert: cx.resolve(&t.cert),
         key: cx.resolve(&t.key),
+        site: site.to_owned(),
     }
 }
 

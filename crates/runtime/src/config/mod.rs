@@ -170,7 +170,7 @@ impl Config {
         };
         Ok(Config {
             path: path.to_path_buf(),
-            tls: parse_tls(&cx, &raw.tls),
+            tls: parse_tls(&cx, &raw.tls, &raw.site),
             state_dir: parse_state_dir(&cx, raw.state_dir.as_deref()),
             log_level: parse_log(&cx, raw.log.as_ref())?,
             site: raw.site,
