@@ -181,10 +181,16 @@ fn check_and_start_refuse_the_same_files_before_binding() {
     refused("a world-writable state_dir", &["state_dir", "chmod 700"]);
     chmod(&state, 0o700);
     write(&d.join("ca.pem"), &d.join("east.pem"), &d.join("east.key"));
-    refused("east's certificate", &["east.pem", "not issued to this site \"west\""]);
+    refused(
+        "east's certificate",
+        &["east.pem", "not issued to this site \"west\""],
+    );
     let o = other.path();
     write(&d.join("ca.pem"), &o.join("west.pem"), &o.join("west.key"));
-    refused("another CA's certificate", &["not signed by the configured CA"]);
+    refused(
+        "another CA's certificate",
+        &["not signed by the configured CA"],
+    );
     write(&d.join("ca.pem"), &d.join("west.pem"), &d.join("east.key"));
     refused("another certificate's key", &["east.key", "does not fit"]);
     std::net::TcpListener::bind(("127.0.0.1", port)).expect("port still free");

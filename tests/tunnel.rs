@@ -113,7 +113,7 @@ fn half_close_is_carried_each_way() {
 #[test]
 fn refused_target_resets_the_client_promptly() {
     let (_hold, closed) = refusing_port();
-    let p = Pair::start(
+    let p = Pair::start_with_admin(
         &format!("  - name: dead\n    target: {closed}\n"),
         "  - name: dead\n    listen: 127.0.0.1:0\n",
     );
@@ -129,6 +129,18 @@ fn refused_target_resets_the_client_promptly() {
     );
     assert!(start.elapsed() < 2 * SEC, "took {:?}", start.elapsed());
     p.east.wait_log("target refused", 5 * SEC);
+    // The client's side says so too, and counts it as what it is.
+    let line = p.west.wait_log("target refused at the peer", 5 * SEC);
+    assert!(
+        line.contains("WARN") && line.contains(&closed.to_string()),
+        "{line}"
+    );
+    let failed = |reason: &str| {
+        format!("wanopt_streams_failed_total{{service=\"dead\",reason=\"{reason}\"}} ")
+    };
+    let text = scrape(p.west.bound("admin"));
+    assert_eq!(value(&text, &failed("target_refused")), 1, "{text}");
+    assert_eq!(value(&text, &failed("stream_error")), 0, "{text}");
 }
 
 /// A service the peer does not have is refused with a reason, counted and logged.

@@ -61,6 +61,18 @@ impl ServiceCounters {
     }
 }
 
+/// The reasons of `wanopt_streams_failed_total` (docs/metrics.md lists the same).
+pub const FAILURE_REASONS: [&str; 8] = [
+    "target_refused",
+    "target_timeout",
+    "stream_error",
+    "idle_timeout",
+    "service_full",
+    "client_full",
+    "bulk_full",
+    "link_full",
+];
+
 /// The per-service metric families.
 #[derive(Debug, Clone)]
 pub struct ServiceMetrics {
@@ -125,6 +137,14 @@ impl ServiceMetrics {
         let label = ServiceLabel {
             service: name.to_string(),
         };
+        // Every documented reason is there from the first scrape, at zero, so a rate or an
+        // alert over it has a series before the first failure.
+        for reason in FAILURE_REASONS {
+            let _ = self.failed.get_or_create(&ServiceReason {
+                service: name.to_string(),
+                reason: reason.to_string(),
+            });
+        }
         ServiceCounters {
             raw_out: dir(&self.raw, OUT),
             raw_in: dir(&self.raw, IN),
@@ -184,6 +204,8 @@ impl LinkCounters {
 
     pub fn register(r: &mut Registry) -> Self {
         let m = LinkCounters::default();
+        // The lane's first connection is always there; further copies appear when they win.
+        let _ = m.copy_won.get_or_create(&CopyLabel { copy: "1" });
         r.register(
             "wanopt_link_connects",
             "Links that came up",
@@ -328,6 +350,9 @@ pub struct AdminMetrics {
 impl AdminMetrics {
     pub fn register(r: &mut Registry) -> Self {
         let m = AdminMetrics::default();
+        for reason in ["allow", "busy"] {
+            let _ = m.refused.get_or_create(&ReasonLabel { reason });
+        }
         r.register(
             "wanopt_admin_refused",
             "Admin endpoint connections closed unanswered: from outside admin.allow (allow), or \
@@ -473,6 +498,16 @@ pub struct CodecMetrics {
 }
 
 impl CodecMetrics {
+    /// Creates the per-service series that only events would otherwise create, at zero.
+    fn service(&self, name: &str) {
+        for direction in [OUT, IN] {
+            let _ = self.resends.get_or_create(&ServiceDir {
+                service: name.to_string(),
+                direction,
+            });
+        }
+    }
+
     pub fn register(r: &mut Registry) -> Self {
         let m = CodecMetrics::default();
         r.register(
@@ -778,6 +813,7 @@ impl Counters {
         if let Some(c) = m.get(name) {
             return c.clone();
         }
+        self.codec.service(name);
         m.entry(name.to_string())
             .or_insert_with(|| Arc::new(self.services.service(name)))
             .clone()

@@ -70,6 +70,10 @@ impl Daemon {
             counters.certs.set("ca", t);
         }
         let cfg = Arc::new(cfg);
+        // Every service's series exist from the first scrape, those of target-only services too.
+        for s in &cfg.services {
+            counters.service(&s.name);
+        }
         sockopt::check_buffer_sysctls(&cfg.link);
         // The state directory is checked and the caches opened before any port is bound.
         let caches = match (&cfg.optimize.disk, cfg.optimize.enabled) {

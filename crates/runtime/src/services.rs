@@ -259,15 +259,35 @@ async fn pump(
     match result {
         Ok(()) => debug!(link = h.id, service, stream = %id, "stream closed"),
         Err(why) => {
-            c.failed(if why.ends_with("(idle_timeout)") {
-                "idle_timeout"
+            let label = failure_label(&why);
+            c.failed(label);
+            if label.starts_with("target_") {
+                // The peer could not connect the target: the far side logged it too, but the
+                // operator watching this side (where the client is) must see it here.
+                warn!(link = h.id, service, stream = %id, reason = %why, "target refused at the peer");
             } else {
-                "stream_error"
-            });
-            info!(link = h.id, service, stream = %id, reason = %why, "stream failed");
+                info!(link = h.id, service, stream = %id, reason = %why, "stream failed");
+            }
             sockopt::abort(&sock);
             h.reset(id, ResetCode::SocketError, &why);
         }
     }
     h.forget(id);
+}
+
+/// The `wanopt_streams_failed_total` reason of a stream that ended with `why`: a target the peer
+/// could not connect (its reset says `target_refused: connect ADDR: ...`), a stream idle too
+/// long, or any other error.
+fn failure_label(why: &str) -> &'static str {
+    if why.ends_with("(idle_timeout)") {
+        "idle_timeout"
+    } else if let Some(rest) = why.strip_prefix("target_refused: ") {
+        if rest.ends_with("timed out") {
+            "target_timeout"
+        } else {
+            "target_refused"
+        }
+    } else {
+        "stream_error"
+    }
 }
