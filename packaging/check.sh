@@ -31,7 +31,7 @@ for f in /usr/bin/wanoptd /usr/bin/wanopt-replay /usr/bin/wansim \
     /usr/lib/systemd/system/wanoptd.service /usr/lib/systemd/system/wanoptd@.service \
     /usr/lib/sysusers.d/wanopt.conf /usr/lib/sysctl.d/99-wanopt.conf \
     /etc/wanopt/west.yaml /etc/wanopt/east.yaml /etc/wanopt/certs/ca.pem \
-    /usr/share/wanopt/prometheus-rules.yaml /usr/share/doc/wanopt/configuration.md; do
+    /usr/share/wanopt/prometheus-rules.yaml /usr/share/doc/wanopt/docs/configuration.md; do
     [ -e "$f" ] || { echo "FAIL: the package did not install $f"; exit 1; }
 done
 # Each listing is read whole before it is searched: `grep -q` stops at its first match, and under
@@ -42,6 +42,15 @@ grep -q /etc/wanopt/west.yaml <<<"$conffiles" ||
 getent passwd wanopt >/dev/null || { echo "FAIL: no wanopt user"; exit 1; }
 [ "$(stat -c %U:%a /etc/wanopt/certs/west.key)" = "wanopt:600" ] ||
     { echo "FAIL: west.key is $(stat -c %U:%a /etc/wanopt/certs/west.key)"; exit 1; }
+
+# Every relative link of the installed docs leads to an installed file.
+while read -r md; do
+    dir=$(dirname "$md")
+    for target in $(grep -o '](\([^)#]*\)' "$md" | sed 's/^](//' | grep -v '^https\?:' || true); do
+        [ -e "$dir/$target" ] ||
+            { echo "FAIL: $md links $target, which the package does not install"; exit 1; }
+    done
+done < <(find /usr/share/doc/wanopt -name '*.md')
 
 # The sample configs, as the daemon's user reads them.
 for site in west east; do
@@ -102,8 +111,19 @@ for _ in $(seq 1 100); do
     fi
     sleep 0.1
 done
+# Each sample has an admin endpoint: `wanoptd stats -c` works out of the box.
+stats=0
+if [ "$up" = 1 ]; then
+    for site in west east; do
+        wanoptd stats -c "/etc/wanopt/$site.yaml" >"$state/$site.stats" || stats=1
+    done
+fi
 kill "${pids[@]}" 2>/dev/null || true
 wait "${pids[@]}" 2>/dev/null || true
+if [ "$stats" != 0 ]; then
+    echo "FAIL: wanoptd stats -c with an installed sample config"
+    exit 1
+fi
 if [ "$up" != 1 ]; then
     echo "FAIL: the installed sample pair did not come up"
     cat "${logs[@]}"

@@ -298,6 +298,15 @@ fn demo_runs_both_sites_in_one_process() {
             }
         }
     }
+    // Each site's lines name it: the two sites' events and totals can be told apart.
+    for site in ["east", "west"] {
+        assert!(
+            log.iter()
+                .any(|l| l.contains("link up") && l.contains(&format!("site{{site={site}}}"))),
+            "no link up line naming {site}: {}",
+            log.join("\n")
+        );
+    }
     let r = hash_client(
         format!("127.0.0.1:{svc}").parse().expect("addr"),
         5,

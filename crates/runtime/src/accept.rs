@@ -41,7 +41,7 @@ pub(crate) async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
         }
         peer.counters.link.handshakes_pending.set(gate.pending() as i64);
         let (peer, gate) = (peer.clone(), gate.clone());
-        tokio::spawn(async move {
+        crate::spawn(async move {
             accept_link(&peer, tcp, addr, ticket).await;
             peer.counters.link.handshakes_pending.set(gate.pending() as i64);
         });
@@ -168,7 +168,7 @@ fn start_lane<S>(
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let task = tokio::spawn(driver::run_lane(
+    let task = crate::spawn(driver::run_lane(
         h.clone(),
         stream,
         fd,
@@ -279,7 +279,7 @@ mod tests {
         let mut east = peer(dir.path(), "east", "{listen: '127.0.0.1:0', peer: west}");
         let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = l.local_addr().expect("addr");
-        let task = tokio::spawn(accept_links(east.peer.clone(), l));
+        let task = crate::spawn(accept_links(east.peer.clone(), l));
         let rejected = || east.peer.counters.link.rejected.get();
 
         let mut s = TcpStream::connect(addr).await.expect("connect");

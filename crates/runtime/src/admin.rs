@@ -66,7 +66,7 @@ pub async fn serve(listener: TcpListener, allow: Vec<IpNet>, counters: Arc<Count
             continue;
         };
         let counters = counters.clone();
-        tokio::spawn(async move {
+        crate::spawn(async move {
             if let Err(e) = connection(sock, counters).await {
                 debug!(from = %from, error = %e, "admin connection ended");
             }
@@ -136,7 +136,7 @@ pub async fn fetch(addr: std::net::SocketAddr, path: &str) -> Result<String, Str
         let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
             .await
             .map_err(|e| format!("{addr}: {e}"))?;
-        tokio::spawn(conn);
+        crate::spawn(conn);
         let req = Request::get(path)
             .header(HOST, addr.to_string())
             .header(CONNECTION, "close")

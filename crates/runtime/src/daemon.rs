@@ -186,11 +186,11 @@ impl Daemon {
         mut reloads: tokio::sync::mpsc::UnboundedReceiver<Config>,
     ) {
         let peer = self.peer.clone();
-        let mut tasks = vec![tokio::spawn(supervisor::run(peer.clone(), self.supervisor))];
+        let mut tasks = vec![crate::spawn(supervisor::run(peer.clone(), self.supervisor))];
         let mut listeners: HashMap<String, Listener> = HashMap::new();
         for (svc, l) in self.service_listeners {
             let bound = l.local_addr().ok();
-            let task = tokio::spawn(services::accept_clients(peer.clone(), svc.name.clone(), l));
+            let task = crate::spawn(services::accept_clients(peer.clone(), svc.name.clone(), l));
             if let ServiceKind::Listen { addr, .. } = &svc.kind {
                 listeners.insert(
                     svc.name.clone(),
@@ -209,15 +209,15 @@ impl Daemon {
                 .as_ref()
                 .map(|a| a.allow.clone())
                 .unwrap_or_default();
-            tasks.push(tokio::spawn(crate::admin::serve(
+            tasks.push(crate::spawn(crate::admin::serve(
                 l,
                 allow,
                 peer.counters.clone(),
             )));
         }
         let link_task = match self.link_listener {
-            Some(l) => tokio::spawn(accept::accept_links(peer.clone(), l)),
-            None => tokio::spawn(dial::connect_loop(peer.clone())),
+            Some(l) => crate::spawn(accept::accept_links(peer.clone(), l)),
+            None => crate::spawn(dial::connect_loop(peer.clone())),
         };
         tokio::pin!(stop);
         loop {

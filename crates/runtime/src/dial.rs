@@ -324,7 +324,7 @@ pub(crate) async fn keep_copies(peer: Arc<Peer>, h: Arc<LinkHandle>) {
             h.drop_copies(wanted);
         } else if have < wanted && !dialing.swap(true, Ordering::AcqRel) {
             let (peer, link, dialing) = (peer.clone(), h.clone(), dialing.clone());
-            let task = tokio::spawn(async move {
+            let task = crate::spawn(async move {
                 open_copy(&peer, &link, &dialing).await;
             });
             h.keep_task(task);
@@ -354,8 +354,8 @@ mod tests {
             "west",
             &format!("{{connect: '{addr}', peer: east}}"),
         );
-        let accepting = tokio::spawn(crate::accept::accept_links(east.peer.clone(), l));
-        let dialing = tokio::spawn(connect_loop(west.peer.clone()));
+        let accepting = crate::spawn(crate::accept::accept_links(east.peer.clone(), l));
+        let dialing = crate::spawn(connect_loop(west.peer.clone()));
         let soon = Duration::from_secs(10);
         let up = |m: Option<LinkMsg>| match m {
             Some(LinkMsg::Up(h, _)) => h,
@@ -372,7 +372,7 @@ mod tests {
         let token = wh.with(|l| l.lane_offer()).expect("a lane is offered");
         west.peer.current.send_replace(Some(wh.clone()));
         east.peer.current.send_replace(Some(eh.clone()));
-        let lane = tokio::spawn(open_lane(
+        let lane = crate::spawn(open_lane(
             west.peer.clone(),
             wh.clone(),
             token,

@@ -74,7 +74,7 @@ mod tests {
             }
             .encode(&mut frame);
             let (mut a, mut b) = tokio::io::duplex(1 << 20);
-            let writer = tokio::spawn(async move {
+            let writer = crate::spawn(async move {
                 let _ = a.write_all(&frame).await;
                 a
             });

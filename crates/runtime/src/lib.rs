@@ -40,3 +40,14 @@ pub use config::{Config, ConfigError};
 pub use daemon::{Bound, Daemon, DaemonError};
 pub use peer::link_config;
 pub use wanopt_units as units;
+
+/// Spawns a task that keeps the caller's tracing span, so a process running several sites
+/// (`wanoptd demo`, several configs) names the site in every line its tasks log.
+pub(crate) fn spawn<F>(f: F) -> tokio::task::JoinHandle<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    use tracing::Instrument;
+    tokio::spawn(f.in_current_span())
+}

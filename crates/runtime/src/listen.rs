@@ -37,7 +37,7 @@ mod tests {
     async fn connections_are_handed_on_until_the_handler_stops() {
         let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = l.local_addr().expect("addr");
-        let clients = tokio::spawn(async move {
+        let clients = crate::spawn(async move {
             let mut held = Vec::new();
             for _ in 0..3 {
                 held.push(TcpStream::connect(addr).await.expect("connect"));

@@ -111,7 +111,7 @@ pub(crate) fn apply_reload(
                 let local = l.local_addr().unwrap_or(addr);
                 info!(kind = "service", service = %name, addr = %local, "bound");
                 let task =
-                    tokio::spawn(services::accept_clients(peer.clone(), name.to_string(), l));
+                    crate::spawn(services::accept_clients(peer.clone(), name.to_string(), l));
                 listeners.insert(
                     name.to_string(),
                     Listener {

@@ -62,7 +62,7 @@ pub(crate) async fn accept_clients(peer: Arc<Peer>, name: String, listener: TcpL
         sockopt::tune_local(&sock);
         let peer = peer.clone();
         let counters = counters.clone();
-        tokio::spawn(async move {
+        crate::spawn(async move {
             let _slot = slot;
             let mut rx = peer.current.subscribe();
             let h = match tokio::time::timeout(

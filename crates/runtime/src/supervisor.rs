@@ -30,7 +30,7 @@ pub(crate) async fn run(peer: Arc<Peer>, mut rx: mpsc::UnboundedReceiver<LinkMsg
                 Some((target, idle)) => {
                     let counters = peer.counters.service(&service);
                     let timeout = peer.cfg().limits.connect_timeout;
-                    tokio::spawn(services::serve_incoming(
+                    crate::spawn(services::serve_incoming(
                         link,
                         stream,
                         service,
@@ -72,7 +72,7 @@ fn up(peer: &Arc<Peer>, h: Arc<LinkHandle>, addr: SocketAddr) {
     open_lane(peer, &h);
     if matches!(cfg.link.role, LinkRole::Connect(_)) {
         // Ended with the connection (as the lane's tasks are); a resumed link comes up again.
-        let task = tokio::spawn(dial::keep_copies(peer.clone(), h.clone()));
+        let task = crate::spawn(dial::keep_copies(peer.clone(), h.clone()));
         h.keep_task(task);
     }
 }
@@ -81,7 +81,7 @@ fn up(peer: &Arc<Peer>, h: Arc<LinkHandle>, addr: SocketAddr) {
 fn open_lane(peer: &Arc<Peer>, h: &Arc<LinkHandle>) {
     let cfg = peer.cfg();
     if let (Some(token), LinkRole::Connect(target)) = (h.with(|l| l.lane_offer()), &cfg.link.role) {
-        let task = tokio::spawn(dial::open_lane(
+        let task = crate::spawn(dial::open_lane(
             peer.clone(),
             h.clone(),
             token,

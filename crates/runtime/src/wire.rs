@@ -103,7 +103,7 @@ mod tests {
         let addr = l.local_addr().expect("addr");
         let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
         let sent = data.clone();
-        let writer = tokio::spawn(async move {
+        let writer = crate::spawn(async move {
             let mut s = TcpStream::connect(addr).await.expect("socket");
             s.write_all(&sent).await.expect("socket");
         });

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use wanopt_runtime::config::{LinkRole, ServiceKind};
 use wanopt_runtime::counters::Counters;
 use wanopt_runtime::{Config, Daemon, DaemonError, tls};
 
@@ -261,19 +262,41 @@ fn demo(dir: &Path) -> ExitCode {
                 {
                     c.state_dir = dir.join("state").join(site);
                 }
+                // The shipped configs listen on the gateway's LAN (0.0.0.0 with an allow list);
+                // the demo keeps every listener on loopback.
+                let loopback = |a: &mut std::net::SocketAddr| {
+                    if !a.ip().is_loopback() {
+                        a.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+                    }
+                };
+                if let LinkRole::Listen(a) = &mut c.link.role {
+                    loopback(a);
+                }
+                for s in &mut c.services {
+                    if let ServiceKind::Listen { addr, .. } = &mut s.kind {
+                        loopback(addr);
+                    }
+                }
+                if let Some(a) = &mut c.admin {
+                    loopback(&mut a.addr);
+                }
                 cfgs.push(c)
             }
             Err(code) => return code,
         }
     }
+    eprintln!(
+        "wanoptd demo: every listener is on loopback (127.0.0.1), whatever address the configs give"
+    );
     if let Some(bps) = cfgs.iter().filter_map(|c| c.link.max_rate_bps).min() {
         // On loopback the configs' stated WAN is the only limit: say so, or a comparison
         // with direct loopback TCP looks like the tunnel is slow.
         eprintln!(
-            "wanoptd demo: the link is paced at {:.1} Mbit/s, 95% of the configs' link.bandwidth, as \
-             on the WAN they describe; through the tunnel, loopback runs no faster. Set \
-             link.bandwidth in both configs to compare with loopback TCP, or compare on an \
-             emulated WAN with `sudo wanopt-replay showcase`",
+            "wanoptd demo: bulk services are paced at {:.1} Mbit/s, 95% of the configs' \
+             link.bandwidth, as on the WAN they describe, so through the tunnel they run no \
+             faster on loopback. Latency-class services (dg) are not paced: on loopback they show \
+             no WAN round trip. To see the WAN, compare on an emulated one with \
+             `sudo wanopt-replay showcase`",
             bps as f64 / 1e6
         );
     }
@@ -310,10 +333,20 @@ fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
         }
     };
     rt.block_on(async {
+        // Several sites in one process (`wanoptd demo`): each site's lines name it.
+        let several = cfgs.len() > 1;
+        let span_of = |site: &str| {
+            if several {
+                tracing::info_span!("site", site = %site)
+            } else {
+                tracing::Span::none()
+            }
+        };
         let mut daemons = Vec::new();
         for cfg in cfgs {
-            match Daemon::bind(cfg, Arc::new(Counters::default())) {
-                Ok(d) => daemons.push(d),
+            let span = span_of(&cfg.site);
+            match span.in_scope(|| Daemon::bind(cfg, Arc::new(Counters::default()))) {
+                Ok(d) => daemons.push((d, span)),
                 Err(e @ (DaemonError::Tls(_) | DaemonError::StateDir(_))) => {
                     eprintln!("wanoptd: {e}");
                     return ExitCode::from(EXIT_CONFIG);
@@ -333,7 +366,7 @@ fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
             }
         };
         // Every listener is bound and the config is valid: tell systemd (Type=notify).
-        let peers: Vec<String> = daemons.iter().map(Daemon::peer_name).collect();
+        let peers: Vec<String> = daemons.iter().map(|(d, _)| d.peer_name()).collect();
         wanopt_runtime::notify::ready(&format!("waiting for the link to {}", peers.join(", ")));
         if let Some(every) = wanopt_runtime::notify::watchdog_interval() {
             tokio::spawn(async move {
@@ -346,14 +379,16 @@ fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let mut handles = Vec::new();
         let mut reloaders = Vec::new();
-        for d in daemons {
+        for (d, span) in daemons {
             let mut rx = stop_rx.clone();
             let (tx, reloads) = tokio::sync::mpsc::unbounded_channel();
             reloaders.push((d.config_path(), tx));
             let stop = async move {
                 let _ = rx.wait_for(|s| *s).await;
             };
-            handles.push(tokio::spawn(d.serve_with_reload(stop, reloads)));
+            handles.push(tokio::spawn(
+                tracing::Instrument::instrument(d.serve_with_reload(stop, reloads), span),
+            ));
         }
         loop {
             match signals.next().await {

@@ -451,7 +451,7 @@ mod tests {
     async fn a_waiting_reader_is_woken_by_the_operation_that_frees_it() {
         let west = side(true, &|_| {});
         let h = west.h.clone();
-        let waiter = tokio::spawn(async move { h.wait_until(Link::is_closed).await });
+        let waiter = crate::spawn(async move { h.wait_until(Link::is_closed).await });
         tokio::task::yield_now().await;
         assert!(!waiter.is_finished());
         west.h.with(|l| l.close(CloseCode::Normal, "done"));

@@ -33,11 +33,11 @@ where
     let conn = h.connection();
     let reader = read_link(h.clone(), rd, addr, MAIN_LANE, initial, (conn, 0), None);
     let writer = write_link(h.clone(), wr, MAIN_LANE, (conn, 0));
-    let sampler = tokio::spawn(sample_sockets(h.clone()));
+    let sampler = crate::spawn(sample_sockets(h.clone()));
     let store_waiter = h.ctx.caches.as_ref().map(|c| {
         // Chunks the disk tier read for waiting streams: decode them again.
         let (h, ready) = (h.clone(), c.ready());
-        tokio::spawn(async move {
+        crate::spawn(async move {
             loop {
                 ready.notified().await;
                 h.with(Link::store_ready);
@@ -79,7 +79,7 @@ where
             h.tell(LinkMsg::Suspended(h.clone()));
         }
         if !h.watching.swap(true, Ordering::AcqRel) {
-            tokio::spawn(while_suspended(h.clone()));
+            crate::spawn(while_suspended(h.clone()));
         }
         return;
     }
@@ -286,8 +286,8 @@ mod tests {
         let no_lane = |c: &mut wanopt_proto::LinkConfig| c.latency_lane = false;
         let (mut west, mut east) = (side(true, &no_lane), side(false, &no_lane));
         let (a, b) = tokio::io::duplex(1 << 16);
-        let wt = tokio::spawn(run_link(west.h.clone(), a, addr(), BytesMut::new()));
-        let et = tokio::spawn(run_link(east.h.clone(), b, addr(), BytesMut::new()));
+        let wt = crate::spawn(run_link(west.h.clone(), a, addr(), BytesMut::new()));
+        let et = crate::spawn(run_link(east.h.clone(), b, addr(), BytesMut::new()));
         assert!(matches!(west.next().await, LinkMsg::Up(..)));
         assert!(matches!(east.next().await, LinkMsg::Up(..)));
 

@@ -178,7 +178,7 @@ mod tests {
         assert!(!hello.is_empty(), "the link starts with its hello");
         let (mut a, b) = tokio::io::duplex(1 << 16);
         let addr = SocketAddr::from(([127, 0, 0, 1], 1));
-        let reader = tokio::spawn(read_link(
+        let reader = crate::spawn(read_link(
             east.h.clone(),
             b,
             addr,
@@ -202,7 +202,7 @@ mod tests {
     async fn garbage_ends_the_reader_with_the_links_error() {
         let east = side(false, &|_| {});
         let (mut a, b) = tokio::io::duplex(1 << 16);
-        let reader = tokio::spawn(read_link(
+        let reader = crate::spawn(read_link(
             east.h.clone(),
             b,
             SocketAddr::from(([127, 0, 0, 1], 1)),

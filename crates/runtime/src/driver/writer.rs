@@ -123,7 +123,7 @@ mod tests {
     async fn the_writer_sends_the_hello_first_and_ends_with_the_link() {
         let west = side(true, &|_| {});
         let (a, mut b) = tokio::io::duplex(1 << 16);
-        let writer = tokio::spawn(write_link(
+        let writer = crate::spawn(write_link(
             west.h.clone(),
             a,
             MAIN_LANE,
