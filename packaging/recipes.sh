@@ -7,10 +7,13 @@
 # - README, Quick start: `cargo run ... demo`, then the web server and curl through the pair.
 # - README, two gateway hosts: certs, check and both daemons (on one host, with the shipped
 #   configs copied to /etc/wanopt first, as the paragraph before it says).
-# - docs/install.md, By hand: every line. This machine has no systemd as PID 1, so `systemctl`
-#   and `journalctl` are the functions below: they verify the installed unit with
-#   systemd-analyze and run its ExecStart as its User with its StateDirectory, as systemd
-#   would; everything else runs as the reader would run it.
+# - docs/install.md, From a package: build, install, start the sample units (and the README's
+#   install block), then purge.
+# - docs/install.md, By hand: every line.
+# This machine has no systemd as PID 1, so `systemctl` and `journalctl` are the functions
+# written to systemd.sh below: they verify the unit with systemd-analyze and run its ExecStart
+# as its User with its StateDirectory, as systemd would; everything else runs as the reader
+# would run it.
 # The README's showcase command is run by tests/replay.rs; its test command by CI itself; the
 # replication recipes by tests/recipes.rs.
 set -euo pipefail
@@ -21,19 +24,20 @@ export PATH="$repo/target/release:$PATH"
 fail() { echo "FAIL: $*"; exit 1; }
 work=$(mktemp -d)
 jobs_to_kill=()
-# What the by-hand block installs, removed again (also when a step fails).
-remove_by_hand() {
-    [ -e /tmp/recipes-wanoptd.pid ] && kill "$(cat /tmp/recipes-wanoptd.pid)" 2>/dev/null
+# What the package and the by-hand block install, removed again (also when a step fails).
+remove_installed() {
+    dpkg --purge wanopt >/dev/null 2>&1 || true
+    for p in /tmp/recipes-*.pid; do [ -e "$p" ] && kill "$(cat "$p")" 2>/dev/null; done
     rm -f /usr/bin/wanoptd /usr/bin/wanopt-replay /usr/bin/wansim /etc/sysusers.d/wanopt.conf \
         /etc/sysctl.d/99-wanopt.conf /etc/systemd/system/wanoptd.service \
-        /etc/systemd/system/wanoptd@.service /tmp/recipes-wanoptd.*
+        /etc/systemd/system/wanoptd@.service /tmp/recipes-*
     rm -rf /etc/wanopt /var/lib/wanoptd
     userdel wanopt 2>/dev/null || true
 }
 cleanup() {
     for p in "${jobs_to_kill[@]}"; do kill "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
-    remove_by_hand
+    remove_installed
     rm -rf "$work" "$repo/config/certs" "$repo/config/state"
 }
 trap cleanup EXIT
@@ -71,6 +75,60 @@ wait_lines() {
     cat "$file"
     fail "$file: fewer than $n lines with '$text'"
 }
+
+cat >"$work/systemd.sh" <<'EOF'
+# systemctl and journalctl for a machine without systemd as PID 1 (see the top of this file).
+unit_file() {
+    local name="${1%%@*}$([[ $1 == *@* ]] && echo @).service" d
+    for d in /etc/systemd/system /usr/lib/systemd/system; do
+        [ -e "$d/$name" ] && { echo "$d/$name"; return; }
+    done
+    echo "systemctl: no unit $1" >&2
+    return 1
+}
+systemctl() {
+    local unit file cmd user state log
+    case "$1" in
+    daemon-reload)
+        for file in /etc/systemd/system/wanoptd*.service; do
+            [ -e "$file" ] || continue
+            case "$file" in
+            *@.service) systemd-analyze verify "${file%@.service}@check.service" >/dev/null ;;
+            *) systemd-analyze verify "$file" >/dev/null ;;
+            esac
+        done ;;
+    enable)
+        [ "$2" = --now ] || return 1
+        shift 2
+        for unit in "$@"; do
+            file=$(unit_file "$unit")
+            user=$(sed -n 's/^User=//p' "$file")
+            state=/var/lib/$(sed -n 's/^StateDirectory=//p' "$file" | sed "s/%i/${unit#*@}/")
+            cmd=$(sed -n 's/^ExecStart=//p' "$file" | sed "s/%i/${unit#*@}/")
+            install -d -m 700 -o "$user" "$state"
+            log=/tmp/recipes-$unit.log
+            STATE_DIRECTORY=$state setsid runuser -u "$user" -- $cmd 2>"$log" &
+            echo $! >"/tmp/recipes-$unit.pid"
+        done ;;
+    status)
+        unit=$2
+        log=/tmp/recipes-$unit.log
+        for _ in $(seq 1 100); do grep -q '"service"' "$log" 2>/dev/null && break; sleep 0.1; done
+        kill -0 "$(cat "/tmp/recipes-$unit.pid")" 2>/dev/null || { cat "$log"; return 3; }
+        echo "$unit: running"
+        tail -n 5 "$log" ;;
+    *) echo "systemctl $*: not emulated here" >&2; return 1 ;;
+    esac
+}
+journalctl() { [ "$1" = -u ] && cat "/tmp/recipes-$2.log"; }
+stop_units() {
+    local p
+    for p in /tmp/recipes-*.pid; do
+        [ -e "$p" ] && { kill "$(cat "$p")" 2>/dev/null || true; rm -f "$p"; }
+    done
+    return 0
+}
+EOF
 
 echo "== README: Quick start"
 demo=$(block README.md "## Quick start" 1)
@@ -114,39 +172,36 @@ jobs_to_kill=()
 rm -rf /etc/wanopt "$state"
 echo "two hosts: certificates made, east checked, the pair came up"
 
+echo "== docs/install.md: From a package (and the README's install block)"
+dpkg -s wanopt >/dev/null 2>&1 && fail "a wanopt package is installed already"
+type_lines "$(block docs/install.md "## From a package" 1)" >/dev/null
+type_lines "$(block docs/install.md "## From a package" 2)" >/dev/null
+type_lines "source $work/systemd.sh"$'\n'"$(block docs/install.md "## From a package" 3)" >"$work/pkg.out" ||
+    { cat "$work/pkg.out" /tmp/recipes-*.log; fail "the packaged unit did not start"; }
+grep -q "wanoptd@west: running" "$work/pkg.out" || fail "wanoptd@west is not running"
+# The other half of the sample pair, as the paragraph before says, and the link comes up.
+bash -c "source $work/systemd.sh; systemctl enable --now wanoptd@east"
+wait_lines /tmp/recipes-wanoptd@west.log "link up" 1
+wanoptd stats -c /etc/wanopt/west.yaml >/dev/null || fail "wanoptd stats -c /etc/wanopt/west.yaml"
+bash -c "source $work/systemd.sh; stop_units"
+sleep 1
+# The README's install block: the same package again, and its unit.
+type_lines "source $work/systemd.sh"$'\n'"$(block README.md "## Install on a gateway host" 1)" >/dev/null
+bash -c "source $work/systemd.sh; systemctl status wanoptd@west" >/dev/null ||
+    fail "the README's install block did not start wanoptd@west"
+bash -c "source $work/systemd.sh; stop_units"
+sleep 1
+dpkg --purge wanopt >/dev/null
+[ ! -e /etc/wanopt/certs ] || fail "purge left the certificates"
+userdel wanopt
+rm -rf /var/lib/wanoptd /tmp/recipes-*
+echo "from a package: built, installed, the sample pair came up, purged"
+
 echo "== docs/install.md: By hand"
-remove_by_hand
+remove_installed
 units_before=$(ls /etc/systemd/system)
 hand=$(block docs/install.md "## By hand" 1)
 grep -q "systemctl enable --now wanoptd" <<<"$hand" || fail "the by-hand block changed"
-cat >"$work/systemd.sh" <<'EOF'
-# systemctl and journalctl for a machine without systemd as PID 1 (see packaging/recipes.sh).
-unit_file() { echo "/etc/systemd/system/${1%%@*}$([[ $1 == *@* ]] && echo @).service"; }
-systemctl() {
-    case "$1" in
-    daemon-reload) systemd-analyze verify /etc/systemd/system/wanoptd.service >/dev/null ;;
-    enable)
-        [ "$2" = --now ] || return 1
-        local unit=$3 file cmd user state log
-        file=$(unit_file "$unit")
-        [ -e "$file" ] || { echo "systemctl: no unit $unit" >&2; return 1; }
-        user=$(sed -n 's/^User=//p' "$file")
-        state=/var/lib/$(sed -n 's/^StateDirectory=//p' "$file" | sed "s/%i/${unit#*@}/")
-        cmd=$(sed -n 's/^ExecStart=//p' "$file" | sed "s/%i/${unit#*@}/")
-        install -d -m 700 -o "$user" "$state"
-        log=/tmp/recipes-$unit.log
-        STATE_DIRECTORY=$state setsid runuser -u "$user" -- $cmd 2>"$log" &
-        echo $! >"/tmp/recipes-$unit.pid" ;;
-    status)
-        local unit=$2 log=/tmp/recipes-$2.log
-        for _ in $(seq 1 100); do grep -q '"service"' "$log" 2>/dev/null && break; sleep 0.1; done
-        kill -0 "$(cat "/tmp/recipes-$unit.pid")" 2>/dev/null || { cat "$log"; return 3; }
-        echo "$unit: running"; tail -n 5 "$log" ;;
-    *) echo "systemctl $*: not emulated here" >&2; return 1 ;;
-    esac
-}
-journalctl() { [ "$1" = -u ] && cat "/tmp/recipes-$2.log"; }
-EOF
 type_lines "source $work/systemd.sh"$'\n'"$hand" >"$work/hand.out" || {
     cat "$work/hand.out" /tmp/recipes-wanoptd.log 2>/dev/null
     fail "the by-hand install failed"
@@ -155,7 +210,7 @@ grep -q "wanoptd: running" "$work/hand.out" || fail "the by-hand unit is not run
 grep -q 'bound kind="service" service=dg' /tmp/recipes-wanoptd.log ||
     fail "the by-hand daemon did not bind its services: $(cat /tmp/recipes-wanoptd.log)"
 [ "$(stat -c %U /var/lib/wanoptd)" = wanopt ] || fail "the state directory is not the daemon's"
-remove_by_hand
+remove_installed
 sleep 1
 [ "$(ls /etc/systemd/system)" = "$units_before" ] || fail "units left behind"
 echo "by hand: installed, checked, the unit's daemon ran as wanopt and bound its services"
