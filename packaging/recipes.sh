@@ -14,8 +14,8 @@
 # written to systemd.sh below: they verify the unit with systemd-analyze and run its ExecStart
 # as its User with its StateDirectory, as systemd would; everything else runs as the reader
 # would run it.
-# The README's showcase command is run by tests/replay.rs; its test command by CI itself; the
-# replication recipes by tests/recipes.rs.
+# - README: the showcase (as root, about two minutes).
+# The README's test command is CI's own; the replication recipes are tests/recipes.rs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -148,6 +148,15 @@ wait "$demo_pid" 2>/dev/null || true
 grep -q "site{site=west}.*service totals service=http raw_out=[1-9]" "$work/demo.log" ||
     fail "the demo's totals do not show the page at west: $(grep totals "$work/demo.log")"
 echo "quick start: the demo came up and a page crossed it"
+
+echo "== README: the showcase"
+show=$(block README.md "## Quick start" 3)
+grep -q "showcase" <<<"$show" || fail "the quick start's third block has no showcase"
+(cd "$repo" && type_lines "$show" >"$work/showcase.out" 2>&1) ||
+    { tail -30 "$work/showcase.out"; fail "the README's showcase command failed"; }
+[ -s showcase.svg ] || fail "the showcase wrote no chart"
+rm -f showcase.svg
+echo "showcase: ran across its emulated WAN and drew its chart"
 
 echo "== README: two gateway hosts (both on this host)"
 two=$(block README.md "## Quick start" 4)
