@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use common::*;
 
 const MIB: u64 = 1 << 20;
+const SEC: Duration = Duration::from_secs(1);
 
 /// Peak and current resident memory of a process, from `/proc/PID/status` (bytes).
 fn rss(pid: u32) -> (u64, u64) {
@@ -811,5 +812,149 @@ fn the_admin_endpoint_answers_only_its_allow_list() {
         value(&m, "wanopt_admin_refused_total{reason=\"allow\"} "),
         1,
         "{m}"
+    );
+}
+
+/// Across an emulated T3 (100 ms), idle and slow-handshake connections from 32 source addresses
+/// arrive at 2,000 a second (10x the gate's 64 within one round trip) while the real peer's link
+/// connections are killed under a running transfer: the peer is back within seconds (the source
+/// it last authenticated from has room of its own), the transfer goes on byte-exact, and
+/// `link.allow` refuses a stranger before any TLS byte.
+#[test]
+fn a_flood_across_a_wan_cannot_keep_the_peer_out() {
+    if !wansim::available_or_skip("an unauthenticated flood across wansim") {
+        return;
+    }
+    raise_nofile();
+    let params = wansim::preset("t3-100ms-clean").expect("preset");
+    let wan = wansim::Wan::start(
+        &format!("gf{}", std::process::id() % 100_000),
+        params.clone(),
+    )
+    .expect("wansim");
+    let east_ip = wansim::Site::East.addr();
+    let west_ip = wansim::Site::West.addr();
+    let l = wan
+        .in_site(wansim::Site::East, move || {
+            std::net::TcpListener::bind((east_ip, 9302))
+        })
+        .expect("east")
+        .expect("bind");
+    let srv = serve_on(l, hash_handler);
+    let (link, _) = wanopt_replay::showcase::stated_link(&params);
+    // East admits the west site's address and loopback (the flood's), nobody else.
+    let pair = wan_pair(
+        &wan,
+        &format!("  - name: h\n    target: {srv}\n"),
+        "  - name: h\n    listen: 127.0.0.1:0\n",
+        move |site, y| {
+            let y = link_lines(format!("{y}admin:\n  listen: 127.0.0.1:0\n"), &link);
+            if site == "east" {
+                link_lines(y, &format!("  allow: [{west_ip}, 127.0.0.0/8]\n"))
+            } else {
+                y
+            }
+        },
+    );
+    // A stranger outside link.allow: closed before TLS, counted.
+    let stranger = wan
+        .in_site(wansim::Site::East, move || {
+            let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+            s.bind(&SocketAddr::from((east_ip, 0)).into())?;
+            s.connect(&SocketAddr::from((east_ip, 7400)).into())?;
+            let mut s: TcpStream = s.into();
+            s.set_read_timeout(Some(Duration::from_secs(5)))?;
+            Ok::<_, std::io::Error>(s.read(&mut [0u8; 8]))
+        })
+        .expect("east")
+        .expect("connect");
+    assert!(
+        matches!(&stranger, Ok(0)) || matches!(&stranger, Err(e) if is_reset(e)),
+        "{stranger:?}"
+    );
+    pair.east
+        .wait_log("refused link connection outside link.allow", 5 * SEC);
+
+    // The transfer the outage must not break: 24 MiB up across the T3 (about 5 s).
+    let svc = pair.west.bound("h");
+    let client = wan
+        .in_site(wansim::Site::West, move || TcpStream::connect(svc))
+        .expect("west")
+        .expect("connect");
+    let transfer = std::thread::spawn(move || hash_client_on(client, 7, 24 * MIB, MIB));
+
+    // The flood, from inside east's namespace: 32 source addresses, every other connection
+    // sending the first bytes of a TLS record and stalling, at most 4,000 held at once.
+    let stop = Arc::new(AtomicBool::new(false));
+    let opened = Arc::new(AtomicU64::new(0));
+    let flood = {
+        let (stop, opened) = (stop.clone(), opened.clone());
+        wan.in_site(wansim::Site::East, move || {
+            std::thread::spawn(move || {
+                let target = SocketAddr::from((east_ip, 7400));
+                let mut held = std::collections::VecDeque::new();
+                let mut i = 0u32;
+                let start = Instant::now();
+                while !stop.load(Ordering::Relaxed) {
+                    let from = IpAddr::V4(Ipv4Addr::new(127, 0, 3, (i % 32) as u8 + 1));
+                    if let Ok(mut s) = connect_from(from, target) {
+                        if i % 2 == 1 {
+                            let _ = s.write_all(b"\x16\x03\x01\x02");
+                        }
+                        held.push_back(s);
+                        opened.fetch_add(1, Ordering::Relaxed);
+                        if held.len() > 4000 {
+                            held.pop_front();
+                        }
+                    }
+                    i += 1;
+                    // 2,000 a second.
+                    let due = start + Duration::from_micros(500) * i;
+                    if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                        std::thread::sleep(wait);
+                    }
+                }
+            })
+        })
+        .expect("east")
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    // Kill every link connection of west's, as a middlebox reset would.
+    let killed = wan
+        .command(wansim::Site::West, "ss")
+        .args(["-K", "dst", &east_ip.to_string(), "dport", "=", ":7400"])
+        .output()
+        .expect("ss -K");
+    assert!(killed.status.success(), "{killed:?}");
+    let t = Instant::now();
+    pair.west.wait_log_n("link up", 2, 15 * SEC);
+    let back = t.elapsed();
+    let result = transfer.join().expect("transfer thread");
+    stop.store(true, Ordering::Relaxed);
+    let _ = flood.join();
+    let admin = pair.east.bound("admin");
+    let m = scrape_on(
+        wan.in_site(wansim::Site::East, move || TcpStream::connect(admin))
+            .expect("ns")
+            .expect("admin"),
+    );
+    let evicted = value(&m, "wanopt_link_handshakes_evicted_total ");
+    let outside = value(&m, "wanopt_link_outside_allow_total ");
+    println!(
+        "flood across t3-100ms: {} connections opened, {evicted} evicted; the peer was back {back:?} after its connections were killed",
+        opened.load(Ordering::Relaxed)
+    );
+    result.expect("the transfer went on byte-exact through the outage and the flood");
+    assert!(
+        evicted > 500,
+        "the flood never filled the gate: {evicted} evicted"
+    );
+    assert!(outside >= 1, "{m}");
+    assert!(back < 10 * SEC, "the peer took {back:?} to get back in");
+    assert_eq!(
+        pair.west.count("stream failed"),
+        0,
+        "{}",
+        pair.west.log().join("\n")
     );
 }

@@ -30,19 +30,29 @@ use crate::wire::{READ_CHUNK, Wire};
 pub(crate) async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
     let gate = Arc::new(Gate::default());
     accept_loop(&listener, "link", |tcp, addr| {
-        let limits = &peer.cfg().limits;
+        let cfg = peer.cfg();
+        if !crate::config::allowed(&cfg.link.allow, addr.ip()) {
+            // Outside link.allow: closed before a byte of TLS, counted, logged sparingly.
+            add(&peer.counters.link.outside_allow, 1);
+            if let Some(suppressed) = OUTSIDERS.take(Instant::now()) {
+                warn!(from = %addr, suppressed, "refused link connection outside link.allow");
+            }
+            sockopt::abort(&tcp);
+            return true;
+        }
+        let limits = &cfg.limits;
         let (ticket, evicted) =
             gate.admit(addr.ip(), limits.max_handshakes, limits.handshakes_per_source);
         if let Some(why) = evicted {
             add(&peer.counters.link.handshakes_evicted, 1);
             if let Some(suppressed) = EVICTIONS.take(Instant::now()) {
-                warn!(from = %addr, reason = ?why, suppressed, "too many link connections authenticating; dropped the oldest");
+                warn!(from = %addr, reason = ?why, suppressed, "too many link connections authenticating; dropped one");
             }
         }
         peer.counters.link.handshakes_pending.set(gate.pending() as i64);
         let (peer, gate) = (peer.clone(), gate.clone());
         crate::spawn(async move {
-            accept_link(&peer, tcp, addr, ticket).await;
+            accept_link(&peer, &gate, tcp, addr, ticket).await;
             peer.counters.link.handshakes_pending.set(gate.pending() as i64);
         });
         true
@@ -53,6 +63,7 @@ pub(crate) async fn accept_links(peer: Arc<Peer>, listener: TcpListener) {
 /// Failures before authentication are anyone's to cause: their log lines are rationed.
 static REJECTIONS: LogBudget = LogBudget::new(Duration::from_secs(10), 10);
 static EVICTIONS: LogBudget = LogBudget::new(Duration::from_secs(10), 1);
+static OUTSIDERS: LogBudget = LogBudget::new(Duration::from_secs(10), 1);
 
 fn reject(peer: &Peer, addr: SocketAddr, why: &str, error: &dyn std::fmt::Display) {
     add(&peer.counters.link.rejected, 1);
@@ -62,7 +73,13 @@ fn reject(peer: &Peer, addr: SocketAddr, why: &str, error: &dyn std::fmt::Displa
 }
 
 /// Authenticates one incoming connection and runs it as a link or attaches it as a lane.
-async fn accept_link(peer: &Arc<Peer>, tcp: TcpStream, addr: SocketAddr, ticket: Ticket) {
+async fn accept_link(
+    peer: &Arc<Peer>,
+    gate: &Gate,
+    tcp: TcpStream,
+    addr: SocketAddr,
+    ticket: Ticket,
+) {
     let cfg = peer.cfg();
     let pre_auth = async {
         let acceptor = tokio_rustls::TlsAcceptor::from(peer.tls().server);
@@ -78,10 +95,11 @@ async fn accept_link(peer: &Arc<Peer>, tcp: TcpStream, addr: SocketAddr, ticket:
             Ok(Err(e)) => return Err(("TLS handshake failed", e.to_string())),
             Err(_) => return Err(("TLS handshake timed out", "timeout".into())),
         };
-        record_peer_expiry(peer, tls.get_ref().1.peer_certificates());
         if let Err(e) = tls::check_peer_name(tls.get_ref().1.peer_certificates(), &cfg.link.peer) {
             return Err(("wrong peer", e.to_string()));
         }
+        // Only the peer's own certificate sets the expiry it is alerted on.
+        record_peer_expiry(peer, tls.get_ref().1.peer_certificates());
         // Authenticated: reads may now be buffered.
         tls.get_mut().0.buffer(READ_CHUNK);
         match read_first_frame(&mut tls, cfg.limits.handshake_timeout).await {
@@ -99,6 +117,8 @@ async fn accept_link(peer: &Arc<Peer>, tcp: TcpStream, addr: SocketAddr, ticket:
         }
     };
     drop(ticket);
+    // The peer proved itself from this source: its next connections from there get kept room.
+    gate.authenticated(addr.ip());
     let setting = |id| match &first {
         Frame::Hello(h) => h.setting(id),
         _ => None,

@@ -170,6 +170,7 @@ pub struct LinkCounters {
     pub unknown_service: Counter,
     pub input_paused: Counter,
     pub handshakes_evicted: Counter,
+    pub outside_allow: Counter,
     pub handshakes_pending: Gauge,
     pub up: Gauge,
     pub lanes: Gauge,
@@ -245,6 +246,11 @@ impl LinkCounters {
             "wanopt_link_handshakes_evicted",
             "Unauthenticated link connections dropped for a newer one (limits.max_handshakes, limits.handshakes_per_source)",
             m.handshakes_evicted.clone(),
+        );
+        r.register(
+            "wanopt_link_outside_allow",
+            "Link connections closed before any TLS byte because their source is outside link.allow",
+            m.outside_allow.clone(),
         );
         r.register(
             "wanopt_link_handshakes_pending",

@@ -18,6 +18,12 @@ impl Config {
         match &l.role {
             LinkRole::Listen(a) => {
                 let _ = writeln!(o, "  listen: {}", quoted(a));
+                if l.allow.is_empty() {
+                    let _ = writeln!(o, "  # allow: any address (the gate bounds strangers)");
+                } else {
+                    let list: Vec<String> = l.allow.iter().map(quoted).collect();
+                    let _ = writeln!(o, "  allow: [{}]", list.join(", "));
+                }
             }
             LinkRole::Connect(c) => {
                 let _ = writeln!(o, "  connect: {}", quoted(c));

@@ -58,6 +58,28 @@ pub(super) enum Toggle {
 
 /// True if a client at `ip` may use a listener with this allow list (empty: any, which the
 /// config permits only on loopback). IPv4 clients of an IPv6 socket match IPv4 networks.
+/// A list of CIDRs or single IPs (`10.0.0.0/8`, `192.0.2.7`), each checked, named by its place.
+pub(super) fn parse_nets(
+    cx: &Ctx<'_>,
+    field: &str,
+    raw: Option<&[String]>,
+) -> Result<Vec<IpNet>, ConfigError> {
+    let mut nets = Vec::new();
+    for (j, c) in raw.into_iter().flatten().enumerate() {
+        let net = c
+            .parse::<IpNet>()
+            .or_else(|_| c.parse::<IpAddr>().map(IpNet::from))
+            .map_err(|_| {
+                cx.err(
+                    format!("{field}[{j}]"),
+                    format!("{c:?} is not a CIDR (10.0.0.0/8) or IP"),
+                )
+            })?;
+        nets.push(net);
+    }
+    Ok(nets)
+}
+
 pub fn allowed(allow: &[IpNet], ip: IpAddr) -> bool {
     let ip = ip.to_canonical();
     allow.is_empty() || allow.iter().any(|n| n.contains(&ip))

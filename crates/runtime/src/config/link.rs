@@ -17,6 +17,7 @@ use super::fields::{
 #[serde(deny_unknown_fields)]
 pub(super) struct RawLink {
     listen: Option<String>,
+    allow: Option<Vec<String>>,
     connect: Option<String>,
     peer: String,
     bandwidth: Option<String>,
@@ -62,6 +63,9 @@ pub enum BufferSize {
 #[derive(Debug, Clone, PartialEq)]
 pub struct LinkSettings {
     pub role: LinkRole,
+    /// Networks the peer's link connections may come from (listening side; empty: any). A
+    /// connection from elsewhere is closed before a byte of TLS.
+    pub allow: Vec<ipnet::IpNet>,
     /// The peer's site name: its certificate must carry it.
     pub peer: String,
     /// Bottleneck bandwidth in bits per second (sizes buffers and windows).
@@ -143,6 +147,13 @@ pub(super) fn parse_link(
         }
         _ => return Err(cx.err("link", "set exactly one of listen or connect")),
     };
+    let allow = super::fields::parse_nets(cx, "link.allow", l.allow.as_deref())?;
+    if !allow.is_empty() && l.listen.is_none() {
+        return Err(cx.err(
+            "link.allow",
+            "applies to link.listen only (the side the peer connects to)",
+        ));
+    }
     if !valid_name(&l.peer) {
         return Err(cx.err(
             "link.peer",
@@ -186,6 +197,7 @@ pub(super) fn parse_link(
     }
     Ok(LinkSettings {
         role,
+        allow,
         peer: l.peer.clone(),
         bandwidth_bps,
         bandwidth_stated: l.bandwidth.is_some(),

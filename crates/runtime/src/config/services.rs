@@ -3,7 +3,7 @@
 //! idle timeout and latency-lane redundancy; and allow lists, which the admin endpoint shares.
 
 use std::collections::HashSet;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use ipnet::IpNet;
@@ -65,19 +65,7 @@ pub(super) fn parse_allow(
     raw: Option<&[String]>,
     addr: SocketAddr,
 ) -> Result<Vec<IpNet>, ConfigError> {
-    let mut allow = Vec::new();
-    for (j, c) in raw.into_iter().flatten().enumerate() {
-        let net = c
-            .parse::<IpNet>()
-            .or_else(|_| c.parse::<IpAddr>().map(IpNet::from))
-            .map_err(|_| {
-                cx.err(
-                    format!("{field}[{j}]"),
-                    format!("{c:?} is not a CIDR (10.0.0.0/8) or IP"),
-                )
-            })?;
-        allow.push(net);
-    }
+    let allow = super::fields::parse_nets(cx, field, raw)?;
     if allow.is_empty() && !addr.ip().is_loopback() {
         return Err(cx.err(
             field,

@@ -530,6 +530,12 @@ fn configs_with_every_option_describe_themselves_exactly() {
     ] {
         assert_round_trip(&parse(extra).expect("valid"));
     }
+    let listening = MIN.replace("connect: 127.0.0.1:7400", "listen: 127.0.0.1:7400");
+    let y = listening.replace(
+        "  peer: east\n",
+        "  peer: east\n  allow: [192.0.2.10, '2001:db8::/64']\n",
+    );
+    assert_round_trip(&Config::parse(&y, path).expect("valid"));
     for link in [
         "  bandwidth: 10mbit\n",
         "  max_rate: off\n",
@@ -607,6 +613,30 @@ fn described_keys(text: &str) -> Vec<String> {
 /// docs/configuration.md names every key `wanoptd check` prints: a key is there in backticks,
 /// or its last part is, in a table row that names its section (`services[].compression`,
 /// `dedup`).
+/// `link.allow` is for the listening side, and each entry is checked.
+#[test]
+fn link_allow_lists_networks_on_the_listening_side_only() {
+    let path = Path::new("/etc/wanopt/west.yaml");
+    let listening = MIN.replace("connect: 127.0.0.1:7400", "listen: 127.0.0.1:7400");
+    let listen = listening.replace(
+        "  peer: east\n",
+        "  peer: east\n  allow: [192.0.2.10, 10.0.0.0/8]\n",
+    );
+    let c = Config::parse(&listen, path).expect("valid");
+    assert_eq!(c.link.allow.len(), 2);
+    let bad = listening.replace("  peer: east\n", "  peer: east\n  allow: [10.0.0.0/33]\n");
+    let e = Config::parse(&bad, path).expect_err("bad net").to_string();
+    assert!(e.contains("link.allow[0]"), "{e}");
+    let dial = MIN.replace("  peer: east\n", "  peer: east\n  allow: [10.0.0.0/8]\n");
+    let e = Config::parse(&dial, path)
+        .expect_err("connect side")
+        .to_string();
+    assert!(
+        e.contains("link.allow") && e.contains("link.listen only"),
+        "{e}"
+    );
+}
+
 #[test]
 fn the_configuration_reference_names_every_key() {
     let doc = include_str!("../../../../docs/configuration.md");
