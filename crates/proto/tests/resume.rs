@@ -506,3 +506,115 @@ fn a_connection_lost_during_the_resumption_resumes_on_the_next() {
     assert!(!p.east.link.resumes(presented) && !p.east.link.resumes(TOKEN + 1));
     assert!(p.east.link.resumes(TOKEN + 2));
 }
+
+/// A peer that claims `max_streams` of 2^32 cannot grow our copy of its resume list past what
+/// it can know (the streams it may open, ours, and the recently closed): non-final lists beyond
+/// that end the link, before our memory or the settling's resets grow with them.
+#[test]
+fn a_peer_cannot_grow_the_resume_list_past_what_it_can_know() {
+    use wanopt_proto::frame::{Resume, ResumeEntry};
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        5_000_000,
+        |c| {
+            resumable(c, false);
+            c.token = 0;
+            c.max_streams = u32::MAX;
+        },
+        |c| {
+            resumable(c, false);
+            c.token = TOKEN;
+        },
+    );
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up);
+    cut(&mut p);
+    let presented = p.west.link.resume_token();
+    assert!(p.west.link.reconnect(p.now, Vec::new()));
+    assert!(
+        p.east
+            .link
+            .accept_resume(p.now, presented, TOKEN + 1, Vec::new())
+    );
+    // West's hello on the new connection, alone: what follows is the hostile list.
+    let mut out = BytesMut::new();
+    p.west.link.poll_transmit(&mut out, 1 << 20);
+    let hello_len = Frame::check(&out, 1 << 20).expect("a whole first frame");
+    p.east
+        .link
+        .handle_input(&out[..hello_len], p.now)
+        .expect("the hello");
+    let max_streams = LinkConfig::new("east", "west", false).max_streams as usize;
+    let bound = max_streams + 4096;
+    let mut sent = 0usize;
+    let mut next_id = 1u32;
+    let refused = loop {
+        let entries: Vec<ResumeEntry> = (0..1000)
+            .map(|_| {
+                next_id += 2;
+                ResumeEntry {
+                    stream: StreamId(next_id),
+                    received: 0,
+                    max: 0,
+                    fin: false,
+                    done: false,
+                    latency: false,
+                }
+            })
+            .collect();
+        let mut buf = BytesMut::new();
+        Frame::Resume(Box::new(Resume {
+            link_received: 0,
+            link_max: 0,
+            seen: [0, 0],
+            entries,
+            last: false,
+            lane: false,
+        }))
+        .encode(&mut buf);
+        match p.east.link.handle_input(&buf, p.now) {
+            Ok(()) => sent += 1000,
+            Err(e) => break e,
+        }
+        assert!(sent <= bound, "{sent} entries taken, bound {bound}");
+    };
+    assert!(
+        matches!(&refused, LinkError::Protocol(m) if m.contains("resume list too long")),
+        "{refused:?}"
+    );
+    assert!(sent + 1000 > bound, "refused early: {sent} of {bound}");
+}
+
+/// A peer that grants a window far beyond ours (u32::MAX per stream) does not make us keep more
+/// than our own window's worth of a stream for resends.
+#[test]
+fn a_huge_window_from_the_peer_keeps_no_more_than_ours() {
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        5_000_000,
+        |c| {
+            resumable(c, false);
+            c.token = 0;
+        },
+        |c| {
+            resumable(c, false);
+            c.token = TOKEN;
+            c.stream_window = u32::MAX;
+            c.link_window = u64::MAX >> 2;
+        },
+    );
+    p.drive(Duration::from_secs(1));
+    // East receives and never hands over: only the windows bound what west keeps.
+    let id = p.west.link.open("e-svc", Class::Bulk).expect("open");
+    p.west.app.to_send.insert(id, (data(3, 24 << 20), false));
+    p.east.app.paused = true;
+    let window = LinkConfig::new("x", "y", true).stream_window as usize;
+    let buffer = LinkConfig::new("x", "y", true).send_buffer;
+    let mut most = 0;
+    for _ in 0..300 {
+        p.drive(Duration::from_millis(10));
+        most = most.max(p.west.link.kept_bytes());
+    }
+    assert!(most > 0, "nothing was kept");
+    assert!(most <= window + buffer, "{most} > {window} + {buffer}");
+}

@@ -162,7 +162,11 @@ impl Link {
     }
 
     fn on_hello(&mut self, h: Hello, now: Instant) -> Result<(), LinkError> {
-        let p = PeerParams::from_hello(&h, &self.cfg.peer)?;
+        let mut p = PeerParams::from_hello(&h, &self.cfg.peer)?;
+        // What the peer grants is what we may leave unacknowledged and so keep for resends: no
+        // more than we grant it, whatever it says (2^62 would keep every byte ever sent).
+        p.stream_window = p.stream_window.min(u64::from(self.cfg.stream_window));
+        p.link_window = p.link_window.min(self.cfg.link_window);
         self.link_credit = SendCredit::new(p.link_window);
         self.coding.on_peer(
             &PeerCodec {

@@ -387,7 +387,9 @@ impl Link {
         now: Instant,
         lane: usize,
     ) -> Result<(), LinkError> {
-        let limit = self.cfg.max_streams as usize + self.peer.max_streams as usize + DONE_KEPT;
+        // The peer can know of the streams it opened (at most our max_streams), those we opened
+        // (we know them all), and ones both have closed lately: not of the max_streams it claims.
+        let limit = self.cfg.max_streams as usize + self.streams.map.len() + DONE_KEPT;
         let rs = if r.lane {
             self.lane_resuming
                 .as_mut()
