@@ -367,7 +367,8 @@ const EAST_BOUND: u64 = (2 * 32 + 32 + 128) * MIB;
 
 /// Each attack of a peer with a valid certificate, one after another against one east: a ping
 /// flood that never reads, thousands of opens of unknown services, an oversized hello, garbage
-/// after the hello, a reference bomb, a flood of frames behind a stalled stream. East's memory stays under its bound, it keeps running, and afterwards the
+/// after the hello, a reference bomb, a flood of frames behind a stalled stream, and of empty
+/// ones (CPU linear in their number). East's memory stays under its bound, it keeps running, and afterwards the
 /// honest west's streams through it arrive exact.
 #[test]
 fn a_hostile_peer_cannot_exhaust_the_daemon() {
@@ -544,6 +545,33 @@ fn a_hostile_peer_cannot_exhaust_the_daemon() {
     ));
     drop(h);
     honest(5);
+
+    // 7. The same stall, then frames that hold nothing at all: each is charged what it costs
+    // to keep (256 bytes), and admitting one costs the same however many wait, so the link
+    // closes after about (link window + 8 MiB) / 256 of them in CPU time linear in their number
+    // (before, each frame re-summed every waiting one: some 10^10 steps for this flood).
+    let mut h = Hostile::connect(&certs, "west", link);
+    let downs = east.count("link down");
+    let cpu_before = cpu_seconds(east.pid());
+    out.clear();
+    open_h(stream).encode(&mut out);
+    let mut missing = vec![3u8];
+    missing.extend([0x5b; 16]);
+    missing.push(64);
+    coded(stream, 0, 64, bytes::Bytes::from(missing)).encode(&mut out);
+    h.write(&out).expect("stall");
+    let frames = h.flood(4 << 20, |_| coded(stream, 64, 0, bytes::Bytes::new()));
+    east.wait_log_n("link down", downs + 1, Duration::from_secs(60));
+    let cpu = cpu_seconds(east.pid()) - cpu_before;
+    report.push(format!(
+        "empty frames behind a stall: the link closed after {frames} frames, {cpu:.2} s of east's CPU"
+    ));
+    assert!(
+        cpu < 30.0,
+        "admitting {frames} empty frames took {cpu:.1} s of CPU"
+    );
+    drop(h);
+    honest(6);
 
     let (peak, now) = rss(east.pid());
     for r in &report {

@@ -478,7 +478,7 @@ impl Contexts {
                 got.fin = true;
                 rc.context = StreamContext::default();
             }
-            rc.frames.pop_front();
+            rc.pop_front();
         }
         Ok(got)
     }

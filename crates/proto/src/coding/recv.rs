@@ -3,6 +3,8 @@
 //! resolve and resumes at the record where it stopped.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytes::Bytes;
 use wanopt_codec::StreamContext;
@@ -31,6 +33,20 @@ pub(crate) struct RecvCoded {
     /// Stalls so far, and the one the link's stall timer watches with when it first saw it.
     pub stalls: u64,
     pub watched: Option<(u64, std::time::Instant)>,
+    /// What the waiting frames cost in memory (records and [`FRAME_COST`] each), as charged
+    /// against the link's backlog, kept as they come and go.
+    cost: usize,
+    /// The link's total of every stream's `cost`, kept in step (also when this is dropped), so
+    /// admitting a frame costs the same whatever waits already.
+    total: Option<Arc<AtomicUsize>>,
+}
+
+impl Drop for RecvCoded {
+    fn drop(&mut self) {
+        if let Some(t) = &self.total {
+            t.fetch_sub(self.cost, Ordering::Relaxed);
+        }
+    }
 }
 
 /// What a queued frame costs beyond its records (its bookkeeping, and the buffer a small frame
@@ -38,7 +54,19 @@ pub(crate) struct RecvCoded {
 pub(crate) const FRAME_COST: usize = 256;
 
 impl RecvCoded {
+    /// A receive side whose frames are counted in the link's `total`.
+    pub fn counted(total: Arc<AtomicUsize>) -> RecvCoded {
+        let mut rc = RecvCoded::default();
+        rc.total = Some(total);
+        rc
+    }
+
     pub fn push(&mut self, records: Bytes, raw_len: u32, fin: bool, scoped: bool) {
+        let cost = records.len() + FRAME_COST;
+        self.cost += cost;
+        if let Some(t) = &self.total {
+            t.fetch_add(cost, Ordering::Relaxed);
+        }
         self.frames.push_back(Pending {
             records,
             remaining: u64::from(raw_len),
@@ -62,12 +90,15 @@ impl RecvCoded {
         self.frames.iter().map(|p| p.records.len()).sum()
     }
 
-    /// What the waiting frames cost in memory, as charged against the link's backlog.
-    pub fn cost(&self) -> usize {
-        self.frames
-            .iter()
-            .map(|p| p.records.len() + FRAME_COST)
-            .sum()
+    /// Drops the first waiting frame (decoded whole).
+    pub(super) fn pop_front(&mut self) {
+        if let Some(p) = self.frames.pop_front() {
+            let cost = p.records.len() + FRAME_COST;
+            self.cost -= cost;
+            if let Some(t) = &self.total {
+                t.fetch_sub(cost, Ordering::Relaxed);
+            }
+        }
     }
 }
 

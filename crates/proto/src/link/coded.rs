@@ -50,14 +50,12 @@ impl Link {
             self.fail_stream(id, ResetCode::ProtocolViolation, why);
             return Ok(());
         }
-        // Behind a stall, frames wait: what they may hold is bounded for the whole link.
+        // Behind a stall, frames wait: what they may hold is bounded for the whole link (the
+        // total is kept as frames come and go, so this check costs the same however many wait).
         if s.recv.coded.as_ref().is_some_and(|rc| rc.stall.is_some()) {
-            let backlog: usize = self
-                .streams
-                .map
-                .values()
-                .filter_map(|s| s.recv.coded.as_ref().map(|rc| rc.cost()))
-                .sum();
+            let backlog = self
+                .coded_backlog
+                .load(std::sync::atomic::Ordering::Relaxed);
             let limit = self.stall_backlog_limit();
             if backlog + records.len() + FRAME_COST > limit {
                 return Err(LinkError::Protocol(format!(
@@ -65,12 +63,13 @@ impl Link {
                 )));
             }
         }
+        let total = self.coded_backlog.clone();
         let Some(s) = self.streams.get_mut(&id) else {
             return Ok(());
         };
         s.recv
             .coded
-            .get_or_insert_with(Box::default)
+            .get_or_insert_with(|| Box::new(crate::coding::RecvCoded::counted(total)))
             .push(records, raw_len, fin, scoped);
         if fin {
             s.recv.fin_received = true;

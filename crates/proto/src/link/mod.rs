@@ -286,6 +286,9 @@ pub struct Link {
     /// The peer's checkpoints that wait for a stalled stream of their lane (lane, scope,
     /// digest): at most one per cache we have.
     deferred_checkpoints: Vec<(usize, String, wanopt_codec::cache::Fingerprint)>,
+    /// What the coded frames waiting on every stream cost (each stream's receive side keeps
+    /// its part in step): checked against the stall backlog limit in one step.
+    coded_backlog: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     /// Streams reset because a chunk they waited for did not come in time.
     stalls_expired: u64,
     /// Both sides resume streams after a lost connection (`CAP_RESUME` and a resume window).
@@ -353,6 +356,7 @@ impl Link {
             coding,
             loading: false,
             deferred_checkpoints: Vec::new(),
+            coded_backlog: Default::default(),
             resumable: false,
             outage: None,
             resuming: None,
