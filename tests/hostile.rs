@@ -986,3 +986,93 @@ fn a_flood_across_a_wan_cannot_keep_the_peer_out() {
         pair.west.log().join("\n")
     );
 }
+
+/// A peer that puts one byte for a stalled stream into every read east makes, between large
+/// frames of a stream east delivers, cannot make each byte held cost a whole read buffer: small
+/// payloads are copied out of the buffer they arrived in. With east's windows at 1 GiB, 16,000
+/// such bytes held slices of 1 GiB of buffers before.
+#[test]
+fn one_byte_per_read_cannot_pin_the_read_buffers() {
+    use wanopt_proto::{Class, Frame, StreamId};
+    let srv = hash_server();
+    let certs = Certs::new(&["west", "east"]);
+    let east = east_daemon(
+        &certs,
+        srv,
+        &format!(
+            "  stream_window: 1GiB\n  link_window: 2GiB\nadmin:\n  listen: 127.0.0.1:0\n{EAST_OPTIMIZE}"
+        ),
+    );
+    let link = east.bound("link");
+    let mut h = Hostile::connect(&certs, "west", link);
+    let (stalled, carried) = (StreamId(1), StreamId(3));
+    let open = |stream| Frame::Open {
+        stream,
+        class: Class::Bulk,
+        service: "h".into(),
+    };
+    let coded = |stream, offset, raw_len, records: bytes::Bytes| Frame::Coded {
+        stream,
+        offset,
+        fin: false,
+        scoped: false,
+        raw_len,
+        records,
+    };
+    let mut out = bytes::BytesMut::new();
+    open(stalled).encode(&mut out);
+    open(carried).encode(&mut out);
+    // A reference to a chunk nobody sent: the stream stalls, east's request is never answered.
+    let mut missing = vec![3u8];
+    missing.extend([0x5c; 16]);
+    missing.push(64);
+    coded(stalled, 0, 64, bytes::Bytes::from(missing)).encode(&mut out);
+    // The carried stream: the hash server's header (seed, no reply), then 60 KiB frames.
+    let mut header = vec![0u8; 16];
+    header[..8].copy_from_slice(&7u64.to_le_bytes());
+    Frame::Data {
+        stream: carried,
+        offset: 0,
+        fin: false,
+        data: bytes::Bytes::from(header),
+    }
+    .encode(&mut out);
+    h.write(&out).expect("opens");
+    let (before, _) = rss(east.pid());
+    let body = bytes::Bytes::from(vec![0x42u8; 60 << 10]);
+    let rounds = 16_000u64;
+    let admin = east.bound("admin");
+    let delivered = || value(&scrape(admin), &series("wanopt_raw_bytes_total", "h", "in"));
+    for i in 0..rounds {
+        out.clear();
+        coded(stalled, 64, 0, bytes::Bytes::from_static(b"\x01")).encode(&mut out);
+        Frame::Data {
+            stream: carried,
+            offset: 16 + i * (60 << 10),
+            fin: false,
+            data: body.clone(),
+        }
+        .encode(&mut out);
+        h.write(&out).expect("east reads on");
+        if i % 250 == 249 {
+            // Paced to what the target takes, so what east holds is what the stall pins, not
+            // the carried stream's own backlog.
+            let want = 16 + (i + 1) * (60 << 10);
+            let end = Instant::now() + Duration::from_secs(20);
+            while delivered() < want {
+                assert!(Instant::now() < end, "the carried stream stopped");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    }
+    h.round_trip(0x5eed);
+    let (peak, now) = rss(east.pid());
+    println!(
+        "{rounds} one-byte frames behind a stall between 60 KiB ones: east RSS {} MiB before, peak {} MiB, now {} MiB",
+        before / MIB,
+        peak / MIB,
+        now / MIB
+    );
+    assert!(peak < EAST_BOUND, "east peak RSS {} MiB", peak / MIB);
+    assert!(!east.log().iter().any(|l| l.contains("panicked")));
+}

@@ -64,6 +64,7 @@ impl Link {
             }
         }
         let total = self.coded_backlog.clone();
+        let records = super::input::unpinned(records);
         let Some(s) = self.streams.get_mut(&id) else {
             return Ok(());
         };

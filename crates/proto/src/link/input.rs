@@ -377,6 +377,7 @@ impl Link {
         lane: usize,
     ) -> Result<(), LinkError> {
         let n = data.len() as u64;
+        let data = unpinned(data);
         let open = self.admit((id, lane), offset, n, wire, |s| {
             s.recv
                 .coded_waiting()
@@ -399,5 +400,20 @@ impl Link {
             self.note_end(id);
         }
         Ok(())
+    }
+}
+
+/// Payloads this small are copied out of the read buffer they arrived in: a slice would keep the
+/// whole buffer (64 KiB) alive for as long as its stream holds it, so a peer sending one byte per
+/// read behind a slow target could make each byte of credit cost a buffer. Larger payloads keep
+/// at most 8 buffer bytes per byte held, and are not copied.
+pub(super) const COPY_BELOW: usize = 8 * 1024;
+
+/// `data` in an allocation of its own if it is small (see [`COPY_BELOW`]).
+pub(super) fn unpinned(data: bytes::Bytes) -> bytes::Bytes {
+    if data.len() < COPY_BELOW {
+        bytes::Bytes::copy_from_slice(&data)
+    } else {
+        data
     }
 }
