@@ -15,6 +15,8 @@ use super::Fingerprint;
 #[derive(Debug)]
 pub(super) struct Pending {
     pub records: Bytes,
+    /// What it was charged when it came (its records are consumed as they decode).
+    charged: usize,
     pub remaining: u64,
     pub fin: bool,
     pub scoped: bool,
@@ -68,6 +70,7 @@ impl RecvCoded {
             t.fetch_add(cost, Ordering::Relaxed);
         }
         self.frames.push_back(Pending {
+            charged: cost,
             records,
             remaining: u64::from(raw_len),
             fin,
@@ -93,7 +96,7 @@ impl RecvCoded {
     /// Drops the first waiting frame (decoded whole).
     pub(super) fn pop_front(&mut self) {
         if let Some(p) = self.frames.pop_front() {
-            let cost = p.records.len() + FRAME_COST;
+            let cost = p.charged;
             self.cost -= cost;
             if let Some(t) = &self.total {
                 t.fetch_sub(cost, Ordering::Relaxed);
@@ -110,4 +113,36 @@ pub(crate) struct Decoded {
     pub fin: bool,
     /// A chunk to ask the peer for: the stream stalls until it arrives.
     pub need: Option<(Fingerprint, bool)>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Buf;
+
+    /// Frames are charged what they held when they came, consumed records or not, and the
+    /// link's total follows every stream's part, also when a stream goes.
+    #[test]
+    fn the_backlog_follows_frames_in_and_out() {
+        let total = Arc::new(AtomicUsize::new(0));
+        let mut a = RecvCoded::counted(total.clone());
+        let mut b = RecvCoded::counted(total.clone());
+        a.push(Bytes::from(vec![1u8; 1000]), 10, false, false);
+        a.push(Bytes::new(), 0, false, false);
+        b.push(Bytes::from(vec![2u8; 300]), 3, true, false);
+        let all = 1000 + 300 + 3 * FRAME_COST;
+        assert_eq!(total.load(Ordering::Relaxed), all);
+        // The first frame's records decode (and are consumed) before it goes.
+        if let Some(p) = a.frames.front_mut() {
+            p.records.advance(1000);
+        }
+        a.pop_front();
+        assert_eq!(total.load(Ordering::Relaxed), all - 1000 - FRAME_COST);
+        drop(b);
+        assert_eq!(total.load(Ordering::Relaxed), FRAME_COST);
+        a.pop_front();
+        a.pop_front();
+        assert_eq!(total.load(Ordering::Relaxed), 0);
+        assert_eq!(a.cost, 0);
+    }
 }

@@ -489,6 +489,13 @@ impl Link {
         self.streams.buffered()
     }
 
+    /// What the coded frames waiting to be decoded on every stream are charged (the stall
+    /// backlog's measure): zero once nothing waits.
+    pub fn coded_backlog(&self) -> usize {
+        self.coded_backlog
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Bytes kept to send again should the connection be lost (resumable links only): written
     /// and not yet confirmed by the peer, sent or not (buffers shared with the send queues).
     pub fn kept_bytes(&self) -> usize {

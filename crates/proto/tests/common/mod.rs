@@ -284,6 +284,7 @@ impl Pair {
         for (name, s) in [("west", &self.west), ("east", &self.east)] {
             assert_eq!(s.link.stream_count(), 0, "{name} leaked streams");
             assert_eq!(s.link.buffered_bytes(), 0, "{name} leaked buffered bytes");
+            assert_eq!(s.link.coded_backlog(), 0, "{name} leaked coded backlog");
         }
     }
 }
