@@ -98,6 +98,9 @@ impl ChunkStore for ScratchStore {
 /// Largest state file read back (about 28 million chunks).
 const MAX_STATE_FILE: u64 = 1 << 30;
 
+/// The least time between two writes of one cache's state.
+pub const MIN_STATE_INTERVAL: Duration = Duration::from_secs(1);
+
 /// One peer's cache directory.
 pub struct CacheDir {
     root: PathBuf,
@@ -117,6 +120,10 @@ pub struct CacheDir {
     /// The newest state waiting to be written per cache directory, with its number.
     queued: Mutex<HashMap<PathBuf, (u64, Arc<Snapshot>)>>,
     coalesced: AtomicU64,
+    /// When each cache directory's state was last written, and how many were written: a peer
+    /// whose checkpoints come faster than [`MIN_STATE_INTERVAL`] gets one write per interval.
+    written: Mutex<HashMap<PathBuf, std::time::Instant>>,
+    writes: AtomicU64,
     /// Held (`flock`) while the directory is in use: two daemons must never share one.
     _lock: File,
 }
@@ -290,6 +297,8 @@ impl CacheDir {
             idle: tokio::sync::Notify::new(),
             queued: Mutex::default(),
             coalesced: AtomicU64::new(0),
+            written: Mutex::new(HashMap::new()),
+            writes: AtomicU64::new(0),
             _lock: lock,
         })
     }
@@ -371,7 +380,31 @@ impl CacheDir {
             return;
         }
         self.pending.fetch_add(1, SeqCst);
-        self.schedule(role, dir, seq);
+        // Each write snapshots, flushes and syncs the cache's files: at most one per interval,
+        // the newest state when its turn comes (later ones replace it while it waits).
+        let wait = self
+            .written
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&dir)
+            .and_then(|t| {
+                (*t + MIN_STATE_INTERVAL).checked_duration_since(std::time::Instant::now())
+            });
+        match (wait, tokio::runtime::Handle::try_current()) {
+            (Some(wait), Ok(h)) => {
+                let me = self.clone();
+                h.spawn(async move {
+                    tokio::time::sleep(wait).await;
+                    me.schedule(role, dir, seq);
+                });
+            }
+            _ => self.schedule(role, dir, seq),
+        }
+    }
+
+    /// States written so far (each a snapshot, flush and sync of one cache's files).
+    pub fn writes(&self) -> u64 {
+        self.writes.load(SeqCst)
     }
 
     /// Queues the write of the state waiting for `dir`, expected to be the one numbered `seq`.
@@ -401,6 +434,11 @@ impl CacheDir {
             }
             queued.remove(&dir);
             drop(queued);
+            me.written
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(dir.clone(), std::time::Instant::now());
+            me.writes.fetch_add(1, SeqCst);
             if let Err(e) = me.write_state(role, &dir, newest, &state) {
                 warn!(dir = %dir.display(), error = %e, "cannot save the cache state");
             }
@@ -736,6 +774,40 @@ mod tests {
         assert_eq!(scopes(&cd), ["", "redo"]);
         assert!(!gone.exists(), "aged out");
         assert!(cd.root().join("mirror-0-svc-redo").exists());
+    }
+
+    /// A peer asking for checkpoints as fast as it can gets one write per cache per interval,
+    /// the newest state each time.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn states_are_written_at_most_once_per_interval_per_cache() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let codec = CodecSettings {
+            disk_bytes: 16 << 20,
+            ..CodecSettings::default()
+        };
+        let cd = Arc::new(CacheDir::open(dir.path(), "east", codec, None).expect("open"));
+        let start = std::time::Instant::now();
+        let mut last = None;
+        for i in 1..=250usize {
+            let s = Arc::new(wanopt_codec::cache::ChunkCache::new(i << 12).snapshot());
+            cd.save(Role::Mirror, 0, "", s.clone());
+            last = Some(s);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        cd.flush(Duration::from_secs(30)).await;
+        let spent = start.elapsed();
+        // About 2.5 s of checkpoints every 10 ms: a handful of writes, not 250.
+        assert!(
+            cd.writes() <= spent.as_secs() + 2,
+            "{} writes in {spent:?}",
+            cd.writes()
+        );
+        let states = states_in(&cd.root().join("mirror-0-link"));
+        assert_eq!(
+            states[0].1.digest,
+            last.expect("saved").digest(),
+            "the newest state is written"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
