@@ -260,6 +260,17 @@ impl CacheDir {
         let root = state_dir.join("cache").join(peer);
         private_dir(&root)?;
         let lock = lock_dir(&root)?;
+        // A state half-written when an earlier run stopped is of no use: its rename never came.
+        for d in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            for e in std::fs::read_dir(d.path()).into_iter().flatten().flatten() {
+                if e.file_name()
+                    .to_str()
+                    .is_some_and(|n| n.starts_with(".state-") && n.ends_with(".tmp"))
+                {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
         // A store of delta bases lives as long as the daemon (its index is in memory only):
         // what an earlier run left is of no use.
         for e in std::fs::read_dir(&root).into_iter().flatten().flatten() {
@@ -592,12 +603,16 @@ impl CacheDir {
         let (_, _, p) = states_in(&dir)
             .into_iter()
             .find(|(_, st, _)| st.digest == *digest)?;
-        let read = no_follow().read(true).open(&p).and_then(|mut f| {
+        let read = no_follow().read(true).open(&p).and_then(|f| {
             if f.metadata()?.len() > MAX_STATE_FILE {
                 return Err(std::io::Error::other("too large"));
             }
+            // The size was checked, but the file may grow after: read no more than the limit.
             let mut b = Vec::new();
-            std::io::Read::read_to_end(&mut f, &mut b)?;
+            std::io::Read::read_to_end(&mut std::io::Read::take(f, MAX_STATE_FILE + 1), &mut b)?;
+            if b.len() as u64 > MAX_STATE_FILE {
+                return Err(std::io::Error::other("too large"));
+            }
             Ok(b)
         });
         let snap = match read.map(|b| Snapshot::decode(&b)) {
@@ -774,6 +789,23 @@ mod tests {
         assert_eq!(scopes(&cd), ["", "redo"]);
         assert!(!gone.exists(), "aged out");
         assert!(cd.root().join("mirror-0-svc-redo").exists());
+    }
+
+    /// A state half-written by an earlier run (its rename never came) is removed at open.
+    #[test]
+    fn half_written_states_are_removed_at_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cd = CacheDir::open(dir.path(), "east", CodecSettings::default(), None).expect("open");
+        let sub = cd.root().join("mirror-0-link");
+        std::fs::create_dir_all(&sub).expect("mkdir");
+        let tmp = sub.join(".state-0000000000000007.tmp");
+        std::fs::write(&tmp, b"half").expect("write");
+        let kept = sub.join("other");
+        std::fs::write(&kept, b"x").expect("write");
+        drop(cd);
+        let _cd = CacheDir::open(dir.path(), "east", CodecSettings::default(), None).expect("open");
+        assert!(!tmp.exists(), "the half-written state stayed");
+        assert!(kept.exists());
     }
 
     /// A peer asking for checkpoints as fast as it can gets one write per cache per interval,

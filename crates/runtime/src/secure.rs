@@ -30,6 +30,9 @@ pub fn private_key_file(path: &Path) -> Result<(), String> {
 /// Creates the state directory (0700) if it does not exist; refuses one that is not a directory,
 /// belongs to someone other than this user or root, or that group or others may write.
 pub fn state_dir(path: &Path) -> Result<(), String> {
+    let euid = unsafe { libc::geteuid() };
+    // Checked before anything is created in it.
+    trusted_ancestors(path, &|uid| uid == euid || uid == 0)?;
     if !exists(path)? {
         DirBuilder::new()
             .recursive(true)
@@ -37,7 +40,6 @@ pub fn state_dir(path: &Path) -> Result<(), String> {
             .create(path)
             .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
     }
-    let euid = unsafe { libc::geteuid() };
     trusted_dir(
         path,
         &|uid| uid == euid || uid == 0,
@@ -83,7 +85,49 @@ fn exists(path: &Path) -> Result<bool, String> {
     }
 }
 
+/// Every directory above `path` must be writable only by a trusted owner (or be sticky, as
+/// `/tmp` is): otherwise someone else could move the state directory away and put theirs in
+/// its place after it was checked.
+fn trusted_ancestors(path: &Path, trusted: &dyn Fn(u32) -> bool) -> Result<(), String> {
+    let abs = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir()
+            .map_err(|e| format!("{}: {e}", path.display()))?
+            .join(path)
+    };
+    for dir in abs.ancestors().skip(1) {
+        let Ok(m) = std::fs::metadata(dir) else {
+            continue;
+        };
+        let mode = m.mode() & 0o7777;
+        let sticky = mode & 0o1000 != 0;
+        let writable_by_others = mode & 0o022 != 0;
+        if writable_by_others && !sticky {
+            return Err(format!(
+                "{} is inside {}, which group or others may write (mode {mode:03o}): they could swap the state directory; chmod go-w {}",
+                path.display(),
+                dir.display(),
+                dir.display()
+            ));
+        }
+        // A shared sticky directory (/tmp) is safe whoever owns it; any other is only as safe
+        // as its owner, who may rename what is in it.
+        let owner_may_swap = mode & 0o200 != 0 && !(writable_by_others && sticky);
+        if owner_may_swap && !trusted(m.uid()) {
+            return Err(format!(
+                "{} is inside {}, owned by uid {}, who could swap the state directory",
+                path.display(),
+                dir.display(),
+                m.uid()
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn trusted_dir(path: &Path, trusted: &dyn Fn(u32) -> bool, who: &str) -> Result<(), String> {
+    trusted_ancestors(path, trusted)?;
     let shown = path.display();
     let link = std::fs::symlink_metadata(path).map_err(|e| format!("{shown}: {e}"))?;
     if link.file_type().is_symlink() && !trusted(link.uid()) {
@@ -150,6 +194,14 @@ mod tests {
         let l = d.path().join("link");
         std::os::unix::fs::symlink(&s, &l).expect("symlink");
         state_dir(&l).expect("own symlink");
+        // A parent others may write (not sticky) could swap it; a sticky one (as /tmp) cannot.
+        let open_parent = d.path().join("open");
+        std::fs::create_dir(&open_parent).expect("mkdir");
+        chmod(&open_parent, 0o777);
+        let e = state_dir(&open_parent.join("state")).expect_err("a parent others may write");
+        assert!(e.contains("chmod go-w"), "{e}");
+        chmod(&open_parent, 0o1777);
+        state_dir(&open_parent.join("state")).expect("a sticky parent");
         // The check's view: the same verdicts, and nothing created.
         assert!(matches!(
             state_dir_as_found(&s),
