@@ -301,6 +301,7 @@ impl Hostile {
             ca: d.join("ca.pem"),
             cert: d.join(format!("{site}.pem")),
             key: d.join(format!("{site}.key")),
+            crl: None,
             site: site.to_owned(),
         })
         .expect("tls");

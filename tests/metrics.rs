@@ -227,8 +227,8 @@ fn grafana_dashboard_uses_only_real_metrics() {
     }
 }
 
-/// The shipped alerting rules query only metrics the daemon registers, and `promtool` accepts
-/// them (CI installs it from Debian's `prometheus` package and sets `WANOPT_REQUIRE_PROMTOOL=1`;
+/// The shipped alerting rules query only metrics the daemon registers, `promtool` accepts them
+/// and its unit tests of the expiry alerts pass (CI installs it from Debian's `prometheus` package and sets `WANOPT_REQUIRE_PROMTOOL=1`;
 /// elsewhere a missing promtool skips that half with a message).
 #[test]
 fn alerting_rules_use_only_real_metrics_and_pass_promtool() {
@@ -255,7 +255,16 @@ fn alerting_rules_use_only_real_metrics_and_pass_promtool() {
         .arg(&rules)
         .output()
     {
-        Ok(out) => assert!(out.status.success(), "promtool: {out:?}"),
+        Ok(out) => {
+            assert!(out.status.success(), "promtool: {out:?}");
+            // And they fire when they should: the certificate expiry alerts, with input series.
+            let t = std::process::Command::new("promtool")
+                .args(["test", "rules"])
+                .arg(root.join("tests/data/prometheus-rules.test.yaml"))
+                .output()
+                .expect("promtool test rules");
+            assert!(t.status.success(), "promtool test rules: {t:?}");
+        }
         Err(e) => {
             assert!(
                 std::env::var("WANOPT_REQUIRE_PROMTOOL").as_deref() != Ok("1"),

@@ -482,3 +482,45 @@ fn an_idle_link_pings_and_stays_up() {
         assert_eq!(d.count("peer closed the link"), 0, "{}", d.log().join("\n"));
     }
 }
+
+/// `wanoptd certs --revoke west` writes the CA's revocation list; once east's config names it
+/// (`tls.crl`) and east reloads, west's next connection is refused at the handshake, while the
+/// link already up was authenticated before and is not torn down by the reload itself.
+#[test]
+fn a_revoked_peer_is_refused_at_its_next_handshake_after_reload() {
+    let certs = Certs::new(&["west", "east"]);
+    let east = Daemon::start("east", &east_yaml(&certs, "  []"));
+    let relay = Relay::new(east.bound("link"));
+    let west = Daemon::start("west", &west_yaml(relay.addr, &certs, "  []"));
+    west.wait_log("link up", 10 * SEC);
+    let dir = certs.path().to_str().expect("utf8").to_string();
+    let out = std::process::Command::new(bin("wanoptd"))
+        .args(["certs", "--out", &dir, "--revoke", "west"])
+        .output()
+        .expect("wanoptd certs --revoke");
+    assert!(out.status.success(), "{out:?}");
+    let crl = certs.path().join("crl.pem");
+    assert!(crl.exists());
+    let path = east.config_path().to_path_buf();
+    let yaml = std::fs::read_to_string(&path).expect("east's config");
+    let key_line = format!("  key: {dir}/east.key\n");
+    assert!(yaml.contains(&key_line), "{yaml}");
+    std::fs::write(
+        &path,
+        yaml.replace(&key_line, &format!("{key_line}  crl: {}\n", crl.display())),
+    )
+    .expect("write");
+    east.signal(libc::SIGHUP);
+    east.wait_log("SIGHUP: reloading", 5 * SEC);
+    relay.cut();
+    east.wait_log_n("rejected link: TLS handshake failed", 2, 20 * SEC);
+    assert_eq!(west.count("link up"), 1, "{}", west.log().join("\n"));
+    // A renewed west (a new certificate under the same CA) gets in again.
+    let out = std::process::Command::new(bin("wanoptd"))
+        .args(["certs", "--out", &dir, "--renew", "west"])
+        .output()
+        .expect("wanoptd certs --renew");
+    assert!(out.status.success(), "{out:?}");
+    west.signal(libc::SIGHUP);
+    west.wait_log_n("link up", 2, 20 * SEC);
+}

@@ -54,7 +54,8 @@ impl Certs {
     pub fn new(sites: &[&str]) -> Certs {
         let dir = tempfile::tempdir().expect("tempdir");
         let names: Vec<String> = sites.iter().map(|s| s.to_string()).collect();
-        wanopt_runtime::tls::create_site_certs(dir.path(), &names).expect("certs");
+        wanopt_runtime::tls::create_site_certs(dir.path(), &names, &Default::default())
+            .expect("certs");
         Certs { dir }
     }
     pub fn path(&self) -> &Path {

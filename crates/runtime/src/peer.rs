@@ -260,7 +260,7 @@ pub(crate) mod testing {
     /// Mints a CA and certificates for `sites` in `dir` (reusing its CA if there is one).
     pub(crate) fn certs(dir: &Path, sites: &[&str]) {
         let sites: Vec<String> = sites.iter().map(|s| s.to_string()).collect();
-        crate::tls::create_site_certs(dir, &sites).expect("certificates");
+        crate::tls::create_site_certs(dir, &sites, &Default::default()).expect("certificates");
     }
 
     /// A peer of `site` whose certificates are in `dir`, with `link` as its config's link

@@ -10,9 +10,10 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use rustls::client::WebPkiServerVerifier;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer, ServerName};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 
@@ -82,6 +83,23 @@ fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     Ok(certs)
 }
 
+/// The revocation lists in a PEM file (`wanoptd certs --revoke` writes `crl.pem`).
+fn load_crls(path: &Path) -> Result<Vec<CertificateRevocationListDer<'static>>, TlsError> {
+    need(path)?;
+    let bad = |msg: String| TlsError::Bad {
+        path: path.to_path_buf(),
+        msg,
+    };
+    let crls = CertificateRevocationListDer::pem_file_iter(path)
+        .map_err(|e| bad(e.to_string()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad(e.to_string()))?;
+    if crls.is_empty() {
+        return Err(bad("no revocation list (X509 CRL) in PEM file".into()));
+    }
+    Ok(crls)
+}
+
 fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     need(path)?;
     crate::secure::private_key_file(path).map_err(|msg| TlsError::Exposed { msg })?;
@@ -99,7 +117,11 @@ pub fn load(paths: &TlsPaths) -> Result<TlsMaterial, TlsError> {
     let ca_expiry = ca.first().and_then(|c| not_after(c));
     let cert_expiry = chain.first().and_then(|c| not_after(c));
     let key = load_key(&paths.key)?;
-    check_own(&ca, &chain, paths)?;
+    let crls = match &paths.crl {
+        Some(p) => load_crls(p)?,
+        None => Vec::new(),
+    };
+    check_own(&ca, &chain, &crls, paths)?;
     let mut roots = RootCertStore::empty();
     for c in ca {
         roots.add(c).map_err(|e| TlsError::Bad {
@@ -108,12 +130,18 @@ pub fn load(paths: &TlsPaths) -> Result<TlsMaterial, TlsError> {
         })?;
     }
     let roots = Arc::new(roots);
+    let crl_error = |e: &dyn std::fmt::Display| TlsError::Bad {
+        path: paths.crl.clone().unwrap_or_else(|| paths.ca.clone()),
+        msg: e.to_string(),
+    };
     let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
+        .with_crls(crls.clone())
         .build()
-        .map_err(|e| TlsError::Bad {
-            path: paths.ca.clone(),
-            msg: e.to_string(),
-        })?;
+        .map_err(|e| crl_error(&e))?;
+    let server_verifier = WebPkiServerVerifier::builder_with_provider(roots.clone(), provider())
+        .with_crls(crls)
+        .build()
+        .map_err(|e| crl_error(&e))?;
     let server = ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(verifier)
@@ -124,7 +152,7 @@ pub fn load(paths: &TlsPaths) -> Result<TlsMaterial, TlsError> {
         })?;
     let client = ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
-        .with_root_certificates(roots)
+        .with_webpki_verifier(server_verifier)
         .with_client_auth_cert(chain, key)
         .map_err(|e| TlsError::Bad {
             path: paths.key.clone(),
@@ -144,6 +172,7 @@ pub fn load(paths: &TlsPaths) -> Result<TlsMaterial, TlsError> {
 fn check_own(
     ca: &[CertificateDer<'static>],
     chain: &[CertificateDer<'static>],
+    crls: &[CertificateRevocationListDer<'static>],
     paths: &TlsPaths,
 ) -> Result<(), TlsError> {
     let bad = |path: &Path, msg: String| TlsError::Bad {
@@ -174,6 +203,21 @@ fn check_own(
                 .map_err(|e| bad(&paths.ca, format!("not a CA certificate: {e}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let parsed = crls
+        .iter()
+        .map(|c| {
+            webpki::BorrowedCertRevocationList::from_der(c)
+                .map(webpki::CertRevocationList::from)
+                .map_err(|e| {
+                    let path = paths.crl.as_deref().unwrap_or(&paths.ca);
+                    bad(path, format!("unparsable revocation list: {e}"))
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let refs: Vec<&webpki::CertRevocationList<'_>> = parsed.iter().collect();
+    let revocation = webpki::RevocationOptionsBuilder::new(&refs)
+        .ok()
+        .map(|b| b.build());
     let now = rustls::pki_types::UnixTime::now();
     for usage in [
         webpki::KeyUsage::server_auth(),
@@ -185,12 +229,15 @@ fn check_own(
             intermediates,
             now,
             usage,
-            None,
+            revocation,
             None,
         )
         .map_err(|e| {
             let why = match e {
                 webpki::Error::CertExpired { .. } => "the certificate has expired; renew it".to_string(),
+                webpki::Error::CertRevoked => {
+                    "the certificate is revoked (tls.crl); make this site a new one: `wanoptd certs --renew`".to_string()
+                }
                 webpki::Error::CertNotValidYet { .. } => {
                     "the certificate is not valid yet (check this host's clock)".to_string()
                 }
@@ -317,28 +364,84 @@ fn write_file(path: &Path, data: &[u8], mode: u32) -> Result<(), TlsError> {
     f.sync_all().map_err(io)
 }
 
+/// How long site certificates last unless `wanoptd certs --days` says otherwise.
+pub const SITE_DAYS: u32 = 825;
+/// How long a new site CA lasts.
+pub const CA_DAYS: u32 = 3650;
+
+/// How `wanoptd certs` mints.
+#[derive(Debug, Clone, Copy)]
+pub struct Minting {
+    /// Site certificates are valid from an hour ago (clocks differ) for this many days.
+    pub days: u32,
+    /// Only under the CA already in the folder (renewing must never start a new trust).
+    pub renew: bool,
+}
+
+impl Default for Minting {
+    fn default() -> Self {
+        Minting {
+            days: SITE_DAYS,
+            renew: false,
+        }
+    }
+}
+
 /// Creates (or reuses) a CA in `dir` and a key and certificate for each site name.
 /// Files: `ca.pem`, `ca.key`, `SITE.pem`, `SITE.key`; keys are mode 0600. Returns the files written.
-pub fn create_site_certs(dir: &Path, sites: &[String]) -> Result<Vec<PathBuf>, TlsError> {
+pub fn create_site_certs(
+    dir: &Path,
+    sites: &[String],
+    minting: &Minting,
+) -> Result<Vec<PathBuf>, TlsError> {
     use rcgen::{
         BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose,
     };
     let cerr = |e: rcgen::Error| TlsError::Create(e.to_string());
+    if minting.days == 0 || minting.days > CA_DAYS {
+        return Err(TlsError::Create(format!(
+            "--days {}: a site certificate lasts 1 to {CA_DAYS} days",
+            minting.days
+        )));
+    }
     std::fs::create_dir_all(dir).map_err(|source| TlsError::Io {
         path: dir.to_path_buf(),
         source,
     })?;
+    // Validity from now (an hour back, for a peer whose clock is a little behind).
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_err(|e| TlsError::Create(format!("this host's clock: {e}")))?;
+    let now = rcgen::date_time_ymd(1970, 1, 1) + since_epoch;
+    let hour = std::time::Duration::from_secs(3600);
+    let days = |n: u32| std::time::Duration::from_secs(u64::from(n) * 86_400);
     let mut written = Vec::new();
     let ca_cert = dir.join("ca.pem");
     let ca_key_path = dir.join("ca.key");
+    let ca_params = || -> Result<CertificateParams, TlsError> {
+        let mut p = CertificateParams::new(Vec::<String>::new())
+            .map_err(|e| TlsError::Create(e.to_string()))?;
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        p.distinguished_name
+            .push(DnType::CommonName, "wanopt site CA");
+        p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        p.not_before = now - hour;
+        p.not_after = now + days(CA_DAYS);
+        Ok(p)
+    };
     let issuer = if ca_key_path.exists() && ca_cert.exists() {
         let pem = std::fs::read_to_string(&ca_key_path).map_err(|source| TlsError::Io {
             path: ca_key_path.clone(),
             source,
         })?;
         let key = KeyPair::from_pem(&pem).map_err(cerr)?;
-        let params = ca_params()?;
-        Issuer::new(params, key)
+        Issuer::new(ca_params()?, key)
+    } else if minting.renew {
+        return Err(TlsError::Create(format!(
+            "--renew: no CA in {} (ca.pem and ca.key); renewing never starts a new CA, which \
+             every site would have to trust anew",
+            dir.display()
+        )));
     } else {
         let key = KeyPair::generate().map_err(cerr)?;
         let params = ca_params()?;
@@ -349,17 +452,6 @@ pub fn create_site_certs(dir: &Path, sites: &[String]) -> Result<Vec<PathBuf>, T
         written.push(ca_key_path.clone());
         Issuer::new(params, key)
     };
-    fn ca_params() -> Result<CertificateParams, TlsError> {
-        let mut p = CertificateParams::new(Vec::<String>::new())
-            .map_err(|e| TlsError::Create(e.to_string()))?;
-        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        p.distinguished_name
-            .push(DnType::CommonName, "wanopt site CA");
-        p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        p.not_before = rcgen::date_time_ymd(2024, 1, 1);
-        p.not_after = rcgen::date_time_ymd(2036, 1, 1);
-        Ok(p)
-    }
     for site in sites {
         if !crate::config::valid_name(site) {
             return Err(TlsError::Create(format!(
@@ -375,8 +467,12 @@ pub fn create_site_certs(dir: &Path, sites: &[String]) -> Result<Vec<PathBuf>, T
             rcgen::ExtendedKeyUsagePurpose::ServerAuth,
             rcgen::ExtendedKeyUsagePurpose::ClientAuth,
         ];
-        p.not_before = rcgen::date_time_ymd(2024, 1, 1);
-        p.not_after = rcgen::date_time_ymd(2031, 1, 1);
+        // A serial of its own, so a revocation names this certificate and no other.
+        let mut serial = rand::random::<[u8; 16]>();
+        serial[0] &= 0x7f;
+        p.serial_number = Some(rcgen::SerialNumber::from_slice(&serial));
+        p.not_before = now - hour;
+        p.not_after = now + days(minting.days);
         let cert = p.signed_by(&key, &issuer).map_err(cerr)?;
         let kp = dir.join(format!("{site}.key"));
         let cp = dir.join(format!("{site}.pem"));
@@ -388,6 +484,128 @@ pub fn create_site_certs(dir: &Path, sites: &[String]) -> Result<Vec<PathBuf>, T
     Ok(written)
 }
 
+/// The serial number of a certificate (its DER bytes), `None` if the DER is not X.509's.
+pub fn serial_of(cert: &[u8]) -> Option<Vec<u8>> {
+    let (0x30, certificate, _) = der(cert)? else {
+        return None;
+    };
+    let (0x30, tbs, _) = der(certificate)? else {
+        return None;
+    };
+    let (tag, body, rest) = der(tbs)?;
+    let (tag, body) = if tag == 0xa0 {
+        let (t, b, _) = der(rest)?;
+        (t, b)
+    } else {
+        (tag, body)
+    };
+    (tag == 0x02).then(|| body.to_vec())
+}
+
+/// Revokes the current certificate of each site in `dir` under its CA: adds it to `revoked`
+/// (one line per certificate: serial in hex, site, Unix time) and writes `crl.pem`, the CA's
+/// signed list of every certificate revoked so far, for `tls.crl` on every site. Returns
+/// `crl.pem`'s path.
+pub fn revoke_site_certs(dir: &Path, sites: &[String]) -> Result<PathBuf, TlsError> {
+    use rcgen::{
+        CertificateParams, CertificateRevocationListParams, Issuer, KeyIdMethod, KeyPair,
+        RevokedCertParams, SerialNumber,
+    };
+    let cerr = |e: rcgen::Error| TlsError::Create(e.to_string());
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| TlsError::Io { path, source }
+    };
+    let ca_cert = dir.join("ca.pem");
+    let ca_key_path = dir.join("ca.key");
+    if !ca_cert.exists() || !ca_key_path.exists() {
+        return Err(TlsError::Create(format!(
+            "--revoke: no CA in {} (ca.pem and ca.key)",
+            dir.display()
+        )));
+    }
+    let list_path = dir.join("revoked");
+    let mut list = match std::fs::read_to_string(&list_path) {
+        Ok(s) => s,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(io(&list_path)(e)),
+    };
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_err(|e| TlsError::Create(format!("this host's clock: {e}")))?;
+    for site in sites {
+        let path = dir.join(format!("{site}.pem"));
+        let certs = load_certs(&path)?;
+        let serial = certs
+            .first()
+            .and_then(|c| serial_of(c))
+            .ok_or_else(|| TlsError::Bad {
+                path: path.clone(),
+                msg: "no serial number in the certificate".into(),
+            })?;
+        let hex: String = serial.iter().map(|b| format!("{b:02x}")).collect();
+        if !list
+            .lines()
+            .any(|l| l.split_whitespace().next() == Some(hex.as_str()))
+        {
+            list.push_str(&format!("{hex} {site} {}\n", since_epoch.as_secs()));
+        }
+    }
+    let epoch = rcgen::date_time_ymd(1970, 1, 1);
+    let now = epoch + since_epoch;
+    let mut revoked = Vec::new();
+    for line in list.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(hex), _, Some(when)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        let bytes: Option<Vec<u8>> = (0..hex.len())
+            .step_by(2)
+            .map(|i| {
+                hex.get(i..i + 2)
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+            })
+            .collect();
+        let (Some(bytes), Ok(when)) = (bytes, when.parse::<u64>()) else {
+            return Err(TlsError::Bad {
+                path: list_path.clone(),
+                msg: format!("not a revocation line: {line:?}"),
+            });
+        };
+        revoked.push(RevokedCertParams {
+            serial_number: SerialNumber::from_slice(&bytes),
+            revocation_time: epoch + std::time::Duration::from_secs(when),
+            reason_code: None,
+            invalidity_date: None,
+        });
+    }
+    let pem = std::fs::read_to_string(&ca_key_path).map_err(io(&ca_key_path))?;
+    let key = KeyPair::from_pem(&pem).map_err(cerr)?;
+    let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(cerr)?;
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, "wanopt site CA");
+    ca.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::CrlSign,
+    ];
+    let issuer = Issuer::new(ca, key);
+    let crl = CertificateRevocationListParams {
+        this_update: now - std::time::Duration::from_secs(3600),
+        next_update: now + std::time::Duration::from_secs(u64::from(CA_DAYS) * 86_400),
+        crl_number: SerialNumber::from(since_epoch.as_secs()),
+        issuing_distribution_point: None,
+        revoked_certs: revoked,
+        key_identifier_method: KeyIdMethod::Sha256,
+    }
+    .signed_by(&issuer)
+    .map_err(cerr)?;
+    write_file(&list_path, list.as_bytes(), 0o644)?;
+    let crl_path = dir.join("crl.pem");
+    write_file(&crl_path, crl.pem().map_err(cerr)?.as_bytes(), 0o644)?;
+    Ok(crl_path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -396,7 +614,12 @@ mod tests {
     #[test]
     fn created_certs_load_and_names_are_checked() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let files = create_site_certs(dir.path(), &["west".into(), "east".into()]).expect("certs");
+        let files = create_site_certs(
+            dir.path(),
+            &["west".into(), "east".into()],
+            &Default::default(),
+        )
+        .expect("certs");
         assert_eq!(files.len(), 6);
         let mode = std::fs::metadata(dir.path().join("west.key"))
             .expect("key")
@@ -407,6 +630,7 @@ mod tests {
             ca: dir.path().join("ca.pem"),
             cert: dir.path().join("west.pem"),
             key: dir.path().join("west.key"),
+            crl: None,
             site: "west".into(),
         };
         load(&paths).expect("loads");
@@ -414,14 +638,26 @@ mod tests {
         check_peer_name(Some(&east), "east").expect("east is east");
         assert!(check_peer_name(Some(&east), "west").is_err());
         assert!(check_peer_name(None, "east").is_err());
-        // The certificate lifetimes are readable for the expiry metric (2031-01-01, 2036-01-01).
-        assert_eq!(not_after(&east[0]), Some(1_924_992_000));
+        // Valid from now: the lifetimes are readable for the expiry metric, SITE_DAYS and
+        // CA_DAYS from now.
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs();
+        let near = |t: Option<u64>, days: u32| {
+            t.is_some_and(|t| t.abs_diff(now + u64::from(days) * 86_400) < 120)
+        };
+        assert!(
+            near(not_after(&east[0]), SITE_DAYS),
+            "{:?}",
+            not_after(&east[0])
+        );
         let ca = load_certs(&dir.path().join("ca.pem")).expect("ca");
-        assert_eq!(not_after(&ca[0]), Some(2_082_758_400));
+        assert!(near(not_after(&ca[0]), CA_DAYS));
         assert_eq!(not_after(b"\x30\x03\x30\x01"), None);
         assert_eq!(not_after(&east[0][..40]), None);
         // A later call adds a site under the same CA.
-        create_site_certs(dir.path(), &["north".into()]).expect("more");
+        create_site_certs(dir.path(), &["north".into()], &Default::default()).expect("more");
         assert!(dir.path().join("north.pem").exists());
     }
 
@@ -429,12 +665,18 @@ mod tests {
     fn a_certificate_the_peer_would_refuse_is_refused_at_load() {
         let dir = tempfile::tempdir().expect("tempdir");
         let other = tempfile::tempdir().expect("tempdir");
-        create_site_certs(dir.path(), &["west".into(), "east".into()]).expect("certs");
-        create_site_certs(other.path(), &["west".into()]).expect("other CA");
+        create_site_certs(
+            dir.path(),
+            &["west".into(), "east".into()],
+            &Default::default(),
+        )
+        .expect("certs");
+        create_site_certs(other.path(), &["west".into()], &Default::default()).expect("other CA");
         let paths = |ca: &Path, cert: &Path, key: &Path, site: &str| TlsPaths {
             ca: ca.join("ca.pem"),
             cert: cert.join(format!("{site}.pem")),
             key: key.join(format!("{site}.key")),
+            crl: None,
             site: site.into(),
         };
         let d = dir.path();
@@ -463,10 +705,85 @@ mod tests {
         assert!(e.contains("east.key") && e.contains("does not fit"), "{e}");
     }
 
+    /// `--days` sets the period; `--renew` mints under the CA that is there and never makes
+    /// one; `--revoke` lists a site's certificate in `crl.pem`, and a config that names it
+    /// refuses that certificate (its own, at load; the peer's, at the handshake).
+    #[test]
+    fn certificates_are_renewed_and_revoked_under_one_ca() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = dir.path();
+        let empty = tempfile::tempdir().expect("tempdir");
+        let renew = Minting {
+            days: 30,
+            renew: true,
+        };
+        let e = create_site_certs(empty.path(), &["west".into()], &renew)
+            .expect_err("no CA to renew under")
+            .to_string();
+        assert!(e.contains("no CA"), "{e}");
+        assert!(!empty.path().join("ca.pem").exists());
+        create_site_certs(d, &["west".into(), "east".into()], &Minting::default()).expect("certs");
+        let ca = std::fs::read(d.join("ca.pem")).expect("ca");
+        let old_west = load_certs(&d.join("west.pem")).expect("west")[0].to_vec();
+        create_site_certs(d, &["west".into()], &renew).expect("renew");
+        assert_eq!(
+            std::fs::read(d.join("ca.pem")).expect("ca"),
+            ca,
+            "the CA stays"
+        );
+        let west = load_certs(&d.join("west.pem")).expect("west")[0].to_vec();
+        assert_ne!(serial_of(&west), serial_of(&old_west), "a new serial");
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs();
+        let left = not_after(&west).expect("expiry") - now;
+        assert!(left.abs_diff(30 * 86_400) < 120, "{left} s left");
+        assert!(
+            create_site_certs(
+                d,
+                &["west".into()],
+                &Minting {
+                    days: 0,
+                    renew: true
+                }
+            )
+            .is_err()
+        );
+        // Revoke east: the list names it, and east's own config refuses to load.
+        let crl = revoke_site_certs(d, &["east".into()]).expect("revoke");
+        revoke_site_certs(d, &["east".into()]).expect("revoking again changes nothing");
+        let listed = std::fs::read_to_string(d.join("revoked")).expect("list");
+        assert_eq!(listed.lines().count(), 1, "{listed}");
+        let paths = |site: &str| TlsPaths {
+            ca: d.join("ca.pem"),
+            cert: d.join(format!("{site}.pem")),
+            key: d.join(format!("{site}.key")),
+            crl: Some(crl.clone()),
+            site: site.into(),
+        };
+        let e = load(&paths("east"))
+            .expect_err("east is revoked")
+            .to_string();
+        assert!(e.contains("revoked"), "{e}");
+        load(&paths("west")).expect("west is not");
+        // A garbage list is named.
+        std::fs::write(d.join("bad.pem"), b"not a crl").expect("write");
+        let mut p = paths("west");
+        p.crl = Some(d.join("bad.pem"));
+        assert!(
+            load(&p)
+                .expect_err("garbage")
+                .to_string()
+                .contains("bad.pem")
+        );
+        assert!(revoke_site_certs(empty.path(), &["west".into()]).is_err());
+    }
+
     #[test]
     fn expiry_parser_survives_any_damage() {
         let dir = tempfile::tempdir().expect("tempdir");
-        create_site_certs(dir.path(), &["west".into()]).expect("certs");
+        create_site_certs(dir.path(), &["west".into()], &Default::default()).expect("certs");
         let cert = load_certs(&dir.path().join("west.pem")).expect("cert")[0].to_vec();
         // Every truncation and every single-byte corruption: an answer or None, never a panic.
         for cut in 0..cert.len() {
@@ -488,6 +805,7 @@ mod tests {
             ca: dir.path().join("ca.pem"),
             cert: dir.path().join("west.pem"),
             key: dir.path().join("west.key"),
+            crl: None,
             site: "west".into(),
         };
         let e = load(&paths).expect_err("missing");

@@ -38,11 +38,21 @@ enum Cmd {
     Run,
     /// Validate a config and print the effective settings, defaults filled in.
     Check,
-    /// Create a site CA (or reuse the one in DIR) and a key and certificate per site.
+    /// Create a site CA (or reuse the one in DIR) and a key and certificate per site; renew
+    /// them under the CA there, or revoke them (crl.pem, for `tls.crl`).
     Certs {
         /// Folder for ca.pem, ca.key, SITE.pem and SITE.key.
         #[arg(long)]
         out: PathBuf,
+        /// Days the site certificates are valid, from now.
+        #[arg(long, default_value_t = tls::SITE_DAYS)]
+        days: u32,
+        /// New keys and certificates under the CA already in DIR (never a new CA).
+        #[arg(long, conflicts_with = "revoke")]
+        renew: bool,
+        /// Revoke the sites' current certificates: add them to DIR/crl.pem.
+        #[arg(long)]
+        revoke: bool,
         /// Site names, e.g. `west east`.
         #[arg(required = true)]
         sites: Vec<String>,
@@ -93,11 +103,35 @@ fn main() -> ExitCode {
                 Err(code) => code,
             }
         }
-        Cmd::Certs { out, sites } => match tls::create_site_certs(&out, &sites) {
+        Cmd::Certs {
+            out, revoke, sites, ..
+        } if revoke => match tls::revoke_site_certs(&out, &sites) {
+            Ok(crl) => {
+                println!(
+                    "revoked {}; wrote {}: set tls.crl to it on every site, then \
+                     `systemctl reload` (and `wanoptd certs --renew` the revoked sites)",
+                    sites.join(", "),
+                    crl.display()
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("wanoptd certs: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Cmd::Certs {
+            out,
+            days,
+            renew,
+            sites,
+            ..
+        } => match tls::create_site_certs(&out, &sites, &tls::Minting { days, renew }) {
             Ok(files) => {
                 for f in files {
                     println!("wrote {}", f.display());
                 }
+                println!("site certificates valid for {days} days from now");
                 ExitCode::SUCCESS
             }
             Err(e) => {
@@ -240,7 +274,7 @@ fn demo(dir: &Path) -> ExitCode {
         .iter()
         .any(|f| !certs.join(f).exists());
     if missing {
-        match tls::create_site_certs(&certs, &["west".into(), "east".into()]) {
+        match tls::create_site_certs(&certs, &["west".into(), "east".into()], &Default::default()) {
             Ok(files) => eprintln!(
                 "wanoptd demo: created {} certificate files in {}",
                 files.len(),

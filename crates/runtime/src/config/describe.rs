@@ -68,6 +68,14 @@ impl Config {
             quoted(self.tls.cert.display()),
             quoted(self.tls.key.display())
         );
+        match &self.tls.crl {
+            Some(c) => {
+                let _ = writeln!(o, "  crl: {}", quoted(c.display()));
+            }
+            None => {
+                let _ = writeln!(o, "  # crl: none (no certificate of the CA is revoked)");
+            }
+        }
         let _ = writeln!(
             o,
             "services:{}",

@@ -42,6 +42,7 @@ pub(super) struct RawTls {
     ca: String,
     cert: String,
     key: String,
+    crl: Option<String>,
 }
 
 /// Which side of the link this daemon is.
@@ -106,6 +107,9 @@ pub struct TlsPaths {
     pub ca: PathBuf,
     pub cert: PathBuf,
     pub key: PathBuf,
+    /// Revoked certificates (PEM CRLs of the site CA, `wanoptd certs --revoke`), read at start
+    /// and on reload: a peer presenting one of them is refused.
+    pub crl: Option<PathBuf>,
     /// The name `cert` must be issued to: the config's `site`.
     pub site: String,
 }
@@ -274,6 +278,7 @@ pub(super) fn parse_tls(cx: &Ctx<'_>, t: &RawTls, site: &str) -> TlsPaths {
         ca: cx.resolve(&t.ca),
         cert: cx.resolve(&t.cert),
         key: cx.resolve(&t.key),
+        crl: t.crl.as_deref().map(|c| cx.resolve(c)),
         site: site.to_owned(),
     }
 }
