@@ -95,14 +95,18 @@ fn counters_match_the_bytes_moved() {
     // The codec's threads: the host's cores by default.
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get().min(64));
     assert_eq!(value(&w, "wanopt_codec_threads "), cores as u64, "{w}");
-    // The test certificates (rcgen, see tls.rs) expire on 2031-01-01 and the CA on 2036-01-01.
-    for (cert, t) in [
-        ("own", 1_924_992_000),
-        ("peer", 1_924_992_000),
-        ("ca", 2_082_758_400),
-    ] {
+    // The test certificates (minted by `Certs::new`, see tls.rs) expire SITE_DAYS from when
+    // they were minted, the CA CA_DAYS: within a few minutes of now plus those.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs();
+    let site = u64::from(wanopt_runtime::tls::SITE_DAYS) * 86_400;
+    let ca = u64::from(wanopt_runtime::tls::CA_DAYS) * 86_400;
+    for (cert, life) in [("own", site), ("peer", site), ("ca", ca)] {
         let series = format!("wanopt_certificate_expiry_timestamp_seconds{{cert=\"{cert}\"}} ");
-        assert_eq!(value(&w, &series), t, "{cert}: {w}");
+        let t = value(&w, &series);
+        assert!(t.abs_diff(now + life) < 600, "{cert}: {t}: {w}");
     }
 
     // TCP_INFO of the link's sockets, per lane, is sampled every two seconds.
