@@ -201,6 +201,13 @@ impl Decoder {
         self.batch.clear();
     }
 
+    /// Counts this decoder's short stream contexts in `slots`, shared with the link's other
+    /// decoders of the lane: [`DECODER_CONTEXTS`](crate::DECODER_CONTEXTS) (about 1 MiB each
+    /// after a run) is then the link's bound, however many scopes it has.
+    pub fn share_context_slots(&mut self, slots: Slots) {
+        self.contexts = slots;
+    }
+
     /// Accepts long contexts of at most `long`'s window, and twice its streams at once (counted
     /// in `slots`, shared by the link's decoders): the sender gives a context back when its
     /// stream ends, which may be before we have read that stream's last record. `None` refuses

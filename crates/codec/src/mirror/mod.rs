@@ -356,6 +356,13 @@ impl Mirror {
 
     /// Lets bulk streams use long contexts as agreed with the peer, counted in `slots` (shared
     /// by the link's mirrors); `None` compresses their chunks alone.
+    /// Counts this mirror's short stream contexts in `slots`, shared with the link's other
+    /// mirrors of the lane: [`MIRROR_CONTEXTS`](crate::MIRROR_CONTEXTS) is then the link's
+    /// bound, not each mirror's.
+    pub fn share_context_slots(&mut self, slots: Slots) {
+        self.contexts = slots;
+    }
+
     pub fn set_long_context(&mut self, long: Option<LongContext>, slots: Slots) {
         self.long = long.map(|l| (l, slots));
     }

@@ -211,6 +211,30 @@ fn context_records_are_bounded_and_fail_cleanly() {
     drop(streams);
     drop(s);
     assert_eq!(dec.contexts(), 0);
+
+    // Decoders sharing their slots (a link's scopes) share the bound: a peer cannot multiply
+    // it by its number of service scopes.
+    let shared = crate::Slots::default();
+    let mut decoders: Vec<Decoder> = (0..4)
+        .map(|_| {
+            let mut d = Decoder::with_capacity(1 << 20, false);
+            d.share_context_slots(shared.clone());
+            d
+        })
+        .collect();
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for i in 0..2 * DECODER_CONTEXTS {
+        let mut s = StreamContext::default();
+        match decoders[i % 4].decode_record_in(&rec, &mut Vec::new(), &mut s) {
+            Ok(_) => held.push(s),
+            Err(CodecError::Malformed(_)) => refused += 1,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    assert_eq!(held.len(), DECODER_CONTEXTS);
+    assert_eq!(refused, DECODER_CONTEXTS);
+    assert_eq!(shared.in_use(), DECODER_CONTEXTS);
 }
 
 #[test]

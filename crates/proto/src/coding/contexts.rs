@@ -54,6 +54,10 @@ pub(crate) struct Contexts {
     long_send: Option<LongContext>,
     long_out: Slots,
     long_in: Slots,
+    /// Short stream contexts per lane, each side's count shared by the lane's mirrors (or
+    /// decoders) of every scope: the bounds are per link, not per cache.
+    short_out: [Slots; LANES],
+    short_in: [Slots; LANES],
     /// What we sent, as delta bases for the main lane's mirrors (all scopes share it); `None`
     /// if we send no deltas or the peer does not decode them.
     bases: Option<SharedBases>,
@@ -120,6 +124,8 @@ impl Contexts {
             long_send: None,
             long_out: Slots::default(),
             long_in: Slots::default(),
+            short_out: Default::default(),
+            short_in: Default::default(),
             bases: None,
             given_bases: None,
             workers: None,
@@ -273,12 +279,14 @@ impl Contexts {
         let key = (lane, scope.clone());
         let resume = self.loaded.remove(&(Role::Mirror, key.clone()));
         let long = (self.long_send, self.long_out.clone());
+        let short = self.short_out[lane.min(LANES - 1)].clone();
         // The latency lane sends no deltas (its streams never would).
         let bases = self.bases.clone().filter(|_| lane == MAIN_LANE);
         // Nor does it prepare chunks on workers: its small writes never wait for a pool.
         let workers = self.workers.clone().filter(|_| lane == MAIN_LANE);
         self.mirrors.entry(key).or_insert_with(|| {
             let mut m = Mirror::new(to_usize(lane_share(size, lane)), resend, level);
+            m.share_context_slots(short);
             m.set_long_context(long.0, long.1);
             m.set_bases(bases);
             m.set_workers(workers);
@@ -297,6 +305,7 @@ impl Contexts {
         let (mem, disk) = self.own.limits(lane, scope.is_empty());
         let storage = self.storage.clone();
         let long = (self.own.long_context, self.long_in.clone());
+        let short = self.short_in[lane.min(LANES - 1)].clone();
         let workers = self.workers.clone().filter(|_| lane == MAIN_LANE);
         self.decoders.entry(key).or_insert_with(|| {
             let store = (disk > 0)
@@ -311,6 +320,7 @@ impl Contexts {
                 let _ = cache.restore(&s);
             }
             let mut d = Decoder::with_cache(cache, true);
+            d.share_context_slots(short);
             // What we offered in our hello, counted per link.
             d.set_long_context(long.0, long.1);
             // The latency lane's small frames never wait for a pool.
