@@ -133,21 +133,32 @@ fn sample(site: &str, certs: &Certs, state: &Path, subs: &[(&str, String)]) -> S
     )
 }
 
-/// East, then west dialing it, both from the samples; `west_subs` and `east_subs` point the
-/// targets at this test's servers.
-fn sample_pair(
-    certs: &Certs,
-    state: &Path,
-    west_subs: &[(&str, String)],
-    east_subs: &[(&str, String)],
-) -> (Daemon, Daemon) {
-    let east = Daemon::start("east", &sample("east", certs, state, east_subs));
+/// East, then west dialing it, both from the samples, with west's `target` line `from` pointed
+/// at this test's server on `port`.
+struct SamplePair {
+    west: Daemon,
+    east: Daemon,
+    _certs: Certs,
+    _state: tempfile::TempDir,
+}
+
+fn sample_pair(from: &str, port: u16) -> SamplePair {
+    let certs = Certs::new(&["west", "east"]);
+    let state = tempfile::tempdir().expect("state");
+    let east = Daemon::start("east", &sample("east", &certs, state.path(), &[]));
     let link = east.bound("link");
-    let mut subs = vec![("connect: 127.0.0.1:7400", format!("connect: {link}"))];
-    subs.extend(west_subs.iter().cloned());
-    let west = Daemon::start("west", &sample("west", certs, state, &subs));
+    let subs = [
+        ("connect: 127.0.0.1:7400", format!("connect: {link}")),
+        (from, format!("target: 127.0.0.1:{port}")),
+    ];
+    let west = Daemon::start("west", &sample("west", &certs, state.path(), &subs));
     west.wait_log("link up", Duration::from_secs(15));
-    (west, east)
+    SamplePair {
+        west,
+        east,
+        _certs: certs,
+        _state: state,
+    }
 }
 
 /// A directory the database servers' users can reach, owned by `user`.
@@ -404,17 +415,9 @@ fn postgres_standby_replicates_through_the_pair_as_the_docs_say() {
     primary.psql(&role_sql).expect("the recipe's role");
     primary.psql("SELECT pg_reload_conf()").expect("reload");
 
-    let certs = Certs::new(&["west", "east"]);
-    let state = tempfile::tempdir().expect("state");
-    let (west, east) = sample_pair(
-        &certs,
-        state.path(),
-        &[(
-            "target: 127.0.0.1:5432",
-            format!("target: 127.0.0.1:{}", primary.port),
-        )],
-        &[],
-    );
+    // Kept whole: its certificates and state directories live as long as the daemons.
+    let pair = sample_pair("target: 127.0.0.1:5432", primary.port);
+    let (west, east) = (&pair.west, &pair.east);
     let gw = east.bound("pg");
 
     // The clone, through east's pg service, as the docs write it.
@@ -436,7 +439,7 @@ fn postgres_standby_replicates_through_the_pair_as_the_docs_say() {
         auto.contains(&format!("port={}", gw.port())),
         "-R did not point the standby at the gateway: {auto}"
     );
-    let cloned = service_bytes(&east, "pg");
+    let cloned = service_bytes(east, "pg");
     assert!(
         cloned > 1 << 20,
         "the clone did not cross the pair: {cloned} bytes"
@@ -476,7 +479,7 @@ fn postgres_standby_replicates_through_the_pair_as_the_docs_say() {
     assert_eq!(got, want);
     assert!(want.starts_with("46154 "), "{want}");
     // The walreceiver's traffic crossed the pair: west connected it to the primary.
-    assert!(service_bytes(&west, "pg") > cloned);
+    assert!(service_bytes(west, "pg") > cloned);
 }
 
 // ---------------------------------------------------------------- MariaDB
@@ -599,17 +602,9 @@ fn mariadb_replica_replicates_through_the_pair_as_the_docs_say() {
         .sql(&replaced(&user_sql, &[(WEST_GW_ADDR, "127.0.0.1".into())]))
         .expect("the recipe's user");
 
-    let certs = Certs::new(&["west", "east"]);
-    let state = tempfile::tempdir().expect("state");
-    let (west, east) = sample_pair(
-        &certs,
-        state.path(),
-        &[(
-            "target: 127.0.0.1:3306",
-            format!("target: 127.0.0.1:{}", primary.port),
-        )],
-        &[],
-    );
+    // Kept whole: its certificates and state directories live as long as the daemons.
+    let pair = sample_pair("target: 127.0.0.1:3306", primary.port);
+    let (west, east) = (&pair.west, &pair.east);
     let gw = east.bound("mariadb");
     replica
         .sql(&replaced(
@@ -645,8 +640,8 @@ fn mariadb_replica_replicates_through_the_pair_as_the_docs_say() {
     // listener and west's connection to the primary both carried it. UUID() makes the insert
     // go as row events, megabytes of them.
     let (e, w) = (
-        service_bytes(&east, "mariadb"),
-        service_bytes(&west, "mariadb"),
+        service_bytes(east, "mariadb"),
+        service_bytes(west, "mariadb"),
     );
     assert!(e > 1 << 20 && w > 1 << 20, "east {e}, west {w} bytes");
 }

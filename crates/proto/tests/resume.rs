@@ -11,23 +11,35 @@ const TOKEN: u64 = 0x5eed_cafe;
 
 /// A pair that resumes streams, up, with its latency lane attached when `laned`.
 fn resumable_pair(codec: bool, laned: bool) -> Pair {
+    let mut p = resumable_pair_with(codec, |_| {}, |_| {});
+    if laned {
+        attach(&mut p);
+    }
+    p
+}
+
+/// [`resumable_pair`] without a lane, each side's config then changed by `west` and `east`.
+fn resumable_pair_with(
+    codec: bool,
+    west: impl Fn(&mut LinkConfig),
+    east: impl Fn(&mut LinkConfig),
+) -> Pair {
     let mut p = Pair::with(
         Duration::from_millis(20),
         5_000_000,
         |c| {
             resumable(c, codec);
             c.token = 0;
+            west(c);
         },
         |c| {
             resumable(c, codec);
             c.token = TOKEN;
+            east(c);
         },
     );
     p.drive(Duration::from_secs(1));
     assert!(p.west.app.up && p.east.app.up, "hello exchange failed");
-    if laned {
-        attach(&mut p);
-    }
     p
 }
 
@@ -513,21 +525,7 @@ fn a_connection_lost_during_the_resumption_resumes_on_the_next() {
 #[test]
 fn a_peer_cannot_grow_the_resume_list_past_what_it_can_know() {
     use wanopt_proto::frame::{Resume, ResumeEntry};
-    let mut p = Pair::with(
-        Duration::from_millis(20),
-        5_000_000,
-        |c| {
-            resumable(c, false);
-            c.token = 0;
-            c.max_streams = u32::MAX;
-        },
-        |c| {
-            resumable(c, false);
-            c.token = TOKEN;
-        },
-    );
-    p.drive(Duration::from_secs(1));
-    assert!(p.west.app.up && p.east.app.up);
+    let mut p = resumable_pair_with(false, |c| c.max_streams = u32::MAX, |_| {});
     cut(&mut p);
     let presented = p.west.link.resume_token();
     assert!(p.west.link.reconnect(p.now, Vec::new()));
@@ -589,21 +587,14 @@ fn a_peer_cannot_grow_the_resume_list_past_what_it_can_know() {
 /// than our own window's worth of a stream for resends.
 #[test]
 fn a_huge_window_from_the_peer_keeps_no_more_than_ours() {
-    let mut p = Pair::with(
-        Duration::from_millis(20),
-        5_000_000,
+    let mut p = resumable_pair_with(
+        false,
+        |_| {},
         |c| {
-            resumable(c, false);
-            c.token = 0;
-        },
-        |c| {
-            resumable(c, false);
-            c.token = TOKEN;
             c.stream_window = u32::MAX;
             c.link_window = u64::MAX >> 2;
         },
     );
-    p.drive(Duration::from_secs(1));
     // East receives and never hands over: only the windows bound what west keeps.
     let id = p.west.link.open("e-svc", Class::Bulk).expect("open");
     p.west.app.to_send.insert(id, (data(3, 24 << 20), false));
