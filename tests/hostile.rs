@@ -361,6 +361,41 @@ impl Hostile {
     }
 }
 
+/// A peer's open of a stream of east's service `h`.
+fn open_h(stream: wanopt_proto::StreamId) -> wanopt_proto::Frame {
+    wanopt_proto::Frame::Open {
+        stream,
+        class: wanopt_proto::Class::Bulk,
+        service: "h".into(),
+    }
+}
+
+/// A coded (optimized) frame of `stream`, not its last, in the shared cache's scope.
+fn coded(
+    stream: wanopt_proto::StreamId,
+    offset: u64,
+    raw_len: u32,
+    records: bytes::Bytes,
+) -> wanopt_proto::Frame {
+    wanopt_proto::Frame::Coded {
+        stream,
+        offset,
+        fin: false,
+        scoped: false,
+        raw_len,
+        records,
+    }
+}
+
+/// A record referring to a 64-byte chunk nobody sent (fingerprint `tag` repeated): the stream
+/// stalls on it, and east's request for it is never answered.
+fn missing_reference(tag: u8) -> bytes::Bytes {
+    let mut r = vec![3u8];
+    r.extend([tag; 16]);
+    r.push(64);
+    bytes::Bytes::from(r)
+}
+
 /// East with a small cache: the RSS bound of the attacks is its cache memory (memory for its
 /// decoder and mirror, plus delta_memory) plus 128 MiB.
 const EAST_OPTIMIZE: &str = "optimize:\n  memory: 32MiB\n  delta_memory: 32MiB\n";
@@ -477,19 +512,6 @@ fn a_hostile_peer_cannot_exhaust_the_daemon() {
     reference.extend(fp);
     reference.extend(varint(chunk.len()));
     let bomb = bytes::Bytes::from(reference.repeat(3000));
-    let coded = |stream, offset, raw_len, records: bytes::Bytes| Frame::Coded {
-        stream,
-        offset,
-        fin: false,
-        scoped: false,
-        raw_len,
-        records,
-    };
-    let open_h = |stream| Frame::Open {
-        stream,
-        class: Class::Bulk,
-        service: "h".into(),
-    };
     let bombs = 200u32;
     let mut out = bytes::BytesMut::new();
     for i in 0..bombs {
@@ -524,12 +546,9 @@ fn a_hostile_peer_cannot_exhaust_the_daemon() {
     let mut h = Hostile::connect(&certs, "west", link);
     let downs = east.count("link down");
     let stream = StreamId(1);
-    let mut missing = vec![3u8];
-    missing.extend([0x5a; 16]);
-    missing.push(64);
     out.clear();
     open_h(stream).encode(&mut out);
-    coded(stream, 0, 64, bytes::Bytes::from(missing)).encode(&mut out);
+    coded(stream, 0, 64, missing_reference(0x5a)).encode(&mut out);
     h.write(&out).expect("stall");
     let junk = bytes::Bytes::from(vec![1u8; 16 << 10]);
     let frames = h.flood(1 << 20, |_| coded(stream, 64, 0, junk.clone()));
@@ -556,10 +575,7 @@ fn a_hostile_peer_cannot_exhaust_the_daemon() {
     let cpu_before = cpu_seconds(east.pid());
     out.clear();
     open_h(stream).encode(&mut out);
-    let mut missing = vec![3u8];
-    missing.extend([0x5b; 16]);
-    missing.push(64);
-    coded(stream, 0, 64, bytes::Bytes::from(missing)).encode(&mut out);
+    coded(stream, 0, 64, missing_reference(0x5b)).encode(&mut out);
     h.write(&out).expect("stall");
     let frames = h.flood(4 << 20, |_| coded(stream, 64, 0, bytes::Bytes::new()));
     east.wait_log_n("link down", downs + 1, Duration::from_secs(60));
@@ -994,7 +1010,7 @@ fn a_flood_across_a_wan_cannot_keep_the_peer_out() {
 /// such bytes held slices of 1 GiB of buffers before.
 #[test]
 fn one_byte_per_read_cannot_pin_the_read_buffers() {
-    use wanopt_proto::{Class, Frame, StreamId};
+    use wanopt_proto::{Frame, StreamId};
     let srv = hash_server();
     let certs = Certs::new(&["west", "east"]);
     let east = east_daemon(
@@ -1007,27 +1023,10 @@ fn one_byte_per_read_cannot_pin_the_read_buffers() {
     let link = east.bound("link");
     let mut h = Hostile::connect(&certs, "west", link);
     let (stalled, carried) = (StreamId(1), StreamId(3));
-    let open = |stream| Frame::Open {
-        stream,
-        class: Class::Bulk,
-        service: "h".into(),
-    };
-    let coded = |stream, offset, raw_len, records: bytes::Bytes| Frame::Coded {
-        stream,
-        offset,
-        fin: false,
-        scoped: false,
-        raw_len,
-        records,
-    };
     let mut out = bytes::BytesMut::new();
-    open(stalled).encode(&mut out);
-    open(carried).encode(&mut out);
-    // A reference to a chunk nobody sent: the stream stalls, east's request is never answered.
-    let mut missing = vec![3u8];
-    missing.extend([0x5c; 16]);
-    missing.push(64);
-    coded(stalled, 0, 64, bytes::Bytes::from(missing)).encode(&mut out);
+    open_h(stalled).encode(&mut out);
+    open_h(carried).encode(&mut out);
+    coded(stalled, 0, 64, missing_reference(0x5c)).encode(&mut out);
     // The carried stream: the hash server's header (seed, no reply), then 60 KiB frames.
     let mut header = vec![0u8; 16];
     header[..8].copy_from_slice(&7u64.to_le_bytes());

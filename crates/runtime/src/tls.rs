@@ -68,36 +68,29 @@ fn need(path: &Path) -> Result<(), TlsError> {
 }
 
 fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    need(path)?;
-    let bad = |msg: String| TlsError::Bad {
-        path: path.to_path_buf(),
-        msg,
-    };
-    let certs = CertificateDer::pem_file_iter(path)
-        .map_err(|e| bad(e.to_string()))?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| bad(e.to_string()))?;
-    if certs.is_empty() {
-        return Err(bad("no certificate in PEM file".into()));
-    }
-    Ok(certs)
+    load_pem(path, "certificate")
 }
 
 /// The revocation lists in a PEM file (`wanoptd certs --revoke` writes `crl.pem`).
 fn load_crls(path: &Path) -> Result<Vec<CertificateRevocationListDer<'static>>, TlsError> {
+    load_pem(path, "revocation list (X509 CRL)")
+}
+
+/// Every PEM section of one kind in a file, at least one (`what` names the kind when none is).
+fn load_pem<T: PemObject>(path: &Path, what: &str) -> Result<Vec<T>, TlsError> {
     need(path)?;
     let bad = |msg: String| TlsError::Bad {
         path: path.to_path_buf(),
         msg,
     };
-    let crls = CertificateRevocationListDer::pem_file_iter(path)
+    let items = T::pem_file_iter(path)
         .map_err(|e| bad(e.to_string()))?
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| bad(e.to_string()))?;
-    if crls.is_empty() {
-        return Err(bad("no revocation list (X509 CRL) in PEM file".into()));
+    if items.is_empty() {
+        return Err(bad(format!("no {what} in PEM file")));
     }
-    Ok(crls)
+    Ok(items)
 }
 
 fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
