@@ -280,7 +280,7 @@ impl Hostile {
         let mut h = Self::tls_only(certs, site, link);
         let mut l = wanopt_proto::Link::new(wanopt_proto::LinkConfig::new(site, "east", true));
         let mut out = bytes::BytesMut::new();
-        l.poll_transmit(&mut out, 1 << 20);
+        l.poll_transmit(std::time::Instant::now(), &mut out, 1 << 20);
         h.write(&out).expect("hello");
         let mut buf = [0u8; 65536];
         let end = Instant::now() + Duration::from_secs(10);

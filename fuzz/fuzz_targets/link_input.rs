@@ -70,6 +70,6 @@ fuzz_target!(|data: &[u8]| {
         }
         link.handle_timeout(t);
         out.clear();
-        link.poll_transmit(&mut out, 1 << 16);
+        link.poll_transmit(t, &mut out, 1 << 16);
     }
 });

@@ -222,7 +222,7 @@ fn version_mismatch_is_a_clear_error_on_both_sides() {
     );
     // The GoAway tells the other side why.
     let mut out = BytesMut::new();
-    link.poll_transmit(&mut out, 4096);
+    link.poll_transmit(now, &mut out, 4096);
     let mut frames = Vec::new();
     while let Ok(n) = Frame::check(&out, 1 << 20) {
         frames.push(Frame::parse(out.split_to(n).freeze()).expect("parse"));

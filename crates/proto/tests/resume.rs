@@ -536,7 +536,7 @@ fn a_peer_cannot_grow_the_resume_list_past_what_it_can_know() {
     );
     // West's hello on the new connection, alone: what follows is the hostile list.
     let mut out = BytesMut::new();
-    p.west.link.poll_transmit(&mut out, 1 << 20);
+    p.west.link.poll_transmit(p.now, &mut out, 1 << 20);
     let hello_len = Frame::check(&out, 1 << 20).expect("a whole first frame");
     p.east
         .link

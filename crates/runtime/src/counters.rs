@@ -45,9 +45,16 @@ pub struct ServiceCounters {
     pub streams_opened: Counter,
     pub streams_refused: Counter,
     pub streams_active: Gauge,
+    /// Seconds it had data and waited for its `max_rate`.
+    pub held: Seconds,
+    /// Seconds it had data and sent below its `min_rate`.
+    pub below_min: Seconds,
     failed: Family<ServiceReason, Counter>,
     name: String,
 }
+
+/// A counter of seconds.
+pub type Seconds = Counter<f64, std::sync::atomic::AtomicU64>;
 
 impl ServiceCounters {
     /// Counts a failed stream under a short reason label (`target_refused`, `stream_error`, ...).
@@ -82,6 +89,8 @@ pub struct ServiceMetrics {
     refused: Family<ServiceLabel, Counter>,
     failed: Family<ServiceReason, Counter>,
     active: Family<ServiceLabel, Gauge>,
+    held: Family<ServiceLabel, Seconds>,
+    below_min: Family<ServiceLabel, Seconds>,
 }
 
 impl ServiceMetrics {
@@ -93,6 +102,8 @@ impl ServiceMetrics {
             refused: Family::default(),
             failed: Family::default(),
             active: Family::default(),
+            held: Family::default(),
+            below_min: Family::default(),
         };
         r.register(
             "wanopt_raw_bytes",
@@ -124,6 +135,16 @@ impl ServiceMetrics {
             "Streams open now, per service",
             m.active.clone(),
         );
+        r.register(
+            "wanopt_service_held_seconds",
+            "Time a bulk service had bytes to send and waited for its max_rate",
+            m.held.clone(),
+        );
+        r.register(
+            "wanopt_service_below_min_seconds",
+            "Time a bulk service had bytes to send and sent below its min_rate",
+            m.below_min.clone(),
+        );
         m
     }
 
@@ -153,6 +174,8 @@ impl ServiceMetrics {
             streams_opened: self.opened.get_or_create_owned(&label),
             streams_refused: self.refused.get_or_create_owned(&label),
             streams_active: self.active.get_or_create_owned(&label),
+            held: self.held.get_or_create_owned(&label),
+            below_min: self.below_min.get_or_create_owned(&label),
             failed: self.failed.clone(),
             name: name.to_string(),
         }

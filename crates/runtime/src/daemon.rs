@@ -75,6 +75,9 @@ impl Daemon {
             counters.service(&s.name);
         }
         sockopt::check_buffer_sysctls(&cfg.link);
+        for w in cfg.warnings() {
+            warn!("config: {w}");
+        }
         // The state directory is checked and the caches opened before any port is bound.
         let caches = match (&cfg.optimize.disk, cfg.optimize.enabled) {
             (Some(d), true) => {

@@ -135,6 +135,7 @@ impl Peer {
         let mut link = Link::new(lc);
         link.set_service_limits(targets(&cfg));
         link.set_policies(policies(&cfg));
+        link.set_shaping(shaping(&cfg));
         let ctx = LinkCtx {
             counters: self.counters.clone(),
             caches: self.caches.clone(),
@@ -165,13 +166,14 @@ impl Peer {
             .unwrap_or_default()
     }
 
-    /// What a reload applies to the current link: the services the peer may open and each
-    /// service's optimization policy.
+    /// What a reload applies to the current link: the services the peer may open, and each
+    /// service's optimization policy and shaping (streams keep going).
     pub fn apply_services(&self, cfg: &Config) {
         if let Some(h) = self.current.borrow().clone() {
             h.with(|l| {
                 l.set_service_limits(targets(cfg));
                 l.set_policies(policies(cfg));
+                l.set_shaping(shaping(cfg));
             });
         }
     }
@@ -202,6 +204,15 @@ fn policies(cfg: &Config) -> Vec<(String, wanopt_proto::StreamPolicy)> {
     cfg.services
         .iter()
         .map(|s| (s.name.clone(), s.policy))
+        .collect()
+}
+
+/// How each bulk service shares what this side sends.
+fn shaping(cfg: &Config) -> Vec<(String, wanopt_proto::Shaping)> {
+    cfg.services
+        .iter()
+        .filter(|s| s.class == wanopt_proto::Class::Bulk)
+        .map(|s| (s.name.clone(), s.shaping))
         .collect()
 }
 

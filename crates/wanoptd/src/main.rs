@@ -198,6 +198,7 @@ fn check(cfg: &Config) -> ExitCode {
         }
     }
     print!("{}", cfg.describe());
+    notes.extend(cfg.warnings().into_iter().map(|w| format!("warning: {w}")));
     notes.push(format!(
         "not checked: the peer's certificate (site {:?}; it is checked when the link comes up), \
          and whether the ports are free (checked when they are bound)",

@@ -34,6 +34,7 @@ use wanopt_codec::cache::Snapshot;
 use hello::PeerParams;
 pub use hello::{HELLO_MAX, MIN_VERSION, VERSION};
 pub use resume::ResumeStats;
+pub use streams::{MAX_SHARE, Shaping};
 use streams::{RecvHalf, SendHalf, Stream, Streams};
 use timer::{Timer, TimerTable};
 
@@ -193,13 +194,18 @@ enum State {
     Suspended,
 }
 
-/// Wire bytes (frame bytes before TLS) attributed to a service, each way.
+/// Wire bytes (frame bytes before TLS) attributed to a service, each way, and how its shaping
+/// (see [`Shaping`]) held it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WireCount {
     /// Frame bytes sent to the peer.
     pub out: u64,
     /// Frame bytes received from the peer.
     pub inbound: u64,
+    /// Time it had bytes to send and waited for its `max_rate`.
+    pub held: Duration,
+    /// Time it had bytes to send and sent below its `min_rate`.
+    pub below_min: Duration,
 }
 
 /// Keepalive pings and the round-trip time they measure.
@@ -522,12 +528,29 @@ impl Link {
         (self.link_wire_out, self.link_wire_in)
     }
 
-    /// Drains the per-service wire byte counts accumulated since the last call.
+    /// Drains the per-service wire byte counts (and shaping times) accumulated since the last
+    /// call.
     pub fn take_wire_counts(&mut self) -> Vec<(Arc<str>, WireCount)> {
+        for (svc, c) in self.streams.shaper.take_counts() {
+            let w = self.wire.entry(svc).or_default();
+            w.held += c.held;
+            w.below_min += c.below_min;
+        }
         self.wire
             .drain()
-            .filter(|(_, c)| c.out != 0 || c.inbound != 0)
+            .filter(|(_, c)| *c != WireCount::default())
             .collect()
+    }
+
+    /// Sets how bulk services share what this side sends (a service not named: share 1, no
+    /// rates). Streams keep their place; the new settings apply from the next turn.
+    pub fn set_shaping<I: IntoIterator<Item = (S, Shaping)>, S: AsRef<str>>(&mut self, shaping: I) {
+        self.streams.shaper.set(
+            shaping
+                .into_iter()
+                .map(|(s, p)| (Arc::from(s.as_ref()), p))
+                .collect(),
+        );
     }
 
     /// Next event for the application, if any.
@@ -718,7 +741,12 @@ impl Link {
         if self.state == State::Closed {
             return None;
         }
-        self.timers.next()
+        // A bulk service waiting for its ceiling sends again when its bucket refills.
+        let shaped = self
+            .streams_may_send_on(MAIN_LANE)
+            .then(|| self.streams.shaper.wake())
+            .flatten();
+        self.timers.next().into_iter().chain(shaped).min()
     }
 
     /// Runs the timers due at `now`: the idle timeout fails the link, a keepalive ping is sent,
@@ -727,6 +755,7 @@ impl Link {
         if self.state == State::Closed || self.resume_expired(now) {
             return;
         }
+        self.streams.shaper.advance(now);
         if self.state == State::Suspended {
             return;
         }

@@ -1,8 +1,10 @@
 //! The scheduler: what goes out on a lane, in order. Control frames first, then latency-class
-//! streams, then bulk streams round robin in 32 KiB quanta (a whole frame for an optimized
-//! stream), each within its stream's and the link's credit.
+//! streams, then bulk streams as the shaper chooses (services by share, guarantee and ceiling;
+//! see `streams/shaper.rs`), each stream's turn 32 KiB (a whole frame for an optimized stream),
+//! within its stream's and the link's credit.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::BytesMut;
 
@@ -32,19 +34,26 @@ enum Turn {
 }
 
 impl Link {
-    /// Appends frames to `out` until it holds at least `limit` bytes or nothing is left to send.
-    /// Control frames go first, then latency-class streams, then bulk streams round robin.
-    /// Returns the number of bytes appended.
-    pub fn poll_transmit(&mut self, out: &mut BytesMut, limit: usize) -> usize {
-        self.poll_transmit_lane(crate::lane::MAIN_LANE, out, limit)
+    /// Appends frames to `out` until it holds at least `limit` bytes or nothing is left to send
+    /// at `now`. Control frames go first, then latency-class streams, then bulk streams by
+    /// service. Returns the number of bytes appended.
+    pub fn poll_transmit(&mut self, now: Instant, out: &mut BytesMut, limit: usize) -> usize {
+        self.poll_transmit_lane(now, crate::lane::MAIN_LANE, out, limit)
     }
 
     /// Like [`poll_transmit`](Self::poll_transmit) for one lane: its control frames, then its
     /// streams' data (latency first, then bulk).
-    pub fn poll_transmit_lane(&mut self, lane: usize, out: &mut BytesMut, limit: usize) -> usize {
+    pub fn poll_transmit_lane(
+        &mut self,
+        now: Instant,
+        lane: usize,
+        out: &mut BytesMut,
+        limit: usize,
+    ) -> usize {
         if !self.lane_usable(lane) {
             return 0;
         }
+        self.streams.shaper.advance(now);
         let start = out.len();
         self.transmit_control(lane, out);
         if self.streams_may_send_on(lane) {
@@ -71,7 +80,7 @@ impl Link {
 
     /// True while streams may send on `lane`: the link is up, its caches are loaded and, after
     /// a lost connection (or a lost latency lane), the peer's resume list has settled them.
-    fn streams_may_send_on(&self, lane: usize) -> bool {
+    pub(super) fn streams_may_send_on(&self, lane: usize) -> bool {
         matches!(self.state, State::Open | State::Draining)
             && !self.loading
             && self.resuming.is_none()
@@ -182,7 +191,15 @@ impl Link {
         if s.send.on_sent(n, fin, self.cfg.send_buffer) {
             self.events.push_back(Event::Writable(id));
         }
-        self.wire.entry(s.service.clone()).or_default().out += (out.len() - before) as u64;
+        let wire = (out.len() - before) as u64;
+        self.wire.entry(s.service.clone()).or_default().out += wire;
+        if queue == Queue::Bulk {
+            let service = s.service.clone();
+            self.streams.shaper.charge(lane, &service, wire);
+        }
+        let Some(s) = self.streams.get_mut(&id) else {
+            return Turn::Next;
+        };
         let again = s.send.wants_send();
         self.link_credit.consume(n as u64);
         self.lane_sent[lane] += n as u64;

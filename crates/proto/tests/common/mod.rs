@@ -394,7 +394,7 @@ pub fn step_side(side: &mut Side, pipes: &mut [Pipe], now: Instant) -> bool {
     let mut out = BytesMut::new();
     for (lane, pipe) in pipes.iter_mut().enumerate() {
         while pipe.has_room(now) {
-            let n = side.link.poll_transmit_lane(lane, &mut out, MTU_BATCH);
+            let n = side.link.poll_transmit_lane(now, lane, &mut out, MTU_BATCH);
             if n == 0 {
                 break;
             }
@@ -705,7 +705,7 @@ impl CopyWire {
                         let mut out = BytesMut::new();
                         if from
                             .link
-                            .poll_transmit_lane(LATENCY_LANE, &mut out, MTU_BATCH)
+                            .poll_transmit_lane(now, LATENCY_LANE, &mut out, MTU_BATCH)
                             == 0
                         {
                             break;

@@ -91,6 +91,9 @@ impl Config {
                     crate::redundancy::explain(self.redundancy(), self.link.bandwidth_bps)
                 );
             }
+            if s.class == wanopt_proto::Class::Bulk {
+                self.describe_shaping(&mut o, s);
+            }
             let _ = writeln!(
                 o,
                 "    compression: {}\n    dedup: {}\n    dedup_scope: {}",
@@ -196,6 +199,91 @@ impl Config {
             "  latency_reserve: {}\n  max_handshakes: {}\n  handshakes_per_source: {}",
             m.latency_reserve, m.max_handshakes, m.handshakes_per_source
         );
+        for w in self.warnings() {
+            let _ = writeln!(o, "# warning: {w}");
+        }
         o
+    }
+
+    /// A bulk service's share of a full link and its rates, as `share`, `min_rate` and
+    /// `max_rate` lines (rates in bits per second, with what they are of the link).
+    fn describe_shaping(&self, o: &mut String, s: &Service) {
+        use std::fmt::Write;
+        let total: u64 = self
+            .services
+            .iter()
+            .filter(|s| s.class == wanopt_proto::Class::Bulk)
+            .map(|s| u64::from(s.shaping.share))
+            .sum();
+        let bw = self.link.bandwidth_bps as f64;
+        let part = f64::from(s.shaping.share) / total.max(1) as f64;
+        let _ = writeln!(
+            o,
+            "    share: {}  # {:.0}% of a full link while every bulk service has data (about {:.1} Mbit/s of {:.1}{})",
+            s.shaping.share,
+            part * 100.0,
+            part * bw / 1e6,
+            bw / 1e6,
+            if self.link.bandwidth_stated {
+                ""
+            } else {
+                ", assumed"
+            }
+        );
+        for (key, rate) in [
+            ("min_rate", s.shaping.min_rate),
+            ("max_rate", s.shaping.max_rate),
+        ] {
+            match rate {
+                Some(r) => {
+                    let _ = writeln!(
+                        o,
+                        "    {key}: {}bit  # {:.1}% of link.bandwidth",
+                        r * 8,
+                        (r * 8) as f64 * 100.0 / bw
+                    );
+                }
+                None => {
+                    let _ = writeln!(o, "    # {key}: none");
+                }
+            }
+        }
+    }
+
+    /// What is valid but probably not what was meant: guarantees that add up to more than the
+    /// link (`wanoptd check` prints these; the daemon logs them at start).
+    pub fn warnings(&self) -> Vec<String> {
+        let mut w = Vec::new();
+        let guaranteed: u64 = self
+            .services
+            .iter()
+            .filter_map(|s| s.shaping.min_rate)
+            .map(|r| r * 8)
+            .sum();
+        if guaranteed > self.link.bandwidth_bps {
+            w.push(format!(
+                "the services' min_rate add up to {guaranteed} bit/s, more than link.bandwidth ({} bit/s{}): \
+                 they cannot all hold at once (the service furthest behind its guarantee goes first)",
+                self.link.bandwidth_bps,
+                if self.link.bandwidth_stated {
+                    ""
+                } else {
+                    ", assumed"
+                }
+            ));
+        }
+        for s in &self.services {
+            if let Some(max) = s.shaping.max_rate
+                && self.link.bandwidth_stated
+                && max * 8 >= self.link.bandwidth_bps
+            {
+                w.push(format!(
+                    "service {:?}: max_rate {} bit/s is not below link.bandwidth: it limits nothing",
+                    s.name,
+                    max * 8
+                ));
+            }
+        }
+        w
     }
 }

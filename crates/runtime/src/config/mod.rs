@@ -159,7 +159,7 @@ impl Config {
         let link = parse_link(&cx, &raw.link, &raw.site)?;
         let optimize = parse_optimize(&cx, raw.optimize.as_ref(), &link)?;
         let limits = parse_limits(&cx, raw.limits.as_ref(), &link, optimize.enabled)?;
-        let services = parse_services(&cx, &raw.services, optimize.default, &limits)?;
+        let services = parse_services(&cx, &raw.services, optimize.default, &limits, &link)?;
         let admin = match &raw.admin {
             None => None,
             Some(a) => {

@@ -8,12 +8,13 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use serde::Deserialize;
-use wanopt_proto::{Class, StreamPolicy};
+use wanopt_proto::{Class, MAX_SHARE, Shaping, StreamPolicy};
 
 use super::fields::{
     ConfigError, Ctx, Toggle, Word, defaults, in_range, parse_host_port, parse_sockaddr, valid_name,
 };
 use super::limits::Limits;
+use super::link::LinkSettings;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -30,6 +31,9 @@ pub(super) struct RawService {
     max_streams_per_client: Option<u32>,
     idle_timeout: Option<String>,
     redundancy: Option<Word>,
+    share: Option<u32>,
+    min_rate: Option<String>,
+    max_rate: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -47,6 +51,9 @@ pub struct Service {
     pub idle_timeout: Option<Duration>,
     /// Latency services: how many connections carry the latency lane, each with a copy.
     pub redundancy: crate::redundancy::Redundancy,
+    /// Bulk services: how this service shares what this side sends on the link (rates in
+    /// bytes per second of link bytes).
+    pub shaping: Shaping,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -86,6 +93,7 @@ pub(super) fn parse_services(
     raw: &[RawService],
     default: StreamPolicy,
     limits: &Limits,
+    link: &LinkSettings,
 ) -> Result<Vec<Service>, ConfigError> {
     if raw.len() > MAX_SERVICES {
         return Err(cx.err(
@@ -99,7 +107,7 @@ pub(super) fn parse_services(
     let mut services = Vec::new();
     let mut names = HashSet::new();
     for (i, s) in raw.iter().enumerate() {
-        let svc = parse_service(cx, i, s, default, limits)?;
+        let svc = parse_service(cx, i, s, default, limits, link)?;
         if !names.insert(svc.name.clone()) {
             return Err(cx.err(
                 format!("services[{i}].name"),
@@ -117,6 +125,7 @@ fn parse_service(
     s: &RawService,
     default: StreamPolicy,
     limits: &Limits,
+    link: &LinkSettings,
 ) -> Result<Service, ConfigError> {
     let field = |f: &str| format!("services[{i}].{f}");
     if !valid_name(&s.name) {
@@ -204,6 +213,7 @@ fn parse_service(
         (Some(w), Class::Latency) => crate::redundancy::Redundancy::parse(&w.text())
             .map_err(|m| cx.err(field("redundancy"), m))?,
     };
+    let shaping = parse_shaping(cx, i, s, class, link)?;
     Ok(Service {
         name: s.name.clone(),
         class,
@@ -213,6 +223,75 @@ fn parse_service(
         max_streams_per_client,
         idle_timeout,
         redundancy,
+        shaping,
+    })
+}
+
+/// A service's `share`, `min_rate` and `max_rate`: bulk services only (the latency class is
+/// served before all of them), rates in bits per second or as a percentage of a stated
+/// `link.bandwidth`, the guarantee not above the ceiling.
+fn parse_shaping(
+    cx: &Ctx<'_>,
+    i: usize,
+    s: &RawService,
+    class: Class,
+    link: &LinkSettings,
+) -> Result<Shaping, ConfigError> {
+    let field = |f: &str| format!("services[{i}].{f}");
+    if class == Class::Latency {
+        for (f, set) in [
+            ("share", s.share.is_some()),
+            ("min_rate", s.min_rate.is_some()),
+            ("max_rate", s.max_rate.is_some()),
+        ] {
+            if set {
+                return Err(cx.err(
+                    field(f),
+                    "applies to bulk services only (the latency class is always served first)",
+                ));
+            }
+        }
+    }
+    let share = match s.share {
+        None => 1,
+        Some(n) => in_range(n, 1, MAX_SHARE).map_err(|m| cx.err(field("share"), m))?,
+    };
+    let rate = |f: &str, v: &Option<String>| -> Result<Option<u64>, ConfigError> {
+        let Some(v) = v else {
+            return Ok(None);
+        };
+        let bits = match v.trim().strip_suffix('%') {
+            Some(pct) => {
+                let pct: f64 = pct
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|p: &f64| *p > 0.0 && *p <= 100.0)
+                    .ok_or_else(|| cx.err(field(f), format!("{v:?}: a percentage is 0-100%")))?;
+                if !link.bandwidth_stated {
+                    return Err(cx.err(
+                        field(f),
+                        "a percentage is of link.bandwidth, which is not set",
+                    ));
+                }
+                (link.bandwidth_bps as f64 * pct / 100.0) as u64
+            }
+            None => wanopt_units::parse_rate(v).map_err(|m| cx.err(field(f), m))?,
+        };
+        in_range(bits, 64_000, 400_000_000_000).map_err(|m| cx.err(field(f), m))?;
+        Ok(Some(bits / 8))
+    };
+    let min_rate = rate("min_rate", &s.min_rate)?;
+    let max_rate = rate("max_rate", &s.max_rate)?;
+    if let (Some(lo), Some(hi)) = (min_rate, max_rate)
+        && lo > hi
+    {
+        return Err(cx.err(field("min_rate"), "must not be above max_rate"));
+    }
+    Ok(Shaping {
+        share,
+        min_rate,
+        max_rate,
     })
 }
 

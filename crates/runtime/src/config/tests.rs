@@ -657,3 +657,87 @@ fn the_configuration_reference_names_every_key() {
         assert!(named, "docs/configuration.md does not name `{key}`");
     }
 }
+
+/// Shares, guarantees and ceilings: bulk services only, rates in bits or a percentage of a
+/// stated bandwidth, the guarantee not above the ceiling; `check` prints them back and warns
+/// where the guarantees add up to more than the link.
+#[test]
+fn services_share_the_link_by_share_min_rate_and_max_rate() {
+    let stated = |extra: &str| {
+        let text = MIN.replace("  peer: east\n", "  peer: east\n  bandwidth: 45mbit\n") + extra;
+        Config::parse(&text, std::path::Path::new("/etc/wanopt/west.yaml"))
+    };
+    let c = stated(
+        "services:\n  - {name: redo, target: 'db:1521', share: 4, min_rate: 20%}\n  - {name: rman, listen: '127.0.0.1:1523', max_rate: 30mbit}\n  - {name: http, listen: '127.0.0.1:1524'}\n",
+    )
+    .expect("valid");
+    let redo = c.services[0].shaping;
+    assert_eq!(
+        (redo.share, redo.min_rate, redo.max_rate),
+        (4, Some(9_000_000 / 8), None)
+    );
+    assert_eq!(c.services[1].shaping.max_rate, Some(30_000_000 / 8));
+    assert_eq!(c.services[2].shaping, wanopt_proto::Shaping::default());
+    assert!(c.warnings().is_empty(), "{:?}", c.warnings());
+    let d = c.describe();
+    assert!(
+        d.contains("share: 4  # 67% of a full link") && d.contains("min_rate: 9000000bit"),
+        "{d}"
+    );
+    let again =
+        Config::parse(&d, std::path::Path::new("/etc/wanopt/west.yaml")).expect("reads back");
+    let shapes = |c: &Config| c.services.iter().map(|s| s.shaping).collect::<Vec<_>>();
+    assert_eq!(shapes(&again), shapes(&c));
+    // Guarantees above the link are allowed, and warned about.
+    let over = stated(
+        "services:\n  - {name: a, target: 'db:1', min_rate: 30mbit}\n  - {name: b, target: 'db:2', min_rate: 60%}\n",
+    )
+    .expect("valid");
+    assert!(
+        over.warnings()
+            .iter()
+            .any(|w| w.contains("min_rate add up to 57000000")),
+        "{:?}",
+        over.warnings()
+    );
+    let bad = |extra: &str| match stated(extra) {
+        Err(ConfigError::Field { field, msg, .. }) => format!("{field}: {msg}"),
+        other => panic!("expected a field error, got {other:?}"),
+    };
+    for (svc, field) in [
+        ("{name: a, target: 'db:1', share: 0}", "services[0].share"),
+        ("{name: a, target: 'db:1', share: 101}", "services[0].share"),
+        (
+            "{name: a, target: 'db:1', min_rate: 120%}",
+            "services[0].min_rate",
+        ),
+        (
+            "{name: a, target: 'db:1', max_rate: fast}",
+            "services[0].max_rate",
+        ),
+        (
+            "{name: a, target: 'db:1', max_rate: 1kbit}",
+            "services[0].max_rate",
+        ),
+        (
+            "{name: a, target: 'db:1', min_rate: 20mbit, max_rate: 10mbit}",
+            "services[0].min_rate",
+        ),
+        (
+            "{name: a, target: 'db:1', class: latency, share: 2}",
+            "services[0].share",
+        ),
+        (
+            "{name: a, target: 'db:1', class: latency, max_rate: 1mbit}",
+            "services[0].max_rate",
+        ),
+    ] {
+        let e = bad(&format!("services:\n  - {svc}\n"));
+        assert!(e.starts_with(field), "{svc}: {e}");
+    }
+    // A percentage needs the bandwidth it is of.
+    assert_eq!(
+        field_err("services:\n  - {name: a, target: 'db:1', min_rate: 20%}\n"),
+        "services[0].min_rate"
+    );
+}

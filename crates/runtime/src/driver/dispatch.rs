@@ -122,6 +122,12 @@ pub(super) fn dispatch(
         let sc = counters.service(&svc);
         add(&sc.wire_out, c.out);
         add(&sc.wire_in, c.inbound);
+        if !c.held.is_zero() {
+            sc.held.inc_by(c.held.as_secs_f64());
+        }
+        if !c.below_min.is_zero() {
+            sc.below_min.inc_by(c.below_min.as_secs_f64());
+        }
     }
     for (svc, c) in g.link.take_codec_counts() {
         // Bytes of streams already closed are decoded (to keep the cache in step) under "".

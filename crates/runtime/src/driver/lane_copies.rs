@@ -241,8 +241,12 @@ pub(super) async fn write_copy<W: AsyncWrite + Unpin>(
                     return "the link's other lane was lost".into();
                 }
                 if g.lane.fanout.next(c.slot).is_none() {
-                    g.link
-                        .poll_transmit_lane(LATENCY_LANE, &mut buf, TRANSMIT_BATCH);
+                    g.link.poll_transmit_lane(
+                        Instant::now(),
+                        LATENCY_LANE,
+                        &mut buf,
+                        TRANSMIT_BATCH,
+                    );
                     h.dispatch(&mut g);
                     if !buf.is_empty() {
                         let n = buf.len() as u64;

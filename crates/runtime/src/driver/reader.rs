@@ -174,7 +174,7 @@ mod tests {
         let mut east = side(false, &|_| {});
         let mut west = link(true, &|_| {});
         let mut hello = BytesMut::new();
-        west.poll_transmit(&mut hello, 1 << 20);
+        west.poll_transmit(std::time::Instant::now(), &mut hello, 1 << 20);
         assert!(!hello.is_empty(), "the link starts with its hello");
         let (mut a, b) = tokio::io::duplex(1 << 16);
         let addr = SocketAddr::from(([127, 0, 0, 1], 1));

@@ -78,7 +78,7 @@ pub(super) fn carry(from: &mut Link, to: &mut Link) -> usize {
     let mut moved = 0;
     for lane in 0..LANES {
         let mut buf = BytesMut::new();
-        from.poll_transmit_lane(lane, &mut buf, 1 << 20);
+        from.poll_transmit_lane(std::time::Instant::now(), lane, &mut buf, 1 << 20);
         moved += buf.len();
         if !buf.is_empty() {
             to.handle_lane_input(lane, &mut buf, Instant::now())

@@ -44,7 +44,7 @@ pub(super) async fn write_link<W: AsyncWrite + Unpin>(
                 return "the link's other lane was lost".into();
             }
             let t = Instant::now();
-            g.link.poll_transmit_lane(lane, &mut buf, TRANSMIT_BATCH);
+            g.link.poll_transmit_lane(t, lane, &mut buf, TRANSMIT_BATCH);
             let encoding = t.elapsed();
             h.dispatch(&mut g);
             let deadline = if lane == MAIN_LANE {

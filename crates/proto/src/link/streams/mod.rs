@@ -1,15 +1,18 @@
 //! A link's streams: each one a [`Stream`] with a send and a receive half, the ids either side
-//! has used, and the scheduler's ready queues (latency and bulk, per lane). A stream is in a ready
-//! queue at most once (`scheduled`).
+//! has used, and the scheduler's ready queues (latency per lane; bulk per lane and service, shared
+//! by the [`Shaper`]). A stream is in a ready queue at most once (`scheduled`).
 
 mod recv;
 mod send;
+mod shaper;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 pub(crate) use recv::RecvHalf;
 pub(crate) use send::{Kept, SendHalf};
+pub(crate) use shaper::Shaper;
+pub use shaper::{MAX_SHARE, Shaping};
 
 use crate::frame::{Class, StreamId};
 use crate::lane::LANES;
@@ -56,7 +59,8 @@ pub(crate) struct Streams {
     peer_services: HashMap<Arc<str>, u32>,
     peer_bulk: HashSet<StreamId>,
     ready_latency: [VecDeque<StreamId>; LANES],
-    ready_bulk: [VecDeque<StreamId>; LANES],
+    /// Bulk streams' turns, by service.
+    pub shaper: Shaper,
 }
 
 impl Streams {
@@ -70,7 +74,7 @@ impl Streams {
             peer_services: HashMap::new(),
             peer_bulk: HashSet::new(),
             ready_latency: Default::default(),
-            ready_bulk: Default::default(),
+            shaper: Shaper::default(),
         }
     }
 
@@ -163,56 +167,48 @@ impl Streams {
             && !s.scheduled
             && s.send.wants_send()
         {
+            match s.class {
+                Class::Latency => self.ready_latency[s.lane].push_back(id),
+                Class::Bulk => self.shaper.push(s.lane, &s.service, id, false),
+            }
             s.scheduled = true;
-            let (q, lane) = match s.class {
-                Class::Latency => (Queue::Latency, s.lane),
-                Class::Bulk => (Queue::Bulk, s.lane),
-            };
-            self.queue(q, lane).push_back(id);
         }
     }
 
-    fn queue(&mut self, q: Queue, lane: usize) -> &mut VecDeque<StreamId> {
-        match q {
-            Queue::Latency => &mut self.ready_latency[lane],
-            Queue::Bulk => &mut self.ready_bulk[lane],
-        }
-    }
-
-    /// The next stream whose turn it is on a lane: latency first, then bulk.
+    /// The next stream whose turn it is on a lane: latency first, then bulk as the shaper
+    /// chooses.
     pub fn next_ready(&mut self, lane: usize) -> Option<(Queue, StreamId)> {
         if let Some(id) = self.ready_latency[lane].pop_front() {
             return Some((Queue::Latency, id));
         }
-        self.ready_bulk[lane]
-            .pop_front()
-            .map(|id| (Queue::Bulk, id))
+        self.shaper.next(lane).map(|(_, id)| (Queue::Bulk, id))
     }
 
     /// Queues a stream again: at the back after its turn, or at the front to keep its turn.
     pub fn requeue(&mut self, q: Queue, lane: usize, id: StreamId, front: bool) {
-        if let Some(s) = self.map.get_mut(&id) {
-            s.scheduled = true;
-        }
-        let queue = self.queue(q, lane);
-        if front {
-            queue.push_front(id);
-        } else {
-            queue.push_back(id);
+        let Some(s) = self.map.get_mut(&id) else {
+            return;
+        };
+        s.scheduled = true;
+        match q {
+            Queue::Latency if front => self.ready_latency[lane].push_front(id),
+            Queue::Latency => self.ready_latency[lane].push_back(id),
+            Queue::Bulk => self.shaper.push(lane, &s.service, id, front),
         }
     }
 
-    /// True if a stream of this lane waits for its turn.
+    /// True if a stream of this lane may take its turn now (a bulk service waiting for its
+    /// ceiling may not).
     pub fn any_ready(&self, lane: usize) -> bool {
-        !self.ready_latency[lane].is_empty() || !self.ready_bulk[lane].is_empty()
+        !self.ready_latency[lane].is_empty() || self.shaper.any_sendable(lane)
     }
 
     /// Drops every stream and queued turn; returns the ids that were open.
     pub fn clear(&mut self) -> Vec<StreamId> {
         for l in 0..LANES {
-            self.ready_bulk[l].clear();
             self.ready_latency[l].clear();
         }
+        self.shaper.clear();
         self.peer_open = 0;
         self.peer_services.clear();
         self.peer_bulk.clear();
