@@ -5,102 +5,14 @@
 
 mod common;
 
-use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::sink::{Pace, Sink, send};
 use common::*;
 use wansim::{Site, Wan};
-
-/// What the sink at east has seen of each stream (keyed by the seed the stream starts with):
-/// bytes so far, and at its end whether they were the pattern's.
-#[derive(Default)]
-struct Sink {
-    progress: Mutex<HashMap<u64, Arc<AtomicU64>>>,
-    verdicts: Mutex<HashMap<u64, bool>>,
-}
-
-impl Sink {
-    fn counter(&self, seed: u64) -> Arc<AtomicU64> {
-        self.progress
-            .lock()
-            .expect("lock")
-            .entry(seed)
-            .or_default()
-            .clone()
-    }
-
-    /// Reads a stream: its seed (8 bytes), then the pattern to its end, checked.
-    fn take(&self, mut s: TcpStream) {
-        let mut seed = [0u8; 8];
-        if s.read_exact(&mut seed).is_err() {
-            return;
-        }
-        let seed = u64::from_le_bytes(seed);
-        let count = self.counter(seed);
-        let mut h = blake3::Hasher::new();
-        let mut buf = vec![0u8; 256 * 1024];
-        let mut off = 0u64;
-        let mut whole = true;
-        loop {
-            match s.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => {
-                    h.update(&buf[..n]);
-                    off += n as u64;
-                    count.store(off, Ordering::Relaxed);
-                }
-                Err(_) => {
-                    whole = false;
-                    break;
-                }
-            }
-        }
-        let ok = whole && h.finalize() == pattern_hash(seed, off);
-        self.verdicts.lock().expect("lock").insert(seed, ok);
-        let _ = s.write_all(&[u8::from(ok)]);
-    }
-}
-
-/// Sends `seed`'s pattern, `every` a `piece`, or as fast as it goes with `every` zero, until
-/// `stop`; then ends the stream and waits for the sink's verdict. Returns the bytes sent.
-fn send(
-    mut s: TcpStream,
-    seed: u64,
-    piece: usize,
-    every: Duration,
-    stop: &AtomicBool,
-    sent: &AtomicU64,
-) -> Result<u64, String> {
-    s.write_all(&seed.to_le_bytes())
-        .map_err(|e| e.to_string())?;
-    let mut buf = vec![0u8; piece];
-    let mut off = 0u64;
-    let start = Instant::now();
-    let mut ticks = 0u32;
-    while !stop.load(Ordering::Relaxed) {
-        fill(seed, off, &mut buf);
-        s.write_all(&buf).map_err(|e| format!("write: {e}"))?;
-        off += piece as u64;
-        sent.store(off, Ordering::Relaxed);
-        if !every.is_zero() {
-            ticks += 1;
-            let due = start + every * ticks;
-            std::thread::sleep(due.saturating_duration_since(Instant::now()));
-        }
-    }
-    s.shutdown(Shutdown::Write).map_err(|e| e.to_string())?;
-    let mut verdict = [0u8; 1];
-    s.read_exact(&mut verdict)
-        .map_err(|e| format!("verdict: {e}"))?;
-    if verdict[0] != 1 {
-        return Err(format!("stream {seed} arrived damaged"));
-    }
-    Ok(off)
-}
 
 #[test]
 fn a_weighted_redo_stream_keeps_up_beside_an_eight_stream_copy() {
@@ -147,13 +59,23 @@ fn a_weighted_redo_stream_keeps_up_beside_an_eight_stream_copy() {
             stop.clone(),
             redo_sent.clone(),
         );
-        std::thread::spawn(move || send(c, 1, 64 << 10, Duration::from_millis(32), &stop, &sent))
+        let pace = Pace {
+            piece: 64 << 10,
+            every: Duration::from_millis(32),
+        };
+        std::thread::spawn(move || send(c, 1, |o, b| fill(1, o, b), pace, &stop, &sent))
     };
     let copies: Vec<_> = (0..8)
         .map(|i| {
             let (c, stop) = (connect(p.west.bound("copy")), stop.clone());
             let sent = Arc::new(AtomicU64::new(0));
-            std::thread::spawn(move || send(c, 100 + i, 256 << 10, Duration::ZERO, &stop, &sent))
+            let pace = Pace {
+                piece: 256 << 10,
+                every: Duration::ZERO,
+            };
+            std::thread::spawn(move || {
+                send(c, 100 + i, |o, b| fill(100 + i, o, b), pace, &stop, &sent)
+            })
         })
         .collect();
     let redo_got = sink.counter(1);
@@ -201,5 +123,4 @@ fn a_weighted_redo_stream_keeps_up_beside_an_eight_stream_copy() {
             "{family} missing"
         );
     }
-    assert!(sink.verdicts.lock().expect("lock").values().all(|ok| *ok));
 }

@@ -6,6 +6,7 @@
 pub mod args;
 pub mod pg;
 pub mod report;
+pub mod sink;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -702,9 +703,21 @@ pub fn wan_pair(
     west_services: &str,
     tune: impl Fn(&str, String) -> String,
 ) -> WanPair {
+    wan_pair_of(&bin("wanoptd"), wan, east_services, west_services, tune)
+}
+
+/// Like [`wan_pair`], both daemons running the `wanoptd` at `exe` (another build's, to compare).
+pub fn wan_pair_of(
+    exe: &Path,
+    wan: &wansim::Wan,
+    east_services: &str,
+    west_services: &str,
+    tune: impl Fn(&str, String) -> String,
+) -> WanPair {
     let certs = Certs::new(&["west", "east"]);
     let east_ip = wansim::Site::East.addr();
-    let east = Daemon::start_in(
+    let east = Daemon::start_bin(
+        exe,
         Some(&wan.netns(wansim::Site::East)),
         "east",
         &tune(
@@ -718,9 +731,11 @@ pub fn wan_pair(
                 "",
             ),
         ),
+        &[],
     );
     east.bound("link");
-    let west = Daemon::start_in(
+    let west = Daemon::start_bin(
+        exe,
         Some(&wan.netns(wansim::Site::West)),
         "west",
         &tune(
@@ -734,6 +749,7 @@ pub fn wan_pair(
                 "",
             ),
         ),
+        &[],
     );
     west.wait_log("link up", Duration::from_secs(20));
     WanPair { certs, east, west }
