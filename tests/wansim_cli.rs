@@ -25,6 +25,8 @@ fn up_exec_counters_and_clean_exit() {
             "t3-100ms-clean",
             "--loss",
             "0.1%",
+            "--burst-loss",
+            "1%,5",
         ])
         .stdout(Stdio::piped())
         .spawn()
@@ -47,7 +49,10 @@ fn up_exec_counters_and_clean_exit() {
         .recv_timeout(Duration::from_secs(2))
         .expect("params line");
     assert!(
-        params.contains("45000 kbit/s") && params.contains("50ms") && params.contains("0.100%"),
+        params.contains("45000 kbit/s")
+            && params.contains("50ms")
+            && params.contains("0.100%")
+            && params.contains("burst loss 1.000% in runs of 5.0 packets"),
         "{params}"
     );
 

@@ -110,6 +110,10 @@ pub const PRESETS: &[(&str, &str)] = &[
         "45 Mbit/s, 100 ms RTT, 1% loss (0.5% each way)",
     ),
     (
+        "t3-100ms-burst",
+        "45 Mbit/s, 100 ms RTT, 2% loss (1% each way) in bursts of 5 packets on average (Gilbert-Elliott)",
+    ),
+    (
         "oc3-40ms-1",
         "135 Mbit/s, 40 ms RTT, 1% loss (0.5% each way)",
     ),
@@ -119,13 +123,16 @@ pub const PRESETS: &[(&str, &str)] = &[
 
 /// The parameters of a preset.
 pub fn preset(name: &str) -> Result<LinkParams, WansimError> {
-    let (rate, rtt_us, loss_total): (u64, u64, f64) = match name {
-        "t3-100ms-clean" => (45_000_000, 100_000, 0.0),
-        "t3-100ms-0.5" => (45_000_000, 100_000, 0.005),
-        "t3-100ms-1" => (45_000_000, 100_000, 0.01),
-        "oc3-40ms-1" => (135_000_000, 40_000, 0.01),
-        "metro-20ms" => (1_000_000_000, 20_000, 0.0),
-        "lan" => (1_000_000_000, 100, 0.0),
+    // Loss: the total of both directions, and the mean run of packets lost together (bursty
+    // presets) or none (independent loss).
+    let (rate, rtt_us, loss_total, burst): (u64, u64, f64, Option<f64>) = match name {
+        "t3-100ms-clean" => (45_000_000, 100_000, 0.0, None),
+        "t3-100ms-0.5" => (45_000_000, 100_000, 0.005, None),
+        "t3-100ms-1" => (45_000_000, 100_000, 0.01, None),
+        "t3-100ms-burst" => (45_000_000, 100_000, 0.02, Some(5.0)),
+        "oc3-40ms-1" => (135_000_000, 40_000, 0.01, None),
+        "metro-20ms" => (1_000_000_000, 20_000, 0.0, None),
+        "lan" => (1_000_000_000, 100, 0.0, None),
         _ => {
             let known: Vec<&str> = PRESETS.iter().map(|p| p.0).collect();
             return Err(WansimError::UnknownPreset(
@@ -134,10 +141,15 @@ pub fn preset(name: &str) -> Result<LinkParams, WansimError> {
             ));
         }
     };
+    let (loss, burst) = match burst {
+        Some(b) => (0.0, GilbertElliott::bursts(loss_total / 2.0, b)),
+        None => (loss_total / 2.0, None),
+    };
     Ok(LinkParams::symmetric(DirParams {
         rate_bps: Some(rate),
         delay: Duration::from_micros(rtt_us / 2),
-        loss: loss_total / 2.0,
+        loss,
+        burst,
         ..DirParams::default()
     }))
 }
@@ -613,6 +625,11 @@ mod tests {
             let (rate, rtt) = stated(name).expect("preset");
             assert!(rate.is_some() && !rtt.is_zero(), "{name}");
         }
+        // The bursty T3: 1% each way, in runs of 5 packets on average.
+        let b = preset("t3-100ms-burst").expect("preset");
+        let ge = b.w2e.burst.expect("bursty");
+        assert!(b.w2e.loss == 0.0 && b.e2w.burst == Some(ge));
+        assert!((ge.mean_loss() - 0.01).abs() < 1e-9 && (ge.mean_burst() - 5.0).abs() < 1e-9);
         let mut p = LinkParams::symmetric(DirParams::default());
         p.e2w.rate_bps = Some(10_000_000);
         assert_eq!(p.stated(), (Some(10_000_000), Duration::ZERO));

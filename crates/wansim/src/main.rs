@@ -64,8 +64,12 @@ struct UpArgs {
     #[arg(long)]
     loss: Option<String>,
     /// Bursty loss, netem gemodel meanings: P[,R[,1-H[,1-K]]], e.g. 1%,25%.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "burst_loss")]
     ge: Option<String>,
+    /// Bursty loss per direction as its mean and the mean run of packets lost together:
+    /// LOSS,PACKETS, e.g. 1%,5 (Gilbert-Elliott).
+    #[arg(long)]
+    burst_loss: Option<String>,
     /// Probability that a packet skips ahead of others.
     #[arg(long)]
     reorder: Option<String>,
@@ -114,6 +118,20 @@ fn build(a: &UpArgs) -> Result<LinkParams, String> {
             Err(_) => QueueLimit::Bytes(parse_size(q).map_err(|e| field("queue", e))?),
         };
     }
+    if let Some(b) = &a.burst_loss {
+        let (loss, len) = b
+            .split_once(',')
+            .ok_or("--burst-loss: give LOSS,PACKETS, e.g. 1%,5")?;
+        let loss = parse_probability(loss).map_err(|e| field("burst-loss", e))?;
+        let len: f64 = len
+            .trim()
+            .parse()
+            .map_err(|_| format!("--burst-loss: {len:?} is not a number of packets"))?;
+        d.burst = Some(GilbertElliott::bursts(loss, len).ok_or_else(|| {
+            "--burst-loss: the loss must be above 0 and below 100%, the run at least 1 packet"
+                .to_string()
+        })?);
+    }
     if let Some(g) = &a.ge {
         let v: Vec<f64> = g
             .split(',')
@@ -147,12 +165,22 @@ fn describe(d: &DirParams) -> String {
     let rate = d
         .rate_bps
         .map_or("unlimited".to_string(), |r| format!("{} kbit/s", r / 1000));
+    let burst = d.burst.map_or("none".to_string(), |g| {
+        format!(
+            "{:.3}% in runs of {:.1} packets (p {:.5}, r {:.4}, 1-h {}, 1-k {})",
+            g.mean_loss() * 100.0,
+            g.mean_burst(),
+            g.p,
+            g.r,
+            g.bad_loss,
+            g.good_loss
+        )
+    });
     format!(
-        "rate {rate}, delay {:?}, jitter {:?}, loss {:.3}%, burst {:?}, queue {} B",
+        "rate {rate}, delay {:?}, jitter {:?}, loss {:.3}%, burst loss {burst}, queue {} B",
         d.delay,
         d.jitter,
         d.loss * 100.0,
-        d.burst,
         d.queue_bytes()
     )
 }

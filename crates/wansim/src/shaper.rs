@@ -24,6 +24,29 @@ pub struct GilbertElliott {
 }
 
 impl GilbertElliott {
+    /// Loss in bursts: `mean_loss` of the packets over the long run, lost in runs of
+    /// `mean_burst` packets on average (every packet in the bad state is lost, none in the good
+    /// one). `None` unless `0 < mean_loss < 1` and `mean_burst >= 1`.
+    pub fn bursts(mean_loss: f64, mean_burst: f64) -> Option<GilbertElliott> {
+        if !(mean_loss > 0.0 && mean_loss < 1.0 && mean_burst >= 1.0 && mean_burst.is_finite()) {
+            return None;
+        }
+        // A bad state lasts 1/r packets; it is entered p/(p+r) of the time.
+        let r = 1.0 / mean_burst;
+        let p = mean_loss * r / (1.0 - mean_loss);
+        (p <= 1.0).then_some(GilbertElliott {
+            p,
+            r,
+            bad_loss: 1.0,
+            good_loss: 0.0,
+        })
+    }
+
+    /// The mean run of packets lost together (with every packet of the bad state lost).
+    pub fn mean_burst(&self) -> f64 {
+        if self.r > 0.0 { 1.0 / self.r } else { f64::INFINITY }
+    }
+
     /// The long-run loss rate of this model.
     pub fn mean_loss(&self) -> f64 {
         let bad_share = if self.p + self.r > 0.0 {
@@ -313,6 +336,35 @@ mod tests {
             .collect();
         let mean = runs.iter().sum::<usize>() as f64 / runs.len() as f64;
         assert!((mean - 4.0).abs() < 0.3, "mean burst {mean}");
+    }
+
+    /// Bursts given as a mean loss and a mean run length come out as asked.
+    #[test]
+    fn bursts_from_mean_loss_and_run_length() {
+        let ge = GilbertElliott::bursts(0.01, 5.0).expect("valid");
+        assert!((ge.mean_loss() - 0.01).abs() < 1e-12 && (ge.mean_burst() - 5.0).abs() < 1e-12);
+        let t0 = Instant::now();
+        let mut s = Shaper::new(t0);
+        let p = DirParams {
+            burst: Some(ge),
+            ..DirParams::default()
+        };
+        let mut r = rng();
+        let lost: Vec<bool> = (0..1_000_000)
+            .map(|_| matches!(s.admit(t0, 100, &p, &mut r), Verdict::Drop(_)))
+            .collect();
+        let rate = lost.iter().filter(|l| **l).count() as f64 / lost.len() as f64;
+        assert!((rate - 0.01).abs() < 0.002, "loss {rate}");
+        let runs: Vec<usize> = lost
+            .split(|l| !*l)
+            .map(<[bool]>::len)
+            .filter(|n| *n > 0)
+            .collect();
+        let mean = runs.iter().sum::<usize>() as f64 / runs.len() as f64;
+        assert!((mean - 5.0).abs() < 0.4, "mean burst {mean}");
+        for (loss, burst) in [(0.0, 5.0), (1.0, 5.0), (0.01, 0.5), (0.01, f64::NAN)] {
+            assert!(GilbertElliott::bursts(loss, burst).is_none(), "{loss} {burst}");
+        }
     }
 
     #[test]
