@@ -1,13 +1,15 @@
 //! The tail of SYNC round trips on a lossy WAN: 8 KiB request/response round trips (20 ms
-//! apart, as a Data Guard SYNC commit stream) on four paths at once, for the same time, across
+//! apart, as a Data Guard SYNC commit stream) on five paths at once, for the same time, across
 //! one wansim link: direct TCP with CUBIC, direct TCP with BBR, the wanopt pair with two copies
-//! of its latency lane (`redundancy: 2`) and a second pair with one (`redundancy: off`). Then
+//! of its latency lane (`redundancy: 2`) sent back to back, a second pair with one
+//! (`redundancy: off`) and a third whose copies leave `--spacing` ms apart. Then
 //! the same while a bulk stream through the first pair fills the link. Reports p50, p99, p99.9
 //! and the worst, in ms and as multiples of the RTT.
 //!
 //! Run (as root): `cargo build --release --workspace && cargo bench --bench sync_tail --
 //! --preset t3-100ms-1 --seconds 600`. Options: `--preset NAME` (default `t3-100ms-0.5`),
-//! `--seconds N` per phase (default 60), `--copies N` for the first pair (default 2), `--svg
+//! `--seconds N` per phase (default 60), `--copies N` for the first pair (default 2),
+//! `--spacing MS` between the third pair's copies (default 5; 0 leaves that pair out), `--svg
 //! FILE` (the percentile curves; default `benches/charts/sync-tail-PRESET.svg`).
 
 #[path = "../tests/common/mod.rs"]
@@ -58,14 +60,16 @@ fn main() {
     let preset = args.get("--preset", "t3-100ms-0.5".to_string());
     let secs: u64 = args.get("--seconds", 60);
     let copies: String = args.get("--copies", "2".to_string());
+    let spacing: u64 = args.get("--spacing", 5);
     let params = wansim::preset(&preset).expect("preset");
     let rtt_ms = params.stated().1.as_secs_f64() * 1e3;
     let (stated, stated_words) = wanopt_replay::showcase::stated_link(&params);
     let wan = Wan::start(&format!("st{}", std::process::id() % 100_000), params).expect("wansim");
     let east_ip = std::net::IpAddr::V4(Site::East.addr());
     east_servers(&wan, east_ip);
-    // Two pairs side by side: east on 7400 (copies) and 7401 (one connection).
-    let start = |port: u16, redundancy: &str| {
+    // Pairs side by side: east on 7400 (copies back to back), 7401 (one connection) and 7402
+    // (copies `--spacing` ms apart).
+    let start = |port: u16, redundancy: &str, spacing: u64| {
         let lat = format!("    class: latency\n    redundancy: {redundancy}\n");
         let stated = stated.clone();
         wan_pair(
@@ -76,15 +80,22 @@ fn main() {
             &format!(
                 "  - name: lat\n    listen: 127.0.0.1:0\n{lat}  - name: bulk\n    listen: 127.0.0.1:0\n"
             ),
-            move |_, y| link_lines(y.replace(":7400", &format!(":{port}")), &stated),
+            move |_, y| {
+                link_lines(
+                    y.replace(":7400", &format!(":{port}")),
+                    &format!("{stated}  copy_spacing: {spacing}ms\n"),
+                )
+            },
         )
     };
-    let with_copies = start(7400, &copies);
-    let single = start(7401, "off");
-    with_copies
-        .west
-        .wait_log("latency lane copy attached", Duration::from_secs(30));
-    let paths: Vec<(String, SocketAddr, &'static str)> = vec![
+    let with_copies = start(7400, &copies, 0);
+    let single = start(7401, "off", 0);
+    let spaced = (spacing > 0).then(|| start(7402, &copies, spacing));
+    for p in std::iter::once(&with_copies).chain(spaced.as_ref()) {
+        p.west
+            .wait_log("latency lane copy attached", Duration::from_secs(30));
+    }
+    let mut paths: Vec<(String, SocketAddr, &'static str)> = vec![
         (
             "direct CUBIC".into(),
             SocketAddr::new(east_ip, 9000),
@@ -102,6 +113,13 @@ fn main() {
             "cubic",
         ),
     ];
+    if let Some(p) = &spaced {
+        paths.push((
+            format!("wanopt, redundancy {copies}, copies {spacing} ms apart"),
+            p.west.bound("lat"),
+            "cubic",
+        ));
+    }
     report::note(format!(
         "`{preset}`: 8 KiB round trips 20 ms apart, {secs} s per phase, all paths at once; {stated_words}."
     ));

@@ -7,6 +7,7 @@
 //! stream is the sent one exactly: the link above sees one lane and never a duplicate frame.
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 
@@ -31,8 +32,8 @@ pub enum CopyError {
 /// The sending side of a lane's copies.
 #[derive(Debug)]
 pub struct Fanout {
-    /// Bytes from `base` on that some copy has not written yet.
-    held: VecDeque<Bytes>,
+    /// Bytes from `base` on that some copy has not written yet, each with when it was pushed.
+    held: VecDeque<(Bytes, Instant)>,
     base: u64,
     /// Bytes produced for the lane so far.
     end: u64,
@@ -102,9 +103,10 @@ impl Fanout {
         self.attached().count()
     }
 
-    /// Appends the lane's next bytes for every copy. Returns the slots given up because they
-    /// fell more than the lag limit behind the most advanced copy (never the most advanced).
-    pub fn push(&mut self, bytes: Bytes) -> Vec<usize> {
+    /// Appends the lane's next bytes for every copy, produced at `now`. Returns the slots given
+    /// up because they fell more than the lag limit behind the most advanced copy (never the
+    /// most advanced).
+    pub fn push(&mut self, bytes: Bytes, now: Instant) -> Vec<usize> {
         if bytes.is_empty() {
             return Vec::new();
         }
@@ -113,7 +115,7 @@ impl Fanout {
             self.base = self.end;
             return Vec::new();
         }
-        self.held.push_back(bytes);
+        self.held.push_back((bytes, now));
         let lead = self
             .copies
             .iter()
@@ -145,10 +147,34 @@ impl Fanout {
             return None;
         }
         let mut off = self.base;
-        for b in &self.held {
+        for (b, _) in &self.held {
             let len = b.len() as u64;
             if at < off + len {
                 return Some(b.slice((at - off) as usize..));
+            }
+            off += len;
+        }
+        None
+    }
+
+    /// When copy `slot` may write its next bytes, with copies spaced `spacing` apart: the first
+    /// copy to write bytes writes them at once, the second `spacing` after they were pushed,
+    /// the third twice that, so a burst of loss that takes one copy's packets misses the
+    /// others'. `None`: now (or nothing to write).
+    pub fn not_before(&self, slot: usize, spacing: Duration) -> Option<Instant> {
+        if spacing.is_zero() {
+            return None;
+        }
+        let at = (*self.copies.get(slot)?)?;
+        let ahead = self.copies.iter().flatten().filter(|&&c| c > at).count();
+        if ahead == 0 {
+            return None;
+        }
+        let mut off = self.base;
+        for (b, pushed) in &self.held {
+            let len = b.len() as u64;
+            if at < off + len {
+                return Some(*pushed + spacing * ahead as u32);
             }
             off += len;
         }
@@ -194,7 +220,7 @@ impl Fanout {
             .copied()
             .min()
             .unwrap_or(self.end);
-        while let Some(front) = self.held.front() {
+        while let Some((front, _)) = self.held.front() {
             let len = front.len() as u64;
             if self.base + len > low {
                 break;
@@ -423,13 +449,19 @@ mod tests {
         let mut f = Fanout::new(12);
         assert_eq!(f.attach(), Some((0, 0)));
         assert_eq!(f.attach(), Some((1, 0)));
-        assert!(f.push(Bytes::from_static(b"01234567")).is_empty());
+        assert!(
+            f.push(Bytes::from_static(b"01234567"), Instant::now())
+                .is_empty()
+        );
         let b = f.next(0).expect("ok");
         f.wrote(0, b.len());
-        assert!(f.push(Bytes::from_static(b"89ab")).is_empty());
+        assert!(
+            f.push(Bytes::from_static(b"89ab"), Instant::now())
+                .is_empty()
+        );
         f.wrote(0, 4);
         // Copy 1 wrote nothing: 12 bytes behind the leader's 12.
-        assert_eq!(f.push(Bytes::from_static(b"c")), vec![1]);
+        assert_eq!(f.push(Bytes::from_static(b"c"), Instant::now()), vec![1]);
         assert_eq!(f.copies(), 1);
         // Only copy 0 is left, with nothing held for anyone else.
         f.wrote(0, 1);
@@ -441,11 +473,11 @@ mod tests {
     fn fanout_keeps_bytes_until_every_copy_wrote_them() {
         let mut f = Fanout::new(1 << 20);
         f.attach().expect("ok");
-        f.push(Bytes::from_static(b"abc"));
+        f.push(Bytes::from_static(b"abc"), Instant::now());
         f.wrote(0, 3);
         assert_eq!(f.held_bytes(), 0);
         assert_eq!(f.attach(), Some((1, 3)));
-        f.push(Bytes::from_static(b"def"));
+        f.push(Bytes::from_static(b"def"), Instant::now());
         assert_eq!(f.next(0).as_deref(), Some(&b"def"[..]));
         f.wrote(0, 2);
         assert_eq!(f.next(0).as_deref(), Some(&b"f"[..]));
@@ -459,8 +491,36 @@ mod tests {
         f.detach(1);
         f.detach(0);
         assert_eq!(f.copies(), 0);
-        assert!(f.push(Bytes::from_static(b"gone")).is_empty());
+        assert!(
+            f.push(Bytes::from_static(b"gone"), Instant::now())
+                .is_empty()
+        );
         assert_eq!(f.held_bytes(), 0);
         assert_eq!(f.end(), 10);
+    }
+
+    /// Spaced copies: the first to write bytes writes them at once, each later one a spacing
+    /// after the one before, counted from when the bytes were pushed; old bytes wait for nobody.
+    #[test]
+    fn copies_are_spaced_in_time() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut f = Fanout::new(1 << 20);
+        for _ in 0..3 {
+            f.attach().expect("slot");
+        }
+        f.push(Bytes::from_static(b"abcd"), t0);
+        assert_eq!(f.not_before(1, ms(3)), None, "nobody wrote them yet");
+        f.wrote(1, 4);
+        assert_eq!(f.not_before(1, ms(3)), None, "copy 1 has nothing left");
+        assert_eq!(f.not_before(0, ms(3)), Some(t0 + ms(3)));
+        assert_eq!(f.not_before(0, Duration::ZERO), None);
+        f.wrote(0, 4);
+        assert_eq!(f.not_before(2, ms(3)), Some(t0 + ms(6)));
+        f.push(Bytes::from_static(b"ef"), t0 + ms(10));
+        // Copy 2 is still on the first push: it is due from that push's time.
+        assert_eq!(f.not_before(2, ms(3)), Some(t0 + ms(6)));
+        f.wrote(2, 4);
+        assert_eq!(f.not_before(2, ms(3)), None, "now first on the second push");
     }
 }

@@ -1,7 +1,8 @@
 //! A latency lane carried by copies (see `common::Copies`): independent loss on each copy's
 //! connection, copies cut and attached again mid-stream. Every stream must end byte-exact both
 //! ways, the merged lane equal to what was sent (each offset delivered once), nothing leaked.
-//! Also what copies buy: a message one copy delays arrives on time on the other.
+//! Also what copies buy: a message one copy delays arrives on time on the other, and copies
+//! spaced in time get through a burst of loss that takes copies sent back to back.
 
 mod common;
 
@@ -89,7 +90,13 @@ fn check_wires(c: &Copies, whole: bool) -> Result<(), TestCaseError> {
 /// Loses copy `slot` (its connection carries both ways). If no copy left brings what follows
 /// the delivered bytes, the lane is lost: both links are told and a new lane with fresh copies
 /// is attached, as the runtime does. Returns true if the lane was lost.
-fn cut_copy(p: &mut Pair, slot: usize, loss: &[f64], seed: u64) -> Result<bool, TestCaseError> {
+fn cut_copy(
+    p: &mut Pair,
+    slot: usize,
+    loss: &[f64],
+    seed: u64,
+    bursty: &Bursty,
+) -> Result<bool, TestCaseError> {
     let c = p.copies.as_mut().expect("copies");
     c.w2e.cut(slot);
     c.e2w.cut(slot);
@@ -103,7 +110,38 @@ fn cut_copy(p: &mut Pair, slot: usize, loss: &[f64], seed: u64) -> Result<bool, 
     }
     attach_lane(p);
     p.copies = Some(copies(p, loss, seed ^ 0x55));
+    bursty.apply(p);
     Ok(true)
+}
+
+/// Loss in bursts on the path every copy shares, and the spacing of copies in time.
+#[derive(Clone, Default)]
+struct Bursty {
+    spacing: Duration,
+    /// Windows in which every batch sent is lost, from the pair's start.
+    windows: Vec<(Instant, Instant)>,
+}
+
+impl Bursty {
+    /// Bursts of `(start, length)` milliseconds after `t0`, copies `spacing_ms` apart.
+    fn new(t0: Instant, spacing_ms: u64, bursts: &[(u64, u64)]) -> Bursty {
+        let ms = Duration::from_millis;
+        Bursty {
+            spacing: ms(spacing_ms),
+            windows: bursts
+                .iter()
+                .map(|(at, len)| (t0 + ms(*at), t0 + ms(at + len)))
+                .collect(),
+        }
+    }
+
+    fn apply(&self, p: &mut Pair) {
+        let c = p.copies.as_mut().expect("copies");
+        for w in [&mut c.w2e, &mut c.e2w] {
+            w.spacing = self.spacing;
+            w.bursts = self.windows.clone();
+        }
+    }
 }
 
 struct Plan {
@@ -119,8 +157,11 @@ fn run(
     sizes: &[(usize, usize)],
     cuts: &[(u64, usize, u64)],
     seed: u64,
+    bursts: (u64, &[(u64, u64)]),
 ) -> Result<Pair, TestCaseError> {
     let mut p = pair(codec, loss, seed);
+    let bursty = Bursty::new(p.now, bursts.0, bursts.1);
+    bursty.apply(&mut p);
     let mut plans = Vec::new();
     for (i, (up, down)) in sizes.iter().enumerate() {
         let id = p.west.link.open("e-lat", Class::Latency).expect("open");
@@ -162,7 +203,7 @@ fn run(
             // The last copy's loss is the lane's (see the resume tests).
             continue;
         }
-        if cut_copy(&mut p, slot, loss, seed)? {
+        if cut_copy(&mut p, slot, loss, seed, &bursty)? {
             lost += 1;
             continue;
         }
@@ -211,7 +252,22 @@ proptest! {
         codec in any::<bool>(),
         seed in any::<u64>(),
     ) {
-        run(codec, &loss, &sizes, &cuts, seed)?;
+        run(codec, &loss, &sizes, &cuts, seed, (0, &[]))?;
+    }
+
+    /// The same through bursts of loss that every copy's path shares, with the copies spaced
+    /// in time or back to back.
+    #[test]
+    fn latency_streams_are_exact_through_bursts_and_spaced_copies(
+        sizes in proptest::collection::vec((0usize..200_000, 0usize..60_000), 1..5),
+        loss in proptest::collection::vec(0.0f64..0.1, 2..=3),
+        cuts in proptest::collection::vec((0u64..1500, 0usize..3, 0u64..400), 0..3),
+        bursts in proptest::collection::vec((0u64..3000, 1u64..20), 0..40),
+        spacing in 0u64..10,
+        codec in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        run(codec, &loss, &sizes, &cuts, seed, (spacing, &bursts))?;
     }
 }
 
@@ -223,6 +279,7 @@ fn every_copy_losing_batches_still_delivers_each_byte_once() {
         &[(300_000, 100_000), (8192, 8192), (0, 50_000)],
         &[(200, 0, 100), (400, 1, 0), (900, 2, 300)],
         7,
+        (0, &[]),
     )
     .expect("exact");
 }
@@ -267,6 +324,7 @@ fn losing_the_only_copy_that_holds_a_gap_resumes_the_lane() {
         &[(400_000, 50_000)],
         &[(100, 1, 0), (0, 0, 0)],
         3,
+        (0, &[]),
     )
     .expect("exact");
     assert_eq!(p.west.app.resumed.len(), 1);
@@ -297,4 +355,24 @@ fn the_hellos_agree_on_how_many_connections_carry_the_lane() {
         assert_eq!(p.west.link.lane_token(), Some(TOKEN));
         assert!(p.east.link.lane_token_valid(TOKEN) && !p.east.link.lane_token_valid(TOKEN ^ 1));
     }
+}
+
+/// A burst of loss that every copy's path shares (3 ms from the first byte) takes both copies of
+/// a message sent back to back: it arrives only after the loss is repaired. Spaced 5 ms apart,
+/// the second copy leaves after the burst and brings the message a round of spacing late.
+#[test]
+fn a_burst_takes_back_to_back_copies_but_not_spaced_ones() {
+    let mut took = Vec::new();
+    for spacing in [0, 5] {
+        let mut p = pair(false, &[0.0, 0.0], 1);
+        Bursty::new(p.now, spacing, &[(0, 3)]).apply(&mut p);
+        took.push(one_way(&mut p, 8192));
+        check_wires(p.copies.as_ref().expect("copies"), false).expect("exact");
+    }
+    assert!(took[0] >= LATENCY * 5, "back to back: {:?}", took[0]);
+    assert!(
+        took[1] <= LATENCY + Duration::from_millis(5 + 4),
+        "spaced: {:?}",
+        took[1]
+    );
 }

@@ -148,6 +148,7 @@ impl Peer {
                 cfg.optimize.codec.zstd_level,
                 crate::config::zstd_range(&cfg.optimize),
             ),
+            copy_spacing: cfg.link.copy_spacing,
         };
         let id = self.next_link_id.fetch_add(1, Relaxed);
         Arc::new(LinkHandle::new(link, fd, ctx, id))

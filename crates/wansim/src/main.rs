@@ -29,7 +29,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Create the sites and forward packets until interrupted.
-    Up(UpArgs),
+    Up(Box<UpArgs>),
     /// Run a command inside a site's namespace (west or east).
     Exec {
         site: String,

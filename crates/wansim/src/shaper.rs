@@ -44,7 +44,11 @@ impl GilbertElliott {
 
     /// The mean run of packets lost together (with every packet of the bad state lost).
     pub fn mean_burst(&self) -> f64 {
-        if self.r > 0.0 { 1.0 / self.r } else { f64::INFINITY }
+        if self.r > 0.0 {
+            1.0 / self.r
+        } else {
+            f64::INFINITY
+        }
     }
 
     /// The long-run loss rate of this model.
@@ -363,7 +367,10 @@ mod tests {
         let mean = runs.iter().sum::<usize>() as f64 / runs.len() as f64;
         assert!((mean - 5.0).abs() < 0.4, "mean burst {mean}");
         for (loss, burst) in [(0.0, 5.0), (1.0, 5.0), (0.01, 0.5), (0.01, f64::NAN)] {
-            assert!(GilbertElliott::bursts(loss, burst).is_none(), "{loss} {burst}");
+            assert!(
+                GilbertElliott::bursts(loss, burst).is_none(),
+                "{loss} {burst}"
+            );
         }
     }
 

@@ -612,6 +612,12 @@ pub struct CopyWire {
     pub merged: Vec<u8>,
     /// Merge errors seen (a copy too far ahead).
     pub errors: Vec<String>,
+    /// Time between the copies of a write (see `Fanout::not_before`).
+    pub spacing: Duration,
+    /// Bursts of loss on the path all copies share: a batch any copy sends inside one is lost
+    /// (it arrives its pipe's stall late), as a queue overflowing or a fade loses a run of
+    /// packets whatever connection they belong to.
+    pub bursts: Vec<(Instant, Instant)>,
 }
 
 /// One copy's connection: in order, like TCP, and a batch lost with probability `loss`
@@ -649,9 +655,9 @@ impl CopyPipe {
         (self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    fn send(&mut self, now: Instant, b: Bytes) {
+    fn send(&mut self, now: Instant, b: Bytes, burst: bool) {
         self.pipe.send(now, b);
-        let lost = self.loss > 0.0 && self.coin() < self.loss;
+        let lost = burst || (self.loss > 0.0 && self.coin() < self.loss);
         if let Some(last) = self.pipe.in_flight.back_mut() {
             if lost {
                 last.0 += self.stall;
@@ -672,7 +678,13 @@ impl CopyWire {
             produced: Vec::new(),
             merged: Vec::new(),
             errors: Vec::new(),
+            spacing: Duration::ZERO,
+            bursts: Vec::new(),
         }
+    }
+
+    fn in_burst(&self, now: Instant) -> bool {
+        self.bursts.iter().any(|(a, b)| *a <= now && now < *b)
     }
 
     /// Attaches a copy in `slot` at both ends, carried by `pipe`.
@@ -699,6 +711,13 @@ impl CopyWire {
                 if !p.pipe.has_room(now) {
                     break;
                 }
+                if self
+                    .fanout
+                    .not_before(slot, self.spacing)
+                    .is_some_and(|t| t > now)
+                {
+                    break;
+                }
                 let chunk = match self.fanout.next(slot) {
                     Some(c) => c,
                     None => {
@@ -711,7 +730,7 @@ impl CopyWire {
                             break;
                         }
                         self.produced.extend_from_slice(&out);
-                        for gone in self.fanout.push(out.freeze()) {
+                        for gone in self.fanout.push(out.freeze(), now) {
                             self.merge.detach(gone);
                             self.pipes[gone] = None;
                         }
@@ -719,10 +738,11 @@ impl CopyWire {
                     }
                 };
                 let n = chunk.len().min(MTU_BATCH);
+                let burst = self.in_burst(now);
                 let Some(p) = self.pipes[slot].as_mut() else {
                     break;
                 };
-                p.send(now, chunk.slice(..n));
+                p.send(now, chunk.slice(..n), burst);
                 self.fanout.wrote(slot, n);
                 progress = true;
             }
@@ -762,7 +782,12 @@ impl CopyWire {
                 let arrival = p.pipe.in_flight.front().map(|(t, _)| *t);
                 let pending = wants || self.fanout.next(slot).is_some();
                 let room = (pending && p.pipe.busy_until > now).then_some(p.pipe.busy_until);
-                [arrival, room]
+                let spaced = self
+                    .fanout
+                    .next(slot)
+                    .and_then(|_| self.fanout.not_before(slot, self.spacing))
+                    .filter(|t| *t > now);
+                [arrival, room, spaced]
             })
             .flatten()
             .min()

@@ -53,6 +53,11 @@ impl Config {
         let _ = writeln!(o, "  resume_window: {}", dur(l.resume_window));
         let _ = writeln!(o, "  latency_lane: {}", l.latency_lane);
         let _ = writeln!(o, "  lane_congestion: {}", l.lane_congestion);
+        let _ = writeln!(
+            o,
+            "  copy_spacing: {}  # between the copies of a latency-lane write",
+            dur(l.copy_spacing)
+        );
         match l.max_rate_bps {
             Some(r) => {
                 let _ = writeln!(o, "  max_rate: {r}bit  # pacing cap of the link sockets");

@@ -106,6 +106,8 @@ pub mod defaults {
     pub const RTT: Duration = Duration::from_millis(100);
     pub const CONGESTION: &str = "bbr";
     pub const LANE_CONGESTION: &str = "cubic";
+    /// Copies of a latency-lane write leave back to back unless configured.
+    pub const COPY_SPACING: Duration = Duration::ZERO;
     pub const NOTSENT_LOWAT: u32 = 128 * 1024;
     pub const KEEPALIVE: Duration = Duration::from_secs(5);
     pub const USER_TIMEOUT: Duration = Duration::from_secs(30);

@@ -33,6 +33,7 @@ pub(super) struct RawLink {
     resume_window: Option<String>,
     latency_lane: Option<bool>,
     lane_congestion: Option<String>,
+    copy_spacing: Option<String>,
     max_rate: Option<String>,
 }
 
@@ -90,6 +91,10 @@ pub struct LinkSettings {
     /// Congestion control of the latency lane: a window-based one, so small messages go out at
     /// once instead of being paced at an app-limited flow's low bandwidth estimate (as BBR does).
     pub lane_congestion: String,
+    /// Time between the copies of a latency-lane write (`services[].redundancy`): the second
+    /// copy leaves this long after the first, the third twice that, so a burst of loss that
+    /// takes one copy's packets misses the others'. Zero: back to back.
+    pub copy_spacing: Duration,
     /// Pacing cap of each link socket in bits per second (`SO_MAX_PACING_RATE`); `None` = off.
     pub max_rate_bps: Option<u64>,
 }
@@ -259,6 +264,13 @@ pub(super) fn parse_link(
             &l.lane_congestion,
             defaults::LANE_CONGESTION.to_string(),
             congestion_name,
+        )?,
+        copy_spacing: cx.dur(
+            "link.copy_spacing",
+            &l.copy_spacing,
+            defaults::COPY_SPACING,
+            Duration::ZERO,
+            ms(50),
         )?,
         max_rate_bps: match l.max_rate.as_deref() {
             // Pace only when the operator stated the WAN rate: a default must not cap anyone.

@@ -58,6 +58,8 @@ pub(crate) struct LinkCtx {
     /// The zstd level to start at, and the levels the governor may move it between (`None`:
     /// it stays).
     pub zstd: (i32, Option<(i32, i32)>),
+    /// Time between the copies of a latency-lane write (`link.copy_spacing`).
+    pub copy_spacing: Duration,
 }
 
 /// Sockets sampled for `TCP_INFO`: the main lane's, then each latency-lane copy's.

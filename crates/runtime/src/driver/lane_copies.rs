@@ -232,10 +232,10 @@ pub(super) async fn write_copy<W: AsyncWrite + Unpin>(
     let counters = &h.ctx.counters.link;
     let mut buf = BytesMut::with_capacity(2 * TRANSMIT_BATCH);
     loop {
-        let (next, closed, dropped): (Option<Bytes>, bool, bool) = {
+        let (next, due, closed, dropped): (Option<Bytes>, Option<Instant>, bool, bool) = {
             let mut g = h.state();
             if !h.carries(&g, &c) {
-                (None, false, true)
+                (None, None, false, true)
             } else {
                 if g.link.is_suspended() {
                     return "the link's other lane was lost".into();
@@ -252,7 +252,7 @@ pub(super) async fn write_copy<W: AsyncWrite + Unpin>(
                         let n = buf.len() as u64;
                         g.lane.sent += n;
                         add(&counters.wire_out, n);
-                        for slot in g.lane.fanout.push(buf.split().freeze()) {
+                        for slot in g.lane.fanout.push(buf.split().freeze(), Instant::now()) {
                             g.lane.release(slot);
                             h.forget_fd(1 + slot);
                             counters.copies.set(g.lane.count() as i64);
@@ -267,7 +267,12 @@ pub(super) async fn write_copy<W: AsyncWrite + Unpin>(
                         h.wake_copies();
                     }
                 }
-                (g.lane.fanout.next(c.slot), g.link.is_closed(), false)
+                (
+                    g.lane.fanout.next(c.slot),
+                    g.lane.fanout.not_before(c.slot, h.ctx.copy_spacing),
+                    g.link.is_closed(),
+                    false,
+                )
             }
         };
         if dropped {
@@ -284,6 +289,12 @@ pub(super) async fn write_copy<W: AsyncWrite + Unpin>(
             h.copy_writable(c.slot).await;
             continue;
         };
+        // Another copy wrote these bytes: this one leaves its spacing later (see
+        // `Fanout::not_before`), and looks again then (it may have been given up meanwhile).
+        if let Some(t) = due.filter(|t| *t > Instant::now()) {
+            tokio::time::sleep_until(t.into()).await;
+            continue;
+        }
         let chunk = chunk.slice(..chunk.len().min(TRANSMIT_BATCH));
         if let Err(e) = wr.write_all(&chunk).await {
             return format!("write: {e}");

@@ -66,6 +66,7 @@ pub(super) fn side(west: bool, tweak: &dyn Fn(&mut LinkConfig)) -> Side {
         link_bound: false,
         stated_bps: None,
         zstd: (3, None),
+        copy_spacing: Duration::ZERO,
     };
     Side {
         h: Arc::new(LinkHandle::new(link(west, tweak), None, ctx, 1)),
