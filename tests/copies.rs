@@ -1,7 +1,8 @@
 //! Copies of the latency lane through the daemons: SYNC round trips byte-exact over a lossy WAN
 //! with each write on two connections, one connection killed mid-run without a stall, the
 //! `auto` policy dropping the copy while latency traffic crowds the link and taking it back,
-//! and a peer that takes no copies.
+//! a peer that takes no copies, and copies spaced in time across a WAN that loses packets in
+//! bursts, beside a bulk load.
 
 mod common;
 
@@ -376,4 +377,107 @@ fn auto_takes_a_third_copy_on_a_lossy_wan() {
         .join()
         .expect("sync client")
         .expect("every round trip answered exactly");
+}
+
+/// Across wansim's bursty T3 (`t3-100ms-burst`: 1% loss each way, in runs of 5 packets), SYNC
+/// round trips whose two copies leave 5 ms apart, beside a bulk copy that fills the link: every
+/// round trip and every bulk byte arrives exactly, and the later copy brings bytes first at
+/// times (the bursts took the earlier one).
+#[test]
+fn spaced_copies_ride_a_bursty_wan_beside_a_bulk_load() {
+    use common::sink::{Pace, Sink, send};
+    if !wansim::available_or_skip("spaced copies across a bursty wansim") {
+        return;
+    }
+    let params = wansim::preset("t3-100ms-burst").expect("preset");
+    let wan = wansim::Wan::start(
+        &format!("sb{}", std::process::id() % 100_000),
+        params.clone(),
+    )
+    .expect("wansim");
+    let east_ip = wansim::Site::East.addr();
+    let listen = |port: u16| {
+        wan.in_site(wansim::Site::East, move || {
+            std::net::TcpListener::bind((east_ip, port))
+        })
+        .expect("east")
+        .expect("bind")
+    };
+    let sync = serve_on(listen(9301), echo_handler);
+    let sink = Arc::new(Sink::default());
+    let s2 = sink.clone();
+    let bulk = serve_on(listen(9302), move |s| s2.take(s));
+    let (link, _) = wanopt_replay::showcase::stated_link(&params);
+    let lat = "    class: latency\n    redundancy: 2\n";
+    let pair = wan_pair(
+        &wan,
+        &format!("  - name: sync\n    target: {sync}\n{lat}  - name: bulk\n    target: {bulk}\n"),
+        &format!(
+            "  - name: sync\n    listen: 127.0.0.1:0\n{lat}  - name: bulk\n    listen: 127.0.0.1:0\n"
+        ),
+        move |_, y| {
+            link_lines(
+                format!("{y}admin:\n  listen: 127.0.0.1:0\n"),
+                &format!("{link}  copy_spacing: 5ms\n"),
+            )
+        },
+    );
+    pair.west.wait_log("latency lane copy attached", 20 * SEC);
+    let connect = |addr: std::net::SocketAddr| {
+        wan.in_site(wansim::Site::West, move || TcpStream::connect(addr))
+            .expect("west")
+            .expect("connect")
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let filler = {
+        let (c, stop) = (connect(pair.west.bound("bulk")), stop.clone());
+        let pace = Pace {
+            piece: 256 << 10,
+            every: Duration::ZERO,
+        };
+        std::thread::spawn(move || {
+            send(c, 7, |o, b| fill(7, o, b), pace, &stop, &AtomicU64::new(0))
+        })
+    };
+    std::thread::sleep(3 * SEC);
+    let rounds = Arc::new(AtomicU64::new(0));
+    let looping = {
+        let (c, stop, rounds) = (
+            connect(pair.west.bound("sync")),
+            stop.clone(),
+            rounds.clone(),
+        );
+        std::thread::spawn(move || sync_loop(c, stop, rounds, Duration::from_millis(20)))
+    };
+    wait_until(90 * SEC, "round trips", || {
+        rounds.load(Ordering::Relaxed) >= 300
+    });
+    stop.store(true, Ordering::Relaxed);
+    let mut times = looping
+        .join()
+        .expect("sync client")
+        .expect("every round trip answered exactly");
+    let sent = filler
+        .join()
+        .expect("bulk client")
+        .expect("the bulk copy arrived exactly");
+    let (p50, p99) = (percentile(&mut times, 0.5), percentile(&mut times, 0.99));
+    println!(
+        "{} round trips, copies 5 ms apart on t3-100ms-burst beside {sent} bulk bytes: p50 {p50:?}, p99 {p99:?}, max {:?}",
+        times.len(),
+        times.last().copied().unwrap_or_default()
+    );
+    for d in [&pair.west, &pair.east] {
+        assert_eq!(d.count("stream failed"), 0, "{}", d.log().join("\n"));
+    }
+    let admin = pair.west.bound("admin");
+    let w = scrape_on(connect(admin));
+    let won = |c: &str| {
+        value(
+            &w,
+            &format!("wanopt_link_copy_won_bytes_total{{copy=\"{c}\"}} "),
+        )
+    };
+    assert!(won("1") > 0 && won("2") > 0, "{w}");
+    assert!(sent > 8 * MIB, "the bulk copy moved {sent} bytes");
 }
