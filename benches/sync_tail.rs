@@ -9,7 +9,8 @@
 //! Run (as root): `cargo build --release --workspace && cargo bench --bench sync_tail --
 //! --preset t3-100ms-1 --seconds 600`. Options: `--preset NAME` (default `t3-100ms-0.5`),
 //! `--seconds N` per phase (default 60), `--copies N` for the first pair (default 2),
-//! `--spacing MS` between the third pair's copies (default 5; 0 leaves that pair out), `--svg
+//! `--spacing MS` between the third pair's copies (default 5; 0 leaves that pair out),
+//! `--rto-min MS` the third pair's `link.lane_rto_min` (default off), `--svg
 //! FILE` (the percentile curves; default `benches/charts/sync-tail-PRESET.svg`).
 
 #[path = "../tests/common/mod.rs"]
@@ -61,6 +62,9 @@ fn main() {
     let secs: u64 = args.get("--seconds", 60);
     let copies: String = args.get("--copies", "2".to_string());
     let spacing: u64 = args.get("--spacing", 5);
+    let rto_min: Option<u64> = args
+        .text("--rto-min")
+        .map(|v| v.parse().expect("--rto-min MS"));
     let params = wansim::preset(&preset).expect("preset");
     let rtt_ms = params.stated().1.as_secs_f64() * 1e3;
     let (stated, stated_words) = wanopt_replay::showcase::stated_link(&params);
@@ -69,7 +73,7 @@ fn main() {
     east_servers(&wan, east_ip);
     // Pairs side by side: east on 7400 (copies back to back), 7401 (one connection) and 7402
     // (copies `--spacing` ms apart).
-    let start = |port: u16, redundancy: &str, spacing: u64| {
+    let start = |port: u16, redundancy: &str, spacing: u64, rto_min: Option<u64>| {
         let lat = format!("    class: latency\n    redundancy: {redundancy}\n");
         let stated = stated.clone();
         wan_pair(
@@ -83,14 +87,17 @@ fn main() {
             move |_, y| {
                 link_lines(
                     y.replace(":7400", &format!(":{port}")),
-                    &format!("{stated}  copy_spacing: {spacing}ms\n"),
+                    &format!(
+                        "{stated}  copy_spacing: {spacing}ms\n  lane_rto_min: {}\n",
+                        rto_min.map_or("off".to_string(), |m| format!("{m}ms"))
+                    ),
                 )
             },
         )
     };
-    let with_copies = start(7400, &copies, 0);
-    let single = start(7401, "off", 0);
-    let spaced = (spacing > 0).then(|| start(7402, &copies, spacing));
+    let with_copies = start(7400, &copies, 0, None);
+    let single = start(7401, "off", 0, None);
+    let spaced = (spacing > 0).then(|| start(7402, &copies, spacing, rto_min));
     for p in std::iter::once(&with_copies).chain(spaced.as_ref()) {
         p.west
             .wait_log("latency lane copy attached", Duration::from_secs(30));
@@ -115,7 +122,10 @@ fn main() {
     ];
     if let Some(p) = &spaced {
         paths.push((
-            format!("wanopt, redundancy {copies}, copies {spacing} ms apart"),
+            format!(
+                "wanopt, redundancy {copies}, copies {spacing} ms apart{}",
+                rto_min.map_or(String::new(), |m| format!(", lane RTO min {m} ms"))
+            ),
             p.west.bound("lat"),
             "cubic",
         ));

@@ -109,9 +109,37 @@ pub fn tune_main_lane(sock: &SockRef<'_>, link: &LinkSettings) {
 }
 
 /// Sets the latency lane's congestion control (a no-op when it was born with it, as it should be:
-/// see [`tune_link_socket`]).
+/// see [`tune_link_socket`]) and its least retransmission timeout (`link.lane_rto_min`).
 pub fn tune_lane_socket(sock: &SockRef<'_>, link: &LinkSettings) {
     set_congestion(sock, &link.lane_congestion);
+    if let Some(min) = link.lane_rto_min {
+        set_rto_min(sock, min);
+    }
+}
+
+/// `TCP_RTO_MIN_US` (Linux 6.15 and later; older headers lack it).
+const TCP_RTO_MIN_US: libc::c_int = 45;
+
+/// Lowers the socket's least retransmission timeout from the kernel's 200 ms: a message whose
+/// last packet is lost (every copy of it) is sent again after srtt plus the larger of this and
+/// the RTT's variation, instead of srtt plus 200 ms. An older kernel keeps its default, said once.
+fn set_rto_min(sock: &SockRef<'_>, min: std::time::Duration) {
+    use std::os::fd::AsRawFd;
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let v = libc::c_int::try_from(min.as_micros()).unwrap_or(libc::c_int::MAX);
+    // SAFETY: a valid socket and an int option value of the right size.
+    let r = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            TCP_RTO_MIN_US,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r != 0 && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        warn!(error = %std::io::Error::last_os_error(), "cannot lower the latency lane's retransmission timeout (TCP_RTO_MIN_US needs Linux 6.15); it keeps the kernel's 200 ms");
+    }
 }
 
 /// Logs the effective settings of a connected link socket (the kernel caps explicit buffers at
@@ -310,6 +338,38 @@ mod tests {
             .await
             .expect("connect");
         assert_eq!(congestion(&main), "bbr");
+    }
+
+    /// The lane's least retransmission timeout reaches the socket (the kernel rounds it to its
+    /// clock's ticks).
+    #[test]
+    fn the_lane_rto_min_reaches_the_socket() {
+        use std::os::fd::AsRawFd;
+        let s = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let sock = SockRef::from(&s);
+        set_rto_min(&sock, std::time::Duration::from_millis(20));
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: a valid socket and an int of the size passed.
+        let r = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                TCP_RTO_MIN_US,
+                (&mut v as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            assert!(
+                std::env::var("WANOPT_REQUIRE_NETNS").as_deref() != Ok("1"),
+                "TCP_RTO_MIN_US unsupported here: {e}"
+            );
+            eprintln!("skipping: the kernel lacks TCP_RTO_MIN_US ({e})");
+            return;
+        }
+        assert!((20_000..25_000).contains(&v), "{v} us");
     }
 
     #[test]

@@ -58,6 +58,11 @@ impl Config {
             "  copy_spacing: {}  # between the copies of a latency-lane write",
             dur(l.copy_spacing)
         );
+        let _ = writeln!(
+            o,
+            "  lane_rto_min: {}  # least retransmission timeout of the latency lane's connections",
+            l.lane_rto_min.map_or("off".to_string(), dur)
+        );
         match l.max_rate_bps {
             Some(r) => {
                 let _ = writeln!(o, "  max_rate: {r}bit  # pacing cap of the link sockets");

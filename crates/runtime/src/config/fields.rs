@@ -108,6 +108,8 @@ pub mod defaults {
     pub const LANE_CONGESTION: &str = "cubic";
     /// Copies of a latency-lane write leave back to back unless configured.
     pub const COPY_SPACING: Duration = Duration::ZERO;
+    /// The latency lane keeps the kernel's least retransmission timeout unless configured.
+    pub const LANE_RTO_MIN: Option<Duration> = None;
     pub const NOTSENT_LOWAT: u32 = 128 * 1024;
     pub const KEEPALIVE: Duration = Duration::from_secs(5);
     pub const USER_TIMEOUT: Duration = Duration::from_secs(30);

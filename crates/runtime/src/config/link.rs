@@ -34,6 +34,7 @@ pub(super) struct RawLink {
     latency_lane: Option<bool>,
     lane_congestion: Option<String>,
     copy_spacing: Option<String>,
+    lane_rto_min: Option<String>,
     max_rate: Option<String>,
 }
 
@@ -95,6 +96,8 @@ pub struct LinkSettings {
     /// copy leaves this long after the first, the third twice that, so a burst of loss that
     /// takes one copy's packets misses the others'. Zero: back to back.
     pub copy_spacing: Duration,
+    /// The latency lane connections' least retransmission timeout; `None`: the kernel's.
+    pub lane_rto_min: Option<Duration>,
     /// Pacing cap of each link socket in bits per second (`SO_MAX_PACING_RATE`); `None` = off.
     pub max_rate_bps: Option<u64>,
 }
@@ -272,6 +275,17 @@ pub(super) fn parse_link(
             Duration::ZERO,
             ms(50),
         )?,
+        lane_rto_min: match l.lane_rto_min.as_deref() {
+            None => defaults::LANE_RTO_MIN,
+            Some("off") => None,
+            v => Some(cx.dur(
+                "link.lane_rto_min",
+                &v.map(str::to_string),
+                Duration::from_millis(200),
+                ms(5),
+                ms(200),
+            )?),
+        },
         max_rate_bps: match l.max_rate.as_deref() {
             // Pace only when the operator stated the WAN rate: a default must not cap anyone.
             None | Some("auto") => l.bandwidth.as_ref().map(|_| bandwidth_bps / 100 * 95),

@@ -741,3 +741,29 @@ fn services_share_the_link_by_share_min_rate_and_max_rate() {
         "services[0].min_rate"
     );
 }
+
+/// The latency lane's least retransmission timeout: off unless set, 5-200 ms, `off` spelled out.
+#[test]
+fn the_lane_rto_min_is_off_unless_set_and_bounded() {
+    assert_eq!(parse("").expect("valid").link.lane_rto_min, None);
+    let with = |v: &str| {
+        MIN.replace(
+            "  peer: east\n",
+            &format!("  peer: east\n  lane_rto_min: {v}\n"),
+        )
+    };
+    let p = |t: String| Config::parse(&t, std::path::Path::new("/etc/wanopt/west.yaml"));
+    assert_eq!(
+        p(with("20ms")).expect("valid").link.lane_rto_min,
+        Some(Duration::from_millis(20))
+    );
+    assert_eq!(p(with("off")).expect("valid").link.lane_rto_min, None);
+    for bad in ["1ms", "1s", "soon"] {
+        match p(with(bad)) {
+            Err(ConfigError::Field { field, .. }) => assert_eq!(field, "link.lane_rto_min"),
+            other => panic!("{bad}: {other:?}"),
+        }
+    }
+    let d = p(with("20ms")).expect("valid").describe();
+    assert!(d.contains("lane_rto_min: 20ms"), "{d}");
+}
