@@ -106,8 +106,9 @@ pub mod defaults {
     pub const RTT: Duration = Duration::from_millis(100);
     pub const CONGESTION: &str = "bbr";
     pub const LANE_CONGESTION: &str = "cubic";
-    /// Copies of a latency-lane write leave back to back unless configured.
-    pub const COPY_SPACING: Duration = Duration::ZERO;
+    /// A latency-lane write's copies leave 5 ms apart: longer than a burst of a few packets at
+    /// T3 rates (measured in benches/README.md, "sync_tail across bursty loss").
+    pub const COPY_SPACING: Duration = Duration::from_millis(5);
     /// The latency lane keeps the kernel's least retransmission timeout unless configured.
     pub const LANE_RTO_MIN: Option<Duration> = None;
     pub const NOTSENT_LOWAT: u32 = 128 * 1024;
