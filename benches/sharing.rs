@@ -19,13 +19,13 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::sink::{Pace, Sink, send};
+use common::sink::{Pace, Sink, in_east, send};
 use common::{bin, fill, link_lines, report, scrape_on, series, value, wan_pair_of};
 use wansim::{Site, Wan};
 
@@ -232,14 +232,7 @@ fn main() {
         wansim::preset(&preset).expect("preset"),
     )
     .expect("wansim");
-    let sink = Arc::new(Sink::default());
-    let east_ip = Site::East.addr();
-    let l = wan
-        .in_site(Site::East, move || TcpListener::bind((east_ip, 9100)))
-        .expect("east")
-        .expect("bind");
-    let s2 = sink.clone();
-    let srv = common::serve_on(l, move |s| s2.take(s));
+    let (sink, srv) = in_east(&wan, 9100);
     let mut b = Bench {
         wan,
         srv,

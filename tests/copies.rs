@@ -385,7 +385,7 @@ fn auto_takes_a_third_copy_on_a_lossy_wan() {
 /// times (the bursts took the earlier one).
 #[test]
 fn spaced_copies_ride_a_bursty_wan_beside_a_bulk_load() {
-    use common::sink::{Pace, Sink, send};
+    use common::sink::{Pace, in_east, send};
     if !wansim::available_or_skip("spaced copies across a bursty wansim") {
         return;
     }
@@ -404,9 +404,7 @@ fn spaced_copies_ride_a_bursty_wan_beside_a_bulk_load() {
         .expect("bind")
     };
     let sync = serve_on(listen(9301), echo_handler);
-    let sink = Arc::new(Sink::default());
-    let s2 = sink.clone();
-    let bulk = serve_on(listen(9302), move |s| s2.take(s));
+    let (_sink, bulk) = in_east(&wan, 9302);
     let (link, _) = wanopt_replay::showcase::stated_link(&params);
     let lat = "    class: latency\n    redundancy: 2\n";
     let pair = wan_pair(

@@ -5,12 +5,12 @@
 
 mod common;
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::sink::{Pace, Sink, send};
+use common::sink::{Pace, in_east, send};
 use common::*;
 use wansim::{Site, Wan};
 
@@ -24,14 +24,7 @@ fn a_weighted_redo_stream_keeps_up_beside_an_eight_stream_copy() {
         wansim::preset("t3-100ms-0.5").expect("preset"),
     )
     .expect("wansim");
-    let sink = Arc::new(Sink::default());
-    let east_ip = Site::East.addr();
-    let l = wan
-        .in_site(Site::East, move || TcpListener::bind((east_ip, 9100)))
-        .expect("east")
-        .expect("bind");
-    let s2 = sink.clone();
-    let srv = serve_on(l, move |s| s2.take(s));
+    let (sink, srv) = in_east(&wan, 9100);
     let p = wan_pair(
         &wan,
         &format!("  - name: redo\n    target: {srv}\n  - name: copy\n    target: {srv}\n"),

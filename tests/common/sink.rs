@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{Shutdown, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -51,6 +51,19 @@ impl Sink {
         }
         let _ = s.write_all(h.finalize().as_bytes());
     }
+}
+
+/// A sink listening in `wan`'s east site on `port`, each stream on a thread: the sink and its
+/// address.
+pub fn in_east(wan: &wansim::Wan, port: u16) -> (Arc<Sink>, SocketAddr) {
+    let sink = Arc::new(Sink::default());
+    let ip = wansim::Site::East.addr();
+    let l = wan
+        .in_site(wansim::Site::East, move || TcpListener::bind((ip, port)))
+        .expect("east")
+        .expect("bind");
+    let s = sink.clone();
+    (sink, super::serve_on(l, move |c| s.take(c)))
 }
 
 /// How a [`send`] writes.

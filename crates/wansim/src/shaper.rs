@@ -309,6 +309,23 @@ mod tests {
         );
     }
 
+    /// `n` packets through `s` at one instant: the share lost, and the mean run of packets
+    /// lost together.
+    fn losses(s: &mut Shaper, p: &DirParams, n: usize) -> (f64, f64) {
+        let t0 = Instant::now();
+        let mut r = rng();
+        let lost: Vec<bool> = (0..n)
+            .map(|_| matches!(s.admit(t0, 100, p, &mut r), Verdict::Drop(_)))
+            .collect();
+        let rate = lost.iter().filter(|l| **l).count() as f64 / lost.len() as f64;
+        let runs: Vec<usize> = lost
+            .split(|l| !*l)
+            .map(<[bool]>::len)
+            .filter(|n| *n > 0)
+            .collect();
+        (rate, runs.iter().sum::<usize>() as f64 / runs.len() as f64)
+    }
+
     #[test]
     fn gilbert_elliott_bursts() {
         let t0 = Instant::now();
@@ -323,22 +340,12 @@ mod tests {
             burst: Some(ge),
             ..DirParams::default()
         };
-        let mut r = rng();
-        let lost: Vec<bool> = (0..400_000)
-            .map(|_| matches!(s.admit(t0, 100, &p, &mut r), Verdict::Drop(_)))
-            .collect();
-        let rate = lost.iter().filter(|l| **l).count() as f64 / lost.len() as f64;
+        let (rate, mean) = losses(&mut s, &p, 400_000);
         assert!(
             (rate - ge.mean_loss()).abs() < 0.004,
             "loss {rate} vs {}",
             ge.mean_loss()
         );
-        let runs: Vec<usize> = lost
-            .split(|l| !*l)
-            .map(<[bool]>::len)
-            .filter(|n| *n > 0)
-            .collect();
-        let mean = runs.iter().sum::<usize>() as f64 / runs.len() as f64;
         assert!((mean - 4.0).abs() < 0.3, "mean burst {mean}");
     }
 
@@ -353,18 +360,8 @@ mod tests {
             burst: Some(ge),
             ..DirParams::default()
         };
-        let mut r = rng();
-        let lost: Vec<bool> = (0..1_000_000)
-            .map(|_| matches!(s.admit(t0, 100, &p, &mut r), Verdict::Drop(_)))
-            .collect();
-        let rate = lost.iter().filter(|l| **l).count() as f64 / lost.len() as f64;
+        let (rate, mean) = losses(&mut s, &p, 1_000_000);
         assert!((rate - 0.01).abs() < 0.002, "loss {rate}");
-        let runs: Vec<usize> = lost
-            .split(|l| !*l)
-            .map(<[bool]>::len)
-            .filter(|n| *n > 0)
-            .collect();
-        let mean = runs.iter().sum::<usize>() as f64 / runs.len() as f64;
         assert!((mean - 5.0).abs() < 0.4, "mean burst {mean}");
         for (loss, burst) in [(0.0, 5.0), (1.0, 5.0), (0.01, 0.5), (0.01, f64::NAN)] {
             assert!(
