@@ -192,15 +192,12 @@ impl Link {
             self.events.push_back(Event::Writable(id));
         }
         let wire = (out.len() - before) as u64;
-        self.wire.entry(s.service.clone()).or_default().out += wire;
+        let service = s.service.clone();
+        let again = s.send.wants_send();
+        self.wire.entry(service.clone()).or_default().out += wire;
         if queue == Queue::Bulk {
-            let service = s.service.clone();
             self.streams.shaper.charge(lane, &service, wire);
         }
-        let Some(s) = self.streams.get_mut(&id) else {
-            return Turn::Next;
-        };
-        let again = s.send.wants_send();
         self.link_credit.consume(n as u64);
         self.lane_sent[lane] += n as u64;
         if again {
