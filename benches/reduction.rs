@@ -693,12 +693,15 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
         // Where the changed copy's wire bytes went, for whoever tunes the index.
         let d = |a: u64, b: u64| (a - b) as f64 / 1e6;
         eprintln!(
-            "{name} changed: refs {:.1} MB in {:.3} MB, deltas {:.1} MB in {:.3} MB, literals {:.1} MB in {:.3} MB ({:.1} MB offered a base)",
+            "{name} changed: refs {:.1} MB ({} chunks) in {:.3} MB, deltas {:.1} MB ({} chunks) in {:.3} MB, literals {:.1} MB ({} chunks) in {:.3} MB ({:.1} MB offered a base)",
             d(s.hit_bytes, before.hit_bytes),
+            s.hit_chunks - before.hit_chunks,
             d(s.hit_wire, before.hit_wire),
             d(s.delta_bytes, before.delta_bytes),
+            s.delta_chunks - before.delta_chunks,
             d(s.delta_wire, before.delta_wire),
             d(s.miss_bytes, before.miss_bytes),
+            s.miss_chunks - before.miss_chunks,
             d(
                 s.wire_bytes - s.hit_wire - s.delta_wire,
                 before.wire_bytes - before.hit_wire - before.delta_wire

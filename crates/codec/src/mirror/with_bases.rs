@@ -451,6 +451,12 @@ impl Mirror {
             runs: false,
             ..policy
         };
+        // The chunk whose literal ended the run keeps its own anchors and offer: it is indexed
+        // under them after this. (Indexed under the last run chunk's anchors instead, it took
+        // that chunk's index slots: an edited version of that chunk then found it as its only
+        // base, and on kernel sources 38 of 719 delta runs cost 110 KB where `--patch-from` of
+        // the same bytes took 2 KB.)
+        let own = (std::mem::take(&mut self.delta.keys), self.delta.offered);
         let (mut at, mut k, mut n) = (0, 0, 0);
         for &(f, len, keys_end, in_context) in &run.chunks {
             let chunk = &run.bytes[at..at + len];
@@ -473,6 +479,7 @@ impl Mirror {
             self.late.raw_bytes -= r.raw as u64;
             (at, k) = (at + len, keys_end);
         }
+        (self.delta.keys, self.delta.offered) = own;
         n
     }
 }

@@ -420,6 +420,62 @@ fn a_delta_run_that_does_not_pay_goes_as_literals() {
     assert_eq!(s.wire_bytes - before.wire_bytes, w2.len() as u64);
 }
 
+/// Every chunk the store keeps is indexed under its own anchors, also the literal whose
+/// arrival flushed a delta run that did not pay (the run's chunks, sent as literals first,
+/// once left their anchors in its place, and its edited version then found the wrong base).
+#[test]
+fn each_kept_chunk_is_found_by_its_own_anchors() {
+    let cfg = CodecConfig::default();
+    let (first, second) = pages(96, 9);
+    let bases = shared(64 << 20);
+    let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+    enc.set_bases(bases.clone());
+    let w1 = send(&mut enc, &first);
+    decode_answering(&enc, &mut dec, &w1);
+    // Literals believed almost free: runs do not pay and go as literals.
+    enc.mirror.set_lit_ratio(0.001);
+    // New pages among changed ones: literals with no base end the runs.
+    let mut mixed = Vec::new();
+    let fresh = pages(48, 77).0;
+    for (i, page) in second.chunks(8192).enumerate() {
+        mixed.extend_from_slice(page);
+        if i % 2 == 1 {
+            let k = i / 2 % 48;
+            mixed.extend_from_slice(&fresh[k * 8192..(k + 1) * 8192]);
+        }
+    }
+    let before = enc.stats().clone();
+    let w = send(&mut enc, &mixed);
+    assert_eq!(decode_answering(&enc, &mut dec, &w), (mixed.clone(), 0));
+    assert!(
+        enc.stats().no_base_chunks > before.no_base_chunks,
+        "runs went as literals"
+    );
+    let shared = bases.expect("a store");
+    let mut store = shared.lock().expect("store lock");
+    let (mut keys, mut found, mut lost) = (Vec::new(), Vec::new(), Vec::new());
+    let mut kept = 0;
+    for (off, len) in crate::chunks(&mixed, &cfg) {
+        let chunk = &mixed[off..off + len];
+        let f = fingerprint(chunk);
+        if store.held_len(&f).is_none() {
+            continue;
+        }
+        kept += 1;
+        crate::delta::anchors(chunk, &mut keys);
+        store.find(&keys, (MAX_BASES, 1), |_| true, &mut found);
+        if !found.contains(&f) {
+            lost.push(off);
+        }
+    }
+    assert!(kept > 100, "{kept} chunks kept");
+    assert!(
+        lost.is_empty(),
+        "{} of {kept} kept chunks not found by their own anchors",
+        lost.len()
+    );
+}
+
 #[test]
 fn hostile_delta_run_records_are_errors() {
     // Bases named by their fingerprints (no stream logs to name them by place).
