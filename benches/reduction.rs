@@ -693,7 +693,8 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
         // Where the changed copy's wire bytes went, for whoever tunes the index.
         let d = |a: u64, b: u64| (a - b) as f64 / 1e6;
         eprintln!(
-            "{name} changed: refs {:.1} MB ({} chunks) in {:.3} MB, deltas {:.1} MB ({} chunks) in {:.3} MB, literals {:.1} MB ({} chunks) in {:.3} MB ({:.1} MB offered a base)",
+            "{name} changed ({:.3} MB): refs {:.1} MB ({} chunks) in {:.3} MB, deltas {:.1} MB ({} chunks) in {:.3} MB, literals {:.1} MB ({} chunks) in {:.3} MB ({:.1} MB offered a base)",
+            d(s.wire_bytes, before.wire_bytes),
             d(s.hit_bytes, before.hit_bytes),
             s.hit_chunks - before.hit_chunks,
             d(s.hit_wire, before.hit_wire),

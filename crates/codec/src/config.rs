@@ -116,6 +116,9 @@ pub struct Policy {
     /// Streams keep logs and references go as runs named by their place in a log (the peer
     /// decodes `TAG_LOG` and `TAG_REF_RUN`; see [`logs`](crate::logs)).
     pub ref_runs: bool,
+    /// With `ref_runs`, reference runs carry 8 bytes of their check (the peer decodes
+    /// `TAG_REF_RUN_SHORT`; see [`SHORT_CHECK`](crate::fingerprint::SHORT_CHECK)).
+    pub short_refs: bool,
 }
 
 impl Default for Policy {
@@ -129,6 +132,7 @@ impl Default for Policy {
             runs: true,
             delta_runs: true,
             ref_runs: true,
+            short_refs: true,
         }
     }
 }
@@ -176,6 +180,7 @@ impl CodecConfig {
             runs: self.runs,
             delta_runs: self.runs,
             ref_runs: self.runs && self.logs,
+            short_refs: self.runs && self.logs,
         }
     }
 }

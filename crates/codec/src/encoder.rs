@@ -22,7 +22,7 @@ use crate::send::{self, Limits, RAW_TURN, Sender};
 pub struct Encoder {
     cfg: CodecConfig,
     pub(crate) mirror: Mirror,
-    sender: Sender,
+    pub(crate) sender: Sender,
     /// What was pushed and not sent yet (a chunk waiting for its boundary).
     queue: VecDeque<Bytes>,
     queued: u64,

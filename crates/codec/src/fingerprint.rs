@@ -28,6 +28,35 @@ pub(crate) fn run_check<'a>(names: impl Iterator<Item = &'a Fingerprint>) -> Fin
     c
 }
 
+/// Bytes of a run's check a short reference run (`TAG_REF_RUN_SHORT`) carries. Its names come
+/// from the receiver's log, built from records both sides saw: the check only confirms that
+/// the two logs agree, which 64 bits do for any run a link will carry (the chunks' bytes are
+/// still checked against their own fingerprints). Half the check took 8 of a reference run's
+/// 21 bytes: on kernel sources, where a run ends at every edited chunk and every frame, 20 KB
+/// of a changed copy's 150.
+pub(crate) const SHORT_CHECK: usize = 8;
+/// What fills the rest of a short check's key (see [`short_key`]).
+const SHORT_MARK: [u8; 8] = *b"refrun8\0";
+
+/// The key a short check is asked for and answered by: its 8 bytes and a fixed mark.
+pub(crate) fn short_key(check: &[u8]) -> Fingerprint {
+    let mut k = [0u8; 16];
+    let n = check.len().min(SHORT_CHECK);
+    k[..n].copy_from_slice(&check[..n]);
+    k[SHORT_CHECK..].copy_from_slice(&SHORT_MARK);
+    k
+}
+
+/// True if `names` are the run that `key` checks: their whole run check, or a short check's
+/// key (see [`short_key`]) that holds its first bytes.
+pub(crate) fn check_matches<'a>(
+    names: impl Iterator<Item = &'a Fingerprint>,
+    key: &Fingerprint,
+) -> bool {
+    let c = run_check(names);
+    c == *key || (key[SHORT_CHECK..] == SHORT_MARK && c[..SHORT_CHECK] == key[..SHORT_CHECK])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -41,5 +70,11 @@ mod tests {
         let names = [f, fingerprint(b"undo")];
         assert_ne!(run_check(names.iter()), fingerprint(&names.concat()));
         assert_ne!(run_check(names.iter()), run_check(names.iter().rev()));
+        // A short check's key matches its names, and only them.
+        let key = short_key(&run_check(names.iter()));
+        assert!(check_matches(names.iter(), &key));
+        assert!(check_matches(names.iter(), &run_check(names.iter())));
+        assert!(!check_matches(names.iter().rev(), &key));
+        assert!(!check_matches(names[..1].iter(), &key));
     }
 }

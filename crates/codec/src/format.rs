@@ -50,6 +50,9 @@ pub(crate) const TAG_LOG: u8 = 10;
 /// Chunks the peer holds, named by their place in a stream log: serial, index and count
 /// (varints), and a 16-byte check (the fingerprint of their fingerprints).
 pub(crate) const TAG_REF_RUN: u8 = 11;
+/// A reference run with the first [`SHORT_CHECK`](crate::fingerprint::SHORT_CHECK) bytes of
+/// its check: serial, index and count (varints) and 8 bytes.
+pub(crate) const TAG_REF_RUN_SHORT: u8 = 12;
 /// Most raw bytes a run defers before a record flushes it (the sender's limit).
 pub const RUN_MAX: usize = 256 * 1024;
 /// Most raw bytes a receiver lets a run defer: more is malformed.

@@ -3,8 +3,8 @@
 
 use super::Decoder;
 use crate::cache::Lookup;
-use crate::fingerprint::run_check;
-use crate::format::{CodecError, get_varint};
+use crate::fingerprint::{SHORT_CHECK, check_matches, short_key};
+use crate::format::{CodecError, TAG_REF_RUN_SHORT, get_varint};
 use crate::logs::MAX_REF_RUN;
 
 impl Decoder {
@@ -32,12 +32,20 @@ impl Decoder {
             .ok_or(CodecError::Malformed(
                 "reference run of no or too many chunks",
             ))?;
-        let mut check = [0u8; 16];
-        check.copy_from_slice(buf.get(at..at + 16).ok_or(CodecError::Incomplete)?);
-        let used = at + 16;
+        // The check, or a short check's key (both are what the names are asked for by).
+        let (check, used) = if buf[0] == TAG_REF_RUN_SHORT {
+            let c = buf
+                .get(at..at + SHORT_CHECK)
+                .ok_or(CodecError::Incomplete)?;
+            (short_key(c), at + SHORT_CHECK)
+        } else {
+            let mut c = [0u8; 16];
+            c.copy_from_slice(buf.get(at..at + 16).ok_or(CodecError::Incomplete)?);
+            (c, at + 16)
+        };
         let mut names = std::mem::take(&mut self.names);
-        let from_log =
-            self.logs.names(serial, index, count, &mut names) && run_check(names.iter()) == check;
+        let from_log = self.logs.names(serial, index, count, &mut names)
+            && check_matches(names.iter(), &check);
         if !from_log {
             match self.resolved.get(&check) {
                 Some(r) => {

@@ -11,7 +11,7 @@ use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::format::{
     CodecError, DEFERRED, FRESH, LONG, MAX_RECORD, NO_CACHE, RUN_MAX_DECODE, TAG_DELTA,
     TAG_DELTA_RUN, TAG_LIT, TAG_LIT_CONTEXT, TAG_LIT_LZ4, TAG_LIT_ZSTD, TAG_LOG, TAG_RAW, TAG_REF,
-    TAG_REF_RUN, TAG_RUN_END, get_len, get_varint,
+    TAG_REF_RUN, TAG_REF_RUN_SHORT, TAG_RUN_END, get_len, get_varint,
 };
 use crate::prepare::{self, BATCH};
 
@@ -122,14 +122,18 @@ impl Decoder {
                 continue;
             }
             // A log's start and a reference run rebuild nothing to prepare: step over them.
-            if first == TAG_LOG || first == TAG_REF_RUN {
+            if matches!(first, TAG_LOG | TAG_REF_RUN | TAG_REF_RUN_SHORT) {
                 let fields = if first == TAG_LOG { 1 } else { 3 };
                 let mut k = Some(1);
                 for _ in 0..fields {
                     k = k.and_then(|k| get_varint(rec, k).ok().map(|(_, h)| k + h));
                 }
                 let Some(k) = k else { break };
-                at += k + if first == TAG_REF_RUN { 16 } else { 0 };
+                at += k + match first {
+                    TAG_REF_RUN => 16,
+                    TAG_REF_RUN_SHORT => crate::fingerprint::SHORT_CHECK,
+                    _ => 0,
+                };
                 continue;
             }
             let tag = first & !NO_CACHE;
@@ -263,7 +267,7 @@ impl Decoder {
                 n
             })
             .collect();
-        if verify && crate::fingerprint::run_check(names.iter()) != f {
+        if verify && !crate::fingerprint::check_matches(names.iter(), &f) {
             return false;
         }
         // A few runs at a time are ever waiting for their names.
@@ -519,7 +523,7 @@ impl Decoder {
                 stream.log = Some(serial);
                 Ok(1 + h)
             }
-            TAG_REF_RUN => self.decode_ref_run(buf, out, stream.log, room),
+            TAG_REF_RUN | TAG_REF_RUN_SHORT => self.decode_ref_run(buf, out, stream.log, room),
             _ => Err(CodecError::Malformed("unknown record")),
         }
     }

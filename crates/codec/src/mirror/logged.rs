@@ -6,8 +6,8 @@ use bytes::{BufMut, Bytes};
 
 use super::{Hint, Mirror};
 use crate::config::Policy;
-use crate::fingerprint::{Fingerprint, run_check};
-use crate::format::{TAG_LOG, TAG_REF, TAG_REF_RUN, put_len, put_varint};
+use crate::fingerprint::{Fingerprint, SHORT_CHECK, run_check, short_key};
+use crate::format::{TAG_LOG, TAG_REF, TAG_REF_RUN, TAG_REF_RUN_SHORT, put_len, put_varint};
 use crate::logs::MAX_REF_RUN;
 use crate::report::{Report, Sent};
 
@@ -19,6 +19,8 @@ pub(crate) struct RefRun {
     index: u64,
     names: Vec<(Fingerprint, usize)>,
     until: u64,
+    /// Its record carries a short check (the peer reads them).
+    short: bool,
 }
 
 impl RefRun {
@@ -72,6 +74,7 @@ impl Mirror {
         &mut self,
         f: Fingerprint,
         chunk: &[u8],
+        short: bool,
         hint: &mut Hint,
         out: &mut impl BufMut,
     ) -> Option<Report> {
@@ -101,9 +104,10 @@ impl Mirror {
                     index,
                     names: Vec::new(),
                     until,
+                    short,
                 })
             });
-            (run.serial, run.index, run.until) = (serial, index, until);
+            (run.serial, run.index, run.until, run.short) = (serial, index, until, short);
             run.names.clear();
         }
         if let Some(run) = hint.refs.as_deref_mut() {
@@ -134,7 +138,8 @@ impl Mirror {
             return 0;
         }
         let k = run.names.len();
-        let held = k > 1
+        // A single reference costs 19 bytes by name; by place, with a short check, about 14.
+        let held = (k > 1 || run.short)
             && self
                 .logs
                 .names(run.serial, run.index, k, &mut self.names_scratch)
@@ -145,13 +150,24 @@ impl Mirror {
                 .all(|(a, b)| *a == b.0);
         let mut n = 0;
         if held {
-            let check = run_check(run.names.iter().map(|r| &r.0));
-            out.put_u8(TAG_REF_RUN);
+            let mut check = run_check(run.names.iter().map(|r| &r.0));
+            out.put_u8(if run.short {
+                TAG_REF_RUN_SHORT
+            } else {
+                TAG_REF_RUN
+            });
             n += 1 + put_varint(out, u64::from(run.serial));
             n += put_varint(out, run.index);
             n += put_varint(out, k as u64);
-            out.put_slice(&check);
-            n += 16;
+            if run.short {
+                out.put_slice(&check[..SHORT_CHECK]);
+                n += SHORT_CHECK;
+                // The peer asks for the names by the short check's key.
+                check = short_key(&check);
+            } else {
+                out.put_slice(&check);
+                n += 16;
+            }
             // A peer whose log differs asks for the names by the check.
             let names = &run.names;
             self.recent.put_with(check, 16 * k, || {
@@ -163,6 +179,12 @@ impl Mirror {
                 out.put_slice(f);
                 n += 17 + put_len(out, *len);
             }
+        }
+        if std::env::var_os("DBGREF").is_some() {
+            eprintln!(
+                "DBGREF k {k} held {held} n {n} own {:?} serial {} index {}",
+                hint.log, run.serial, run.index
+            );
         }
         run.names.clear();
         self.late.hit_wire += n as u64;

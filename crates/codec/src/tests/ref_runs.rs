@@ -6,7 +6,8 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::format::{TAG_REF_RUN, put_varint};
+use crate::fingerprint::{SHORT_CHECK, short_key};
+use crate::format::{TAG_REF_RUN, TAG_REF_RUN_SHORT, put_varint};
 use crate::logs::MAX_REF_RUN;
 
 /// Files of a source tree: text lines, some repeated across files.
@@ -115,25 +116,50 @@ proptest! {
     }
 }
 
+/// Both forms of a reference run, with a whole check and with a short one (what an older
+/// peer reads, and what a newer one is sent).
 #[test]
 fn hostile_reference_runs_are_errors() {
+    hostile_reference_runs(false);
+    hostile_reference_runs(true);
+}
+
+fn hostile_reference_runs(short: bool) {
     let cfg = CodecConfig::default();
     let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+    enc.sender.policy.short_refs = short;
     let data = tree(100, 3);
     let w1 = send(&mut enc, &data);
     let mut s = crate::StreamContext::default();
     answer_all(&enc, &mut dec, &mut s, &w1);
+    // Each stream starts with the configuration's policy.
+    enc.sender.policy.short_refs = short;
     let w2 = send(&mut enc, &data);
     let mut s = crate::StreamContext::default();
     let log_len = w2.len() - without_log(&w2).len();
     dec.decode_record_in(&w2, &mut Vec::new(), &mut s)
         .expect("the log's start");
     let wire = &w2[log_len..];
-    assert_eq!(wire[0], TAG_REF_RUN, "the copy goes as reference runs");
+    let (tag, len) = if short {
+        (TAG_REF_RUN_SHORT, SHORT_CHECK)
+    } else {
+        (TAG_REF_RUN, 16)
+    };
+    assert_eq!(wire[0], tag, "the copy goes as reference runs");
     let (_, a) = crate::format::get_varint(wire, 1).expect("serial");
     let (_, b) = crate::format::get_varint(wire, 1 + a).expect("index");
     let (count, c) = crate::format::get_varint(wire, 1 + a + b).expect("count");
-    let whole = 1 + a + b + c + 16;
+    let whole = 1 + a + b + c + len;
+    let key = |rec: &[u8]| {
+        let c = &rec[whole - len..whole];
+        if short {
+            short_key(c)
+        } else {
+            let mut k = [0u8; 16];
+            k.copy_from_slice(c);
+            k
+        }
+    };
     let mut out = Vec::new();
     // Every truncation is incomplete, never a panic or partial bytes.
     for cut in 0..whole {
@@ -146,11 +172,11 @@ fn hostile_reference_runs_are_errors() {
     }
     // No chunks, too many, a serial beyond 32 bits: malformed.
     for (serial, n) in [(1u64, 0u64), (1, MAX_REF_RUN as u64 + 1), (1 << 32, 2)] {
-        let mut bad = vec![TAG_REF_RUN];
+        let mut bad = vec![tag];
         put_varint(&mut bad, serial);
         put_varint(&mut bad, 0);
         put_varint(&mut bad, n);
-        bad.extend_from_slice(&[0; 16]);
+        bad.extend_from_slice(&vec![0; len]);
         assert!(matches!(
             dec.decode_record_in(&bad, &mut out, &mut like(&s)),
             Err(CodecError::Malformed(_))
@@ -159,21 +185,32 @@ fn hostile_reference_runs_are_errors() {
     // A place nobody logged, or a wrong check: a miss of the check, until the names come.
     let mut bad = wire[..whole].to_vec();
     bad[whole - 1] ^= 1;
-    let mut check = [0u8; 16];
-    check.copy_from_slice(&bad[whole - 16..whole]);
+    let check = key(&bad);
     assert_eq!(
         dec.decode_record_in(&bad, &mut out, &mut like(&s)),
         Err(CodecError::Miss(check))
     );
     // Names that do not match their check are refused.
-    let names = enc.mirror.chunk(&{
-        let mut c = [0u8; 16];
-        c.copy_from_slice(&wire[whole - 16..whole]);
-        c
-    });
+    let names = enc.mirror.chunk(&key(wire));
     let names = names.expect("the run's names").to_vec();
     assert_eq!(names.len() as u64, 16 * count);
     assert!(!dec.insert_verified(check, &names));
+    // A short check is asked for by its key: the sender's names for it are accepted, and the
+    // run then decodes from them.
+    if short {
+        let mut t = like(&s);
+        let mut moved = wire[..whole].to_vec();
+        // The same check at a place our log does not hold.
+        moved[1 + a] ^= 1;
+        let k = key(&moved);
+        assert_eq!(
+            dec.decode_record_in(&moved, &mut out, &mut t),
+            Err(CodecError::Miss(k))
+        );
+        assert!(dec.insert_verified(k, &names));
+        assert_eq!(dec.decode_record_in(&moved, &mut out, &mut t), Ok(whole));
+        out.clear();
+    }
     // More than the frame announced, before anything is copied.
     assert!(matches!(
         dec.decode_record_within(&wire[..whole], &mut out, &mut like(&s), 1),

@@ -27,7 +27,9 @@ pub(crate) use self::recv::{Decoded, FRAME_COST, RecvCoded};
 pub(crate) use self::send::SendCoder;
 use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Class, Frame, StreamId};
-use crate::lane::{CAP_CONTEXT, CAP_DELTA_RUNS, CAP_REF_RUNS, CAP_RUNS, LATENCY_LANE};
+use crate::lane::{
+    CAP_CONTEXT, CAP_DELTA_RUNS, CAP_REF_RUNS, CAP_RUNS, CAP_SHORT_REF_RUNS, LATENCY_LANE,
+};
 
 /// Which cache a service's chunks go to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -277,6 +279,8 @@ pub(crate) struct Coding {
     peer_delta_runs: bool,
     /// The peer keeps stream logs.
     peer_ref_runs: bool,
+    /// The peer decodes reference runs with short checks.
+    peer_short_refs: bool,
 }
 
 /// A stream's turn at sending coded bytes.
@@ -324,6 +328,7 @@ impl Coding {
             peer_runs: false,
             peer_delta_runs: false,
             peer_ref_runs: false,
+            peer_short_refs: false,
         }
     }
 
@@ -421,6 +426,7 @@ impl Coding {
         self.peer_runs = peer.caps & CAP_RUNS != 0;
         self.peer_delta_runs = peer.caps & CAP_DELTA_RUNS != 0;
         self.peer_ref_runs = peer.caps & CAP_REF_RUNS != 0;
+        self.peer_short_refs = peer.caps & CAP_SHORT_REF_RUNS != 0;
         self.scoped = self
             .own_scoped()
             .iter()
@@ -464,6 +470,7 @@ impl Coding {
         c.sender.policy.runs = self.peer_context && self.peer_runs && chunking.runs;
         c.sender.policy.delta_runs = self.peer_delta_runs && chunking.runs;
         c.sender.policy.ref_runs = self.peer_ref_runs && chunking.runs;
+        c.sender.policy.short_refs = c.sender.policy.ref_runs && self.peer_short_refs;
         Some(Box::new(c))
     }
 
