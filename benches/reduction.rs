@@ -638,6 +638,8 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
         "first MB",
         "wanopt",
         "zstd -9",
+        "cpu MB/s",
+        "level",
         "changed MB",
         "wanopt",
         "zstd -9",
@@ -656,7 +658,16 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
             .to_string();
         let (first_path, changed_path) = (p.join("first"), p.join("changed"));
         let first = std::fs::read(&first_path).expect("first");
-        let (w1, _, _, _) = stream(&mut enc, &mut t3, &mut level, pressure, &first);
+        let first_level = level;
+        let (w1, cpu1, _, _) = stream(&mut enc, &mut t3, &mut level, pressure, &first);
+        let levels = |a: i32, b: i32| {
+            if a == b {
+                a.to_string()
+            } else {
+                format!("{a}→{b}")
+            }
+        };
+        let first_levels = levels(first_level, level);
         check(&mut dec, &w1, &first, &name);
         let changed = std::fs::read(&changed_path).expect("changed");
         let level_before = level;
@@ -717,17 +728,15 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
                 format!("{:.1}", first.len() as f64 / 1e6),
                 format!("{:.4}", ratio(w1.len(), first.len())),
                 f(z9(&first_path), first.len()),
+                format!("{:.0}", first.len() as f64 / cpu1 / 1e6),
+                first_levels,
                 format!("{:.1}", changed.len() as f64 / 1e6),
                 format!("{:.4}", ratio(w2.len(), changed.len())),
                 f(z9(&changed_path), changed.len()),
                 f(patch, changed.len()),
                 vs.map_or("-".into(), |v| format!("{v:.2}x")),
                 format!("{:.0}", changed.len() as f64 / cpu / 1e6),
-                if level_before == level {
-                    level.to_string()
-                } else {
-                    format!("{level_before}→{level}")
-                },
+                levels(level_before, level),
                 format!(
                     "{:.3}",
                     (s.no_base_bytes - before.no_base_bytes) as f64 / changed.len() as f64
