@@ -116,9 +116,10 @@ pub struct Policy {
     /// Streams keep logs and references go as runs named by their place in a log (the peer
     /// decodes `TAG_LOG` and `TAG_REF_RUN`; see [`logs`](crate::logs)).
     pub ref_runs: bool,
-    /// With `ref_runs`, reference runs carry 8 bytes of their check (the peer decodes
-    /// `TAG_REF_RUN_SHORT`; see [`SHORT_CHECK`](crate::fingerprint::SHORT_CHECK)).
-    pub short_refs: bool,
+    /// Reference runs carry 8 bytes of their check and delta runs' zstd frames go without
+    /// zstd's magic number (the peer decodes `TAG_REF_RUN_SHORT` and `TAG_DELTA_RUN_BARE`;
+    /// see [`SHORT_CHECK`](crate::fingerprint::SHORT_CHECK)).
+    pub compact_runs: bool,
 }
 
 impl Default for Policy {
@@ -132,7 +133,7 @@ impl Default for Policy {
             runs: true,
             delta_runs: true,
             ref_runs: true,
-            short_refs: true,
+            compact_runs: true,
         }
     }
 }
@@ -180,7 +181,7 @@ impl CodecConfig {
             runs: self.runs,
             delta_runs: self.runs,
             ref_runs: self.runs && self.logs,
-            short_refs: self.runs && self.logs,
+            compact_runs: self.runs && self.logs,
         }
     }
 }

@@ -525,6 +525,8 @@ impl Default for SendScratch {
 pub(crate) struct RecvScratch {
     pub(crate) dict: Vec<u8>,
     pub(crate) dctx: Option<DCtx<'static>>,
+    /// A bare frame with its magic number put back.
+    pub(crate) frame: Vec<u8>,
 }
 
 /// Bytes of a varint length.

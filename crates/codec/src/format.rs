@@ -53,6 +53,12 @@ pub(crate) const TAG_REF_RUN: u8 = 11;
 /// A reference run with the first [`SHORT_CHECK`](crate::fingerprint::SHORT_CHECK) bytes of
 /// its check: serial, index and count (varints) and 8 bytes.
 pub(crate) const TAG_REF_RUN_SHORT: u8 = 12;
+/// A delta run whose zstd frame leaves out its first four bytes, zstd's magic number
+/// ([`ZSTD_MAGIC`]): the receiver puts them back. 4 bytes a run, most of what an isolated
+/// edit's frame adds to it.
+pub(crate) const TAG_DELTA_RUN_BARE: u8 = 13;
+/// The magic number that starts every zstd frame.
+pub(crate) const ZSTD_MAGIC: [u8; 4] = [0x28, 0xB5, 0x2F, 0xFD];
 /// Most raw bytes a run defers before a record flushes it (the sender's limit).
 pub const RUN_MAX: usize = 256 * 1024;
 /// Most raw bytes a receiver lets a run defer: more is malformed.

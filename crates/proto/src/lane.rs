@@ -40,6 +40,7 @@ pub const CAP_DELTA_RUNS: u64 = 256;
 /// Hello capability bit: the sender keeps stream logs and decodes references named by their
 /// place in one (see `wanopt_codec::MAX_REF_RUN`).
 pub const CAP_REF_RUNS: u64 = 512;
-/// Hello capability bit: the sender decodes reference runs that carry 8 bytes of their check
-/// (see `wanopt_codec::MAX_REF_RUN`).
-pub const CAP_SHORT_REF_RUNS: u64 = 1024;
+/// Hello capability bit: the sender decodes compact runs: reference runs that carry 8 bytes of
+/// their check, and delta runs whose zstd frame leaves out zstd's magic number (see
+/// `wanopt_codec::MAX_REF_RUN`).
+pub const CAP_COMPACT_RUNS: u64 = 1024;

@@ -10,8 +10,8 @@ use crate::delta;
 use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::format::{
     CodecError, DEFERRED, FRESH, LONG, MAX_RECORD, NO_CACHE, RUN_MAX_DECODE, TAG_DELTA,
-    TAG_DELTA_RUN, TAG_LIT, TAG_LIT_CONTEXT, TAG_LIT_LZ4, TAG_LIT_ZSTD, TAG_LOG, TAG_RAW, TAG_REF,
-    TAG_REF_RUN, TAG_REF_RUN_SHORT, TAG_RUN_END, get_len, get_varint,
+    TAG_DELTA_RUN, TAG_DELTA_RUN_BARE, TAG_LIT, TAG_LIT_CONTEXT, TAG_LIT_LZ4, TAG_LIT_ZSTD,
+    TAG_LOG, TAG_RAW, TAG_REF, TAG_REF_RUN, TAG_REF_RUN_SHORT, TAG_RUN_END, get_len, get_varint,
 };
 use crate::prepare::{self, BATCH};
 
@@ -515,7 +515,7 @@ impl Decoder {
                 fits(get_len(buf, 1)?.0)?;
                 self.decode_delta(buf, out, stream.log)
             }
-            TAG_DELTA_RUN => self.decode_delta_run(buf, out, room, stream.log),
+            TAG_DELTA_RUN | TAG_DELTA_RUN_BARE => self.decode_delta_run(buf, out, room, stream.log),
             TAG_LOG => {
                 let (serial, h) = get_varint(buf, 1)?;
                 let serial = u32::try_from(serial)

@@ -8,7 +8,8 @@ use zstd::zstd_safe::DCtx;
 
 use crate::fingerprint::{fingerprint, run_check};
 use crate::format::{
-    CodecError, MAX_RUN_BASES, MAX_RUN_CHUNKS, RUN_DICT_DECODE, RUN_MAX_DECODE, get_len, get_varint,
+    CodecError, MAX_RUN_BASES, MAX_RUN_CHUNKS, RUN_DICT_DECODE, RUN_MAX_DECODE, TAG_DELTA_RUN_BARE,
+    ZSTD_MAGIC, get_len, get_varint,
 };
 
 impl Decoder {
@@ -66,7 +67,7 @@ impl Decoder {
             }
         }
         // Bases that differ from the sender's rebuild something else: ask for the chunk.
-        let chunk = rebuild(d, payload, raw_len)?
+        let chunk = rebuild(d, payload, raw_len, false)?
             .filter(|c| fingerprint(c) == target)
             .ok_or(CodecError::Miss(target))?;
         out.extend_from_slice(&chunk);
@@ -184,7 +185,8 @@ impl Decoder {
                 Lookup::Pending => return Err(CodecError::Pending(*b)),
             }
         }
-        let rebuilt = rebuild(d, payload, total)?.ok_or(CodecError::Decompress)?;
+        let bare = buf[0] == TAG_DELTA_RUN_BARE;
+        let rebuilt = rebuild(d, payload, total, bare)?.ok_or(CodecError::Decompress)?;
         // Every chunk checked before any is added or appended.
         let mut chunks = [[0u8; 16]; MAX_RUN_CHUNKS];
         let mut off = 0;
@@ -216,10 +218,16 @@ impl Decoder {
     }
 }
 
-/// Decompresses `payload` against the bases gathered in `d`'s dictionary into exactly `len`
-/// bytes (the announced size, itself bounded before this); `None` if it does not decompress
-/// to that. Bases that would be read as a trained zstd dictionary are malformed.
-fn rebuild(d: &mut RecvScratch, payload: &[u8], len: usize) -> Result<Option<Vec<u8>>, CodecError> {
+/// Decompresses `payload` (a frame without its magic number if `bare`) against the bases
+/// gathered in `d`'s dictionary into exactly `len` bytes (the announced size, itself bounded
+/// before this); `None` if it does not decompress to that. Bases that would be read as a
+/// trained zstd dictionary are malformed.
+fn rebuild(
+    d: &mut RecvScratch,
+    payload: &[u8],
+    len: usize,
+    bare: bool,
+) -> Result<Option<Vec<u8>>, CodecError> {
     if is_dict_magic(&d.dict) {
         return Err(CodecError::Malformed(
             "delta bases read as a zstd dictionary",
@@ -228,11 +236,18 @@ fn rebuild(d: &mut RecvScratch, payload: &[u8], len: usize) -> Result<Option<Vec
     if d.dctx.is_none() {
         d.dctx = DCtx::try_create();
     }
-    let dctx = d.dctx.as_mut().ok_or(CodecError::Decompress)?;
+    let RecvScratch { dict, dctx, frame } = d;
+    let dctx = dctx.as_mut().ok_or(CodecError::Decompress)?;
+    let payload = if bare {
+        frame.clear();
+        frame.extend_from_slice(&ZSTD_MAGIC);
+        frame.extend_from_slice(payload);
+        &frame[..]
+    } else {
+        payload
+    };
     let mut out = Vec::with_capacity(len);
-    let ok = dctx
-        .decompress_using_dict(&mut out, payload, &d.dict)
-        .is_ok();
+    let ok = dctx.decompress_using_dict(&mut out, payload, dict).is_ok();
     Ok((ok && out.len() == len).then_some(out))
 }
 

@@ -471,7 +471,7 @@ impl Mirror {
                     self.ref_base(f, chunk);
                 }
                 if policy.ref_runs
-                    && let Some(r) = self.join_refs(f, chunk, policy.short_refs, hint, out)
+                    && let Some(r) = self.join_refs(f, chunk, policy.compact_runs, hint, out)
                 {
                     return r;
                 }

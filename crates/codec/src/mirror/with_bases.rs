@@ -13,7 +13,8 @@ use crate::delta::{
 };
 use crate::fingerprint::{Fingerprint, run_check};
 use crate::format::{
-    MAX_RUN_BASES, MAX_RUN_CHUNKS, RUN_DICT, RUN_MAX, TAG_DELTA, TAG_DELTA_RUN, put_len, put_varint,
+    MAX_RUN_BASES, MAX_RUN_CHUNKS, RUN_DICT, RUN_MAX, TAG_DELTA, TAG_DELTA_RUN, TAG_DELTA_RUN_BARE,
+    ZSTD_MAGIC, put_len, put_varint,
 };
 use crate::report::{Report, Sent};
 
@@ -369,7 +370,11 @@ impl Mirror {
         if compress_delta(cctx, &mut self.scratch, &run.bytes, &d.dict, level).is_err() {
             return 0;
         }
-        let clen = self.scratch.len();
+        // Without zstd's magic number where the peer puts it back.
+        let bare =
+            run.how.is_some_and(|(p, _)| p.compact_runs) && self.scratch.starts_with(&ZSTD_MAGIC);
+        let skip = if bare { ZSTD_MAGIC.len() } else { 0 };
+        let clen = self.scratch.len() - skip;
         let raw = run.bytes.len();
         let lens: usize = run.chunks.iter().map(|c| len_len(c.1)).sum();
         // The bases by their place in a log where the peer's log holds them, else by name.
@@ -389,7 +394,11 @@ impl Mirror {
             self.names_buf = names;
             return 0;
         }
-        out.put_u8(TAG_DELTA_RUN);
+        out.put_u8(if bare {
+            TAG_DELTA_RUN_BARE
+        } else {
+            TAG_DELTA_RUN
+        });
         out.put_u8(run.chunks.len() as u8);
         out.put_u8(run.bases.len() as u8);
         out.put_slice(&names);
@@ -418,7 +427,7 @@ impl Mirror {
         }
         out.put_slice(&check);
         put_len(out, clen);
-        out.put_slice(&self.scratch[..clen]);
+        out.put_slice(&self.scratch[skip..skip + clen]);
         let (mut at, mut k) = (0, 0);
         for &(f, len, keys_end, _) in &run.chunks {
             let chunk = &run.bytes[at..at + len];

@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::delta::{shared, shared_tiered};
 use crate::fingerprint::{Fingerprint, fingerprint};
-use crate::format::{MAX_RUN_BASES, MAX_RUN_CHUNKS};
+use crate::format::{MAX_RUN_BASES, MAX_RUN_CHUNKS, TAG_DELTA_RUN_BARE};
 use crate::store::ChunkStore;
 
 /// 8 KiB pages of text rows, and the same pages after an OLTP run: in each, a few fields
@@ -387,7 +387,7 @@ fn delta_runs_cost_less_than_deltas_one_by_one() {
         assert_eq!(decode_answering(&enc, &mut dec, &w2), (second.clone(), 0));
         assert!(enc.stats().delta_chunks > 60, "{:?}", enc.stats());
         assert_eq!(
-            without_log(&w2)[0] == TAG_DELTA_RUN,
+            matches!(without_log(&w2)[0], TAG_DELTA_RUN | TAG_DELTA_RUN_BARE),
             runs,
             "the first chunk's record"
         );
@@ -476,8 +476,14 @@ fn each_kept_chunk_is_found_by_its_own_anchors() {
     );
 }
 
+/// Both forms of a delta run: a whole zstd frame (what an older peer reads) and a bare one.
 #[test]
 fn hostile_delta_run_records_are_errors() {
+    hostile_delta_runs(false);
+    hostile_delta_runs(true);
+}
+
+fn hostile_delta_runs(bare: bool) {
     // Bases named by their fingerprints (no stream logs to name them by place).
     let cfg = CodecConfig {
         logs: false,
@@ -485,10 +491,16 @@ fn hostile_delta_run_records_are_errors() {
     };
     let (first, second) = pages(16, 3);
     let (mut enc, mut dec) = primed(&cfg, &first);
+    enc.sender.policy.compact_runs = bare;
     let wire = send(&mut enc, &second);
     let wire = without_log(&wire);
     assert_eq!(
-        wire[0], TAG_DELTA_RUN,
+        wire[0],
+        if bare {
+            TAG_DELTA_RUN_BARE
+        } else {
+            TAG_DELTA_RUN
+        },
         "the changed pages go as a delta run"
     );
     let (n, nb) = (usize::from(wire[1]), usize::from(wire[2]));

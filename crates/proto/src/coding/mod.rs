@@ -28,7 +28,7 @@ pub(crate) use self::send::SendCoder;
 use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Class, Frame, StreamId};
 use crate::lane::{
-    CAP_CONTEXT, CAP_DELTA_RUNS, CAP_REF_RUNS, CAP_RUNS, CAP_SHORT_REF_RUNS, LATENCY_LANE,
+    CAP_COMPACT_RUNS, CAP_CONTEXT, CAP_DELTA_RUNS, CAP_REF_RUNS, CAP_RUNS, LATENCY_LANE,
 };
 
 /// Which cache a service's chunks go to.
@@ -279,8 +279,8 @@ pub(crate) struct Coding {
     peer_delta_runs: bool,
     /// The peer keeps stream logs.
     peer_ref_runs: bool,
-    /// The peer decodes reference runs with short checks.
-    peer_short_refs: bool,
+    /// The peer decodes compact runs (short reference checks, bare delta frames).
+    peer_compact_runs: bool,
 }
 
 /// A stream's turn at sending coded bytes.
@@ -328,7 +328,7 @@ impl Coding {
             peer_runs: false,
             peer_delta_runs: false,
             peer_ref_runs: false,
-            peer_short_refs: false,
+            peer_compact_runs: false,
         }
     }
 
@@ -426,7 +426,7 @@ impl Coding {
         self.peer_runs = peer.caps & CAP_RUNS != 0;
         self.peer_delta_runs = peer.caps & CAP_DELTA_RUNS != 0;
         self.peer_ref_runs = peer.caps & CAP_REF_RUNS != 0;
-        self.peer_short_refs = peer.caps & CAP_SHORT_REF_RUNS != 0;
+        self.peer_compact_runs = peer.caps & CAP_COMPACT_RUNS != 0;
         self.scoped = self
             .own_scoped()
             .iter()
@@ -470,7 +470,7 @@ impl Coding {
         c.sender.policy.runs = self.peer_context && self.peer_runs && chunking.runs;
         c.sender.policy.delta_runs = self.peer_delta_runs && chunking.runs;
         c.sender.policy.ref_runs = self.peer_ref_runs && chunking.runs;
-        c.sender.policy.short_refs = c.sender.policy.ref_runs && self.peer_short_refs;
+        c.sender.policy.compact_runs = c.sender.policy.ref_runs && self.peer_compact_runs;
         Some(Box::new(c))
     }
 

@@ -32,8 +32,8 @@ impl SendCoder {
                 delta_runs: false,
                 // Only once the peer says it keeps stream logs.
                 ref_runs: false,
-                // Only once the peer says it reads reference runs with short checks.
-                short_refs: false,
+                // Only once the peer says it reads compact runs.
+                compact_runs: false,
             }),
             scoped: policy.scope == Scope::Service,
             max_chunk: usize::MAX,

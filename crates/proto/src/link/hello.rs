@@ -6,8 +6,8 @@ use crate::coding::LongContext;
 use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Hello, setting};
 use crate::lane::{
-    CAP_CODEC, CAP_CONTEXT, CAP_DELTA, CAP_DELTA_RUNS, CAP_LANE_COPIES, CAP_LATENCY_LANE,
-    CAP_LONG_CONTEXT, CAP_REF_RUNS, CAP_RESUME, CAP_RUNS, CAP_SHORT_REF_RUNS, MAIN_LANE,
+    CAP_CODEC, CAP_COMPACT_RUNS, CAP_CONTEXT, CAP_DELTA, CAP_DELTA_RUNS, CAP_LANE_COPIES,
+    CAP_LATENCY_LANE, CAP_LONG_CONTEXT, CAP_REF_RUNS, CAP_RESUME, CAP_RUNS, MAIN_LANE,
 };
 
 use super::LinkConfig;
@@ -30,7 +30,7 @@ pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>, scoped: Vec<String
         capabilities |= CAP_CODEC | CAP_CONTEXT;
     }
     if cfg.codec.as_ref().is_some_and(|c| c.runs) {
-        capabilities |= CAP_RUNS | CAP_DELTA_RUNS | CAP_REF_RUNS | CAP_SHORT_REF_RUNS;
+        capabilities |= CAP_RUNS | CAP_DELTA_RUNS | CAP_REF_RUNS | CAP_COMPACT_RUNS;
     }
     if !cfg.resume_window.is_zero() {
         capabilities |= CAP_RESUME;
