@@ -4,6 +4,8 @@
 //! protocol core's [`CacheStorage`], and writes the states the link asks to save, flushing a
 //! decoder's segments before its state names them, so a crash never leaves a state that points at
 //! unwritten chunks. Everything read back is verified: a damaged state is skipped with a warning.
+//! With a cache key, saved states are sealed whole (see [`crate::atrest`]): they list the
+//! fingerprints of every chunk the cache holds.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{DirBuilder, File};
@@ -105,6 +107,8 @@ pub const MIN_STATE_INTERVAL: Duration = Duration::from_secs(1);
 pub struct CacheDir {
     root: PathBuf,
     key: Option<[u8; 32]>,
+    /// What seals the saved states, with a key.
+    rest: Option<crate::atrest::AtRest>,
     codec: CodecSettings,
     /// Decoder stores, shared by the links to this peer one after another.
     stores: Mutex<HashMap<PathBuf, Arc<Mutex<AsyncStore>>>>,
@@ -298,6 +302,7 @@ impl CacheDir {
         Ok(CacheDir {
             root,
             key,
+            rest: key.map(crate::atrest::AtRest::new),
             codec,
             stores: Mutex::default(),
             segments,
@@ -501,7 +506,13 @@ impl CacheDir {
             .truncate(true)
             .mode(0o600)
             .open(&tmp)?;
-        f.write_all(&state.encode())?;
+        let bytes = match &self.rest {
+            None => state.encode(),
+            Some(r) => r
+                .seal_file(&state.encode())
+                .map_err(std::io::Error::other)?,
+        };
+        f.write_all(&bytes)?;
         f.sync_all()?;
         std::fs::rename(&tmp, dir.join(state_name(seq, &st)))?;
         no_follow().read(true).open(dir)?.sync_all()?;
@@ -614,6 +625,13 @@ impl CacheDir {
                 return Err(std::io::Error::other("too large"));
             }
             Ok(b)
+        });
+        let read = read.and_then(|b| match &self.rest {
+            Some(r) => r.open_file(b).map_err(std::io::Error::other),
+            None if crate::atrest::is_sealed(&b) => Err(std::io::Error::other(
+                "sealed under a cache key, and no key_file is set",
+            )),
+            None => Ok(b),
         });
         let snap = match read.map(|b| Snapshot::decode(&b)) {
             Ok(Ok(s)) if s.digest() == *digest => s,
@@ -789,6 +807,63 @@ mod tests {
         assert_eq!(scopes(&cd), ["", "redo"]);
         assert!(!gone.exists(), "aged out");
         assert!(cd.root().join("mirror-0-svc-redo").exists());
+    }
+
+    /// With a cache key a saved state shows no fingerprint of the chunks it lists, loads back
+    /// under that key only, and a state in clear is not taken for a sealed one.
+    #[test]
+    fn states_saved_under_a_key_are_sealed_and_need_it_to_load() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut cache = wanopt_codec::cache::ChunkCache::new(1 << 20);
+        let fps: Vec<Fingerprint> = (0..50u32)
+            .map(|i| {
+                let d = format!("chunk {i} ").repeat(40).into_bytes();
+                let f = wanopt_codec::cache::fingerprint(&d);
+                cache.insert(f, d);
+                f
+            })
+            .collect();
+        let snap = Arc::new(cache.snapshot());
+        let digest = snap.digest();
+        let files = |cd: &CacheDir| -> Vec<u8> {
+            std::fs::read_dir(cd.root().join("mirror-0-link"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .flat_map(|e| std::fs::read(e.path()).unwrap_or_default())
+                .collect()
+        };
+        let shows = |bytes: &[u8]| {
+            fps.iter()
+                .filter(|f| bytes.windows(16).any(|w| w == &f[..]))
+                .count()
+        };
+        for key in [None, Some([7u8; 32])] {
+            let sub = tempfile::tempdir_in(dir.path()).expect("tempdir");
+            let open = |key| {
+                CacheDir::open(sub.path(), "east", CodecSettings::default(), key).expect("open")
+            };
+            let cd = Arc::new(open(key));
+            cd.save(Role::Mirror, 0, "", snap.clone());
+            let bytes = files(&cd);
+            assert!(!bytes.is_empty(), "written at once outside a runtime");
+            // The check can fail: in clear, every fingerprint is there.
+            assert_eq!(shows(&bytes), if key.is_some() { 0 } else { fps.len() });
+            let back = cd.load(Role::Mirror, 0, "", &digest).expect("loads back");
+            assert_eq!(back.digest(), digest);
+            drop(cd);
+            // Another key, or none, or a key where the state is in clear: started empty.
+            let other = match key {
+                Some(_) => vec![None, Some([8u8; 32])],
+                None => vec![Some([7u8; 32])],
+            };
+            for k in other {
+                assert!(
+                    open(k).load(Role::Mirror, 0, "", &digest).is_none(),
+                    "{k:?}"
+                );
+            }
+        }
     }
 
     /// A state half-written by an earlier run (its rename never came) is removed at open.

@@ -1,26 +1,32 @@
 //! Storage for the cache's disk tier: chunks appended to segment files in one directory (mode
-//! 0700, files 0600), optionally encrypted at rest with AES-256-GCM. Every chunk read back is
-//! checked against its fingerprint: a damaged, truncated, missing or wrongly keyed record reads
-//! as `None` (a miss), never as data.
+//! 0700, files 0600), optionally encrypted at rest with AES-256-GCM: then each segment's records
+//! are sealed under a key of their own and their headers hold a keyed tag of the fingerprint,
+//! not the fingerprint (see [`crate::atrest`]). Every chunk read back is checked against its
+//! fingerprint: a damaged, truncated, missing or wrongly keyed record reads as `None` (a miss),
+//! never as data.
 
 use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
-use ring::rand::{SecureRandom, SystemRandom};
+use ring::aead::{Aad, LessSafeKey, NONCE_LEN, Nonce};
 
+use crate::atrest::{AtRest, SALT_LEN, TAG_LEN};
 use crate::secure::no_follow;
 use wanopt_codec::MAX_RECORD;
 use wanopt_codec::cache::{Fingerprint, fingerprint};
 pub use wanopt_codec::store::Loc;
 use wanopt_codec::store::{ChunkStore, RECORD_HEADER};
 
+/// A record in clear.
 const MAGIC: [u8; 4] = *b"WOC1";
-/// Record header: magic, fingerprint, stored length.
+/// A sealed record, whose header holds the fingerprint's keyed tag.
+const SEALED_MAGIC: [u8; 4] = *b"WOC2";
+/// Record header: magic, fingerprint (or its tag), stored length.
 const HEADER: usize = RECORD_HEADER as usize;
-const TAG_LEN: usize = 16;
+/// The file beside an encrypted store's segments that holds the salt of their keys.
+pub const SALT_FILE: &str = "segments.salt";
 
 /// A disk store that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -35,17 +41,36 @@ pub enum DiskError {
     Crypto,
 }
 
+/// The keys of an encrypted store: the cache key's, and the salt of its segments' keys.
+struct Sealing {
+    rest: AtRest,
+    salt: [u8; SALT_LEN],
+    /// The key of the segment being written.
+    writing: Option<(u32, LessSafeKey)>,
+}
+
+impl Sealing {
+    fn key(&mut self, seg: u32) -> &LessSafeKey {
+        if self.writing.as_ref().is_none_or(|(n, _)| *n != seg) {
+            self.writing = Some((seg, self.rest.segment_key(&self.salt, seg)));
+        }
+        match &self.writing {
+            Some((_, k)) => k,
+            None => unreachable!("set above"),
+        }
+    }
+}
+
 /// Append-only segment files of chunks.
 pub struct DiskStore {
     dir: PathBuf,
-    key: Option<LessSafeKey>,
-    rng: SystemRandom,
+    sealing: Option<Sealing>,
     seg_bytes: u64,
     /// The segment being appended to: number, file, length.
     current: Option<(u32, File, u64)>,
     next_seg: u32,
-    /// Open segments for reading.
-    readers: std::collections::HashMap<u32, File>,
+    /// Open segments for reading, with their keys when encrypted.
+    readers: std::collections::HashMap<u32, (File, Option<LessSafeKey>)>,
     /// Records appended to the current segment but not yet written.
     buf: Vec<u8>,
 }
@@ -57,7 +82,7 @@ impl std::fmt::Debug for DiskStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DiskStore")
             .field("dir", &self.dir)
-            .field("encrypted", &self.key.is_some())
+            .field("encrypted", &self.sealing.is_some())
             .finish()
     }
 }
@@ -69,6 +94,8 @@ fn seg_name(n: u32) -> String {
 impl DiskStore {
     /// Opens (creating) the store in `dir`; new segments roll over at `seg_bytes`. With `key`,
     /// chunks are encrypted at rest. Segment numbers continue after the highest one present.
+    /// An encrypted store takes a new salt when it has no segments (so a segment number used
+    /// again gets a new key) or its salt is gone (then its segments read as misses).
     pub fn open(dir: &Path, key: Option<[u8; 32]>, seg_bytes: u64) -> Result<Self, DiskError> {
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -84,16 +111,21 @@ impl DiskStore {
                 next = next.max(n.saturating_add(1));
             }
         }
-        let key = match key {
-            Some(k) => Some(LessSafeKey::new(
-                UnboundKey::new(&AES_256_GCM, &k).map_err(|_| DiskError::Crypto)?,
-            )),
+        let sealing = match key {
+            Some(k) => {
+                let rest = AtRest::new(k);
+                let salt = salt(dir, &rest, next > 0)?;
+                Some(Sealing {
+                    rest,
+                    salt,
+                    writing: None,
+                })
+            }
             None => None,
         };
         Ok(DiskStore {
             dir: dir.to_path_buf(),
-            key,
-            rng: SystemRandom::new(),
+            sealing,
             seg_bytes: seg_bytes.max(1 << 20),
             current: None,
             next_seg: next,
@@ -155,7 +187,7 @@ impl DiskStore {
 
     fn body_len(&self, data: &[u8]) -> usize {
         data.len()
-            + if self.key.is_some() {
+            + if self.sealing.is_some() {
                 NONCE_LEN + TAG_LEN
             } else {
                 0
@@ -190,23 +222,30 @@ impl DiskStore {
         body_len: usize,
     ) -> Result<(), DiskError> {
         let at = self.buf.len();
-        self.buf.extend_from_slice(&MAGIC);
-        self.buf.extend_from_slice(f);
-        self.buf.extend_from_slice(&(body_len as u32).to_be_bytes());
-        match &self.key {
-            None => self.buf.extend_from_slice(data),
-            Some(k) => {
-                let mut nonce = [0u8; NONCE_LEN];
-                let sealed = self.rng.fill(&mut nonce).ok().and_then(|()| {
+        let seg = self.current.as_ref().map_or(0, |c| c.0);
+        match &mut self.sealing {
+            None => {
+                self.buf.extend_from_slice(&MAGIC);
+                self.buf.extend_from_slice(f);
+                self.buf.extend_from_slice(&(body_len as u32).to_be_bytes());
+                self.buf.extend_from_slice(data);
+            }
+            Some(sealing) => {
+                self.buf.extend_from_slice(&SEALED_MAGIC);
+                self.buf.extend_from_slice(&sealing.rest.tag(f));
+                self.buf.extend_from_slice(&(body_len as u32).to_be_bytes());
+                let sealed = sealing.rest.random::<NONCE_LEN>().ok().and_then(|nonce| {
                     self.buf.extend_from_slice(&nonce);
                     let from = self.buf.len();
                     self.buf.extend_from_slice(data);
-                    k.seal_in_place_separate_tag(
-                        Nonce::assume_unique_for_key(nonce),
-                        Aad::from(aad(f, data.len())),
-                        &mut self.buf[from..],
-                    )
-                    .ok()
+                    sealing
+                        .key(seg)
+                        .seal_in_place_separate_tag(
+                            Nonce::assume_unique_for_key(nonce),
+                            Aad::from(aad(f, data.len())),
+                            &mut self.buf[from..],
+                        )
+                        .ok()
                 });
                 let Some(tag) = sealed else {
                     self.buf.truncate(at);
@@ -249,15 +288,25 @@ impl DiskStore {
                 self.readers.clear();
             }
             let file = no_follow().read(true).open(self.path(loc.seg)).ok()?;
-            self.readers.insert(loc.seg, file);
+            let key = self
+                .sealing
+                .as_ref()
+                .map(|s| s.rest.segment_key(&s.salt, loc.seg));
+            self.readers.insert(loc.seg, (file, key));
         }
-        let file = self.readers.get(&loc.seg)?;
-        self.read_in(file, loc, f)
+        let (file, key) = self.readers.get(&loc.seg)?;
+        self.read_in(file, key.as_ref(), loc, f)
     }
 
-    fn read_in(&self, file: &File, loc: Loc, f: &Fingerprint) -> Option<Vec<u8>> {
+    fn read_in(
+        &self,
+        file: &File,
+        key: Option<&LessSafeKey>,
+        loc: Loc,
+        f: &Fingerprint,
+    ) -> Option<Vec<u8>> {
         let max = MAX_RECORD
-            + if self.key.is_some() {
+            + if self.sealing.is_some() {
                 NONCE_LEN + TAG_LEN
             } else {
                 0
@@ -268,14 +317,19 @@ impl DiskStore {
         let mut hdr = [0u8; HEADER];
         file.read_exact_at(&mut hdr, loc.off).ok()?;
         let stored = u32::from_be_bytes([hdr[20], hdr[21], hdr[22], hdr[23]]);
-        if hdr[..4] != MAGIC || hdr[4..20] != f[..] || stored != loc.len {
+        let (magic, named) = match &self.sealing {
+            None => (MAGIC, *f),
+            Some(s) => (SEALED_MAGIC, s.rest.tag(f)),
+        };
+        if hdr[..4] != magic || hdr[4..20] != named[..] || stored != loc.len {
             return None;
         }
         let mut body = vec![0u8; loc.len as usize];
         file.read_exact_at(&mut body, loc.off + HEADER as u64)
             .ok()?;
-        let data = match &self.key {
-            None => body,
+        let data = match key {
+            None if self.sealing.is_none() => body,
+            None => return None,
             Some(k) => {
                 if body.len() < NONCE_LEN + TAG_LEN {
                     return None;
@@ -375,6 +429,47 @@ fn seg_number(name: &str) -> Option<u32> {
         .ok()
 }
 
+/// The salt of an encrypted store's segment keys: the one in [`SALT_FILE`] while segments
+/// written under it remain (`kept`), else a new one, written (0600, synced) before any segment
+/// uses it.
+fn salt(dir: &Path, rest: &AtRest, kept: bool) -> Result<[u8; SALT_LEN], DiskError> {
+    let p = dir.join(SALT_FILE);
+    if kept {
+        let mut salt = [0u8; SALT_LEN];
+        let read = no_follow().read(true).open(&p).and_then(|f| {
+            let n = f.metadata()?.len();
+            if n != SALT_LEN as u64 {
+                return Err(std::io::Error::other("not a salt"));
+            }
+            f.read_exact_at(&mut salt, 0)
+        });
+        match read {
+            Ok(()) => return Ok(salt),
+            Err(e) => tracing::warn!(
+                file = %p.display(),
+                error = %e,
+                "the salt of the cache's segment keys is unreadable; the chunks stored under it read as misses"
+            ),
+        }
+    }
+    let salt: [u8; SALT_LEN] = rest.random().map_err(|_| DiskError::Crypto)?;
+    let tmp = dir.join(format!(".{SALT_FILE}.tmp"));
+    let write = || -> std::io::Result<()> {
+        let _ = std::fs::remove_file(&tmp);
+        let mut f = no_follow()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(&salt)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &p)?;
+        no_follow().read(true).open(dir)?.sync_all()
+    };
+    write().map_err(|e| DiskError::Segment(p.clone(), e))?;
+    Ok(salt)
+}
+
 fn aad(f: &Fingerprint, len: usize) -> [u8; 20] {
     let mut a = [0u8; 20];
     a[..16].copy_from_slice(f);
@@ -415,6 +510,13 @@ mod tests {
             let first = &locs[0].2;
             let found = raw.windows(64).any(|w| w == &first[..64]);
             assert_eq!(found, key.is_none());
+            // Nor are the fingerprints (a keyed tag stands in their place).
+            let named = locs
+                .iter()
+                .filter(|(_, f, _)| raw.windows(16).any(|w| w == &f[..]))
+                .count();
+            let in_seg0 = locs.iter().filter(|(l, _, _)| l.seg == 0).count();
+            assert_eq!(named, if key.is_some() { 0 } else { in_seg0 });
             // A reopened store appends after the existing segments.
             drop(s);
             let mut s = DiskStore::open(&dir.path().join("cache"), key, 1 << 20).expect("reopen");
@@ -426,6 +528,45 @@ mod tests {
                 Some(&locs[5].2[..])
             );
         }
+    }
+
+    /// An encrypted store's segment keys take a salt of their own: kept while its segments
+    /// last, new for a store that has none (so a segment number used again gets a new key).
+    /// Without the salt, its segments read as misses, never as data.
+    #[test]
+    fn segment_keys_are_salted_per_store() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key = Some([6u8; 32]);
+        let salt_of = || std::fs::read(dir.path().join(SALT_FILE)).expect("salt");
+        let mut s = DiskStore::open(dir.path(), key, 1 << 20).expect("open");
+        let first = salt_of();
+        assert_eq!(first.len(), SALT_LEN);
+        let mode = std::fs::metadata(dir.path().join(SALT_FILE))
+            .expect("salt")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let d = chunk(3, 5000);
+        let f = fingerprint(&d);
+        let loc = s.append(&f, &d).expect("append");
+        drop(s);
+        let mut s = DiskStore::open(dir.path(), key, 1 << 20).expect("reopen");
+        assert_eq!(salt_of(), first, "kept while its segments are");
+        assert_eq!(s.read(loc, &f).as_deref(), Some(&d[..]));
+        drop(s);
+        std::fs::remove_file(dir.path().join(SALT_FILE)).expect("rm");
+        let mut s = DiskStore::open(dir.path(), key, 1 << 20).expect("reopen");
+        assert_eq!(s.read(loc, &f), None, "no salt, no chunk");
+        assert_ne!(salt_of(), first);
+        s.remove_segment(loc.seg);
+        drop(s);
+        let emptied = salt_of();
+        let _s = DiskStore::open(dir.path(), key, 1 << 20).expect("reopen");
+        assert_ne!(
+            salt_of(),
+            emptied,
+            "a store without segments starts a new salt"
+        );
     }
 
     #[test]

@@ -9,6 +9,7 @@
 mod accept;
 pub mod admin;
 pub mod async_store;
+pub mod atrest;
 pub mod cachedir;
 pub mod config;
 pub mod counters;
