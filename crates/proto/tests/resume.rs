@@ -148,7 +148,7 @@ fn run(
     cuts: &[(u64, u64)],
 ) -> Result<Pair, TestCaseError> {
     let kinds: Vec<Cut> = cuts.iter().map(|_| Cut::Link).collect();
-    run_cuts(codec, laned, sizes, cuts, &kinds)
+    run_cuts(codec, laned, sizes, cuts, &kinds, false)
 }
 
 /// What a cut loses.
@@ -181,10 +181,19 @@ fn run_cuts(
     sizes: &[(usize, usize, bool)],
     cuts: &[(u64, u64)],
     kinds: &[Cut],
+    wrap: bool,
 ) -> Result<Pair, TestCaseError> {
     let mut p = resumable_pair(codec, laned);
     let mut plans = Vec::new();
     for (i, (up, down, lat)) in sizes.iter().enumerate() {
+        if wrap && i == 1 {
+            // West's next ids are the last two below 2^32, then they wrap past the first
+            // stream's (still in use): as after 2^31 opens on a link resumed for weeks.
+            let first = plans.first().map_or(1, |p: &Plan| u64::from(p.id.0));
+            p.west
+                .link
+                .skip_stream_ids(((1u64 << 32) - 3 - (first + 2)) / 2);
+        }
         let class = if *lat { Class::Latency } else { Class::Bulk };
         let service = if *lat { "e-lat" } else { "e-svc" };
         let id = p.west.link.open(service, class).expect("open");
@@ -283,8 +292,9 @@ proptest! {
         cuts in proptest::collection::vec((0u64..300, 0u64..3000), 1..4),
         codec in any::<bool>(),
         laned in any::<bool>(),
+        wrap in any::<bool>(),
     ) {
-        run(codec, laned, &sizes, &cuts)?;
+        run_cuts(codec, laned, &sizes, &cuts, &vec![Cut::Link; cuts.len()], wrap)?;
     }
 
     #[test]
@@ -298,7 +308,37 @@ proptest! {
             .map(|c| [Cut::Link, Cut::Lane, Cut::LaneWestOnly][usize::from(c.2)])
             .collect();
         let cuts: Vec<(u64, u64)> = cuts.iter().map(|c| (c.0, c.1)).collect();
-        run_cuts(codec, true, &sizes, &cuts, &kinds)?;
+        run_cuts(codec, true, &sizes, &cuts, &kinds, false)?;
+    }
+}
+
+/// Ids of a link resumed for weeks wrap after 2^31 opens: opens go on past the wrap, skipping
+/// the ids still in use, through cuts that lose opens in flight on either side of it.
+#[test]
+fn stream_ids_wrap_on_a_resumed_link() {
+    let sizes = [
+        (50_000, 5_000, false),
+        (30_000, 3_000, false),
+        (3_000, 3_000, true),
+        (40_000, 1_000, false),
+        (20_000, 2_000, true),
+        (10_000, 0, false),
+    ];
+    for laned in [false, true] {
+        for cuts in [&[][..], &[(1, 100)], &[(30, 200), (10, 50)]] {
+            let p = run_cuts(
+                true,
+                laned,
+                &sizes,
+                cuts,
+                &vec![Cut::Link; cuts.len()],
+                true,
+            )
+            .unwrap_or_else(|e| panic!("laned {laned}, cuts {cuts:?}: {e}"));
+            let ids: Vec<u32> = p.west.app.received.keys().map(|id| id.0).collect();
+            assert!(ids.contains(&u32::MAX), "{ids:?}");
+            assert!(ids.contains(&3), "wrapped past stream 1: {ids:?}");
+        }
     }
 }
 

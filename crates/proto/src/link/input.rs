@@ -209,9 +209,9 @@ impl Link {
         wire: usize,
         lane: usize,
     ) -> Result<(), LinkError> {
-        if !self.streams.accept_peer_id(id, lane) {
+        let Some(number) = self.streams.accept_peer_id(id, lane) else {
             return Err(LinkError::Protocol(format!("bad stream id {id} in open")));
-        }
+        };
         let mut refuse = |code, reason: String| {
             self.ctrl[lane].push_back(Frame::Reset {
                 stream: id,
@@ -275,7 +275,7 @@ impl Link {
         }
         self.streams.count_peer(id, &name, bulk);
         self.wire.entry(name.clone()).or_default().inbound += wire as u64;
-        self.insert_stream(id, class, lane, name.clone());
+        self.insert_stream((id, number), class, lane, name.clone());
         self.events.push_back(Event::Opened {
             stream: id,
             class,

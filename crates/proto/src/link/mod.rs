@@ -558,6 +558,13 @@ impl Link {
         self.events.pop_front()
     }
 
+    /// Moves this side's stream ids on as if `opens` streams had been opened and closed
+    /// since: what a link that resumes for weeks reaches (ids wrap after 2^31 opens), for tests.
+    #[doc(hidden)]
+    pub fn skip_stream_ids(&mut self, opens: u64) {
+        self.streams.skip(opens);
+    }
+
     /// Opens a stream to the peer's service `service`.
     pub fn open(&mut self, service: &str, class: Class) -> Result<StreamId, StreamError> {
         if self.state != State::Open {
@@ -566,14 +573,15 @@ impl Link {
         if self.streams.ours() as u64 >= u64::from(self.peer.max_streams) {
             return Err(StreamError::TooMany);
         }
-        let id = self.streams.next_id().ok_or(StreamError::TooMany)?;
+        let (id, number) = self.streams.next_id().ok_or(StreamError::TooMany)?;
         let service: Arc<str> = Arc::from(service);
         let lane = if class == Class::Latency && self.lane_attached {
             LATENCY_LANE
         } else {
             MAIN_LANE
         };
-        self.insert_stream(id, class, lane, service.clone());
+        self.streams.opened(lane, number);
+        self.insert_stream((id, number), class, lane, service.clone());
         self.ctrl[lane].push_back(Frame::Open {
             stream: id,
             class,
@@ -582,12 +590,19 @@ impl Link {
         Ok(id)
     }
 
-    fn insert_stream(&mut self, id: StreamId, class: Class, lane: usize, service: Arc<str>) {
+    fn insert_stream(
+        &mut self,
+        (id, number): (StreamId, u64),
+        class: Class,
+        lane: usize,
+        service: Arc<str>,
+    ) {
         let coder = self.coding.coder_for(&service, class);
         let s = Stream {
             class,
             lane,
             service,
+            number,
             send: SendHalf {
                 kept: self.kept_for_new_stream(),
                 ..SendHalf::new(self.peer.stream_window, coder)

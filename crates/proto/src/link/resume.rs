@@ -47,9 +47,9 @@ pub(super) struct Resuming {
     /// The peer's resume list so far, and its link-level figures.
     peer: Vec<ResumeEntry>,
     head: Option<(u64, u64, [u32; 2])>,
-    /// The highest ids of the peer's streams we had seen, as our list told it: a stream of
-    /// its above them is opened again by the peer.
-    seen: [u32; 2],
+    /// The highest numbers of the peer's streams we had seen (per lane), as our list told it
+    /// (their low 32 bits): a stream of its above them is opened again by the peer.
+    seen: [u64; 2],
     /// When the latency lane was lost (a lane-only resumption).
     since: Option<Instant>,
 }
@@ -294,7 +294,7 @@ impl Link {
             self.ctrl[lane.unwrap_or(MAIN_LANE)].push_back(Frame::Resume(Box::new(Resume {
                 link_received: received,
                 link_max: max,
-                seen,
+                seen: seen.map(|n| n as u32),
                 entries,
                 last: i + 1 == n,
                 lane: lane.is_some(),
@@ -486,7 +486,8 @@ impl Link {
             // A stream we no longer have: its end (or its reset) did not reach the peer. A
             // stream the peer opened whose open never reached us is opened again by the peer.
             let lane = usize::from(e.latency);
-            let never_seen = self.streams.is_peer_id(e.stream) && e.stream.0 > rs.seen[lane];
+            let never_seen = self.streams.is_peer_id(e.stream)
+                && super::streams::unwrap_id(e.stream, rs.seen[lane]) > rs.seen[lane];
             if !e.done && !never_seen && !self.streams.map.contains_key(&e.stream) {
                 self.ctrl[MAIN_LANE].push_back(Frame::Reset {
                     stream: e.stream,
@@ -495,8 +496,9 @@ impl Link {
                 });
             }
         }
+        // In the order they were opened: opens sent again must rise on each lane.
         let mut old: Vec<StreamId> = rs.old.iter().copied().collect();
-        old.sort_unstable();
+        old.sort_unstable_by_key(|id| self.streams.get(id).map_or(0, |s| s.number));
         for id in old {
             let Some(s) = self.streams.get(&id) else {
                 continue;
@@ -532,7 +534,7 @@ impl Link {
                     self.maybe_remove(id);
                 }
                 None if !self.streams.is_peer_id(id)
-                    && id.0 > seen[lane.min(LATENCY_LANE)]
+                    && !self.streams.peer_saw(s, seen)
                     && s.send.kept.as_ref().is_some_and(|k| k.from == 0) =>
                 {
                     // Its open was lost in flight: open it again and send everything.
