@@ -50,9 +50,17 @@ fn raise_nofile() -> u64 {
     r.rlim_cur
 }
 
-/// A TCP connection to `to` from source address `from` (any loopback address works on Linux).
+/// A TCP connection to `to` from source address `from` (any loopback address works on Linux;
+/// an IPv6 one needs a local route for its network, see [`a_flood_across_a_wan_cannot_keep_the_peer_out`]).
 fn connect_from(from: IpAddr, to: SocketAddr) -> std::io::Result<TcpStream> {
-    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    let s = socket2::Socket::new(
+        socket2::Domain::for_address(to),
+        socket2::Type::STREAM,
+        None,
+    )?;
+    if from.is_ipv6() {
+        s.set_freebind_v6(true)?;
+    }
     s.bind(&SocketAddr::new(from, 0).into())?;
     s.connect_timeout(&to.into(), Duration::from_secs(2))?;
     Ok(s.into())
@@ -893,7 +901,30 @@ fn a_flood_across_a_wan_cannot_keep_the_peer_out() {
         .expect("bind");
     let srv = serve_on(l, hash_handler);
     let (link, _) = wanopt_replay::showcase::stated_link(&params);
-    // East admits the west site's address and loopback (the flood's), nobody else.
+    // The flood comes from 32 IPv4 addresses and from random addresses of one IPv6 /64 (a
+    // local route makes the whole /64 east's own), to a link port that takes both.
+    let v6net = "fd00:66:1:2";
+    let lo6 = wan
+        .command(wansim::Site::East, "sysctl")
+        .args(["-qw", "net.ipv6.conf.lo.disable_ipv6=0"])
+        .output()
+        .expect("sysctl");
+    assert!(lo6.status.success(), "{lo6:?}");
+    let route = wan
+        .command(wansim::Site::East, "ip")
+        .args([
+            "-6",
+            "route",
+            "add",
+            "local",
+            &format!("{v6net}::/64"),
+            "dev",
+            "lo",
+        ])
+        .output()
+        .expect("ip route");
+    assert!(route.status.success(), "{route:?}");
+    // East admits the west site's address, loopback and that /64 (the flood's), nobody else.
     let pair = wan_pair(
         &wan,
         &format!("  - name: h\n    target: {srv}\n"),
@@ -901,7 +932,10 @@ fn a_flood_across_a_wan_cannot_keep_the_peer_out() {
         move |site, y| {
             let y = link_lines(format!("{y}admin:\n  listen: 127.0.0.1:0\n"), &link);
             if site == "east" {
-                link_lines(y, &format!("  allow: [{west_ip}, 127.0.0.0/8]\n"))
+                link_lines(
+                    y.replace(&format!("listen: {east_ip}:7400"), "listen: \"[::]:7400\""),
+                    &format!("  allow: [{west_ip}, 127.0.0.0/8, \"{v6net}::/64\"]\n"),
+                )
             } else {
                 y
             }
@@ -937,26 +971,43 @@ fn a_flood_across_a_wan_cannot_keep_the_peer_out() {
         .expect("connect");
     let transfer = std::thread::spawn(move || hash_client_on(client, 7, 24 * MIB, MIB));
 
-    // The flood, from inside east's namespace: 32 source addresses, every other connection
-    // sending the first bytes of a TLS record and stalling, at most 4,000 held at once.
+    // The flood, from inside east's namespace: 32 IPv4 source addresses and any number of one
+    // IPv6 /64's (a new one each time), every other connection sending the first bytes of a
+    // TLS record and stalling, at most 4,000 held at once.
     let stop = Arc::new(AtomicBool::new(false));
     let opened = Arc::new(AtomicU64::new(0));
+    let opened_v6 = Arc::new(AtomicU64::new(0));
     let flood = {
-        let (stop, opened) = (stop.clone(), opened.clone());
+        let (stop, opened, opened_v6) = (stop.clone(), opened.clone(), opened_v6.clone());
         wan.in_site(wansim::Site::East, move || {
             std::thread::spawn(move || {
-                let target = SocketAddr::from((east_ip, 7400));
+                let v4 = SocketAddr::from((east_ip, 7400));
+                let v6 = SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, 7400));
+                let base: u128 = format!("{v6net}::")
+                    .parse::<std::net::Ipv6Addr>()
+                    .map_or(0, u128::from);
                 let mut held = std::collections::VecDeque::new();
                 let mut i = 0u32;
                 let start = Instant::now();
                 while !stop.load(Ordering::Relaxed) {
-                    let from = IpAddr::V4(Ipv4Addr::new(127, 0, 3, (i % 32) as u8 + 1));
+                    let (from, target) = if i % 4 < 2 {
+                        (IpAddr::V4(Ipv4Addr::new(127, 0, 3, (i % 32) as u8 + 1)), v4)
+                    } else {
+                        let host = u128::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                        (
+                            IpAddr::V6((base | (host & u128::from(u64::MAX))).into()),
+                            v6,
+                        )
+                    };
                     if let Ok(mut s) = connect_from(from, target) {
                         if i % 2 == 1 {
                             let _ = s.write_all(b"\x16\x03\x01\x02");
                         }
                         held.push_back(s);
                         opened.fetch_add(1, Ordering::Relaxed);
+                        if from.is_ipv6() {
+                            opened_v6.fetch_add(1, Ordering::Relaxed);
+                        }
                         if held.len() > 4000 {
                             held.pop_front();
                         }
@@ -995,8 +1046,13 @@ fn a_flood_across_a_wan_cannot_keep_the_peer_out() {
     let evicted = value(&m, "wanopt_link_handshakes_evicted_total ");
     let outside = value(&m, "wanopt_link_outside_allow_total ");
     println!(
-        "flood across t3-100ms: {} connections opened, {evicted} evicted; the peer was back {back:?} after its connections were killed",
-        opened.load(Ordering::Relaxed)
+        "flood across t3-100ms: {} connections opened ({} from IPv6), {evicted} evicted; the peer was back {back:?} after its connections were killed",
+        opened.load(Ordering::Relaxed),
+        opened_v6.load(Ordering::Relaxed)
+    );
+    assert!(
+        opened_v6.load(Ordering::Relaxed) > 1000,
+        "the IPv6 flood did not connect"
     );
     result.expect("the transfer went on byte-exact through the outage and the flood");
     assert!(
