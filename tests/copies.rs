@@ -421,6 +421,7 @@ fn spaced_copies_ride_a_bursty_wan_beside_a_bulk_load() {
         },
     );
     pair.west.wait_log("latency lane copy attached", 20 * SEC);
+    let started = std::time::Instant::now();
     let connect = |addr: std::net::SocketAddr| {
         wan.in_site(wansim::Site::West, move || TcpStream::connect(addr))
             .expect("west")
@@ -477,5 +478,15 @@ fn spaced_copies_ride_a_bursty_wan_beside_a_bulk_load() {
         )
     };
     assert!(won("1") > 0 && won("2") > 0, "{w}");
+    // What spacing cost: the later copy waited (one writer, so never longer than the run).
+    let waited = value_f64(&w, "wanopt_link_copy_spacing_seconds_total ");
+    println!(
+        "the later copy waited {waited:.3} s in all for its spacing, over {} round trips",
+        times.len()
+    );
+    assert!(
+        waited > 0.0 && waited <= started.elapsed().as_secs_f64(),
+        "{waited} s"
+    );
     assert!(sent > 8 * MIB, "the bulk copy moved {sent} bytes");
 }

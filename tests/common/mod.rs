@@ -660,12 +660,17 @@ pub fn scrape_on(mut s: TcpStream) -> String {
 
 /// The value of a series (name with labels and a trailing space) in a scrape; 0 if absent.
 pub fn value(text: &str, series: &str) -> u64 {
+    value_f64(text, series) as u64
+}
+
+/// [`value`] unrounded (seconds, ratios).
+pub fn value_f64(text: &str, series: &str) -> f64 {
     text.lines()
         .find_map(|l| {
             l.strip_prefix(series)
                 .and_then(|v| v.trim().parse::<f64>().ok())
         })
-        .unwrap_or(0.0) as u64
+        .unwrap_or(0.0)
 }
 
 /// A per-service, per-direction series name, ready for [`value`].

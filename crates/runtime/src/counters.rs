@@ -207,6 +207,7 @@ pub struct LinkCounters {
     pub copies_wanted: Gauge,
     pub copy_duplicated: Counter,
     pub copy_late: Counter,
+    pub copy_spacing_seconds: Seconds,
     pub copies_lost: Counter,
     pub copy_won: Family<CopyLabel, Counter>,
 }
@@ -350,6 +351,11 @@ impl LinkCounters {
             "wanopt_link_copy_late_bytes",
             "Latency-lane bytes that arrived after another copy had brought them (discarded)",
             m.copy_late.clone(),
+        );
+        r.register(
+            "wanopt_link_copy_spacing_seconds",
+            "Time later copies of latency-lane writes waited for their spacing (link.copy_spacing) before they left: what spacing costs; the first copy of a write never waits",
+            m.copy_spacing_seconds.clone(),
         );
         r.register(
             "wanopt_link_copy_won_bytes",

@@ -292,7 +292,11 @@ pub(super) async fn write_copy<W: AsyncWrite + Unpin>(
         // Another copy wrote these bytes: this one leaves its spacing later (see
         // `Fanout::not_before`), and looks again then (it may have been given up meanwhile).
         if let Some(t) = due.filter(|t| *t > Instant::now()) {
+            let from = Instant::now();
             tokio::time::sleep_until(t.into()).await;
+            counters
+                .copy_spacing_seconds
+                .inc_by(from.elapsed().as_secs_f64());
             continue;
         }
         let chunk = chunk.slice(..chunk.len().min(TRANSMIT_BATCH));
