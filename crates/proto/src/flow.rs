@@ -100,6 +100,29 @@ impl RecvWindow {
         }
     }
 
+    /// Its state: window, advertised, received, consumed (see [`from_parts`](Self::from_parts)).
+    pub(crate) fn parts(&self) -> (u64, u64, u64, u64) {
+        (self.window, self.advertised, self.received, self.consumed)
+    }
+
+    /// A window in the state [`parts`](Self::parts) gave, if it is one a window can be in.
+    pub(crate) fn from_parts(
+        window: u64,
+        advertised: u64,
+        received: u64,
+        consumed: u64,
+    ) -> Option<Self> {
+        (consumed <= received
+            && received <= advertised
+            && advertised <= consumed.saturating_add(window.max(1).saturating_mul(2)))
+        .then_some(RecvWindow {
+            window,
+            advertised,
+            received,
+            consumed,
+        })
+    }
+
     /// Bytes received but not yet consumed: what the receiver is buffering.
     pub fn buffered(&self) -> u64 {
         self.received - self.consumed

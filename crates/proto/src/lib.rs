@@ -24,7 +24,8 @@ pub use frame::{
 };
 pub use lane::{LANES, LATENCY_LANE, MAIN_LANE};
 pub use link::{
-    Event, HELLO_MAX, Link, LinkConfig, MAX_QUEUED_CONTROL, MAX_SHARE, MIN_VERSION, ReadOutcome,
-    Refusal, ResumeStats, ServiceLimit, Shaping, VERSION, WireCount, coded_turn,
+    Event, HANDOVER_VERSION, HELLO_MAX, HandoverError, Link, LinkConfig, MAX_QUEUED_CONTROL,
+    MAX_SHARE, MIN_VERSION, ReadOutcome, Refusal, ResumeStats, ServiceLimit, Shaping, VERSION,
+    WireCount, coded_turn,
 };
 pub use wanopt_codec::cache::Snapshot;

@@ -7,12 +7,14 @@
 //! are wired to the streams in `coded.rs`, and each stream's halves live in `streams/`.
 
 mod coded;
+mod handover;
 mod hello;
 mod input;
 mod resume;
 mod streams;
 mod timer;
 mod transmit;
+pub use handover::{HANDOVER_VERSION, HandoverError};
 pub use transmit::coded_turn;
 
 use std::collections::{HashMap, VecDeque};

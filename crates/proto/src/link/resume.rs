@@ -304,7 +304,7 @@ impl Link {
 
     /// Drops what a stream's receive side had not rebuilt (the peer sends it again), for every
     /// stream or one lane's.
-    fn drop_undecoded(&mut self, lane: Option<usize>) {
+    pub(super) fn drop_undecoded(&mut self, lane: Option<usize>) {
         for s in self.streams.map.values_mut() {
             if lane.is_some_and(|l| l != s.lane) {
                 continue;

@@ -143,6 +143,27 @@ impl Streams {
         self.peer_max_id
     }
 
+    /// Our next number, the peer's highest per lane and ours per lane (for a handover).
+    pub fn ids(&self) -> (u64, [u64; LANES], [u64; LANES]) {
+        (self.next_local, self.peer_max_id, self.own_lane_max)
+    }
+
+    /// Takes the ids [`ids`](Self::ids) gave; false if they are not this side's.
+    pub fn restore_ids(
+        &mut self,
+        next_local: u64,
+        peer_max: [u64; LANES],
+        own_lane_max: [u64; LANES],
+    ) -> bool {
+        if next_local % 2 != self.next_local % 2 || own_lane_max.iter().any(|m| *m >= next_local) {
+            return false;
+        }
+        self.next_local = next_local;
+        self.peer_max_id = peer_max;
+        self.own_lane_max = own_lane_max;
+        true
+    }
+
     /// Moves our ids on as if `opens` streams had been opened and closed.
     pub fn skip(&mut self, opens: u64) {
         self.next_local = self.next_local.saturating_add(opens.saturating_mul(2));
