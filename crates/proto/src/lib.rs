@@ -25,7 +25,7 @@ pub use frame::{
 pub use lane::{LANES, LATENCY_LANE, MAIN_LANE};
 pub use link::{
     Event, HANDOVER_VERSION, HELLO_MAX, HandoverError, Link, LinkConfig, MAX_QUEUED_CONTROL,
-    MAX_SHARE, MIN_VERSION, ReadOutcome, Refusal, ResumeStats, ServiceLimit, Shaping, VERSION,
-    WireCount, coded_turn,
+    MAX_SHARE, MIN_VERSION, ReadOutcome, Refusal, ResumeStats, ServiceLimit, Shaping, StreamState,
+    VERSION, WireCount, coded_turn,
 };
 pub use wanopt_codec::cache::Snapshot;

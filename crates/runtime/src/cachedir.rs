@@ -319,6 +319,13 @@ impl CacheDir {
         })
     }
 
+    /// Lets another process take the directory (a handover: this one writes nothing more).
+    pub fn unlock(&self) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a descriptor we own.
+        unsafe { libc::flock(self._lock.as_raw_fd(), libc::LOCK_UN) };
+    }
+
     /// The directory.
     pub fn root(&self) -> &Path {
         &self.root

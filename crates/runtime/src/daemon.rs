@@ -1,23 +1,26 @@
 //! The daemon: binds the link, admin and service listeners (before anything is served, so a
 //! port conflict stops it at start), then serves: a supervisor per peer, the link's accept or
 //! connect loop, a task per service listener, reloads, and a graceful shutdown that drains the
-//! streams and closes the link cleanly. The pieces live in `peer.rs`, `supervisor.rs`,
-//! `accept.rs`, `dial.rs`, `driver/`, `services.rs` and `reload.rs`.
+//! streams and closes the link cleanly, or a handover to a new process that keeps them (see
+//! `handover.rs`). The pieces live in `peer.rs`, `supervisor.rs`, `accept.rs`, `dial.rs`,
+//! `driver/`, `services.rs` and `reload.rs`.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 use wanopt_proto::{CloseCode, Link};
 
 use crate::cachedir::CacheDir;
 use crate::config::{Config, LinkRole, Service, ServiceKind};
 use crate::counters::Counters;
 use crate::driver::LinkMsg;
+use crate::handover::{self, HandoverError, ListenerKind, StreamEntry};
 use crate::peer::Peer;
 use crate::reload::{self, Listener};
 use crate::tls;
@@ -38,6 +41,26 @@ pub enum DaemonError {
     Cache(#[from] crate::cachedir::CacheDirError),
     #[error("state_dir: {0}")]
     StateDir(String),
+    #[error("handover: {0}")]
+    Handover(#[from] HandoverError),
+}
+
+/// How [`Daemon::serve_full`] ended.
+#[derive(Debug)]
+pub enum Served {
+    /// Stopped: streams drained, the link closed.
+    Stopped,
+    /// Handed over to the new process with this pid: exit at once, closing nothing.
+    HandedOver(u32),
+    /// A handover failed after the streams were parked: they are lost; exit.
+    Failed(String),
+}
+
+/// What a process before this one handed over, for [`Daemon::serve_full`] to take up.
+struct Adopted {
+    link: Option<Vec<u8>>,
+    streams: Vec<StreamEntry>,
+    ready: Option<std::fs::File>,
 }
 
 /// Addresses the daemon bound (useful when the config asked for port 0).
@@ -57,11 +80,62 @@ pub struct Daemon {
     service_listeners: Vec<(Service, TcpListener)>,
     shutdown_tx: watch::Sender<bool>,
     bound: Bound,
+    /// A second descriptor of each listener, for a handover (the tasks own the first).
+    listener_fds: Vec<(ListenerKind, OwnedFd)>,
+    adopted: Option<Adopted>,
+}
+
+/// Takes the listener a handover passed for `kind`, if it did.
+fn inherited_listener(
+    from: &mut HashMap<ListenerKind, RawFd>,
+    kind: &ListenerKind,
+) -> Option<Result<TcpListener, std::io::Error>> {
+    let fd = from.remove(kind)?;
+    Some(
+        handover::take_listener(fd)
+            .map_err(std::io::Error::other)
+            .and_then(TcpListener::from_std),
+    )
 }
 
 impl Daemon {
     /// Loads TLS material and binds every listener; logs each bound address.
     pub fn bind(cfg: Config, counters: Arc<Counters>) -> Result<Daemon, DaemonError> {
+        Self::build(cfg, counters, None)
+    }
+
+    /// Like [`bind`](Self::bind), in a process started to take a daemon over: the listeners
+    /// come from the process before (those the config no longer has are closed, new ones are
+    /// bound), and [`serve_full`](Self::serve_full) takes up its link and streams, then writes
+    /// to `ready`.
+    pub fn adopt(
+        cfg: Config,
+        counters: Arc<Counters>,
+        state: handover::State,
+        ready: std::fs::File,
+    ) -> Result<Daemon, DaemonError> {
+        let mut inherited: HashMap<ListenerKind, RawFd> = state.listeners.into_iter().collect();
+        let mut d = Self::build(cfg, counters, Some(&mut inherited))?;
+        for (kind, fd) in inherited {
+            // Configured no more: closed.
+            info!(listener = ?kind, "closing a listener the new config does not have");
+            drop(handover::take_listener(fd));
+        }
+        d.adopted = Some(Adopted {
+            link: state.link,
+            streams: state.streams,
+            ready: Some(ready),
+        });
+        Ok(d)
+    }
+
+    fn build(
+        cfg: Config,
+        counters: Arc<Counters>,
+        mut inherited: Option<&mut HashMap<ListenerKind, RawFd>>,
+    ) -> Result<Daemon, DaemonError> {
+        let mut take =
+            |kind: &ListenerKind| inherited.as_mut().and_then(|m| inherited_listener(m, kind));
         let tls = tls::load(&cfg.tls)?;
         if let Some(t) = tls.cert_expiry {
             counters.certs.set("own", t);
@@ -97,13 +171,13 @@ impl Daemon {
         let mut bound = Bound::default();
         let link_listener = match &cfg.link.role {
             LinkRole::Listen(addr) => {
-                let l = sockopt::link_listener(*addr, &cfg.link).map_err(|source| {
-                    DaemonError::Bind {
+                let l = take(&ListenerKind::Link)
+                    .unwrap_or_else(|| sockopt::link_listener(*addr, &cfg.link))
+                    .map_err(|source| DaemonError::Bind {
                         what: "link".into(),
                         addr: *addr,
                         source,
-                    }
-                })?;
+                    })?;
                 let local = l.local_addr().unwrap_or(*addr);
                 info!(kind = "link", addr = %local, peer = %cfg.link.peer, "bound");
                 bound.link = Some(local);
@@ -113,11 +187,13 @@ impl Daemon {
         };
         let admin_listener = match cfg.admin.as_ref().map(|a| a.addr) {
             Some(addr) => {
-                let l = sockopt::local_listener(addr).map_err(|source| DaemonError::Bind {
-                    what: "admin endpoint".into(),
-                    addr,
-                    source,
-                })?;
+                let l = take(&ListenerKind::Admin)
+                    .unwrap_or_else(|| sockopt::local_listener(addr))
+                    .map_err(|source| DaemonError::Bind {
+                        what: "admin endpoint".into(),
+                        addr,
+                        source,
+                    })?;
                 let local = l.local_addr().unwrap_or(addr);
                 info!(kind = "admin", addr = %local, "bound");
                 bound.admin = Some(local);
@@ -128,16 +204,36 @@ impl Daemon {
         let mut service_listeners = Vec::new();
         for s in &cfg.services {
             if let ServiceKind::Listen { addr, .. } = &s.kind {
-                let l = sockopt::local_listener(*addr).map_err(|source| DaemonError::Bind {
-                    what: format!("service {}", s.name),
-                    addr: *addr,
-                    source,
-                })?;
+                let l = take(&ListenerKind::Service(s.name.clone()))
+                    .unwrap_or_else(|| sockopt::local_listener(*addr))
+                    .map_err(|source| DaemonError::Bind {
+                        what: format!("service {}", s.name),
+                        addr: *addr,
+                        source,
+                    })?;
                 let local = l.local_addr().unwrap_or(*addr);
                 info!(kind = "service", service = %s.name, addr = %local, "bound");
                 bound.services.push((s.name.clone(), local));
                 service_listeners.push((s.clone(), l));
             }
+        }
+        // Second descriptors of the listeners, for a handover (close-on-exec until then).
+        let dup = |l: &TcpListener| l.as_fd().try_clone_to_owned().ok();
+        let mut listener_fds = Vec::new();
+        listener_fds.extend(
+            link_listener
+                .as_ref()
+                .and_then(dup)
+                .map(|fd| (ListenerKind::Link, fd)),
+        );
+        listener_fds.extend(
+            admin_listener
+                .as_ref()
+                .and_then(dup)
+                .map(|fd| (ListenerKind::Admin, fd)),
+        );
+        for (s, l) in &service_listeners {
+            listener_fds.extend(dup(l).map(|fd| (ListenerKind::Service(s.name.clone()), fd)));
         }
         let (shutdown_tx, shutdown) = watch::channel(false);
         let (supervisor_tx, supervisor_rx) = mpsc::unbounded_channel();
@@ -157,6 +253,8 @@ impl Daemon {
             service_listeners,
             shutdown_tx,
             bound,
+            listener_fds,
+            adopted: None,
         })
     }
 
@@ -186,9 +284,23 @@ impl Daemon {
     pub async fn serve_with_reload(
         self,
         stop: impl std::future::Future<Output = ()>,
-        mut reloads: tokio::sync::mpsc::UnboundedReceiver<Config>,
+        reloads: tokio::sync::mpsc::UnboundedReceiver<Config>,
     ) {
+        let (_keep, handovers) = tokio::sync::mpsc::unbounded_channel();
+        self.serve_full(stop, reloads, handovers).await;
+    }
+
+    /// Like [`serve_with_reload`](Self::serve_with_reload); a message on `handovers` hands
+    /// the daemon to a new process (see `handover.rs`): when that worked, the caller exits at
+    /// once ([`Served::HandedOver`]).
+    pub async fn serve_full(
+        mut self,
+        stop: impl std::future::Future<Output = ()>,
+        mut reloads: tokio::sync::mpsc::UnboundedReceiver<Config>,
+        mut handovers: tokio::sync::mpsc::UnboundedReceiver<()>,
+    ) -> Served {
         let peer = self.peer.clone();
+        let adopted = self.adopted.take();
         let mut tasks = vec![crate::spawn(supervisor::run(peer.clone(), self.supervisor))];
         let mut listeners: HashMap<String, Listener> = HashMap::new();
         for (svc, l) in self.service_listeners {
@@ -218,15 +330,36 @@ impl Daemon {
                 peer.counters.clone(),
             )));
         }
-        let link_task = match self.link_listener {
-            Some(l) => crate::spawn(accept::accept_links(peer.clone(), l)),
-            None => crate::spawn(dial::connect_loop(peer.clone())),
+        // The link a process before this one handed over: suspended, current while its
+        // streams wait, resumed by the next connection (ours or the peer's).
+        let mut ready = None;
+        let adopted_link = match adopted {
+            Some(a) => {
+                ready = a.ready;
+                take_up(&peer, a.link, a.streams).await
+            }
+            None => None,
         };
+        let mut link_task = Some(match self.link_listener {
+            Some(l) => crate::spawn(accept::accept_links(peer.clone(), l)),
+            None => crate::spawn(dial::connect_loop(peer.clone(), adopted_link)),
+        });
+        if let Some(r) = ready {
+            info!("took the daemon over from the process before; resuming the link");
+            handover::ready(r);
+        }
         tokio::pin!(stop);
         loop {
             tokio::select! {
                 _ = &mut stop => break,
                 Some(new) = reloads.recv() => reload::apply_reload(&peer, new, &mut listeners),
+                Some(()) = handovers.recv() => {
+                    match hand_over(&peer, &self.listener_fds, &mut listeners, &tasks, &mut link_task).await {
+                        Ok(Some(pid)) => return Served::HandedOver(pid),
+                        Ok(None) => {}
+                        Err(e) => return Served::Failed(e.to_string()),
+                    }
+                }
             }
         }
         for (_, l) in listeners.drain() {
@@ -260,7 +393,9 @@ impl Daemon {
             let _ =
                 tokio::time::timeout(Duration::from_secs(2), rx.wait_for(|c| c.is_none())).await;
         }
-        link_task.abort();
+        if let Some(t) = link_task {
+            t.abort();
+        }
         // The supervisor stays for the drain above: it clears the closed link.
         for t in tasks {
             t.abort();
@@ -274,5 +409,214 @@ impl Daemon {
                   opened = c.opened, refused = c.refused, "service totals");
         }
         info!("stopped");
+        Served::Stopped
     }
+}
+
+/// The new process of a handover: takes up the link and streams the process before handed
+/// over. Streams it parked move on from where they stopped; streams the peer opened whose
+/// target the process before had not connected yet are connected now. Returns the link (for
+/// the connecting side's dialer).
+async fn take_up(
+    peer: &Arc<Peer>,
+    link: Option<Vec<u8>>,
+    streams: Vec<StreamEntry>,
+) -> Option<Arc<crate::driver::LinkHandle>> {
+    let mut parked: HashMap<wanopt_proto::StreamId, StreamEntry> =
+        streams.into_iter().map(|s| (s.id, s)).collect();
+    let h = match link {
+        None => None,
+        Some(b) => match peer.adopt_link(&b).await {
+            Ok(h) => Some(h),
+            Err(e) => {
+                warn!(error = %e, "cannot take the handed-over link up; its streams are lost");
+                None
+            }
+        },
+    };
+    if let Some(h) = &h {
+        peer.current.send_replace(Some(h.clone()));
+        crate::driver::watch_adopted(h);
+        h.adopt_streams();
+        let states = h.with(|l| l.stream_states());
+        let (mut resumed, mut connecting) = (0, 0);
+        for st in states {
+            match parked.remove(&st.id) {
+                Some(entry) => match handover::take_stream(entry.fd) {
+                    Ok(sock) => {
+                        resumed += 1;
+                        crate::spawn(services::resume_parked(
+                            peer.clone(),
+                            h.clone(),
+                            entry,
+                            sock,
+                            st.service,
+                        ));
+                    }
+                    Err(e) => {
+                        warn!(stream = %st.id, error = %e, "a handed-over stream's socket is unusable; it is reset");
+                        h.reset(
+                            st.id,
+                            wanopt_proto::ResetCode::SocketError,
+                            "lost in a handover",
+                        );
+                    }
+                },
+                None if st.opened_by_peer => match peer.target(&st.service) {
+                    Some((target, idle)) => {
+                        connecting += 1;
+                        let counters = peer.counters.service(&st.service);
+                        let timeout = peer.cfg().limits.connect_timeout;
+                        crate::spawn(services::serve_incoming(
+                            peer.clone(),
+                            h.clone(),
+                            st.id,
+                            st.service,
+                            (target, timeout),
+                            counters,
+                            idle,
+                        ));
+                    }
+                    None => {
+                        h.reset(
+                            st.id,
+                            wanopt_proto::ResetCode::UnknownService,
+                            "service removed",
+                        );
+                    }
+                },
+                None => {}
+            }
+        }
+        info!(
+            link = h.id,
+            streams = resumed,
+            connecting,
+            "took the link's streams over"
+        );
+    }
+    // Sockets of streams the link no longer has: closed with a reset.
+    for (_, e) in parked {
+        if let Ok(s) = handover::take_stream(e.fd) {
+            let _ = socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO));
+        }
+    }
+    h
+}
+
+/// The old process of a handover (`SIGUSR2`): checks that the binary now at our path accepts
+/// the config, stops accepting, parks every stream, hands the link over, and starts the new
+/// process with all of it. `Ok(None)`: refused before anything stopped (we serve on);
+/// `Ok(Some(pid))`: the new process took over; `Err`: it failed after the streams were parked.
+async fn hand_over(
+    peer: &Arc<Peer>,
+    listener_fds: &[(ListenerKind, OwnedFd)],
+    listeners: &mut HashMap<String, Listener>,
+    tasks: &[tokio::task::JoinHandle<()>],
+    link_task: &mut Option<tokio::task::JoinHandle<()>>,
+) -> Result<Option<u32>, HandoverError> {
+    let path = peer.cfg().path.clone();
+    info!(config = %path.display(), "handover: checking the config with the binary at our path");
+    let checked = tokio::task::spawn_blocking(move || {
+        let exe = handover::own_path()?;
+        std::process::Command::new(exe)
+            .arg("check")
+            .arg("-c")
+            .arg(&path)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .output()
+    })
+    .await;
+    match checked {
+        Ok(Ok(o)) if o.status.success() => {}
+        Ok(Ok(o)) => {
+            let why = String::from_utf8_lossy(&o.stderr).trim().to_string();
+            error!(error = %why, "handover refused: the new binary does not accept the config; serving on");
+            return Ok(None);
+        }
+        Ok(Err(e)) => {
+            error!(error = %e, "handover refused: cannot run the new binary; serving on");
+            return Ok(None);
+        }
+        Err(e) => {
+            error!(error = %e, "handover refused; serving on");
+            return Ok(None);
+        }
+    }
+    let current = peer.current.borrow().clone();
+    if let Some(h) = &current
+        && h.with(|l| l.stream_count() > 0 && !l.can_resume())
+    {
+        error!(
+            "handover refused: the link does not resume streams (the peer lacks it, or resume_window is 0); use a restart"
+        );
+        return Ok(None);
+    }
+    // From here on the streams stop: no new clients, no new links.
+    info!("handover: parking the streams");
+    for (_, l) in listeners.drain() {
+        l.task.abort();
+    }
+    for t in &tasks[1..] {
+        t.abort();
+    }
+    if let Some(t) = link_task.take() {
+        t.abort();
+    }
+    let _ = peer.parking.send(true);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while peer.pumps.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+        if tokio::time::Instant::now() >= deadline {
+            warn!(
+                streams = peer.pumps.load(std::sync::atomic::Ordering::SeqCst),
+                "handover: streams still moving after 10s are left behind"
+            );
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let link = match &current {
+        Some(h) => Some(h.with(|l| l.hand_over(std::time::Instant::now()))?),
+        None => None,
+    };
+    let parked: Vec<handover::Parked> = std::mem::take(
+        &mut *peer
+            .parked
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    );
+    let streams = parked
+        .into_iter()
+        .map(|p| StreamEntry {
+            id: p.id,
+            fd: handover::release(p.sock),
+            pending_up: p.pending_up,
+            pending_down: p.pending_down,
+            up_done: p.up_done,
+            down_done: p.down_done,
+        })
+        .collect::<Vec<_>>();
+    let state = handover::State {
+        link,
+        listeners: listener_fds
+            .iter()
+            .map(|(k, fd)| (k.clone(), fd.as_raw_fd()))
+            .collect(),
+        streams,
+    };
+    if let Some(c) = &peer.caches {
+        c.flush(Duration::from_secs(10)).await;
+        c.unlock();
+    }
+    let n = state.streams.len();
+    info!(streams = n, "handover: starting the new process");
+    let pid = tokio::task::spawn_blocking(move || {
+        handover::start_successor(&state, Duration::from_secs(30))
+    })
+    .await
+    .map_err(|e| HandoverError::Refused(e.to_string()))??;
+    crate::notify::send(&format!("MAINPID={pid}"));
+    info!(pid, streams = n, "handed over to the new process");
+    Ok(Some(pid))
 }

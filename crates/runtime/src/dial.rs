@@ -31,7 +31,7 @@ const SUSPENDED_RETRY: Duration = Duration::from_millis(250);
 const SUSPENDED_CONNECT_MIN: Duration = Duration::from_millis(500);
 
 /// Dials the peer (connecting side) and keeps a link up, with capped exponential backoff and jitter.
-pub(crate) async fn connect_loop(peer: Arc<Peer>) {
+pub(crate) async fn connect_loop(peer: Arc<Peer>, adopted: Option<Arc<LinkHandle>>) {
     let LinkRole::Connect(target) = peer.cfg().link.role.clone() else {
         return;
     };
@@ -45,7 +45,7 @@ pub(crate) async fn connect_loop(peer: Arc<Peer>) {
     let mut backoff = peer.cfg().link.reconnect_min;
     let mut shutdown = peer.shutdown.clone();
     // A link whose connection was lost, while its streams wait for the next one.
-    let mut suspended: Option<Arc<LinkHandle>> = None;
+    let mut suspended: Option<Arc<LinkHandle>> = adopted;
     loop {
         if peer.stopping() {
             return;
@@ -355,7 +355,7 @@ mod tests {
             &format!("{{connect: '{addr}', peer: east}}"),
         );
         let accepting = crate::spawn(crate::accept::accept_links(east.peer.clone(), l));
-        let dialing = crate::spawn(connect_loop(west.peer.clone()));
+        let dialing = crate::spawn(connect_loop(west.peer.clone(), None));
         let soon = Duration::from_secs(10);
         let up = |m: Option<LinkMsg>| match m {
             Some(LinkMsg::Up(h, _)) => h,

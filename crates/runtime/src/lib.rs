@@ -18,6 +18,7 @@ mod dial;
 pub mod disk;
 mod driver;
 mod gate;
+pub mod handover;
 mod handshake;
 mod listen;
 pub mod notify;
@@ -38,7 +39,7 @@ mod wire;
 pub mod workers;
 
 pub use config::{Config, ConfigError};
-pub use daemon::{Bound, Daemon, DaemonError};
+pub use daemon::{Bound, Daemon, DaemonError, Served};
 pub use peer::link_config;
 pub use wanopt_units as units;
 

@@ -35,6 +35,29 @@ pub(crate) struct Peer {
     pub slots: Arc<crate::slots::Slots>,
     /// The threads links prepare chunks on (`limits.threads`; fixed until a restart).
     workers: Option<Arc<dyn wanopt_codec::prepare::Workers>>,
+    /// Set when the daemon hands over to a new process: every stream parks (see
+    /// `services::pump`) and targets being connected are left to the new process.
+    pub parking: watch::Sender<bool>,
+    /// Streams moving bytes or connecting their target now: a handover waits until none is.
+    pub pumps: Arc<std::sync::atomic::AtomicUsize>,
+    /// The streams parked for the new process.
+    pub parked: std::sync::Mutex<Vec<crate::handover::Parked>>,
+}
+
+/// One of [`Peer::pumps`], counted off when dropped.
+pub(crate) struct Pumping(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Pumping {
+    pub fn new(peer: &Peer) -> Self {
+        peer.pumps.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Pumping(peer.pumps.clone())
+    }
+}
+
+impl Drop for Pumping {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl Peer {
@@ -59,6 +82,50 @@ impl Peer {
             supervisor,
             bases: std::sync::Mutex::new(None),
             slots: Arc::default(),
+            parking: watch::channel(false).0,
+            pumps: Arc::default(),
+            parked: std::sync::Mutex::default(),
+        }
+    }
+
+    /// True once the daemon began handing over to a new process.
+    pub fn parking(&self) -> bool {
+        *self.parking.borrow()
+    }
+
+    /// The link a process before this one handed over (see [`wanopt_proto::Link::take_over`]),
+    /// suspended, under the config in force: resume it as after a lost connection.
+    pub async fn adopt_link(
+        &self,
+        state: &[u8],
+    ) -> Result<Arc<LinkHandle>, wanopt_proto::HandoverError> {
+        let cfg = self.cfg();
+        let mut lc = link_config(&cfg, self.caches.as_ref());
+        lc.delta_bases = self.bases(&cfg);
+        lc.workers = self.workers.clone();
+        let mut link = Link::take_over(lc, state, std::time::Instant::now())?;
+        link.set_service_limits(targets(&cfg));
+        link.set_policies(policies(&cfg));
+        link.set_shaping(shaping(&cfg));
+        let ctx = self.link_ctx(&cfg);
+        let id = self.next_link_id.fetch_add(1, Relaxed);
+        Ok(Arc::new(LinkHandle::new(link, None, ctx, id)))
+    }
+
+    fn link_ctx(&self, cfg: &Config) -> LinkCtx {
+        LinkCtx {
+            counters: self.counters.clone(),
+            caches: self.caches.clone(),
+            supervisor: self.supervisor.clone(),
+            peer: cfg.link.peer.clone(),
+            handshake_timeout: cfg.limits.handshake_timeout,
+            link_bound: policy::link_bound(&cfg.link),
+            stated_bps: cfg.link.bandwidth_stated.then_some(cfg.link.bandwidth_bps),
+            zstd: (
+                cfg.optimize.codec.zstd_level,
+                crate::config::zstd_range(&cfg.optimize),
+            ),
+            copy_spacing: cfg.link.copy_spacing,
         }
     }
 
@@ -136,20 +203,7 @@ impl Peer {
         link.set_service_limits(targets(&cfg));
         link.set_policies(policies(&cfg));
         link.set_shaping(shaping(&cfg));
-        let ctx = LinkCtx {
-            counters: self.counters.clone(),
-            caches: self.caches.clone(),
-            supervisor: self.supervisor.clone(),
-            peer: cfg.link.peer.clone(),
-            handshake_timeout: cfg.limits.handshake_timeout,
-            link_bound: policy::link_bound(&cfg.link),
-            stated_bps: cfg.link.bandwidth_stated.then_some(cfg.link.bandwidth_bps),
-            zstd: (
-                cfg.optimize.codec.zstd_level,
-                crate::config::zstd_range(&cfg.optimize),
-            ),
-            copy_spacing: cfg.link.copy_spacing,
-        };
+        let ctx = self.link_ctx(&cfg);
         let id = self.next_link_id.fetch_add(1, Relaxed);
         Arc::new(LinkHandle::new(link, fd, ctx, id))
     }

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info, warn};
@@ -15,8 +15,9 @@ use wanopt_proto::{ReadOutcome, ResetCode, StreamId};
 use crate::config::ServiceKind;
 use crate::counters::{ServiceCounters, add};
 use crate::driver::{LinkHandle, StreamSignal};
+use crate::handover::Parked;
 use crate::listen::accept_loop;
-use crate::peer::Peer;
+use crate::peer::{Peer, Pumping};
 use crate::sockopt;
 use crate::sync::LogBudget;
 use crate::wire::READ_CHUNK;
@@ -64,6 +65,10 @@ pub(crate) async fn accept_clients(peer: Arc<Peer>, name: String, listener: TcpL
         let counters = counters.clone();
         crate::spawn(async move {
             let _slot = slot;
+            if peer.parking() {
+                sockopt::abort(&sock);
+                return;
+            }
             let mut rx = peer.current.subscribe();
             let h = match tokio::time::timeout(
                 peer.cfg().limits.link_wait,
@@ -84,7 +89,13 @@ pub(crate) async fn accept_clients(peer: Arc<Peer>, name: String, listener: TcpL
                 Ok((id, sig)) => {
                     add(&counters.streams_opened, 1);
                     debug!(link = h.id, service = %svc.name, stream = %id, from = %from, "stream opened");
-                    pump(h, id, sig, sock, counters, &svc.name, svc.idle_timeout).await;
+                    let at = Pumped {
+                        counters,
+                        service: &svc.name,
+                        idle: svc.idle_timeout,
+                        resume: Resume::default(),
+                    };
+                    pump(&peer, h, id, sig, sock, at).await;
                 }
                 Err(e) => {
                     add(&counters.streams_refused, 1);
@@ -98,8 +109,10 @@ pub(crate) async fn accept_clients(peer: Arc<Peer>, name: String, listener: TcpL
     .await;
 }
 
-/// Connects a stream the peer opened to `target`, our address for its service.
+/// Connects a stream the peer opened to `target`, our address for its service. A handover
+/// meanwhile leaves the stream unconnected: the new process connects it.
 pub(crate) async fn serve_incoming(
+    peer: Arc<Peer>,
     h: Arc<LinkHandle>,
     id: StreamId,
     service: Arc<str>,
@@ -107,14 +120,25 @@ pub(crate) async fn serve_incoming(
     counters: Arc<ServiceCounters>,
     idle: Option<Duration>,
 ) {
+    let _live = Pumping::new(&peer);
     let Some(sig) = h.signal(id) else { return };
-    let conn = tokio::time::timeout(connect_timeout, TcpStream::connect(&target)).await;
+    let mut parking = peer.parking.subscribe();
+    let conn = tokio::select! {
+        c = tokio::time::timeout(connect_timeout, TcpStream::connect(&target)) => c,
+        _ = parking.wait_for(|p| *p) => return,
+    };
     let (label, why, msg) = match conn {
         Ok(Ok(sock)) => {
             sockopt::tune_local(&sock);
             add(&counters.streams_opened, 1);
             debug!(link = h.id, service = %service, stream = %id, target = %target, "stream connected");
-            return pump(h, id, sig, sock, counters, &service, idle).await;
+            let at = Pumped {
+                counters,
+                service: &service,
+                idle,
+                resume: Resume::default(),
+            };
+            return pump(&peer, h, id, sig, sock, at).await;
         }
         Ok(Err(e)) => (
             "target_refused",
@@ -133,18 +157,51 @@ pub(crate) async fn serve_incoming(
     h.forget(id);
 }
 
+/// Where a stream's pump starts: afresh, or where the process before left it (see
+/// `crate::handover`).
+#[derive(Debug, Default)]
+pub(crate) struct Resume {
+    pub pending_up: Bytes,
+    pub pending_down: Bytes,
+    pub up_done: bool,
+    pub down_done: bool,
+}
+
+/// What a pump moves bytes for and counts them as.
+pub(crate) struct Pumped<'a> {
+    pub counters: Arc<ServiceCounters>,
+    pub service: &'a str,
+    pub idle: Option<Duration>,
+    pub resume: Resume,
+}
+
+/// How one direction of a pump ended.
+enum Half {
+    Done,
+    /// Stopped for a handover, with the bytes it held.
+    Parked(Bytes),
+}
+
 /// Moves bytes both ways between a local socket and a stream until both directions finish, or
 /// no byte moved either way for `idle`. Any failure closes the socket with a reset, so the
-/// application sees an error, never a silently truncated stream.
+/// application sees an error, never a silently truncated stream. A handover parks it: it stops
+/// reading, keeps what it read or was writing, and leaves the socket to the new process.
 async fn pump(
+    peer: &Peer,
     h: Arc<LinkHandle>,
     id: StreamId,
     sig: Arc<StreamSignal>,
     mut sock: TcpStream,
-    c: Arc<ServiceCounters>,
-    service: &str,
-    idle: Option<Duration>,
+    at: Pumped<'_>,
 ) {
+    let _live = Pumping::new(peer);
+    let (c, service, idle) = (at.counters, at.service, at.idle);
+    let Resume {
+        pending_up,
+        pending_down,
+        up_done,
+        down_done,
+    } = at.resume;
     c.streams_active.inc();
     let start = tokio::time::Instant::now();
     // Milliseconds since `start` of the last byte moved either way.
@@ -169,8 +226,24 @@ async fn pump(
     let result = {
         let (rd, mut wr) = sock.split();
         let up = async {
+            if up_done {
+                return Ok::<Half, String>(Half::Done);
+            }
+            let mut parking = peer.parking.subscribe();
+            // Bytes the process before had read and not handed to the link yet go first.
+            let mut chunk = pending_up;
             let mut buf = BytesMut::new();
             loop {
+                while !chunk.is_empty() {
+                    let k = h.write(id, &mut chunk, true).map_err(|_| sig.reason())?;
+                    if k == 0 {
+                        tokio::select! {
+                            _ = sig.writable.notified() => {}
+                            _ = sig.gone.notified() => return Err(sig.reason()),
+                            _ = parking.wait_for(|p| *p) => return Ok(Half::Parked(chunk)),
+                        }
+                    }
+                }
                 // An idle client holds no read buffer: wait until the socket is readable, then
                 // take room for a read (thousands of idle streams cost little memory).
                 let n = loop {
@@ -178,6 +251,7 @@ async fn pump(
                     tokio::select! {
                         r = sock.readable() => r.map_err(|e| format!("local read: {e}"))?,
                         _ = sig.gone.notified() => return Err(sig.reason()),
+                        _ = parking.wait_for(|p| *p) => return Ok(Half::Parked(Bytes::new())),
                     }
                     if buf.capacity() - buf.len() < READ_CHUNK / 4 {
                         buf.reserve(READ_CHUNK);
@@ -190,7 +264,7 @@ async fn pump(
                 };
                 if n == 0 {
                     h.finish(id).map_err(|_| sig.reason())?;
-                    return Ok::<(), String>(());
+                    return Ok(Half::Done);
                 }
                 add(&c.raw_out, n as u64);
                 moved();
@@ -199,7 +273,7 @@ async fn pump(
                 let drained = buf.len() < buf.capacity();
                 // Hand the bytes over without copying; the buffer's spare room is kept for reads.
                 // The flush of a drained read goes with its last bytes: one lock, one wakeup.
-                let mut chunk = buf.split().freeze();
+                chunk = buf.split().freeze();
                 if drained {
                     // The client paused: keep no spare room while it is quiet.
                     buf = BytesMut::new();
@@ -210,29 +284,54 @@ async fn pump(
                         tokio::select! {
                             _ = sig.writable.notified() => {}
                             _ = sig.gone.notified() => return Err(sig.reason()),
+                            _ = parking.wait_for(|p| *p) => return Ok(Half::Parked(chunk)),
                         }
                     }
                 }
             }
         };
         let down = async {
+            if down_done {
+                return Ok::<Half, String>(Half::Done);
+            }
+            let mut parking = peer.parking.subscribe();
+            // Bytes the process before had taken from the link and not written yet go first.
+            let mut pending = pending_down;
             loop {
-                match h.read(id) {
-                    Ok(ReadOutcome::Data(b)) => {
-                        wr.write_all(&b)
-                            .await
-                            .map_err(|e| format!("local write: {e}"))?;
-                        add(&c.raw_in, b.len() as u64);
+                if pending.is_empty() {
+                    if *parking.borrow() {
+                        return Ok(Half::Parked(Bytes::new()));
+                    }
+                    match h.read(id) {
+                        Ok(ReadOutcome::Data(b)) => pending = b,
+                        Ok(ReadOutcome::Blocked) => {
+                            tokio::select! {
+                                _ = sig.readable.notified() => {}
+                                _ = parking.wait_for(|p| *p) => return Ok(Half::Parked(Bytes::new())),
+                            }
+                            continue;
+                        }
+                        Ok(ReadOutcome::Fin) => {
+                            wr.shutdown()
+                                .await
+                                .map_err(|e| format!("local shutdown: {e}"))?;
+                            return Ok(Half::Done);
+                        }
+                        Err(_) => return Err(sig.reason()),
+                    }
+                }
+                // Written a piece at a time, so a handover knows what is left.
+                tokio::select! {
+                    r = wr.write(&pending) => {
+                        let n = r.map_err(|e| format!("local write: {e}"))?;
+                        if n == 0 {
+                            return Err("local write: closed".into());
+                        }
+                        pending.advance(n);
+                        add(&c.raw_in, n as u64);
                         moved();
                     }
-                    Ok(ReadOutcome::Blocked) => sig.readable.notified().await,
-                    Ok(ReadOutcome::Fin) => {
-                        wr.shutdown()
-                            .await
-                            .map_err(|e| format!("local shutdown: {e}"))?;
-                        return Ok::<(), String>(());
-                    }
-                    Err(_) => return Err(sig.reason()),
+                    _ = parking.wait_for(|p| *p) => return Ok(Half::Parked(pending)),
                 }
             }
         };
@@ -244,20 +343,61 @@ async fn pump(
     let result = match result {
         // Both ways finished: wait until the link has sent our end too, so a link that dies
         // before then still fails the client.
-        Ok(_) => loop {
-            if !h.contains(id) {
-                break match sig.reset_reason() {
-                    Some(r) => Err(r),
-                    None => Ok(()),
-                };
+        Ok((Half::Done, Half::Done)) => {
+            let mut parking = peer.parking.subscribe();
+            loop {
+                if !h.contains(id) {
+                    break match sig.reset_reason() {
+                        Some(r) => Err(r),
+                        None => Ok(None),
+                    };
+                }
+                if *parking.borrow() {
+                    break Ok(Some((Half::Done, Half::Done)));
+                }
+                tokio::select! {
+                    _ = tokio::time::timeout(Duration::from_millis(200), sig.gone.notified()) => {}
+                    _ = parking.wait_for(|p| *p) => {}
+                }
             }
-            let _ = tokio::time::timeout(Duration::from_millis(200), sig.gone.notified()).await;
-        },
+        }
+        Ok(halves) => Ok(Some(halves)),
         Err(e) => Err(e),
     };
     c.streams_active.dec();
     match result {
-        Ok(()) => debug!(link = h.id, service, stream = %id, "stream closed"),
+        Ok(None) => debug!(link = h.id, service, stream = %id, "stream closed"),
+        Ok(Some((up, down))) => {
+            let (up_done, pending_up) = match up {
+                Half::Done => (true, Bytes::new()),
+                Half::Parked(b) => (false, b),
+            };
+            let (down_done, pending_down) = match down {
+                Half::Done => (true, Bytes::new()),
+                Half::Parked(b) => (false, b),
+            };
+            match sock.into_std() {
+                Ok(sock) => {
+                    debug!(link = h.id, service, stream = %id, "stream parked for the new process");
+                    peer.parked
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push(Parked {
+                            id,
+                            sock,
+                            pending_up,
+                            pending_down,
+                            up_done,
+                            down_done,
+                        });
+                }
+                Err(e) => {
+                    warn!(link = h.id, service, stream = %id, error = %e, "cannot park a stream; it is reset");
+                    h.reset(id, ResetCode::SocketError, "lost in a handover");
+                }
+            }
+            return;
+        }
         Err(why) => {
             let label = failure_label(&why);
             c.failed(label);
@@ -273,6 +413,47 @@ async fn pump(
         }
     }
     h.forget(id);
+}
+
+/// The new process of a handover: moves a parked stream's bytes on from where the process
+/// before left them.
+pub(crate) async fn resume_parked(
+    peer: Arc<Peer>,
+    h: Arc<LinkHandle>,
+    entry: crate::handover::StreamEntry,
+    sock: std::net::TcpStream,
+    service: Arc<str>,
+) {
+    let Some(sig) = h.signal(entry.id) else {
+        return;
+    };
+    let sock = match TcpStream::from_std(sock) {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(stream = %entry.id, error = %e, "cannot take a handed-over stream's socket; it is reset");
+            h.reset(entry.id, ResetCode::SocketError, "lost in a handover");
+            h.forget(entry.id);
+            return;
+        }
+    };
+    let cfg = peer.cfg();
+    let idle = cfg
+        .services
+        .iter()
+        .find(|s| *s.name == *service)
+        .and_then(|s| s.idle_timeout);
+    let at = Pumped {
+        counters: peer.counters.service(&service),
+        service: &service,
+        idle,
+        resume: Resume {
+            pending_up: entry.pending_up,
+            pending_down: entry.pending_down,
+            up_done: entry.up_done,
+            down_done: entry.down_done,
+        },
+    };
+    pump(&peer, h, entry.id, sig, sock, at).await;
 }
 
 /// The `wanopt_streams_failed_total` reason of a stream that ended with `why`: a target the peer

@@ -31,6 +31,7 @@ pub(crate) async fn run(peer: Arc<Peer>, mut rx: mpsc::UnboundedReceiver<LinkMsg
                     let counters = peer.counters.service(&service);
                     let timeout = peer.cfg().limits.connect_timeout;
                     crate::spawn(services::serve_incoming(
+                        peer.clone(),
                         link,
                         stream,
                         service,

@@ -13,7 +13,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use wanopt_runtime::config::{LinkRole, ServiceKind};
 use wanopt_runtime::counters::Counters;
-use wanopt_runtime::{Config, Daemon, DaemonError, tls};
+use wanopt_runtime::{Config, Daemon, DaemonError, Served, tls};
 
 /// Exit code for a bad config or missing TLS files (EX_USAGE).
 const EXIT_CONFIG: u8 = 64;
@@ -79,6 +79,9 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    // Started by a running daemon to take it over (SIGUSR2): what it handed over. Read before
+    // anything else, while this process has one thread.
+    let inherited = wanopt_runtime::handover::inherited();
     let cli = Cli::parse();
     match cli.cmd.unwrap_or(Cmd::Run) {
         Cmd::Run => {
@@ -91,7 +94,15 @@ fn main() -> ExitCode {
                 Err(code) => return code,
             };
             init_logging(&cfg.log_level);
-            run_daemons(vec![cfg])
+            let inherited = match inherited {
+                Some(Ok(h)) => Some(h),
+                Some(Err(e)) => {
+                    eprintln!("wanoptd: cannot take the daemon over: {e}");
+                    return ExitCode::FAILURE;
+                }
+                None => None,
+            };
+            run_daemons(vec![cfg], inherited)
         }
         Cmd::Check => {
             let Some(path) = cli.config else {
@@ -336,12 +347,15 @@ fn demo(dir: &Path) -> ExitCode {
         );
     }
     init_logging(&cfgs[0].log_level);
-    run_daemons(cfgs)
+    run_daemons(cfgs, None)
 }
 
 /// Binds every daemon (exit 64 for TLS file and state directory problems, 1 for bind failures), then serves until
 /// SIGTERM or SIGINT.
-fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
+fn run_daemons(
+    cfgs: Vec<Config>,
+    mut inherited: Option<(wanopt_runtime::handover::State, std::fs::File)>,
+) -> ExitCode {
     // A link's bytes move on one runtime thread (for one link a second measured slower:
     // cross-thread wakeups), its encoding work also on the codec's pool of `limits.threads`
     // (see `wanopt_runtime::workers`). Several daemons in one process (several configs) get a
@@ -380,7 +394,12 @@ fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
         let mut daemons = Vec::new();
         for cfg in cfgs {
             let span = span_of(&cfg.site);
-            match span.in_scope(|| Daemon::bind(cfg, Arc::new(Counters::default()))) {
+            let counters = Arc::new(Counters::default());
+            let made = span.in_scope(|| match inherited.take() {
+                Some((state, ready)) => Daemon::adopt(cfg, counters, state, ready),
+                None => Daemon::bind(cfg, counters),
+            });
+            match made {
                 Ok(d) => daemons.push((d, span)),
                 Err(e @ (DaemonError::Tls(_) | DaemonError::StateDir(_))) => {
                     eprintln!("wanoptd: {e}");
@@ -414,19 +433,52 @@ fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let mut handles = Vec::new();
         let mut reloaders = Vec::new();
+        let mut handover_txs = Vec::new();
+        let (served_tx, mut served) = tokio::sync::mpsc::unbounded_channel();
         for (d, span) in daemons {
             let mut rx = stop_rx.clone();
             let (tx, reloads) = tokio::sync::mpsc::unbounded_channel();
+            let (htx, handovers) = tokio::sync::mpsc::unbounded_channel();
             reloaders.push((d.config_path(), tx));
+            handover_txs.push(htx);
             let stop = async move {
                 let _ = rx.wait_for(|s| *s).await;
             };
-            handles.push(tokio::spawn(
-                tracing::Instrument::instrument(d.serve_with_reload(stop, reloads), span),
-            ));
+            let served_tx = served_tx.clone();
+            handles.push(tokio::spawn(tracing::Instrument::instrument(
+                async move {
+                    let s = d.serve_full(stop, reloads, handovers).await;
+                    let _ = served_tx.send(s);
+                },
+                span,
+            )));
         }
         loop {
-            match signals.next().await {
+            let signal = tokio::select! {
+                s = signals.next() => s,
+                Some(s) = served.recv() => match s {
+                    // Handed over: exit at once, closing nothing (the new process has it all).
+                    Served::HandedOver(pid) => {
+                        tracing::info!(pid, "exiting: the new process serves now");
+                        std::process::exit(0);
+                    }
+                    Served::Failed(e) => {
+                        tracing::error!(error = %e, "handover failed after the streams were parked; exiting (they are lost, as with a restart)");
+                        std::process::exit(1);
+                    }
+                    Served::Stopped => continue,
+                },
+            };
+            match signal {
+                Signal::Handover if handover_txs.len() == 1 => {
+                    tracing::info!("SIGUSR2: handing over to the binary at our path");
+                    for tx in &handover_txs {
+                        let _ = tx.send(());
+                    }
+                }
+                Signal::Handover => {
+                    tracing::warn!("SIGUSR2: a handover needs one daemon per process (wanoptd demo runs several); ignored");
+                }
                 Signal::Stop => break,
                 Signal::Reload => {
                     for (path, tx) in &reloaders {
@@ -456,13 +508,16 @@ fn run_daemons(cfgs: Vec<Config>) -> ExitCode {
 enum Signal {
     Stop,
     Reload,
+    Handover,
 }
 
-/// SIGTERM and SIGINT stop the daemon gracefully; SIGHUP reloads the config.
+/// SIGTERM and SIGINT stop the daemon gracefully; SIGHUP reloads the config; SIGUSR2 hands it
+/// over to the binary now at its path, keeping every stream.
 struct Signals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
     hup: tokio::signal::unix::Signal,
+    usr2: tokio::signal::unix::Signal,
 }
 
 impl Signals {
@@ -472,6 +527,7 @@ impl Signals {
             term: signal(SignalKind::terminate()).context("cannot watch SIGTERM")?,
             int: signal(SignalKind::interrupt()).context("cannot watch SIGINT")?,
             hup: signal(SignalKind::hangup()).context("cannot watch SIGHUP")?,
+            usr2: signal(SignalKind::user_defined2()).context("cannot watch SIGUSR2")?,
         })
     }
 
@@ -480,6 +536,7 @@ impl Signals {
             _ = self.term.recv() => { tracing::info!("SIGTERM received"); Signal::Stop }
             _ = self.int.recv() => { tracing::info!("SIGINT received"); Signal::Stop }
             _ = self.hup.recv() => Signal::Reload,
+            _ = self.usr2.recv() => Signal::Handover,
         }
     }
 }

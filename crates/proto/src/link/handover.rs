@@ -385,3 +385,43 @@ impl Link {
         Ok(link)
     }
 }
+
+/// A stream of a link, as a process that took the link over needs to know it: who opened it,
+/// for which service, and which of its directions the application (the process before) ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamState {
+    pub id: StreamId,
+    pub service: Arc<str>,
+    pub class: Class,
+    pub opened_by_peer: bool,
+    /// The application ended what it sends.
+    pub write_finished: bool,
+    /// The application read the peer's end.
+    pub read_finished: bool,
+}
+
+impl Link {
+    /// Every stream of the link, in the order they were opened.
+    pub fn stream_states(&self) -> Vec<StreamState> {
+        let mut v: Vec<(u64, StreamState)> = self
+            .streams
+            .map
+            .iter()
+            .map(|(id, s)| {
+                (
+                    s.number,
+                    StreamState {
+                        id: *id,
+                        service: s.service.clone(),
+                        class: s.class,
+                        opened_by_peer: self.streams.is_peer_id(*id),
+                        write_finished: s.send.fin_requested,
+                        read_finished: s.recv.read_done,
+                    },
+                )
+            })
+            .collect();
+        v.sort_unstable_by_key(|(n, _)| *n);
+        v.into_iter().map(|(_, s)| s).collect()
+    }
+}

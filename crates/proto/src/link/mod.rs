@@ -14,7 +14,7 @@ mod resume;
 mod streams;
 mod timer;
 mod transmit;
-pub use handover::{HANDOVER_VERSION, HandoverError};
+pub use handover::{HANDOVER_VERSION, HandoverError, StreamState};
 pub use transmit::coded_turn;
 
 use std::collections::{HashMap, VecDeque};

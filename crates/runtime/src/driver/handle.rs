@@ -383,6 +383,15 @@ impl LinkHandle {
         self.with(|l| l.contains(id))
     }
 
+    /// Registers the wakeups of every stream a link taken over from another process holds.
+    pub fn adopt_streams(&self) {
+        let mut g = lock(&self.inner);
+        let ids: Vec<StreamId> = g.link.stream_states().iter().map(|s| s.id).collect();
+        for id in ids {
+            g.signals.entry(id).or_default();
+        }
+    }
+
     /// The wakeups of a stream the peer opened.
     pub fn signal(&self, id: StreamId) -> Option<Arc<StreamSignal>> {
         lock(&self.inner).signals.get(&id).cloned()

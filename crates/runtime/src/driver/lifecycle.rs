@@ -145,6 +145,14 @@ async fn ticker(h: &LinkHandle, conn: (u64, u64), lane: usize, copy: Option<Carr
     }
 }
 
+/// Watches a link that starts suspended (one a process before this one handed over): its
+/// timers run until a new connection takes it over or the resume window ends.
+pub(crate) fn watch_adopted(h: &Arc<LinkHandle>) {
+    if !h.watching.swap(true, Ordering::AcqRel) {
+        crate::spawn(while_suspended(h.clone()));
+    }
+}
+
 /// Runs a suspended link's timers (no connection's writer does) until a new connection takes
 /// it over, or the resume window ends: then its streams are reset and the supervisor told.
 async fn while_suspended(h: Arc<LinkHandle>) {

@@ -21,7 +21,7 @@ mod writer;
 
 pub(crate) use carriers::Carrier;
 pub(crate) use handle::{LinkCtx, LinkHandle, LinkMsg};
-pub(crate) use lifecycle::{run_lane, run_link};
+pub(crate) use lifecycle::{run_lane, run_link, watch_adopted};
 pub(crate) use state::StreamSignal;
 
 #[cfg(test)]
