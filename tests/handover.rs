@@ -97,9 +97,24 @@ fn paced_client(
 
 /// West, then east, then west's new process again: each hands over while four streams move
 /// (two optimized, one plain, one latency-class), and every stream ends exact. A stream opened
-/// after the handovers works too, and the pair's caches resumed from the disk tier.
+/// after the handovers works too.
 #[test]
 fn streams_ride_through_handovers_on_either_side_and_both_in_turn() {
+    handovers(&bin("wanoptd"), true);
+}
+
+/// With east running an earlier build (which knows nothing of handovers, only of resuming a
+/// link), west hands over twice: the earlier peer sees two short link losses, and every
+/// stream ends exact.
+#[test]
+fn streams_ride_through_handovers_with_an_earlier_peer() {
+    let Some(old) = earlier_wanoptd() else { return };
+    handovers(&old, false);
+}
+
+/// A pair with east running `east_exe`: west hands over, then east (if `east_hands_over`),
+/// then west's new process again, to a binary replaced in place.
+fn handovers(east_exe: &std::path::Path, east_hands_over: bool) {
     let srv = hash_server();
     let state = (
         tempfile::tempdir().expect("tempdir"),
@@ -112,7 +127,9 @@ fn streams_ride_through_handovers_on_either_side_and_both_in_turn() {
         )
     };
     let certs = Certs::new(&["west", "east"]);
-    let east = Daemon::start(
+    let east = Daemon::start_bin(
+        east_exe,
+        None,
         "east",
         &site_yaml(
             "east",
@@ -124,6 +141,7 @@ fn streams_ride_through_handovers_on_either_side_and_both_in_turn() {
             ),
             &optimize(state.0.path()),
         ),
+        &[],
     );
     let link = east.bound("link");
     // West runs a copy of the binary, so the test can upgrade it in place (a new file renamed
@@ -173,10 +191,14 @@ fn streams_ride_through_handovers_on_either_side_and_both_in_turn() {
     std::thread::sleep(2 * SEC);
 
     // East (the listener) hands over.
-    kill(east.pid() as i32, libc::SIGUSR2);
-    let e1 = successor(&east, 1);
-    successors.0.push(e1);
-    east.wait_log("took the daemon over", 20 * SEC);
+    let mut e1 = None;
+    if east_hands_over {
+        kill(east.pid() as i32, libc::SIGUSR2);
+        let pid = successor(&east, 1);
+        successors.0.push(pid);
+        e1 = Some(pid);
+        east.wait_log("took the daemon over", 20 * SEC);
+    }
     std::thread::sleep(2 * SEC);
 
     // West's new process hands over in turn, to an upgraded binary: the file it runs from was
@@ -204,13 +226,42 @@ fn streams_ride_through_handovers_on_either_side_and_both_in_turn() {
     hash_client(h, 9, 4 << 20, 1 << 20).expect("a stream after the handovers");
     for d in [&west, &east] {
         assert_eq!(d.count("stream failed"), 0, "{}", d.log().join("\n"));
-        assert!(
-            d.count("took the link's streams over") >= 1,
-            "{}",
-            d.log().join("\n")
-        );
     }
-    println!(
-        "west handed over twice (pids {west_old} -> {w1} -> {w2}), east once ({e1}); 4 streams exact"
+    assert_eq!(west.count("took the link's streams over"), 2);
+    assert_eq!(
+        east.count("took the link's streams over"),
+        usize::from(east_hands_over)
     );
+    println!(
+        "west handed over twice (pids {west_old} -> {w1} -> {w2}), east {e1:?}; 4 streams exact"
+    );
+}
+
+/// A handover the new binary would refuse (here: the config file was broken meanwhile) stops
+/// nothing: the daemon says why and serves on, its streams untouched.
+#[test]
+fn a_handover_the_new_binary_refuses_stops_nothing() {
+    let srv = hash_server();
+    let mut p = Pair::start(
+        &format!("  - name: h\n    target: {srv}\n"),
+        "  - name: h\n    listen: 127.0.0.1:0\n",
+    );
+    let h = p.west.bound("h");
+    let client = std::thread::spawn(move || paced_client(h, 5, 8 << 20, 4 << 20, 1 << 20));
+    std::thread::sleep(SEC);
+    let good = std::fs::read_to_string(p.west.config_path()).expect("config");
+    std::fs::write(p.west.config_path(), "site: [not a name\n").expect("break the config");
+    p.west.signal(libc::SIGUSR2);
+    p.west.wait_log(
+        "handover refused: the new binary does not accept the config; serving on",
+        20 * SEC,
+    );
+    std::fs::write(p.west.config_path(), good).expect("restore the config");
+    client
+        .join()
+        .expect("client thread")
+        .expect("the stream went on exact");
+    assert!(p.west.is_running(), "the daemon serves on");
+    assert_eq!(p.west.count("handover: parking the streams"), 0);
+    hash_client(h, 6, 1 << 20, 1 << 20).expect("a new stream after the refusal");
 }

@@ -10,34 +10,9 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use common::*;
-
-/// The earlier build's daemon, or `None` (with the reason printed) where none was given.
-fn earlier() -> Option<PathBuf> {
-    match std::env::var_os("WANOPT_INTEROP_WANOPTD") {
-        Some(p) => {
-            let p = PathBuf::from(p);
-            assert!(
-                p.exists(),
-                "WANOPT_INTEROP_WANOPTD={} does not exist",
-                p.display()
-            );
-            Some(p)
-        }
-        None if std::env::var_os("WANOPT_REQUIRE_INTEROP").is_some() => {
-            panic!("WANOPT_REQUIRE_INTEROP is set but WANOPT_INTEROP_WANOPTD is not")
-        }
-        None => {
-            eprintln!(
-                "skipped: set WANOPT_INTEROP_WANOPTD to an earlier build's wanoptd (.ci/run builds one)"
-            );
-            None
-        }
-    }
-}
 
 /// Rows of text as a database page holds them: compressible, and cut into chunks that repeat.
 fn rows(n: usize) -> Vec<u8> {
@@ -120,7 +95,7 @@ fn run(east_exe: &std::path::Path, west_exe: &std::path::Path, label: &str) {
 
 #[test]
 fn this_build_and_an_earlier_one_carry_streams_both_ways_round() {
-    let Some(old) = earlier() else { return };
+    let Some(old) = earlier_wanoptd() else { return };
     let new = bin("wanoptd");
     run(&old, &new, "the earlier build listening");
     run(&new, &old, "the earlier build dialing");

@@ -255,6 +255,32 @@ impl Drop for Daemon {
     }
 }
 
+/// An earlier build's daemon for interoperation tests (`WANOPT_INTEROP_WANOPTD`; `.ci/run`
+/// builds one and sets `WANOPT_REQUIRE_INTEROP=1`, so there a test fails rather than skips
+/// without it), or `None` with the reason printed.
+pub fn earlier_wanoptd() -> Option<PathBuf> {
+    match std::env::var_os("WANOPT_INTEROP_WANOPTD") {
+        Some(p) => {
+            let p = PathBuf::from(p);
+            assert!(
+                p.exists(),
+                "WANOPT_INTEROP_WANOPTD={} does not exist",
+                p.display()
+            );
+            Some(p)
+        }
+        None if std::env::var_os("WANOPT_REQUIRE_INTEROP").is_some() => {
+            panic!("WANOPT_REQUIRE_INTEROP is set but WANOPT_INTEROP_WANOPTD is not")
+        }
+        None => {
+            eprintln!(
+                "skipped: set WANOPT_INTEROP_WANOPTD to an earlier build's wanoptd (.ci/run builds one)"
+            );
+            None
+        }
+    }
+}
+
 /// Config text of one site. `link` is `listen: ADDR` or `connect: ADDR`; `services` is YAML list
 /// items, already indented by two spaces.
 pub fn site_yaml(

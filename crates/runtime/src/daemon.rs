@@ -80,7 +80,8 @@ pub struct Daemon {
     service_listeners: Vec<(Service, TcpListener)>,
     shutdown_tx: watch::Sender<bool>,
     bound: Bound,
-    /// A second descriptor of each listener, for a handover (the tasks own the first).
+    /// A second descriptor of the link and admin listeners, for a handover (the tasks own the
+    /// first).
     listener_fds: Vec<(ListenerKind, OwnedFd)>,
     adopted: Option<Adopted>,
 }
@@ -217,7 +218,8 @@ impl Daemon {
                 service_listeners.push((s.clone(), l));
             }
         }
-        // Second descriptors of the listeners, for a handover (close-on-exec until then).
+        // Second descriptors of the link and admin listeners, for a handover (close-on-exec
+        // until then); the services' are in their `reload::Listener`.
         let dup = |l: &TcpListener| l.as_fd().try_clone_to_owned().ok();
         let mut listener_fds = Vec::new();
         listener_fds.extend(
@@ -232,9 +234,6 @@ impl Daemon {
                 .and_then(dup)
                 .map(|fd| (ListenerKind::Admin, fd)),
         );
-        for (s, l) in &service_listeners {
-            listener_fds.extend(dup(l).map(|fd| (ListenerKind::Service(s.name.clone()), fd)));
-        }
         let (shutdown_tx, shutdown) = watch::channel(false);
         let (supervisor_tx, supervisor_rx) = mpsc::unbounded_channel();
         let peer = Arc::new(Peer::new(
@@ -304,16 +303,10 @@ impl Daemon {
         let mut tasks = vec![crate::spawn(supervisor::run(peer.clone(), self.supervisor))];
         let mut listeners: HashMap<String, Listener> = HashMap::new();
         for (svc, l) in self.service_listeners {
-            let bound = l.local_addr().ok();
-            let task = crate::spawn(services::accept_clients(peer.clone(), svc.name.clone(), l));
             if let ServiceKind::Listen { addr, .. } = &svc.kind {
                 listeners.insert(
                     svc.name.clone(),
-                    Listener {
-                        configured: *addr,
-                        bound: bound.unwrap_or(*addr),
-                        task,
-                    },
+                    Listener::start(&peer, &svc.name, *addr, l),
                 );
             }
         }
@@ -553,10 +546,19 @@ async fn hand_over(
         );
         return Ok(None);
     }
+    let successor = match handover::Successor::prepare() {
+        Ok(s) => s,
+        Err(e) => {
+            error!(error = %e, "handover refused; serving on");
+            return Ok(None);
+        }
+    };
     // From here on the streams stop: no new clients, no new links.
     info!("handover: parking the streams");
-    for (_, l) in listeners.drain() {
+    let mut service_fds = Vec::new();
+    for (name, l) in listeners.drain() {
         l.task.abort();
+        service_fds.extend(l.fd.map(|fd| (ListenerKind::Service(name), fd)));
     }
     for t in &tasks[1..] {
         t.abort();
@@ -601,6 +603,7 @@ async fn hand_over(
         link,
         listeners: listener_fds
             .iter()
+            .chain(service_fds.iter())
             .map(|(k, fd)| (k.clone(), fd.as_raw_fd()))
             .collect(),
         streams,
@@ -611,11 +614,9 @@ async fn hand_over(
     }
     let n = state.streams.len();
     info!(streams = n, "handover: starting the new process");
-    let pid = tokio::task::spawn_blocking(move || {
-        handover::start_successor(&state, Duration::from_secs(30))
-    })
-    .await
-    .map_err(|e| HandoverError::Refused(e.to_string()))??;
+    let pid = tokio::task::spawn_blocking(move || successor.start(&state, Duration::from_secs(30)))
+        .await
+        .map_err(|e| HandoverError::Refused(e.to_string()))??;
     crate::notify::send(&format!("MAINPID={pid}"));
     info!(pid, streams = n, "handed over to the new process");
     Ok(Some(pid))

@@ -321,67 +321,92 @@ pub fn own_path() -> std::io::Result<std::path::PathBuf> {
     )
 }
 
-/// The old process: writes `state` to a memfd, starts the binary now at its own path with
-/// this process's arguments (the descriptors the state names, the memfd and a pipe inherited),
-/// and waits up to `limit` for the new process to say it took over. Returns its pid.
-pub fn start_successor(state: &State, limit: Duration) -> Result<u32, HandoverError> {
-    let bytes = state.encode();
-    // SAFETY: memfd_create with a valid C string; the result is a new descriptor or -1.
-    let memfd = unsafe { libc::memfd_create(c"wanopt-handover".as_ptr(), 0) };
-    if memfd < 0 {
-        return Err(HandoverError::Io(
-            "memfd_create",
-            std::io::Error::last_os_error(),
-        ));
+/// What the old process starts the new one with: the memfd the state goes in and the pipe the
+/// new process says it is ready on. Made before anything stops, so a system that refuses them
+/// (a seccomp filter, no descriptors left) refuses the handover while the streams still move.
+#[derive(Debug)]
+pub struct Successor {
+    mem: std::fs::File,
+    ready_rd: OwnedFd,
+    ready_wr: OwnedFd,
+}
+
+impl Successor {
+    pub fn prepare() -> Result<Successor, HandoverError> {
+        // SAFETY: memfd_create with a valid C string; the result is a new descriptor or -1.
+        let memfd = unsafe { libc::memfd_create(c"wanopt-handover".as_ptr(), libc::MFD_CLOEXEC) };
+        if memfd < 0 {
+            return Err(HandoverError::Io(
+                "memfd_create",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: memfd was just created and is owned here.
+        let mem = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(memfd) });
+        let mut fds = [0 as RawFd; 2];
+        // SAFETY: pipe2 writes two descriptors into the array.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return Err(HandoverError::Io("pipe", std::io::Error::last_os_error()));
+        }
+        // SAFETY: both descriptors were just created and are owned here.
+        let (ready_rd, ready_wr) =
+            unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        Ok(Successor {
+            mem,
+            ready_rd,
+            ready_wr,
+        })
     }
-    // SAFETY: memfd was just created and is owned here.
-    let mut mem = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(memfd) });
-    mem.write_all(&bytes)
-        .map_err(|e| HandoverError::Io("state", e))?;
-    let mut fds = [0 as RawFd; 2];
-    // SAFETY: pipe2 writes two descriptors into the array.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(HandoverError::Io("pipe", std::io::Error::last_os_error()));
+
+    /// Writes `state` to the memfd, starts the binary now at our path with this process's
+    /// arguments (the descriptors the state names, the memfd and the pipe inherited), and
+    /// waits up to `limit` for the new process to say it took over. Returns its pid.
+    pub fn start(self, state: &State, limit: Duration) -> Result<u32, HandoverError> {
+        let Successor {
+            mut mem,
+            ready_rd,
+            ready_wr,
+        } = self;
+        mem.write_all(&state.encode())
+            .map_err(|e| HandoverError::Io("state", e))?;
+        for fd in state
+            .listeners
+            .iter()
+            .map(|(_, fd)| *fd)
+            .chain(state.streams.iter().map(|s| s.fd))
+            .chain([mem.as_raw_fd(), ready_wr.as_raw_fd()])
+        {
+            inherit(fd)?;
+        }
+        let exe = own_path().map_err(|e| HandoverError::Io("current_exe", e))?;
+        let child = std::process::Command::new(&exe)
+            .args(std::env::args_os().skip(1))
+            .env(ENV, format!("{},{}", mem.as_raw_fd(), ready_wr.as_raw_fd()))
+            .spawn()
+            .map_err(|e| HandoverError::Io("start the new process", e))?;
+        drop(ready_wr);
+        let pid = child.id();
+        // The new process writes one byte once it holds everything, or exits (then the pipe
+        // ends without one).
+        let mut ready = std::fs::File::from(ready_rd);
+        let mut pfd = libc::pollfd {
+            fd: ready.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = libc::c_int::try_from(limit.as_millis()).unwrap_or(libc::c_int::MAX);
+        // SAFETY: poll on one valid pollfd.
+        let n = unsafe { libc::poll(&raw mut pfd, 1, ms) };
+        let mut b = [0u8; 1];
+        if n == 1 && ready.read(&mut b).ok() == Some(1) {
+            drop(child);
+            return Ok(pid);
+        }
+        Err(HandoverError::Refused(format!(
+            "the new process (pid {pid}) did not take over within {}s",
+            limit.as_secs()
+        )))
     }
-    // SAFETY: both descriptors were just created and are owned here.
-    let (ready_rd, ready_wr) =
-        unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-    for fd in state
-        .listeners
-        .iter()
-        .map(|(_, fd)| *fd)
-        .chain(state.streams.iter().map(|s| s.fd))
-        .chain([mem.as_raw_fd(), ready_wr.as_raw_fd()])
-    {
-        inherit(fd)?;
-    }
-    let exe = own_path().map_err(|e| HandoverError::Io("current_exe", e))?;
-    let child = std::process::Command::new(&exe)
-        .args(std::env::args_os().skip(1))
-        .env(ENV, format!("{},{}", mem.as_raw_fd(), ready_wr.as_raw_fd()))
-        .spawn()
-        .map_err(|e| HandoverError::Io("start the new process", e))?;
-    drop(ready_wr);
-    let pid = child.id();
-    // The new process writes one byte once it holds everything, or exits.
-    let mut ready = std::fs::File::from(ready_rd);
-    let mut pfd = libc::pollfd {
-        fd: ready.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    let ms = libc::c_int::try_from(limit.as_millis()).unwrap_or(libc::c_int::MAX);
-    // SAFETY: poll on one valid pollfd.
-    let n = unsafe { libc::poll(&raw mut pfd, 1, ms) };
-    let mut b = [0u8; 1];
-    if n == 1 && ready.read(&mut b).ok() == Some(1) {
-        drop(child);
-        return Ok(pid);
-    }
-    Err(HandoverError::Refused(format!(
-        "the new process (pid {pid}) did not take over within {}s",
-        limit.as_secs()
-    )))
 }
 
 /// The new process: the state handed to it, if it was started to take a daemon over (see

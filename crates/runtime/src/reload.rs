@@ -13,11 +13,34 @@ use crate::config::{Config, Service, ServiceKind};
 use crate::peer::Peer;
 use crate::{services, sockopt, tls};
 
-/// A running service listener: its configured and bound addresses, and its accept task.
+/// A running service listener: its configured and bound addresses, its accept task, and a
+/// second descriptor of its socket for a handover (closed with it when a reload removes it).
 pub(crate) struct Listener {
     pub configured: SocketAddr,
     pub bound: SocketAddr,
     pub task: tokio::task::JoinHandle<()>,
+    pub fd: Option<std::os::fd::OwnedFd>,
+}
+
+impl Listener {
+    /// Starts accepting clients of service `name` on `l`, bound as `configured`.
+    pub fn start(
+        peer: &Arc<Peer>,
+        name: &str,
+        configured: SocketAddr,
+        l: tokio::net::TcpListener,
+    ) -> Self {
+        use std::os::fd::AsFd;
+        let bound = l.local_addr().unwrap_or(configured);
+        let fd = l.as_fd().try_clone_to_owned().ok();
+        let task = crate::spawn(services::accept_clients(peer.clone(), name.to_string(), l));
+        Listener {
+            configured,
+            bound,
+            task,
+            fd,
+        }
+    }
 }
 
 /// Applies a reloaded config: services are added, removed and changed in place; streams already
@@ -110,16 +133,7 @@ pub(crate) fn apply_reload(
             Ok(l) => {
                 let local = l.local_addr().unwrap_or(addr);
                 info!(kind = "service", service = %name, addr = %local, "bound");
-                let task =
-                    crate::spawn(services::accept_clients(peer.clone(), name.to_string(), l));
-                listeners.insert(
-                    name.to_string(),
-                    Listener {
-                        configured: addr,
-                        bound: local,
-                        task,
-                    },
-                );
+                listeners.insert(name.to_string(), Listener::start(peer, name, addr, l));
                 added.push(name.to_string());
             }
             Err(e) => {
