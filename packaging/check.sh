@@ -118,8 +118,39 @@ if [ "$up" = 1 ]; then
         wanoptd stats -c "/etc/wanopt/$site.yaml" >"$state/$site.stats" || stats=1
     done
 fi
+# An upgrade of a running pair (the same package again): postinst hands both daemons over to
+# the new binary (handover.sh), and the link resumes.
+handed=0
+if [ "$up" = 1 ]; then
+    WANOPT_HANDOVER_WAIT=30 dpkg -i "$deb" >"$state/upgrade.out" 2>&1 || true
+    handed=1
+    for i in 0 1; do
+        grep -q "took the daemon over from the process before" "${logs[$i]}" || handed=0
+        kill -0 "${pids[$i]}" 2>/dev/null && handed=0
+    done
+    if [ "$handed" = 1 ]; then
+        resumed=0
+        for _ in $(seq 1 100); do
+            if grep -q "link resumed" "${logs[0]}" && grep -q "link resumed" "${logs[1]}"; then
+                resumed=1
+                break
+            fi
+            sleep 0.1
+        done
+        [ "$resumed" = 1 ] || handed=0
+    fi
+fi
 kill "${pids[@]}" 2>/dev/null || true
 wait "${pids[@]}" 2>/dev/null || true
+# The processes the handover started are not our children: found by their binary.
+for d in /proc/[0-9]*; do
+    [ "$(readlink "$d/exe" 2>/dev/null)" = /usr/bin/wanoptd ] && kill "${d#/proc/}" 2>/dev/null
+done
+if [ "$up" = 1 ] && [ "$handed" != 1 ]; then
+    echo "FAIL: upgrading the package under the running pair did not hand it over"
+    cat "$state/upgrade.out" "${logs[@]}"
+    exit 1
+fi
 if [ "$stats" != 0 ]; then
     echo "FAIL: wanoptd stats -c with an installed sample config"
     exit 1
@@ -130,13 +161,15 @@ if [ "$up" != 1 ]; then
     exit 1
 fi
 rm -rf "$state"
-echo "the installed sample pair came up"
+echo "the installed sample pair came up, and an upgrade under it handed both daemons over"
 
 echo "rpm contents:"
 rpm -qlp "$rpmfile"
 scripts=$(rpm -qp --scripts "$rpmfile")
 grep -q /usr/share/wanopt/setup.sh <<<"$scripts" ||
     { echo "FAIL: the rpm does not run setup.sh after install"; exit 1; }
+grep -q /usr/share/wanopt/handover.sh <<<"$scripts" ||
+    { echo "FAIL: the rpm does not hand running daemons over on an upgrade"; exit 1; }
 configs=$(rpm -qcp "$rpmfile")
 grep -q /etc/wanopt/east.yaml <<<"$configs" ||
     { echo "FAIL: /etc/wanopt/east.yaml is not a config file of the rpm"; exit 1; }
