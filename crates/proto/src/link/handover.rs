@@ -32,6 +32,11 @@ const MAGIC: [u8; 4] = *b"WOHO";
 const MAX_TOKENS: usize = 16;
 /// Streams a handed-over link may hold at most.
 const MAX_STREAMS: usize = 1 << 20;
+/// The largest offset, count or window a handover may hold (2^62 bytes, far beyond any
+/// stream's life): what is read back can then be added to without overflowing.
+const MAX_OFFSET: u64 = 1 << 62;
+/// The largest receive window a handover may hold.
+const MAX_WINDOW: u64 = 1 << 40;
 
 /// A handover that cannot be written or read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -97,6 +102,14 @@ impl Reader<'_> {
         self.need(8)?;
         Ok(self.0.get_u64())
     }
+    /// An offset, count or id number, at most [`MAX_OFFSET`].
+    fn offset(&mut self) -> Result<u64, HandoverError> {
+        let v = self.u64()?;
+        if v > MAX_OFFSET {
+            return Err(HandoverError::Malformed("an offset past its bound"));
+        }
+        Ok(v)
+    }
     /// A count of items of at least `each` bytes, at most `max`.
     fn count(&mut self, max: usize, each: usize) -> Result<usize, HandoverError> {
         let n = self.u32()? as usize;
@@ -127,7 +140,10 @@ impl Reader<'_> {
     }
     fn window(&mut self) -> Result<RecvWindow, HandoverError> {
         let (window, advertised, received, consumed) =
-            (self.u64()?, self.u64()?, self.u64()?, self.u64()?);
+            (self.u64()?, self.offset()?, self.offset()?, self.offset()?);
+        if window > MAX_WINDOW {
+            return Err(HandoverError::Malformed("a receive window past its bound"));
+        }
         RecvWindow::from_parts(window, advertised, received, consumed)
             .ok_or(HandoverError::Malformed("a receive window out of order"))
     }
@@ -256,16 +272,16 @@ impl Link {
         let since = Duration::from_millis(r.u64()?);
         let draining = r.flag()?;
         let link_window = r.window()?;
-        let next_local = r.u64()?;
+        let next_local = r.offset()?;
         let mut peer_max = [0u64; LANES];
         let mut own_lane_max = [0u64; LANES];
         for v in peer_max.iter_mut().chain(own_lane_max.iter_mut()) {
-            *v = r.u64()?;
+            *v = r.offset()?;
         }
         let mut lane_sent = [0u64; LANES];
         let mut lane_received = [0u64; LANES];
         for v in lane_sent.iter_mut().chain(lane_received.iter_mut()) {
-            *v = r.u64()?;
+            *v = r.offset()?;
         }
         let n = r.count(super::resume::DONE_KEPT, 4)?;
         let mut done = VecDeque::with_capacity(n);
@@ -279,16 +295,16 @@ impl Link {
         let n = r.count(MAX_STREAMS, 64)?;
         for _ in 0..n {
             let id = StreamId(r.u32()?);
-            let number = r.u64()?;
+            let number = r.offset()?;
             let class = r.class()?;
             let lane = usize::from(r.u8()?);
             if lane >= LANES || id == StreamId::LINK || u64::from(id.0) != number % (1 << 32) {
                 return Err(HandoverError::Malformed("a stream's id or lane"));
             }
             let service: Arc<str> = Arc::from(r.name()?);
-            let (sent, max) = (r.u64()?, r.u64()?);
+            let (sent, max) = (r.offset()?, r.offset()?);
             let (fin_requested, fin_sent, fin_acked) = (r.flag()?, r.flag()?, r.flag()?);
-            let (from, peer_window) = (r.u64()?, r.u64()?);
+            let (from, peer_window) = (r.offset()?, r.offset()?);
             let kept = r.bytes()?;
             let end = from.checked_add(kept.len() as u64);
             if sent > max || from > sent || end.is_none_or(|e| e < sent) {
@@ -423,5 +439,35 @@ impl Link {
             .collect();
         v.sort_unstable_by_key(|(n, _)| *n);
         v.into_iter().map(|(_, s)| s).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Windows and offsets past their bounds are refused as they are read, so nothing that
+    /// later adds to them can overflow (the fuzz target found a window of 2^63 did).
+    #[test]
+    fn windows_and_offsets_past_their_bounds_are_refused() {
+        let window = |w: u64, a: u64, r: u64, c: u64| {
+            let mut b = Vec::new();
+            for v in [w, a, r, c] {
+                b.put_u64(v);
+            }
+            Reader(&b).window()
+        };
+        assert!(window(1 << 20, 1 << 20, 5, 0).is_ok());
+        assert!(window(u64::MAX, 10, 5, 0).is_err());
+        assert!(window(MAX_WINDOW + 1, 10, 5, 0).is_err());
+        assert!(window(1 << 20, u64::MAX, 5, 0).is_err());
+        assert!(
+            window(1 << 20, 10, 11, 0).is_err(),
+            "received past advertised"
+        );
+        assert!(window(1 << 20, 10, 5, 6).is_err(), "consumed past received");
+        let mut b = Vec::new();
+        b.put_u64(MAX_OFFSET + 1);
+        assert!(Reader(&b).offset().is_err());
     }
 }
