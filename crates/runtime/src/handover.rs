@@ -510,6 +510,62 @@ mod tests {
         assert!(State::decode(&huge).is_err());
     }
 
+    fn kinds() -> impl proptest::strategy::Strategy<Value = ListenerKind> {
+        use proptest::prelude::*;
+        prop_oneof![
+            Just(ListenerKind::Link),
+            Just(ListenerKind::Admin),
+            "[a-z][a-z0-9-]{0,20}".prop_map(ListenerKind::Service),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Any state round-trips whole; any bytes, and any state cut or with a byte changed,
+        /// decode to an error or to a state that encodes back to the same bytes, never a panic.
+        #[test]
+        fn states_round_trip_and_garbage_never_panics(
+            link in proptest::option::of(proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64)),
+            listeners in proptest::collection::vec(kinds(), 0..4),
+            streams in proptest::collection::vec(
+                (proptest::prelude::any::<u32>(),
+                 proptest::collection::vec(proptest::prelude::any::<u8>(), 0..32),
+                 proptest::collection::vec(proptest::prelude::any::<u8>(), 0..32),
+                 proptest::prelude::any::<(bool, bool)>()),
+                0..6),
+            garbage in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256),
+            at in proptest::prelude::any::<usize>(),
+            flip in 1u8..=255,
+        ) {
+            let mut fd = 10;
+            let mut next = || { fd += 1; fd };
+            let s = State {
+                link,
+                listeners: listeners.into_iter().map(|k| (k, next())).collect(),
+                streams: streams
+                    .into_iter()
+                    .map(|(id, up, down, (u, d))| StreamEntry {
+                        id: StreamId(id),
+                        fd: next(),
+                        pending_up: Bytes::from(up),
+                        pending_down: Bytes::from(down),
+                        up_done: u,
+                        down_done: d,
+                    })
+                    .collect(),
+            };
+            let b = s.encode();
+            proptest::prop_assert_eq!(State::decode(&b).expect("decode"), s);
+            let mut bad = b.clone();
+            let i = at % bad.len();
+            bad[i] ^= flip;
+            for input in [&garbage[..], &b[..at % (b.len() + 1)], &bad[..]] {
+                if let Ok(st) = State::decode(input) {
+                    proptest::prop_assert_eq!(st.encode(), input.to_vec());
+                }
+            }
+        }
+    }
+
     #[test]
     fn descriptors_are_taken_only_as_the_sockets_they_are_said_to_be() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
