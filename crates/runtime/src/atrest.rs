@@ -80,8 +80,8 @@ impl AtRest {
         h.update(salt);
         h.update(&n.to_be_bytes());
         let k = h.finalize();
-        // A 32-byte key always fits AES-256.
-        LessSafeKey::new(UnboundKey::new(&AES_256_GCM, k.as_bytes()).expect("32-byte key"))
+        let key = UnboundKey::new(&AES_256_GCM, k.as_bytes());
+        LessSafeKey::new(key.expect("32-byte key")) // invariant: BLAKE3 gives 32 bytes, AES-256's key length
     }
 
     /// The key of segment `seg` of the directory whose salt is `salt`.
