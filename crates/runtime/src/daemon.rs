@@ -50,16 +50,29 @@ pub enum DaemonError {
 pub enum Served {
     /// Stopped: streams drained, the link closed.
     Stopped,
-    /// Handed over to the new process with this pid: exit at once, closing nothing.
-    HandedOver(u32),
+    /// Handed over to the new process with this pid (`None`: to systemd's file descriptor
+    /// store, for the process a restart job starts): exit at once, closing nothing.
+    HandedOver(Option<u32>),
     /// A handover failed after the streams were parked: they are lost; exit.
     Failed(String),
+}
+
+/// Where a handover goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandoverTo {
+    /// A new process started from the binary now at our path (`SIGUSR2`).
+    Successor,
+    /// systemd's file descriptor store, for the process a restart job starts next (`SIGTERM`
+    /// during `systemctl restart`; see `fdstore.rs`). Refused, the daemon stops as on
+    /// `systemctl stop`.
+    FdStore,
 }
 
 /// What a process before this one handed over, for [`Daemon::serve_full`] to take up.
 struct Adopted {
     link: Option<Vec<u8>>,
     streams: Vec<StreamEntry>,
+    parked_at_ms: Option<u64>,
     ready: Option<std::fs::File>,
 }
 
@@ -113,7 +126,7 @@ impl Daemon {
         cfg: Config,
         counters: Arc<Counters>,
         state: handover::State,
-        ready: std::fs::File,
+        ready: Option<std::fs::File>,
     ) -> Result<Daemon, DaemonError> {
         let mut inherited: HashMap<ListenerKind, RawFd> = state.listeners.into_iter().collect();
         let mut d = Self::build(cfg, counters, Some(&mut inherited))?;
@@ -125,7 +138,8 @@ impl Daemon {
         d.adopted = Some(Adopted {
             link: state.link,
             streams: state.streams,
-            ready: Some(ready),
+            parked_at_ms: state.parked_at_ms,
+            ready,
         });
         Ok(d)
     }
@@ -285,7 +299,7 @@ impl Daemon {
         stop: impl std::future::Future<Output = ()>,
         reloads: tokio::sync::mpsc::UnboundedReceiver<Config>,
     ) {
-        let (_keep, handovers) = tokio::sync::mpsc::unbounded_channel();
+        let (_keep, handovers) = tokio::sync::mpsc::unbounded_channel::<HandoverTo>();
         self.serve_full(stop, reloads, handovers).await;
     }
 
@@ -296,7 +310,7 @@ impl Daemon {
         mut self,
         stop: impl std::future::Future<Output = ()>,
         mut reloads: tokio::sync::mpsc::UnboundedReceiver<Config>,
-        mut handovers: tokio::sync::mpsc::UnboundedReceiver<()>,
+        mut handovers: tokio::sync::mpsc::UnboundedReceiver<HandoverTo>,
     ) -> Served {
         let peer = self.peer.clone();
         let adopted = self.adopted.take();
@@ -328,8 +342,13 @@ impl Daemon {
         let mut ready = None;
         let adopted_link = match adopted {
             Some(a) => {
+                let how = if a.ready.is_some() {
+                    "signal"
+                } else {
+                    "restart"
+                };
                 ready = a.ready;
-                take_up(&peer, a.link, a.streams).await
+                take_up(&peer, a.link, a.streams, a.parked_at_ms, how).await
             }
             None => None,
         };
@@ -346,9 +365,11 @@ impl Daemon {
             tokio::select! {
                 _ = &mut stop => break,
                 Some(new) = reloads.recv() => reload::apply_reload(&peer, new, &mut listeners),
-                Some(()) = handovers.recv() => {
-                    match hand_over(&peer, &self.listener_fds, &mut listeners, &tasks, &mut link_task).await {
-                        Ok(Some(pid)) => return Served::HandedOver(pid),
+                Some(to) = handovers.recv() => {
+                    match hand_over(to, &peer, &self.listener_fds, &mut listeners, &tasks, &mut link_task).await {
+                        Ok(Some(to)) => return Served::HandedOver(to),
+                        // systemd is stopping us: refused, the streams drain as on a stop.
+                        Ok(None) if to == HandoverTo::FdStore => break,
                         Ok(None) => {}
                         Err(e) => return Served::Failed(e.to_string()),
                     }
@@ -414,12 +435,26 @@ async fn take_up(
     peer: &Arc<Peer>,
     link: Option<Vec<u8>>,
     streams: Vec<StreamEntry>,
+    parked_at_ms: Option<u64>,
+    how: &'static str,
 ) -> Option<Arc<crate::driver::LinkHandle>> {
+    // The time since the process before parked the streams (bounded: a clock step must not
+    // make it absurd) counts toward the link's outage, so the resume window and the stall
+    // include the restart.
+    let since_parked = parked_at_ms
+        .and_then(|t| {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .ok()?;
+            now.checked_sub(Duration::from_millis(t))
+        })
+        .unwrap_or(Duration::ZERO)
+        .min(Duration::from_secs(600));
     let mut parked: HashMap<wanopt_proto::StreamId, StreamEntry> =
         streams.into_iter().map(|s| (s.id, s)).collect();
     let h = match link {
         None => None,
-        Some(b) => match peer.adopt_link(&b).await {
+        Some(b) => match peer.adopt_link(&b, since_parked).await {
             Ok(h) => Some(h),
             Err(e) => {
                 warn!(error = %e, "cannot take the handed-over link up; its streams are lost");
@@ -481,10 +516,15 @@ async fn take_up(
                 None => {}
             }
         }
+        peer.counters
+            .handover
+            .taken(how, (resumed + connecting) as u64);
         info!(
             link = h.id,
             streams = resumed,
             connecting,
+            parked_ms = since_parked.as_millis() as u64,
+            how,
             "took the link's streams over"
         );
     }
@@ -497,17 +537,24 @@ async fn take_up(
     h
 }
 
-/// The old process of a handover (`SIGUSR2`): checks that the binary now at our path accepts
-/// the config, stops accepting, parks every stream, hands the link over, and starts the new
-/// process with all of it. `Ok(None)`: refused before anything stopped (we serve on);
-/// `Ok(Some(pid))`: the new process took over; `Err`: it failed after the streams were parked.
+/// The old process of a handover: checks that the binary now at our path accepts the config,
+/// stops accepting, parks every stream, hands the link over, and gives all of it to `to`: a new
+/// process it starts (`SIGUSR2`), or systemd's file descriptor store (`systemctl restart`).
+/// `Ok(None)`: refused before anything stopped (we serve on, or stop if systemd is stopping
+/// us); `Ok(Some(pid))`: handed over; `Err`: it failed after the streams were parked.
 async fn hand_over(
+    to: HandoverTo,
     peer: &Arc<Peer>,
     listener_fds: &[(ListenerKind, OwnedFd)],
     listeners: &mut HashMap<String, Listener>,
     tasks: &[tokio::task::JoinHandle<()>],
     link_task: &mut Option<tokio::task::JoinHandle<()>>,
-) -> Result<Option<u32>, HandoverError> {
+) -> Result<Option<Option<u32>>, HandoverError> {
+    let then = if to == HandoverTo::FdStore {
+        "draining instead"
+    } else {
+        "serving on"
+    };
     let path = peer.cfg().path.clone();
     info!(config = %path.display(), "handover: checking the config with the binary at our path");
     let checked = tokio::task::spawn_blocking(move || {
@@ -525,15 +572,18 @@ async fn hand_over(
         Ok(Ok(o)) if o.status.success() => {}
         Ok(Ok(o)) => {
             let why = String::from_utf8_lossy(&o.stderr).trim().to_string();
-            error!(error = %why, "handover refused: the new binary does not accept the config; serving on");
+            error!(error = %why, then, "handover refused: the new binary does not accept the config");
+            peer.counters.handover.refused("binary");
             return Ok(None);
         }
         Ok(Err(e)) => {
-            error!(error = %e, "handover refused: cannot run the new binary; serving on");
+            error!(error = %e, then, "handover refused: cannot run the new binary");
+            peer.counters.handover.refused("binary");
             return Ok(None);
         }
         Err(e) => {
-            error!(error = %e, "handover refused; serving on");
+            error!(error = %e, then, "handover refused");
+            peer.counters.handover.refused("binary");
             return Ok(None);
         }
     }
@@ -542,14 +592,39 @@ async fn hand_over(
         && h.with(|l| l.stream_count() > 0 && !l.can_resume())
     {
         error!(
-            "handover refused: the link does not resume streams (the peer lacks it, or resume_window is 0); use a restart"
+            then,
+            "handover refused: the link does not resume streams (the peer lacks it, or resume_window is 0)"
         );
+        peer.counters.handover.refused("resume");
         return Ok(None);
     }
-    let successor = match handover::Successor::prepare() {
-        Ok(s) => s,
+    let target = match to {
+        HandoverTo::Successor => handover::Successor::prepare().map(Target::Successor),
+        HandoverTo::FdStore => {
+            let capacity = crate::fdstore::capacity().unwrap_or(0);
+            // One descriptor per stream at most, the listeners and the state.
+            let need = current.as_ref().map_or(0, |h| h.with(|l| l.stream_count()))
+                + listener_fds.len()
+                + listeners.len()
+                + 1;
+            if need > capacity {
+                error!(
+                    need,
+                    capacity,
+                    then,
+                    "handover refused: more descriptors than the unit's FileDescriptorStoreMax"
+                );
+                peer.counters.handover.refused("descriptors");
+                return Ok(None);
+            }
+            handover::memfd().map(|m| Target::Store(m, capacity))
+        }
+    };
+    let target = match target {
+        Ok(t) => t,
         Err(e) => {
-            error!(error = %e, "handover refused; serving on");
+            error!(error = %e, then, "handover refused");
+            peer.counters.handover.refused("system");
             return Ok(None);
         }
     };
@@ -566,6 +641,10 @@ async fn hand_over(
     if let Some(t) = link_task.take() {
         t.abort();
     }
+    let parked_at_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()
+        .and_then(|d| u64::try_from(d.as_millis()).ok());
     let _ = peer.parking.send(true);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while peer.pumps.load(std::sync::atomic::Ordering::SeqCst) > 0 {
@@ -607,17 +686,50 @@ async fn hand_over(
             .map(|(k, fd)| (k.clone(), fd.as_raw_fd()))
             .collect(),
         streams,
+        parked_at_ms,
     };
     if let Some(c) = &peer.caches {
         c.flush(Duration::from_secs(10)).await;
         c.unlock();
     }
     let n = state.streams.len();
-    info!(streams = n, "handover: starting the new process");
-    let pid = tokio::task::spawn_blocking(move || successor.start(&state, Duration::from_secs(30)))
-        .await
-        .map_err(|e| HandoverError::Refused(e.to_string()))??;
-    crate::notify::send(&format!("MAINPID={pid}"));
-    info!(pid, streams = n, "handed over to the new process");
-    Ok(Some(pid))
+    match target {
+        Target::Successor(successor) => {
+            info!(streams = n, "handover: starting the new process");
+            let pid = tokio::task::spawn_blocking(move || {
+                successor.start(&state, Duration::from_secs(30))
+            })
+            .await
+            .map_err(|e| HandoverError::Refused(e.to_string()))??;
+            crate::notify::send(&format!("MAINPID={pid}"));
+            info!(pid, streams = n, "handed over to the new process");
+            Ok(Some(Some(pid)))
+        }
+        Target::Store(mem, capacity) => {
+            if crate::fdstore::needed(&state) > capacity {
+                return Err(HandoverError::Refused(format!(
+                    "{} descriptors, more than the store's {capacity}",
+                    crate::fdstore::needed(&state)
+                )));
+            }
+            info!(
+                streams = n,
+                "handover: storing the streams in systemd's file descriptor store"
+            );
+            tokio::task::spawn_blocking(move || crate::fdstore::store(&state, mem))
+                .await
+                .map_err(|e| HandoverError::Refused(e.to_string()))??;
+            info!(
+                streams = n,
+                "handed over to systemd for the restarted process"
+            );
+            Ok(Some(None))
+        }
+    }
+}
+
+/// Where a handover's state and descriptors go once the streams are parked.
+enum Target {
+    Successor(handover::Successor),
+    Store(std::fs::File, usize),
 }

@@ -23,8 +23,9 @@ use wanopt_proto::StreamId;
 /// The environment variable that tells a new process it takes a daemon over: the state's
 /// memfd and the pipe it says it is ready on, as `STATE_FD,READY_FD`.
 pub const ENV: &str = "WANOPT_HANDOVER";
-/// The version of [`State`]'s format.
-pub const VERSION: u16 = 1;
+/// The version of [`State`]'s format: 2 adds the time the streams were parked (a state
+/// without it is written as version 1, which is read too).
+pub const VERSION: u16 = 2;
 const MAGIC: [u8; 4] = *b"WODH";
 /// Listeners and streams a state may name at most.
 const MAX_LISTENERS: usize = 4096;
@@ -37,7 +38,7 @@ pub const MAX_STATE: u64 = 64 << 30;
 pub enum HandoverError {
     #[error("malformed handover state: {0}")]
     Malformed(&'static str),
-    #[error("handover state version {0} is not {VERSION}")]
+    #[error("handover state version {0} is not 1 or {VERSION}")]
     Version(u16),
     #[error("descriptor {0} is not {1}")]
     Descriptor(RawFd, &'static str),
@@ -90,6 +91,9 @@ pub struct State {
     pub link: Option<Vec<u8>>,
     pub listeners: Vec<(ListenerKind, RawFd)>,
     pub streams: Vec<StreamEntry>,
+    /// When the process before parked the streams (milliseconds since the Unix epoch): the
+    /// stall a handover causes counts from here.
+    pub parked_at_ms: Option<u64>,
 }
 
 fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
@@ -147,7 +151,11 @@ impl State {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::new();
         out.put_slice(&MAGIC);
-        out.put_u16(VERSION);
+        out.put_u16(if self.parked_at_ms.is_some() {
+            VERSION
+        } else {
+            1
+        });
         match &self.link {
             Some(l) => {
                 out.put_u8(1);
@@ -176,6 +184,9 @@ impl State {
             out.put_u8(u8::from(s.up_done));
             out.put_u8(u8::from(s.down_done));
         }
+        if let Some(t) = self.parked_at_ms {
+            out.put_u64(t);
+        }
         out
     }
 
@@ -187,7 +198,7 @@ impl State {
         }
         r.0.advance(4);
         let version = r.0.get_u16();
-        if version != VERSION {
+        if version != 1 && version != VERSION {
             return Err(HandoverError::Version(version));
         }
         let link = if r.flag()? {
@@ -227,6 +238,12 @@ impl State {
                 down_done: r.flag()?,
             });
         }
+        let parked_at_ms = if version >= 2 {
+            r.need(8)?;
+            Some(r.0.get_u64())
+        } else {
+            None
+        };
         if r.0.has_remaining() {
             return Err(HandoverError::Malformed("bytes after the last stream"));
         }
@@ -245,6 +262,7 @@ impl State {
             link,
             listeners,
             streams,
+            parked_at_ms,
         })
     }
 }
@@ -321,6 +339,20 @@ pub fn own_path() -> std::io::Result<std::path::PathBuf> {
     )
 }
 
+/// A new memfd for a state (close-on-exec).
+pub fn memfd() -> Result<std::fs::File, HandoverError> {
+    // SAFETY: memfd_create with a valid C string; the result is a new descriptor or -1.
+    let memfd = unsafe { libc::memfd_create(c"wanopt-handover".as_ptr(), libc::MFD_CLOEXEC) };
+    if memfd < 0 {
+        return Err(HandoverError::Io(
+            "memfd_create",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: memfd was just created and is owned here.
+    Ok(std::fs::File::from(unsafe { OwnedFd::from_raw_fd(memfd) }))
+}
+
 /// What the old process starts the new one with: the memfd the state goes in and the pipe the
 /// new process says it is ready on. Made before anything stops, so a system that refuses them
 /// (a seccomp filter, no descriptors left) refuses the handover while the streams still move.
@@ -333,16 +365,7 @@ pub struct Successor {
 
 impl Successor {
     pub fn prepare() -> Result<Successor, HandoverError> {
-        // SAFETY: memfd_create with a valid C string; the result is a new descriptor or -1.
-        let memfd = unsafe { libc::memfd_create(c"wanopt-handover".as_ptr(), libc::MFD_CLOEXEC) };
-        if memfd < 0 {
-            return Err(HandoverError::Io(
-                "memfd_create",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        // SAFETY: memfd was just created and is owned here.
-        let mem = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(memfd) });
+        let mem = memfd()?;
         let mut fds = [0 as RawFd; 2];
         // SAFETY: pipe2 writes two descriptors into the array.
         if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -409,14 +432,17 @@ impl Successor {
     }
 }
 
-/// The new process: the state handed to it, if it was started to take a daemon over (see
-/// [`ENV`]), and the pipe to say it is ready on. The variable is removed, so processes it
-/// starts do not see it.
-pub fn inherited() -> Option<Result<(State, std::fs::File), HandoverError>> {
-    let v = std::env::var(ENV).ok()?;
+/// The new process: the state handed to it, if it was started to take a daemon over, and the
+/// pipe to say it is ready on: by the process before (`SIGUSR2`, see [`ENV`]; the variable is
+/// removed, so processes it starts do not see it), or by systemd from its file descriptor
+/// store after `systemctl restart` (see `fdstore.rs`; no pipe: the process before has exited).
+pub fn inherited() -> Option<Result<(State, Option<std::fs::File>), HandoverError>> {
+    let Ok(v) = std::env::var(ENV) else {
+        return crate::fdstore::inherited().map(|r| r.map(|s| (s, None)));
+    };
     // SAFETY: called at start, before any thread reads the environment.
     unsafe { std::env::remove_var(ENV) };
-    Some(read_inherited(&v))
+    Some(read_inherited(&v).map(|(s, r)| (s, Some(r))))
 }
 
 fn read_inherited(v: &str) -> Result<(State, std::fs::File), HandoverError> {
@@ -428,7 +454,7 @@ fn read_inherited(v: &str) -> Result<(State, std::fs::File), HandoverError> {
         return Err(HandoverError::Malformed("the environment variable"));
     }
     // SAFETY: the old process handed these two descriptors to this one to own.
-    let (mut mem, ready) = unsafe {
+    let (mem, ready) = unsafe {
         (
             std::fs::File::from_raw_fd(state),
             std::fs::File::from_raw_fd(ready),
@@ -436,6 +462,11 @@ fn read_inherited(v: &str) -> Result<(State, std::fs::File), HandoverError> {
     };
     close_on_exec(mem.as_raw_fd());
     close_on_exec(ready.as_raw_fd());
+    Ok((read_state(mem)?, ready))
+}
+
+/// Reads and decodes the state in `mem` (a memfd), at most [`MAX_STATE`] bytes.
+pub fn read_state(mut mem: std::fs::File) -> Result<State, HandoverError> {
     let len = mem
         .metadata()
         .map_err(|e| HandoverError::Io("state", e))?
@@ -449,7 +480,7 @@ fn read_inherited(v: &str) -> Result<(State, std::fs::File), HandoverError> {
         .take(MAX_STATE)
         .read_to_end(&mut b)
         .map_err(|e| HandoverError::Io("state", e))?;
-    Ok((State::decode(&b)?, ready))
+    State::decode(&b)
 }
 
 /// The new process tells the old one it holds everything: the old one exits.
@@ -483,8 +514,16 @@ mod tests {
                 up_done: true,
                 down_done: false,
             }],
+            parked_at_ms: Some(1_790_000_000_000),
         };
         let b = s.encode();
+        // Without the parking time: version 1, as an earlier build writes it.
+        let v1 = State {
+            parked_at_ms: None,
+            ..s.clone()
+        };
+        assert_eq!(State::decode(&v1.encode()).expect("v1"), v1);
+        assert_eq!(v1.encode()[5], 1);
         assert_eq!(State::decode(&b).expect("decode"), s);
         for n in 0..b.len() {
             assert!(State::decode(&b[..n]).is_err(), "cut at {n}");
@@ -532,6 +571,7 @@ mod tests {
                  proptest::collection::vec(proptest::prelude::any::<u8>(), 0..32),
                  proptest::prelude::any::<(bool, bool)>()),
                 0..6),
+            parked_at_ms in proptest::option::of(proptest::prelude::any::<u64>()),
             garbage in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256),
             at in proptest::prelude::any::<usize>(),
             flip in 1u8..=255,
@@ -552,6 +592,7 @@ mod tests {
                         down_done: d,
                     })
                     .collect(),
+                parked_at_ms,
             };
             let b = s.encode();
             proptest::prop_assert_eq!(State::decode(&b).expect("decode"), s);

@@ -17,6 +17,7 @@ pub mod daemon;
 mod dial;
 pub mod disk;
 mod driver;
+pub mod fdstore;
 mod gate;
 pub mod handover;
 mod handshake;
@@ -39,7 +40,7 @@ mod wire;
 pub mod workers;
 
 pub use config::{Config, ConfigError};
-pub use daemon::{Bound, Daemon, DaemonError, Served};
+pub use daemon::{Bound, Daemon, DaemonError, HandoverTo, Served};
 pub use peer::link_config;
 pub use wanopt_units as units;
 

@@ -6,7 +6,7 @@
 use std::os::unix::net::UnixDatagram;
 use std::time::Duration;
 
-fn socket_addr() -> Option<std::os::unix::net::SocketAddr> {
+pub(crate) fn socket_addr() -> Option<std::os::unix::net::SocketAddr> {
     let path = std::env::var_os("NOTIFY_SOCKET")?;
     let bytes = path.as_encoded_bytes();
     if let Some(name) = bytes.strip_prefix(b"@") {

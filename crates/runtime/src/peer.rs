@@ -94,16 +94,19 @@ impl Peer {
     }
 
     /// The link a process before this one handed over (see [`wanopt_proto::Link::take_over`]),
-    /// suspended, under the config in force: resume it as after a lost connection.
+    /// suspended, under the config in force: resume it as after a lost connection. Its outage
+    /// counts from `since_parked` ago (when the process before stopped the streams).
     pub async fn adopt_link(
         &self,
         state: &[u8],
+        since_parked: std::time::Duration,
     ) -> Result<Arc<LinkHandle>, wanopt_proto::HandoverError> {
         let cfg = self.cfg();
         let mut lc = link_config(&cfg, self.caches.as_ref());
         lc.delta_bases = self.bases(&cfg);
         lc.workers = self.workers.clone();
-        let mut link = Link::take_over(lc, state, std::time::Instant::now())?;
+        let now = std::time::Instant::now();
+        let mut link = Link::take_over(lc, state, now.checked_sub(since_parked).unwrap_or(now))?;
         link.set_service_limits(targets(&cfg));
         link.set_policies(policies(&cfg));
         link.set_shaping(shaping(&cfg));

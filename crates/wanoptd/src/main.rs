@@ -13,7 +13,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use wanopt_runtime::config::{LinkRole, ServiceKind};
 use wanopt_runtime::counters::Counters;
-use wanopt_runtime::{Config, Daemon, DaemonError, Served, tls};
+use wanopt_runtime::{Config, Daemon, DaemonError, HandoverTo, Served, tls};
 
 /// Exit code for a bad config or missing TLS files (EX_USAGE).
 const EXIT_CONFIG: u8 = 64;
@@ -79,8 +79,9 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
-    // Started by a running daemon to take it over (SIGUSR2): what it handed over. Read before
-    // anything else, while this process has one thread.
+    // Started to take a daemon over (by it, on SIGUSR2, or by systemd from its file descriptor
+    // store after `systemctl restart`): what it handed over. Read before anything else, while
+    // this process has one thread.
     let inherited = wanopt_runtime::handover::inherited();
     let cli = Cli::parse();
     match cli.cmd.unwrap_or(Cmd::Run) {
@@ -354,7 +355,7 @@ fn demo(dir: &Path) -> ExitCode {
 /// SIGTERM or SIGINT.
 fn run_daemons(
     cfgs: Vec<Config>,
-    mut inherited: Option<(wanopt_runtime::handover::State, std::fs::File)>,
+    mut inherited: Option<(wanopt_runtime::handover::State, Option<std::fs::File>)>,
 ) -> ExitCode {
     // A link's bytes move on one runtime thread (for one link a second measured slower:
     // cross-thread wakeups), its encoding work also on the codec's pool of `limits.threads`
@@ -459,23 +460,48 @@ fn run_daemons(
                 Some(s) = served.recv() => match s {
                     // Handed over: exit at once, closing nothing (the new process has it all).
                     Served::HandedOver(pid) => {
-                        tracing::info!(pid, "exiting: the new process serves now");
+                        match pid {
+                            Some(pid) => tracing::info!(pid, "exiting: the new process serves now"),
+                            None => tracing::info!("exiting: systemd starts the new process with the streams"),
+                        }
                         std::process::exit(0);
                     }
                     Served::Failed(e) => {
                         tracing::error!(error = %e, "handover failed after the streams were parked; exiting (they are lost, as with a restart)");
                         std::process::exit(1);
                     }
-                    Served::Stopped => continue,
+                    // Stopped although no signal said so: systemd is stopping us and the
+                    // handover to its store was refused (the daemon drained).
+                    Served::Stopped => break,
                 },
             };
             match signal {
                 Signal::Handover if handover_txs.len() == 1 => {
                     tracing::info!("SIGUSR2: handing over to the binary at our path");
                     for tx in &handover_txs {
-                        let _ = tx.send(());
+                        let _ = tx.send(HandoverTo::Successor);
                     }
                 }
+                // `systemctl restart` sends SIGTERM as `stop` does; a restart job queued for
+                // the unit tells them apart. Only a restart hands over (through systemd's file
+                // descriptor store); a stop, or a daemon that cannot tell, drains.
+                Signal::Term if handover_txs.len() == 1 && wanopt_runtime::fdstore::capacity().is_some() => {
+                    match tokio::task::spawn_blocking(wanopt_runtime::fdstore::restart_queued).await {
+                        Ok(Ok(true)) => {
+                            tracing::info!("SIGTERM during a restart: handing over through systemd's file descriptor store");
+                            for tx in &handover_txs {
+                                let _ = tx.send(HandoverTo::FdStore);
+                            }
+                        }
+                        Ok(Ok(false)) => break,
+                        Ok(Err(why)) => {
+                            tracing::warn!(error = %why, "SIGTERM: cannot tell a restart from a stop; stopping (streams drain)");
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                Signal::Term => break,
                 Signal::Handover => {
                     tracing::warn!("SIGUSR2: a handover needs one daemon per process (wanoptd demo runs several); ignored");
                 }
@@ -507,11 +533,13 @@ fn run_daemons(
 
 enum Signal {
     Stop,
+    Term,
     Reload,
     Handover,
 }
 
-/// SIGTERM and SIGINT stop the daemon gracefully; SIGHUP reloads the config; SIGUSR2 hands it
+/// SIGTERM and SIGINT stop the daemon gracefully (SIGTERM during `systemctl restart` hands it
+/// over through systemd's file descriptor store); SIGHUP reloads the config; SIGUSR2 hands it
 /// over to the binary now at its path, keeping every stream.
 struct Signals {
     term: tokio::signal::unix::Signal,
@@ -533,7 +561,7 @@ impl Signals {
 
     async fn next(&mut self) -> Signal {
         tokio::select! {
-            _ = self.term.recv() => { tracing::info!("SIGTERM received"); Signal::Stop }
+            _ = self.term.recv() => { tracing::info!("SIGTERM received"); Signal::Term }
             _ = self.int.recv() => { tracing::info!("SIGINT received"); Signal::Stop }
             _ = self.hup.recv() => Signal::Reload,
             _ = self.usr2.recv() => Signal::Handover,

@@ -92,6 +92,7 @@ pub(super) fn dispatch(
                 add(&l.streams_resumed, r.streams as u64);
                 add(&l.resent, r.resent);
                 l.outage_seconds.inc_by(r.outage.as_secs_f64());
+                counters.handover.resumed(r.outage);
                 info!(
                     link,
                     streams = r.streams,
