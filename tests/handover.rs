@@ -55,7 +55,18 @@ fn paced_client(
     rate: u64,
     reply: u64,
 ) -> Result<(), String> {
-    let mut s = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+    let s = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+    paced_client_on(s, seed, len, rate, reply)
+}
+
+/// [`paced_client`] on a connection already made (from inside a namespace, for instance).
+fn paced_client_on(
+    mut s: TcpStream,
+    seed: u64,
+    len: u64,
+    rate: u64,
+    reply: u64,
+) -> Result<(), String> {
     s.set_read_timeout(Some(Duration::from_secs(120))).ok();
     let mut hdr = [0u8; 16];
     hdr[..8].copy_from_slice(&seed.to_le_bytes());
@@ -265,4 +276,330 @@ fn a_handover_the_new_binary_refuses_stops_nothing() {
     assert!(p.west.is_running(), "the daemon serves on");
     assert_eq!(p.west.count("handover: parking the streams"), 0);
     hash_client(h, 6, 1 << 20, 1 << 20).expect("a new stream after the refusal");
+}
+
+/// The issue's end-to-end test with a real client: a PostgreSQL standby streams WAL from its
+/// primary through the pair across wansim `t3-100ms-0.5` while `pgbench` writes at a steady
+/// rate, and meanwhile west hands over three times (the last time to a binary replaced in place
+/// under it, as an upgrade does) and east once. The walreceiver never notices: the standby's
+/// walreceiver and the primary's walsender are the same processes from start to end, and
+/// primary and standby hold the same rows at the end.
+#[test]
+fn a_postgres_standby_never_notices_handovers_across_a_wan() {
+    use common::pgserver::*;
+    if !wansim::available_or_skip("a PostgreSQL standby through handovers across wansim") {
+        return;
+    }
+    let pg = server_bin();
+    let missing: Vec<String> = ["initdb", "pg_basebackup", "pgbench", "pg_ctl"]
+        .iter()
+        .map(|p| pg.join(p))
+        .filter(|p| !p.exists())
+        .map(|p| p.display().to_string())
+        .collect();
+    if !missing.is_empty() {
+        assert!(
+            std::env::var("WANOPT_REQUIRE_POSTGRES").as_deref() != Ok("1"),
+            "WANOPT_REQUIRE_POSTGRES=1 but {missing:?} are missing"
+        );
+        eprintln!("skipping: missing {missing:?}");
+        return;
+    }
+    let wan = wansim::Wan::start(
+        &format!("pgho{}", std::process::id() % 100_000),
+        wansim::preset("t3-100ms-0.5").expect("preset"),
+    )
+    .expect("wansim");
+    let (east_ns, west_ns) = (wan.netns(wansim::Site::East), wan.netns(wansim::Site::West));
+
+    let tmp = tempfile::tempdir().expect("tempdir");
+    run("chmod", &["755", tmp.path().to_str().expect("utf8")]).expect("chmod");
+    let sock = owned_dir(tmp.path(), "sock", "postgres");
+    let work = owned_dir(tmp.path(), "pg", "postgres");
+    let (primary_dir, standby_dir) = (work.join("primary"), work.join("standby"));
+    let dir = |p: &std::path::Path| p.to_str().expect("utf8").to_string();
+    run_as(
+        "postgres",
+        &pg,
+        "initdb",
+        &["-D", &dir(&primary_dir), "-U", "postgres", "--auth=trust"],
+    )
+    .expect("initdb");
+    std::fs::write(
+        primary_dir.join("postgresql.auto.conf"),
+        "wal_keep_size = '1GB'\n",
+    )
+    .expect("primary settings");
+    let primary = PgServer::start_in(Some(&east_ns), &pg, &primary_dir, &sock);
+    let sock_s = dir(&sock);
+    let primary_port = primary.port.to_string();
+    let on_primary = |cmd: &str, args: &[&str]| {
+        let mut a = vec![
+            "-h",
+            sock_s.as_str(),
+            "-p",
+            primary_port.as_str(),
+            "-U",
+            "postgres",
+        ];
+        a.extend_from_slice(args);
+        run_as("postgres", &pg, cmd, &a)
+    };
+    on_primary("pgbench", &["-i", "-q", "-s", "10", "postgres"]).expect("pgbench -i");
+    on_primary(
+        "pg_basebackup",
+        &["-D", &dir(&standby_dir), "-R", "-X", "stream", "-c", "fast"],
+    )
+    .expect("the standby's clone");
+
+    // Both daemons run a copy of the binary, so the test can replace it under them.
+    let bin_dir = tempfile::tempdir().expect("tempdir");
+    let exe = bin_dir.path().join("wanoptd");
+    std::fs::copy(bin("wanoptd"), &exe).expect("copy wanoptd");
+    let pair = wan_pair_of(
+        &exe,
+        &wan,
+        &format!("  - name: pg\n    target: 127.0.0.1:{}\n", primary.port),
+        "  - name: pg\n    listen: 127.0.0.1:0\n",
+        |_, y| link_lines(y, "  bandwidth: 45mbit\n  rtt: 100ms\n"),
+    );
+    let gw = pair.west.bound("pg");
+    // The standby replicates from west's gateway port (in its own site's namespace).
+    let mut auto = std::fs::read_to_string(standby_dir.join("postgresql.auto.conf"))
+        .expect("postgresql.auto.conf");
+    auto.push_str(&format!(
+        "primary_conninfo = 'host={} port={} user=postgres application_name=standby'\n",
+        gw.ip(),
+        gw.port()
+    ));
+    std::fs::write(standby_dir.join("postgresql.auto.conf"), auto).expect("standby settings");
+    let standby = PgServer::start_in(Some(&west_ns), &pg, &standby_dir, &sock);
+    let streaming = |s: &str| s.split('|').next() == Some("streaming");
+    let first = wait_for("the standby streams", 60 * SEC, || {
+        let s = primary
+            .psql("SELECT state, pid, backend_start FROM pg_stat_replication")
+            .ok()?;
+        streaming(&s).then_some(s)
+    });
+    let receiver = standby
+        .psql("SELECT pid FROM pg_stat_wal_receiver")
+        .expect("walreceiver");
+
+    // A steady load: 300 transactions a second for 45 s, four clients.
+    let load = {
+        let (pg, sock_s, port) = (pg.clone(), sock_s.clone(), primary_port.clone());
+        std::thread::spawn(move || {
+            run_as(
+                "postgres",
+                &pg,
+                "pgbench",
+                &[
+                    "-h", &sock_s, "-p", &port, "-U", "postgres", "-n", "-c", "4", "-j", "2", "-R",
+                    "300", "-T", "45", "postgres",
+                ],
+            )
+        })
+    };
+    let mut successors = Successors(Vec::new());
+    let (west, east) = (&pair.west, &pair.east);
+    std::thread::sleep(6 * SEC);
+    kill(west.pid() as i32, libc::SIGUSR2);
+    let w1 = successor(west, 1);
+    successors.0.push(w1);
+    west.wait_log_n("link resumed", 1, 30 * SEC);
+    std::thread::sleep(6 * SEC);
+    kill(east.pid() as i32, libc::SIGUSR2);
+    let e1 = successor(east, 1);
+    successors.0.push(e1);
+    east.wait_log("took the link's streams over", 30 * SEC);
+    std::thread::sleep(6 * SEC);
+    kill(w1, libc::SIGUSR2);
+    let w2 = successor(west, 2);
+    successors.0.push(w2);
+    std::thread::sleep(6 * SEC);
+    // An upgrade: a new file renamed over the one the daemons run from.
+    let fresh = bin_dir.path().join("wanoptd.new");
+    std::fs::copy(bin("wanoptd"), &fresh).expect("copy wanoptd");
+    std::fs::rename(&fresh, &exe).expect("replace wanoptd");
+    kill(w2, libc::SIGUSR2);
+    let w3 = successor(west, 3);
+    successors.0.push(w3);
+
+    let out = load
+        .join()
+        .expect("pgbench thread")
+        .expect("pgbench ran to its end");
+    assert!(
+        out.contains("number of failed transactions: 0") || !out.contains("failed"),
+        "{out}"
+    );
+    let lsn = primary
+        .psql("SELECT pg_current_wal_lsn()")
+        .expect("primary lsn");
+    wait_for("the standby caught up", 120 * SEC, || {
+        let ok = standby
+            .psql(&format!("SELECT pg_last_wal_replay_lsn() >= '{lsn}'"))
+            .ok()?;
+        (ok == "t").then_some(())
+    });
+    let rows = "SELECT (SELECT count(*) || ' ' || sum(abalance) || ' ' || md5(string_agg(abalance::text, ',' ORDER BY aid)) FROM pgbench_accounts) || ' ' || \
+                (SELECT count(*) || ' ' || coalesce(sum(delta), 0) FROM pgbench_history) || ' ' || \
+                (SELECT sum(bbalance) FROM pgbench_branches) || ' ' || (SELECT sum(tbalance) FROM pgbench_tellers)";
+    let want = primary.psql(rows).expect("primary rows");
+    let got = standby.psql(rows).expect("standby rows");
+    assert_eq!(got, want, "the standby's rows differ from the primary's");
+    let history: u64 = want
+        .split_whitespace()
+        .nth(3)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(history > 5_000, "pgbench wrote too little: {want}");
+    // The same walsender (pid and start) and walreceiver as before the handovers.
+    let last = primary
+        .psql("SELECT state, pid, backend_start FROM pg_stat_replication")
+        .expect("pg_stat_replication");
+    assert_eq!(last, first, "the standby reconnected");
+    assert_eq!(
+        standby
+            .psql("SELECT pid FROM pg_stat_wal_receiver")
+            .expect("walreceiver"),
+        receiver,
+        "the walreceiver restarted"
+    );
+    for d in [west, east] {
+        assert_eq!(d.count("stream failed"), 0, "{}", d.log().join("\n"));
+        for l in d
+            .log()
+            .iter()
+            .filter(|l| l.contains("took the link's streams over") || l.contains("link resumed"))
+        {
+            println!("{}: {l}", d.name);
+        }
+    }
+    println!(
+        "{history} pgbench transactions; west handed over 3 times ({} -> {w1} -> {w2} -> {w3}, the last to a replaced binary), east once (-> {e1}); the standby never reconnected",
+        west.pid()
+    );
+}
+
+/// 8 KiB round trips on `s` (to an echo server) until `stop`, each checked; the slowest.
+fn sync_loop_on(
+    mut s: TcpStream,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Result<(u64, Duration), String> {
+    s.set_read_timeout(Some(Duration::from_secs(60))).ok();
+    let mut out = vec![0u8; 8192];
+    let mut back = vec![0u8; 8192];
+    let (mut n, mut worst) = (0u64, Duration::ZERO);
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        fill(77, n * 8192, &mut out);
+        let t = Instant::now();
+        s.write_all(&out)
+            .map_err(|e| format!("round trip {n}: write: {e}"))?;
+        s.read_exact(&mut back)
+            .map_err(|e| format!("round trip {n}: read: {e}"))?;
+        if back != out {
+            return Err(format!("round trip {n}: the echo differs"));
+        }
+        worst = worst.max(t.elapsed());
+        n += 1;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok((n, worst))
+}
+
+/// Across wansim `t3-100ms-0.5`, a bulk stream and a SYNC round-trip loop stay exact through
+/// a handover during a link outage (west, then east, each while the WAN is cut: the new
+/// process takes up a link already suspended) and through handovers of both sides at once
+/// (east hands over while west's new process is resuming the link).
+#[test]
+fn streams_ride_through_handovers_during_outages_and_while_the_peer_resumes() {
+    if !wansim::available_or_skip("handovers during link outages across wansim") {
+        return;
+    }
+    let wan = wansim::Wan::start(
+        &format!("hoout{}", std::process::id() % 100_000),
+        wansim::preset("t3-100ms-0.5").expect("preset"),
+    )
+    .expect("wansim");
+    let east_ip = wansim::Site::East.addr();
+    east_servers(&wan, east_ip.into());
+    let l = wan
+        .in_site(wansim::Site::East, move || {
+            std::net::TcpListener::bind((east_ip, 9002))
+        })
+        .expect("east")
+        .expect("bind");
+    let srv = serve_on(l, hash_handler);
+    let pair = wan_pair(
+        &wan,
+        &format!(
+            "  - name: bulk\n    target: {srv}\n  - name: sync\n    target: {east_ip}:9000\n    class: latency\n"
+        ),
+        "  - name: bulk\n    listen: 127.0.0.1:0\n  - name: sync\n    listen: 127.0.0.1:0\n    class: latency\n",
+        |_, y| link_lines(y, "  bandwidth: 45mbit\n  rtt: 100ms\n"),
+    );
+    let (west, east) = (&pair.west, &pair.east);
+    let bulk = connect_in(&wan, west.bound("bulk"), "cubic");
+    let sync = connect_in(&wan, west.bound("sync"), "cubic");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let bulk = std::thread::spawn(move || paced_client_on(bulk, 11, 24 << 20, 1 << 20, 2 << 20));
+    let sync = {
+        let stop = stop.clone();
+        std::thread::spawn(move || sync_loop_on(sync, stop))
+    };
+    let mut successors = Successors(Vec::new());
+    std::thread::sleep(3 * SEC);
+
+    // West hands over while the WAN is down: its new process takes up a suspended link.
+    wan.set_cut(true);
+    std::thread::sleep(SEC);
+    kill(west.pid() as i32, libc::SIGUSR2);
+    let w1 = successor(west, 1);
+    successors.0.push(w1);
+    std::thread::sleep(2 * SEC);
+    wan.set_cut(false);
+    west.wait_log_n("took the link's streams over", 1, 30 * SEC);
+    std::thread::sleep(3 * SEC);
+
+    // Both at once: east hands over while west's new process is resuming the link.
+    kill(w1, libc::SIGUSR2);
+    std::thread::sleep(Duration::from_millis(150));
+    kill(east.pid() as i32, libc::SIGUSR2);
+    let w2 = successor(west, 2);
+    let e1 = successor(east, 1);
+    successors.0.extend([w2, e1]);
+    std::thread::sleep(4 * SEC);
+
+    // East hands over while the WAN is down.
+    wan.set_cut(true);
+    std::thread::sleep(SEC);
+    kill(e1, libc::SIGUSR2);
+    let e2 = successor(east, 2);
+    successors.0.push(e2);
+    std::thread::sleep(2 * SEC);
+    wan.set_cut(false);
+
+    let b = bulk.join().expect("bulk thread");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let s = sync.join().expect("sync thread");
+    let logs = || {
+        format!(
+            "--- west\n{}\n--- east\n{}",
+            west.log().join("\n"),
+            east.log().join("\n")
+        )
+    };
+    assert!(b.is_ok(), "bulk: {b:?}\n{}", logs());
+    let (rounds, worst) = s.unwrap_or_else(|e| panic!("sync: {e}\n{}", logs()));
+    assert!(rounds > 50, "{rounds} round trips");
+    for d in [west, east] {
+        assert_eq!(d.count("stream failed"), 0, "{}", logs());
+    }
+    assert_eq!(west.count("took the link's streams over"), 2, "{}", logs());
+    assert_eq!(east.count("took the link's streams over"), 2, "{}", logs());
+    println!(
+        "bulk exact, {rounds} SYNC round trips exact (slowest {:.0} ms, across two 3 s outages); west {w1} -> {w2}, east {e1} -> {e2}",
+        worst.as_secs_f64() * 1000.0
+    );
 }

@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::pgserver::*;
 use common::*;
 
 /// The west gateway's address as the recipes write it, and what stands for it here.
@@ -161,87 +162,6 @@ fn sample_pair(from: &str, port: u16) -> SamplePair {
     }
 }
 
-/// A directory the database servers' users can reach, owned by `user`.
-fn owned_dir(parent: &Path, name: &str, user: &str) -> PathBuf {
-    let d = parent.join(name);
-    std::fs::create_dir_all(&d).expect("mkdir");
-    run("chown", &[user, d.to_str().expect("utf8")]).expect("chown");
-    d
-}
-
-fn run(cmd: &str, args: &[&str]) -> Result<String, String> {
-    run_with(cmd, args, "")
-}
-
-/// `cmd args` with `input` on its standard input.
-fn run_with(cmd: &str, args: &[&str], input: &str) -> Result<String, String> {
-    use std::io::Write;
-    let mut child = Command::new(cmd)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("{cmd}: {e}"))?;
-    let mut stdin = child.stdin.take().ok_or("no stdin")?;
-    let input = input.to_string();
-    let feeder = std::thread::spawn(move || {
-        let _ = stdin.write_all(input.as_bytes());
-    });
-    let out = child
-        .wait_with_output()
-        .map_err(|e| format!("{cmd}: {e}"))?;
-    let _ = feeder.join();
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(format!(
-            "{cmd} {args:?}: {}\n{}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
-}
-
-/// `cmd args` as `user`, with `path` first in PATH.
-fn run_as(user: &str, path: &Path, cmd: &str, args: &[&str]) -> Result<String, String> {
-    run_as_with(user, path, cmd, args, "")
-}
-
-/// [`run_as`] with `input` on the command's standard input.
-fn run_as_with(
-    user: &str,
-    path: &Path,
-    cmd: &str,
-    args: &[&str],
-    input: &str,
-) -> Result<String, String> {
-    let path_env = format!("PATH={}:/usr/sbin:/usr/bin:/sbin:/bin", path.display());
-    let mut a = vec!["-u", user, "--", "env", path_env.as_str(), cmd];
-    a.extend_from_slice(args);
-    run_with("runuser", &a, input)
-}
-
-/// Polls `f` every 200 ms until it returns `Some`, or panics with `what` after `limit`.
-fn wait_for<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let end = Instant::now() + limit;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < end, "timed out: {what}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
 /// The raw bytes a service moved through a daemon, both ways.
 fn service_bytes(d: &Daemon, service: &str) -> u64 {
     let text = scrape(d.bound("admin"));
@@ -251,124 +171,12 @@ fn service_bytes(d: &Daemon, service: &str) -> u64 {
 
 // ---------------------------------------------------------------- PostgreSQL
 
-/// The newest installed PostgreSQL's server binaries.
-fn pg_bin() -> PathBuf {
-    let versions = std::fs::read_dir("/usr/lib/postgresql")
-        .map(|d| {
-            d.filter_map(Result::ok)
-                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-                .collect::<Vec<_>>()
-        })
-        .unwrap_or_default();
-    let v = versions.into_iter().max().unwrap_or(0);
-    PathBuf::from(format!("/usr/lib/postgresql/{v}/bin"))
-}
-
-/// A PostgreSQL server of this test's own, stopped when dropped.
-struct PgServer {
-    bin: PathBuf,
-    data: PathBuf,
-    sock: PathBuf,
-    port: u16,
-}
-
-impl PgServer {
-    fn start(bin: &Path, data: &Path, sock: &Path) -> PgServer {
-        let port = free_port();
-        let opts = format!(
-            "-p {port} -k {} -c listen_addresses=127.0.0.1",
-            sock.display()
-        );
-        let log = data.with_extension("log");
-        let s = PgServer {
-            bin: bin.to_path_buf(),
-            data: data.to_path_buf(),
-            sock: sock.to_path_buf(),
-            port,
-        };
-        run_as(
-            "postgres",
-            bin,
-            "pg_ctl",
-            &[
-                "-D",
-                data.to_str().expect("utf8"),
-                "-o",
-                &opts,
-                "-l",
-                log.to_str().expect("utf8"),
-                "-w",
-                "-t",
-                "60",
-                "start",
-            ],
-        )
-        .unwrap_or_else(|e| {
-            panic!(
-                "start {}: {e}\n{}",
-                data.display(),
-                std::fs::read_to_string(&log).unwrap_or_default()
-            )
-        });
-        s
-    }
-
-    /// `sql` through psql as `postgres` (each statement on its own, as a script), unaligned,
-    /// tuples only; stops at the first error.
-    fn psql(&self, sql: &str) -> Result<String, String> {
-        let port = self.port.to_string();
-        run_as_with(
-            "postgres",
-            &self.bin,
-            "psql",
-            &[
-                "-X",
-                "-q",
-                "-A",
-                "-t",
-                "-v",
-                "ON_ERROR_STOP=1",
-                "-h",
-                self.sock.to_str().expect("utf8"),
-                "-p",
-                &port,
-                "-U",
-                "postgres",
-                "-d",
-                "postgres",
-                "-f",
-                "-",
-            ],
-            sql,
-        )
-        .map(|s| s.trim().to_string())
-    }
-}
-
-impl Drop for PgServer {
-    fn drop(&mut self) {
-        let _ = run_as(
-            "postgres",
-            &self.bin,
-            "pg_ctl",
-            &[
-                "-D",
-                self.data.to_str().unwrap_or(""),
-                "-m",
-                "immediate",
-                "-w",
-                "stop",
-            ],
-        );
-    }
-}
-
 const PG_ROWS: &str =
     "SELECT count(*) || ' ' || md5(string_agg(id || '=' || v, ',' ORDER BY id)) FROM recipe";
 
 #[test]
 fn postgres_standby_replicates_through_the_pair_as_the_docs_say() {
-    let bin = pg_bin();
+    let bin = server_bin();
     let needs = [bin.join("initdb"), bin.join("pg_basebackup")];
     let needs: Vec<&str> = needs.iter().filter_map(|p| p.to_str()).collect();
     if !can_run("WANOPT_REQUIRE_POSTGRES", &needs) {

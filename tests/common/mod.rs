@@ -5,6 +5,7 @@
 
 pub mod args;
 pub mod pg;
+pub mod pgserver;
 pub mod report;
 pub mod sink;
 
