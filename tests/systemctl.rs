@@ -10,8 +10,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -292,53 +291,6 @@ fn free_port() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("a free port")
-}
-
-/// A client of the hash server that sends `len` bytes at about `rate` bytes a second, so the
-/// stream is mid-flight through the restarts, then checks the server's hash of them and its
-/// reply of `reply` bytes.
-fn paced_client(
-    addr: SocketAddr,
-    seed: u64,
-    len: u64,
-    rate: u64,
-    reply: u64,
-) -> Result<(), String> {
-    let mut s = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(120))).ok();
-    let mut hdr = [0u8; 16];
-    hdr[..8].copy_from_slice(&seed.to_le_bytes());
-    hdr[8..].copy_from_slice(&reply.to_le_bytes());
-    s.write_all(&hdr).map_err(|e| format!("write: {e}"))?;
-    let mut h = blake3::Hasher::new();
-    let mut buf = vec![0u8; 32 * 1024];
-    let start = Instant::now();
-    let mut off = 0u64;
-    while off < len {
-        let n = (len - off).min(buf.len() as u64) as usize;
-        fill(seed, off, &mut buf[..n]);
-        s.write_all(&buf[..n])
-            .map_err(|e| format!("stream {seed}: write at {off}: {e}"))?;
-        h.update(&buf[..n]);
-        off += n as u64;
-        let due = start + Duration::from_secs_f64(off as f64 / rate as f64);
-        if let Some(w) = due.checked_duration_since(Instant::now()) {
-            std::thread::sleep(w);
-        }
-    }
-    s.shutdown(Shutdown::Write)
-        .map_err(|e| format!("shutdown: {e}"))?;
-    let mut got = [0u8; 32];
-    s.read_exact(&mut got)
-        .map_err(|e| format!("stream {seed}: read hash: {e}"))?;
-    if got != *h.finalize().as_bytes() {
-        return Err(format!("stream {seed}: the server hashed different bytes"));
-    }
-    let (n, hash) = read_all(&mut s).map_err(|e| format!("stream {seed}: read reply: {e}"))?;
-    if n != reply || hash != pattern_hash(seed ^ 0xABCD, reply) {
-        return Err(format!("stream {seed}: the reply of {n} bytes differs"));
-    }
-    Ok(())
 }
 
 /// Under the shipped unit: `systemctl restart` of west, then of east, a `SIGUSR2` to east (the
