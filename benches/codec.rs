@@ -34,6 +34,11 @@ use wanopt_runtime::disk::DiskStore;
 use wanopt_codec::testdata::noise as xorshift;
 
 /// 8 KiB blocks of order-entry-like rows with varying keys and quantities.
+/// The daemon's allocator (see crates/wanoptd), so the codec's allocations cost here what they
+/// cost there: a new first copy reuses the freed pages of the one before.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn db_like(len: usize) -> Vec<u8> {
     let mut v = Vec::with_capacity(len + 8192);
     let mut r = 0u64;
@@ -512,6 +517,73 @@ fn stages(name: &str, data: &[u8]) {
     );
 }
 
+/// For a CPU profile of each stage (issue 36): the first copy of `data` encoded and decoded on
+/// one thread at a time, on the LZ4 path and on the zstd path, each phase in a thread named
+/// after it (`enc-lz4`, `dec-lz4`, `enc-zstd`, `dec-zstd`) and repeated for about `seconds`, so
+/// `perf record` of this process splits by phase (`perf report --sort comm,symbol`).
+fn profile(data: &[u8], seconds: f64) {
+    for (path, compression, pressure) in [
+        ("lz4", Compression::Adaptive, Pressure::CpuBound),
+        ("zstd", Compression::Adaptive, Pressure::LinkBound),
+    ] {
+        let cfg = CodecConfig {
+            compression,
+            ..CodecConfig::default()
+        };
+        let data = data.to_vec();
+        let c = cfg.clone();
+        let wire = std::thread::Builder::new()
+            .name(format!("enc-{path}"))
+            .spawn(move || {
+                let t = Instant::now();
+                let mut rounds = 0;
+                // The output is reused: page faults on fresh output would be this harness's
+                // cost, not the codec's (a daemon writes to sockets piece by piece).
+                let mut wire = Vec::with_capacity(data.len() + data.len() / 100 + 4096);
+                loop {
+                    let mut enc = Encoder::new(c.clone());
+                    wire.clear();
+                    for piece in data.chunks(64 * 1024) {
+                        enc.push(piece, false, pressure, &mut wire);
+                    }
+                    enc.push(&[], true, pressure, &mut wire);
+                    rounds += 1;
+                    if t.elapsed().as_secs_f64() >= seconds {
+                        let mbs = (data.len() * rounds) as f64 / t.elapsed().as_secs_f64() / 1e6;
+                        println!("enc-{path}: {rounds} rounds, {mbs:.0} MB/s");
+                        return (wire, data.len());
+                    }
+                }
+            })
+            .expect("thread")
+            .join()
+            .expect("encode");
+        std::thread::Builder::new()
+            .name(format!("dec-{path}"))
+            .spawn(move || {
+                let (wire, len) = wire;
+                let t = Instant::now();
+                let mut rounds = 0;
+                let mut out = Vec::with_capacity(len + 4096);
+                loop {
+                    let mut dec = Decoder::new(&cfg);
+                    out.clear();
+                    dec.decode(&wire, &mut out).expect("decode");
+                    assert_eq!(out.len(), len);
+                    rounds += 1;
+                    if t.elapsed().as_secs_f64() >= seconds {
+                        let mbs = (len * rounds) as f64 / t.elapsed().as_secs_f64() / 1e6;
+                        println!("dec-{path}: {rounds} rounds, {mbs:.0} MB/s");
+                        return;
+                    }
+                }
+            })
+            .expect("thread")
+            .join()
+            .expect("decode");
+    }
+}
+
 /// Decode throughput of new chunks and of their repeat, per cache tier setup.
 fn tiers(data: &[u8]) {
     let cfg = CodecConfig {
@@ -589,6 +661,11 @@ fn main() {
             threads(name, data, n);
         }
         report::finish("codec-threads", "codec --threads: the pool on this machine");
+        return;
+    }
+    if let Some(path) = args.text("--profile") {
+        let data = std::fs::read(&path).unwrap_or_else(|e| panic!("--profile {path}: {e}"));
+        profile(&data, args.get("--seconds", 4.0));
         return;
     }
     if let Some(path) = args.text("--wal") {

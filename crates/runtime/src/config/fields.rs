@@ -132,9 +132,18 @@ pub mod defaults {
     pub const STREAMS_PER_CLIENT: u32 = 256;
     pub const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
     pub const HANDSHAKES_PER_SOURCE: u32 = 8;
-    /// Threads that encode: the host's cores (at most 64).
+    /// Threads that encode: the host's cores (at most 64), but one on a host of one or two
+    /// cores. There the pool's second thread shares a core with the peer, the applications
+    /// and the kernel's network work, and it lost more often than not: first copies of a real
+    /// base backup through a loopback pair ran at 0.84x (48 MB) and 0.75x (337 MB) of
+    /// `threads: 1` with two threads, medians of five (`cargo bench --bench threads`).
     pub fn threads() -> usize {
-        std::thread::available_parallelism().map_or(1, |n| n.get().min(64))
+        threads_for(std::thread::available_parallelism().map_or(1, |n| n.get()))
+    }
+
+    /// [`threads`] on a host of `cores` cores.
+    pub fn threads_for(cores: usize) -> usize {
+        if cores <= 2 { 1 } else { cores.min(64) }
     }
     pub const STATE_DIR: &str = "/var/lib/wanoptd";
     pub const LOG_LEVEL: &str = "info";

@@ -767,3 +767,16 @@ fn the_lane_rto_min_is_off_unless_set_and_bounded() {
     let d = p(with("20ms")).expect("valid").describe();
     assert!(d.contains("lane_rto_min: 20ms"), "{d}");
 }
+
+/// `limits.threads` left out: one thread on hosts of one or two cores (where the pool lost to
+/// one thread, `cargo bench --bench threads`), the host's cores above that, at most 64.
+#[test]
+fn the_default_threads_never_add_a_pool_to_a_small_host() {
+    assert_eq!(defaults::threads_for(1), 1);
+    assert_eq!(defaults::threads_for(2), 1);
+    assert_eq!(defaults::threads_for(3), 3);
+    assert_eq!(defaults::threads_for(16), 16);
+    assert_eq!(defaults::threads_for(200), 64);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert_eq!(defaults::threads(), defaults::threads_for(cores));
+}
