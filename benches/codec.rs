@@ -505,14 +505,48 @@ fn stages(name: &str, data: &[u8]) {
         x ^= wanopt_codec::cache::fingerprint(&data[off..off + len])[0];
     }
     let hashing = t.elapsed().as_secs_f64();
+    // The same cuts found in pieces (wanopt_codec::cuts): on one thread, and on two.
+    let t = Instant::now();
+    let one = wanopt_codec::cuts::chunks_serial(data, &cfg, 1 << 20);
+    let pieces1 = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let two = wanopt_codec::cuts::chunks_in_pieces(data, &cfg, 1 << 20, |pieces, m| {
+        let half = pieces.len().div_ceil(2);
+        std::thread::scope(|sc| {
+            let h = sc.spawn(|| {
+                pieces[half..]
+                    .iter()
+                    .map(|p| wanopt_codec::cuts::candidates(data, p.clone(), m))
+                    .collect::<Vec<_>>()
+            });
+            let mut v: Vec<_> = pieces[..half]
+                .iter()
+                .map(|p| wanopt_codec::cuts::candidates(data, p.clone(), m))
+                .collect();
+            v.extend(h.join().expect("piece thread"));
+            v
+        })
+    });
+    let pieces2 = t.elapsed().as_secs_f64();
+    assert_eq!(one.len(), n, "the pieces' cuts");
+    assert_eq!(one, two, "the pieces' cuts on two threads");
     report::row(
         "Stages on one core",
-        &["data", "chunking MB/s", "chunking + BLAKE3 MB/s", "chunks"],
+        &[
+            "data",
+            "chunking MB/s",
+            "chunking + BLAKE3 MB/s",
+            "chunks",
+            "cuts in pieces, 1 thread MB/s",
+            "2 threads MB/s",
+        ],
         vec![
             name.into(),
             mbs(data.len(), chunking),
             mbs(data.len(), hashing),
             format!("{n} ({x})"),
+            mbs(data.len(), pieces1),
+            mbs(data.len(), pieces2),
         ],
     );
 }
@@ -696,6 +730,8 @@ fn main() {
     }
     for path in args.all("--file") {
         file_vs_stream_compressors(&path);
+        let data = std::fs::read(&path).unwrap_or_else(|e| panic!("--file {path}: {e}"));
+        stages(&path, &data);
     }
     stages("db-like stages", &db);
     stages("incompressible stages", &noise);

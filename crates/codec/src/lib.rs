@@ -20,6 +20,7 @@
 pub mod cache;
 mod config;
 mod context;
+pub mod cuts;
 mod decoder;
 pub mod delta;
 mod encoder;
