@@ -513,16 +513,8 @@ fn stages(name: &str, data: &[u8]) {
     let two = wanopt_codec::cuts::chunks_in_pieces(data, &cfg, 1 << 20, |pieces, m| {
         let half = pieces.len().div_ceil(2);
         std::thread::scope(|sc| {
-            let h = sc.spawn(|| {
-                pieces[half..]
-                    .iter()
-                    .map(|p| wanopt_codec::cuts::candidates(data, p.clone(), m))
-                    .collect::<Vec<_>>()
-            });
-            let mut v: Vec<_> = pieces[..half]
-                .iter()
-                .map(|p| wanopt_codec::cuts::candidates(data, p.clone(), m))
-                .collect();
+            let h = sc.spawn(|| wanopt_codec::cuts::candidates_of(data, &pieces[half..], m));
+            let mut v = wanopt_codec::cuts::candidates_of(data, &pieces[..half], m);
             v.extend(h.join().expect("piece thread"));
             v
         })
@@ -695,6 +687,11 @@ fn main() {
             threads(name, data, n);
         }
         report::finish("codec-threads", "codec --threads: the pool on this machine");
+        return;
+    }
+    if let Some(path) = args.text("--stages") {
+        let data = std::fs::read(&path).unwrap_or_else(|e| panic!("--stages {path}: {e}"));
+        stages(&path, &data);
         return;
     }
     if let Some(path) = args.text("--profile") {

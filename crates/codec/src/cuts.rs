@@ -35,7 +35,9 @@ pub struct Candidate {
 pub struct Masks {
     strict: u64,
     relaxed: u64,
-    gear: std::borrow::Cow<'static, [u64]>,
+    gear: [u64; 256],
+    /// FastCDC's table was 256 entries long, as it always is.
+    whole: bool,
     min: usize,
     avg: usize,
     max: usize,
@@ -45,11 +47,17 @@ impl Masks {
     pub fn new(cfg: &CodecConfig) -> Masks {
         let (strict, relaxed) =
             fastcdc::v2020::select_masks(cfg.avg_chunk, fastcdc::v2020::Normalization::Level1);
-        let (gear, _) = fastcdc::v2020::get_gear_with_seed(0);
+        let (table, _) = fastcdc::v2020::get_gear_with_seed(0);
+        let mut gear = [0u64; 256];
+        let whole = table.len() == gear.len();
+        for (g, t) in gear.iter_mut().zip(table.iter()) {
+            *g = *t;
+        }
         Masks {
             strict,
             relaxed,
             gear,
+            whole,
             min: cfg.min_chunk,
             avg: cfg.avg_chunk,
             max: cfg.max_chunk,
@@ -59,11 +67,11 @@ impl Masks {
     /// Whether the masks fit what this module assumes (the low 48 bits); the callers fall back
     /// to [`crate::chunks`] if not.
     pub fn windowed(&self) -> bool {
-        self.strict >> WINDOW == 0 && self.relaxed >> WINDOW == 0 && self.gear.len() == 256
+        self.strict >> WINDOW == 0 && self.relaxed >> WINDOW == 0 && self.whole
     }
 
     fn gear(&self, b: u8) -> u64 {
-        self.gear.get(usize::from(b)).copied().unwrap_or(0)
+        self.gear[usize::from(b)]
     }
 }
 
@@ -88,6 +96,78 @@ pub fn candidates(data: &[u8], piece: Range<usize>, m: &Masks) -> Vec<Candidate>
                 relaxed,
             });
         }
+    }
+    out
+}
+
+/// Pieces scanned side by side on one thread by [`candidates_side_by_side`].
+pub const LANES: usize = 4;
+
+/// The candidates of [`LANES`] pieces at once, on one thread: each piece's hash waits on its
+/// own last step, so advancing several side by side lets the CPU overlap them (one piece at a
+/// time is bound by that chain, as FastCDC's own loop is). The same as [`candidates`] of each.
+pub fn candidates_side_by_side(
+    data: &[u8],
+    pieces: &[Range<usize>; LANES],
+    m: &Masks,
+) -> [Vec<Candidate>; LANES] {
+    let lane = pieces.clone().map(|p| {
+        let end = p.end.min(data.len());
+        let from = p.start.min(end);
+        (from.saturating_sub(WINDOW - 1), from, end)
+    });
+    // The length all lanes scan together; each lane's rest goes on its own after.
+    let common = lane.iter().map(|(w, _, e)| e - w).min().unwrap_or(0);
+    let [s0, s1, s2, s3] = lane.map(|(w, _, _)| &data[w..w + common]);
+    let either = m.strict & m.relaxed;
+    let g = &m.gear;
+    let mut out: [Vec<Candidate>; LANES] = Default::default();
+    let (mut h0, mut h1, mut h2, mut h3) = (0u64, 0u64, 0u64, 0u64);
+    let bytes = s0.iter().zip(s1).zip(s2).zip(s3);
+    for (k, (((&b0, &b1), &b2), &b3)) in bytes.enumerate() {
+        h0 = (h0 << 1).wrapping_add(g[usize::from(b0)]);
+        h1 = (h1 << 1).wrapping_add(g[usize::from(b1)]);
+        h2 = (h2 << 1).wrapping_add(g[usize::from(b2)]);
+        h3 = (h3 << 1).wrapping_add(g[usize::from(b3)]);
+        // Either mask passing needs the bits they share clear: one cheap test for all lanes,
+        // rarely passed.
+        if ((h0 & either) == 0) | ((h1 & either) == 0) | ((h2 & either) == 0) | ((h3 & either) == 0)
+        {
+            for (i, h) in [h0, h1, h2, h3].into_iter().enumerate() {
+                let (warm, from, _) = lane[i];
+                let p = warm + k;
+                let (strict, relaxed) = (h & m.strict == 0, h & m.relaxed == 0);
+                if (strict || relaxed) && p >= from && p + 1 >= warm + WINDOW {
+                    out[i].push(Candidate {
+                        at: p,
+                        strict,
+                        relaxed,
+                    });
+                }
+            }
+        }
+    }
+    for (i, (warm, from, end)) in lane.into_iter().enumerate() {
+        let rest = (warm + common).max(from);
+        if rest < end {
+            let more = candidates(data, rest..end, m);
+            out[i].extend(more);
+        }
+    }
+    out
+}
+
+/// The candidates of `pieces`, in order, [`LANES`] at a time side by side.
+pub fn candidates_of(data: &[u8], pieces: &[Range<usize>], m: &Masks) -> Vec<Vec<Candidate>> {
+    let mut out = Vec::with_capacity(pieces.len());
+    let mut groups = pieces.chunks_exact(LANES);
+    for g in groups.by_ref() {
+        if let Ok(g) = <&[Range<usize>; LANES]>::try_from(g) {
+            out.extend(candidates_side_by_side(data, g, m));
+        }
+    }
+    for p in groups.remainder() {
+        out.push(candidates(data, p.clone(), m));
     }
     out
 }
@@ -216,6 +296,21 @@ mod tests {
         }
         out.truncate(len);
         out
+    }
+
+    #[test]
+    fn side_by_side_finds_what_one_by_one_finds() {
+        let m = Masks::new(&CodecConfig::default());
+        let data = mixed(7, 300_000);
+        for pieces in [
+            [0..1000, 1000..70_000, 70_000..70_001, 80_000..300_000],
+            [5..5, 100..50_000, 0..300_000, 299_990..400_000],
+        ] {
+            let got = candidates_side_by_side(&data, &pieces, &m);
+            for (g, p) in got.iter().zip(pieces.iter()) {
+                assert_eq!(*g, candidates(&data, p.clone(), &m), "{p:?}");
+            }
+        }
     }
 
     #[test]
