@@ -404,88 +404,6 @@ impl AdminMetrics {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct HowLabel {
-    how: &'static str,
-}
-
-/// Handovers to a new process (`SIGUSR2`, or `systemctl restart` through systemd's file
-/// descriptor store): those this process took over, what they carried, the stall, and those
-/// this process refused.
-#[derive(Debug, Default)]
-pub struct HandoverMetrics {
-    taken: Family<HowLabel, Counter>,
-    streams: Counter,
-    stall_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
-    refused: Family<ReasonLabel, Counter>,
-    /// The link taken over has not resumed yet: its first resumption ends the stall.
-    stalled: std::sync::atomic::AtomicBool,
-}
-
-impl HandoverMetrics {
-    /// Why a handover is refused (the daemon serves on, or drains if systemd is stopping it).
-    pub const REFUSALS: [&'static str; 4] = ["binary", "resume", "descriptors", "system"];
-
-    pub fn register(r: &mut Registry) -> Self {
-        let m = HandoverMetrics::default();
-        for how in ["signal", "restart"] {
-            let _ = m.taken.get_or_create(&HowLabel { how });
-        }
-        for reason in Self::REFUSALS {
-            let _ = m.refused.get_or_create(&ReasonLabel { reason });
-        }
-        r.register(
-            "wanopt_handovers_taken",
-            "Daemons this process took over: from SIGUSR2 (signal) or from systemd's file \
-             descriptor store after systemctl restart (restart)",
-            m.taken.clone(),
-        );
-        r.register(
-            "wanopt_handover_streams",
-            "Streams a handover carried over to this process",
-            m.streams.clone(),
-        );
-        r.register(
-            "wanopt_handover_stall_seconds",
-            "Time from the process before parking the streams to the streams going on in this \
-             one",
-            m.stall_seconds.clone(),
-        );
-        r.register(
-            "wanopt_handovers_refused",
-            "Handovers refused before a stream stopped: the binary at our path refuses the \
-             config or cannot run (binary), the link cannot resume streams (resume), more \
-             descriptors than the unit's FileDescriptorStoreMax (descriptors), or the system \
-             refused a memfd or pipe (system)",
-            m.refused.clone(),
-        );
-        m
-    }
-
-    /// This process took a daemon over (`how`: `signal` or `restart`) with `streams` streams.
-    pub fn taken(&self, how: &'static str, streams: u64) {
-        self.taken.get_or_create(&HowLabel { how }).inc();
-        self.streams.inc_by(streams);
-        self.stalled
-            .store(true, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// The link resumed after `outage` (counted from the parking when it was taken over).
-    pub fn resumed(&self, outage: std::time::Duration) {
-        if self
-            .stalled
-            .swap(false, std::sync::atomic::Ordering::Relaxed)
-        {
-            self.stall_seconds.inc_by(outage.as_secs_f64());
-        }
-    }
-
-    /// A handover refused for `reason` (one of [`Self::REFUSALS`]).
-    pub fn refused(&self, reason: &'static str) {
-        self.refused.get_or_create(&ReasonLabel { reason }).inc();
-    }
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct LaneLabel {
     lane: &'static str,
 }
@@ -882,7 +800,7 @@ pub struct Counters {
     pub certs: CertMetrics,
     pub codec: CodecMetrics,
     pub admin: AdminMetrics,
-    pub handover: HandoverMetrics,
+    pub handover: crate::handover::HandoverMetrics,
 }
 
 impl Default for Counters {
@@ -912,7 +830,7 @@ impl Counters {
         let certs = CertMetrics::register(&mut registry);
         let codec = CodecMetrics::register(&mut registry);
         let admin = AdminMetrics::register(&mut registry);
-        let handover = HandoverMetrics::register(&mut registry);
+        let handover = crate::handover::HandoverMetrics::register(&mut registry);
         Counters {
             handover,
             codec,

@@ -57,6 +57,17 @@ pub enum Served {
     Failed(String),
 }
 
+/// The new process of a handover: what the process before handed over and, after `SIGUSR2`,
+/// the pipe to say it is ready on: from the process before (`handover.rs`), or from systemd's
+/// file descriptor store after `systemctl restart` (`fdstore.rs`; no pipe, the process before
+/// has exited). Call it first in `main`, while the process has one thread.
+pub fn inherited() -> Option<Result<(handover::State, Option<std::fs::File>), HandoverError>> {
+    match handover::inherited() {
+        Some(r) => Some(r.map(|(s, ready)| (s, Some(ready)))),
+        None => crate::fdstore::inherited().map(|r| r.map(|s| (s, None))),
+    }
+}
+
 /// Where a handover goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HandoverTo {

@@ -432,17 +432,15 @@ impl Successor {
     }
 }
 
-/// The new process: the state handed to it, if it was started to take a daemon over, and the
-/// pipe to say it is ready on: by the process before (`SIGUSR2`, see [`ENV`]; the variable is
-/// removed, so processes it starts do not see it), or by systemd from its file descriptor
-/// store after `systemctl restart` (see `fdstore.rs`; no pipe: the process before has exited).
-pub fn inherited() -> Option<Result<(State, Option<std::fs::File>), HandoverError>> {
-    let Ok(v) = std::env::var(ENV) else {
-        return crate::fdstore::inherited().map(|r| r.map(|s| (s, None)));
-    };
+/// The new process after `SIGUSR2`: the state the process before handed to it (see [`ENV`])
+/// and the pipe to say it is ready on, if it was started to take a daemon over. The variable
+/// is removed, so processes it starts do not see it. (`daemon::inherited` also asks
+/// `fdstore.rs`, for a process systemd started after `systemctl restart`.)
+pub fn inherited() -> Option<Result<(State, std::fs::File), HandoverError>> {
+    let v = std::env::var(ENV).ok()?;
     // SAFETY: called at start, before any thread reads the environment.
     unsafe { std::env::remove_var(ENV) };
-    Some(read_inherited(&v).map(|(s, r)| (s, Some(r))))
+    Some(read_inherited(&v))
 }
 
 fn read_inherited(v: &str) -> Result<(State, std::fs::File), HandoverError> {
@@ -491,6 +489,100 @@ pub fn ready(mut pipe: std::fs::File) {
 /// Gives up a descriptor without closing it (it goes to the new process).
 pub fn release(fd: impl IntoRawFd) -> RawFd {
     fd.into_raw_fd()
+}
+
+// ---------------------------------------------------------------- metrics
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HowLabel {
+    how: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RefusalLabel {
+    reason: &'static str,
+}
+
+/// Handovers to a new process (`SIGUSR2`, or `systemctl restart` through systemd's file
+/// descriptor store): those this process took over, what they carried, the stall, and those
+/// this process refused.
+#[derive(Debug, Default)]
+pub struct HandoverMetrics {
+    taken: Family<HowLabel, Counter>,
+    streams: Counter,
+    stall_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
+    refused: Family<RefusalLabel, Counter>,
+    /// The link taken over has not resumed yet: its first resumption ends the stall.
+    stalled: std::sync::atomic::AtomicBool,
+}
+
+impl HandoverMetrics {
+    /// Why a handover is refused (the daemon serves on, or drains if systemd is stopping it).
+    pub const REFUSALS: [&'static str; 4] = ["binary", "resume", "descriptors", "system"];
+
+    pub fn register(r: &mut Registry) -> Self {
+        let m = HandoverMetrics::default();
+        for how in ["signal", "restart"] {
+            let _ = m.taken.get_or_create(&HowLabel { how });
+        }
+        for reason in Self::REFUSALS {
+            let _ = m.refused.get_or_create(&RefusalLabel { reason });
+        }
+        r.register(
+            "wanopt_handovers_taken",
+            "Daemons this process took over: from SIGUSR2 (signal) or from systemd's file \
+             descriptor store after systemctl restart (restart)",
+            m.taken.clone(),
+        );
+        r.register(
+            "wanopt_handover_streams",
+            "Streams a handover carried over to this process",
+            m.streams.clone(),
+        );
+        r.register(
+            "wanopt_handover_stall_seconds",
+            "Time from the process before parking the streams to the streams going on in this \
+             one",
+            m.stall_seconds.clone(),
+        );
+        r.register(
+            "wanopt_handovers_refused",
+            "Handovers refused before a stream stopped: the binary at our path refuses the \
+             config or cannot run (binary), the link cannot resume streams (resume), more \
+             descriptors than the unit's FileDescriptorStoreMax (descriptors), or the system \
+             refused a memfd or pipe (system)",
+            m.refused.clone(),
+        );
+        m
+    }
+
+    /// This process took a daemon over (`how`: `signal` or `restart`) with `streams` streams.
+    pub fn taken(&self, how: &'static str, streams: u64) {
+        self.taken.get_or_create(&HowLabel { how }).inc();
+        self.streams.inc_by(streams);
+        self.stalled
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The link resumed after `outage` (counted from the parking when it was taken over).
+    pub fn resumed(&self, outage: std::time::Duration) {
+        if self
+            .stalled
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            self.stall_seconds.inc_by(outage.as_secs_f64());
+        }
+    }
+
+    /// A handover refused for `reason` (one of [`Self::REFUSALS`]).
+    pub fn refused(&self, reason: &'static str) {
+        self.refused.get_or_create(&RefusalLabel { reason }).inc();
+    }
 }
 
 #[cfg(test)]

@@ -82,7 +82,7 @@ fn main() -> ExitCode {
     // Started to take a daemon over (by it, on SIGUSR2, or by systemd from its file descriptor
     // store after `systemctl restart`): what it handed over. Read before anything else, while
     // this process has one thread.
-    let inherited = wanopt_runtime::handover::inherited();
+    let inherited = wanopt_runtime::daemon::inherited();
     let cli = Cli::parse();
     match cli.cmd.unwrap_or(Cmd::Run) {
         Cmd::Run => {
