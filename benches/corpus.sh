@@ -12,6 +12,8 @@
 #                sysbench oltp_read_write, each a tar of the stopped server's data directory
 #   querylog     MariaDB's general query log half way through that run, and at its end (a log
 #                that grew by appending)
+#   pgdump       pg_dump's plain SQL of a pgbench database (scale 30, fillfactor 90) before and
+#                after a minute of TPC-B with 8 clients: a logical backup, rows padded with blanks
 #   kernel       two releases of a large source tree: fs/, net/, kernel/, mm/ and include/ of the
 #                Linux kernel in Debian's linux-source-6.1, its two newest point releases in this
 #                release's own suite, as tars
@@ -26,7 +28,7 @@ set -euo pipefail
 dir=${1:?usage: corpus.sh DIR [PAIR...]}
 shift
 pairs=("$@")
-[ ${#pairs[@]} -gt 0 ] || pairs=(pgbench pgtext innodb kernel)
+[ ${#pairs[@]} -gt 0 ] || pairs=(pgbench pgdump pgtext innodb kernel)
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 oltp=${SECONDS_OLTP:-60}
@@ -56,6 +58,19 @@ pair_pgbench() {
     pgbench -c 4 -T "$oltp" wanopt_pgbench 2>/dev/null | grep -E '^tps' >&2 || true
     base_backup "$p/changed"
     psql -q -d postgres -c "DROP DATABASE wanopt_pgbench"
+}
+
+pair_pgdump() {
+    local p=$dir/pgdump
+    mkdir -p "$p"
+    psql -q -d postgres -c "DROP DATABASE IF EXISTS wanopt_pgdump" -c "CREATE DATABASE wanopt_pgdump"
+    say "pgdump: pgbench scale 30, fillfactor 90"
+    pgbench -i -q -s 30 -F 90 wanopt_pgdump >/dev/null 2>&1
+    pg_dump wanopt_pgdump >"$p/first"
+    say "pgdump: $oltp s of TPC-B, 8 clients"
+    pgbench -c 8 -T "$oltp" wanopt_pgdump 2>/dev/null | grep -E '^tps' >&2 || true
+    pg_dump wanopt_pgdump >"$p/changed"
+    psql -q -d postgres -c "DROP DATABASE wanopt_pgdump"
 }
 
 pair_pgtext() {
