@@ -27,6 +27,8 @@ fn up_exec_counters_and_clean_exit() {
             "0.1%",
             "--burst-loss",
             "1%,5",
+            "--burst-clock",
+            "line",
         ])
         .stdout(Stdio::piped())
         .spawn()
@@ -52,7 +54,7 @@ fn up_exec_counters_and_clean_exit() {
         params.contains("45000 kbit/s")
             && params.contains("50ms")
             && params.contains("0.100%")
-            && params.contains("burst loss 1.000% in runs of 5.0 packets"),
+            && params.contains("burst loss 1.000% in runs of 5.0 steps of 266.666µs"),
         "{params}"
     );
 

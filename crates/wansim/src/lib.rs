@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use rand::SeedableRng;
 use shaper::Shaper;
-pub use shaper::{DirParams, DropCause, GilbertElliott, QueueLimit, Verdict};
+pub use shaper::{BurstClock, DirParams, DropCause, GilbertElliott, QueueLimit, Verdict};
 
 /// A wansim failure.
 #[derive(Debug, thiserror::Error)]
@@ -114,6 +114,10 @@ pub const PRESETS: &[(&str, &str)] = &[
         "45 Mbit/s, 100 ms RTT, 2% loss (1% each way) in bursts of 5 packets on average (Gilbert-Elliott)",
     ),
     (
+        "t3-100ms-fade",
+        "45 Mbit/s, 100 ms RTT, 2% loss (1% each way) in bursts of 5 packet times (1.3 ms) on average: t3-100ms-burst with bursts that last a time, not a number of packets",
+    ),
+    (
         "oc3-40ms-1",
         "135 Mbit/s, 40 ms RTT, 1% loss (0.5% each way)",
     ),
@@ -125,11 +129,13 @@ pub const PRESETS: &[(&str, &str)] = &[
 pub fn preset(name: &str) -> Result<LinkParams, WansimError> {
     // Loss: the total of both directions, and the mean run of packets lost together (bursty
     // presets) or none (independent loss).
+    // Bursts counted in packets, or (`fade`) in full-size packets' time at the line rate.
+    let fade = name == "t3-100ms-fade";
     let (rate, rtt_us, loss_total, burst): (u64, u64, f64, Option<f64>) = match name {
         "t3-100ms-clean" => (45_000_000, 100_000, 0.0, None),
         "t3-100ms-0.5" => (45_000_000, 100_000, 0.005, None),
         "t3-100ms-1" => (45_000_000, 100_000, 0.01, None),
-        "t3-100ms-burst" => (45_000_000, 100_000, 0.02, Some(5.0)),
+        "t3-100ms-burst" | "t3-100ms-fade" => (45_000_000, 100_000, 0.02, Some(5.0)),
         "oc3-40ms-1" => (135_000_000, 40_000, 0.01, None),
         "metro-20ms" => (1_000_000_000, 20_000, 0.0, None),
         "lan" => (1_000_000_000, 100, 0.0, None),
@@ -142,7 +148,11 @@ pub fn preset(name: &str) -> Result<LinkParams, WansimError> {
         }
     };
     let (loss, burst) = match burst {
-        Some(b) => (0.0, GilbertElliott::bursts(loss_total / 2.0, b)),
+        Some(b) => (
+            0.0,
+            GilbertElliott::bursts(loss_total / 2.0, b)
+                .map(|g| if fade { g.timed(rate, 1500) } else { g }),
+        ),
         None => (loss_total / 2.0, None),
     };
     Ok(LinkParams::symmetric(DirParams {
@@ -630,6 +640,14 @@ mod tests {
         let ge = b.w2e.burst.expect("bursty");
         assert!(b.w2e.loss == 0.0 && b.e2w.burst == Some(ge));
         assert!((ge.mean_loss() - 0.01).abs() < 1e-9 && (ge.mean_burst() - 5.0).abs() < 1e-9);
+        assert_eq!(ge.clock, BurstClock::Packet);
+        // The fading T3: the same bursts, stepped by a 1500-byte packet's time at 45 Mbit/s.
+        let f = preset("t3-100ms-fade")
+            .expect("preset")
+            .w2e
+            .burst
+            .expect("bursty");
+        assert_eq!(f, ge.timed(45_000_000, 1500));
         let mut p = LinkParams::symmetric(DirParams::default());
         p.e2w.rate_bps = Some(10_000_000);
         assert_eq!(p.stated(), (Some(10_000_000), Duration::ZERO));

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use wanopt_units::{parse_duration, parse_probability, parse_rate, parse_size};
-use wansim::{DirParams, GilbertElliott, LinkParams, QueueLimit, Site, Wan};
+use wansim::{BurstClock, DirParams, GilbertElliott, LinkParams, QueueLimit, Site, Wan};
 
 #[derive(Parser)]
 #[command(
@@ -70,6 +70,11 @@ struct UpArgs {
     /// LOSS,PACKETS, e.g. 1%,5 (Gilbert-Elliott).
     #[arg(long)]
     burst_loss: Option<String>,
+    /// What steps the burst model: `packet` (netem's way: a burst takes the next packets
+    /// however late they come) or `line` (a full-size packet's time at the rate: a burst lasts
+    /// a time).
+    #[arg(long, value_parser = ["packet", "line"])]
+    burst_clock: Option<String>,
     /// Probability that a packet skips ahead of others.
     #[arg(long)]
     reorder: Option<String>,
@@ -147,7 +152,21 @@ fn build(a: &UpArgs) -> Result<LinkParams, String> {
             r: v.get(1).copied().unwrap_or(1.0 - v[0]),
             bad_loss: v.get(2).copied().unwrap_or(1.0),
             good_loss: v.get(3).copied().unwrap_or(0.0),
+            clock: BurstClock::Packet,
         });
+    }
+    if let Some(c) = &a.burst_clock {
+        let ge = d
+            .burst
+            .as_mut()
+            .ok_or("--burst-clock: give --burst-loss, --ge or a bursty preset too")?;
+        ge.clock = BurstClock::Packet;
+        if c == "line" {
+            let rate = d
+                .rate_bps
+                .ok_or("--burst-clock line: give --rate (or a preset with one)")?;
+            *ge = ge.timed(rate, 1500);
+        }
     }
     lp.w2e = d.clone();
     lp.e2w = d;
@@ -167,9 +186,13 @@ fn describe(d: &DirParams) -> String {
         .map_or("unlimited".to_string(), |r| format!("{} kbit/s", r / 1000));
     let burst = d.burst.map_or("none".to_string(), |g| {
         format!(
-            "{:.3}% in runs of {:.1} packets (p {:.5}, r {:.4}, 1-h {}, 1-k {})",
+            "{:.3}% in runs of {:.1} {} (p {:.5}, r {:.4}, 1-h {}, 1-k {})",
             g.mean_loss() * 100.0,
             g.mean_burst(),
+            match g.clock {
+                BurstClock::Packet => "packets".to_string(),
+                BurstClock::Time(t) => format!("steps of {t:?}"),
+            },
             g.p,
             g.r,
             g.bad_loss,

@@ -13,14 +13,30 @@ use rand::Rng;
 /// Gilbert-Elliott burst loss, with the parameter meanings of netem's `gemodel`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GilbertElliott {
-    /// Probability of moving from the good to the bad state, per packet.
+    /// Probability of moving from the good to the bad state, per step (see `clock`).
     pub p: f64,
-    /// Probability of moving from the bad to the good state, per packet.
+    /// Probability of moving from the bad to the good state, per step.
     pub r: f64,
     /// Loss probability in the bad state (netem's `1-h`; 1.0 drops every packet there).
     pub bad_loss: f64,
     /// Loss probability in the good state (netem's `1-k`; usually 0).
     pub good_loss: f64,
+    /// What a step of the model is.
+    pub clock: BurstClock,
+}
+
+/// What moves a Gilbert-Elliott model from one state to the next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BurstClock {
+    /// Every packet (netem's `gemodel`): a burst lasts a number of packets however far apart
+    /// they come, so on a quiet link it takes the next few packets even seconds later,
+    /// retransmissions included.
+    Packet,
+    /// Every this much time on the line (a packet's time at the line rate, for bursts counted
+    /// in packets of a full line): a burst lasts a time, as a fade or a queue overflowing
+    /// does. A packet is judged by the state when the line starts sending it, and a packet
+    /// lost this way still takes its time on the line.
+    Time(Duration),
 }
 
 impl GilbertElliott {
@@ -39,7 +55,49 @@ impl GilbertElliott {
             r,
             bad_loss: 1.0,
             good_loss: 0.0,
+            clock: BurstClock::Packet,
         })
+    }
+
+    /// The same model stepped by time on a line of `rate_bps`: a step is the time a
+    /// `packet`-byte packet takes at that rate, so on a full line of such packets it loses as
+    /// the per-packet model does, and on a quiet one a burst is over in its time.
+    pub fn timed(self, rate_bps: u64, packet: u64) -> GilbertElliott {
+        let nanos = (packet * 8).saturating_mul(1_000_000_000) / rate_bps.max(1);
+        GilbertElliott {
+            clock: BurstClock::Time(Duration::from_nanos(nanos.max(1))),
+            ..self
+        }
+    }
+
+    /// Whether the model is in its bad state `steps` steps after a state of `bad`, drawn.
+    fn advance(&self, bad: bool, steps: u64, rng: &mut impl Rng) -> bool {
+        match steps {
+            0 => bad,
+            1 => {
+                if bad {
+                    rng.random::<f64>() >= self.r
+                } else {
+                    rng.random::<f64>() < self.p
+                }
+            }
+            _ => {
+                // The two-state chain after n steps: the bad share plus what is left of the
+                // start, (1 - p - r)^n.
+                let total = self.p + self.r;
+                if total <= 0.0 {
+                    return bad;
+                }
+                let share = self.p / total;
+                let left = i32::try_from(steps).map_or(0.0, |n| (1.0 - total).powi(n));
+                let p_bad = if bad {
+                    share + (1.0 - share) * left
+                } else {
+                    share * (1.0 - left)
+                };
+                rng.random::<f64>() < p_bad
+            }
+        }
     }
 
     /// The mean run of packets lost together (with every packet of the bad state lost).
@@ -149,6 +207,8 @@ pub struct Shaper {
     /// Delivery time of the last in-order packet (jitter never reorders).
     last_delivery: Instant,
     ge_bad: bool,
+    /// Where a time-stepped burst model last stepped.
+    ge_at: Instant,
 }
 
 impl Shaper {
@@ -157,6 +217,7 @@ impl Shaper {
             line_free: now,
             last_delivery: now,
             ge_bad: false,
+            ge_at: now,
         }
     }
 
@@ -182,21 +243,14 @@ impl Shaper {
         if p.cut {
             return Verdict::Drop(DropCause::Cut);
         }
-        if let Some(ge) = p.burst {
+        let timed = p.burst.and_then(|ge| match ge.clock {
+            BurstClock::Time(step) => Some((ge, step)),
+            BurstClock::Packet => None,
+        });
+        if let Some(ge) = p.burst.filter(|_| timed.is_none()) {
             // Transition first, then lose according to the state (netem's order).
-            if self.ge_bad {
-                if rng.random::<f64>() < ge.r {
-                    self.ge_bad = false;
-                }
-            } else if rng.random::<f64>() < ge.p {
-                self.ge_bad = true;
-            }
-            let l = if self.ge_bad {
-                ge.bad_loss
-            } else {
-                ge.good_loss
-            };
-            if l > 0.0 && rng.random::<f64>() < l {
+            self.ge_bad = ge.advance(self.ge_bad, 1, rng);
+            if self.lost_in_burst(&ge, rng) {
                 return Verdict::Drop(DropCause::Burst);
             }
         }
@@ -215,6 +269,20 @@ impl Shaper {
             }
             _ => now,
         };
+        if let Some((ge, step)) = timed {
+            // The steps since the last one, up to when the line starts on this packet.
+            let steps = start.saturating_duration_since(self.ge_at).as_nanos() / step.as_nanos();
+            let steps = u64::try_from(steps).unwrap_or(u64::MAX);
+            self.ge_bad = ge.advance(self.ge_bad, steps, rng);
+            self.ge_at += step.saturating_mul(u32::try_from(steps).unwrap_or(u32::MAX));
+            if self.ge_at + step < start {
+                // Beyond what one multiplication reaches (hours idle): start the count here.
+                self.ge_at = start;
+            }
+            if self.lost_in_burst(&ge, rng) {
+                return Verdict::Drop(DropCause::Burst);
+            }
+        }
         let jitter = if p.jitter.is_zero() {
             Duration::ZERO
         } else {
@@ -230,6 +298,16 @@ impl Shaper {
         }
         let duplicate = p.duplicate > 0.0 && rng.random::<f64>() < p.duplicate;
         Verdict::Deliver { at, duplicate }
+    }
+
+    /// Whether a packet is lost in the burst model's present state.
+    fn lost_in_burst(&self, ge: &GilbertElliott, rng: &mut impl Rng) -> bool {
+        let l = if self.ge_bad {
+            ge.bad_loss
+        } else {
+            ge.good_loss
+        };
+        l > 0.0 && rng.random::<f64>() < l
     }
 }
 
@@ -335,6 +413,7 @@ mod tests {
             r: 0.25,
             bad_loss: 1.0,
             good_loss: 0.0,
+            clock: BurstClock::Packet,
         };
         let p = DirParams {
             burst: Some(ge),
@@ -369,6 +448,53 @@ mod tests {
                 "{loss} {burst}"
             );
         }
+    }
+
+    /// Packets of 1500 bytes offered at `every` on a 45 Mbit/s line: the share lost and the
+    /// mean run of consecutive losses.
+    fn losses_spaced(ge: GilbertElliott, every: Duration, n: u32) -> (f64, f64) {
+        let t0 = Instant::now();
+        let mut s = Shaper::new(t0);
+        let p = DirParams {
+            rate_bps: Some(45_000_000),
+            burst: Some(ge),
+            queue: QueueLimit::Bytes(u64::MAX / 2),
+            ..DirParams::default()
+        };
+        let mut r = rng();
+        let lost: Vec<bool> = (0..n)
+            .map(|i| {
+                let now = t0 + every * i;
+                matches!(s.admit(now, 1500, &p, &mut r), Verdict::Drop(_))
+            })
+            .collect();
+        let rate = lost.iter().filter(|l| **l).count() as f64 / lost.len() as f64;
+        let runs: Vec<usize> = lost
+            .split(|l| !*l)
+            .map(<[bool]>::len)
+            .filter(|n| *n > 0)
+            .collect();
+        (rate, runs.iter().sum::<usize>() as f64 / runs.len() as f64)
+    }
+
+    /// Bursts stepped by the line's time lose as per-packet ones do on a full line, and last a
+    /// time on a quiet one: packets 10 ms apart are lost one by one, at the same mean loss,
+    /// where per-packet bursts take five of them in a row.
+    #[test]
+    fn bursts_in_time_last_a_time() {
+        let ge = GilbertElliott::bursts(0.01, 5.0).expect("valid");
+        let timed = ge.timed(45_000_000, 1500);
+        assert_eq!(timed.clock, BurstClock::Time(Duration::from_nanos(266_666)));
+        // Offered faster than the line sends: a full line, lost packets included.
+        let (rate, mean) = losses_spaced(timed, Duration::from_micros(200), 400_000);
+        assert!((rate - 0.01).abs() < 0.002, "full line: loss {rate}");
+        assert!((mean - 5.0).abs() < 0.5, "full line: mean burst {mean}");
+        let (rate, mean) = losses_spaced(timed, Duration::from_millis(10), 200_000);
+        assert!((rate - 0.01).abs() < 0.002, "quiet line: loss {rate}");
+        assert!(mean < 1.1, "quiet line: mean burst {mean}");
+        let (rate, mean) = losses_spaced(ge, Duration::from_millis(10), 200_000);
+        assert!((rate - 0.01).abs() < 0.002, "per packet: loss {rate}");
+        assert!((mean - 5.0).abs() < 0.6, "per packet: mean burst {mean}");
     }
 
     #[test]

@@ -262,6 +262,7 @@ fn burst_loss_is_shaped_as_configured() {
         r: 0.25,
         bad_loss: 1.0,
         good_loss: 0.0,
+        clock: wansim::BurstClock::Packet,
     };
     let Some(wan) = start(
         "burst",
