@@ -75,7 +75,7 @@ fn padded_dump(rows: u64, seed: u64) -> (Vec<u8>, Vec<u8>) {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            if x % 25 == 0 {
+            if x.is_multiple_of(25) {
                 moved.extend_from_slice(&row(aid, (x >> 20) as i64 % 5000 - 2500));
             } else {
                 second.extend_from_slice(&row(aid, 0));
