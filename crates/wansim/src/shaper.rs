@@ -395,6 +395,11 @@ mod tests {
         let lost: Vec<bool> = (0..n)
             .map(|_| matches!(s.admit(t0, 100, p, &mut r), Verdict::Drop(_)))
             .collect();
+        rate_and_mean_run(&lost)
+    }
+
+    /// The share of packets lost and the mean run of consecutive losses.
+    fn rate_and_mean_run(lost: &[bool]) -> (f64, f64) {
         let rate = lost.iter().filter(|l| **l).count() as f64 / lost.len() as f64;
         let runs: Vec<usize> = lost
             .split(|l| !*l)
@@ -468,13 +473,7 @@ mod tests {
                 matches!(s.admit(now, 1500, &p, &mut r), Verdict::Drop(_))
             })
             .collect();
-        let rate = lost.iter().filter(|l| **l).count() as f64 / lost.len() as f64;
-        let runs: Vec<usize> = lost
-            .split(|l| !*l)
-            .map(<[bool]>::len)
-            .filter(|n| *n > 0)
-            .collect();
-        (rate, runs.iter().sum::<usize>() as f64 / runs.len() as f64)
+        rate_and_mean_run(&lost)
     }
 
     /// Bursts stepped by the line's time lose as per-packet ones do on a full line, and last a

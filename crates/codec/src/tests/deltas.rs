@@ -129,20 +129,27 @@ fn a_changed_backup_goes_as_deltas_and_rebuilds_exactly() {
     assert!(w2.len() * 4 <= w1.len(), "{} vs {}", w2.len(), w1.len());
     assert_eq!(dec.stats().delta_chunks, s.delta_chunks);
     // The same bytes without a store: literals only.
-    let plain = CodecConfig {
-        delta_bytes: 0,
-        ..cfg.clone()
-    };
-    let mut enc = Encoder::new(plain);
-    send(&mut enc, &first);
-    let w = send(&mut enc, &second);
+    let w = without_deltas(&cfg, &first, &second);
     assert!(
         w2.len() * 3 <= w.len(),
         "deltas {} vs none {}",
         w2.len(),
         w.len()
     );
+}
+
+/// The records of `second` after `first` through an encoder of `cfg` without a store of
+/// bases (checked to send no delta).
+fn without_deltas(cfg: &CodecConfig, first: &[u8], second: &[u8]) -> Vec<u8> {
+    let plain = CodecConfig {
+        delta_bytes: 0,
+        ..cfg.clone()
+    };
+    let mut enc = Encoder::new(plain);
+    send(&mut enc, first);
+    let w = send(&mut enc, second);
     assert_eq!(enc.stats().delta_chunks, 0);
+    w
 }
 
 /// Rows padded with blanks find their bases (their anchors are keyed past the padding): a
@@ -162,13 +169,7 @@ fn a_changed_dump_of_padded_rows_goes_as_deltas() {
         s.delta_bytes - before.delta_bytes,
         second.len()
     );
-    let plain = CodecConfig {
-        delta_bytes: 0,
-        ..cfg.clone()
-    };
-    let mut enc = Encoder::new(plain);
-    send(&mut enc, &first);
-    let w = send(&mut enc, &second);
+    let w = without_deltas(&cfg, &first, &second);
     assert!(
         w2.len() * 3 <= w.len() * 2,
         "deltas {} vs none {}",
