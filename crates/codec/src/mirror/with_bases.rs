@@ -5,11 +5,10 @@ use bytes::{BufMut, Bytes};
 
 use super::{Hint, Mirror};
 use crate::config::{Compression, Policy, Pressure};
-use zstd::zstd_safe::CCtx;
 
 use crate::delta::{
-    ACCEPT, DELTA_TABLE_LOG, MAX_BASES, MIN_VOTES, RUN_TABLE_LOG, SEND_BASES, anchors,
-    compress_delta, delta_level, len_len, run_level,
+    ACCEPT, DELTA_MATCHER, DELTA_TABLE_LOG, MAX_BASES, MIN_VOTES, RUN_TABLE_LOG, SEND_BASES,
+    anchors, compress_delta, delta_level, len_len, run_level,
 };
 use crate::fingerprint::{Fingerprint, run_check};
 use crate::format::{
@@ -50,10 +49,6 @@ impl Mirror {
         if !bases.dictionary(&mut d.found, &mut d.dict) {
             return None;
         }
-        if d.cctx.is_none() {
-            d.cctx = CCtx::try_create();
-        }
-        let cctx = d.cctx.as_mut()?;
         self.scratch.clear();
         self.scratch
             .reserve(zstd::zstd_safe::compress_bound(chunk.len()));
@@ -62,13 +57,12 @@ impl Mirror {
         d.dict.extend_from_slice(chunk);
         let (dict, src) = d.dict.split_at(bases_len);
         compress_delta(
-            cctx,
             &mut self.scratch,
             src,
             dict,
             (delta_level(self.zstd_level), DELTA_TABLE_LOG),
-        )
-        .ok()?;
+            DELTA_MATCHER,
+        )?;
         let clen = self.scratch.len();
         let n = d.found.len();
         let wire = 1 + len_len(chunk.len()) + 1 + 16 * (n + 1) + len_len(clen) + clen;
@@ -357,17 +351,18 @@ impl Mirror {
         if !bases.dictionary(&mut run.bases, &mut d.dict) {
             return 0;
         }
-        if d.cctx.is_none() {
-            d.cctx = CCtx::try_create();
-        }
-        let Some(cctx) = d.cctx.as_mut() else {
-            return 0;
-        };
         self.scratch.clear();
         self.scratch
             .reserve(zstd::zstd_safe::compress_bound(run.bytes.len()));
         let level = (run_level(self.zstd_level), RUN_TABLE_LOG);
-        if compress_delta(cctx, &mut self.scratch, &run.bytes, &d.dict, level).is_err() {
+        // The chunks right behind their bases, as for one chunk: zstd matches within one
+        // buffer faster than across two.
+        let bases_len = d.dict.len();
+        d.dict.extend_from_slice(&run.bytes);
+        let (dict, src) = d.dict.split_at(bases_len);
+        let compressed = compress_delta(&mut self.scratch, src, dict, level, DELTA_MATCHER);
+        d.dict.truncate(bases_len);
+        if compressed.is_none() {
             return 0;
         }
         // Without zstd's magic number where the peer puts it back.
