@@ -7,8 +7,8 @@ use super::{Hint, Mirror};
 use crate::config::{Compression, Policy, Pressure};
 
 use crate::delta::{
-    ACCEPT, DELTA_MATCHER, DELTA_TABLE_LOG, MAX_BASES, MIN_VOTES, RUN_TABLE_LOG, SEND_BASES,
-    anchors, compress_delta, delta_level, len_len, run_level,
+    ACCEPT, DELTA_TABLE_LOG, MAX_BASES, MIN_VOTES, RUN_TABLE_LOG, SEND_BASES, anchors,
+    compress_delta, delta_level, len_len, run_level,
 };
 use crate::fingerprint::{Fingerprint, run_check};
 use crate::format::{
@@ -52,16 +52,11 @@ impl Mirror {
         self.scratch.clear();
         self.scratch
             .reserve(zstd::zstd_safe::compress_bound(chunk.len()));
-        // The chunk right behind its bases in one buffer (one allocation, reused).
-        let bases_len = d.dict.len();
-        d.dict.extend_from_slice(chunk);
-        let (dict, src) = d.dict.split_at(bases_len);
         compress_delta(
             &mut self.scratch,
-            src,
-            dict,
+            &mut d.dict,
+            chunk,
             (delta_level(self.zstd_level), DELTA_TABLE_LOG),
-            DELTA_MATCHER,
         )?;
         let clen = self.scratch.len();
         let n = d.found.len();
@@ -355,14 +350,7 @@ impl Mirror {
         self.scratch
             .reserve(zstd::zstd_safe::compress_bound(run.bytes.len()));
         let level = (run_level(self.zstd_level), RUN_TABLE_LOG);
-        // The chunks right behind their bases, as for one chunk: zstd matches within one
-        // buffer faster than across two.
-        let bases_len = d.dict.len();
-        d.dict.extend_from_slice(&run.bytes);
-        let (dict, src) = d.dict.split_at(bases_len);
-        let compressed = compress_delta(&mut self.scratch, src, dict, level, DELTA_MATCHER);
-        d.dict.truncate(bases_len);
-        if compressed.is_none() {
+        if compress_delta(&mut self.scratch, &mut d.dict, &run.bytes, level).is_none() {
             return 0;
         }
         // Without zstd's magic number where the peer puts it back.
