@@ -12,6 +12,8 @@
 #                sysbench oltp_read_write, each a tar of the stopped server's data directory
 #   querylog     MariaDB's general query log half way through that run, and at its end (a log
 #                that grew by appending)
+#   mariadump    mariadb-dump's SQL of the same tables before and after that run: a logical
+#                backup whose edits lie tens of unchanged chunks apart
 #   pgdump       pg_dump's plain SQL of a pgbench database (scale 30, fillfactor 90) before and
 #                after a minute of TPC-B with 8 clients: a logical backup, rows padded with blanks
 #   kernel       two releases of a large source tree: fs/, net/, kernel/, mm/ and include/ of the
@@ -135,8 +137,8 @@ maria_stop() {
 }
 
 pair_innodb() {
-    local p=$dir/innodb q=$dir/querylog m rows=${SYSBENCH_ROWS:-400000}
-    mkdir -p "$p" "$q"
+    local p=$dir/innodb q=$dir/querylog l=$dir/mariadump m rows=${SYSBENCH_ROWS:-400000}
+    mkdir -p "$p" "$q" "$l"
     m=$(mktemp -d)
     mariadb-install-db --no-defaults --datadir="$m/data" --user=root \
         --auth-root-authentication-method=socket --skip-test-db >/dev/null
@@ -146,6 +148,7 @@ pair_innodb() {
         --mysql-user=root --mysql-db=sbtest --tables=4 --table-size="$rows" --threads=4)
     say "innodb: sysbench prepare, 4 tables of $rows rows"
     "${sb[@]}" prepare >/dev/null
+    mariadb-dump --socket="$m/sock" -uroot --single-transaction sbtest >"$l/first"
     maria_stop "$m"
     tar -C "$m/data" -cf "$p/first" .
     maria_start "$m"
@@ -158,6 +161,7 @@ pair_innodb() {
     wait "$run"
     mariadb --socket="$m/sock" -uroot -e 'SET GLOBAL general_log = 0'
     cp "$m/query.log" "$q/changed"
+    mariadb-dump --socket="$m/sock" -uroot --single-transaction sbtest >"$l/changed"
     maria_stop "$m"
     tar -C "$m/data" -cf "$p/changed" .
     rm -rf "$m"
@@ -191,9 +195,9 @@ pair_kernel() {
 
 for name in "${pairs[@]}"; do
     case $name in
-    querylog) name=innodb ;;
+    querylog | mariadump) name=innodb ;;
     esac
-    if have "$name"; then
+    if have "$name" && { [ "$name" != innodb ] || { have querylog && have mariadump; }; }; then
         say "$name: kept"
         continue
     fi
