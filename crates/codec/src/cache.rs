@@ -27,6 +27,8 @@ struct Entry {
     loc: Option<Loc>,
     len: usize,
     stamp: u64,
+    /// The key of its bytes in the memory order (`stamp`, unless a use moved only that order).
+    mem_stamp: u64,
 }
 
 /// What a [`ChunkCache::lookup`] found.
@@ -108,6 +110,9 @@ pub struct ChunkCache {
     /// A use of an entry among the newest eighth leaves the order as it is (see
     /// [`lazy_recency`](ChunkCache::lazy_recency)).
     lazy: bool,
+    /// A use as a delta's base moves the chunk in memory's order only (see
+    /// [`set_quiet_bases`](ChunkCache::set_quiet_bases)).
+    quiet_bases: bool,
 }
 
 impl std::fmt::Debug for ChunkCache {
@@ -151,6 +156,7 @@ impl ChunkCache {
             on_disk: 0,
             verify_mem: true,
             lazy: false,
+            quiet_bases: false,
         }
     }
 
@@ -168,6 +174,23 @@ impl ChunkCache {
     /// apply exactly what the peer's applies.
     pub fn lazy_recency(mut self) -> Self {
         self.lazy = true;
+        self
+    }
+
+    /// With `quiet`, a use as a delta's base ([`touch_base`](Self::touch_base),
+    /// [`lookup_base`](Self::lookup_base)) keeps the chunk's bytes in memory but not the chunk
+    /// in the cache: it leaves in its turn as if unused, since the new version the delta
+    /// rebuilt (inserted after it) supersedes it. With plain LRU, the changed copy of a data
+    /// set that nearly filled the cache floods it: each chunk it adds evicts the least recently
+    /// used, which is the first copy's next chunk, the base or reference it needs next. A
+    /// mirror and its peer's cache must agree on it (`CAP_QUIET_BASES`).
+    pub fn set_quiet_bases(&mut self, quiet: bool) {
+        self.quiet_bases = quiet;
+    }
+
+    /// [`set_quiet_bases`](Self::set_quiet_bases) for a new cache.
+    pub fn quiet_bases(mut self) -> Self {
+        self.quiet_bases = true;
         self
     }
 
@@ -286,17 +309,39 @@ impl ChunkCache {
         if let Some(e) = self.entries.get_mut(f) {
             self.order.remove(&e.stamp);
             if e.mem.is_some() {
-                self.mem_order.remove(&e.stamp);
+                self.mem_order.remove(&e.mem_stamp);
                 self.mem_order.insert(self.clock, *f);
             }
             e.stamp = self.clock;
+            e.mem_stamp = self.clock;
             self.order.insert(self.clock, *f);
+        }
+    }
+
+    /// Moves a chunk to the newest end of memory's order only.
+    fn bump_mem(&mut self, f: &Fingerprint) {
+        self.clock += 1;
+        if let Some(e) = self.entries.get_mut(f)
+            && e.mem.is_some()
+        {
+            self.mem_order.remove(&e.mem_stamp);
+            self.mem_order.insert(self.clock, *f);
+            e.mem_stamp = self.clock;
         }
     }
 
     /// Marks a chunk as used (both sides do this for every reference, in frame order).
     pub fn touch(&mut self, f: &Fingerprint) {
         self.bump(f);
+    }
+
+    /// Marks a chunk as used as a delta's base (see [`set_quiet_bases`](Self::set_quiet_bases)).
+    pub fn touch_base(&mut self, f: &Fingerprint) {
+        if self.quiet_bases {
+            self.bump_mem(f);
+        } else {
+            self.bump(f);
+        }
     }
 
     /// Returns a held chunk after checking it against its fingerprint, reading it from disk if
@@ -314,6 +359,16 @@ impl ChunkCache {
     /// [`Lookup::Pending`]: it stays in the cache, and the caller asks again once the store has
     /// it (nothing blocks on the disk here).
     pub fn lookup(&mut self, f: &Fingerprint) -> Lookup<'_> {
+        self.lookup_as(f, false)
+    }
+
+    /// [`lookup`](Self::lookup) of a delta's base (see
+    /// [`set_quiet_bases`](Self::set_quiet_bases)).
+    pub fn lookup_base(&mut self, f: &Fingerprint) -> Lookup<'_> {
+        self.lookup_as(f, self.quiet_bases)
+    }
+
+    fn lookup_as(&mut self, f: &Fingerprint, quiet: bool) -> Lookup<'_> {
         let Some(e) = self.entries.get(f) else {
             return Lookup::Miss;
         };
@@ -341,7 +396,11 @@ impl ChunkCache {
             self.remove(f);
             return Lookup::Miss;
         }
-        self.bump(f);
+        if quiet {
+            self.bump_mem(f);
+        } else {
+            self.bump(f);
+        }
         self.shrink_mem(Some(f));
         match self.entries.get(f).and_then(|e| e.mem.as_deref()) {
             Some(d) => Lookup::Hit(d),
@@ -354,7 +413,7 @@ impl ChunkCache {
             && e.mem.is_none()
         {
             self.mem_size += data.len();
-            self.mem_order.insert(e.stamp, *f);
+            self.mem_order.insert(e.mem_stamp, *f);
             e.mem = Some(data);
         }
     }
@@ -414,6 +473,7 @@ impl ChunkCache {
                 loc,
                 len,
                 stamp: self.clock,
+                mem_stamp: self.clock,
             },
         );
         self.shrink_mem(Some(&f));
@@ -506,7 +566,7 @@ impl ChunkCache {
             self.order.remove(&e.stamp);
             self.size -= e.len;
             if let Some(d) = e.mem {
-                self.mem_order.remove(&e.stamp);
+                self.mem_order.remove(&e.mem_stamp);
                 self.mem_size -= d.len();
             }
             self.on_disk -= u64::from(e.loc.is_some());
@@ -597,6 +657,7 @@ impl ChunkCache {
                     loc,
                     len,
                     stamp: self.clock,
+                    mem_stamp: self.clock,
                 },
             );
         }

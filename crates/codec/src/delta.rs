@@ -257,7 +257,10 @@ impl Bases {
     /// fortieth of that again (8 bytes per 512 bytes of store, 20 per 2 KiB).
     pub fn new(capacity: usize) -> Self {
         Self::with_bytes(
-            ChunkCache::new(capacity).trust_memory().lazy_recency(),
+            ChunkCache::new(capacity)
+                .trust_memory()
+                .lazy_recency()
+                .quiet_bases(),
             capacity,
         )
     }
@@ -269,7 +272,8 @@ impl Bases {
         Self::with_bytes(
             ChunkCache::tiered(mem_limit, disk_limit, store)
                 .trust_memory()
-                .lazy_recency(),
+                .lazy_recency()
+                .quiet_bases(),
             mem_limit,
         )
     }
@@ -456,7 +460,7 @@ impl Bases {
     pub fn dictionary(&mut self, bases: &mut Vec<Fingerprint>, out: &mut Vec<u8>) -> bool {
         out.clear();
         let bytes = &mut self.bytes;
-        bases.retain(|f| match bytes.lookup(f) {
+        bases.retain(|f| match bytes.lookup_base(f) {
             Lookup::Hit(d) => {
                 out.extend_from_slice(d);
                 true
@@ -470,7 +474,7 @@ impl Bases {
     /// the others (their bytes come with a later lookup).
     pub(crate) fn at_hand(&mut self, bases: &mut Vec<Fingerprint>) {
         let bytes = &mut self.bytes;
-        bases.retain(|f| matches!(bytes.lookup(f), Lookup::Hit(_)));
+        bases.retain(|f| matches!(bytes.lookup_base(f), Lookup::Hit(_)));
     }
 
     /// Asks the disk tier for the chunks sent after `base` (up to [`PREFETCH`] of them) that
@@ -485,7 +489,7 @@ impl Bases {
                 && !self.bytes.in_memory(&f)
             {
                 // Starts the read; the answer comes with a later lookup.
-                let _ = self.bytes.lookup(&f);
+                let _ = self.bytes.lookup_base(&f);
             }
         }
     }
@@ -833,15 +837,20 @@ mod tests {
         anchors(&first, &mut keys);
         b.find(&keys, (MAX_BASES, 1), |_| true, &mut out);
         assert!(out.is_empty(), "an evicted chunk is never a base");
-        // Bases that are used stay.
-        let kept = noise(500, 8192);
-        let fk = put(&mut b, &kept);
+        // A base in use leaves in its turn (the chunk its delta rebuilt supersedes it); a chunk
+        // sent again as a reference stays.
+        let (used, referenced) = (noise(500, 8192), noise(501, 8192));
+        let (fu, fr) = (put(&mut b, &used), put(&mut b, &referenced));
+        let mut uses = 0;
         for i in 0..40 {
             let mut d = Vec::new();
-            assert!(b.dictionary(&mut vec![fk], &mut d));
+            uses += usize::from(b.dictionary(&mut vec![fu], &mut d));
+            assert!(b.touch(&fr));
             put(&mut b, &noise(1000 + i, 8192));
         }
-        assert!(b.get(&fk).is_some());
+        assert!(uses > 0 && uses < 40, "used {uses} times, then gone");
+        assert!(b.get(&fu).is_none());
+        assert!(b.get(&fr).is_some());
     }
 
     #[test]

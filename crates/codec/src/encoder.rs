@@ -37,6 +37,8 @@ impl Encoder {
         let mut mirror = Mirror::new(cfg.cache_bytes, 64 << 20, cfg.zstd_level);
         mirror.set_long_context(cfg.long, Slots::default());
         mirror.set_bases(delta::shared(cfg.delta_bytes));
+        // Its decoder is this build's (`Decoder::new`): bases keep their place.
+        mirror.cache_mut().set_quiet_bases(true);
         Encoder {
             mirror,
             sender: Sender::new(cfg.policy()),
@@ -77,6 +79,12 @@ impl Encoder {
     /// The mirror cache (for its size and evictions).
     pub fn cache(&self) -> &ChunkCache {
         self.mirror.cache()
+    }
+
+    /// The mirror cache, to set how it keeps bases
+    /// ([`ChunkCache::set_quiet_bases`], as the peer's decoder does).
+    pub fn cache_mut(&mut self) -> &mut ChunkCache {
+        self.mirror.cache_mut()
     }
 
     /// Ends the stream: what waits is sent (into `out`) and the next bytes start a new stream

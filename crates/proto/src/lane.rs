@@ -44,3 +44,8 @@ pub const CAP_REF_RUNS: u64 = 512;
 /// their check, and delta runs whose zstd frame leaves out zstd's magic number (see
 /// `wanopt_codec::MAX_REF_RUN`).
 pub const CAP_COMPACT_RUNS: u64 = 1024;
+/// Hello capability bit (with `CAP_DELTA`): the sender's caches keep a chunk used as a delta's
+/// base in its place in their least-recently-used order, as both sides must (see
+/// `wanopt_codec::cache::ChunkCache::set_quiet_bases`); references still move a chunk to the
+/// newest end.
+pub const CAP_QUIET_BASES: u64 = 2048;

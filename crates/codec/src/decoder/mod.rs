@@ -65,6 +65,8 @@ impl Decoder {
     pub fn new(cfg: &CodecConfig) -> Self {
         let mut d = Self::with_capacity(cfg.cache_bytes, cfg.dedup);
         d.set_long_context(cfg.long, Slots::default());
+        // Its encoder is this build's (`Encoder::new`): bases keep their place.
+        d.cache.set_quiet_bases(true);
         d
     }
 

@@ -60,7 +60,7 @@ impl Decoder {
         for name in names.chunks_exact(16) {
             let mut b = [0u8; 16];
             b.copy_from_slice(name);
-            match self.cache.lookup(&b) {
+            match self.cache.lookup_base(&b) {
                 Lookup::Hit(c) => d.dict.extend_from_slice(c),
                 Lookup::Miss => return Err(CodecError::Miss(target)),
                 Lookup::Pending => return Err(CodecError::Pending(b)),
@@ -172,7 +172,7 @@ impl Decoder {
         let d = &mut self.delta;
         d.dict.clear();
         for b in &names[..nb] {
-            match self.cache.lookup(b) {
+            match self.cache.lookup_base(b) {
                 Lookup::Hit(c) if d.dict.len() + c.len() <= RUN_DICT_DECODE => {
                     d.dict.extend_from_slice(c)
                 }

@@ -73,7 +73,7 @@ impl Mirror {
         // The peer looks the bases up in this order: the mirror touches them in it.
         for b in &d.found {
             out.put_slice(b);
-            self.cache.touch(b);
+            self.cache.touch_base(b);
         }
         out.put_slice(&f);
         put_len(out, clen);
@@ -398,7 +398,7 @@ impl Mirror {
         // A base it lacks is a miss of the base: the chunks are named by none but the check.
         let mut at = 0;
         for b in &run.bases {
-            self.cache.touch(b);
+            self.cache.touch_base(b);
             let len = bases.held_len(b).unwrap_or(0).min(d.dict.len() - at);
             let data = &d.dict[at..at + len];
             self.recent

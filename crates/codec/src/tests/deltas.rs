@@ -138,6 +138,52 @@ fn a_changed_backup_goes_as_deltas_and_rebuilds_exactly() {
     );
 }
 
+/// A changed copy that would overflow the caches its first copy nearly filled: with bases that
+/// keep their place (`quiet_bases`, what `Encoder::new` and `Decoder::new` agree on), each
+/// chunk added evicts a base already used, and the copy goes as deltas to the end; with bases
+/// moved to the newest end, as before, each evicts the first copy's next chunk, the base the
+/// copy needs next, and from there on it goes as literals. Both rebuild exactly.
+#[test]
+fn a_changed_copy_that_overflows_the_caches_keeps_its_bases() {
+    let cfg = CodecConfig {
+        cache_bytes: 5 << 20,
+        delta_bytes: 5 << 20,
+        ..CodecConfig::default()
+    };
+    let (first, second) = pages(512, 11);
+    let mut wire = Vec::new();
+    for quiet in [true, false] {
+        let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+        enc.cache_mut().set_quiet_bases(quiet);
+        dec.cache_mut().set_quiet_bases(quiet);
+        let w1 = send(&mut enc, &first);
+        assert_eq!(decode_answering(&enc, &mut dec, &w1), (first.clone(), 0));
+        let before = enc.stats().delta_bytes;
+        let w2 = send(&mut enc, &second);
+        assert_eq!(decode_answering(&enc, &mut dec, &w2), (second.clone(), 0));
+        let deltas = enc.stats().delta_bytes - before;
+        eprintln!(
+            "quiet {quiet}: changed copy {} B, {deltas} of {} B as deltas",
+            w2.len(),
+            second.len()
+        );
+        if quiet {
+            assert!(
+                deltas * 10 >= second.len() as u64 * 9,
+                "{deltas} of {} B as deltas",
+                second.len()
+            );
+        }
+        wire.push(w2.len());
+    }
+    assert!(
+        wire[0] * 3 <= wire[1],
+        "quiet bases {} B, bases moved {} B",
+        wire[0],
+        wire[1]
+    );
+}
+
 /// The records of `second` after `first` through an encoder of `cfg` without a store of
 /// bases (checked to send no delta).
 fn without_deltas(cfg: &CodecConfig, first: &[u8], second: &[u8]) -> Vec<u8> {

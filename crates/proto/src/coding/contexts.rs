@@ -18,7 +18,7 @@ use super::{
     SavedState, StateRequest, lane_share,
 };
 use crate::frame::{self, CacheOffer};
-use crate::lane::{CAP_DELTA, LANES, MAIN_LANE};
+use crate::lane::{CAP_DELTA, CAP_QUIET_BASES, LANES, MAIN_LANE};
 
 /// Most bytes of referenced chunks a mirror keeps to answer misses, whatever the peer's window.
 const MAX_RESEND: u64 = 256 << 20;
@@ -52,6 +52,9 @@ pub(crate) struct Contexts {
     /// Long contexts agreed for what we send (the peer's offer within ours), and the link's
     /// count of them in use each way: the bounds hold per link, whatever the caches.
     long_send: Option<LongContext>,
+    /// Both sides keep a delta's bases in their place in the caches' order
+    /// (`CAP_QUIET_BASES`): our mirrors and decoders do so while the peer's hello says it.
+    quiet_bases: bool,
     long_out: Slots,
     long_in: Slots,
     /// Short stream contexts per lane, each side's count shared by the lane's mirrors (or
@@ -122,6 +125,7 @@ impl Contexts {
             checkpointed: HashMap::new(),
             judged: HashMap::new(),
             long_send: None,
+            quiet_bases: false,
             long_out: Slots::default(),
             long_in: Slots::default(),
             short_out: Default::default(),
@@ -244,6 +248,14 @@ impl Contexts {
             .zip(peer.long)
             .map(|(ours, theirs)| ours.agree(&theirs));
         self.resend = usize::try_from(peer.link_window.min(MAX_RESEND)).unwrap_or(0) + (16 << 20);
+        // Our caches apply the peer's order from now on, as the peer applies ours.
+        self.quiet_bases = peer.caps & CAP_QUIET_BASES != 0;
+        for m in self.mirrors.values_mut() {
+            m.cache_mut().set_quiet_bases(self.quiet_bases);
+        }
+        for d in self.decoders.values_mut() {
+            d.cache_mut().set_quiet_bases(self.quiet_bases);
+        }
         // The runtime's store if it gave one (it outlives the connection), else one of our own.
         self.bases = if peer.caps & CAP_DELTA == 0 || self.own.delta_bytes == 0 {
             None
@@ -284,8 +296,10 @@ impl Contexts {
         let bases = self.bases.clone().filter(|_| lane == MAIN_LANE);
         // Nor does it prepare chunks on workers: its small writes never wait for a pool.
         let workers = self.workers.clone().filter(|_| lane == MAIN_LANE);
+        let quiet = self.quiet_bases;
         self.mirrors.entry(key).or_insert_with(|| {
             let mut m = Mirror::new(to_usize(lane_share(size, lane)), resend, level);
+            m.cache_mut().set_quiet_bases(quiet);
             m.share_context_slots(short);
             m.set_long_context(long.0, long.1);
             m.set_bases(bases);
@@ -307,6 +321,7 @@ impl Contexts {
         let long = (self.own.long_context, self.long_in.clone());
         let short = self.short_in[lane.min(LANES - 1)].clone();
         let workers = self.workers.clone().filter(|_| lane == MAIN_LANE);
+        let quiet = self.quiet_bases;
         self.decoders.entry(key).or_insert_with(|| {
             let store = (disk > 0)
                 .then(|| storage.as_ref().and_then(|s| s.store(lane, scope)))
@@ -319,6 +334,7 @@ impl Contexts {
                 // Chunks whose bytes are gone become misses, which the peer answers.
                 let _ = cache.restore(&s);
             }
+            cache.set_quiet_bases(quiet);
             let mut d = Decoder::with_cache(cache, true);
             d.share_context_slots(short);
             // What we offered in our hello, counted per link.

@@ -7,7 +7,8 @@ use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Hello, setting};
 use crate::lane::{
     CAP_CODEC, CAP_COMPACT_RUNS, CAP_CONTEXT, CAP_DELTA, CAP_DELTA_RUNS, CAP_LANE_COPIES,
-    CAP_LATENCY_LANE, CAP_LONG_CONTEXT, CAP_REF_RUNS, CAP_RESUME, CAP_RUNS, MAIN_LANE,
+    CAP_LATENCY_LANE, CAP_LONG_CONTEXT, CAP_QUIET_BASES, CAP_REF_RUNS, CAP_RESUME, CAP_RUNS,
+    MAIN_LANE,
 };
 
 use super::LinkConfig;
@@ -40,7 +41,7 @@ pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>, scoped: Vec<String
     }
     // Deltas off on one side are off both ways, as long contexts are.
     if cfg.codec.as_ref().is_some_and(|c| c.delta_bytes > 0) {
-        capabilities |= CAP_DELTA;
+        capabilities |= CAP_DELTA | CAP_QUIET_BASES;
     }
     let long = cfg.codec.as_ref().and_then(|c| c.long_context);
     if long.is_some() {
@@ -180,6 +181,23 @@ impl PeerParams {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Bases keep their place in the caches' order only where deltas go both ways: the bit
+    /// comes with `CAP_DELTA`, and a peer without it (an older build) leaves the order as it
+    /// was (the pair's mirror and decoder then agree on that).
+    #[test]
+    fn quiet_bases_come_with_deltas() {
+        let mut cfg = crate::LinkConfig::new("west", "east", true);
+        cfg.codec = Some(crate::CodecSettings::default());
+        let caps = ours(&cfg, Vec::new(), Vec::new()).capabilities;
+        assert_ne!(caps & CAP_DELTA, 0);
+        assert_ne!(caps & CAP_QUIET_BASES, 0);
+        if let Some(c) = cfg.codec.as_mut() {
+            c.delta_bytes = 0;
+        }
+        let caps = ours(&cfg, Vec::new(), Vec::new()).capabilities;
+        assert_eq!(caps & (CAP_DELTA | CAP_QUIET_BASES), 0);
+    }
 
     #[test]
     fn the_largest_hello_fits_what_a_listener_reads() {
