@@ -487,10 +487,7 @@ mod tests {
     /// cache).
     #[test]
     fn untaken_reads_are_forgotten_and_later_reads_still_succeed() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let ready = Arc::new(Notify::new());
-        let mut store =
-            AsyncStore::open(dir.path().to_path_buf(), None, 64 << 20, &[], ready).expect("store");
+        let (_dir, mut store) = plain_store();
         let n = (MAX_READS + MAX_DONE) as u32;
         let put: Vec<(Loc, Fingerprint)> = (0..n + 1)
             .map(|i| {
@@ -534,6 +531,15 @@ mod tests {
         assert_eq!(got, Poll::Ready(Some(chunk(n))));
     }
 
+    /// A store without a key in a directory of its own (kept while the store is used).
+    fn plain_store() -> (tempfile::TempDir, AsyncStore) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ready = Arc::new(Notify::new());
+        let store =
+            AsyncStore::open(dir.path().to_path_buf(), None, 64 << 20, &[], ready).expect("store");
+        (dir, store)
+    }
+
     /// Holds the store's thread in a job until the returned sender is dropped.
     fn hold(store: &AsyncStore) -> std::sync::mpsc::Sender<()> {
         let (tx, rx) = std::sync::mpsc::channel::<()>();
@@ -562,15 +568,16 @@ mod tests {
     /// writes, which waits for that copy.
     #[test]
     fn reads_overtake_queued_writes_but_not_the_copy_they_read() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let ready = Arc::new(Notify::new());
-        let mut store =
-            AsyncStore::open(dir.path().to_path_buf(), None, 64 << 20, &[], ready).expect("store");
+        let (_dir, mut store) = plain_store();
         let d = chunk(0);
         let f = fingerprint(&d);
         let loc = store.append(&f, &d).expect("placed");
-        drop(hold(&store));
-        // Written: the thread ran the write before the job it has finished.
+        // Written once the thread ran a job queued after the write.
+        let (tx, rx) = std::sync::mpsc::channel();
+        store.run_after(Box::new(move || {
+            let _ = tx.send(());
+        }));
+        rx.recv_timeout(Duration::from_secs(10)).expect("written");
         assert_eq!(answer(&mut store, loc, &f), Some(Some(d.clone())));
 
         let first = hold(&store);
