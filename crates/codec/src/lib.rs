@@ -31,6 +31,7 @@ mod mirror;
 pub mod prepare;
 mod report;
 pub mod send;
+mod snapshot;
 pub mod store;
 pub mod testdata;
 
