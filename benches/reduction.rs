@@ -540,6 +540,8 @@ fn encoder(
     let bases = if opts.delta_disk > 0 {
         let limit = opts.delta_disk as u64;
         let store = dir.bases_store(limit).expect("disk tier");
+        // Chunks whose bases are being read wait for them, as the link's do.
+        enc.set_store_wait(dir.store_wait());
         wanopt_codec::delta::shared_tiered(cfg.delta_bytes, limit, store)
     } else {
         wanopt_codec::delta::shared(cfg.delta_bytes)

@@ -120,6 +120,10 @@ pub struct Policy {
     /// zstd's magic number (the peer decodes `TAG_REF_RUN_SHORT` and `TAG_DELTA_RUN_BARE`;
     /// see [`SHORT_CHECK`](crate::fingerprint::SHORT_CHECK)).
     pub compact_runs: bool,
+    /// A chunk whose bases are still being read from the disk tier waits for them (the turn
+    /// ends before it, see [`Sender::waiting`](crate::send::Sender::waiting)) instead of going
+    /// as a literal: whoever runs the sender comes back once the store has read them.
+    pub wait_bases: bool,
 }
 
 impl Default for Policy {
@@ -134,6 +138,7 @@ impl Default for Policy {
             delta_runs: true,
             ref_runs: true,
             compact_runs: true,
+            wait_bases: false,
         }
     }
 }
@@ -182,6 +187,7 @@ impl CodecConfig {
             delta_runs: self.runs,
             ref_runs: self.runs && self.logs,
             compact_runs: self.runs && self.logs,
+            wait_bases: false,
         }
     }
 }

@@ -471,15 +471,36 @@ impl Bases {
     }
 
     /// Keeps in `bases` those whose bytes are at hand now; a read from disk is started for
-    /// the others (their bytes come with a later lookup).
-    pub(crate) fn at_hand(&mut self, bases: &mut Vec<Fingerprint>) {
+    /// the others (their bytes come with a later lookup). Returns how many of those left
+    /// because they are being read (not because they are gone).
+    pub(crate) fn at_hand(&mut self, bases: &mut Vec<Fingerprint>) -> usize {
         let bytes = &mut self.bytes;
-        bases.retain(|f| matches!(bytes.lookup_base(f), Lookup::Hit(_)));
+        let mut reading = 0;
+        bases.retain(|f| match bytes.lookup_base(f) {
+            Lookup::Hit(_) => true,
+            Lookup::Pending => {
+                reading += 1;
+                false
+            }
+            Lookup::Miss => false,
+        });
+        reading
+    }
+
+    /// Asks the disk tier for those of `bases` not in memory (their bytes come with a later
+    /// lookup): before [`prefetch`](Self::prefetch), so that a chunk's own bases are read
+    /// first.
+    pub(crate) fn request(&mut self, bases: &[Fingerprint]) {
+        for f in bases {
+            if !self.bytes.in_memory(f) {
+                let _ = self.bytes.lookup_base(f);
+            }
+        }
     }
 
     /// Asks the disk tier for the chunks sent after `base` (up to [`PREFETCH`] of them) that
-    /// are not in memory: a stream like the one `base` came from will want them next, and the
-    /// sender never waits for the disk (stream-informed prefetch, after Shilane et al.).
+    /// are not in memory: a stream like the one `base` came from will want them next, and they
+    /// are at hand when it does (stream-informed prefetch, after Shilane et al.).
     pub fn prefetch(&mut self, base: &Fingerprint) {
         let Some(id) = self.meta.get(base).map(|m| m.id) else {
             return;

@@ -30,7 +30,13 @@ pub struct Encoder {
     stats: EncodeStats,
     /// A turn's quantum and frame room (see [`set_turn_limits`](Self::set_turn_limits)).
     turn: (usize, usize),
+    /// Blocks until the store of bases has read something (see
+    /// [`set_store_wait`](Self::set_store_wait)).
+    store_wait: Option<StoreWait>,
 }
+
+/// Blocks until the disk tier of the store of bases has finished a read, or a while has passed.
+pub type StoreWait = Box<dyn FnMut() + Send>;
 
 impl Encoder {
     pub fn new(cfg: CodecConfig) -> Self {
@@ -48,7 +54,16 @@ impl Encoder {
             sent: 0,
             stats: EncodeStats::default(),
             turn: (usize::MAX, usize::MAX),
+            store_wait: None,
         }
+    }
+
+    /// Chunks whose bases the disk tier is reading wait for them, as a link's do: the encoder
+    /// calls `wait` (which blocks until the store has read something, or a while has passed)
+    /// and goes on. Without it (the default) such chunks go with the bases at hand.
+    pub fn set_store_wait(&mut self, wait: Option<StoreWait>) {
+        self.sender.policy.wait_bases = wait.is_some();
+        self.store_wait = wait;
     }
 
     /// Ends each turn as a link's does: after `quantum` record bytes, and within a frame of
@@ -91,7 +106,10 @@ impl Encoder {
     /// on the same caches, with a context of its own, as a new connection would.
     pub fn end_stream(&mut self, pressure: Pressure, out: &mut Vec<u8>) {
         self.push(&[], true, pressure, out);
-        self.sender = Sender::new(self.cfg.policy());
+        self.sender = Sender::new(crate::config::Policy {
+            wait_bases: self.store_wait.is_some(),
+            ..self.cfg.policy()
+        });
         self.queued = 0;
         self.sent = 0;
     }
@@ -129,10 +147,16 @@ impl Encoder {
                 out,
                 &mut self.stats,
             );
+            self.sent += n as u64;
+            if self.sender.waiting() {
+                if let Some(wait) = self.store_wait.as_mut() {
+                    wait();
+                }
+                continue;
+            }
             if n == 0 {
                 break;
             }
-            self.sent += n as u64;
         }
     }
 }

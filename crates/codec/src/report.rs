@@ -17,6 +17,9 @@ pub enum Sent {
     /// Gathered into a delta run: its record comes when the run is flushed (one for the run,
     /// or a literal if the run did not pay), counted then (see `Mirror::take_late`).
     InRun,
+    /// Not sent: its bases are being read from the disk tier, and the stream waits for them
+    /// (see [`Policy::wait_bases`](crate::config::Policy::wait_bases)). Nothing was written.
+    Wait,
 }
 
 /// What encoding one chunk did: how, raw bytes in, record bytes out.
@@ -57,6 +60,19 @@ pub struct EncodeStats {
     /// was used: what the index found and could not turn into a delta.
     pub no_base_chunks: u64,
     pub no_base_bytes: u64,
+}
+
+impl Report {
+    /// A chunk that waits for its bases (see [`Sent::Wait`]).
+    pub(crate) fn wait() -> Report {
+        Report {
+            sent: Sent::Wait,
+            raw: 0,
+            wire: 0,
+            run_end: 0,
+            no_base: false,
+        }
+    }
 }
 
 impl EncodeStats {
@@ -112,7 +128,7 @@ impl EncodeStats {
                 self.codec_bytes[0] += raw;
                 self.codec_wire[0] += r.wire as u64;
             }
-            Sent::InRun => {}
+            Sent::InRun | Sent::Wait => {}
         }
     }
 

@@ -12,7 +12,7 @@ use crate::config::{CodecConfig, Policy, Pressure, chunks};
 use crate::format::{RECORD_OVERHEAD, run_reserve};
 use crate::mirror::{Hint, Mirror, encode_tail};
 use crate::prepare::BATCH;
-use crate::report::EncodeStats;
+use crate::report::{EncodeStats, Sent};
 
 /// Most bytes a bulk stream's chunker looks at in one turn.
 pub const RAW_TURN: usize = 256 * 1024;
@@ -30,6 +30,9 @@ pub struct Sender {
     /// Record bytes per raw byte of the stream's recent turns: how many chunks a frame's room
     /// will hold, so that no more are prepared on workers than go in the turn.
     ratio: f64,
+    /// The last turn ended before a chunk whose bases the disk tier is reading (see
+    /// [`Policy::wait_bases`]).
+    waiting: bool,
 }
 
 impl Sender {
@@ -41,7 +44,15 @@ impl Sender {
             pos: 0,
             flush_at: 0,
             ratio: 1.0,
+            waiting: false,
         }
+    }
+
+    /// True if the last turn ended before a chunk whose bases are being read from the disk
+    /// tier: the next turn should come once the store has read them (the chunk waits a few
+    /// turns at most, then goes with what is at hand).
+    pub fn waiting(&self) -> bool {
+        self.waiting
     }
 
     /// Bytes taken from the queue and held for their chunk's boundary.
@@ -85,6 +96,7 @@ pub fn emit<B: BufMut>(
     stats: &mut EncodeStats,
 ) -> usize {
     let mut turn = Turn::default();
+    coder.waiting = false;
     let gather = mirror.has_workers() && !coder.policy.latency;
     loop {
         let budget = lim.budget.saturating_sub(turn.raw);
@@ -219,6 +231,7 @@ pub fn emit<B: BufMut>(
         let r = (turn.wire + n) as f64 / turn.raw as f64;
         coder.ratio = ((coder.ratio + r) / 2.0).clamp(0.001, 1.1);
     }
+    coder.waiting = turn.wait;
     turn.raw
 }
 
@@ -242,6 +255,8 @@ fn advance_front(queue: &mut VecDeque<Bytes>, mut n: usize) {
 struct Turn {
     raw: usize,
     wire: usize,
+    /// It ended before a chunk that waits for its bases.
+    wait: bool,
 }
 
 /// Why [`Cut::cut`] stopped.
@@ -394,8 +409,12 @@ impl<B: BufMut> Cut<'_, B> {
         };
         self.stats.add(&r);
         self.stats.merge(&m.take_late());
-        t.raw += len;
         t.wire += r.wire + r.run_end;
+        if r.sent == Sent::Wait {
+            t.wait = true;
+            return Some((off, Stop::Limit));
+        }
+        t.raw += len;
         None
     }
 }

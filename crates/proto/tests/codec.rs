@@ -289,36 +289,6 @@ fn db_blocks(n: usize, seed: u64) -> Bytes {
     v.into()
 }
 
-fn counts(link: &mut Link) -> CodecCount {
-    let mut total = CodecCount::default();
-    for (_, c) in link.take_codec_counts() {
-        total.sent.merge(&c.sent);
-        total.needs += c.needs;
-        total.resent += c.resent;
-    }
-    total
-}
-
-/// Sends `data` west→east on a new stream with fin, has east finish too, and returns the wire
-/// bytes west sent for it.
-fn send_once(p: &mut Pair, service: &str, class: Class, data: &Bytes) -> u64 {
-    let before = p.west.link.link_wire().0;
-    let id = open_and_send(p, service, class, data.clone());
-    p.drive(Duration::from_secs(60));
-    assert!(
-        p.east
-            .app
-            .received
-            .get(&id)
-            .is_some_and(|r| r[..] == data[..]),
-        "bytes differ"
-    );
-    assert!(p.east.app.fin.contains(&id));
-    p.east.app.to_send.insert(id, (Bytes::new(), true));
-    p.drive(Duration::from_secs(5));
-    p.west.link.link_wire().0 - before
-}
-
 #[test]
 fn coded_bulk_compresses_and_a_repeat_is_nearly_free() {
     let mut p = coded_pair(64 << 20, false);

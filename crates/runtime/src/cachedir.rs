@@ -31,6 +31,9 @@ use crate::secure::no_follow;
 /// agree on an earlier one with its peer. A mirror's states are small and saved at once, while
 /// the decoder's wait for its segments to reach the disk, so the mirror side keeps more.
 const KEEP_DECODER_STATES: usize = 3;
+/// Longest a blocking [`CacheDir::store_wait`] waits for a read (a read takes well under a
+/// millisecond from the page cache, tens from a busy disk).
+const STORE_WAIT: Duration = Duration::from_millis(50);
 const KEEP_MIRROR_STATES: usize = wanopt_proto::frame::MAX_DIGESTS;
 
 /// The cache directory of a service no longer configured goes after this long untouched (a
@@ -334,6 +337,23 @@ impl CacheDir {
     /// Notified when a store has read a chunk that a link waits for.
     pub fn ready(&self) -> Arc<tokio::sync::Notify> {
         self.ready.clone()
+    }
+
+    /// What an [`Encoder`](wanopt_codec::Encoder) run outside a link (a bench, a tool) calls
+    /// to wait, as a link's sender does, for the bases its disk tier is reading: it blocks until
+    /// this directory's stores have read something, or [`STORE_WAIT`] has passed. `None` if
+    /// the timer it needs cannot be had.
+    pub fn store_wait(&self) -> Option<wanopt_codec::StoreWait> {
+        let ready = self.ready.clone();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .ok()?;
+        Some(Box::new(move || {
+            rt.block_on(async {
+                let _ = tokio::time::timeout(STORE_WAIT, ready.notified()).await;
+            });
+        }))
     }
 
     /// A disk tier of `limit` bytes for a store of delta bases, in a directory of its own

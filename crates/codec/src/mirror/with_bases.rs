@@ -39,13 +39,23 @@ impl Mirror {
         &mut self,
         f: Fingerprint,
         chunk: &[u8],
+        policy: &Policy,
         hint: &mut Hint,
         out: &mut impl BufMut,
     ) -> Option<Report> {
-        self.find_bases(chunk, hint)?;
+        let best = self.find_bases(chunk, hint)?;
         let shared = self.bases.clone()?;
         let mut bases = shared.lock().ok()?;
         let d = &mut self.delta;
+        // Whatever comes of this one, the chunks after the best base are likely next: read
+        // after the bases themselves, and before the bases are taken (in memory they would
+        // push the bases out).
+        bases.request(&d.found);
+        bases.prefetch(&best);
+        let reading = bases.at_hand(&mut d.found);
+        if reading > 0 && hint.may_wait(f, policy) {
+            return Some(Report::wait());
+        }
         if !bases.dictionary(&mut d.found, &mut d.dict) {
             return None;
         }
@@ -203,10 +213,11 @@ impl Run {
 
 impl Mirror {
     /// Finds bases for `chunk`: its anchors into the delta scratch's keys, the bases the index
-    /// offers that the peer holds into its found list (best last), and reads ahead after the
-    /// best. `None`: no base, or the stream's own context still reaches the best (a literal in
-    /// it costs less: it sees the base and everything around it, and names nothing).
-    fn find_bases(&mut self, chunk: &[u8], hint: &Hint) -> Option<()> {
+    /// offers that the peer holds into its found list (best last); returns the best (the
+    /// caller reads ahead after it). `None`: no base, or the stream's own context still
+    /// reaches the best (a literal in it costs less: it sees the base and everything around
+    /// it, and names nothing).
+    fn find_bases(&mut self, chunk: &[u8], hint: &Hint) -> Option<Fingerprint> {
         let shared = self.bases.clone()?;
         let d = &mut self.delta;
         anchors(chunk, &mut d.keys);
@@ -225,9 +236,7 @@ impl Mirror {
         {
             return None;
         }
-        // Whatever comes of this one, the chunks after the best base are likely next.
-        bases.prefetch(&best);
-        Some(())
+        Some(best)
     }
 
     /// Adds `chunk` to the stream's delta run if similar chunks the peer holds are at hand as
@@ -242,12 +251,18 @@ impl Mirror {
         hint: &mut Hint,
         out: &mut impl BufMut,
     ) -> Option<Report> {
-        self.find_bases(chunk, hint)?;
+        let best = self.find_bases(chunk, hint)?;
         let shared = self.bases.clone()?;
         let lens = {
             let mut bases = shared.lock().ok()?;
             let d = &mut self.delta;
-            bases.at_hand(&mut d.found);
+            // As in `encode_delta`.
+            bases.request(&d.found);
+            bases.prefetch(&best);
+            let reading = bases.at_hand(&mut d.found);
+            if reading > 0 && hint.may_wait(f, policy) {
+                return Some(Report::wait());
+            }
             if d.found.is_empty() {
                 return None;
             }

@@ -305,9 +305,21 @@ impl ChunkStore for Reading {
 /// the second's wire bytes and the share of its chunks that went as deltas, after checking
 /// that both rebuild exactly.
 fn changed_backup_with(bases: Option<SharedBases>, first: &[u8], second: &[u8]) -> (usize, f64) {
+    changed_backup_waiting(bases, None, first, second)
+}
+
+/// [`changed_backup_with`] where chunks whose bases are being read wait for them, calling
+/// `wait` (see [`Encoder::set_store_wait`]).
+fn changed_backup_waiting(
+    bases: Option<SharedBases>,
+    wait: Option<crate::StoreWait>,
+    first: &[u8],
+    second: &[u8],
+) -> (usize, f64) {
     let cfg = CodecConfig::default();
     let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
     enc.mirror.set_bases(bases);
+    enc.set_store_wait(wait);
     let w1 = send(&mut enc, first);
     assert_eq!(decode_answering(&enc, &mut dec, &w1).0, first);
     let early = enc.stats().delta_chunks;
@@ -347,6 +359,22 @@ fn bases_memory_forgot_are_found_on_the_disk_tier_and_read_ahead() {
         w_slow * 2 <= alone,
         "read ahead {w_slow} vs memory only {alone}"
     );
+    // Chunks that wait for their bases (the store has them the next time it is asked) all go
+    // as deltas, and the waiter was called.
+    let reading = Box::new(Reading(
+        crate::store::MemStore::new(1 << 20),
+        Default::default(),
+    ));
+    let slow = shared_tiered(mem, 16 << 20, reading).expect("store");
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let counted = calls.clone();
+    let wait: crate::StoreWait = Box::new(move || {
+        counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    });
+    let (w_wait, share) = changed_backup_waiting(Some(slow), Some(wait), &first, &second);
+    assert!(share > 0.95, "waiting: {share}");
+    assert!(w_wait < w_slow, "waiting {w_wait} vs read ahead {w_slow}");
+    assert!(calls.load(std::sync::atomic::Ordering::Relaxed) > 0);
 }
 
 #[test]

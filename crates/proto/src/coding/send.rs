@@ -34,6 +34,9 @@ impl SendCoder {
                 ref_runs: false,
                 // Only once the peer says it reads compact runs.
                 compact_runs: false,
+                // The link schedules the stream again once its store has read the bases
+                // (`Link::store_ready`).
+                wait_bases: true,
             }),
             scoped: policy.scope == Scope::Service,
             max_chunk: usize::MAX,

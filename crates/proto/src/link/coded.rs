@@ -165,8 +165,10 @@ impl Link {
     }
 
     /// Our disk tier's store read chunks that streams were waiting for: those streams decode
-    /// again (one still waiting stalls again; nothing is asked of the peer).
+    /// again (one still waiting stalls again; nothing is asked of the peer), and those whose
+    /// next chunk waited for its bases take their turn again.
     pub fn store_ready(&mut self) {
+        self.resume_senders();
         let waiting: Vec<StreamId> = self
             .streams
             .map
@@ -183,6 +185,22 @@ impl Link {
             .collect();
         for id in waiting {
             self.decode_stream(id);
+        }
+    }
+
+    /// Schedules the streams whose next chunk waits for delta bases being read (see
+    /// [`Sender::waiting`](wanopt_codec::Sender::waiting)): a chunk waits a few turns at most,
+    /// so one that comes back too soon goes with the bases at hand.
+    pub(super) fn resume_senders(&mut self) {
+        let waiting: Vec<StreamId> = self
+            .streams
+            .map
+            .iter()
+            .filter(|(_, s)| s.send.coder.as_ref().is_some_and(|c| c.sender.waiting()))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in waiting {
+            self.streams.schedule(id);
         }
     }
 

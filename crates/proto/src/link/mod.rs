@@ -800,6 +800,8 @@ impl Link {
         self.timers.get_or_set(Timer::Stalls, now + STALL_SWEEP);
         if self.timers.expired(Timer::Stalls, now) {
             self.sweep_stalls(now);
+            // A wake-up from the store that went to another link's waiter: not lost for long.
+            self.resume_senders();
             self.timers.set(Timer::Stalls, now + STALL_SWEEP);
         }
         if self.cfg.cache_storage.is_some() && self.state != State::Handshake {

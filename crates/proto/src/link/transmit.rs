@@ -193,7 +193,10 @@ impl Link {
         }
         let wire = (out.len() - before) as u64;
         let service = s.service.clone();
-        let again = s.send.wants_send();
+        // A stream whose next chunk waits for its bases comes again when the store has read
+        // them (`store_ready`), not at once.
+        let waiting = s.send.coder.as_ref().is_some_and(|c| c.sender.waiting());
+        let again = s.send.wants_send() && !waiting;
         self.wire.entry(service.clone()).or_default().out += wire;
         if queue == Queue::Bulk {
             self.streams.shaper.charge(lane, &service, wire);

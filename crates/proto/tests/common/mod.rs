@@ -438,6 +438,37 @@ pub fn laned_pair() -> Pair {
     p
 }
 
+/// A link's codec counts summed over its services (taken: the next call counts anew).
+pub fn counts(link: &mut Link) -> CodecCount {
+    let mut total = CodecCount::default();
+    for (_, c) in link.take_codec_counts() {
+        total.sent.merge(&c.sent);
+        total.needs += c.needs;
+        total.resent += c.resent;
+    }
+    total
+}
+
+/// Sends `data` west→east on a new stream with fin, has east finish too, and returns the wire
+/// bytes west sent for it.
+pub fn send_once(p: &mut Pair, service: &str, class: Class, data: &Bytes) -> u64 {
+    let before = p.west.link.link_wire().0;
+    let id = open_and_send(p, service, class, data.clone());
+    p.drive(Duration::from_secs(60));
+    assert!(
+        p.east
+            .app
+            .received
+            .get(&id)
+            .is_some_and(|r| r[..] == data[..]),
+        "bytes differ"
+    );
+    assert!(p.east.app.fin.contains(&id));
+    p.east.app.to_send.insert(id, (Bytes::new(), true));
+    p.drive(Duration::from_secs(5));
+    p.west.link.link_wire().0 - before
+}
+
 /// Opens a west→east stream, sends `data` with fin, and has east answer `reply` with fin.
 pub fn open_and_send(p: &mut Pair, service: &str, class: Class, data: Bytes) -> StreamId {
     let id = p.west.link.open(service, class).expect("open");
