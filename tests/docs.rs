@@ -143,6 +143,7 @@ fn every_listed_family_has_a_sample_from_the_first_scrape() {
     let later = [
         "wanopt_dedup_",
         "wanopt_delta_no_base_",
+        "wanopt_delta_base_waits",
         "wanopt_saved_bytes",
         "wanopt_codec_bytes",
         "wanopt_codec_wire_bytes",

@@ -60,6 +60,9 @@ pub struct EncodeStats {
     /// was used: what the index found and could not turn into a delta.
     pub no_base_chunks: u64,
     pub no_base_bytes: u64,
+    /// Turns a stream ended before a chunk to wait for its bases to be read from the disk
+    /// tier (see [`Sent::Wait`]).
+    pub base_waits: u64,
 }
 
 impl Report {
@@ -90,6 +93,7 @@ impl EncodeStats {
         self.delta_wire += o.delta_wire;
         self.no_base_chunks += o.no_base_chunks;
         self.no_base_bytes += o.no_base_bytes;
+        self.base_waits += o.base_waits;
         for (a, b) in self.codec_bytes.iter_mut().zip(o.codec_bytes) {
             *a += b;
         }
@@ -128,7 +132,8 @@ impl EncodeStats {
                 self.codec_bytes[0] += raw;
                 self.codec_wire[0] += r.wire as u64;
             }
-            Sent::InRun | Sent::Wait => {}
+            Sent::InRun => {}
+            Sent::Wait => self.base_waits += 1,
         }
     }
 
@@ -167,6 +172,9 @@ mod tests {
         s.add_run_end(50);
         // Gathered into a delta run: its raw bytes now, its record's when the run goes.
         s.add(&r(Sent::InRun, 8192, 0));
+        // A chunk that waited for its bases: nothing sent yet, a wait counted.
+        s.add(&Report::wait());
+        assert_eq!(s.base_waits, 1);
         assert_eq!(
             (s.raw_bytes, s.wire_bytes),
             (4 * 8192 + 4096 + 10, 20 + 3000 + 100 + 1000 + 12 + 50)

@@ -88,6 +88,8 @@ fn chunks_wait_for_the_bases_a_slow_disk_tier_is_reading() {
         let (c, waited) = changed_copy_over_a_slow_tier(&first, &second, delay);
         let s = &c.sent;
         assert!(waited > 100, "{delay:?}: {waited} reads waited");
+        // The pauses are counted (what `wanopt_delta_base_waits_total` shows).
+        assert!(s.base_waits > 0, "{delay:?}: {s:?}");
         // Every changed block has its earlier version as a base, read from the disk tier.
         assert!(
             s.delta_bytes * 100 >= second.len() as u64 * 90,

@@ -523,6 +523,7 @@ pub struct CodecMetrics {
     saved: Family<SavedLabel, Counter>,
     no_base_bytes: Family<ServiceLabel, Counter>,
     no_base_chunks: Family<ServiceLabel, Counter>,
+    base_waits: Family<ServiceLabel, Counter>,
     resends: Family<ServiceDir, Counter>,
     cache_bytes: Family<CacheLabel, Gauge>,
     cache_chunks: Family<CacheLabel, Gauge>,
@@ -583,6 +584,11 @@ impl CodecMetrics {
             "wanopt_delta_no_base_chunks",
             "Chunks counted in wanopt_delta_no_base_bytes, per service",
             m.no_base_chunks.clone(),
+        );
+        r.register(
+            "wanopt_delta_base_waits",
+            "Times a stream paused before a chunk until the delta bases the index offered for it              were read from our disk tier, per service: many per second mean the disk tier's              reads pace the stream",
+            m.base_waits.clone(),
         );
         r.register(
             "wanopt_stall_timeouts",
@@ -696,6 +702,7 @@ impl CodecMetrics {
             self.no_base_chunks
                 .get_or_create(&label)
                 .inc_by(s.no_base_chunks);
+            self.base_waits.get_or_create(&label).inc_by(s.base_waits);
         }
         for (direction, n) in [(OUT, c.resent), (IN, c.needs)] {
             if n > 0 {

@@ -180,12 +180,6 @@ impl Mirror {
                 n += 17 + put_len(out, *len);
             }
         }
-        if std::env::var_os("DBGREF").is_some() {
-            eprintln!(
-                "DBGREF k {k} held {held} n {n} own {:?} serial {} index {}",
-                hint.log, run.serial, run.index
-            );
-        }
         run.names.clear();
         self.late.hit_wire += n as u64;
         self.late.wire_bytes += n as u64;

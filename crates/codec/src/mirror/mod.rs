@@ -47,6 +47,9 @@ pub struct Hint {
     /// The chunk that waited for its bases to be read, and how many times (see
     /// [`MAX_WAITS`]).
     waited: Option<(Fingerprint, u32)>,
+    /// The chunk being encoded may not wait: a record for it went out already (its stream's
+    /// log started), which a turn that ends with no raw bytes would drop.
+    no_wait: bool,
 }
 
 /// Turns a chunk may wait for its bases to be read from the disk tier before it goes with
@@ -87,7 +90,7 @@ impl std::fmt::Debug for Hint {
 impl Hint {
     /// True if chunk `f`, whose bases are being read, may wait for them once more (counted).
     pub(crate) fn may_wait(&mut self, f: Fingerprint, policy: &Policy) -> bool {
-        if !policy.wait_bases {
+        if !policy.wait_bases || self.no_wait {
             return false;
         }
         match &mut self.waited {
@@ -466,6 +469,7 @@ impl Mirror {
         let live_before = hint.live;
         hint.live = hint.live.saturating_sub(1);
         let started = self.start_log(policy, hint, out);
+        hint.no_wait = started > 0;
         let r = self.encode_piece(chunk, live, policy, pressure, hint, out, p.as_mut());
         if r.sent == Sent::Wait {
             // The chunk comes again.

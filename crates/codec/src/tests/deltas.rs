@@ -761,3 +761,67 @@ fn bases_named_by_place_are_asked_for_by_name_when_the_logs_differ() {
         "names nobody asked for"
     );
 }
+
+/// A chunk that waits for its bases (`Sent::Wait`) has written nothing: the link drops a turn
+/// that sent no raw bytes with everything it wrote, so a record written before the wait (the
+/// start of the stream's log, with the first chunk) would be lost to the peer while the
+/// mirror counted it. Every stream here starts with a chunk whose bases are on a disk tier that
+/// answers `Pending` first.
+#[test]
+fn a_chunk_that_waits_for_its_bases_has_written_nothing() {
+    let (first, second) = pages(256, 13);
+    let cfg = CodecConfig::default();
+    let reading = Box::new(Reading(
+        crate::store::MemStore::new(1 << 20),
+        Default::default(),
+    ));
+    let mut m = Mirror::new(64 << 20, 1 << 20, 3);
+    m.set_bases(shared_tiered(64 << 10, 16 << 20, reading));
+    let policy = Policy {
+        wait_bases: true,
+        ..Policy::default()
+    };
+    let mut wire = Vec::new();
+    let mut hint = Hint::default();
+    for (o, l) in chunks(&first, &cfg) {
+        m.encode_chunk(
+            &first[o..o + l],
+            &policy,
+            Pressure::LinkBound,
+            &mut hint,
+            &mut wire,
+            None,
+        );
+    }
+    // The changed copy as streams of 16 chunks each (a log starts with each first chunk), the
+    // last first: the bases read ahead after one stream's never reach the next one's first.
+    let all: Vec<(usize, usize)> = chunks(&second, &cfg).collect();
+    let (mut waits, mut deltas) = (0, 0);
+    for (g, group) in all.chunks(16).enumerate().rev() {
+        m.end_run(&mut hint, &mut wire);
+        hint = Hint::default();
+        for (j, &(o, l)) in group.iter().enumerate() {
+            let i = g * 16 + j;
+            loop {
+                let before = wire.len();
+                let r = m.encode_chunk(
+                    &second[o..o + l],
+                    &policy,
+                    Pressure::LinkBound,
+                    &mut hint,
+                    &mut wire,
+                    None,
+                );
+                if r.sent != Sent::Wait {
+                    deltas += usize::from(matches!(r.sent, Sent::Delta | Sent::InRun));
+                    break;
+                }
+                assert_eq!(wire.len(), before, "chunk {i} wrote before it waited");
+                assert_eq!(r.run_end, 0);
+                waits += 1;
+            }
+        }
+    }
+    assert!(waits > 0, "{waits} waits");
+    assert!(deltas > 150, "{deltas} deltas");
+}

@@ -509,17 +509,19 @@ impl Coding {
             out,
             &mut stats,
         );
-        let fin = t.fin_requested && raw == t.queued;
-        if raw == 0 && !fin {
-            out.truncate(before);
-            return None;
-        }
-        frame::finish_coded(out, at, fin, coder.scoped, raw as u32);
         ctx.counts
             .entry(t.service.clone())
             .or_default()
             .sent
             .merge(&stats);
+        let fin = t.fin_requested && raw == t.queued;
+        if raw == 0 && !fin {
+            // Nothing was written but the frame's header (a turn that sends nothing writes no
+            // record; a chunk waiting for its bases counts the wait).
+            out.truncate(before);
+            return None;
+        }
+        frame::finish_coded(out, at, fin, coder.scoped, raw as u32);
         Some(Emitted { raw, fin })
     }
 
