@@ -55,6 +55,11 @@ impl Sender {
         self.waiting
     }
 
+    /// The store has read something: the next turn may come (see [`waiting`](Self::waiting)).
+    pub fn resume(&mut self) {
+        self.waiting = false;
+    }
+
     /// Bytes taken from the queue and held for their chunk's boundary.
     pub fn staged(&self) -> usize {
         self.stage.len() - self.pos

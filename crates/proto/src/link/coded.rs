@@ -195,9 +195,12 @@ impl Link {
         let waiting: Vec<StreamId> = self
             .streams
             .map
-            .iter()
-            .filter(|(_, s)| s.send.coder.as_ref().is_some_and(|c| c.sender.waiting()))
-            .map(|(id, _)| *id)
+            .iter_mut()
+            .filter_map(|(id, s)| {
+                let c = s.send.coder.as_mut().filter(|c| c.sender.waiting())?;
+                c.sender.resume();
+                Some(*id)
+            })
             .collect();
         for id in waiting {
             self.streams.schedule(id);

@@ -564,6 +564,8 @@ impl Link {
                 }
             }
         }
+        // Streams that waited for delta bases go again too.
+        self.resume_senders();
         let ids: Vec<StreamId> = self.streams.map.keys().copied().collect();
         for id in ids {
             self.streams.schedule(id);

@@ -231,11 +231,15 @@ impl Streams {
         Some(s)
     }
 
-    /// Puts a stream in its ready queue if it has something to send and is not queued yet.
+    /// Puts a stream in its ready queue if it has something to send and is not queued yet. A
+    /// stream whose next chunk waits for delta bases being read is not: new bytes, credit or a
+    /// flush would only bring the chunk round again before its bases (`Link::store_ready`
+    /// resumes it).
     pub fn schedule(&mut self, id: StreamId) {
         if let Some(s) = self.map.get_mut(&id)
             && !s.scheduled
             && s.send.wants_send()
+            && !s.send.coder.as_ref().is_some_and(|c| c.sender.waiting())
         {
             match s.class {
                 Class::Latency => self.ready_latency[s.lane].push_back(id),
