@@ -8,29 +8,6 @@ mod common;
 use common::*;
 use wanopt_codec::store::MemStore;
 
-/// 8 KiB blocks of rows with random fields (compressing to about a third, as real rows do),
-/// then the same blocks with a few bytes changed in each.
-fn blocks(n: usize) -> (Bytes, Bytes) {
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    let mut first = Vec::with_capacity(n * 8192);
-    for b in 0..n {
-        while first.len() < (b + 1) * 8192 - 80 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let row = format!("{b:05}|{:020}|{:x}|OPEN\n", x % 99_999_999_999, x >> 20);
-            first.extend_from_slice(row.as_bytes());
-        }
-        first.resize((b + 1) * 8192, b' ');
-    }
-    let mut second = first.clone();
-    for b in 0..n {
-        second[b * 8192 + 300 + (b * 37) % 6000] ^= 0x20;
-        second[b * 8192 + 5000] = b'X';
-    }
-    (first.into(), second.into())
-}
-
 /// Sends `first` then `second` from a west whose store of bases keeps 256 KiB in memory in
 /// front of a disk tier whose reads take `delay` of virtual time; returns west's counts for
 /// the second and the reads that waited.
@@ -83,7 +60,7 @@ fn changed_copy_over_a_slow_tier(
 #[test]
 fn chunks_wait_for_the_bases_a_slow_disk_tier_is_reading() {
     // 8 MiB: the first copy has left the 256 KiB of memory by the time the second comes.
-    let (first, second) = blocks(1024);
+    let (first, second) = changed_rows(1024);
     for delay in [Duration::from_millis(2), Duration::from_millis(30)] {
         let (c, waited) = changed_copy_over_a_slow_tier(&first, &second, delay);
         let s = &c.sent;

@@ -176,27 +176,7 @@ fn send_with_delta(west: bool, east: bool, first: &Bytes, second: &Bytes) -> (u6
 
 #[test]
 fn deltas_are_used_only_when_both_sides_offer_them() {
-    // Blocks of rows with random fields (compressing to about a third, as real rows do).
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    let mut first = Vec::with_capacity(256 * 8192);
-    for b in 0..256 {
-        while first.len() < (b + 1) * 8192 - 80 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let row = format!("{b:04}|{:020}|{:x}|OPEN\n", x % 99_999_999_999, x >> 20);
-            first.extend_from_slice(row.as_bytes());
-        }
-        first.resize((b + 1) * 8192, b' ');
-    }
-    let first = Bytes::from(first);
-    // The same blocks after updates: a few bytes changed in each.
-    let mut v = first.to_vec();
-    for b in 0..256 {
-        v[b * 8192 + 300 + (b * 37) % 6000] ^= 0x20;
-        v[b * 8192 + 5000] = b'X';
-    }
-    let second = Bytes::from(v);
+    let (first, second) = changed_rows(256);
     let (both, deltas) = send_with_delta(true, true, &first, &second);
     let (old_receiver, none_a) = send_with_delta(true, false, &first, &second);
     let (old_sender, none_b) = send_with_delta(false, true, &first, &second);
