@@ -121,8 +121,8 @@ pub struct Policy {
     /// see [`SHORT_CHECK`](crate::fingerprint::SHORT_CHECK)).
     pub compact_runs: bool,
     /// A chunk whose bases are still being read from the disk tier waits for them (the turn
-    /// ends before it, see [`Sender::waiting`](crate::send::Sender::waiting)) instead of going
-    /// as a literal: whoever runs the sender comes back once the store has read them.
+    /// ends before it: the sender says it is `waiting`) instead of going as a literal:
+    /// whoever runs the sender comes back once the store has read them.
     pub wait_bases: bool,
 }
 
