@@ -7,7 +7,7 @@ use super::{Hint, Mirror};
 use crate::config::{Compression, Policy, Pressure};
 
 use crate::delta::{
-    ACCEPT, DELTA_TABLE_LOG, MAX_BASES, MIN_VOTES, RUN_TABLE_LOG, SEND_BASES, anchors,
+    ACCEPT, Bases, DELTA_TABLE_LOG, MAX_BASES, MIN_VOTES, RUN_TABLE_LOG, SEND_BASES, anchors,
     compress_delta, delta_level, len_len, run_level,
 };
 use crate::fingerprint::{Fingerprint, run_check};
@@ -47,13 +47,7 @@ impl Mirror {
         let shared = self.bases.clone()?;
         let mut bases = shared.lock().ok()?;
         let d = &mut self.delta;
-        // Whatever comes of this one, the chunks after the best base are likely next: read
-        // after the bases themselves, and before the bases are taken (in memory they would
-        // push the bases out).
-        bases.request(&d.found);
-        bases.prefetch(&best);
-        let reading = bases.at_hand(&mut d.found);
-        if reading > 0 && hint.may_wait(f, policy) {
+        if take_bases(&mut bases, &mut d.found, &best, (f, policy), hint) {
             return Some(Report::wait());
         }
         if !bases.dictionary(&mut d.found, &mut d.dict) {
@@ -211,6 +205,23 @@ impl Run {
     }
 }
 
+/// Keeps in `found` (chunk `f`'s bases) those at hand, after asking the disk tier for the
+/// others and then for the chunks sent after `best`: a stream like the one the best came from
+/// will want those next. The bases are read first, and taken last (in memory the chunks read
+/// ahead would push them out). True if the chunk should wait for bases being read (see
+/// [`Hint::may_wait`]).
+fn take_bases(
+    bases: &mut Bases,
+    found: &mut Vec<Fingerprint>,
+    best: &Fingerprint,
+    (f, policy): (Fingerprint, &Policy),
+    hint: &mut Hint,
+) -> bool {
+    bases.request(found);
+    bases.prefetch(best);
+    bases.at_hand(found) > 0 && hint.may_wait(f, policy)
+}
+
 impl Mirror {
     /// Finds bases for `chunk`: its anchors into the delta scratch's keys, the bases the index
     /// offers that the peer holds into its found list (best last); returns the best (the
@@ -256,11 +267,7 @@ impl Mirror {
         let lens = {
             let mut bases = shared.lock().ok()?;
             let d = &mut self.delta;
-            // As in `encode_delta`.
-            bases.request(&d.found);
-            bases.prefetch(&best);
-            let reading = bases.at_hand(&mut d.found);
-            if reading > 0 && hint.may_wait(f, policy) {
+            if take_bases(&mut bases, &mut d.found, &best, (f, policy), hint) {
                 return Some(Report::wait());
             }
             if d.found.is_empty() {
