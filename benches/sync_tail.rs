@@ -1,17 +1,20 @@
 //! The tail of SYNC round trips on a lossy WAN: 8 KiB request/response round trips (20 ms
-//! apart, as a Data Guard SYNC commit stream) on five paths at once, for the same time, across
-//! one wansim link: direct TCP with CUBIC, direct TCP with BBR, the wanopt pair with two copies
-//! of its latency lane (`redundancy: 2`) sent back to back, a second pair with one
-//! (`redundancy: off`) and a third whose copies leave `--spacing` ms apart. Then
-//! the same while a bulk stream through the first pair fills the link. Reports p50, p99, p99.9
-//! and the worst, in ms and as multiples of the RTT.
+//! apart, as a Data Guard SYNC commit stream) on several paths at once, for the same time,
+//! across one wansim link: direct TCP with CUBIC, direct TCP with BBR, the wanopt pair with
+//! `--copies` copies of its latency lane sent back to back, a second pair with one
+//! (`redundancy: off`), and one more pair per entry of `--spaced-copies` whose copies leave
+//! `--spacing` ms apart. Then the same while a bulk stream through the first pair fills the
+//! link. Reports p50, p99, p99.9 and the worst, in ms and as multiples of the RTT, the round
+//! trips slower than 1.2 and 1.5 RTT, and the bulk stream's rate.
 //!
 //! Run (as root): `cargo build --release --workspace && cargo bench --bench sync_tail --
 //! --preset t3-100ms-1 --seconds 600`. Options: `--preset NAME` (default `t3-100ms-0.5`),
 //! `--seconds N` per phase (default 60), `--copies N` for the first pair (default 2),
-//! `--spacing MS` between the third pair's copies (default 5; 0 leaves that pair out),
-//! `--rto-min MS` the third pair's `link.lane_rto_min` (default off), `--svg
-//! FILE` (the percentile curves; default `benches/charts/sync-tail-PRESET.svg`).
+//! `--spaced-copies N,M,..` (default: `--copies`), `--spacing MS` between the spaced pairs'
+//! copies (default 5; 0 leaves them out), `--rto-min MS` their `link.lane_rto_min` (default
+//! off), `--latency-queue V` every pair's `link.latency_queue` (default 5ms; `off`), `--phases
+//! idle,loaded` (default both), `--svg FILE` (the percentile curves; default
+//! `benches/charts/sync-tail-PRESET.svg`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -19,7 +22,7 @@ mod common;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{connect_in, east_servers, link_lines, report, wan_pair};
@@ -53,6 +56,13 @@ fn ms(v: &[Duration], p: f64) -> f64 {
     v[((v.len() as f64 - 1.0) * p).round() as usize].as_secs_f64() * 1e3
 }
 
+/// Round trips slower than `limit_ms`.
+fn over(v: &[Duration], limit_ms: f64) -> usize {
+    v.iter()
+        .filter(|d| d.as_secs_f64() * 1e3 > limit_ms)
+        .count()
+}
+
 fn main() {
     if !wansim::available_or_skip("sync tail") {
         return;
@@ -62,6 +72,13 @@ fn main() {
     let secs: u64 = args.get("--seconds", 60);
     let copies: String = args.get("--copies", "2".to_string());
     let spacing: u64 = args.get("--spacing", 5);
+    let spaced_copies: Vec<String> = args
+        .get("--spaced-copies", copies.clone())
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    let phases: String = args.get("--phases", "idle,loaded".to_string());
+    let latency_queue: String = args.get("--latency-queue", "5ms".to_string());
     let rto_min: Option<u64> = args
         .text("--rto-min")
         .map(|v| v.parse().expect("--rto-min MS"));
@@ -74,6 +91,7 @@ fn main() {
     // Pairs side by side: east on 7400 (copies back to back), 7401 (one connection) and 7402
     // (copies `--spacing` ms apart).
     let start = |port: u16, redundancy: &str, spacing: u64, rto_min: Option<u64>| {
+        let latency_queue = latency_queue.clone();
         let lat = format!("    class: latency\n    redundancy: {redundancy}\n");
         let stated = stated.clone();
         wan_pair(
@@ -88,7 +106,7 @@ fn main() {
                 link_lines(
                     y.replace(":7400", &format!(":{port}")),
                     &format!(
-                        "{stated}  copy_spacing: {spacing}ms\n  lane_rto_min: {}\n",
+                        "{stated}  copy_spacing: {spacing}ms\n  lane_rto_min: {}\n  latency_queue: {latency_queue}\n",
                         rto_min.map_or("off".to_string(), |m| format!("{m}ms"))
                     ),
                 )
@@ -97,8 +115,17 @@ fn main() {
     };
     let with_copies = start(7400, &copies, 0, None);
     let single = start(7401, "off", 0, None);
-    let spaced = (spacing > 0).then(|| start(7402, &copies, spacing, rto_min));
-    for p in std::iter::once(&with_copies).chain(spaced.as_ref()) {
+    // One pair whose copies leave `--spacing` ms apart per entry of `--spaced-copies`.
+    let spaced: Vec<(String, common::WanPair)> = if spacing > 0 {
+        spaced_copies
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.clone(), start(7402 + i as u16, n, spacing, rto_min)))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    for p in std::iter::once(&with_copies).chain(spaced.iter().map(|(_, p)| p)) {
         p.west
             .wait_log("latency lane copy attached", Duration::from_secs(30));
     }
@@ -120,10 +147,10 @@ fn main() {
             "cubic",
         ),
     ];
-    if let Some(p) = &spaced {
+    for (n, p) in &spaced {
         paths.push((
             format!(
-                "wanopt, redundancy {copies}, copies {spacing} ms apart{}",
+                "wanopt, redundancy {n}, copies {spacing} ms apart{}",
                 rto_min.map_or(String::new(), |m| format!(", lane RTO min {m} ms"))
             ),
             p.west.bound("lat"),
@@ -135,10 +162,14 @@ fn main() {
     ));
     let mut charts = Vec::new();
     for bulk in [false, true] {
+        if !phases.contains(if bulk { "loaded" } else { "idle" }) {
+            continue;
+        }
         let stop = Arc::new(AtomicBool::new(false));
+        let written = Arc::new(AtomicU64::new(0));
         let writer = bulk.then(|| {
             let mut s = connect_in(&wan, with_copies.west.bound("bulk"), "cubic");
-            let stop = stop.clone();
+            let (stop, written) = (stop.clone(), written.clone());
             std::thread::spawn(move || {
                 // Bytes that neither compress nor repeat: they fill the link as they are.
                 let mut buf = vec![0u8; 1 << 16];
@@ -149,6 +180,7 @@ fn main() {
                         break;
                     }
                     n += buf.len() as u64;
+                    written.store(n, Ordering::Relaxed);
                 }
             })
         });
@@ -156,6 +188,7 @@ fn main() {
             // Let the bulk stream fill the pipe and the queues first.
             std::thread::sleep(Duration::from_secs(5));
         }
+        let (bulk_from, t_from) = (written.load(Ordering::Relaxed), Instant::now());
         let runs: Vec<_> = paths
             .iter()
             .map(|(_, addr, cc)| {
@@ -167,6 +200,13 @@ fn main() {
             .into_iter()
             .map(|r| r.join().expect("round trips"))
             .collect();
+        if bulk {
+            let bytes = written.load(Ordering::Relaxed) - bulk_from;
+            report::note(format!(
+                "The bulk stream took {:.1} Mbit/s of the link while the round trips ran.",
+                bytes as f64 * 8.0 / t_from.elapsed().as_secs_f64() / 1e6
+            ));
+        }
         stop.store(true, Ordering::Relaxed);
         drop(writer);
         let title = if bulk {
@@ -183,6 +223,8 @@ fn main() {
             "max",
             "p99/RTT",
             "p99.9/RTT",
+            "over 1.2 RTT",
+            "over 1.5 RTT",
         ];
         charts.push(Chart::Percentiles(Percentiles {
             title: format!(
@@ -217,6 +259,8 @@ fn main() {
                     q(1.0),
                     format!("{:.2}", ms(v, 0.99) / rtt_ms),
                     format!("{:.2}", ms(v, 0.999) / rtt_ms),
+                    over(v, 1.2 * rtt_ms).to_string(),
+                    over(v, 1.5 * rtt_ms).to_string(),
                 ],
             );
         }

@@ -210,6 +210,8 @@ pub struct LinkCounters {
     pub copy_spacing_seconds: Seconds,
     pub copies_lost: Counter,
     pub copy_won: Family<CopyLabel, Counter>,
+    pub bulk_pacing: Gauge,
+    pub bulk_yield_seconds: Seconds,
 }
 
 /// Which copy of the latency lane: `1` is the slot of the lane's first connection.
@@ -221,7 +223,7 @@ pub struct CopyLabel {
 impl LinkCounters {
     /// Counts latency-lane bytes copy `slot` delivered before any other copy.
     pub fn copy_won(&self, slot: usize, n: u64) {
-        const NAMES: [&str; 3] = ["1", "2", "3"];
+        const NAMES: [&str; 5] = ["1", "2", "3", "4", "5"];
         if let Some(copy) = NAMES.get(slot) {
             self.copy_won.get_or_create(&CopyLabel { copy }).inc_by(n);
         }
@@ -367,6 +369,16 @@ impl LinkCounters {
             "Copy connections of the latency lane lost while another carried the lane",
             m.copies_lost.clone(),
         );
+        r.register(
+            "wanopt_link_bulk_pacing_bits_per_second",
+            "The main lane's pacing cap now: link.max_rate, or less while it makes room for the latency lane (link.latency_queue); 0 when not paced",
+            m.bulk_pacing.clone(),
+        );
+        r.register(
+            "wanopt_link_bulk_yield_seconds",
+            "Time the main lane was paced below link.max_rate to keep the WAN's queue short for the latency lane's traffic (link.latency_queue): what room for SYNC round trips cost bulk",
+            m.bulk_yield_seconds.clone(),
+        );
         m
     }
 }
@@ -424,6 +436,8 @@ pub struct SocketMetrics {
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct TcpSample {
     pub rtt_seconds: f64,
+    /// The least RTT the connection saw (`tcpi_min_rtt`): its path with empty queues.
+    pub min_rtt_seconds: f64,
     pub cwnd_segments: i64,
     pub retransmitted_segments: i64,
     pub delivery_rate: i64,

@@ -28,6 +28,7 @@ pub mod policy;
 pub mod pressure;
 pub mod redundancy;
 mod reload;
+pub mod room;
 pub mod secure;
 mod services;
 mod slots;

@@ -129,6 +129,12 @@ impl Peer {
                 crate::config::zstd_range(&cfg.optimize),
             ),
             copy_spacing: cfg.link.copy_spacing,
+            room: cfg
+                .link
+                .max_rate_bps
+                .zip(cfg.link.latency_queue)
+                .filter(|_| cfg.link.latency_lane)
+                .map(|(bps, q)| (bps / 8, q)),
         }
     }
 

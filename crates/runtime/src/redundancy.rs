@@ -15,22 +15,25 @@ pub enum Redundancy {
     Off,
     /// Two connections while the latency lane's traffic is a small share of the link
     /// ([`AUTO_OFF_SHARE`]), one otherwise; three while its connections see more loss than
-    /// [`AUTO_THREE_LOSS`].
+    /// [`AUTO_THREE_LOSS`], five while they do and the lane is quiet enough
+    /// ([`AUTO_FIVE_SHARE`]).
     #[default]
     Auto,
-    /// Always this many connections (2 or 3).
+    /// Always this many connections (2 to 5).
     Copies(usize),
 }
 
 impl Redundancy {
-    /// Parses `auto`, `off`, `2` or `3`.
+    /// Parses `auto`, `off`, or 2 to 5.
     pub fn parse(v: &str) -> Result<Self, String> {
         match v {
             "auto" => Ok(Redundancy::Auto),
             "off" | "1" => Ok(Redundancy::Off),
             "2" => Ok(Redundancy::Copies(2)),
             "3" => Ok(Redundancy::Copies(3)),
-            _ => Err(format!("{v:?} is not auto, off, 2 or 3")),
+            "4" => Ok(Redundancy::Copies(4)),
+            "5" => Ok(Redundancy::Copies(5)),
+            _ => Err(format!("{v:?} is not auto, off, 2, 3, 4 or 5")),
         }
     }
 
@@ -38,7 +41,7 @@ impl Redundancy {
     pub fn most(self) -> usize {
         match self {
             Redundancy::Off => 1,
-            Redundancy::Auto => 3,
+            Redundancy::Auto => MAX_COPIES,
             Redundancy::Copies(n) => n.clamp(1, MAX_COPIES),
         }
     }
@@ -73,10 +76,11 @@ pub fn explain(link: Redundancy, bandwidth_bps: u64) -> String {
         Redundancy::Off => "one connection".into(),
         Redundancy::Copies(n) => format!("{n} connections, each with a copy of every write"),
         Redundancy::Auto => format!(
-            "2 connections while its traffic stays under {:.1} Mbit/s ({}% of link.bandwidth), else 1; 3 while they see over {}% loss",
+            "2 connections while its traffic stays under {:.1} Mbit/s ({}% of link.bandwidth), else 1; 3 while they see over {}% loss, 5 if then its traffic stays under {:.1} Mbit/s",
             bandwidth_bps as f64 * AUTO_OFF_SHARE / 1e6,
             (AUTO_OFF_SHARE * 100.0) as u32,
-            AUTO_THREE_LOSS * 100.0
+            AUTO_THREE_LOSS * 100.0,
+            bandwidth_bps as f64 * AUTO_FIVE_SHARE / 1e6,
         ),
     }
 }
@@ -92,6 +96,16 @@ pub const AUTO_ON_SHARE: f64 = 0.05;
 /// so with two a message is late whenever one copy is lost while the other recovers (on a 1%
 /// link, the 99th percentile of SYNC round trips at 2 RTT); with three, both others must be.
 pub const AUTO_THREE_LOSS: f64 = 0.002;
+/// A lossy lane whose traffic stays under this share of the stated bandwidth gets five
+/// connections from `auto`: five copies of it take no more than [`AUTO_OFF_SHARE`] of the link.
+/// Across a T3 that loses 1% each way in bursts, beside a full bulk load, three spaced copies
+/// left a p99.9 of 1.86 RTT and five 1.29 (`cargo bench --bench sync_tail -- --preset
+/// t3-100ms-fade --spaced-copies 3,5`): a write is late only while every copy's connection is
+/// in its own loss recovery.
+pub const AUTO_FIVE_SHARE: f64 = AUTO_OFF_SHARE / 5.0;
+/// A lane with five goes back to three once its share passed this (and to five again under
+/// [`AUTO_FIVE_SHARE`]), so a share near the bound does not dial and drop copies every second.
+pub const AUTO_FIVE_OFF_SHARE: f64 = AUTO_FIVE_SHARE * 1.5;
 /// `auto` goes back to two once the loss stayed below this over the window.
 pub const AUTO_TWO_LOSS: f64 = 0.0008;
 /// Fewest segments sent over [`AUTO_LOSS_WINDOW`] for the loss to count.
@@ -119,6 +133,8 @@ pub struct CopyPolicy {
     on: bool,
     /// `auto` keeps three (the lane is lossy).
     lossy: bool,
+    /// A lossy lane quiet enough for five.
+    five: bool,
     /// Since when the share has been below [`AUTO_ON_SHARE`] while off.
     low_since: Option<Instant>,
 }
@@ -132,6 +148,7 @@ impl CopyPolicy {
             losses: VecDeque::new(),
             on: true,
             lossy: false,
+            five: false,
             low_since: None,
         }
     }
@@ -201,10 +218,16 @@ impl CopyPolicy {
                         self.low_since = None;
                     }
                 }
-                match (self.on, self.lossy) {
-                    (false, _) => 1,
-                    (true, false) => 2,
-                    (true, true) => 3,
+                if share < AUTO_FIVE_SHARE {
+                    self.five = true;
+                } else if share > AUTO_FIVE_OFF_SHARE {
+                    self.five = false;
+                }
+                match (self.on, self.lossy, self.five) {
+                    (false, ..) => 1,
+                    (true, false, _) => 2,
+                    (true, true, false) => 3,
+                    (true, true, true) => MAX_COPIES,
                 }
             }
         }
@@ -236,14 +259,15 @@ mod tests {
         assert_eq!(Redundancy::parse("auto"), Ok(Redundancy::Auto));
         assert_eq!(Redundancy::parse("off"), Ok(Redundancy::Off));
         assert_eq!(Redundancy::parse("3"), Ok(Redundancy::Copies(3)));
-        assert!(Redundancy::parse("4").is_err());
+        assert_eq!(Redundancy::parse("5"), Ok(Redundancy::Copies(5)));
+        assert!(Redundancy::parse("6").is_err());
         use Redundancy::*;
         assert_eq!(Redundancy::of_link([]), Auto);
         assert_eq!(Redundancy::of_link([Off, Off]), Off);
         assert_eq!(Redundancy::of_link([Off, Auto]), Auto);
         assert_eq!(Redundancy::of_link([Auto, Copies(2), Off]), Copies(2));
         assert_eq!(Redundancy::of_link([Copies(3), Copies(2)]), Copies(3));
-        assert_eq!((Off.most(), Auto.most(), Copies(3).most()), (1, 3, 3));
+        assert_eq!((Off.most(), Auto.most(), Copies(3).most()), (1, 5, 3));
     }
 
     /// Feeds `secs` seconds of a steady rate (bytes per second, sent) and returns the last
@@ -272,23 +296,36 @@ mod tests {
         assert_eq!(run(&mut p, &mut t, &mut sent, 400_000, 20), 1);
         assert_eq!(run(&mut p, &mut t, &mut sent, 125_000, 8), 1);
         assert_eq!(run(&mut p, &mut t, &mut sent, 125_000, 10), 2);
-        // A lossy lane: three connections (0.6% of segments retransmitted), two again once
-        // the loss stays low.
+        // A lossy lane (0.6% of segments retransmitted): three connections at 1.6 Mbit/s
+        // (3.6% of the link), five at 80 kbit/s; two again once the loss stays low.
         let mut segs = (0u64, 0u64);
-        let mut lossy = |p: &mut CopyPolicy, t: &mut Instant, sent: &mut u64, per_mille: u64| {
-            for _ in 0..31 {
-                *t += Duration::from_secs(1);
-                segs = (segs.0 + per_mille, segs.1 + 1000);
-                p.segments(*t, segs.0, segs.1);
-                *sent += 10_000;
-                p.wanted(*t, *sent, 0);
-            }
-            p.wanted(*t, *sent, 0)
-        };
-        assert_eq!(lossy(&mut p, &mut t, &mut sent, 6), 3);
+        let mut lossy =
+            |p: &mut CopyPolicy, t: &mut Instant, sent: &mut u64, per_mille: u64, rate: u64| {
+                for _ in 0..31 {
+                    *t += Duration::from_secs(1);
+                    segs = (segs.0 + per_mille, segs.1 + 1000);
+                    p.segments(*t, segs.0, segs.1);
+                    *sent += rate;
+                    p.wanted(*t, *sent, 0);
+                }
+                p.wanted(*t, *sent, 0)
+            };
+        assert_eq!(lossy(&mut p, &mut t, &mut sent, 6, 200_000), 3);
         assert!(p.loss().is_some_and(|l| (l - 0.006).abs() < 1e-9));
-        assert_eq!(lossy(&mut p, &mut t, &mut sent, 1), 3, "hysteresis");
-        assert_eq!(lossy(&mut p, &mut t, &mut sent, 0), 2);
+        assert_eq!(lossy(&mut p, &mut t, &mut sent, 6, 10_000), 5);
+        // 2.4% of the link: between the two bounds, five stay; over 3%, three.
+        assert_eq!(
+            lossy(&mut p, &mut t, &mut sent, 6, 135_000),
+            5,
+            "hysteresis"
+        );
+        assert_eq!(lossy(&mut p, &mut t, &mut sent, 6, 200_000), 3);
+        assert_eq!(
+            lossy(&mut p, &mut t, &mut sent, 1, 200_000),
+            3,
+            "hysteresis"
+        );
+        assert_eq!(lossy(&mut p, &mut t, &mut sent, 0, 200_000), 2);
         // Fixed settings do not look at the traffic.
         let mut fixed = CopyPolicy::new(Redundancy::Copies(3), 45_000_000);
         assert_eq!(run(&mut fixed, &mut t, &mut sent, 5_000_000, 10), 3);

@@ -178,19 +178,28 @@ pub fn log_effective(sock: &SockRef<'_>, link: &LinkSettings) {
 /// packets would wait behind it.
 fn set_max_pacing_rate(sock: &SockRef<'_>, bytes_per_sec: u64) {
     use std::os::fd::AsRawFd;
+    if let Err(e) = set_pacing(sock.as_raw_fd(), bytes_per_sec) {
+        warn!(error = %e, "cannot set SO_MAX_PACING_RATE; the link is not paced");
+    }
+}
+
+/// Sets `SO_MAX_PACING_RATE` (bytes per second) of a connected socket.
+pub fn set_pacing(fd: std::os::fd::RawFd, bytes_per_sec: u64) -> std::io::Result<()> {
     let v: u64 = bytes_per_sec;
     // SAFETY: a valid socket and a u64 option value of the right size.
     let r = unsafe {
         libc::setsockopt(
-            sock.as_raw_fd(),
+            fd,
             libc::SOL_SOCKET,
             libc::SO_MAX_PACING_RATE,
             (&v as *const u64).cast(),
             std::mem::size_of::<u64>() as libc::socklen_t,
         )
     };
-    if r != 0 {
-        warn!(error = %std::io::Error::last_os_error(), "cannot set SO_MAX_PACING_RATE; the link is not paced");
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 
@@ -238,6 +247,7 @@ pub fn tcp_info(fd: std::os::fd::RawFd) -> Option<crate::counters::TcpSample> {
     let flags = unsafe { *(&info as *const libc::tcp_info).cast::<u8>().add(7) };
     Some(crate::counters::TcpSample {
         rtt_seconds: f64::from(info.tcpi_rtt) / 1e6,
+        min_rtt_seconds: f64::from(info.tcpi_min_rtt) / 1e6,
         cwnd_segments: i64::from(info.tcpi_snd_cwnd),
         retransmitted_segments: i64::from(info.tcpi_total_retrans),
         delivery_rate: info.tcpi_delivery_rate.min(i64::MAX as u64) as i64,

@@ -73,6 +73,18 @@ impl Config {
         }
         let _ = writeln!(
             o,
+            "  latency_queue: {}  # {}",
+            l.latency_queue.map_or("off".to_string(), dur),
+            match (l.latency_queue, l.max_rate_bps) {
+                (Some(_), Some(_)) =>
+                    "while latency services are busy, bulk paces down to keep the WAN's queue under it",
+                (Some(_), None) =>
+                    "no effect without a pacing cap (link.bandwidth or link.max_rate)",
+                (None, _) => "bulk keeps its pacing whatever the latency services",
+            }
+        );
+        let _ = writeln!(
+            o,
             "tls:\n  ca: {}\n  cert: {}\n  key: {}",
             quoted(self.tls.ca.display()),
             quoted(self.tls.cert.display()),

@@ -111,6 +111,9 @@ pub mod defaults {
     pub const COPY_SPACING: Duration = Duration::from_millis(5);
     /// The latency lane keeps the kernel's least retransmission timeout unless configured.
     pub const LANE_RTO_MIN: Option<Duration> = None;
+    /// While latency services are busy, bulk adds at most about this much queue at the WAN's
+    /// bottleneck (measured in benches/README.md, "sync_tail across bursty loss").
+    pub const LATENCY_QUEUE: Duration = Duration::from_millis(5);
     pub const NOTSENT_LOWAT: u32 = 128 * 1024;
     pub const KEEPALIVE: Duration = Duration::from_secs(5);
     pub const USER_TIMEOUT: Duration = Duration::from_secs(30);

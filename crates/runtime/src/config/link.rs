@@ -36,6 +36,7 @@ pub(super) struct RawLink {
     copy_spacing: Option<String>,
     lane_rto_min: Option<String>,
     max_rate: Option<String>,
+    latency_queue: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -100,6 +101,9 @@ pub struct LinkSettings {
     pub lane_rto_min: Option<Duration>,
     /// Pacing cap of each link socket in bits per second (`SO_MAX_PACING_RATE`); `None` = off.
     pub max_rate_bps: Option<u64>,
+    /// While the latency lane moves bytes, the most queue the main lane's bulk may add at the
+    /// WAN's bottleneck before its pacing steps down (see [`crate::room`]); `None`: off.
+    pub latency_queue: Option<Duration>,
 }
 
 impl LinkSettings {
@@ -295,6 +299,16 @@ pub(super) fn parse_link(
                     .and_then(|v| in_range(v, 64_000, 400_000_000_000))
                     .map_err(|m| cx.err("link.max_rate", format!("{m} (or auto, off)")))?,
             ),
+        },
+        latency_queue: match l.latency_queue.as_deref() {
+            Some("off") => None,
+            v => Some(cx.dur(
+                "link.latency_queue",
+                &v.map(str::to_string),
+                defaults::LATENCY_QUEUE,
+                ms(1),
+                ms(100),
+            )?),
         },
     })
 }

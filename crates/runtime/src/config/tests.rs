@@ -355,7 +355,7 @@ fn bad_values_name_their_field() {
         "services[0].redundancy"
     );
     assert_eq!(
-        field_err("services:\n  - {name: a, target: 'b:1', class: latency, redundancy: 4}\n"),
+        field_err("services:\n  - {name: a, target: 'b:1', class: latency, redundancy: 6}\n"),
         "services[0].redundancy"
     );
     assert_eq!(c.services[1].redundancy, Redundancy::Auto);
@@ -766,6 +766,39 @@ fn the_lane_rto_min_is_off_unless_set_and_bounded() {
     }
     let d = p(with("20ms")).expect("valid").describe();
     assert!(d.contains("lane_rto_min: 20ms"), "{d}");
+}
+
+/// The queue bulk may add while latency services are busy: 5 ms unless set, 1-100 ms, `off`
+/// spelled out; `check` says when it cannot act (no pacing cap).
+#[test]
+fn the_latency_queue_is_bounded_and_said_to_need_a_pacing_cap() {
+    let with = |v: &str| {
+        MIN.replace(
+            "  peer: east\n",
+            &format!("  peer: east\n  latency_queue: {v}\n"),
+        )
+    };
+    let p = |t: String| Config::parse(&t, std::path::Path::new("/etc/wanopt/west.yaml"));
+    let default = parse("").expect("valid");
+    assert_eq!(default.link.latency_queue, Some(Duration::from_millis(5)));
+    assert_eq!(
+        p(with("20ms")).expect("valid").link.latency_queue,
+        Some(Duration::from_millis(20))
+    );
+    assert_eq!(p(with("off")).expect("valid").link.latency_queue, None);
+    for bad in ["0ms", "1s", "soon"] {
+        match p(with(bad)) {
+            Err(ConfigError::Field { field, .. }) => assert_eq!(field, "link.latency_queue"),
+            other => panic!("{bad}: {other:?}"),
+        }
+    }
+    let d = p(with("20ms")).expect("valid").describe();
+    let line = d
+        .lines()
+        .find(|l| l.contains("latency_queue: 20ms"))
+        .unwrap_or_else(|| panic!("{d}"));
+    let paced = default.link.max_rate_bps.is_some();
+    assert_eq!(line.contains("no effect"), !paced, "{line}");
 }
 
 /// `limits.threads` left out: one thread on hosts of one or two cores (where the pool lost to

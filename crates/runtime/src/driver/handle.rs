@@ -60,6 +60,9 @@ pub(crate) struct LinkCtx {
     pub zstd: (i32, Option<(i32, i32)>),
     /// Time between the copies of a latency-lane write (`link.copy_spacing`).
     pub copy_spacing: Duration,
+    /// The main lane's pacing cap in bytes per second (`link.max_rate`) and the queue its bulk
+    /// may add while the latency lane is busy (`link.latency_queue`): see [`crate::room`].
+    pub room: Option<(u64, Duration)>,
 }
 
 /// Sockets sampled for `TCP_INFO`: the main lane's, then each latency-lane copy's.

@@ -19,7 +19,7 @@ use super::carriers::Carrier;
 use super::handle::{LinkHandle, LinkMsg};
 use super::lane_copies::{CopyEnd, write_copy};
 use super::reader::read_link;
-use super::sampler::sample_sockets;
+use super::sampler::{keep_room, sample_sockets};
 use super::writer::write_link;
 use crate::counters::add;
 
@@ -34,6 +34,10 @@ where
     let reader = read_link(h.clone(), rd, addr, MAIN_LANE, initial, (conn, 0), None);
     let writer = write_link(h.clone(), wr, MAIN_LANE, (conn, 0));
     let sampler = crate::spawn(sample_sockets(h.clone()));
+    let room = h
+        .ctx
+        .room
+        .map(|(max, target)| crate::spawn(keep_room(h.clone(), max, target)));
     let store_waiter = h.ctx.caches.as_ref().map(|c| {
         // Chunks the disk tier read for waiting streams: decode them again.
         let (h, ready) = (h.clone(), c.ready());
@@ -57,6 +61,9 @@ where
         why = ticker(&h, (conn, 0), MAIN_LANE, None) => why,
     };
     sampler.abort();
+    if let Some(t) = room {
+        t.abort();
+    }
     if let Some(t) = store_waiter {
         t.abort();
     }

@@ -1,21 +1,25 @@
 //! The link's sampler: every two seconds, `TCP_INFO` of the link's sockets, its caches and its
 //! stall timeouts go into the metrics, and the main socket's delivery rate is held against the
-//! stated bandwidth ([`RateCheck`]).
+//! stated bandwidth ([`RateCheck`]). Beside it, [`keep_room`] paces the main lane down while
+//! the latency lane needs room at the WAN's bottleneck.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::handle::LinkHandle;
 use crate::policy::RateCheck;
+use crate::room::{self, Room};
 use crate::sockopt;
 
 /// How often the sockets are sampled.
 const PERIOD: Duration = Duration::from_secs(2);
 
 /// The sockets' names in the metrics (`lane` label): the main lane's, then each copy's.
-const NAMES: [&str; 4] = ["main", "latency", "latency2", "latency3"];
+const NAMES: [&str; 6] = [
+    "main", "latency", "latency2", "latency3", "latency4", "latency5",
+];
 
 /// What one sampler remembers between samples.
 pub(super) struct Sampler {
@@ -64,6 +68,53 @@ impl Sampler {
             .stall_timeouts(expired.saturating_sub(self.stalls));
         self.stalls = expired;
     }
+}
+
+/// Makes room for the latency lane's traffic under a bulk load (see [`crate::room`]): every
+/// [`room::TICK`], the main lane's RTTs and the latency lane's bytes decide its pacing cap, `max`
+/// bytes per second at most. Runs until aborted.
+pub(super) async fn keep_room(h: Arc<LinkHandle>, max: u64, target: Duration) {
+    let mut room = Room::new(max, target);
+    let counters = &h.ctx.counters.link;
+    counters.bulk_pacing.set(bits(max));
+    let (mut lane, mut last) = (0, Instant::now());
+    loop {
+        tokio::time::sleep(room::TICK).await;
+        let now = Instant::now();
+        if room.making_room() {
+            counters
+                .bulk_yield_seconds
+                .inc_by(now.saturating_duration_since(last).as_secs_f64());
+        }
+        last = now;
+        if let Some((_, _, sent, received)) = h.lane_state() {
+            lane = sent.saturating_add(received);
+        }
+        // The lock keeps the main socket from being closed between the read and the write.
+        h.with_fds(|fds| {
+            let Some(fd) = fds[0] else {
+                return;
+            };
+            let Some(t) = sockopt::tcp_info(fd) else {
+                return;
+            };
+            let rtt = |s: f64| Duration::from_secs_f64(s.max(0.0));
+            let Some(cap) = room.tick(now, lane, rtt(t.rtt_seconds), rtt(t.min_rtt_seconds)) else {
+                return;
+            };
+            match sockopt::set_pacing(fd, cap) {
+                Ok(()) => {
+                    counters.bulk_pacing.set(bits(cap));
+                }
+                Err(e) => debug!(error = %e, "cannot change the main lane's pacing"),
+            }
+        });
+    }
+}
+
+/// Bytes per second as bits per second, for a gauge.
+fn bits(bytes_per_sec: u64) -> i64 {
+    i64::try_from(bytes_per_sec.saturating_mul(8)).unwrap_or(i64::MAX)
 }
 
 /// Samples the link every [`PERIOD`] until aborted.

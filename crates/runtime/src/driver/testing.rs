@@ -67,6 +67,7 @@ pub(super) fn side(west: bool, tweak: &dyn Fn(&mut LinkConfig)) -> Side {
         stated_bps: None,
         zstd: (3, None),
         copy_spacing: Duration::ZERO,
+        room: None,
     };
     Side {
         h: Arc::new(LinkHandle::new(link(west, tweak), None, ctx, 1)),
