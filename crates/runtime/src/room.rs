@@ -38,6 +38,9 @@ pub struct Room {
     lane: u64,
     lane_moved: Option<Instant>,
     last_cut: Option<Instant>,
+    /// The cap was given to the socket once: a socket taken over from another process (a
+    /// handover) may carry the cap that process left on it.
+    applied: bool,
 }
 
 impl Room {
@@ -50,6 +53,7 @@ impl Room {
             lane: 0,
             lane_moved: None,
             last_cut: None,
+            applied: false,
         }
     }
 
@@ -98,7 +102,8 @@ impl Room {
         } else {
             self.cap
         };
-        (cap != self.cap).then(|| {
+        let first = !std::mem::replace(&mut self.applied, true);
+        (cap != self.cap || first).then(|| {
             self.cap = cap;
             cap
         })
@@ -116,12 +121,14 @@ mod tests {
         Duration::from_millis(n)
     }
 
-    /// With the latency lane quiet, bulk keeps the whole `link.max_rate` whatever the queue.
+    /// With the latency lane quiet, bulk keeps the whole `link.max_rate` whatever the queue
+    /// (given to the socket at the first tick, whatever an earlier process left on it).
     #[test]
     fn a_quiet_lane_leaves_bulk_its_rate() {
         let t0 = Instant::now();
         let mut r = Room::new(MAX, ms(5));
-        for i in 0..100 {
+        assert_eq!(r.tick(t0, 0, RTT + ms(80), RTT), Some(MAX));
+        for i in 1..100 {
             assert_eq!(r.tick(t0 + TICK * i, 0, RTT + ms(80), RTT), None);
         }
         assert_eq!(r.cap(), MAX);
@@ -135,6 +142,7 @@ mod tests {
     fn a_queue_behind_latency_traffic_steps_bulk_down_and_back() {
         let t0 = Instant::now();
         let mut r = Room::new(MAX, ms(5));
+        assert_eq!(r.tick(t0, 0, RTT, RTT), Some(MAX));
         let mut lane = 0;
         let mut cuts = Vec::new();
         let mut t = t0;
@@ -188,7 +196,8 @@ mod tests {
     fn no_rtt_sample_changes_nothing() {
         let t0 = Instant::now();
         let mut r = Room::new(MAX, ms(5));
-        assert_eq!(r.tick(t0, 100_000, ms(50), Duration::ZERO), None);
+        assert_eq!(r.tick(t0, 100_000, ms(50), Duration::ZERO), Some(MAX));
+        assert_eq!(r.tick(t0 + TICK, 200_000, ms(50), Duration::ZERO), None);
         assert_eq!(r.cap(), MAX);
     }
 }
