@@ -742,29 +742,37 @@ fn services_share_the_link_by_share_min_rate_and_max_rate() {
     );
 }
 
+/// The minimal config with `link.KEY: V` added, parsed.
+fn with_link(key: &str, v: &str) -> Result<Config, ConfigError> {
+    let text = MIN.replace("  peer: east\n", &format!("  peer: east\n  {key}: {v}\n"));
+    Config::parse(&text, std::path::Path::new("/etc/wanopt/west.yaml"))
+}
+
+/// A duration of the `link` section, `off` spelled out: its value at 20ms and off, the field
+/// named for each bad value, and the effective config printed back with it.
+fn duration_or_off(key: &str, of: fn(&Config) -> Option<Duration>, bad: &[&str]) -> Config {
+    let twenty = with_link(key, "20ms").expect("valid");
+    assert_eq!(of(&twenty), Some(Duration::from_millis(20)));
+    assert_eq!(of(&with_link(key, "off").expect("valid")), None);
+    for b in bad {
+        match with_link(key, b) {
+            Err(ConfigError::Field { field, .. }) => assert_eq!(field, format!("link.{key}")),
+            other => panic!("{b}: {other:?}"),
+        }
+    }
+    twenty
+}
+
 /// The latency lane's least retransmission timeout: off unless set, 5-200 ms, `off` spelled out.
 #[test]
 fn the_lane_rto_min_is_off_unless_set_and_bounded() {
     assert_eq!(parse("").expect("valid").link.lane_rto_min, None);
-    let with = |v: &str| {
-        MIN.replace(
-            "  peer: east\n",
-            &format!("  peer: east\n  lane_rto_min: {v}\n"),
-        )
-    };
-    let p = |t: String| Config::parse(&t, std::path::Path::new("/etc/wanopt/west.yaml"));
-    assert_eq!(
-        p(with("20ms")).expect("valid").link.lane_rto_min,
-        Some(Duration::from_millis(20))
+    let c = duration_or_off(
+        "lane_rto_min",
+        |c| c.link.lane_rto_min,
+        &["1ms", "1s", "soon"],
     );
-    assert_eq!(p(with("off")).expect("valid").link.lane_rto_min, None);
-    for bad in ["1ms", "1s", "soon"] {
-        match p(with(bad)) {
-            Err(ConfigError::Field { field, .. }) => assert_eq!(field, "link.lane_rto_min"),
-            other => panic!("{bad}: {other:?}"),
-        }
-    }
-    let d = p(with("20ms")).expect("valid").describe();
+    let d = c.describe();
     assert!(d.contains("lane_rto_min: 20ms"), "{d}");
 }
 
@@ -772,27 +780,14 @@ fn the_lane_rto_min_is_off_unless_set_and_bounded() {
 /// spelled out; `check` says when it cannot act (no pacing cap).
 #[test]
 fn the_latency_queue_is_bounded_and_said_to_need_a_pacing_cap() {
-    let with = |v: &str| {
-        MIN.replace(
-            "  peer: east\n",
-            &format!("  peer: east\n  latency_queue: {v}\n"),
-        )
-    };
-    let p = |t: String| Config::parse(&t, std::path::Path::new("/etc/wanopt/west.yaml"));
     let default = parse("").expect("valid");
     assert_eq!(default.link.latency_queue, Some(Duration::from_millis(5)));
-    assert_eq!(
-        p(with("20ms")).expect("valid").link.latency_queue,
-        Some(Duration::from_millis(20))
+    let c = duration_or_off(
+        "latency_queue",
+        |c| c.link.latency_queue,
+        &["0ms", "1s", "soon"],
     );
-    assert_eq!(p(with("off")).expect("valid").link.latency_queue, None);
-    for bad in ["0ms", "1s", "soon"] {
-        match p(with(bad)) {
-            Err(ConfigError::Field { field, .. }) => assert_eq!(field, "link.latency_queue"),
-            other => panic!("{bad}: {other:?}"),
-        }
-    }
-    let d = p(with("20ms")).expect("valid").describe();
+    let d = c.describe();
     let line = d
         .lines()
         .find(|l| l.contains("latency_queue: 20ms"))
