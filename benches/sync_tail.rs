@@ -10,10 +10,11 @@
 //! Run (as root): `cargo build --release --workspace && cargo bench --bench sync_tail --
 //! --preset t3-100ms-1 --seconds 600`. Options: `--preset NAME` (default `t3-100ms-0.5`),
 //! `--seconds N` per phase (default 60), `--copies N` for the first pair (default 2),
-//! `--spaced-copies N,M,..` (default: `--copies`), `--spacing MS` between the spaced pairs'
-//! copies (default 5; 0 leaves them out), `--rto-min MS` their `link.lane_rto_min` (default
-//! off), `--latency-queue V` every pair's `link.latency_queue` (default 5ms; `off`), `--phases
-//! idle,loaded` (default both), `--svg FILE` (the percentile curves; default
+//! `--spaced-copies N,M,..` (default: `--copies`; `N@MS` spaces that pair's copies MS apart),
+//! `--spacing MS` between the spaced pairs' copies (default 5; 0 leaves them out), `--rto-min
+//! MS` their `link.lane_rto_min` (default off), `--latency-queue V` every pair's
+//! `link.latency_queue` (default 5ms; `off`), `--phases idle,loaded` (default both), `--svg
+//! FILE` (the percentile curves; default
 //! `benches/charts/sync-tail-PRESET.svg`).
 
 #[path = "../tests/common/mod.rs"]
@@ -115,17 +116,24 @@ fn main() {
     };
     let with_copies = start(7400, &copies, 0, None);
     let single = start(7401, "off", 0, None);
-    // One pair whose copies leave `--spacing` ms apart per entry of `--spaced-copies`.
-    let spaced: Vec<(String, common::WanPair)> = if spacing > 0 {
+    // One pair per entry of `--spaced-copies`: N copies `--spacing` ms apart, or `N@MS`.
+    let spaced: Vec<(String, u64, common::WanPair)> = if spacing > 0 {
         spaced_copies
             .iter()
             .enumerate()
-            .map(|(i, n)| (n.clone(), start(7402 + i as u16, n, spacing, rto_min)))
+            .map(|(i, entry)| {
+                let (n, ms) = match entry.split_once('@') {
+                    Some((n, ms)) => (n.to_string(), ms.parse().expect("--spaced-copies N@MS")),
+                    None => (entry.clone(), spacing),
+                };
+                let pair = start(7402 + i as u16, &n, ms, rto_min);
+                (n, ms, pair)
+            })
             .collect()
     } else {
         Vec::new()
     };
-    for p in std::iter::once(&with_copies).chain(spaced.iter().map(|(_, p)| p)) {
+    for p in std::iter::once(&with_copies).chain(spaced.iter().map(|(.., p)| p)) {
         p.west
             .wait_log("latency lane copy attached", Duration::from_secs(30));
     }
@@ -147,7 +155,7 @@ fn main() {
             "cubic",
         ),
     ];
-    for (n, p) in &spaced {
+    for (n, spacing, p) in &spaced {
         paths.push((
             format!(
                 "wanopt, redundancy {n}, copies {spacing} ms apart{}",
