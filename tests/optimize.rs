@@ -532,6 +532,12 @@ fn the_disk_tier_keeps_dedup_across_restarts_and_damage_is_resent() {
         assert!(west.stop(libc::SIGTERM).success());
         east.wait_log("peer closed the link", Duration::from_secs(10));
         assert!(east.stop(libc::SIGTERM).success());
+        // Both logs, for a failure to show what each side saved.
+        format!(
+            "east:\n{}\nwest:\n{}",
+            east.log().join("\n"),
+            west.log().join("\n")
+        )
     };
 
     let (east, west) = start();
@@ -539,14 +545,20 @@ fn the_disk_tier_keeps_dedup_across_restarts_and_damage_is_resent() {
     let first = wire(&east, &west);
     send_backup(west.bound("rman"), 9, len, None).expect("repeat");
     let repeat = wire(&east, &west) - first;
-    stop(east, west);
+    let logs = stop(east, west);
     let segs = files_ending(&east_state.path().join("cache/west"), ".dat");
     assert!(
         !segs.is_empty() && segs.iter().all(|(_, m)| *m == 0o600),
         "{segs:?}"
     );
-    assert!(!files_ending(&east_state.path().join("cache/west"), ".idx").is_empty());
-    assert!(!files_ending(&west_state.path().join("cache/east"), ".idx").is_empty());
+    assert!(
+        !files_ending(&east_state.path().join("cache/west"), ".idx").is_empty(),
+        "east saved no cache state:\n{logs}"
+    );
+    assert!(
+        !files_ending(&west_state.path().join("cache/east"), ".idx").is_empty(),
+        "west saved no cache state:\n{logs}"
+    );
     // Encrypted at rest: the first block's bytes appear nowhere in east's files.
     let mut block = vec![0u8; BLOCK];
     backup_block(9, 0, None, &mut block);
