@@ -1120,6 +1120,50 @@ fn repeated_checkpoints_from_a_peer_cost_nothing_and_save_once() {
     p.assert_no_leaks();
 }
 
+#[test]
+fn a_checkpoint_that_cannot_match_does_not_hide_the_next_one_at_the_same_state() {
+    let (ws, es) = (
+        Arc::new(TestStorage::default()),
+        Arc::new(TestStorage::default()),
+    );
+    let mut p = stored_pair(&ws, &es);
+    send_once(&mut p, "e-svc", Class::Bulk, &pattern(14, 1 << 20));
+    // A checkpoint east judges after its decoder moved past it (one deferred behind a stalled
+    // stream is judged once the stream caught up): a digest of a state east is no longer in.
+    let mut buf = BytesMut::new();
+    Frame::Checkpoint {
+        scope: String::new(),
+        digest: [7; 16],
+    }
+    .encode(&mut buf);
+    p.east
+        .link
+        .handle_lane_input(0, &mut buf, p.now)
+        .expect("a checkpoint is a valid frame");
+    assert!(!p.east.app.checkpoints.iter().any(|c| c.0 == Role::Decoder));
+    // West's periodic checkpoint comes at the state east is in now, which nothing changed.
+    p.drive(Duration::from_secs(66));
+    let mirror = p
+        .west
+        .app
+        .checkpoints
+        .iter()
+        .rev()
+        .find(|c| c.0 == Role::Mirror)
+        .map(|c| c.3.digest())
+        .expect("west checkpointed");
+    let saved: Vec<_> = p
+        .east
+        .app
+        .checkpoints
+        .iter()
+        .filter(|c| c.0 == Role::Decoder)
+        .map(|c| c.3.digest())
+        .collect();
+    assert_eq!(saved, [mirror], "east saved west's checkpoint once");
+    p.assert_no_leaks();
+}
+
 /// Workers on both sides (chunks prepared ahead of the mirror, literals decompressed ahead of
 /// the cache) change nothing: the same wire bytes for a first copy and a repeat, and after
 /// east's memory goes bad the same misses asked for and answered, as on a pair without them.

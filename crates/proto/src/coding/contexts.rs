@@ -47,8 +47,8 @@ pub(crate) struct Contexts {
     loaded: HashMap<(Role, Key), Snapshot>,
     /// Each mirror's clock at its last checkpoint: it changed since if it differs.
     checkpointed: HashMap<Key, u64>,
-    /// Each decoder's clock when a peer's checkpoint was last judged against it.
-    judged: HashMap<Key, u64>,
+    /// Each decoder's state when a peer's checkpoint was last judged against it.
+    judged: HashMap<Key, Judged>,
     /// Long contexts agreed for what we send (the peer's offer within ours), and the link's
     /// count of them in use each way: the bounds hold per link, whatever the caches.
     long_send: Option<LongContext>,
@@ -85,6 +85,14 @@ fn to_usize(n: u64) -> usize {
 }
 
 type Key = (usize, Arc<str>);
+
+/// A decoder's state when a peer's checkpoint was last judged against it: its clock, its
+/// digest then, and whether it was saved.
+struct Judged {
+    clock: u64,
+    digest: Fingerprint,
+    saved: bool,
+}
 
 impl Contexts {
     pub fn new(
@@ -386,16 +394,35 @@ impl Contexts {
         if !d.cache().has_disk() {
             return None;
         }
-        // A peer repeating checkpoints without sending anything in between costs nothing: the
-        // state did not change, it was judged (and saved, if it matched) already.
+        // A peer repeating checkpoints without sending anything in between costs nothing: our
+        // state did not change, its digest is known (and it was saved, if it matched). A
+        // different digest at the same state is judged against the one known: a checkpoint
+        // deferred behind a stalled stream is judged once the decoder is past it and cannot
+        // match, and the peer's next one, at the state the decoder is in by then, must.
         let clock = d.cache().clock();
-        if self.judged.get(&key).is_some_and(|c| *c == clock) {
-            return None;
+        if let Some(j) = self.judged.get_mut(&key)
+            && j.clock == clock
+        {
+            if j.saved || j.digest != *digest {
+                return None;
+            }
+            j.saved = true;
+            d.cache_mut().flush();
+            return Some(Arc::new(d.cache().snapshot()));
         }
-        self.judged.insert(key, clock);
         d.cache_mut().flush();
         let s = d.cache().snapshot();
-        (s.digest() == *digest).then(|| Arc::new(s))
+        let ours = s.digest();
+        let saved = ours == *digest;
+        self.judged.insert(
+            key,
+            Judged {
+                clock,
+                digest: ours,
+                saved,
+            },
+        );
+        saved.then(|| Arc::new(s))
     }
 
     /// The bytes of a chunk the peer asked for, if our mirror still holds it.

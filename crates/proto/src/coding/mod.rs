@@ -627,8 +627,6 @@ impl Coding {
         self.ctx.as_mut()?.checkpoint_mirror(lane, scope)
     }
 
-    /// The peer's checkpoint: our decoder's state, if it is the one the digest names (a stream
-    /// stalled on a miss, for one, leaves it behind).
     /// True if we have a decoder for this lane and scope (it was ever used).
     pub fn has_decoder(&self, lane: usize, scope: &str) -> Result<bool, LinkError> {
         let Some(ctx) = self.ctx.as_ref() else {
@@ -637,6 +635,8 @@ impl Coding {
         Ok(ctx.has_decoder(lane, scope))
     }
 
+    /// The peer's checkpoint: our decoder's state, if it is the one the digest names (a stream
+    /// stalled on a miss, for one, leaves it behind).
     pub fn checkpoint_decoder(
         &mut self,
         lane: usize,

@@ -268,8 +268,6 @@ impl Link {
         Ok(())
     }
 
-    /// The peer's checkpoint: saved on our side only if our cache is exactly what the peer's
-    /// mirror was at this point of the lane.
     /// The peer's checkpoint: its mirror's state at this point of the lane. A stream of the lane
     /// stalled on a miss or a disk read has frames from before the checkpoint still to decode,
     /// so the checkpoint is judged once they are (the newest one per cache waits). Judged now,
