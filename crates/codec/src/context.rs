@@ -75,6 +75,15 @@ impl Default for LongContext {
 /// 1.3 times the time. Their hash table stops at 2^21 entries (8 MiB; for a 16 MiB window one
 /// per 2 bytes cost a tenth more time for 0.2077 against 0.2105 on the binlog). With these the
 /// levels stay in order of ratio and cost, which the level governor relies on.
+///
+/// Two cheaper ways to reach back 16 MiB were measured at level 1 through the link's send path
+/// (`cargo bench --bench reduction -- --pairs DIR --wanopt-only --zstd-level 1`, one pair a
+/// run) and not taken. Smaller tables (2^17) ran the fast levels 1.3-1.7 times as fast but moved
+/// the ratio both ways: the changed InnoDB files 0.0812 to 0.0869 of their bytes (`--patch-from`
+/// 0.0799), PostgreSQL text rows' first copy 0.1382 to 0.1462 (`zstd -9` 0.1455), a source tree
+/// 0.2295 to 0.2331, the InnoDB first copy 0.3620 to 0.3547; 2^18 lay between. zstd's
+/// long-distance matcher with the level's own tables was faster again and worse on repetitive
+/// data (a pgbench base backup 0.0411 to 0.0450 at every table size, the source tree 0.2459).
 pub(crate) fn long_tables(window_log: u32, level: i32) -> (u32, u32) {
     let sparse = window_log.saturating_sub(4).clamp(CONTEXT_WINDOW_LOG, 19);
     if level >= 5 {
