@@ -61,10 +61,10 @@ pub(crate) const MIN_VOTES: u32 = 2;
 /// short patterns miss. Either alone cost 8% (the first copy of PostgreSQL text rows 0.1277
 /// with the top bits against 0.1187 with both) or 7% (its changed copy 0.0845 with the low bits
 /// against 0.0795).
-const ANCHOR_LOW: u64 = 0x7F;
-const ANCHOR_SHIFT: u32 = 57;
+pub(crate) const ANCHOR_LOW: u64 = 0x7F;
+pub(crate) const ANCHOR_SHIFT: u32 = 57;
 /// An anchor's key hashes this many bytes after it.
-const ANCHOR_LEN: usize = 32;
+pub(crate) const ANCHOR_LEN: usize = 32;
 /// Most anchors taken from one chunk (an 8 KiB chunk has about 64), bounding the work.
 pub(crate) const MAX_ANCHORS: usize = 128;
 /// Index slots per byte of store: one for every four anchors of a full store (a collision keeps
@@ -84,7 +84,7 @@ const PREFETCH: u32 = 64;
 /// zstd's dictionary magic: a prefix starting with it would be read as a trained dictionary.
 const DICT_MAGIC: [u8; 4] = [0x37, 0xA4, 0x30, 0xEC];
 
-const GEAR: [u64; 256] = gear();
+pub(crate) const GEAR: [u64; 256] = gear();
 
 const fn gear() -> [u64; 256] {
     let mut g = [0u64; 256];
@@ -100,7 +100,7 @@ const fn gear() -> [u64; 256] {
     g
 }
 
-fn key(window: &[u8]) -> u64 {
+pub(crate) fn key(window: &[u8]) -> u64 {
     let mut k = 0x9E37_79B9_7F4A_7C15u64;
     for w in window.chunks_exact(8) {
         let mut b = [0u8; 8];
@@ -113,13 +113,13 @@ fn key(window: &[u8]) -> u64 {
 }
 
 /// A run of a byte this long is padding (see [`anchors`]).
-const PAD: usize = 8;
+pub(crate) const PAD: usize = 8;
 /// Raw bytes an anchor's key may span: a run longer than this (a zeroed page's tail) ends the
 /// key's window.
-const KEY_SPAN: usize = 512;
+pub(crate) const KEY_SPAN: usize = 512;
 /// An anchor whose window holds fewer bytes than this, runs counted once, is filler and no
 /// anchor.
-const KEY_MIN: usize = 16;
+pub(crate) const KEY_MIN: usize = 16;
 
 /// The key of the anchor at the start of `data`: a hash of its next [`ANCHOR_LEN`] bytes with
 /// each run of a byte counted once, within [`KEY_SPAN`] bytes; `None` if fewer than
@@ -130,7 +130,7 @@ const KEY_MIN: usize = 16;
 /// own bytes. On a `pg_dump` of a pgbench database (rows of a key, two numbers and 84
 /// blanks), a changed dump found a base for 3% of its bytes before and 97% after (0.0236 of
 /// its bytes on the wire before, 0.0117 after; `zstd --patch-from`: 0.0094).
-fn collapsed_key(data: &[u8]) -> Option<u64> {
+pub(crate) fn collapsed_key(data: &[u8]) -> Option<u64> {
     let data = &data[..data.len().min(KEY_SPAN)];
     // One byte more than a key holds: each byte is written, and kept by moving on only if it
     // differs from the one before (no branch to mispredict on text, where pairs are common).
@@ -742,142 +742,6 @@ pub(crate) fn is_dict_magic(dict: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    proptest::proptest! {
-        /// The two-pass anchors are the one-loop ones, on bytes of a small alphabet with runs
-        /// of every length (padding, repeats, the ends of the slice) and on text rows.
-        #[test]
-        fn anchors_are_the_reference_ones(
-            pieces in proptest::collection::vec((0u8..4, 1usize..40, proptest::bool::ANY), 0..600),
-            seed in 0u64..1000,
-        ) {
-            let mut data = Vec::new();
-            let noise = crate::testdata::noise(seed, 64 * 1024);
-            for (i, (b, n, run)) in pieces.iter().enumerate() {
-                if *run {
-                    data.extend(std::iter::repeat_n(b" 0a\xff"[usize::from(*b)], *n));
-                } else {
-                    let at = (i * 97) % (noise.len() - 64);
-                    data.extend_from_slice(&noise[at..at + n]);
-                }
-            }
-            let (mut fast, mut slow) = (Vec::new(), Vec::new());
-            anchors(&data, &mut fast);
-            anchors_reference(&data, &mut slow);
-            proptest::prop_assert_eq!(fast, slow);
-            for at in (0..data.len()).step_by(5) {
-                proptest::prop_assert_eq!(
-                    collapsed_key(&data[at..]),
-                    collapsed_key_reference(&data[at..])
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn anchors_are_the_reference_ones_on_rows_and_filler() {
-        let mut rows = Vec::new();
-        for i in 0..2000u64 {
-            rows.extend_from_slice(
-                format!(
-                    "{i:>8}|{:>6}|{}\n",
-                    i * 37 % 1000,
-                    " ".repeat((i % 90) as usize)
-                )
-                .as_bytes(),
-            );
-        }
-        let mut zeros = noise(9, 3000);
-        zeros.extend(std::iter::repeat_n(0u8, 5000));
-        zeros.extend_from_slice(&noise(10, 40));
-        for data in [&rows[..], &zeros, &noise(11, 70_000), &[7u8; 40_000]] {
-            for len in [0, 1, 31, 32, 33, 47, 48, 49, 8192, data.len()] {
-                let d = &data[..len.min(data.len())];
-                let (mut fast, mut slow) = (Vec::new(), Vec::new());
-                anchors(d, &mut fast);
-                anchors_reference(d, &mut slow);
-                assert_eq!(fast, slow, "{len} bytes");
-            }
-        }
-    }
-
-    /// The collapsed key as it was written first (a branch per byte).
-    fn collapsed_key_reference(data: &[u8]) -> Option<u64> {
-        let data = &data[..data.len().min(KEY_SPAN)];
-        let mut w = [0u8; ANCHOR_LEN];
-        let mut n = 0;
-        let mut at = 0;
-        while at < data.len() {
-            let b = data[at];
-            if n == 0 || w[n - 1] != b {
-                w[n] = b;
-                n += 1;
-                if n == ANCHOR_LEN {
-                    break;
-                }
-                at += 1;
-                continue;
-            }
-            // Inside a run: eight bytes at a time.
-            while data
-                .get(at..at + 8)
-                .is_some_and(|e| <[u8; 8]>::try_from(e).is_ok_and(|e| e == [b; 8]))
-            {
-                at += 8;
-            }
-            at += 1;
-        }
-        (n >= KEY_MIN).then(|| key(&w) ^ n as u64)
-    }
-
-    /// The one-loop version `anchors` replaced: the same anchors, slower.
-    fn anchors_reference(data: &[u8], out: &mut Vec<u64>) {
-        out.clear();
-        let end = data.len().saturating_sub(ANCHOR_LEN);
-        let mut h = 0u64;
-        let mut recent = [u64::MAX; 4];
-        let mut run = 0;
-        for (i, &b) in data[..end].iter().enumerate() {
-            h = (h << 1).wrapping_add(GEAR[usize::from(b)]);
-            if i > 0 && data[i - 1] == b {
-                run += 1;
-            } else {
-                // The end of padding (a run of at least PAD bytes) is an anchor of its own, ranked
-                // by its key: what follows padding is a record's own bytes.
-                if run >= PAD {
-                    out.push(key(&data[i..i + 16]) >> 32 << 32 | i as u64);
-                }
-                run = 1;
-            }
-            let rank = if h >> ANCHOR_SHIFT == 0 {
-                h >> (ANCHOR_SHIFT - 32)
-            } else if h & ANCHOR_LOW == 0 {
-                h >> 32
-            } else {
-                continue;
-            };
-            if !recent.contains(&h) {
-                recent.rotate_right(1);
-                recent[0] = h;
-                // Inside a run, only its last byte: the run's bytes all have the same key.
-                if data[i + 1] != b {
-                    out.push(rank << 32 | (i as u64 + 1));
-                }
-            }
-        }
-        if out.len() > MAX_ANCHORS {
-            out.select_nth_unstable(MAX_ANCHORS);
-            out.truncate(MAX_ANCHORS);
-        }
-        out.retain_mut(|v| {
-            let at = (*v & 0xFFFF_FFFF) as usize;
-            collapsed_key_reference(&data[at..])
-                .map(|k| *v = k)
-                .is_some()
-        });
-        out.sort_unstable();
-        out.dedup();
-    }
-
     use super::*;
     use crate::fingerprint::fingerprint;
     use crate::testdata::noise;

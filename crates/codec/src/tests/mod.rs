@@ -10,6 +10,7 @@ use crate::format::{
     TAG_LIT_ZSTD, TAG_LOG, TAG_RAW, TAG_RUN_END, get_len, put_len,
 };
 
+mod anchors;
 mod deltas;
 mod ref_runs;
 mod runs;
