@@ -564,7 +564,8 @@ fn settings_note(cfg: &CodecConfig, opts: &Opts, scope: &str) {
 }
 
 /// One data set as a stream of its own through `enc`, written in 64 KiB pieces as a client
-/// writes, behind the virtual T3 (whose governor may move the level): the records, the
+/// writes, behind the virtual T3 (whose governor may move the level): the records, the wire
+/// bytes (the records and a coded frame's header for each turn, as a link sends them), the
 /// encoder's CPU seconds, the virtual seconds the link took and the share of them it was busy.
 fn stream(
     enc: &mut Encoder,
@@ -572,7 +573,8 @@ fn stream(
     level: &mut i32,
     pressure: Pressure,
     data: &[u8],
-) -> (Vec<u8>, f64, f64, f64) {
+) -> (Vec<u8>, usize, f64, f64, f64) {
+    let turns = enc.turns();
     // The wire buffer's pages are touched before the clock runs: a daemon writes its frames
     // into buffers it reuses, and first-touch page faults were a tenth of the measured CPU.
     let mut wire = vec![0u8; data.len() / 2 + (1 << 20)];
@@ -598,7 +600,9 @@ fn stream(
     t3.piece(c, wire.len() - w);
     let took = (t3.end() - start).as_secs_f64();
     let busy = (t3.sending - sent_before).as_secs_f64() / took;
-    (wire, cpu, took, busy)
+    let frames = usize::try_from(enc.turns() - turns).unwrap_or(usize::MAX);
+    let framed = wire.len() + frames * wanopt_proto::frame::CODED_OVERHEAD;
+    (wire, framed, cpu, took, busy)
 }
 
 /// Decodes `wire` and checks it rebuilds `data` exactly.
@@ -661,7 +665,7 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
         let (first_path, changed_path) = (p.join("first"), p.join("changed"));
         let first = std::fs::read(&first_path).expect("first");
         let first_level = level;
-        let (w1, cpu1, _, _) = stream(&mut enc, &mut t3, &mut level, pressure, &first);
+        let (w1, f1, cpu1, _, _) = stream(&mut enc, &mut t3, &mut level, pressure, &first);
         let levels = |a: i32, b: i32| {
             if a == b {
                 a.to_string()
@@ -674,7 +678,7 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
         let changed = std::fs::read(&changed_path).expect("changed");
         let level_before = level;
         let before = enc.stats().clone();
-        let (w2, cpu, _, _) = stream(&mut enc, &mut t3, &mut level, pressure, &changed);
+        let (w2, f2, cpu, _, _) = stream(&mut enc, &mut t3, &mut level, pressure, &changed);
         check(&mut dec, &w2, &changed, &name);
         let s = enc.stats();
         let ratio = |w: usize, n: usize| w as f64 / n as f64;
@@ -699,15 +703,15 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
         let f = |v: Option<u64>, n: usize| {
             v.map_or("-".into(), |v| format!("{:.4}", v as f64 / n as f64))
         };
-        let vs = patch.map(|pw| w2.len() as f64 / pw as f64);
+        let vs = patch.map(|pw| f2 as f64 / pw as f64);
         if let Some(v) = vs {
             worst = worst.max(v);
         }
         // Where the changed copy's wire bytes went, for whoever tunes the index.
         let d = |a: u64, b: u64| (a - b) as f64 / 1e6;
         eprintln!(
-            "{name} changed ({:.3} MB): refs {:.1} MB ({} chunks) in {:.3} MB, deltas {:.1} MB ({} chunks) in {:.3} MB, literals {:.1} MB ({} chunks) in {:.3} MB ({:.1} MB offered a base)",
-            d(s.wire_bytes, before.wire_bytes),
+            "{name} changed ({:.3} MB): refs {:.1} MB ({} chunks) in {:.3} MB, deltas {:.1} MB ({} chunks) in {:.3} MB, literals {:.1} MB ({} chunks) in {:.3} MB ({:.1} MB offered a base), frame headers {:.3} MB",
+            f2 as f64 / 1e6,
             d(s.hit_bytes, before.hit_bytes),
             s.hit_chunks - before.hit_chunks,
             d(s.hit_wire, before.hit_wire),
@@ -721,6 +725,7 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
                 before.wire_bytes - before.hit_wire - before.delta_wire
             ),
             d(s.no_base_bytes, before.no_base_bytes),
+            (f2 - w2.len()) as f64 / 1e6,
         );
         report::row(
             title,
@@ -728,12 +733,12 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
             vec![
                 name,
                 format!("{:.1}", first.len() as f64 / 1e6),
-                format!("{:.4}", ratio(w1.len(), first.len())),
+                format!("{:.4}", ratio(f1, first.len())),
                 f(z9(&first_path), first.len()),
                 format!("{:.0}", first.len() as f64 / cpu1 / 1e6),
                 first_levels,
                 format!("{:.1}", changed.len() as f64 / 1e6),
-                format!("{:.4}", ratio(w2.len(), changed.len())),
+                format!("{:.4}", ratio(f2, changed.len())),
                 f(z9(&changed_path), changed.len()),
                 f(patch, changed.len()),
                 vs.map_or("-".into(), |v| format!("{v:.2}x")),
@@ -832,7 +837,7 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
         let n = data.len() as f64;
         let before = enc.stats().clone();
         let level_before = enc_level;
-        let (wire, cpu, took, link_busy) =
+        let (wire, framed, cpu, took, link_busy) =
             stream(&mut enc, &mut t3, &mut enc_level, pressure, &data);
         check(&mut dec, &wire, &data, name);
         let ratio = |t: Option<(u64, f64)>| t.map(|(w, _)| w as f64 / n);
@@ -847,7 +852,7 @@ fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, o
         let patch = from
             .as_deref()
             .and_then(|from| other(true, "zstd", &["--long=29", from, "-q", "-c", "-T1"]));
-        let ours = wire.len() as f64 / n;
+        let ours = framed as f64 / n;
         let row = [
             Some(ours),
             other(true, "gzip", &["-6", "-c"]),

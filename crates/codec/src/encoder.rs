@@ -33,6 +33,8 @@ pub struct Encoder {
     /// Blocks until the store of bases has read something (see
     /// [`set_store_wait`](Self::set_store_wait)).
     store_wait: Option<StoreWait>,
+    /// Turns that wrote records: a link sends each as a frame of its own.
+    turns: u64,
 }
 
 /// Blocks until the disk tier of the store of bases has finished a read, or a while has passed.
@@ -55,6 +57,7 @@ impl Encoder {
             stats: EncodeStats::default(),
             turn: (usize::MAX, usize::MAX),
             store_wait: None,
+            turns: 0,
         }
     }
 
@@ -74,6 +77,12 @@ impl Encoder {
 
     pub fn stats(&self) -> &EncodeStats {
         &self.stats
+    }
+
+    /// Turns that wrote records so far: the frames a link would have sent them in (each with
+    /// a header of its own, which the records here do not include).
+    pub fn turns(&self) -> u64 {
+        self.turns
     }
 
     /// Prepares chunks on `workers` (see [`Mirror::set_workers`]).
@@ -136,6 +145,7 @@ impl Encoder {
         };
         // Turn after turn, as the link's scheduler runs them, until nothing more may go.
         while self.sent < self.queued {
+            let before = out.len();
             let n = send::emit(
                 &mut self.sender,
                 &mut self.queue,
@@ -148,6 +158,7 @@ impl Encoder {
                 &mut self.stats,
             );
             self.sent += n as u64;
+            self.turns += u64::from(n > 0 || out.len() > before);
             if self.sender.waiting() {
                 if let Some(wait) = self.store_wait.as_mut() {
                     wait();

@@ -391,8 +391,11 @@ impl<B: BufMut> Cut<'_, B> {
         } else {
             t.wire + len + RECORD_OVERHEAD
         };
+        // The run's records are to come: the quantum counts what they are expected to cost
+        // (at the stream's recent ratio), the room what they could cost at most.
+        let expected = (pending as f64 * self.ratio) as usize;
         if off + len > at.budget
-            || (t.raw > 0 && t.wire + pending >= self.lim.quantum)
+            || (t.raw > 0 && t.wire + expected >= self.lim.quantum)
             || alone > self.lim.room
         {
             return Some((off, Stop::Limit));

@@ -53,7 +53,9 @@ pub struct LinkConfig {
     pub stream_window: u32,
     /// Receive window we grant the whole link, in bytes.
     pub link_window: u64,
-    /// Largest data payload we accept in one frame.
+    /// Largest data payload we accept in one frame. A coded frame's records may reach it (a
+    /// run of deltas, whose chunks could go as literals), but a turn ends after 64 KiB of
+    /// records (see [`coded_turn`]).
     pub max_frame: u32,
     /// Most concurrent streams we accept from the peer.
     pub max_streams: u32,
@@ -102,7 +104,7 @@ impl LinkConfig {
             initiator,
             stream_window: 4 << 20,
             link_window: 64 << 20,
-            max_frame: 64 * 1024,
+            max_frame: 256 * 1024,
             max_streams: 4096,
             latency_reserve: 0,
             send_buffer: 256 * 1024,
