@@ -1080,32 +1080,46 @@ fn service_scoped_caches_resume_too() {
     p.assert_no_leaks();
 }
 
-#[test]
-fn repeated_checkpoints_from_a_peer_cost_nothing_and_save_once() {
+/// A pair with a disk tier on both sides after one stream of `seed`'s bytes.
+fn stored_pair_after_one_stream(seed: u64) -> Pair {
     let (ws, es) = (
         Arc::new(TestStorage::default()),
         Arc::new(TestStorage::default()),
     );
     let mut p = stored_pair(&ws, &es);
-    send_once(&mut p, "e-svc", Class::Bulk, &pattern(13, 1 << 20));
-    // West's periodic checkpoint (60 s by default), in virtual time with the link kept alive.
-    p.drive(Duration::from_secs(66));
-    let saved: Vec<_> = p
-        .east
-        .app
-        .checkpoints
+    send_once(&mut p, "e-svc", Class::Bulk, &pattern(seed, 1 << 20));
+    p
+}
+
+/// The digests of the states `app` saved in `role`, oldest first.
+fn saved_states(app: &App, role: Role) -> Vec<[u8; 16]> {
+    app.checkpoints
         .iter()
-        .filter(|c| c.0 == Role::Decoder)
+        .filter(|c| c.0 == role)
         .map(|c| c.3.digest())
-        .collect();
-    assert_eq!(saved.len(), 1, "the decoder saved its state once");
-    // The same checkpoint again and again (a misbehaving peer): judged once, never saved again.
+        .collect()
+}
+
+/// A `Checkpoint` frame of the shared cache naming `digest`, as a peer sends it.
+fn checkpoint_frame(digest: [u8; 16]) -> BytesMut {
     let mut buf = BytesMut::new();
     Frame::Checkpoint {
         scope: String::new(),
-        digest: saved[0],
+        digest,
     }
     .encode(&mut buf);
+    buf
+}
+
+#[test]
+fn repeated_checkpoints_from_a_peer_cost_nothing_and_save_once() {
+    let mut p = stored_pair_after_one_stream(13);
+    // West's periodic checkpoint (60 s by default), in virtual time with the link kept alive.
+    p.drive(Duration::from_secs(66));
+    let saved = saved_states(&p.east.app, Role::Decoder);
+    assert_eq!(saved.len(), 1, "the decoder saved its state once");
+    // The same checkpoint again and again (a misbehaving peer): judged once, never saved again.
+    let buf = checkpoint_frame(saved[0]);
     let before = p.east.app.checkpoints.len();
     for _ in 0..100 {
         let mut b = buf.clone();
@@ -1122,45 +1136,25 @@ fn repeated_checkpoints_from_a_peer_cost_nothing_and_save_once() {
 
 #[test]
 fn a_checkpoint_that_cannot_match_does_not_hide_the_next_one_at_the_same_state() {
-    let (ws, es) = (
-        Arc::new(TestStorage::default()),
-        Arc::new(TestStorage::default()),
-    );
-    let mut p = stored_pair(&ws, &es);
-    send_once(&mut p, "e-svc", Class::Bulk, &pattern(14, 1 << 20));
+    let mut p = stored_pair_after_one_stream(14);
     // A checkpoint east judges after its decoder moved past it (one deferred behind a stalled
     // stream is judged once the stream caught up): a digest of a state east is no longer in.
-    let mut buf = BytesMut::new();
-    Frame::Checkpoint {
-        scope: String::new(),
-        digest: [7; 16],
-    }
-    .encode(&mut buf);
+    let mut buf = checkpoint_frame([7; 16]);
     p.east
         .link
         .handle_lane_input(0, &mut buf, p.now)
         .expect("a checkpoint is a valid frame");
-    assert!(!p.east.app.checkpoints.iter().any(|c| c.0 == Role::Decoder));
+    assert!(saved_states(&p.east.app, Role::Decoder).is_empty());
     // West's periodic checkpoint comes at the state east is in now, which nothing changed.
     p.drive(Duration::from_secs(66));
-    let mirror = p
-        .west
-        .app
-        .checkpoints
-        .iter()
-        .rev()
-        .find(|c| c.0 == Role::Mirror)
-        .map(|c| c.3.digest())
+    let mirror = *saved_states(&p.west.app, Role::Mirror)
+        .last()
         .expect("west checkpointed");
-    let saved: Vec<_> = p
-        .east
-        .app
-        .checkpoints
-        .iter()
-        .filter(|c| c.0 == Role::Decoder)
-        .map(|c| c.3.digest())
-        .collect();
-    assert_eq!(saved, [mirror], "east saved west's checkpoint once");
+    assert_eq!(
+        saved_states(&p.east.app, Role::Decoder),
+        [mirror],
+        "east saved west's checkpoint once"
+    );
     p.assert_no_leaks();
 }
 
