@@ -553,7 +553,7 @@ fn encoder(
 /// The report's note of the encoder's settings; `scope` says how the caches are shared.
 fn settings_note(cfg: &CodecConfig, opts: &Opts, scope: &str) {
     report::note(format!(
-        "wanopt: the link's send path as a daemon stating 45 Mbit/s sets it (zstd {}, governed unless --zstd-level; long context {}), one {} MiB cache and a delta store of {} MiB in memory and {} MiB of sealed files, {scope}.",
+        "wanopt: the link's send path as a daemon stating 45 Mbit/s sets it (zstd {}, governed unless --zstd-level; long context {}), one {} MiB cache and a delta store of {} MiB in memory and {} MiB of sealed files, {scope}; wire bytes are the records and a coded frame's header for each turn, each copy written in 64 KiB pieces.",
         cfg.zstd_level,
         cfg.long
             .map_or("off".into(), |l| format!("{} MiB", l.window() >> 20)),
