@@ -553,7 +553,7 @@ fn encoder(
 /// The report's note of the encoder's settings; `scope` says how the caches are shared.
 fn settings_note(cfg: &CodecConfig, opts: &Opts, scope: &str) {
     report::note(format!(
-        "wanopt: the link's send path as a daemon stating 45 Mbit/s sets it (zstd {}, governed unless --zstd-level; long context {}), one {} MiB cache and a delta store of {} MiB in memory and {} MiB of sealed files, {scope}; wire bytes are the records and a coded frame's header for each turn, each copy written in 64 KiB pieces.",
+        "wanopt: the link's send path as a daemon stating 45 Mbit/s sets it (zstd {}, governed unless --zstd-level; long context {}), one {} MiB cache and a delta store of {} MiB in memory and {} MiB of sealed files, {scope}; wire bytes are the records and a short coded frame's header (10 bytes) for each turn, each copy written in 64 KiB pieces.",
         cfg.zstd_level,
         cfg.long
             .map_or("off".into(), |l| format!("{} MiB", l.window() >> 20)),
@@ -601,7 +601,10 @@ fn stream(
     let took = (t3.end() - start).as_secs_f64();
     let busy = (t3.sending - sent_before).as_secs_f64() / took;
     let frames = usize::try_from(enc.turns() - turns).unwrap_or(usize::MAX);
-    let framed = wire.len() + frames * wanopt_proto::frame::CODED_OVERHEAD;
+    // A daemon pair of this version sends short coded frames; the stream ids of a link's first
+    // hundred or so streams take one byte.
+    let header = wanopt_proto::frame::short_coded_overhead(wanopt_proto::frame::StreamId(1));
+    let framed = wire.len() + frames * header;
     (wire, framed, cpu, took, busy)
 }
 

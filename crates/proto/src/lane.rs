@@ -49,3 +49,7 @@ pub const CAP_COMPACT_RUNS: u64 = 1024;
 /// `wanopt_codec::cache::ChunkCache::set_quiet_bases`); references still move a chunk to the
 /// newest end.
 pub const CAP_QUIET_BASES: u64 = 2048;
+/// Hello capability bit (with `CAP_CODEC`): the sender reads short coded frames (kind 15: a
+/// varint stream id and the offset's low 16 bits instead of the whole offset, 9 to 13 bytes of
+/// header where a `Coded` frame's are 22).
+pub const CAP_SHORT_CODED: u64 = 4096;

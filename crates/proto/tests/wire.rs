@@ -91,12 +91,20 @@ fn frames() -> Vec<Frame> {
             last: true,
             lane: false,
         })),
+        Frame::CodedShort {
+            stream: StreamId(300),
+            at: 5,
+            fin: true,
+            scoped: false,
+            raw_len: 100,
+            records: Bytes::from_static(&[1, 2, 3]),
+        },
     ]
 }
 
 /// The bytes each of [`frames`] encodes to, as recorded from the build before the frame code
 /// was split (7e4cb03).
-const RECORDED: [&str; 14] = [
+const RECORDED: [&str; 15] = [
     "01000000000000000046000300010477657374000000000000001f000200010000000000400000000500000000deadbeef0001010102646701abababababababababababababababab000104726d616e",
     "0200000000070000000400026467",
     "0301000000070000000c00000002000000007265646f",
@@ -111,6 +119,7 @@ const RECORDED: [&str; 14] = [
     "0c000000000000000012030303030303030303030303030303030178",
     "0d000000000700000008000000000000004d",
     "0e01000000000000002f000000000000000a000000000000001400000003000000040001000000070000000000000001000000000000000205",
+    "0fac028000030000640005010203",
 ];
 
 fn hex(b: &[u8]) -> String {
@@ -137,8 +146,13 @@ fn headers_written_in_place_match_the_recorded_frames() {
     out.extend_from_slice(b"redo");
     assert_eq!(hex(&out), RECORDED[2]);
     let mut out = BytesMut::new();
-    let at = begin_coded(&mut out, StreamId(7), 5);
+    let at = begin_coded(&mut out, StreamId(7), 5, false);
     out.extend_from_slice(&[1, 2, 3]);
     finish_coded(&mut out, at, false, true, 100);
     assert_eq!(hex(&out), RECORDED[8]);
+    let mut out = BytesMut::new();
+    let at = begin_coded(&mut out, StreamId(300), 1 << 32 | 5, true);
+    out.extend_from_slice(&[1, 2, 3]);
+    finish_coded(&mut out, at, true, false, 100);
+    assert_eq!(hex(&out), RECORDED[14]);
 }

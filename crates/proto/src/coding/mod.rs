@@ -28,7 +28,8 @@ pub(crate) use self::send::SendCoder;
 use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Class, Frame, StreamId};
 use crate::lane::{
-    CAP_COMPACT_RUNS, CAP_CONTEXT, CAP_DELTA_RUNS, CAP_REF_RUNS, CAP_RUNS, LATENCY_LANE,
+    CAP_COMPACT_RUNS, CAP_CONTEXT, CAP_DELTA_RUNS, CAP_REF_RUNS, CAP_RUNS, CAP_SHORT_CODED,
+    LATENCY_LANE,
 };
 
 /// Which cache a service's chunks go to.
@@ -281,6 +282,8 @@ pub(crate) struct Coding {
     peer_ref_runs: bool,
     /// The peer decodes compact runs (short reference checks, bare delta frames).
     peer_compact_runs: bool,
+    /// The peer reads short coded frames.
+    peer_short_frames: bool,
 }
 
 /// A stream's turn at sending coded bytes.
@@ -329,6 +332,7 @@ impl Coding {
             peer_delta_runs: false,
             peer_ref_runs: false,
             peer_compact_runs: false,
+            peer_short_frames: false,
         }
     }
 
@@ -427,6 +431,7 @@ impl Coding {
         self.peer_delta_runs = peer.caps & CAP_DELTA_RUNS != 0;
         self.peer_ref_runs = peer.caps & CAP_REF_RUNS != 0;
         self.peer_compact_runs = peer.caps & CAP_COMPACT_RUNS != 0;
+        self.peer_short_frames = peer.caps & CAP_SHORT_CODED != 0;
         self.scoped = self
             .own_scoped()
             .iter()
@@ -491,7 +496,7 @@ impl Coding {
             Arc::from("")
         };
         let before = out.len();
-        let at = frame::begin_coded(out, t.id, t.sent);
+        let at = frame::begin_coded(out, t.id, t.sent, self.peer_short_frames);
         let lim = Limits {
             budget: t.budget.min(RAW_TURN),
             quantum: t.quantum,

@@ -7,14 +7,21 @@ use bytes::{BufMut, BytesMut};
 use super::buf::{name_len, put_name};
 use super::hello::{MAX_DIGESTS, MAX_OFFERS, MAX_SCOPED, MAX_SETTINGS};
 use super::layout::{
-    FLAG_FIN, FLAG_SCOPED, Frame, HEADER_LEN, RESUME_DONE, RESUME_ENTRY_LEN, RESUME_FIN,
-    RESUME_HEAD_LEN, RESUME_LATENCY, kind,
+    CODED_OVERHEAD, FLAG_FIN, FLAG_SCOPED, Frame, HEADER_LEN, RESUME_DONE, RESUME_ENTRY_LEN,
+    RESUME_FIN, RESUME_HEAD_LEN, RESUME_LATENCY, SHORT_FIN, SHORT_LEN_MASK, SHORT_RAW_MAX,
+    SHORT_SCOPED, kind, short_coded_overhead,
 };
 use crate::codes::StreamId;
 
 impl Frame {
     /// Encoded length of this frame, header included.
     pub fn encoded_len(&self) -> usize {
+        if let Frame::CodedShort {
+            stream, records, ..
+        } = self
+        {
+            return short_coded_overhead(*stream) + records.len().min(SHORT_LEN_MASK as usize);
+        }
         HEADER_LEN
             + match self {
                 Frame::Hello(h) => {
@@ -49,6 +56,7 @@ impl Frame {
                 Frame::MaxData { .. } | Frame::Ping { .. } | Frame::Pong { .. } => 8,
                 Frame::GoAway { reason, .. } => 2 + 1 + name_len(reason),
                 Frame::Coded { records, .. } => 8 + 4 + records.len(),
+                Frame::CodedShort { .. } => 0,
                 Frame::Need { scope, .. } => 16 + 1 + name_len(scope),
                 Frame::Chunk { scope, data, .. } => 16 + 1 + name_len(scope) + data.len(),
                 Frame::Checkpoint { scope, .. } => 16 + 1 + name_len(scope),
@@ -80,6 +88,20 @@ impl Frame {
                 scoped,
                 ..
             } => (kind::CODED, coded_flags(*fin, *scoped), *stream),
+            Frame::CodedShort {
+                stream,
+                at,
+                fin,
+                scoped,
+                raw_len,
+                records,
+            } => {
+                // A header of its own; cut to what the fields hold, so what is written parses.
+                let records = &records[..records.len().min(SHORT_LEN_MASK as usize)];
+                put_short_header(out, *stream, (*fin, *scoped), records.len(), *raw_len, *at);
+                out.extend_from_slice(records);
+                return;
+            }
             Frame::Need { stream, .. } => (kind::NEED, 0, *stream),
             Frame::Chunk { stream, .. } => (kind::CHUNK, 0, *stream),
             Frame::Checkpoint { .. } => (kind::CHECKPOINT, 0, StreamId::LINK),
@@ -152,6 +174,8 @@ impl Frame {
                 out.put_u32(*raw_len);
                 out.extend_from_slice(records);
             }
+            // Written whole above.
+            Frame::CodedShort { .. } => {}
             Frame::Need {
                 scope, fingerprint, ..
             } => {
@@ -213,29 +237,97 @@ pub fn encode_data_header(
     out.put_u64(offset);
 }
 
-/// Writes the header of a coded frame with a zero payload length, returning where the length
-/// sits; [`finish_coded`] fills it in once the records are appended.
-pub fn begin_coded(out: &mut BytesMut, stream: StreamId, offset: u64) -> usize {
-    out.put_u8(kind::CODED);
-    out.put_u8(0);
-    out.put_u32(stream.0);
-    let at = out.len();
-    out.put_u32(0);
-    out.put_u64(offset);
-    out.put_u32(0);
-    at
+/// Where a coded frame begun by [`begin_coded`] sits in the output, for [`finish_coded`].
+#[derive(Debug, Clone, Copy)]
+pub struct CodedStart {
+    /// Where the frame starts, and where its records start.
+    frame: usize,
+    records: usize,
+    stream: StreamId,
+    offset: u64,
+    short: bool,
+}
+
+/// Writes the header of a coded frame at `offset` of `stream` (a short one if `short`: the peer
+/// reads them) with its lengths still zero; [`finish_coded`] fills them in once the records
+/// are appended.
+pub fn begin_coded(out: &mut BytesMut, stream: StreamId, offset: u64, short: bool) -> CodedStart {
+    let frame = out.len();
+    if short {
+        put_short_header(out, stream, (false, false), 0, 0, 0);
+    } else {
+        out.put_u8(kind::CODED);
+        out.put_u8(0);
+        out.put_u32(stream.0);
+        out.put_u32(0);
+        out.put_u64(offset);
+        out.put_u32(0);
+    }
+    CodedStart {
+        frame,
+        records: out.len(),
+        stream,
+        offset,
+        short,
+    }
 }
 
 fn coded_flags(fin: bool, scoped: bool) -> u8 {
     (if fin { FLAG_FIN } else { 0 }) | if scoped { FLAG_SCOPED } else { 0 }
 }
 
-/// Completes a coded frame begun at `at`: its flags, raw length and payload length.
-pub fn finish_coded(out: &mut BytesMut, at: usize, fin: bool, scoped: bool, raw_len: u32) {
-    let payload = (out.len() - at - 4) as u32;
-    out[at - 5] = coded_flags(fin, scoped);
-    out[at..at + 4].copy_from_slice(&payload.to_be_bytes());
-    out[at + 12..at + 16].copy_from_slice(&raw_len.to_be_bytes());
+/// A short coded frame's header: kind, stream id (varint), flags and record length (24 bits),
+/// raw length (24 bits, cut to [`SHORT_RAW_MAX`]), the offset's low 16 bits.
+fn put_short_header(
+    out: &mut BytesMut,
+    stream: StreamId,
+    (fin, scoped): (bool, bool),
+    len: usize,
+    raw_len: u32,
+    at: u16,
+) {
+    out.put_u8(kind::CODED_SHORT);
+    let mut v = stream.0;
+    while v >= 0x80 {
+        out.put_u8((v as u8 & 0x7f) | 0x80);
+        v >>= 7;
+    }
+    out.put_u8(v as u8);
+    let flags = if fin { SHORT_FIN } else { 0 } | if scoped { SHORT_SCOPED } else { 0 };
+    let len = (len as u32).min(SHORT_LEN_MASK) | flags;
+    out.extend_from_slice(&len.to_be_bytes()[1..]);
+    out.extend_from_slice(&raw_len.min(SHORT_RAW_MAX).to_be_bytes()[1..]);
+    out.put_u16(at);
+}
+
+/// Completes a coded frame begun at `start`: its flags, raw length and payload length. A short
+/// frame whose raw length does not fit its 24 bits becomes a whole one (its records move).
+pub fn finish_coded(out: &mut BytesMut, start: CodedStart, fin: bool, scoped: bool, raw_len: u32) {
+    let records = out.len() - start.records;
+    if start.short && raw_len <= SHORT_RAW_MAX && records <= SHORT_LEN_MASK as usize {
+        let mut head = BytesMut::with_capacity(start.records - start.frame);
+        let at = start.offset as u16;
+        put_short_header(&mut head, start.stream, (fin, scoped), records, raw_len, at);
+        out[start.frame..start.records].copy_from_slice(&head);
+        return;
+    }
+    let mut head = BytesMut::with_capacity(CODED_OVERHEAD);
+    head.put_u8(kind::CODED);
+    head.put_u8(coded_flags(fin, scoped));
+    head.put_u32(start.stream.0);
+    head.put_u32((records + 12) as u32);
+    head.put_u64(start.offset);
+    head.put_u32(raw_len);
+    if start.records - start.frame != head.len() {
+        // The short header was begun: the records move to make room for the whole one.
+        let had = start.records - start.frame;
+        out.resize(out.len() + head.len() - had, 0);
+        out.copy_within(
+            start.records..start.records + records,
+            start.frame + head.len(),
+        );
+    }
+    out[start.frame..start.frame + head.len()].copy_from_slice(&head);
 }
 
 #[cfg(test)]
@@ -260,9 +352,10 @@ mod tests {
         assert_eq!(a, b);
     }
 
+    /// A frame begun and finished in place is what `encode` writes of it, short or whole.
     #[test]
     fn coded_header_matches_encode() {
-        let f = Frame::Coded {
+        let whole = Frame::Coded {
             stream: StreamId(9),
             offset: 1 << 40,
             fin: true,
@@ -270,12 +363,48 @@ mod tests {
             raw_len: 123_456,
             records: Bytes::from_static(b"records"),
         };
-        let mut a = BytesMut::new();
-        f.encode(&mut a);
-        let mut b = BytesMut::new();
-        let at = begin_coded(&mut b, StreamId(9), 1 << 40);
-        b.extend_from_slice(b"records");
-        finish_coded(&mut b, at, true, true, 123_456);
-        assert_eq!(a, b);
+        let short = Frame::CodedShort {
+            stream: StreamId(300),
+            at: (1u64 << 40 | 0xbeef) as u16,
+            fin: false,
+            scoped: true,
+            raw_len: 123_456,
+            records: Bytes::from_static(b"records"),
+        };
+        for (f, id, offset, is_short, fin) in [
+            (whole, 9, 1 << 40, false, true),
+            (short, 300, 1 << 40 | 0xbeef, true, false),
+        ] {
+            let mut a = BytesMut::new();
+            f.encode(&mut a);
+            assert_eq!(a.len(), f.encoded_len());
+            let mut b = BytesMut::from(&b"before"[..]);
+            let at = begin_coded(&mut b, StreamId(id), offset, is_short);
+            b.extend_from_slice(b"records");
+            finish_coded(&mut b, at, fin, true, 123_456);
+            assert_eq!(&b[6..], &a[..]);
+            assert_eq!(Frame::parse(a.freeze()), Ok(f));
+        }
+    }
+
+    /// A short frame begun for a turn whose raw length does not fit 24 bits is written whole,
+    /// its records moved after the longer header.
+    #[test]
+    fn a_raw_length_beyond_24_bits_makes_a_whole_frame() {
+        let mut b = BytesMut::from(&b"xy"[..]);
+        let at = begin_coded(&mut b, StreamId(5), 77, true);
+        b.extend_from_slice(b"some records");
+        finish_coded(&mut b, at, true, false, SHORT_RAW_MAX + 1);
+        let f = Frame::Coded {
+            stream: StreamId(5),
+            offset: 77,
+            fin: true,
+            scoped: false,
+            raw_len: SHORT_RAW_MAX + 1,
+            records: Bytes::from_static(b"some records"),
+        };
+        let mut want = BytesMut::from(&b"xy"[..]);
+        f.encode(&mut want);
+        assert_eq!(b, want);
     }
 }

@@ -23,6 +23,36 @@ pub const DATA_OVERHEAD: usize = HEADER_LEN + 8;
 /// Overhead of a coded frame on top of its records.
 pub const CODED_OVERHEAD: usize = HEADER_LEN + 12;
 
+/// Overhead of a short coded frame ([`Frame::CodedShort`]) on top of its records, besides its
+/// stream id's varint (1 byte below 128, 2 below 16,384, at most 5): kind (1), flags and
+/// record length (3), raw length (3), offset check (2).
+pub const SHORT_CODED_FIXED: usize = 9;
+
+/// Largest raw length a short coded frame carries (24 bits); a turn never comes near it.
+pub const SHORT_RAW_MAX: u32 = (1 << 24) - 1;
+
+/// Largest record length the 21 bits of a short coded frame hold (above [`MAX_PAYLOAD_HARD`]).
+pub(super) const SHORT_LEN_MASK: u32 = (1 << 21) - 1;
+/// A short coded frame's flags, in the top bits of its 24-bit record length.
+pub(super) const SHORT_FIN: u32 = 1 << 23;
+pub(super) const SHORT_SCOPED: u32 = 1 << 22;
+
+/// Bytes of a short coded frame's header on `stream`.
+pub fn short_coded_overhead(stream: StreamId) -> usize {
+    SHORT_CODED_FIXED + varint_len(stream.0)
+}
+
+/// Bytes of `v` as a LEB128 varint.
+pub(super) fn varint_len(v: u32) -> usize {
+    match v {
+        0..0x80 => 1,
+        0x80..0x4000 => 2,
+        0x4000..0x20_0000 => 3,
+        0x20_0000..0x1000_0000 => 4,
+        _ => 5,
+    }
+}
+
 /// One frame of the link protocol.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
@@ -61,6 +91,18 @@ pub enum Frame {
     Coded {
         stream: StreamId,
         offset: u64,
+        fin: bool,
+        scoped: bool,
+        raw_len: u32,
+        records: Bytes,
+    },
+    /// A [`Frame::Coded`] with a short header (with `CAP_SHORT_CODED`): the stream id as a
+    /// varint, the raw length in 24 bits, and instead of the offset its low 16 bits, `at`. A
+    /// stream's coded frames arrive in order, so the receiver knows the offset (what it received
+    /// of the stream so far) and checks it against `at`.
+    CodedShort {
+        stream: StreamId,
+        at: u16,
         fin: bool,
         scoped: bool,
         raw_len: u32,
@@ -143,6 +185,7 @@ pub(super) mod kind {
     pub const CHECKPOINT: u8 = 12;
     pub const FINISHED: u8 = 13;
     pub const RESUME: u8 = 14;
+    pub const CODED_SHORT: u8 = 15;
 }
 
 pub(super) const FLAG_FIN: u8 = 1;
@@ -156,24 +199,63 @@ impl Frame {
     /// Checks whether `buf` starts with a whole frame whose payload is at most `max_payload` bytes.
     /// Returns the frame's total length, `Incomplete` if more bytes are needed, or a fatal error.
     pub fn check(buf: &[u8], max_payload: u32) -> Result<usize, FrameError> {
-        if buf.len() < HEADER_LEN {
+        let Some(&kind) = buf.first() else {
             return Err(FrameError::Incomplete);
-        }
-        let kind = buf[0];
-        if !(kind::HELLO..=kind::RESUME).contains(&kind) {
-            return Err(FrameError::UnknownKind(kind));
-        }
-        let len = u32::from_be_bytes([buf[6], buf[7], buf[8], buf[9]]);
+        };
         let cap = max_payload.min(MAX_PAYLOAD_HARD);
+        let (header, len) = if kind == kind::CODED_SHORT {
+            let (_, v) = varint(&buf[1..])?;
+            let header = SHORT_CODED_FIXED + v;
+            let Some(f) = buf.get(1 + v..1 + v + 3) else {
+                return Err(FrameError::Incomplete);
+            };
+            (
+                header,
+                u32::from_be_bytes([0, f[0], f[1], f[2]]) & SHORT_LEN_MASK,
+            )
+        } else {
+            if buf.len() < HEADER_LEN {
+                return Err(FrameError::Incomplete);
+            }
+            if !(kind::HELLO..=kind::RESUME).contains(&kind) {
+                return Err(FrameError::UnknownKind(kind));
+            }
+            (
+                HEADER_LEN,
+                u32::from_be_bytes([buf[6], buf[7], buf[8], buf[9]]),
+            )
+        };
         if len > cap {
             return Err(FrameError::TooLarge { len, max: cap });
         }
-        let total = HEADER_LEN + len as usize;
+        let total = header + len as usize;
         if buf.len() < total {
             return Err(FrameError::Incomplete);
         }
         Ok(total)
     }
+}
+
+/// A LEB128 varint of at most 5 bytes (a stream id) at the start of `buf`: its value and length.
+/// `Incomplete` while it may go on; longer than 5 bytes, above `u32::MAX` or not in its
+/// shortest form is malformed (so each id has one encoding).
+pub(super) fn varint(buf: &[u8]) -> Result<(u32, usize), FrameError> {
+    let mut v: u64 = 0;
+    for (i, &b) in buf.iter().enumerate().take(5) {
+        v |= u64::from(b & 0x7f) << (7 * i);
+        if b & 0x80 == 0 {
+            if i > 0 && b == 0 {
+                return Err(FrameError::Malformed("varint not in its shortest form"));
+            }
+            return u32::try_from(v)
+                .map(|v| (v, i + 1))
+                .map_err(|_| FrameError::Malformed("stream id above 32 bits"));
+        }
+    }
+    if buf.len() >= 5 {
+        return Err(FrameError::Malformed("varint longer than 5 bytes"));
+    }
+    Err(FrameError::Incomplete)
 }
 
 #[cfg(test)]

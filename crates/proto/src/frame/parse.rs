@@ -8,7 +8,7 @@ use super::buf::{Get, nonzero};
 use super::hello::{CacheOffer, Hello, MAX_DIGESTS, MAX_OFFERS, MAX_SCOPED, MAX_SETTINGS};
 use super::layout::{
     FLAG_FIN, FLAG_SCOPED, Frame, HEADER_LEN, RESUME_DONE, RESUME_ENTRY_LEN, RESUME_FIN,
-    RESUME_LATENCY, Resume, ResumeEntry, kind,
+    RESUME_LATENCY, Resume, ResumeEntry, SHORT_FIN, SHORT_LEN_MASK, SHORT_SCOPED, kind, varint,
 };
 use crate::codes::{Class, CloseCode, ResetCode, StreamId};
 use crate::error::FrameError;
@@ -16,6 +16,9 @@ use crate::error::FrameError;
 impl Frame {
     /// Parses one whole frame, as delimited by [`Frame::check`]. Data payloads share `frame`'s memory.
     pub fn parse(mut frame: Bytes) -> Result<Frame, FrameError> {
+        if frame.first() == Some(&kind::CODED_SHORT) {
+            return parse_short(frame);
+        }
         if frame.len() < HEADER_LEN {
             return Err(FrameError::Malformed("short header"));
         }
@@ -131,6 +134,38 @@ impl Frame {
         }
         Ok(f)
     }
+}
+
+/// A short coded frame, as delimited by [`Frame::check`]: its header (see
+/// [`Frame::CodedShort`]), then its records to the end.
+fn parse_short(mut frame: Bytes) -> Result<Frame, FrameError> {
+    frame.advance(1);
+    let (id, v) = match varint(&frame) {
+        Ok(x) => x,
+        Err(FrameError::Incomplete) => return Err(FrameError::Malformed("short header")),
+        Err(e) => return Err(e),
+    };
+    frame.advance(v);
+    let stream = StreamId(id);
+    nonzero(stream)?;
+    let [a, b, c] = frame.array("short header")?;
+    let len = u32::from_be_bytes([0, a, b, c]);
+    if len & !(SHORT_LEN_MASK | SHORT_FIN | SHORT_SCOPED) != 0 {
+        return Err(FrameError::Malformed("unknown short frame flag"));
+    }
+    let [d, e, f] = frame.array("short header")?;
+    let at = frame.u16()?;
+    if frame.len() != (len & SHORT_LEN_MASK) as usize {
+        return Err(FrameError::Malformed("length mismatch"));
+    }
+    Ok(Frame::CodedShort {
+        stream,
+        at,
+        fin: len & SHORT_FIN != 0,
+        scoped: len & SHORT_SCOPED != 0,
+        raw_len: u32::from_be_bytes([0, d, e, f]),
+        records: frame,
+    })
 }
 
 fn class(v: u8) -> Result<Class, FrameError> {

@@ -104,6 +104,23 @@ fn arb_frame() -> impl Strategy<Value = Frame> {
                 raw_len,
                 records: Bytes::from(d)
             }),
+        (
+            prop_oneof![sid.clone(), (1u32..300).prop_map(StreamId)],
+            any::<u16>(),
+            any::<(bool, bool)>(),
+            0..=SHORT_RAW_MAX,
+            proptest::collection::vec(any::<u8>(), 0..2000)
+        )
+            .prop_map(
+                |(stream, at, (fin, scoped), raw_len, d)| Frame::CodedShort {
+                    stream,
+                    at,
+                    fin,
+                    scoped,
+                    raw_len,
+                    records: Bytes::from(d)
+                }
+            ),
         (sid.clone(), arb_name(), any::<[u8; 16]>()).prop_map(|(stream, scope, fingerprint)| {
             Frame::Need {
                 stream,
@@ -188,6 +205,85 @@ proptest! {
         if let Ok(n) = Frame::check(&data, 4096) {
             let _ = Frame::parse(Bytes::copy_from_slice(&data[..n]));
         }
+    }
+}
+
+/// A short coded frame's header is checked field by field: its stream id's varint in its one
+/// shortest form and nonzero, its length capped before its records are buffered, no unknown
+/// flag; its raw length is cut to 24 bits when written.
+#[test]
+fn short_coded_headers_are_checked() {
+    use super::layout::kind::CODED_SHORT;
+    let frame = |id: &[u8], len: [u8; 3], rest: &[u8]| {
+        let mut b = vec![CODED_SHORT];
+        b.extend_from_slice(id);
+        b.extend_from_slice(&len);
+        b.extend_from_slice(&[0, 0, 9, 0, 1]);
+        b.extend_from_slice(rest);
+        b
+    };
+    let ok = frame(&[0x85, 0x01], [0, 0, 2], b"ab");
+    assert_eq!(Frame::check(&ok, 4096), Ok(ok.len()));
+    assert_eq!(
+        Frame::parse(Bytes::from(ok)),
+        Ok(Frame::CodedShort {
+            stream: StreamId(133),
+            at: 1,
+            fin: false,
+            scoped: false,
+            raw_len: 9,
+            records: Bytes::from_static(b"ab"),
+        })
+    );
+    let malformed = |b: Vec<u8>, why| {
+        let n = Frame::check(&b, 4096).map_err(|e| (e, why))?;
+        Frame::parse(Bytes::copy_from_slice(&b[..n])).map_err(|e| (e, why))
+    };
+    for (b, why) in [
+        (
+            frame(&[0x85, 0x00], [0, 0, 0], b""),
+            "varint not in its shortest form",
+        ),
+        (frame(&[0], [0, 0, 0], b""), "stream id 0 on a stream frame"),
+        (
+            frame(&[0xff, 0xff, 0xff, 0xff, 0x1f], [0, 0, 0], b""),
+            "stream id above 32 bits",
+        ),
+        (
+            frame(&[0x81, 0, 0], [0, 0, 0], b""),
+            "varint not in its shortest form",
+        ),
+        (frame(&[1], [0x20, 0, 0], b""), "unknown short frame flag"),
+    ] {
+        assert_eq!(malformed(b, why), Err((FrameError::Malformed(why), why)));
+    }
+    let mut long = vec![CODED_SHORT];
+    long.extend_from_slice(&[0x80; 5]);
+    assert_eq!(
+        Frame::check(&long, 4096),
+        Err(FrameError::Malformed("varint longer than 5 bytes"))
+    );
+    // Too large, refused on the length alone.
+    assert_eq!(
+        Frame::check(&[CODED_SHORT, 1, 0x10, 0, 1], 4096),
+        Err(FrameError::TooLarge {
+            len: 0x10_0001,
+            max: 4096
+        })
+    );
+    let mut big = BytesMut::new();
+    Frame::CodedShort {
+        stream: StreamId(1),
+        at: 0,
+        fin: false,
+        scoped: false,
+        raw_len: u32::MAX,
+        records: Bytes::new(),
+    }
+    .encode(&mut big);
+    match Frame::parse(big.freeze()) {
+        Ok(Frame::CodedShort { raw_len, .. }) => assert_eq!(raw_len, SHORT_RAW_MAX),
+        other => panic!("{other:?}"),
     }
 }
 

@@ -8,7 +8,7 @@ use crate::frame::{self, CacheOffer, Hello, setting};
 use crate::lane::{
     CAP_CODEC, CAP_COMPACT_RUNS, CAP_CONTEXT, CAP_DELTA, CAP_DELTA_RUNS, CAP_LANE_COPIES,
     CAP_LATENCY_LANE, CAP_LONG_CONTEXT, CAP_QUIET_BASES, CAP_REF_RUNS, CAP_RESUME, CAP_RUNS,
-    MAIN_LANE,
+    CAP_SHORT_CODED, MAIN_LANE,
 };
 
 use super::LinkConfig;
@@ -28,7 +28,7 @@ pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>, scoped: Vec<String
         capabilities |= CAP_LATENCY_LANE;
     }
     if cfg.codec.is_some() {
-        capabilities |= CAP_CODEC | CAP_CONTEXT;
+        capabilities |= CAP_CODEC | CAP_CONTEXT | CAP_SHORT_CODED;
     }
     if cfg.codec.as_ref().is_some_and(|c| c.runs) {
         capabilities |= CAP_RUNS | CAP_DELTA_RUNS | CAP_REF_RUNS | CAP_COMPACT_RUNS;

@@ -144,6 +144,28 @@ impl Link {
                 raw_len,
                 records,
             } => self.on_coded(stream, offset, fin, scoped, raw_len, records, wire, lane),
+            Frame::CodedShort {
+                stream,
+                at,
+                fin,
+                scoped,
+                raw_len,
+                records,
+            } => {
+                // A stream's frames arrive in order: its offset is what we received of it, and
+                // the frame's low 16 bits of it must agree (a stream already gone needs none).
+                let (offset, known) = match self.streams.get(&stream) {
+                    Some(s) => (s.recv.window.received(), true),
+                    None => (0, false),
+                };
+                if known && offset as u16 != at {
+                    return Err(LinkError::Protocol(format!(
+                        "stream {stream}: offset check {at}, expected {}",
+                        offset as u16
+                    )));
+                }
+                self.on_coded(stream, offset, fin, scoped, raw_len, records, wire, lane)
+            }
             Frame::Need {
                 stream,
                 scope,
