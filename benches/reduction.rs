@@ -23,7 +23,8 @@
 //! would not), `--delta-mib N` (default 256, the daemon's: the sender's store of delta bases in
 //! memory), `--delta-disk-mib N` (default 2048: sealed files behind it, as a daemon with a 2 GiB
 //! disk tier keeps them; 0 for memory only),
-//! `--zstd-level N` (a fixed level: no governor), `--wanopt-only` (skip the other
+//! `--zstd-level N` (a fixed level: no governor), `--gather-kib N` (what a stream gathers
+//! before its turn instead of the link's; 0: a turn for each 64 KiB piece), `--wanopt-only` (skip the other
 //! compressors, to compare settings quickly), `--binlog-tx N` transactions for the binlog
 //! (default 40000), `--svg FILE` (the charts; default `benches/charts/reduction.svg`).
 //!
@@ -132,7 +133,7 @@ fn daemon_codec(
     cache: usize,
     delta: usize,
     level: Option<i32>,
-) -> (CodecConfig, Pressure, (usize, usize)) {
+) -> (CodecConfig, Pressure, (usize, usize, usize)) {
     let yaml = "site: west\nlink:\n  connect: 127.0.0.1:7400\n  peer: east\n  bandwidth: 45mbit\n  rtt: 100ms\ntls:\n  ca: ca.pem\n  cert: c.pem\n  key: k.key\n";
     let cfg = wanopt_runtime::config::Config::parse(yaml, Path::new("/etc/wanopt/west.yaml"))
         .expect("config");
@@ -145,13 +146,12 @@ fn daemon_codec(
         ..CodecConfig::default()
     }
     .with_avg_chunk(c.avg_chunk);
-    let max_frame = wanopt_runtime::link_config(&cfg, None).max_frame as usize;
+    let link = wanopt_runtime::link_config(&cfg, None);
+    let (quantum, room) = wanopt_proto::coded_turn(link.max_frame as usize);
+    // What a stream gathers before its turn, as the link's bulk streams do.
+    let gather = wanopt_codec::send::gather(link.send_buffer, codec.max_chunk);
     // A stated WAN far below what a core compresses: the link is the bottleneck.
-    (
-        codec,
-        Pressure::LinkBound,
-        wanopt_proto::coded_turn(max_frame),
-    )
+    (codec, Pressure::LinkBound, (quantum, room, gather))
 }
 
 /// A virtual T3 behind the encoder, with the daemon's zstd level governor fed from it: each
@@ -242,6 +242,9 @@ struct Opts {
     delta_disk: usize,
     /// A zstd level instead of the one the daemon's config derives.
     level: Option<i32>,
+    /// Bytes a stream gathers before its turn instead of the link's (0: a turn for each piece
+    /// written).
+    gather: Option<usize>,
     /// Where the chart goes.
     svg: String,
 }
@@ -257,6 +260,9 @@ fn main() {
         level: args
             .text("--zstd-level")
             .map(|l| l.parse().expect("--zstd-level N")),
+        gather: args
+            .text("--gather-kib")
+            .map(|g| g.parse::<usize>().expect("--gather-kib N") << 10),
         svg: args.get("--svg", "benches/charts/reduction.svg".to_string()),
     };
     if let Some(d) = args.text("--pairs").map(PathBuf::from) {
@@ -524,12 +530,13 @@ fn mariadb_binlog(dir: &Path, tsv: &Path, transactions: u32) -> Result<PathBuf, 
 /// The daemon's encoder: its codec, its coded streams' turns, and its delta store.
 fn encoder(
     cfg: &CodecConfig,
-    (quantum, room): (usize, usize),
+    (quantum, room, gather): (usize, usize, usize),
     opts: &Opts,
     state: &Path,
 ) -> (Encoder, Option<SharedBases>) {
     let mut enc = Encoder::new(cfg.clone());
     enc.set_turn_limits(quantum, room);
+    enc.set_gather(opts.gather.unwrap_or(gather));
     let dir = wanopt_runtime::cachedir::CacheDir::open(
         state,
         "east",
@@ -551,15 +558,16 @@ fn encoder(
 }
 
 /// The report's note of the encoder's settings; `scope` says how the caches are shared.
-fn settings_note(cfg: &CodecConfig, opts: &Opts, scope: &str) {
+fn settings_note(cfg: &CodecConfig, opts: &Opts, gather: usize, scope: &str) {
     report::note(format!(
-        "wanopt: the link's send path as a daemon stating 45 Mbit/s sets it (zstd {}, governed unless --zstd-level; long context {}), one {} MiB cache and a delta store of {} MiB in memory and {} MiB of sealed files, {scope}; wire bytes are the records and a short coded frame's header (10 bytes) for each turn, each copy written in 64 KiB pieces.",
+        "wanopt: the link's send path as a daemon stating 45 Mbit/s sets it (zstd {}, governed unless --zstd-level; long context {}), one {} MiB cache and a delta store of {} MiB in memory and {} MiB of sealed files, {scope}; wire bytes are the records and a short coded frame's header (10 bytes) for each turn, each copy written in 64 KiB pieces (a turn for each {} KiB gathered, as a link's bulk stream takes).",
         cfg.zstd_level,
         cfg.long
             .map_or("off".into(), |l| format!("{} MiB", l.window() >> 20)),
         cfg.cache_bytes >> 20,
         cfg.delta_bytes >> 20,
-        opts.delta_disk >> 20
+        opts.delta_disk >> 20,
+        opts.gather.unwrap_or(gather) >> 10
     ));
 }
 
@@ -608,6 +616,36 @@ fn stream(
     (wire, framed, cpu, took, busy)
 }
 
+/// Prints where a copy's wire bytes went (`s` less `before`), for whoever tunes the index:
+/// `framed` bytes in all, `records` of them records.
+fn breakdown(
+    what: &str,
+    s: &wanopt_codec::EncodeStats,
+    before: &wanopt_codec::EncodeStats,
+    framed: usize,
+    records: usize,
+) {
+    let d = |a: u64, b: u64| (a - b) as f64 / 1e6;
+    eprintln!(
+        "{what} ({:.3} MB): refs {:.1} MB ({} chunks) in {:.3} MB, deltas {:.1} MB ({} chunks) in {:.3} MB, literals {:.1} MB ({} chunks) in {:.3} MB ({:.1} MB offered a base), frame headers {:.3} MB",
+        framed as f64 / 1e6,
+        d(s.hit_bytes, before.hit_bytes),
+        s.hit_chunks - before.hit_chunks,
+        d(s.hit_wire, before.hit_wire),
+        d(s.delta_bytes, before.delta_bytes),
+        s.delta_chunks - before.delta_chunks,
+        d(s.delta_wire, before.delta_wire),
+        d(s.miss_bytes, before.miss_bytes),
+        s.miss_chunks - before.miss_chunks,
+        d(
+            s.wire_bytes - s.hit_wire - s.delta_wire,
+            before.wire_bytes - before.hit_wire - before.delta_wire
+        ),
+        d(s.no_base_bytes, before.no_base_bytes),
+        (framed - records) as f64 / 1e6,
+    );
+}
+
 /// Decodes `wire` and checks it rebuilds `data` exactly.
 fn check(dec: &mut Decoder, wire: &[u8], data: &[u8], name: &str) {
     let mut out = Vec::with_capacity(data.len());
@@ -634,6 +672,7 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
     settings_note(
         &cfg,
         opts,
+        turn.2,
         "carried over from pair to pair; every stream decoded and checked",
     );
     let state = tempfile::tempdir().expect("tempdir");
@@ -668,7 +707,9 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
         let (first_path, changed_path) = (p.join("first"), p.join("changed"));
         let first = std::fs::read(&first_path).expect("first");
         let first_level = level;
+        let start = enc.stats().clone();
         let (w1, f1, cpu1, _, _) = stream(&mut enc, &mut t3, &mut level, pressure, &first);
+        breakdown(&format!("{name} first"), enc.stats(), &start, f1, w1.len());
         let levels = |a: i32, b: i32| {
             if a == b {
                 a.to_string()
@@ -711,25 +752,7 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
             worst = worst.max(v);
         }
         // Where the changed copy's wire bytes went, for whoever tunes the index.
-        let d = |a: u64, b: u64| (a - b) as f64 / 1e6;
-        eprintln!(
-            "{name} changed ({:.3} MB): refs {:.1} MB ({} chunks) in {:.3} MB, deltas {:.1} MB ({} chunks) in {:.3} MB, literals {:.1} MB ({} chunks) in {:.3} MB ({:.1} MB offered a base), frame headers {:.3} MB",
-            f2 as f64 / 1e6,
-            d(s.hit_bytes, before.hit_bytes),
-            s.hit_chunks - before.hit_chunks,
-            d(s.hit_wire, before.hit_wire),
-            d(s.delta_bytes, before.delta_bytes),
-            s.delta_chunks - before.delta_chunks,
-            d(s.delta_wire, before.delta_wire),
-            d(s.miss_bytes, before.miss_bytes),
-            s.miss_chunks - before.miss_chunks,
-            d(
-                s.wire_bytes - s.hit_wire - s.delta_wire,
-                before.wire_bytes - before.hit_wire - before.delta_wire
-            ),
-            d(s.no_base_bytes, before.no_base_bytes),
-            (f2 - w2.len()) as f64 / 1e6,
-        );
+        breakdown(&format!("{name} changed"), s, &before, f2, w2.len());
         report::row(
             title,
             &header,
@@ -780,7 +803,7 @@ fn measure_pairs(dir: &Path, opts: &Opts) {
 
 fn measure(base1: &Path, wal_path: &Path, base2: &Path, binlog: Option<&Path>, opts: &Opts) {
     let (cfg, pressure, turn) = daemon_codec(opts.cache, opts.delta, opts.level);
-    settings_note(&cfg, opts, "across the data sets");
+    settings_note(&cfg, opts, turn.2, "across the data sets");
     let state = tempfile::tempdir().expect("tempdir");
     let (mut enc, _bases) = encoder(&cfg, turn, opts, state.path());
     let title = "Wire/raw per data set, in order through one encoder (the caches carry over)";

@@ -1,10 +1,12 @@
 //! Dedup and compression through the real daemons: a repeated backup costs a few percent of the
 //! first on the wire, a slightly changed one a fraction; redo across a T3 is compressed with zstd;
 //! concurrent streams sharing chunks arrive exact; a receiver restarted with an empty cache never
-//! misreads; the disk tier keeps dedup across restarts and crashes, and damage to it is re-sent. Sizes: `WANOPT_TEST_BACKUP_MIB` (default 1024).
+//! misreads; the disk tier keeps dedup across restarts and crashes, and damage to it is re-sent; a
+//! client writing small pieces with pauses shares frames. Sizes: `WANOPT_TEST_BACKUP_MIB` (default 1024).
 
 mod common;
 
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
@@ -123,6 +125,45 @@ fn repeated_backup_costs_a_fraction_on_the_wire() {
         0,
         "no misses"
     );
+}
+
+/// A client that writes in 4 KiB pieces with a pause after each (every read of it drains its
+/// socket) gets frames of many writes each: the stream gathers a turn's bytes, or flushes a few
+/// ms after the client paused, instead of sending a frame for each write. The bytes repeat, so
+/// nearly every frame is references, whose headers would be most of the wire. Exact at the
+/// target, and west counts its frames.
+#[test]
+fn a_client_writing_small_pieces_with_pauses_shares_frames() {
+    let srv = hash_server();
+    let p = Pair::start_extra(
+        &format!("  - name: pumps\n    target: {srv}\n"),
+        "  - name: pumps\n    listen: 127.0.0.1:0\n",
+        "admin:\n  listen: 127.0.0.1:0\n",
+    );
+    let (piece, pieces) = (4 * 1024u64, 512u64);
+    let mut s = TcpStream::connect(p.west.bound("pumps")).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(60))).ok();
+    s.write_all(&[0u8; 16]).expect("header");
+    let mut h = blake3::Hasher::new();
+    let mut buf = vec![0u8; piece as usize];
+    for i in 0..pieces {
+        // A 256 KiB cycle: after the first, everything is a reference.
+        fill(5, (i * piece) % (256 * 1024), &mut buf);
+        s.write_all(&buf).expect("write");
+        h.update(&buf);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    s.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    let mut got = [0u8; 32];
+    s.read_exact(&mut got).expect("the target's hash");
+    assert_eq!(&got, h.finalize().as_bytes(), "bytes differ at the target");
+    let (w, _) = eventually(p.west.bound("admin"), p.east.bound("admin"), |w, _| {
+        value(w, "wanopt_coded_frames_total{service=\"pumps\"} ") > 0
+    });
+    let frames = value(&w, "wanopt_coded_frames_total{service=\"pumps\"} ");
+    eprintln!("{pieces} writes of {piece} bytes went in {frames} frames");
+    // About 16 turns of 128 KiB and a flush each 20 ms; a frame for each write without.
+    assert!(frames * 4 < pieces, "{frames} frames for {pieces} writes");
 }
 
 /// A wansim WAN of `preset` (namespaces named after `tag`) with a [`hash_handler`] server in east

@@ -33,8 +33,8 @@ pub struct Encoder {
     /// Blocks until the store of bases has read something (see
     /// [`set_store_wait`](Self::set_store_wait)).
     store_wait: Option<StoreWait>,
-    /// Turns that wrote records: a link sends each as a frame of its own.
-    turns: u64,
+    /// Unflushed bytes that make a turn (see [`set_gather`](Self::set_gather)).
+    gather: usize,
 }
 
 /// Blocks until the disk tier of the store of bases has finished a read, or a while has passed.
@@ -57,7 +57,7 @@ impl Encoder {
             stats: EncodeStats::default(),
             turn: (usize::MAX, usize::MAX),
             store_wait: None,
-            turns: 0,
+            gather: 0,
         }
     }
 
@@ -75,6 +75,12 @@ impl Encoder {
         self.turn = (quantum, room);
     }
 
+    /// Takes a turn only once `bytes` wait unflushed, as a link's bulk stream does
+    /// ([`send::gather`]); by default every push takes its turns.
+    pub fn set_gather(&mut self, bytes: usize) {
+        self.gather = bytes;
+    }
+
     pub fn stats(&self) -> &EncodeStats {
         &self.stats
     }
@@ -82,7 +88,7 @@ impl Encoder {
     /// Turns that wrote records so far: the frames a link would have sent them in (each with
     /// a header of its own, which the records here do not include).
     pub fn turns(&self) -> u64 {
-        self.turns
+        self.stats.frames
     }
 
     /// Prepares chunks on `workers` (see [`Mirror::set_workers`]).
@@ -143,8 +149,11 @@ impl Encoder {
             quantum: self.turn.0,
             room: self.turn.1,
         };
-        // Turn after turn, as the link's scheduler runs them, until nothing more may go.
-        while self.sent < self.queued {
+        // Turn after turn, as the link's scheduler runs them, until nothing more may go (a
+        // stream is ready with a flush due or enough bytes gathered).
+        while self.sent < self.queued
+            && (self.sender.flush_at > self.sent || self.queued - self.sent >= self.gather as u64)
+        {
             let before = out.len();
             let n = send::emit(
                 &mut self.sender,
@@ -158,7 +167,7 @@ impl Encoder {
                 &mut self.stats,
             );
             self.sent += n as u64;
-            self.turns += u64::from(n > 0 || out.len() > before);
+            self.stats.frames += u64::from(n > 0 || out.len() > before);
             if self.sender.waiting() {
                 if let Some(wait) = self.store_wait.as_mut() {
                     wait();

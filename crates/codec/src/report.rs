@@ -63,6 +63,8 @@ pub struct EncodeStats {
     /// Turns a stream ended before a chunk to wait for its bases to be read from the disk
     /// tier (see [`Sent::Wait`]).
     pub base_waits: u64,
+    /// Turns that wrote records: a link sends each as a frame with a header of its own.
+    pub frames: u64,
 }
 
 impl Report {
@@ -94,6 +96,7 @@ impl EncodeStats {
         self.no_base_chunks += o.no_base_chunks;
         self.no_base_bytes += o.no_base_bytes;
         self.base_waits += o.base_waits;
+        self.frames += o.frames;
         for (a, b) in self.codec_bytes.iter_mut().zip(o.codec_bytes) {
             *a += b;
         }

@@ -17,6 +17,15 @@ use crate::report::{EncodeStats, Sent};
 /// Most bytes a bulk stream's chunker looks at in one turn.
 pub const RAW_TURN: usize = 256 * 1024;
 
+/// Unflushed bytes a bulk stream gathers before it takes a turn, for a stream whose sender
+/// holds at most `send_buffer` unsent bytes: a turn's raw budget, at most half the buffer (so
+/// its writer keeps room to write while the turn runs), at least a chunk. A turn is a frame:
+/// a changed copy that is nearly all references cost more in frame headers than in records
+/// when each 64 KiB the client wrote was a turn of its own.
+pub fn gather(send_buffer: usize, max_chunk: usize) -> usize {
+    RAW_TURN.min(send_buffer / 2).max(max_chunk)
+}
+
 /// The send side of one stream's encoding.
 #[derive(Debug)]
 pub struct Sender {

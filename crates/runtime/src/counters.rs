@@ -538,6 +538,7 @@ pub struct CodecMetrics {
     no_base_bytes: Family<ServiceLabel, Counter>,
     no_base_chunks: Family<ServiceLabel, Counter>,
     base_waits: Family<ServiceLabel, Counter>,
+    frames: Family<ServiceLabel, Counter>,
     resends: Family<ServiceDir, Counter>,
     cache_bytes: Family<CacheLabel, Gauge>,
     cache_chunks: Family<CacheLabel, Gauge>,
@@ -550,6 +551,9 @@ pub struct CodecMetrics {
 impl CodecMetrics {
     /// Creates the per-service series that only events would otherwise create, at zero.
     fn service(&self, name: &str) {
+        let _ = self.frames.get_or_create(&ServiceLabel {
+            service: name.to_string(),
+        });
         for direction in [OUT, IN] {
             let _ = self.resends.get_or_create(&ServiceDir {
                 service: name.to_string(),
@@ -603,6 +607,13 @@ impl CodecMetrics {
             "wanopt_delta_base_waits",
             "Times a stream paused before a chunk until the delta bases the index offered for it              were read from our disk tier, per service: many per second mean the disk tier's              reads pace the stream",
             m.base_waits.clone(),
+        );
+        r.register(
+            "wanopt_coded_frames",
+            "Frames our encoder sent, per service: each has a header of its own (about 10 bytes; \
+             22 to a peer of a version before short frames), so wanopt_wire_bytes over this is \
+             the mean frame",
+            m.frames.clone(),
         );
         r.register(
             "wanopt_stall_timeouts",
@@ -717,6 +728,7 @@ impl CodecMetrics {
                 .get_or_create(&label)
                 .inc_by(s.no_base_chunks);
             self.base_waits.get_or_create(&label).inc_by(s.base_waits);
+            self.frames.get_or_create(&label).inc_by(s.frames);
         }
         for (direction, n) in [(OUT, c.resent), (IN, c.needs)] {
             if n > 0 {

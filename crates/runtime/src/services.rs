@@ -22,6 +22,13 @@ use crate::sockopt;
 use crate::sync::LogBudget;
 use crate::wire::READ_CHUNK;
 
+/// How long an optimized bulk stream waits, after a read that emptied its client's socket, for
+/// the client to write more before what it holds goes out: a client that writes in pieces with
+/// short pauses gets frames of a turn each, not one per write...
+const GATHER_QUIET: Duration = Duration::from_millis(5);
+/// ...and at most this long after the first byte that waits so.
+const GATHER_MAX: Duration = Duration::from_millis(20);
+
 /// Anyone can connect to a service port: refusals of outsiders are rationed in the log.
 static OUTSIDERS: LogBudget = LogBudget::new(Duration::from_secs(10), 10);
 static OVER_LIMIT: LogBudget = LogBudget::new(Duration::from_secs(10), 10);
@@ -233,6 +240,10 @@ async fn pump(
             // Bytes the process before had read and not handed to the link yet go first.
             let mut chunk = pending_up;
             let mut buf = BytesMut::new();
+            let gathers = h.with(|l| l.gathers(id));
+            // With a client paused: when what the stream holds goes out, and when the first of
+            // it came.
+            let mut flush: Option<(tokio::time::Instant, tokio::time::Instant)> = None;
             loop {
                 while !chunk.is_empty() {
                     let k = h.write(id, &mut chunk, true).map_err(|_| sig.reason())?;
@@ -248,10 +259,22 @@ async fn pump(
                 // take room for a read (thousands of idle streams cost little memory).
                 let n = loop {
                     let sock: &TcpStream = rd.as_ref();
+                    let due = flush.map(|(due, _)| due);
                     tokio::select! {
                         r = sock.readable() => r.map_err(|e| format!("local read: {e}"))?,
                         _ = sig.gone.notified() => return Err(sig.reason()),
-                        _ = parking.wait_for(|p| *p) => return Ok(Half::Parked(Bytes::new())),
+                        _ = parking.wait_for(|p| *p) => {
+                            // What waits goes with the stream's state to the new process.
+                            if flush.is_some() {
+                                h.flush(id);
+                            }
+                            return Ok(Half::Parked(Bytes::new()));
+                        }
+                        _ = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => {
+                            h.flush(id);
+                            flush = None;
+                            continue;
+                        }
                     }
                     if buf.capacity() - buf.len() < READ_CHUNK / 4 {
                         buf.reserve(READ_CHUNK);
@@ -278,13 +301,27 @@ async fn pump(
                     // The client paused: keep no spare room while it is quiet.
                     buf = BytesMut::new();
                 }
+                // A bulk stream's flush waits a little for the client's next write.
+                let now_flush = drained && !gathers;
+                if drained && gathers {
+                    let now = tokio::time::Instant::now();
+                    let first = flush.map_or(now, |(_, first)| first);
+                    flush = Some(((now + GATHER_QUIET).min(first + GATHER_MAX), first));
+                }
                 while !chunk.is_empty() {
-                    let k = h.write(id, &mut chunk, drained).map_err(|_| sig.reason())?;
+                    let k = h
+                        .write(id, &mut chunk, now_flush)
+                        .map_err(|_| sig.reason())?;
                     if k == 0 {
                         tokio::select! {
                             _ = sig.writable.notified() => {}
                             _ = sig.gone.notified() => return Err(sig.reason()),
-                            _ = parking.wait_for(|p| *p) => return Ok(Half::Parked(chunk)),
+                            _ = parking.wait_for(|p| *p) => {
+                                if flush.is_some() {
+                                    h.flush(id);
+                                }
+                                return Ok(Half::Parked(chunk));
+                            }
                         }
                     }
                 }

@@ -17,6 +17,8 @@ use crate::report::{EncodeStats, Report, Sent};
 mod in_context;
 mod logged;
 mod with_bases;
+#[cfg(test)]
+pub(crate) use with_bases::SEND_RUN_CHUNKS;
 
 use logged::RefRun;
 use with_bases::Run;

@@ -360,7 +360,9 @@ fn bases_memory_forgot_are_found_on_the_disk_tier_and_read_ahead() {
         "read ahead {w_slow} vs memory only {alone}"
     );
     // Chunks that wait for their bases (the store has them the next time it is asked) all go
-    // as deltas, and the waiter was called.
+    // as deltas, and the waiter was called. (Each wait ends a run of deltas, and runs of at
+    // most 8 chunks name their bases more often: on these pages that costs about what the
+    // literals it saves do.)
     let reading = Box::new(Reading(
         crate::store::MemStore::new(1 << 20),
         Default::default(),
@@ -373,7 +375,10 @@ fn bases_memory_forgot_are_found_on_the_disk_tier_and_read_ahead() {
     });
     let (w_wait, share) = changed_backup_waiting(Some(slow), Some(wait), &first, &second);
     assert!(share > 0.95, "waiting: {share}");
-    assert!(w_wait < w_slow, "waiting {w_wait} vs read ahead {w_slow}");
+    assert!(
+        w_wait * 2 <= alone && w_wait * 10 < w_slow * 11,
+        "waiting {w_wait} vs read ahead {w_slow}, memory only {alone}"
+    );
     assert!(calls.load(std::sync::atomic::Ordering::Relaxed) > 0);
 }
 
@@ -553,7 +558,10 @@ fn a_delta_run_that_does_not_pay_goes_as_literals() {
     let w2 = send(&mut enc, &second);
     assert_eq!(decode_answering(&enc, &mut dec, &w2), (second.clone(), 0));
     let s = enc.stats();
-    assert!(s.no_base_chunks > before.no_base_chunks + 8, "{s:?}");
+    assert!(
+        s.no_base_chunks >= before.no_base_chunks + crate::mirror::SEND_RUN_CHUNKS as u64,
+        "{s:?}"
+    );
     assert!(s.delta_chunks > before.delta_chunks, "{s:?}");
     assert_eq!(s.raw_bytes - before.raw_bytes, second.len() as u64);
     assert_eq!(s.wire_bytes - before.wire_bytes, w2.len() as u64);

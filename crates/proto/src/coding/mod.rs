@@ -460,8 +460,14 @@ impl Coding {
         }
     }
 
-    /// The encoder state for a new stream, if its service's bytes are to be optimized.
-    pub fn coder_for(&self, service: &str, class: Class) -> Option<Box<SendCoder>> {
+    /// The encoder state for a new stream, if its service's bytes are to be optimized; its
+    /// sender holds at most `send_buffer` unsent bytes.
+    pub fn coder_for(
+        &self,
+        service: &str,
+        class: Class,
+        send_buffer: usize,
+    ) -> Option<Box<SendCoder>> {
         let chunking = self.ctx.as_ref()?.chunking.as_ref()?;
         let p = self.policies.get(service).copied().unwrap_or_default();
         if p.compression == Compression::None && !p.dedup {
@@ -470,6 +476,7 @@ impl Coding {
         let mut c = SendCoder::new(&p, class == Class::Latency);
         c.scoped = self.scoped.contains(service);
         c.max_chunk = chunking.max_chunk;
+        c.gather = wanopt_codec::send::gather(send_buffer, chunking.max_chunk);
         c.sender.policy.context = self.peer_context;
         // Runs only where we send them and the peer decodes them.
         c.sender.policy.runs = self.peer_context && self.peer_runs && chunking.runs;
@@ -514,13 +521,15 @@ impl Coding {
             out,
             &mut stats,
         );
+        let fin = t.fin_requested && raw == t.queued;
+        let sent = raw > 0 || fin;
+        stats.frames = u64::from(sent);
         ctx.counts
             .entry(t.service.clone())
             .or_default()
             .sent
             .merge(&stats);
-        let fin = t.fin_requested && raw == t.queued;
-        if raw == 0 && !fin {
+        if !sent {
             // Nothing was written but the frame's header (a turn that sends nothing writes no
             // record; a chunk waiting for its bases counts the wait).
             out.truncate(before);

@@ -13,6 +13,8 @@ pub(crate) struct SendCoder {
     pub scoped: bool,
     /// Largest chunk: this many unsent bytes always hold a whole chunk.
     pub max_chunk: usize,
+    /// Unflushed bytes that make the stream ready ([`wanopt_codec::send::gather`]).
+    pub gather: usize,
 }
 
 impl SendCoder {
@@ -40,6 +42,7 @@ impl SendCoder {
             }),
             scoped: policy.scope == Scope::Service,
             max_chunk: usize::MAX,
+            gather: usize::MAX,
         }
     }
 }

@@ -601,7 +601,7 @@ impl Link {
         lane: usize,
         service: Arc<str>,
     ) {
-        let coder = self.coding.coder_for(&service, class);
+        let coder = self.coding.coder_for(&service, class, self.cfg.send_buffer);
         let s = Stream {
             class,
             lane,
@@ -663,6 +663,15 @@ impl Link {
             self.streams.schedule(id);
         }
         moved
+    }
+
+    /// True if stream `id` is an optimized bulk stream: its bytes gather into frames of a turn
+    /// each (see [`wanopt_codec::send::gather`]), so the runtime may wait a little for more
+    /// before it flushes a paused client's last bytes.
+    pub fn gathers(&self, id: StreamId) -> bool {
+        self.streams
+            .get(&id)
+            .is_some_and(|s| s.class == Class::Bulk && s.send.coder.is_some())
     }
 
     /// Ends the stream's send side once queued bytes are sent (a TCP half-close).

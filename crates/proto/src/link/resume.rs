@@ -504,7 +504,7 @@ impl Link {
                 continue;
             };
             let (service, class, lane) = (s.service.clone(), s.class, s.lane);
-            let coder = self.coding.coder_for(&service, class);
+            let coder = self.coding.coder_for(&service, class, self.cfg.send_buffer);
             let sent = s.send.credit.sent();
             match peer.get(&id) {
                 Some(e) if e.done => {

@@ -360,6 +360,19 @@ impl LinkHandle {
         Ok(k)
     }
 
+    /// Sends what stream `id` holds back for a chunk boundary (its client paused).
+    pub fn flush(&self, id: StreamId) {
+        let wants = {
+            let mut g = lock(&self.inner);
+            if !g.link.flush(id) {
+                return;
+            }
+            self.dispatch(&mut g);
+            self.wants(&g)
+        };
+        self.wake(wants);
+    }
+
     /// Takes what stream `id` has received; reading may free credit for the peer, so the
     /// writers are woken when the link has something to send.
     pub fn read(&self, id: StreamId) -> Result<ReadOutcome, StreamError> {

@@ -170,14 +170,15 @@ impl SendHalf {
     }
 
     /// True if the scheduler has something to send, ignoring link credit. An optimized stream's
-    /// bytes wait for a chunk boundary (a whole chunk) or a flush, and for credit to cover its
-    /// next chunk.
+    /// bytes wait for a flush or for enough of them to make a turn (`gather`: whole chunks, and
+    /// not a frame for every write of a client that writes in small pieces), and for credit to
+    /// cover its next chunk.
     pub fn wants_send(&self) -> bool {
         let fin_only = self.fin_requested && !self.fin_sent && self.queued == 0;
         match &self.coder {
             None => (self.queued > 0 && self.credit.available() > 0) || fin_only,
             Some(c) => {
-                let ready = self.queued >= c.max_chunk || c.sender.flush_at > self.credit.sent();
+                let ready = self.queued >= c.gather || c.sender.flush_at > self.credit.sent();
                 (self.queued > 0 && ready && self.credit.available() >= self.min_credit())
                     || fin_only
             }
