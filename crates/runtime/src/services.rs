@@ -26,7 +26,8 @@ use crate::wire::READ_CHUNK;
 /// the client to write more before what it holds goes out: a client that writes in pieces with
 /// short pauses gets frames of a turn each, not one per write...
 const GATHER_QUIET: Duration = Duration::from_millis(5);
-/// ...and at most this long after the first byte that waits so.
+/// ...and at most this long after the first byte that waits so. A client's first write after
+/// this long without a flush (a request, a response, a commit) goes at once.
 const GATHER_MAX: Duration = Duration::from_millis(20);
 
 /// Anyone can connect to a service port: refusals of outsiders are rationed in the log.
@@ -244,6 +245,8 @@ async fn pump(
             // With a client paused: when what the stream holds goes out, and when the first of
             // it came.
             let mut flush: Option<(tokio::time::Instant, tokio::time::Instant)> = None;
+            // When the stream was last flushed.
+            let mut flushed: Option<tokio::time::Instant> = None;
             loop {
                 while !chunk.is_empty() {
                     let k = h.write(id, &mut chunk, true).map_err(|_| sig.reason())?;
@@ -273,6 +276,7 @@ async fn pump(
                         _ = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => {
                             h.flush(id);
                             flush = None;
+                            flushed = Some(tokio::time::Instant::now());
                             continue;
                         }
                     }
@@ -301,10 +305,16 @@ async fn pump(
                     // The client paused: keep no spare room while it is quiet.
                     buf = BytesMut::new();
                 }
-                // A bulk stream's flush waits a little for the client's next write.
-                let now_flush = drained && !gathers;
-                if drained && gathers {
-                    let now = tokio::time::Instant::now();
+                // A bulk stream's flush waits a little for the client's next write, unless the
+                // client was quiet for a while: then it goes at once.
+                let now = tokio::time::Instant::now();
+                let busy = flush.is_some()
+                    || flushed.is_some_and(|t| now.saturating_duration_since(t) < GATHER_MAX);
+                let now_flush = drained && !(gathers && busy);
+                if now_flush {
+                    flush = None;
+                    flushed = Some(now);
+                } else if drained {
                     let first = flush.map_or(now, |(_, first)| first);
                     flush = Some(((now + GATHER_QUIET).min(first + GATHER_MAX), first));
                 }
