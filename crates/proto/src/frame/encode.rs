@@ -16,12 +16,6 @@ use crate::codes::StreamId;
 impl Frame {
     /// Encoded length of this frame, header included.
     pub fn encoded_len(&self) -> usize {
-        if let Frame::CodedShort {
-            stream, records, ..
-        } = self
-        {
-            return short_coded_overhead(*stream) + records.len().min(SHORT_LEN_MASK as usize);
-        }
         HEADER_LEN
             + match self {
                 Frame::Hello(h) => {
@@ -56,7 +50,13 @@ impl Frame {
                 Frame::MaxData { .. } | Frame::Ping { .. } | Frame::Pong { .. } => 8,
                 Frame::GoAway { reason, .. } => 2 + 1 + name_len(reason),
                 Frame::Coded { records, .. } => 8 + 4 + records.len(),
-                Frame::CodedShort { .. } => 0,
+                // A header of its own.
+                Frame::CodedShort {
+                    stream, records, ..
+                } => {
+                    return short_coded_overhead(*stream)
+                        + records.len().min(SHORT_LEN_MASK as usize);
+                }
                 Frame::Need { scope, .. } => 16 + 1 + name_len(scope),
                 Frame::Chunk { scope, data, .. } => 16 + 1 + name_len(scope) + data.len(),
                 Frame::Checkpoint { scope, .. } => 16 + 1 + name_len(scope),
