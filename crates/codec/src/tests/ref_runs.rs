@@ -76,6 +76,49 @@ fn a_second_copy_goes_as_reference_runs() {
     );
 }
 
+/// A disk image: files with stretches of zero blocks between them, the same zero chunk many
+/// times over. A second copy with a few files edited names its zero chunks where the first
+/// copy's log has them in a row: a reference run or two a turn, not one a zero chunk (as
+/// when a chunk's only place was its last), and it rebuilds exactly.
+#[test]
+fn repeated_chunks_go_in_the_runs_around_them() {
+    let (files, zeros) = (20, 1 << 20);
+    let mut first = Vec::new();
+    for f in 0..files {
+        first.extend_from_slice(&tree(6, 100 + f as u64));
+        first.resize(first.len() + zeros, 0);
+    }
+    let mut second = first.clone();
+    let edits = 4;
+    for e in 0..edits {
+        second[e * first.len() / edits + 1000] ^= 0x20;
+    }
+    let cfg = CodecConfig::default();
+    let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
+    let w1 = send(&mut enc, &first);
+    let mut s = crate::StreamContext::default();
+    assert_eq!(answer_all(&enc, &mut dec, &mut s, &w1).0, first);
+    let (before, turns) = (enc.stats().clone(), enc.turns());
+    let w2 = send(&mut enc, &second);
+    let mut s = crate::StreamContext::default();
+    assert_eq!(answer_all(&enc, &mut dec, &mut s, &w2), (second.clone(), 0));
+    let st = enc.stats();
+    let zero_chunks = files * zeros / cfg.max_chunk;
+    assert!(
+        st.hit_chunks - before.hit_chunks > zero_chunks as u64,
+        "{st:?}"
+    );
+    // A reference run costs at most 16 bytes; at most two a turn, and two an edit (a zero
+    // chunk a run: 8,273 bytes).
+    let bound = 16 * (2 * (enc.turns() - turns) + 2 * edits as u64);
+    let refs = st.hit_wire - before.hit_wire;
+    assert!(
+        refs <= bound,
+        "{refs} bytes of references for {zero_chunks} zero chunks in {} turns",
+        enc.turns() - turns
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(16))]
     /// A receiver that missed some of the sender's streams (it restarted, or they failed on
