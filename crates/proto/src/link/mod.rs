@@ -107,7 +107,7 @@ impl LinkConfig {
             max_frame: 256 * 1024,
             max_streams: 4096,
             latency_reserve: 0,
-            send_buffer: 256 * 1024,
+            send_buffer: 512 * 1024,
             keepalive: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(30),
             latency_lane: true,

@@ -125,7 +125,11 @@ pub mod defaults {
     pub const CHUNK: u64 = 8 * 1024;
     pub const CHECKPOINT: Duration = Duration::from_secs(60);
     pub const MAX_STREAMS: u32 = 4096;
-    pub const STREAM_BUFFER: u64 = 256 * 1024;
+    /// Twice a coded turn's 256 KiB, so a bulk stream gathers a whole turn before it goes
+    /// (`codec::send::gather`): with 128 KiB turns (a 256 KiB buffer) a changed ext4 image cost
+    /// 0.208 MB, 1.32x `zstd --patch-from`, with 256 KiB 0.172 (1.09x); every corpus pair's
+    /// changed copy was smaller or the same (the kernel tree 1.10x to 1.00x).
+    pub const STREAM_BUFFER: u64 = 512 * 1024;
     pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
     pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
     pub const LINK_WAIT: Duration = Duration::from_secs(10);
