@@ -172,7 +172,11 @@ fn slow_reader_bounds_buffering_on_both_sides() {
         p.east.link.buffered_bytes()
     );
     let cap = LinkConfig::new("x", "y", true).send_buffer;
-    assert!(p.west.link.send_queued(id) <= cap, "{}", p.west.link.send_queued(id));
+    assert!(
+        p.west.link.send_queued(id) <= cap,
+        "{}",
+        p.west.link.send_queued(id)
+    );
     let pending = p.west.app.to_send.get(&id).map_or(0, |(b, _)| b.len());
     assert!(pending > 10_000_000, "sender was not held back");
     p.east.app.paused = false;
