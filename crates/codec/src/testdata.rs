@@ -6,13 +6,96 @@ pub fn noise(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut v = Vec::with_capacity(len + 8);
     while v.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        x = step(x);
         v.extend_from_slice(&x.to_le_bytes());
     }
     v.truncate(len);
     v
+}
+
+/// Bytes of a database block.
+pub const BLOCK: usize = 8192;
+
+/// `n` blocks of rows with random fields (compressing to about a third, as real rows do), each
+/// padded with blanks, from `seed`: a datafile's pages.
+pub fn rows(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(n * BLOCK);
+    for b in 0..n {
+        while out.len() < (b + 1) * BLOCK - 80 {
+            x = step(x);
+            let row = format!("{b:05}|{:020}|{:x}|OPEN\n", x % 99_999_999_999, x >> 20);
+            out.extend_from_slice(row.as_bytes());
+        }
+        out.resize((b + 1) * BLOCK, b' ');
+    }
+    out
+}
+
+/// `n` blocks of random lowercase words from `seed`: text that resembles no block of [`rows`]
+/// nor of another seed.
+pub fn words(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1;
+    let mut out = Vec::with_capacity(n * BLOCK + 16);
+    while out.len() < n * BLOCK {
+        x = step(x);
+        for i in 0..(3 + x % 6) {
+            out.push(b'a' + ((x >> (8 * i)) % 26) as u8);
+        }
+        out.push(if x.is_multiple_of(11) { b'\n' } else { b' ' });
+    }
+    out.truncate(n * BLOCK);
+    out
+}
+
+/// `data` with two bytes of every block changed (where, by `salt`), as an OLTP run changes
+/// each page a little.
+pub fn edited(data: &[u8], salt: usize) -> Vec<u8> {
+    let mut out = data.to_vec();
+    for (b, block) in out.chunks_mut(BLOCK).enumerate() {
+        if block.len() == BLOCK {
+            block[300 + (b * 37 + salt * 101) % 6000] ^= 0x20;
+            block[5000 + salt % 3000] = b'X';
+        }
+    }
+    out
+}
+
+/// A copy sent as `first` parallel streams, then a changed copy as `changed` streams (at most
+/// `first`), each of `n` blocks: the parts a backup tool's channels send side by side. A
+/// changed part interleaves its old blocks, changed a little, with new blocks that every changed
+/// part shares (each but the first with a few bytes of its own), so one stream's new block is
+/// another's reference or delta base a moment after it was sent.
+pub fn parallel_copies(first: usize, changed: usize, n: usize) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let firsts: Vec<Vec<u8>> = (0..first).map(|i| rows(i as u64 + 1, n)).collect();
+    let fresh = words(99, n / 2);
+    let changed = firsts
+        .iter()
+        .take(changed)
+        .enumerate()
+        .map(|(i, old)| {
+            let old = edited(&old[..n / 2 * BLOCK], i);
+            let new = if i == 0 {
+                fresh.clone()
+            } else {
+                edited(&fresh, 7 + i)
+            };
+            let mut out = Vec::with_capacity(old.len() + new.len());
+            for (a, b) in old.chunks(BLOCK).zip(new.chunks(BLOCK)) {
+                out.extend_from_slice(a);
+                out.extend_from_slice(b);
+            }
+            out
+        })
+        .collect();
+    (firsts, changed)
+}
+
+fn step(mut x: u64) -> u64 {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    x
 }
 
 #[cfg(test)]

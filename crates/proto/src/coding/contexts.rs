@@ -519,7 +519,6 @@ impl Contexts {
                 rc.on_store = on_store;
                 if !on_store {
                     got.need = Some(m);
-                    self.counts.entry(service.clone()).or_default().needs += 1;
                 }
                 return Ok(got);
             }

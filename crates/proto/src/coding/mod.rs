@@ -284,6 +284,8 @@ pub(crate) struct Coding {
     peer_compact_runs: bool,
     /// The peer reads short coded frames.
     peer_short_frames: bool,
+    /// Coded frames received so far (each one's place in arrival order).
+    arrivals: u64,
 }
 
 /// A stream's turn at sending coded bytes.
@@ -333,6 +335,7 @@ impl Coding {
             peer_ref_runs: false,
             peer_compact_runs: false,
             peer_short_frames: false,
+            arrivals: 0,
         }
     }
 
@@ -347,6 +350,8 @@ impl Coding {
         let mut c = Coding::new(settings, storage, saved);
         c.policies = self.policies.clone();
         c.pressure = self.pressure;
+        // Frames queued before the connection was lost keep their places before the new ones.
+        c.arrivals = self.arrivals;
         if let (Some(new), Some(old)) = (c.ctx.as_mut(), self.ctx.as_ref()) {
             new.set_zstd_level(old.zstd_level());
             new.given_bases = old.given_bases.clone();
@@ -547,6 +552,20 @@ impl Coding {
         Ok(())
     }
 
+    /// The place of a coded frame just received among all that arrived (see
+    /// [`RecvCoded::front_seq`]).
+    pub(crate) fn arrival(&mut self) -> u64 {
+        self.arrivals += 1;
+        self.arrivals
+    }
+
+    /// A chunk a stream of `service` asks the peer for, counted.
+    pub(crate) fn count_need(&mut self, service: &Arc<str>) {
+        if let Some(ctx) = self.ctx.as_mut() {
+            ctx.counts.entry(service.clone()).or_default().needs += 1;
+        }
+    }
+
     /// The caches and decoders, when the link has the codec: what decodes a stream's waiting
     /// frames ([`Contexts::decode`]).
     pub(crate) fn contexts(&mut self) -> Option<&mut Contexts> {
@@ -559,7 +578,7 @@ impl Coding {
     pub fn decode_orphan(&mut self, lane: usize, records: Bytes, raw_len: u32, fin: bool) {
         if let Some(ctx) = self.ctx.as_mut() {
             let mut rc = RecvCoded::default();
-            rc.push(records, raw_len, fin, false);
+            rc.push(records, raw_len, fin, false, 0);
             let _ = ctx.decode(&mut rc, lane, &Arc::from(""));
         }
     }

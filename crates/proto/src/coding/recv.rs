@@ -20,6 +20,8 @@ pub(super) struct Pending {
     pub remaining: u64,
     pub fin: bool,
     pub scoped: bool,
+    /// Its place among every stream's coded frames in the order they arrived.
+    pub seq: u64,
 }
 
 /// The receive side of one optimized stream: frames waiting to be decoded.
@@ -32,6 +34,9 @@ pub(crate) struct RecvCoded {
     pub stall: Option<(Fingerprint, bool)>,
     /// The stall waits for our disk tier's store to read the chunk (else for the peer's answer).
     pub on_store: bool,
+    /// The stall waits for other streams' frames that arrived before this one's and are not
+    /// decoded yet (they may hold the chunk: the peer sent it there first): nothing was asked.
+    pub behind: bool,
     /// Stalls so far, and the one the link's stall timer watches with when it first saw it.
     pub stalls: u64,
     pub watched: Option<(u64, std::time::Instant)>,
@@ -63,7 +68,8 @@ impl RecvCoded {
         rc
     }
 
-    pub fn push(&mut self, records: Bytes, raw_len: u32, fin: bool, scoped: bool) {
+    /// Queues a frame that arrived `seq`th (see [`Pending::seq`]).
+    pub fn push(&mut self, records: Bytes, raw_len: u32, fin: bool, scoped: bool, seq: u64) {
         let cost = records.len() + FRAME_COST;
         self.cost += cost;
         if let Some(t) = &self.total {
@@ -75,7 +81,13 @@ impl RecvCoded {
             remaining: u64::from(raw_len),
             fin,
             scoped,
+            seq,
         });
+    }
+
+    /// When the first frame still waiting arrived.
+    pub fn front_seq(&self) -> Option<u64> {
+        self.frames.front().map(|p| p.seq)
     }
 
     /// True when nothing waits to be decoded.
@@ -127,9 +139,9 @@ mod tests {
         let total = Arc::new(AtomicUsize::new(0));
         let mut a = RecvCoded::counted(total.clone());
         let mut b = RecvCoded::counted(total.clone());
-        a.push(Bytes::from(vec![1u8; 1000]), 10, false, false);
-        a.push(Bytes::new(), 0, false, false);
-        b.push(Bytes::from(vec![2u8; 300]), 3, true, false);
+        a.push(Bytes::from(vec![1u8; 1000]), 10, false, false, 0);
+        a.push(Bytes::new(), 0, false, false, 1);
+        b.push(Bytes::from(vec![2u8; 300]), 3, true, false, 2);
         let all = 1000 + 300 + 3 * FRAME_COST;
         assert_eq!(total.load(Ordering::Relaxed), all);
         // The first frame's records decode (and are consumed) before it goes.

@@ -64,6 +64,7 @@ impl Link {
             }
         }
         let total = self.coded_backlog.clone();
+        let seq = self.coding.arrival();
         let records = super::input::unpinned(records);
         let Some(s) = self.streams.get_mut(&id) else {
             return Ok(());
@@ -71,7 +72,7 @@ impl Link {
         s.recv
             .coded
             .get_or_insert_with(|| Box::new(crate::coding::RecvCoded::counted(total)))
-            .push(records, raw_len, fin, scoped);
+            .push(records, raw_len, fin, scoped, seq);
         if fin {
             s.recv.fin_received = true;
         }
@@ -79,9 +80,18 @@ impl Link {
         Ok(())
     }
 
-    /// Decodes what a stream has waiting. A miss asks the peer for the chunk and stalls the
-    /// stream; records that do not rebuild reset it. Never hands over a wrong byte.
+    /// Decodes what a stream has waiting (see [`decode_one`](Self::decode_one)), then the
+    /// streams that waited for its frames.
     fn decode_stream(&mut self, id: StreamId) {
+        self.decode_one(id);
+        self.wake_behind();
+    }
+
+    /// Decodes what a stream has waiting. A miss stalls the stream: it waits for other streams'
+    /// frames that arrived before its own and are not decoded yet (the chunk may be in them),
+    /// else asks the peer for the chunk. Records that do not rebuild reset it. Never hands over
+    /// a wrong byte.
+    fn decode_one(&mut self, id: StreamId) {
         let Some(s) = self.streams.get_mut(&id) else {
             return;
         };
@@ -93,22 +103,15 @@ impl Link {
             || Ok(Decoded::default()),
             |c| c.decode(rc, s.lane, &s.service),
         );
+        let (lane, seq) = (s.lane, rc.front_seq());
         match decoded {
             Ok(got) => {
                 s.recv.queue.extend(got.data);
-                if let Some((fingerprint, scoped)) = got.need {
-                    self.ctrl[s.lane].push_back(Frame::Need {
-                        stream: id,
-                        scope: if scoped {
-                            s.service.to_string()
-                        } else {
-                            String::new()
-                        },
-                        fingerprint,
-                    });
-                }
                 if !before && s.recv.readable() {
                     self.events.push_back(Event::Readable(id));
+                }
+                if let Some(need) = got.need {
+                    self.miss(id, lane, seq, need);
                 }
             }
             Err(why) => self.fail_stream(
@@ -119,6 +122,81 @@ impl Link {
         }
         self.note_end(id);
         self.retry_checkpoints();
+    }
+
+    /// A stream of `lane` stalled on a chunk it lacks in its frame that arrived `seq`th. The
+    /// peer may have sent the chunk on another stream before, in a frame that waits undecoded
+    /// behind that stream's own stall (a read of our disk tier, say): then this stream waits
+    /// for those frames, as the peer's mirror saw them first. Else the peer is asked.
+    fn miss(&mut self, id: StreamId, lane: usize, seq: Option<u64>, need: (Fingerprint, bool)) {
+        let earlier = seq.is_some_and(|seq| self.frames_before(id, lane, seq));
+        let Some(s) = self.streams.get_mut(&id) else {
+            return;
+        };
+        let Some(rc) = s.recv.coded.as_mut() else {
+            return;
+        };
+        rc.behind = earlier;
+        if earlier {
+            return;
+        }
+        self.coding.count_need(&s.service);
+        let (fingerprint, scoped) = need;
+        self.ctrl[lane].push_back(Frame::Need {
+            stream: id,
+            scope: if scoped {
+                s.service.to_string()
+            } else {
+                String::new()
+            },
+            fingerprint,
+        });
+    }
+
+    /// True if a stream of `lane` other than `id` has a frame undecoded that arrived before the
+    /// `seq`th.
+    fn frames_before(&self, id: StreamId, lane: usize, seq: u64) -> bool {
+        self.streams.map.iter().any(|(other, s)| {
+            *other != id
+                && s.lane == lane
+                && s.recv
+                    .coded
+                    .as_ref()
+                    .and_then(|rc| rc.front_seq())
+                    .is_some_and(|f| f < seq)
+        })
+    }
+
+    /// Decodes again the streams that waited for other streams' earlier frames, once none of
+    /// those remain (decoded, or their streams gone): each finds its chunk now or asks for it.
+    /// A stream decoded here only ever waits again for frames still undecoded, so the passes end.
+    pub(super) fn wake_behind(&mut self) {
+        for _ in 0..=self.streams.map.len() {
+            let ready: Vec<StreamId> = self
+                .streams
+                .map
+                .iter()
+                .filter_map(|(id, s)| {
+                    let rc = s.recv.coded.as_ref().filter(|rc| rc.behind)?;
+                    let seq = rc.front_seq()?;
+                    (!self.frames_before(*id, s.lane, seq)).then_some(*id)
+                })
+                .collect();
+            if ready.is_empty() {
+                return;
+            }
+            for id in ready {
+                if let Some(rc) = self
+                    .streams
+                    .get_mut(&id)
+                    .and_then(|s| s.recv.coded.as_mut())
+                {
+                    rc.stall = None;
+                    rc.behind = false;
+                }
+                self.decode_one(id);
+            }
+        }
     }
 
     /// The most bytes of frames the link keeps behind stalled streams: the link window we grant
@@ -135,6 +213,8 @@ impl Link {
     /// never answers our request (or a disk that never reads) cannot hold a stream, and what
     /// queued behind it, for ever. Called about once a second.
     pub(super) fn sweep_stalls(&mut self, now: std::time::Instant) {
+        // Streams that waited for frames of a stream the peer reset since.
+        self.wake_behind();
         let timeout = self.cfg.idle_timeout;
         let mut expired = Vec::new();
         for (id, s) in self.streams.map.iter_mut() {
@@ -184,8 +264,9 @@ impl Link {
             })
             .collect();
         for id in waiting {
-            self.decode_stream(id);
+            self.decode_one(id);
         }
+        self.wake_behind();
     }
 
     /// Schedules the streams whose next chunk waits for delta bases being read (see
@@ -250,13 +331,14 @@ impl Link {
                 if same {
                     rc.stall = None;
                     rc.on_store = false;
+                    rc.behind = false;
                 }
                 same.then_some(*id)
             })
             .collect();
         for id in waiting {
             if ok {
-                self.decode_stream(id);
+                self.decode_one(id);
             } else {
                 self.fail_stream(
                     id,
@@ -265,6 +347,7 @@ impl Link {
                 );
             }
         }
+        self.wake_behind();
         Ok(())
     }
 

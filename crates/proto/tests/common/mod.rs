@@ -441,23 +441,8 @@ pub fn laned_pair() -> Pair {
 /// 8 KiB blocks of rows with random fields (compressing to about a third, as real rows do),
 /// then the same blocks with a few bytes changed in each.
 pub fn changed_rows(n: usize) -> (Bytes, Bytes) {
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    let mut first = Vec::with_capacity(n * 8192);
-    for b in 0..n {
-        while first.len() < (b + 1) * 8192 - 80 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let row = format!("{b:05}|{:020}|{:x}|OPEN\n", x % 99_999_999_999, x >> 20);
-            first.extend_from_slice(row.as_bytes());
-        }
-        first.resize((b + 1) * 8192, b' ');
-    }
-    let mut second = first.clone();
-    for b in 0..n {
-        second[b * 8192 + 300 + (b * 37) % 6000] ^= 0x20;
-        second[b * 8192 + 5000] = b'X';
-    }
+    let first = wanopt_codec::testdata::rows(1, n);
+    let second = wanopt_codec::testdata::edited(&first, 0);
     (first.into(), second.into())
 }
 
