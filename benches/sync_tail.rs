@@ -10,7 +10,8 @@
 //! Run (as root): `cargo build --release --workspace && cargo bench --bench sync_tail --
 //! --preset t3-100ms-1 --seconds 600`. Options: `--preset NAME` (default `t3-100ms-0.5`),
 //! `--seconds N` per phase (default 60), `--copies N` for the first pair (default 2),
-//! `--spaced-copies N,M,..` (default: `--copies`; `N@MS` spaces that pair's copies MS apart),
+//! `--spaced-copies N,M,..` (default: `--copies`; `N@MS` spaces that pair's copies MS apart,
+//! `N@MS/RTO` sets its `link.lane_rto_min` too),
 //! `--spacing MS` between the spaced pairs' copies (default 5; 0 leaves them out), `--rto-min
 //! MS` their `link.lane_rto_min` (default off), `--latency-queue V` every pair's
 //! `link.latency_queue` (default 5ms; `off`), `--phases idle,loaded` (default both), `--svg
@@ -117,17 +118,22 @@ fn main() {
     let with_copies = start(7400, &copies, 0, None);
     let single = start(7401, "off", 0, None);
     // One pair per entry of `--spaced-copies`: N copies `--spacing` ms apart, or `N@MS`.
-    let spaced: Vec<(String, u64, common::WanPair)> = if spacing > 0 {
+    // `N@MS/RTO` also sets that pair's `link.lane_rto_min` (else `--rto-min`).
+    let spaced: Vec<(String, u64, Option<u64>, common::WanPair)> = if spacing > 0 {
         spaced_copies
             .iter()
             .enumerate()
             .map(|(i, entry)| {
+                let (entry, rto) = match entry.split_once('/') {
+                    Some((e, r)) => (e, Some(r.parse().expect("--spaced-copies N@MS/RTO"))),
+                    None => (entry.as_str(), rto_min),
+                };
                 let (n, ms) = match entry.split_once('@') {
                     Some((n, ms)) => (n.to_string(), ms.parse().expect("--spaced-copies N@MS")),
-                    None => (entry.clone(), spacing),
+                    None => (entry.to_string(), spacing),
                 };
-                let pair = start(7402 + i as u16, &n, ms, rto_min);
-                (n, ms, pair)
+                let pair = start(7402 + i as u16, &n, ms, rto);
+                (n, ms, rto, pair)
             })
             .collect()
     } else {
@@ -155,11 +161,11 @@ fn main() {
             "cubic",
         ),
     ];
-    for (n, spacing, p) in &spaced {
+    for (n, spacing, rto, p) in &spaced {
         paths.push((
             format!(
                 "wanopt, redundancy {n}, copies {spacing} ms apart{}",
-                rto_min.map_or(String::new(), |m| format!(", lane RTO min {m} ms"))
+                rto.map_or(String::new(), |m| format!(", lane RTO min {m} ms"))
             ),
             p.west.bound("lat"),
             "cubic",
