@@ -415,6 +415,12 @@ impl Bases {
             .map(|m| m.len as usize)
     }
 
+    /// The bytes of a chunk held in memory, checked against its fingerprint (the disk tier is
+    /// not read: this answers the peer at once, or not at all).
+    pub(crate) fn peek(&self, f: &Fingerprint) -> Option<&[u8]> {
+        self.bytes.peek(f)
+    }
+
     /// True if a held chunk is still within the reach of the stream context `ctx` (serial,
     /// position now, window): compressed in it, it costs less than any delta.
     pub(crate) fn in_context(&self, f: &Fingerprint, ctx: (u64, u64, u64)) -> bool {

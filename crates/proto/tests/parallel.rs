@@ -153,3 +153,27 @@ fn a_changed_copy_in_parallel_streams_arrives_exact() {
         p.assert_no_leaks();
     }
 }
+
+/// The receiver's disk tier reads every chunk of the first copy back damaged, so the changed
+/// copy's references and bases miss and are asked for while other streams go on: the sender
+/// answers every one (from the chunks it keeps to answer, or its store of bases), and every
+/// stream arrives exact. (The property test above allows a reset; this case must not need one.)
+#[test]
+fn a_changed_copy_after_the_receiver_lost_its_disk_arrives_exact() {
+    let mut p = slow_receiver(Duration::from_millis(5));
+    let (first, changed) = wanopt_codec::testdata::parallel_copies(4, 3, 256);
+    send_side_by_side(&mut p, &first);
+    counts(&mut p.west.link);
+    counts(&mut p.east.link);
+    p.east
+        .storage
+        .as_ref()
+        .expect("east's disk tier")
+        .mem(0, "")
+        .corrupt_all();
+    send_side_by_side(&mut p, &changed);
+    let (e, w) = (counts(&mut p.east.link), counts(&mut p.west.link));
+    assert!(e.needs > 0, "the damaged chunks were asked for");
+    assert_eq!(w.resent, e.needs, "and every one was answered");
+    p.assert_no_leaks();
+}

@@ -446,9 +446,25 @@ impl Mirror {
         self.recent.size
     }
 
-    /// The bytes of a recently referenced chunk, to answer the peer's miss.
-    pub fn chunk(&self, f: &Fingerprint) -> Option<&bytes::Bytes> {
-        self.recent.map.get(f).map(|(_, d)| d)
+    /// The bytes of a chunk the peer asked for, to answer its miss: one referenced or named
+    /// recently, or else one the store of bases still holds in memory. The store answers what
+    /// the recent ones forgot: a request that came long after the chunk went (a stream that
+    /// waited behind a slow disk read while other streams went on), or a base the peer's disk
+    /// tier lost, which a single delta named without keeping it among the recent.
+    pub fn chunk(&self, f: &Fingerprint) -> Option<bytes::Bytes> {
+        if let Some((_, d)) = self.recent.map.get(f) {
+            return Some(d.clone());
+        }
+        let bases = self.bases.as_ref()?.lock().ok()?;
+        bases.peek(f).map(bytes::Bytes::copy_from_slice)
+    }
+
+    /// Forgets the recently referenced chunks, as a request long after them finds them.
+    #[cfg(test)]
+    pub(crate) fn forget_recent(&mut self) {
+        self.recent.map.clear();
+        self.recent.order.clear();
+        self.recent.size = 0;
     }
 
     /// Appends the record for one chunk to `out`. With `prepared: Some(i)`, `chunk` is the `i`th

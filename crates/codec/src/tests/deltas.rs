@@ -138,6 +138,29 @@ fn a_changed_backup_goes_as_deltas_and_rebuilds_exactly() {
     );
 }
 
+/// Every base a changed copy's deltas name is lost on the receiving side (its copies of the
+/// first copy's chunks damaged, as a bad disk tier reads back), and the sender's recent chunks
+/// have forgotten them, as a request that comes long after the delta finds: the store of bases
+/// still holds them, so each miss is answered from it and the copy rebuilds exactly. Without
+/// the store's answer the sender had nothing to send and the stream was lost.
+#[test]
+fn bases_the_peer_lost_after_the_recent_chunks_forgot_them_are_answered_from_the_store() {
+    let cfg = CodecConfig::default();
+    let (first, second) = pages(256, 5);
+    let (mut enc, mut dec) = primed(&cfg, &first);
+    let before = enc.stats().delta_chunks;
+    let w2 = send(&mut enc, &second);
+    assert!(
+        enc.stats().delta_chunks - before > 100,
+        "the copy goes as deltas"
+    );
+    assert!(dec.cache_mut().corrupt_all_for_test() > 0);
+    enc.mirror.forget_recent();
+    let (out, misses) = decode_answering(&enc, &mut dec, &w2);
+    assert!(out == second, "rebuilt exactly");
+    assert!(misses > 100, "the lost bases were asked for: {misses}");
+}
+
 /// A changed copy that would overflow the caches its first copy nearly filled: with bases that
 /// keep their place (`quiet_bases`, what `Encoder::new` and `Decoder::new` agree on), each
 /// chunk added evicts a base already used, and the copy goes as deltas to the end; with bases

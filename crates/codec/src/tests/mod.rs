@@ -118,7 +118,7 @@ fn answer_all(
             Err(CodecError::Miss(f)) => {
                 misses += 1;
                 let data = enc.mirror.chunk(&f).expect("the sender kept it");
-                assert!(dec.insert_verified(f, data));
+                assert!(dec.insert_verified(f, &data));
             }
             Err(e) => panic!("decode: {e}"),
         }
@@ -441,7 +441,7 @@ fn restarted_or_damaged_receiver_misses_instead_of_misreading() {
         match dec.decode_record(&wire, &mut out) {
             Err(CodecError::Miss(check)) if check != first_ref => {
                 let names = enc.mirror.chunk(&check).expect("the run's names");
-                assert!(dec.insert_verified(check, names));
+                assert!(dec.insert_verified(check, &names));
             }
             r => break r,
         }

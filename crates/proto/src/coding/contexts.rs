@@ -428,7 +428,7 @@ impl Contexts {
     /// The bytes of a chunk the peer asked for, if our mirror still holds it.
     pub fn resend(&self, lane: usize, scope: &str) -> impl Fn(&Fingerprint) -> Option<Bytes> + '_ {
         let m = self.mirrors.get(&(lane, Arc::from(scope)));
-        move |f| m.and_then(|m| m.chunk(f)).cloned()
+        move |f| m.and_then(|m| m.chunk(f))
     }
 
     /// Decodes a stream's waiting frames until they run out or a reference misses (counted as
