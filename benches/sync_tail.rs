@@ -5,7 +5,10 @@
 //! (`redundancy: off`), and one more pair per entry of `--spaced-copies` whose copies leave
 //! `--spacing` ms apart. Then the same while a bulk stream through the first pair fills the
 //! link. Reports p50, p99, p99.9 and the worst, in ms and as multiples of the RTT, the round
-//! trips slower than 1.2 and 1.5 RTT, and the bulk stream's rate.
+//! trips slower than 1.2 and 1.5 RTT, and the bulk stream's rate. On stderr, each round trip
+//! over 1.2 RTT of a pair with copies, with what wansim did meanwhile (losses, its queue, late
+//! packets), how late a probe thread woke (a busy CPU), and the other pairs' worst round trips
+//! then: what tells a burst, a busy host and a copy's own connection apart.
 //!
 //! Run (as root): `cargo build --release --workspace && cargo bench --bench sync_tail --
 //! --preset t3-100ms-1 --seconds 600`. Options: `--preset NAME` (default `t3-100ms-0.5`),
@@ -33,8 +36,9 @@ use wansim::{Site, Wan};
 
 const RR: usize = 8 * 1024;
 
-/// Round trips on `s` for `secs`, 20 ms apart; each answer is checked.
-fn round_trips(mut s: TcpStream, secs: u64) -> Vec<Duration> {
+/// Round trips on `s` for `secs`, 20 ms apart; each answer is checked. Each is returned with
+/// when it started, counted from `from`, in the order they ran.
+fn round_trips(mut s: TcpStream, from: Instant, secs: u64) -> Vec<(Duration, Duration)> {
     let end = Instant::now() + Duration::from_secs(secs);
     let mut msg = vec![0u8; RR];
     let mut back = vec![0u8; RR];
@@ -45,13 +49,63 @@ fn round_trips(mut s: TcpStream, secs: u64) -> Vec<Duration> {
         let t = Instant::now();
         s.write_all(&msg).expect("request");
         s.read_exact(&mut back).expect("response");
-        v.push(t.elapsed());
+        v.push((t - from, t.elapsed()));
         assert!(back == msg, "round trip {n}: the answer differs");
         n += 1;
         std::thread::sleep(Duration::from_millis(20));
     }
-    v.sort();
     v
+}
+
+/// One look at the WAN: when, both directions' counters, and how much later than asked this
+/// thread woke for it (a probe of how long a thread waits for a core).
+type Sample = (Duration, [wansim::DirSnapshot; 2], Duration);
+
+/// wansim's counters, both directions, every 2 ms while `stop` is false.
+fn sample_wan(wan: &Wan, from: Instant, stop: &AtomicBool) -> Vec<Sample> {
+    let mut v = Vec::with_capacity(1 << 20);
+    let tick = Duration::from_millis(2);
+    let mut last = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        let (a, b) = wan.counters();
+        let now = Instant::now();
+        v.push((now - from, [a, b], (now - last).saturating_sub(tick)));
+        last = now;
+        std::thread::sleep(tick);
+    }
+    v
+}
+
+/// What wansim did between `a` and `b`, per direction: packets dropped at random or in a burst,
+/// dropped by a full queue, and the deepest queue sampled.
+fn wan_between(s: &[Sample], a: Duration, b: Duration) -> String {
+    let inside: Vec<_> = s.iter().filter(|(t, ..)| *t >= a && *t <= b).collect();
+    let (Some(first), Some(last)) = (inside.first(), inside.last()) else {
+        return "no samples".into();
+    };
+    let dir = |i: usize, name: &str| {
+        let (f, l) = (&first.1[i], &last.1[i]);
+        format!(
+            "{name}: lost {} in bursts {} queue {} (deepest {} KB), {} packets over 1 ms late",
+            l.drop_loss - f.drop_loss,
+            l.drop_burst - f.drop_burst,
+            l.drop_queue - f.drop_queue,
+            inside
+                .iter()
+                .map(|(_, d, _)| d[i].queue_bytes)
+                .max()
+                .unwrap_or(0)
+                / 1000,
+            l.late_over_1ms - f.late_over_1ms
+        )
+    };
+    let waited = inside.iter().map(|s| s.2).max().unwrap_or_default();
+    format!(
+        "{}; {}; a probe thread woke up to {:.1} ms late",
+        dir(0, "west→east"),
+        dir(1, "east→west"),
+        waited.as_secs_f64() * 1e3
+    )
 }
 
 fn ms(v: &[Duration], p: f64) -> f64 {
@@ -203,16 +257,67 @@ fn main() {
             std::thread::sleep(Duration::from_secs(5));
         }
         let (bulk_from, t_from) = (written.load(Ordering::Relaxed), Instant::now());
-        let runs: Vec<_> = paths
-            .iter()
-            .map(|(_, addr, cc)| {
-                let s = connect_in(&wan, *addr, cc);
-                std::thread::spawn(move || round_trips(s, secs))
-            })
-            .collect();
-        let results: Vec<Vec<Duration>> = runs
+        let sampling = AtomicBool::new(false);
+        let (timed, samples) = std::thread::scope(|sc| {
+            let sampler = sc.spawn(|| sample_wan(&wan, t_from, &sampling));
+            let runs: Vec<_> = paths
+                .iter()
+                .map(|(_, addr, cc)| {
+                    let s = connect_in(&wan, *addr, cc);
+                    sc.spawn(move || round_trips(s, t_from, secs))
+                })
+                .collect();
+            let timed: Vec<Vec<(Duration, Duration)>> = runs
+                .into_iter()
+                .map(|r| r.join().expect("round trips"))
+                .collect();
+            sampling.store(true, Ordering::Relaxed);
+            (timed, sampler.join().expect("sampler"))
+        });
+        // The slow round trips of the pairs with copies, and what the WAN and the other
+        // paths did meanwhile (stderr: for finding out why, not for the report).
+        for (i, ((name, ..), v)) in paths.iter().zip(&timed).enumerate() {
+            if !name.contains("copies") {
+                continue;
+            }
+            for &(at, took) in v
+                .iter()
+                .filter(|(_, d)| d.as_secs_f64() * 1e3 > 1.2 * rtt_ms)
+            {
+                let others: Vec<String> = paths
+                    .iter()
+                    .zip(&timed)
+                    .enumerate()
+                    .filter(|(j, ((n, ..), _))| *j != i && n.starts_with("wanopt"))
+                    .map(|(_, ((n, ..), w))| {
+                        let worst = w
+                            .iter()
+                            .filter(|(s, d)| *s < at + took && *s + *d > at)
+                            .map(|(_, d)| d.as_secs_f64() * 1e3)
+                            .fold(0.0, f64::max);
+                        format!("{n} {worst:.0}")
+                    })
+                    .collect();
+                eprintln!(
+                    "slow: {name} at {:.3} s took {:.1} ms; wansim from 50 ms before: {}; worst overlapping elsewhere (ms): {}",
+                    at.as_secs_f64(),
+                    took.as_secs_f64() * 1e3,
+                    wan_between(
+                        &samples,
+                        at.saturating_sub(Duration::from_millis(50)),
+                        at + took
+                    ),
+                    others.join(", ")
+                );
+            }
+        }
+        let results: Vec<Vec<Duration>> = timed
             .into_iter()
-            .map(|r| r.join().expect("round trips"))
+            .map(|v| {
+                let mut d: Vec<Duration> = v.into_iter().map(|(_, d)| d).collect();
+                d.sort();
+                d
+            })
             .collect();
         if bulk {
             let bytes = written.load(Ordering::Relaxed) - bulk_from;

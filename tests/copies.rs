@@ -505,6 +505,11 @@ fn spaced_copies_ride_a_bursty_wan_beside_a_bulk_load() {
         waited > 0.0 && waited <= started.elapsed().as_secs_f64(),
         "{waited} s"
     );
+    // Copies whose connection was recovering from a burst (or had bytes unacknowledged) when
+    // a write came were seen, and wrote it after the readier one.
+    let impaired = value(&w, "wanopt_link_copy_impaired_total ");
+    println!("{impaired} copies were not ready when a write came");
+    assert!(impaired > 0, "{w}");
     let yielded = value_f64(&w, "wanopt_link_bulk_yield_seconds_total ");
     println!("bulk was paced below link.max_rate for {yielded:.1} s");
     assert!(

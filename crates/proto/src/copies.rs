@@ -42,6 +42,9 @@ pub struct Fanout {
     lag_limit: usize,
     /// Bytes written on a copy while another had written them already.
     duplicated: u64,
+    /// How ready each copy's connection was to deliver when the newest bytes were pushed (see
+    /// [`set_ranks`](Self::set_ranks)): 0 the readiest.
+    ranks: [u8; MAX_COPIES],
 }
 
 impl Fanout {
@@ -54,7 +57,16 @@ impl Fanout {
             copies: [None; MAX_COPIES],
             lag_limit,
             duplicated: 0,
+            ranks: [0; MAX_COPIES],
         }
+    }
+
+    /// How ready each copy's connection is to deliver bytes written now, 0 the readiest: one
+    /// still recovering from a loss, or with earlier bytes not yet acknowledged, holds what is
+    /// written behind them at the peer. With spaced copies, a copy writes after every readier
+    /// one that has still to write the same bytes (see [`not_before`](Self::not_before)).
+    pub fn set_ranks(&mut self, ranks: [u8; MAX_COPIES]) {
+        self.ranks = ranks;
     }
 
     /// Bytes produced for the lane so far (the next byte's offset).
@@ -160,13 +172,22 @@ impl Fanout {
     /// When copy `slot` may write its next bytes, with copies spaced `spacing` apart: the first
     /// copy to write bytes writes them at once, the second `spacing` after they were pushed,
     /// the third twice that, so a burst of loss that takes one copy's packets misses the
-    /// others'. `None`: now (or nothing to write).
+    /// others'. A copy counts as ahead of this one if it wrote some of these bytes already, or
+    /// stands where this one does and is readier (its rank is lower): the readiest copies go
+    /// first. (One still writing earlier bytes holds nobody up.) `None`: now (or nothing to
+    /// write).
     pub fn not_before(&self, slot: usize, spacing: Duration) -> Option<Instant> {
         if spacing.is_zero() {
             return None;
         }
         let at = (*self.copies.get(slot)?)?;
-        let ahead = self.copies.iter().flatten().filter(|&&c| c > at).count();
+        let rank = self.ranks[slot];
+        let ahead = self
+            .copies
+            .iter()
+            .zip(self.ranks)
+            .filter(|&(c, r)| c.is_some_and(|c| c > at || (c == at && r < rank)))
+            .count();
         if ahead == 0 {
             return None;
         }
@@ -522,5 +543,48 @@ mod tests {
         assert_eq!(f.not_before(2, ms(3)), Some(t0 + ms(6)));
         f.wrote(2, 4);
         assert_eq!(f.not_before(2, ms(3)), None, "now first on the second push");
+    }
+
+    /// A copy whose connection is less ready (still recovering from a loss, say) waits for the
+    /// readier ones that have the same bytes to write, however soon it comes; among copies
+    /// equally ready, the first to come writes first.
+    #[test]
+    fn the_readiest_copies_go_first() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut f = Fanout::new(1 << 20);
+        for _ in 0..3 {
+            f.attach().expect("slot");
+        }
+        f.set_ranks([2, 0, 1, 0, 0]);
+        f.push(Bytes::from_static(b"abcd"), t0);
+        assert_eq!(f.not_before(1, ms(5)), None, "the readiest writes at once");
+        assert_eq!(f.not_before(2, ms(5)), Some(t0 + ms(5)), "one readier copy");
+        assert_eq!(
+            f.not_before(0, ms(5)),
+            Some(t0 + ms(10)),
+            "two readier copies"
+        );
+        f.wrote(1, 4);
+        assert_eq!(f.not_before(2, ms(5)), Some(t0 + ms(5)));
+        f.wrote(2, 4);
+        assert_eq!(f.not_before(0, ms(5)), Some(t0 + ms(10)));
+        f.wrote(0, 4);
+        // Equally ready: the first to come writes first, the other one spacing later.
+        f.set_ranks([0; MAX_COPIES]);
+        f.push(Bytes::from_static(b"ef"), t0 + ms(20));
+        assert_eq!(f.not_before(2, ms(5)), None);
+        assert_eq!(f.not_before(0, ms(5)), None);
+        f.wrote(2, 2);
+        assert_eq!(f.not_before(0, ms(5)), Some(t0 + ms(25)));
+        f.wrote(0, 2);
+        // A readier copy still writing earlier bytes (copy 1) holds nobody up.
+        f.set_ranks([1, 0, 1, 0, 0]);
+        f.push(Bytes::from_static(b"gh"), t0 + ms(30));
+        assert_eq!(f.not_before(0, ms(5)), None);
+        assert_eq!(f.not_before(2, ms(5)), None);
+        // Without spacing nobody waits.
+        f.set_ranks([3, 0, 0, 0, 0]);
+        assert_eq!(f.not_before(0, Duration::ZERO), None);
     }
 }

@@ -208,6 +208,7 @@ pub struct LinkCounters {
     pub copy_duplicated: Counter,
     pub copy_late: Counter,
     pub copy_spacing_seconds: Seconds,
+    pub copy_impaired: Counter,
     pub copies_lost: Counter,
     pub copy_won: Family<CopyLabel, Counter>,
     pub bulk_pacing: Gauge,
@@ -358,6 +359,11 @@ impl LinkCounters {
             "wanopt_link_copy_spacing_seconds",
             "Time later copies of latency-lane writes waited for their spacing (link.copy_spacing) before they left: what spacing costs; the first copy of a write never waits",
             m.copy_spacing_seconds.clone(),
+        );
+        r.register(
+            "wanopt_link_copy_impaired",
+            "Latency-lane copies that were still recovering from a loss, or had earlier bytes unacknowledged, when a write was pushed: they wrote it after the readier copies",
+            m.copy_impaired.clone(),
         );
         r.register(
             "wanopt_link_copy_won_bytes",

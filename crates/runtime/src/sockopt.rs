@@ -223,8 +223,8 @@ fn set_congestion(sock: &SockRef<'_>, name: &str) {
     }
 }
 
-/// Reads `TCP_INFO` of a connected socket.
-pub fn tcp_info(fd: std::os::fd::RawFd) -> Option<crate::counters::TcpSample> {
+/// `TCP_INFO` of a connected socket, as the kernel fills it.
+fn raw_tcp_info(fd: std::os::fd::RawFd) -> Option<libc::tcp_info> {
     // SAFETY: tcp_info is plain data; getsockopt writes at most `len` bytes into it.
     let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
@@ -238,9 +238,28 @@ pub fn tcp_info(fd: std::os::fd::RawFd) -> Option<crate::counters::TcpSample> {
             &mut len,
         )
     };
-    if r != 0 {
-        return None;
-    }
+    (r == 0).then_some(info)
+}
+
+/// How ready a latency-lane copy's connection is to deliver bytes written now (see
+/// `Fanout::set_ranks`): 0 nothing outstanding, 1 earlier bytes not acknowledged yet (a tail
+/// that may be lost, unknown to the sender so far), 2 in loss recovery (a hole the peer holds
+/// what follows behind, until it is sent again). `None`: the socket cannot say.
+pub fn copy_rank(fd: std::os::fd::RawFd) -> Option<u8> {
+    let info = raw_tcp_info(fd)?;
+    // TCP_CA_Open 0, Disorder 1 (duplicate acknowledgements), CWR 2, Recovery 3, Loss 4.
+    let recovering =
+        matches!(info.tcpi_ca_state, 1 | 3 | 4) || info.tcpi_lost > 0 || info.tcpi_retrans > 0;
+    Some(if recovering {
+        2
+    } else {
+        u8::from(info.tcpi_unacked > 0)
+    })
+}
+
+/// Reads `TCP_INFO` of a connected socket.
+pub fn tcp_info(fd: std::os::fd::RawFd) -> Option<crate::counters::TcpSample> {
+    let info = raw_tcp_info(fd)?;
     // The byte after the window scales holds `tcpi_delivery_rate_app_limited` in its lowest
     // bit (a C bitfield libc leaves as padding, before the 4-byte aligned `tcpi_rto`).
     // SAFETY: the struct is at least 8 bytes, zeroed and then written by the kernel.

@@ -216,6 +216,21 @@ impl LinkHandle {
     }
 }
 
+/// How ready each copy's connection is to deliver bytes written now (`sockopt::copy_rank`), read
+/// under the sockets' lock so none is closed meanwhile (the link's lock may be held: it is
+/// always taken before the sockets').
+fn copy_ranks(h: &LinkHandle) -> [u8; MAX_COPIES] {
+    h.with_fds(|fds| {
+        std::array::from_fn(|slot| {
+            fds.get(1 + slot)
+                .copied()
+                .flatten()
+                .and_then(crate::sockopt::copy_rank)
+                .unwrap_or(0)
+        })
+    })
+}
+
 /// Writes copy `c`'s bytes: what the fanout holds for it, taking the link's next lane bytes
 /// when it has written all it had (and waking the other copies, which write them too).
 pub(super) async fn write_copy<W: AsyncWrite + Unpin>(
@@ -252,6 +267,15 @@ pub(super) async fn write_copy<W: AsyncWrite + Unpin>(
                         let n = buf.len() as u64;
                         g.lane.sent += n;
                         add(&counters.wire_out, n);
+                        // The readiest connections write these bytes first (`Fanout::set_ranks`).
+                        if !h.ctx.copy_spacing.is_zero() {
+                            let ranks = copy_ranks(h);
+                            add(
+                                &counters.copy_impaired,
+                                ranks.iter().filter(|&&r| r > 0).count() as u64,
+                            );
+                            g.lane.fanout.set_ranks(ranks);
+                        }
                         for slot in g.lane.fanout.push(buf.split().freeze(), Instant::now()) {
                             g.lane.release(slot);
                             h.forget_fd(1 + slot);
