@@ -63,7 +63,7 @@ type Sample = (Duration, [wansim::DirSnapshot; 2], Duration);
 
 /// wansim's counters, both directions, every 2 ms while `stop` is false.
 fn sample_wan(wan: &Wan, from: Instant, stop: &AtomicBool) -> Vec<Sample> {
-    let mut v = Vec::with_capacity(1 << 20);
+    let mut v = Vec::new();
     let tick = Duration::from_millis(2);
     let mut last = Instant::now();
     while !stop.load(Ordering::Relaxed) {

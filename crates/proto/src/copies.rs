@@ -520,16 +520,22 @@ mod tests {
         assert_eq!(f.end(), 10);
     }
 
+    /// A fanout with three copies attached.
+    fn three_copies() -> Fanout {
+        let mut f = Fanout::new(1 << 20);
+        for _ in 0..3 {
+            f.attach().expect("slot");
+        }
+        f
+    }
+
     /// Spaced copies: the first to write bytes writes them at once, each later one a spacing
     /// after the one before, counted from when the bytes were pushed; old bytes wait for nobody.
     #[test]
     fn copies_are_spaced_in_time() {
         let t0 = Instant::now();
         let ms = Duration::from_millis;
-        let mut f = Fanout::new(1 << 20);
-        for _ in 0..3 {
-            f.attach().expect("slot");
-        }
+        let mut f = three_copies();
         f.push(Bytes::from_static(b"abcd"), t0);
         assert_eq!(f.not_before(1, ms(3)), None, "nobody wrote them yet");
         f.wrote(1, 4);
@@ -552,10 +558,7 @@ mod tests {
     fn the_readiest_copies_go_first() {
         let t0 = Instant::now();
         let ms = Duration::from_millis;
-        let mut f = Fanout::new(1 << 20);
-        for _ in 0..3 {
-            f.attach().expect("slot");
-        }
+        let mut f = three_copies();
         f.set_ranks([2, 0, 1, 0, 0]);
         f.push(Bytes::from_static(b"abcd"), t0);
         assert_eq!(f.not_before(1, ms(5)), None, "the readiest writes at once");
