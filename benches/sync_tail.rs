@@ -14,9 +14,9 @@
 //! --preset t3-100ms-1 --seconds 600`. Options: `--preset NAME` (default `t3-100ms-0.5`),
 //! `--seconds N` per phase (default 60), `--copies N` for the first pair (default 2),
 //! `--spaced-copies N,M,..` (default: `--copies`; `N@MS` spaces that pair's copies MS apart,
-//! `N@MS/RTO` sets its `link.lane_rto_min` too),
+//! `N@MS/RTO` sets its `link.lane_rto_min` too, in ms or `off`),
 //! `--spacing MS` between the spaced pairs' copies (default 5; 0 leaves them out), `--rto-min
-//! MS` their `link.lane_rto_min` (default off), `--latency-queue V` every pair's
+//! MS` their `link.lane_rto_min` (or `off`; default the daemon's `auto`), `--latency-queue V` every pair's
 //! `link.latency_queue` (default 5ms; `off`), `--phases idle,loaded` (default both), `--svg
 //! FILE` (the percentile curves; default
 //! `benches/charts/sync-tail-PRESET.svg`).
@@ -135,9 +135,7 @@ fn main() {
         .collect();
     let phases: String = args.get("--phases", "idle,loaded".to_string());
     let latency_queue: String = args.get("--latency-queue", "5ms".to_string());
-    let rto_min: Option<u64> = args
-        .text("--rto-min")
-        .map(|v| v.parse().expect("--rto-min MS"));
+    let rto_min: Option<String> = args.text("--rto-min").map(|v| rto_setting(&v));
     let params = wansim::preset(&preset).expect("preset");
     let rtt_ms = params.stated().1.as_secs_f64() * 1e3;
     let (stated, stated_words) = wanopt_replay::showcase::stated_link(&params);
@@ -146,7 +144,7 @@ fn main() {
     east_servers(&wan, east_ip);
     // Pairs side by side: east on 7400 (copies back to back), 7401 (one connection) and 7402
     // (copies `--spacing` ms apart).
-    let start = |port: u16, redundancy: &str, spacing: u64, rto_min: Option<u64>| {
+    let start = |port: u16, redundancy: &str, spacing: u64, rto_min: Option<String>| {
         let latency_queue = latency_queue.clone();
         let lat = format!("    class: latency\n    redundancy: {redundancy}\n");
         let stated = stated.clone();
@@ -162,31 +160,33 @@ fn main() {
                 link_lines(
                     y.replace(":7400", &format!(":{port}")),
                     &format!(
-                        "{stated}  copy_spacing: {spacing}ms\n  lane_rto_min: {}\n  latency_queue: {latency_queue}\n",
-                        rto_min.map_or("off".to_string(), |m| format!("{m}ms"))
+                        "{stated}  copy_spacing: {spacing}ms\n{}  latency_queue: {latency_queue}\n",
+                        rto_min
+                            .as_ref()
+                            .map_or(String::new(), |m| format!("  lane_rto_min: {m}\n"))
                     ),
                 )
             },
         )
     };
-    let with_copies = start(7400, &copies, 0, None);
-    let single = start(7401, "off", 0, None);
+    let with_copies = start(7400, &copies, 0, rto_min.clone());
+    let single = start(7401, "off", 0, rto_min.clone());
     // One pair per entry of `--spaced-copies`: N copies `--spacing` ms apart, or `N@MS`.
     // `N@MS/RTO` also sets that pair's `link.lane_rto_min` (else `--rto-min`).
-    let spaced: Vec<(String, u64, Option<u64>, common::WanPair)> = if spacing > 0 {
+    let spaced: Vec<(String, u64, Option<String>, common::WanPair)> = if spacing > 0 {
         spaced_copies
             .iter()
             .enumerate()
             .map(|(i, entry)| {
                 let (entry, rto) = match entry.split_once('/') {
-                    Some((e, r)) => (e, Some(r.parse().expect("--spaced-copies N@MS/RTO"))),
-                    None => (entry.as_str(), rto_min),
+                    Some((e, r)) => (e, Some(rto_setting(r))),
+                    None => (entry.as_str(), rto_min.clone()),
                 };
                 let (n, ms) = match entry.split_once('@') {
                     Some((n, ms)) => (n.to_string(), ms.parse().expect("--spaced-copies N@MS")),
                     None => (entry.to_string(), spacing),
                 };
-                let pair = start(7402 + i as u16, &n, ms, rto);
+                let pair = start(7402 + i as u16, &n, ms, rto.clone());
                 (n, ms, rto, pair)
             })
             .collect()
@@ -219,7 +219,8 @@ fn main() {
         paths.push((
             format!(
                 "wanopt, redundancy {n}, copies {spacing} ms apart{}",
-                rto.map_or(String::new(), |m| format!(", lane RTO min {m} ms"))
+                rto.as_ref()
+                    .map_or(String::new(), |m| format!(", lane RTO min {m}"))
             ),
             p.west.bound("lat"),
             "cubic",
@@ -404,4 +405,13 @@ fn main() {
         }
     }
     report::finish("sync_tail", "sync_tail: SYNC round trips on a lossy WAN");
+}
+
+/// A `link.lane_rto_min` value from the command line: `off`, or milliseconds.
+fn rto_setting(v: &str) -> String {
+    if v == "off" {
+        return v.to_string();
+    }
+    let ms: u64 = v.parse().expect("a lane RTO floor in ms, or off");
+    format!("{ms}ms")
 }

@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 
 use socket2::{Domain, SockRef, Socket, TcpKeepalive, Type};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::config::{BufferSize, LinkSettings};
 
@@ -113,7 +113,7 @@ pub fn tune_main_lane(sock: &SockRef<'_>, link: &LinkSettings) {
 pub fn tune_lane_socket(sock: &SockRef<'_>, link: &LinkSettings) {
     set_congestion(sock, &link.lane_congestion);
     if let Some(min) = link.lane_rto_min {
-        set_rto_min(sock, min);
+        set_rto_min(sock, min, !link.lane_rto_min_auto);
     }
 }
 
@@ -122,8 +122,9 @@ const TCP_RTO_MIN_US: libc::c_int = 45;
 
 /// Lowers the socket's least retransmission timeout from the kernel's 200 ms: a message whose
 /// last packet is lost (every copy of it) is sent again after srtt plus the larger of this and
-/// the RTT's variation, instead of srtt plus 200 ms. An older kernel keeps its default, said once.
-fn set_rto_min(sock: &SockRef<'_>, min: std::time::Duration) {
+/// the RTT's variation, instead of srtt plus 200 ms. An older kernel keeps its default, said once
+/// when the operator `stated` the floor (the `auto` one is a debug line there).
+fn set_rto_min(sock: &SockRef<'_>, min: std::time::Duration, stated: bool) {
     use std::os::fd::AsRawFd;
     static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let v = libc::c_int::try_from(min.as_micros()).unwrap_or(libc::c_int::MAX);
@@ -137,7 +138,9 @@ fn set_rto_min(sock: &SockRef<'_>, min: std::time::Duration) {
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
     };
-    if r != 0 && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+    if r != 0 && !stated {
+        debug!(error = %std::io::Error::last_os_error(), "the kernel keeps its least retransmission timeout for the latency lane (TCP_RTO_MIN_US needs Linux 6.15)");
+    } else if r != 0 && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
         warn!(error = %std::io::Error::last_os_error(), "cannot lower the latency lane's retransmission timeout (TCP_RTO_MIN_US needs Linux 6.15); it keeps the kernel's 200 ms");
     }
 }
@@ -376,7 +379,7 @@ mod tests {
         use std::os::fd::AsRawFd;
         let s = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let sock = SockRef::from(&s);
-        set_rto_min(&sock, std::time::Duration::from_millis(20));
+        set_rto_min(&sock, std::time::Duration::from_millis(20), true);
         let mut v: libc::c_int = 0;
         let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
         // SAFETY: a valid socket and an int of the size passed.

@@ -58,11 +58,19 @@ impl Config {
             "  copy_spacing: {}  # between the copies of a latency-lane write",
             dur(l.copy_spacing)
         );
-        let _ = writeln!(
-            o,
-            "  lane_rto_min: {}  # least retransmission timeout of the latency lane's connections",
-            l.lane_rto_min.map_or("off".to_string(), dur)
-        );
+        let floor = l.lane_rto_min.map_or("the kernel's".to_string(), dur);
+        let _ = match (l.lane_rto_min_auto, l.lane_rto_min) {
+            (true, _) => writeln!(
+                o,
+                "  lane_rto_min: auto  # {floor}: least retransmission timeout of the latency lane's connections"
+            ),
+            (false, None) => writeln!(o, "  lane_rto_min: off  # the kernel's"),
+            (false, Some(d)) => writeln!(
+                o,
+                "  lane_rto_min: {}  # least retransmission timeout of the latency lane's connections",
+                dur(d)
+            ),
+        };
         match l.max_rate_bps {
             Some(r) => {
                 let _ = writeln!(o, "  max_rate: {r}bit  # pacing cap of the link sockets");

@@ -109,8 +109,14 @@ pub mod defaults {
     /// A latency-lane write's copies leave 5 ms apart: longer than a burst of a few packets at
     /// T3 rates (measured in benches/README.md, "sync_tail across bursty loss").
     pub const COPY_SPACING: Duration = Duration::from_millis(5);
-    /// The latency lane keeps the kernel's least retransmission timeout unless configured.
-    pub const LANE_RTO_MIN: Option<Duration> = None;
+    /// The latency lane's least retransmission timeout by default (`auto`): 10 ms on a WAN of
+    /// 40 ms or more, so a SYNC write lost on every copy goes again 10 ms after the RTT instead
+    /// of 200 ms (measured in benches/README.md, "sync_tail across bursty loss"). Below 40 ms the
+    /// kernel's 200 ms stays: a receiver may delay its ACK by up to about 40 ms, and a floor
+    /// under that would send writes again that were not lost.
+    pub fn lane_rto_min(rtt: Duration) -> Option<Duration> {
+        (rtt >= Duration::from_millis(40)).then_some(Duration::from_millis(10))
+    }
     /// While latency services are busy, bulk adds at most about this much queue at the WAN's
     /// bottleneck (measured in benches/README.md, "sync_tail across bursty loss").
     pub const LATENCY_QUEUE: Duration = Duration::from_millis(5);

@@ -99,6 +99,9 @@ pub struct LinkSettings {
     pub copy_spacing: Duration,
     /// The latency lane connections' least retransmission timeout; `None`: the kernel's.
     pub lane_rto_min: Option<Duration>,
+    /// True when `link.lane_rto_min` is `auto` (the default): a kernel that cannot take the
+    /// floor keeps its own silently, where a stated one is warned about.
+    pub lane_rto_min_auto: bool,
     /// Pacing cap of each link socket in bits per second (`SO_MAX_PACING_RATE`); `None` = off.
     pub max_rate_bps: Option<u64>,
     /// While the latency lane moves bytes, the most queue the main lane's bulk may add at the
@@ -280,7 +283,7 @@ pub(super) fn parse_link(
             ms(50),
         )?,
         lane_rto_min: match l.lane_rto_min.as_deref() {
-            None => defaults::LANE_RTO_MIN,
+            None | Some("auto") => defaults::lane_rto_min(rtt),
             Some("off") => None,
             v => Some(cx.dur(
                 "link.lane_rto_min",
@@ -290,6 +293,7 @@ pub(super) fn parse_link(
                 ms(200),
             )?),
         },
+        lane_rto_min_auto: matches!(l.lane_rto_min.as_deref(), None | Some("auto")),
         max_rate_bps: match l.max_rate.as_deref() {
             // Pace only when the operator stated the WAN rate: a default must not cap anyone.
             None | Some("auto") => l.bandwidth.as_ref().map(|_| bandwidth_bps / 100 * 95),

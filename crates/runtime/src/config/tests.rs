@@ -763,15 +763,36 @@ fn duration_or_off(key: &str, of: fn(&Config) -> Option<Duration>, bad: &[&str])
     twenty
 }
 
-/// The latency lane's least retransmission timeout: off unless set, 5-200 ms, `off` spelled out.
+/// The latency lane's least retransmission timeout: `auto` (10 ms on a WAN of 40 ms or more,
+/// else the kernel's) unless set, 5-200 ms, `off` spelled out; only a stated one is warned
+/// about on a kernel that cannot take it.
 #[test]
-fn the_lane_rto_min_is_off_unless_set_and_bounded() {
-    assert_eq!(parse("").expect("valid").link.lane_rto_min, None);
+fn the_lane_rto_min_is_auto_unless_set_and_bounded() {
+    let ten = Some(Duration::from_millis(10));
+    let default = parse("").expect("valid").link;
+    assert_eq!(
+        (default.lane_rto_min, default.lane_rto_min_auto),
+        (ten, true)
+    );
+    let auto = with_link("lane_rto_min", "auto").expect("valid");
+    assert_eq!(
+        (auto.link.lane_rto_min, auto.link.lane_rto_min_auto),
+        (ten, true)
+    );
+    assert!(auto.describe().contains("lane_rto_min: auto  # 10ms"));
+    for (rtt, floor) in [("39ms", None), ("40ms", ten), ("600ms", ten)] {
+        let c = with_link("rtt", rtt).expect("valid");
+        assert_eq!(c.link.lane_rto_min, floor, "rtt {rtt}");
+    }
+    let off = with_link("lane_rto_min", "off").expect("valid");
+    assert!(!off.link.lane_rto_min_auto);
+    assert!(off.describe().contains("lane_rto_min: off"));
     let c = duration_or_off(
         "lane_rto_min",
         |c| c.link.lane_rto_min,
         &["1ms", "1s", "soon"],
     );
+    assert!(!c.link.lane_rto_min_auto);
     let d = c.describe();
     assert!(d.contains("lane_rto_min: 20ms"), "{d}");
 }
