@@ -226,6 +226,11 @@ fn main() {
             "cubic",
         ));
     }
+    // Each path's pair, for its daemons' log lines about impaired copies.
+    let pair_of: Vec<Option<&common::WanPair>> = [None, None, Some(&with_copies), Some(&single)]
+        .into_iter()
+        .chain(spaced.iter().map(|(.., p)| Some(p)))
+        .collect();
     report::note(format!(
         "`{preset}`: 8 KiB round trips 20 ms apart, {secs} s per phase, all paths at once; {stated_words}."
     ));
@@ -258,6 +263,7 @@ fn main() {
             std::thread::sleep(Duration::from_secs(5));
         }
         let (bulk_from, t_from) = (written.load(Ordering::Relaxed), Instant::now());
+        let wall_from = second_of_day(std::time::SystemTime::now());
         let sampling = AtomicBool::new(false);
         let (timed, samples) = std::thread::scope(|sc| {
             let sampler = sc.spawn(|| sample_wan(&wan, t_from, &sampling));
@@ -310,6 +316,21 @@ fn main() {
                     ),
                     others.join(", ")
                 );
+                // What the pair's daemons said of their copies meanwhile (debug lines: every
+                // copy of a write impaired, with each connection's TCP state).
+                let (from, to) = (
+                    wall_from + at.as_secs_f64() - 0.05,
+                    wall_from + (at + took).as_secs_f64(),
+                );
+                for d in pair_of[i].into_iter().flat_map(|p| [&p.west, &p.east]) {
+                    for line in d.log() {
+                        if line.contains("every copy of a latency lane write is impaired")
+                            && log_second(&line).is_some_and(|t| (from..=to).contains(&t))
+                        {
+                            eprintln!("  {}: {line}", d.name);
+                        }
+                    }
+                }
             }
         }
         let results: Vec<Vec<Duration>> = timed
@@ -414,4 +435,20 @@ fn rto_setting(v: &str) -> String {
     }
     let ms: u64 = v.parse().expect("a lane RTO floor in ms, or off");
     format!("{ms}ms")
+}
+
+/// Seconds since midnight UTC of `t`.
+fn second_of_day(t: std::time::SystemTime) -> f64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() % 86_400.0)
+}
+
+/// Seconds since midnight UTC of a daemon log line's timestamp (`2026-11-27T19:46:09.123456Z`).
+fn log_second(line: &str) -> Option<f64> {
+    let clock = line.split_whitespace().next()?.split_once('T')?.1;
+    let mut parts = clock.trim_end_matches('Z').split(':');
+    let h: f64 = parts.next()?.parse().ok()?;
+    let m: f64 = parts.next()?.parse().ok()?;
+    let s: f64 = parts.next()?.parse().ok()?;
+    Some(h * 3600.0 + m * 60.0 + s)
 }

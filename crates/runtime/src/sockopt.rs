@@ -244,20 +244,50 @@ fn raw_tcp_info(fd: std::os::fd::RawFd) -> Option<libc::tcp_info> {
     (r == 0).then_some(info)
 }
 
-/// How ready a latency-lane copy's connection is to deliver bytes written now (see
+/// How ready a latency-lane copy's connection is to deliver `bytes` written now (see
 /// `Fanout::set_ranks`): 0 nothing outstanding, 1 earlier bytes not acknowledged yet (a tail
 /// that may be lost, unknown to the sender so far), 2 in loss recovery (a hole the peer holds
-/// what follows behind, until it is sent again). `None`: the socket cannot say.
-pub fn copy_rank(fd: std::os::fd::RawFd) -> Option<u8> {
-    let info = raw_tcp_info(fd)?;
+/// what follows behind, until it is sent again), backing off a retransmission timeout, or with
+/// no room in its congestion window for these bytes and what waits unsent before them (after a
+/// timeout the window starts again at one segment: an 8 KiB write then takes two or three round
+/// trips). `None`: the socket cannot say.
+pub fn copy_rank(fd: std::os::fd::RawFd, bytes: usize) -> Option<u8> {
+    raw_tcp_info(fd).map(|info| rank_of(&info, bytes))
+}
+
+fn rank_of(info: &libc::tcp_info, bytes: usize) -> u8 {
     // TCP_CA_Open 0, Disorder 1 (duplicate acknowledgements), CWR 2, Recovery 3, Loss 4.
     let recovering =
         matches!(info.tcpi_ca_state, 1 | 3 | 4) || info.tcpi_lost > 0 || info.tcpi_retrans > 0;
-    Some(if recovering {
+    let room = u64::from(info.tcpi_snd_cwnd.saturating_sub(info.tcpi_unacked))
+        * u64::from(info.tcpi_snd_mss.max(1));
+    let need = bytes as u64 + u64::from(info.tcpi_notsent_bytes);
+    if recovering || info.tcpi_backoff > 0 || room < need {
         2
     } else {
         u8::from(info.tcpi_unacked > 0)
-    })
+    }
+}
+
+/// A copy connection's state in a few words, for the log line that says every copy of a write
+/// was impaired.
+pub fn copy_state(fd: std::os::fd::RawFd) -> String {
+    raw_tcp_info(fd).map_or_else(
+        || "?".to_string(),
+        |i| {
+            format!(
+                "state {} cwnd {} unacked {} lost {} retrans {} backoff {} rto {}ms notsent {}",
+                i.tcpi_ca_state,
+                i.tcpi_snd_cwnd,
+                i.tcpi_unacked,
+                i.tcpi_lost,
+                i.tcpi_retrans,
+                i.tcpi_backoff,
+                i.tcpi_rto / 1000,
+                i.tcpi_notsent_bytes
+            )
+        },
+    )
 }
 
 /// Reads `TCP_INFO` of a connected socket.
@@ -370,6 +400,31 @@ mod tests {
             .await
             .expect("connect");
         assert_eq!(congestion(&main), "bbr");
+    }
+
+    /// A copy's rank: ready, earlier bytes unacknowledged, or unable to deliver this write within
+    /// a round trip (recovering, backing off, or no room in its window for it).
+    #[test]
+    fn a_copy_without_room_for_the_write_ranks_last() {
+        // SAFETY: tcp_info is plain data; all zeroes is a valid value.
+        let mut i: libc::tcp_info = unsafe { std::mem::zeroed() };
+        i.tcpi_snd_cwnd = 10;
+        i.tcpi_snd_mss = 1448;
+        assert_eq!(rank_of(&i, 8192), 0);
+        i.tcpi_unacked = 2;
+        assert_eq!(rank_of(&i, 8192), 1);
+        // After a timeout: a window of one segment, and the write needs six.
+        i.tcpi_snd_cwnd = 3;
+        assert_eq!(rank_of(&i, 8192), 2);
+        assert_eq!(rank_of(&i, 1000), 1);
+        i.tcpi_notsent_bytes = 4000;
+        assert_eq!(rank_of(&i, 1000), 2);
+        i.tcpi_notsent_bytes = 0;
+        i.tcpi_backoff = 1;
+        assert_eq!(rank_of(&i, 1000), 2);
+        i.tcpi_backoff = 0;
+        i.tcpi_ca_state = 4;
+        assert_eq!(rank_of(&i, 1000), 2);
     }
 
     /// The lane's least retransmission timeout reaches the socket (the kernel rounds it to its

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
-use tracing::warn;
+use tracing::{debug, warn};
 use wanopt_proto::LATENCY_LANE;
 use wanopt_proto::copies::MAX_COPIES;
 
@@ -219,15 +219,28 @@ impl LinkHandle {
 /// How ready each copy's connection is to deliver bytes written now (`sockopt::copy_rank`), read
 /// under the sockets' lock so none is closed meanwhile (the link's lock may be held: it is
 /// always taken before the sockets').
-fn copy_ranks(h: &LinkHandle) -> [u8; MAX_COPIES] {
+fn copy_ranks(h: &LinkHandle, bytes: usize) -> [u8; MAX_COPIES] {
     h.with_fds(|fds| {
-        std::array::from_fn(|slot| {
+        let ranks = std::array::from_fn(|slot| {
             fds.get(1 + slot)
                 .copied()
                 .flatten()
-                .and_then(crate::sockopt::copy_rank)
+                .and_then(|fd| crate::sockopt::copy_rank(fd, bytes))
                 .unwrap_or(0)
-        })
+        });
+        let fds: Vec<_> = (0..MAX_COPIES)
+            .filter_map(|slot| Some((slot, fds.get(1 + slot).copied().flatten()?)))
+            .collect();
+        if fds.len() > 1 && fds.iter().all(|&(slot, _)| ranks[slot] > 0) {
+            let states: Vec<String> = fds
+                .iter()
+                .map(|&(slot, fd)| {
+                    format!("{}: {}", slot + 1, crate::sockopt::copy_state(fd))
+                })
+                .collect();
+            debug!(link = h.id, bytes, copies = %states.join("; "), "every copy of a latency lane write is impaired");
+        }
+        ranks
     })
 }
 
@@ -269,7 +282,7 @@ pub(super) async fn write_copy<W: AsyncWrite + Unpin>(
                         add(&counters.wire_out, n);
                         // The readiest connections write these bytes first (`Fanout::set_ranks`).
                         if !h.ctx.copy_spacing.is_zero() {
-                            let ranks = copy_ranks(h);
+                            let ranks = copy_ranks(h, buf.len());
                             add(
                                 &counters.copy_impaired,
                                 ranks.iter().filter(|&&r| r > 0).count() as u64,
