@@ -121,22 +121,39 @@ fn run_writes(
 }
 
 /// Encoder and decoder throughput with chunks prepared on 1 to `most` threads (the daemon's
-/// pool), on the LZ4 path (CPU-bound) and on zstd alone (link-bound, no stream contexts), wall
-/// time; the decoder decodes what the encoder made with as many threads.
+/// pool), on the LZ4 path (CPU-bound), on zstd alone (link-bound, no stream contexts) and on
+/// what a stated WAN runs (a stream context, delta bases found with anchors the pool finds),
+/// wall time; the decoder decodes what the encoder made with as many threads.
 fn threads(name: &str, data: &[u8], most: usize) {
-    for (path, compression, pressure) in [
-        ("lz4 (cpu-bound)", Compression::Adaptive, Pressure::CpuBound),
+    for (path, compression, pressure, context) in [
+        (
+            "lz4 (cpu-bound)",
+            Compression::Adaptive,
+            Pressure::CpuBound,
+            false,
+        ),
         (
             "zstd alone (link-bound)",
             Compression::Adaptive,
             Pressure::LinkBound,
+            false,
+        ),
+        (
+            "zstd in context, deltas (a stated WAN)",
+            Compression::Adaptive,
+            Pressure::LinkBound,
+            true,
         ),
     ] {
         let cfg = CodecConfig {
             compression,
             zstd_level: *LEVEL.get_or_init(|| CodecConfig::default().zstd_level),
-            context: false,
-            delta_bytes: 0,
+            context,
+            delta_bytes: if context {
+                CodecConfig::default().delta_bytes
+            } else {
+                0
+            },
             ..CodecConfig::default()
         };
         let mut one = (0.0, 0.0);

@@ -708,6 +708,9 @@ pub(crate) struct SendScratch {
     pub(crate) lit_ratio: f64,
     /// The last chunk tried had a base offered by the index (see `Report::no_base`).
     pub(crate) offered: bool,
+    /// `keys` hold the next chunk's anchors already (found on the workers, see
+    /// `crate::prepare`).
+    pub(crate) keys_ready: bool,
 }
 
 impl Default for SendScratch {
@@ -718,6 +721,7 @@ impl Default for SendScratch {
             dict: Vec::new(),
             lit_ratio: 0.5,
             offered: false,
+            keys_ready: false,
         }
     }
 }

@@ -1,5 +1,6 @@
-//! The part of encoding a chunk that does not need the mirror's order: its fingerprint, and its
-//! compression when it goes alone (LZ4, or zstd outside a stream context). A mirror given
+//! The part of encoding a chunk that does not need the mirror's order: its fingerprint, its
+//! compression when it goes alone (LZ4, or zstd outside a stream context), and the anchors the
+//! store of delta bases is searched with. A mirror given
 //! [`Workers`] prepares a turn's chunks together, possibly on several threads, then encodes them
 //! in link order with the results: the records are byte for byte the ones it would have written
 //! preparing nothing. A decoder likewise decompresses and fingerprints a frame's literals alone
@@ -57,7 +58,10 @@ pub(crate) enum Work {
 /// One chunk's preparation; made by the mirror, run by [`Workers`].
 pub struct Job<'a> {
     chunk: &'a [u8],
-    work: Work,
+    /// `None`: the anchors alone.
+    work: Option<Work>,
+    /// The chunk's delta anchors too (see [`crate::delta`]).
+    anchors: bool,
     slot: &'a mut Prepared,
 }
 
@@ -76,6 +80,9 @@ pub(crate) struct Prepared {
     pub clen: usize,
     /// A decoder's job: the payload decompressed into `out`, exactly as long as announced.
     pub decoded: bool,
+    /// The chunk's delta anchors, when `anchored`.
+    pub anchors: Vec<u64>,
+    pub anchored: bool,
 }
 
 impl Prepared {
@@ -87,18 +94,41 @@ impl Prepared {
         self.compressed = None;
         self.clen = 0;
         self.decoded = false;
+        self.anchored = false;
     }
 }
 
 impl<'a> Job<'a> {
     pub(crate) fn new(chunk: &'a [u8], work: Work, slot: &'a mut Prepared) -> Self {
-        Job { chunk, work, slot }
+        Job::of(chunk, Some(work), false, slot)
+    }
+
+    /// A job of `work` (if any) that also finds the chunk's delta anchors if `anchors`.
+    pub(crate) fn of(
+        chunk: &'a [u8],
+        work: Option<Work>,
+        anchors: bool,
+        slot: &'a mut Prepared,
+    ) -> Self {
+        Job {
+            chunk,
+            work,
+            anchors,
+            slot,
+        }
     }
 
     /// Does the job's work (a worker thread calls this).
     pub fn run(&mut self) {
+        if self.anchors {
+            crate::delta::anchors(self.chunk, &mut self.slot.anchors);
+            self.slot.anchored = true;
+        }
+        let Some(work) = self.work else {
+            return;
+        };
         let s = &mut *self.slot;
-        match self.work {
+        match work {
             Work::Fingerprint => s.fingerprint = Some(fingerprint(self.chunk)),
             Work::Lz4 => {
                 if let Some(n) = lz4_into(self.chunk, &mut s.out) {
@@ -123,7 +153,7 @@ impl<'a> Job<'a> {
                 }
             }
             Work::Unzstd { raw_len, hash } | Work::Unlz4 { raw_len, hash } => {
-                let zstd = matches!(self.work, Work::Unzstd { .. });
+                let zstd = matches!(work, Work::Unzstd { .. });
                 // A fresh buffer: it becomes the cached chunk.
                 s.out = Vec::new();
                 s.decoded = if zstd {

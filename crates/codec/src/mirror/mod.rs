@@ -333,10 +333,12 @@ impl Mirror {
             .collect();
         w.run(&mut jobs);
         drop(jobs);
-        if policy.dedup
-            && let Some(work) = self.literal_work(policy, pressure, hint)
-        {
-            // Only what will go as a literal: not held by the peer, nor earlier in the turn.
+        let literal = self.literal_work(policy, pressure, hint);
+        // The anchors a delta base is looked up with depend on the chunk's bytes alone.
+        let anchors = self.delta_wanted(policy, pressure, hint);
+        if policy.dedup && (literal.is_some() || anchors) {
+            // Only what will go as a literal or a delta: not held by the peer, nor earlier in
+            // the turn.
             let cache = &self.cache;
             let mut seen = std::collections::HashSet::with_capacity(bounds.len());
             let mut jobs: Vec<Job<'_>> = bounds
@@ -346,7 +348,7 @@ impl Mirror {
                     s.fingerprint
                         .is_some_and(|f| !cache.contains(&f) && seen.insert(f))
                 })
-                .map(|(b, s)| Job::new(piece(b), work, s))
+                .map(|(b, s)| Job::of(piece(b), literal, anchors, s))
                 .collect();
             if !jobs.is_empty() {
                 w.run(&mut jobs);
@@ -554,12 +556,20 @@ impl Mirror {
         };
         let delta = f.is_some() && self.delta_wanted(policy, pressure, hint);
         self.delta.offered = false;
+        let mut prep = prep;
+        if let Some(p) = prep.as_deref_mut().filter(|p| delta && p.anchored) {
+            // Found on the workers: the same keys `anchors` gives.
+            std::mem::swap(&mut self.delta.keys, &mut p.anchors);
+            p.anchored = false;
+            self.delta.keys_ready = true;
+        }
         if let Some(f) = f.filter(|_| delta) {
             let r = if policy.delta_runs {
                 self.join_run(f, chunk, (policy, pressure), in_context, hint, out)
             } else {
                 self.encode_delta(f, chunk, policy, hint, out)
             };
+            self.delta.keys_ready = false;
             if let Some(r) = r {
                 return r;
             }

@@ -241,7 +241,9 @@ impl Mirror {
     fn find_bases(&mut self, chunk: &[u8], hint: &Hint) -> Option<Fingerprint> {
         let shared = self.bases.clone()?;
         let d = &mut self.delta;
-        anchors(chunk, &mut d.keys);
+        if !std::mem::take(&mut d.keys_ready) {
+            anchors(chunk, &mut d.keys);
+        }
         let mut bases = shared.lock().ok()?;
         let cache = &self.cache;
         bases.find(

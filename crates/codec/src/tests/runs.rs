@@ -145,6 +145,44 @@ impl prepare::Workers for Threads {
     }
 }
 
+/// A changed copy's delta bases are looked up with anchors found on the workers: the records
+/// are the very ones the encoder writes alone (the anchors depend on a chunk's bytes only), with
+/// deltas in them, with and without delta runs and stream contexts.
+#[test]
+fn anchors_found_on_workers_give_the_same_deltas() {
+    let first = crate::testdata::rows(11, 12_000);
+    let changed = crate::testdata::edited(&first, 5);
+    for (context, runs) in [(false, false), (true, true), (false, true)] {
+        let cfg = CodecConfig {
+            context,
+            runs,
+            ..CodecConfig::default()
+        };
+        let pieces = [65_536];
+        let wire = |enc: &mut Encoder| {
+            let mut w = encode_all(Pressure::LinkBound, enc, &first, &pieces, false);
+            w.extend(encode_all(
+                Pressure::LinkBound,
+                enc,
+                &changed,
+                &pieces,
+                false,
+            ));
+            w
+        };
+        let (mut alone, _) = pair(&cfg);
+        let (mut pooled, mut dec) = pair(&cfg);
+        pooled.set_workers(Some(std::sync::Arc::new(Threads(2))));
+        let (a, b) = (wire(&mut alone), wire(&mut pooled));
+        assert!(a == b, "{} and {} bytes", a.len(), b.len());
+        assert_eq!(alone.stats(), pooled.stats());
+        assert!(pooled.stats().delta_chunks > 10, "{:?}", pooled.stats());
+        let mut out = Vec::new();
+        dec.decode(&b, &mut out).expect("decodes");
+        assert!(out[..first.len()] == first[..] && out[first.len()..] == changed[..]);
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
     /// Chunks prepared on worker threads encode to the very records the encoder writes alone,
