@@ -516,7 +516,7 @@ impl Mirror {
         pressure: Pressure,
         hint: &mut Hint,
         out: &mut impl BufMut,
-        prep: Option<&mut prepare::Prepared>,
+        mut prep: Option<&mut prepare::Prepared>,
     ) -> Report {
         let f = if policy.dedup {
             let f = match prep.as_ref().and_then(|p| p.fingerprint) {
@@ -556,7 +556,6 @@ impl Mirror {
         };
         let delta = f.is_some() && self.delta_wanted(policy, pressure, hint);
         self.delta.offered = false;
-        let mut prep = prep;
         if let Some(p) = prep.as_deref_mut().filter(|p| delta && p.anchored) {
             // Found on the workers: the same keys `anchors` gives.
             std::mem::swap(&mut self.delta.keys, &mut p.anchors);

@@ -221,22 +221,19 @@ impl LinkHandle {
 /// always taken before the sockets').
 fn copy_ranks(h: &LinkHandle, bytes: usize) -> [u8; MAX_COPIES] {
     h.with_fds(|fds| {
-        let ranks = std::array::from_fn(|slot| {
-            fds.get(1 + slot)
-                .copied()
-                .flatten()
-                .and_then(|fd| crate::sockopt::copy_rank(fd, bytes))
-                .unwrap_or(0)
-        });
-        let fds: Vec<_> = (0..MAX_COPIES)
-            .filter_map(|slot| Some((slot, fds.get(1 + slot).copied().flatten()?)))
-            .collect();
-        if fds.len() > 1 && fds.iter().all(|&(slot, _)| ranks[slot] > 0) {
-            let states: Vec<String> = fds
-                .iter()
-                .map(|&(slot, fd)| {
-                    format!("{}: {}", slot + 1, crate::sockopt::copy_state(fd))
-                })
+        let copies = || {
+            (0..MAX_COPIES).filter_map(|slot| Some((slot, fds.get(1 + slot).copied().flatten()?)))
+        };
+        let mut ranks = [0; MAX_COPIES];
+        for (slot, fd) in copies() {
+            ranks[slot] = crate::sockopt::copy_rank(fd, bytes).unwrap_or(0);
+        }
+        if tracing::enabled!(tracing::Level::DEBUG)
+            && copies().count() > 1
+            && copies().all(|(slot, _)| ranks[slot] > 0)
+        {
+            let states: Vec<String> = copies()
+                .map(|(slot, fd)| format!("{}: {}", slot + 1, crate::sockopt::copy_state(fd)))
                 .collect();
             debug!(link = h.id, bytes, copies = %states.join("; "), "every copy of a latency lane write is impaired");
         }
