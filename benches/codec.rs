@@ -15,9 +15,10 @@
 //! backups) measures what delta encoding against similar chunks would recover: NEW's chunks
 //! found in OLD (references), those with a similar chunk in OLD by super-features (each
 //! compressed with that chunk as zstd's prefix), and the rest (compressed alone), at 8, 4 and
-//! 2 KiB average chunks. `--threads N` measures the encoder with its chunks prepared on 1 to N
-//! threads (`limits.threads`), on the LZ4 path and on zstd alone (each `--file` too), as ratios
-//! to one thread in the same run.
+//! 2 KiB average chunks. `--threads N` measures the encoder and decoder with their chunks
+//! prepared on 1 to N threads (`limits.threads`), on the LZ4 path, on zstd alone and on zstd in
+//! a stream context (each `--file` too), `--rounds R` rounds (3) of every thread count in turn,
+//! as medians and ratios to one thread in the same run.
 
 #[path = "../tests/common/args.rs"]
 mod args;
@@ -123,8 +124,13 @@ fn run_writes(
 /// Encoder and decoder throughput with chunks prepared on 1 to `most` threads (the daemon's
 /// pool), on the LZ4 path (CPU-bound), on zstd alone (link-bound, no stream contexts) and on
 /// what a stated WAN runs (a stream context, delta bases found with anchors the pool finds),
-/// wall time; the decoder decodes what the encoder made with as many threads.
-fn threads(name: &str, data: &[u8], most: usize) {
+/// wall time; the decoder decodes what the encoder made with as many threads, after the encoder
+/// is dropped (a decoder that runs while an encoder's caches are held pays page faults the
+/// encoder's memory causes, and a first decode after an encode ran at a third of a later one's
+/// rate on the test VM whatever the threads). `rounds` rounds, each of every thread count in
+/// turn; medians, and "vs 1" the median of each round's ratio to one thread, since the VM's
+/// rate drifts by a fifth between runs.
+fn threads(name: &str, data: &[u8], most: usize, rounds: usize) {
     for (path, compression, pressure, context) in [
         (
             "lz4 (cpu-bound)",
@@ -156,30 +162,54 @@ fn threads(name: &str, data: &[u8], most: usize) {
             },
             ..CodecConfig::default()
         };
-        let mut one = (0.0, 0.0);
-        let mut wires = Vec::new();
+        // Per thread count: encode and decode MB/s of each round.
+        let mut rates = vec![(Vec::new(), Vec::new()); most];
+        let mut wires: Vec<Vec<u8>> = Vec::new();
+        let mut wire_len = 0;
+        for _ in 0..rounds.max(1) {
+            for n in 1..=most {
+                let mut enc = Encoder::new(cfg.clone());
+                enc.set_workers(wanopt_runtime::workers::Pool::start(n));
+                let mut wire = vec![1u8; data.len() + data.len() / 100 + 4096];
+                wire.clear();
+                let t = Instant::now();
+                // A megabyte at a time: a link's queue holds a few turns (its send buffer),
+                // so the next turn's chunks can be cut while one encodes.
+                for piece in data.chunks(1 << 20) {
+                    enc.push(piece, false, pressure, &mut wire);
+                }
+                enc.push(&[], true, pressure, &mut wire);
+                let rate = data.len() as f64 / t.elapsed().as_secs_f64() / 1e6;
+                drop(enc);
+                let mut dec = Decoder::new(&cfg);
+                dec.set_workers(wanopt_runtime::workers::Pool::start(n));
+                let mut out = vec![1u8; data.len() + 4096];
+                out.clear();
+                let t = Instant::now();
+                dec.decode(&wire, &mut out).expect("decode");
+                let drate = data.len() as f64 / t.elapsed().as_secs_f64() / 1e6;
+                assert!(out == data, "round trip");
+                rates[n - 1].0.push(rate);
+                rates[n - 1].1.push(drate);
+                wire_len = wire.len();
+                if let Some(w) = wires.get(n - 1) {
+                    assert!(*w == wire, "the same records in every round");
+                } else {
+                    wires.push(wire);
+                }
+            }
+        }
+        assert!(
+            wires.windows(2).all(|w| w[0] == w[1]),
+            "the same records on any number of threads"
+        );
+        let vs_one = |k: usize, dec: bool| {
+            let pick = |r: &(Vec<f64>, Vec<f64>)| if dec { r.1.clone() } else { r.0.clone() };
+            let (one, this) = (pick(&rates[0]), pick(&rates[k]));
+            median(one.iter().zip(&this).map(|(a, b)| b / a).collect())
+        };
         for n in 1..=most {
-            let mut enc = Encoder::new(cfg.clone());
-            enc.set_workers(wanopt_runtime::workers::Pool::start(n));
-            let mut wire = vec![1u8; data.len() + data.len() / 100 + 4096];
-            wire.clear();
-            let t = Instant::now();
-            for piece in data.chunks(256 * 1024) {
-                enc.push(piece, false, pressure, &mut wire);
-            }
-            enc.push(&[], true, pressure, &mut wire);
-            let rate = data.len() as f64 / t.elapsed().as_secs_f64() / 1e6;
-            let mut dec = Decoder::new(&cfg);
-            dec.set_workers(wanopt_runtime::workers::Pool::start(n));
-            let mut out = vec![1u8; data.len() + 4096];
-            out.clear();
-            let t = Instant::now();
-            dec.decode(&wire, &mut out).expect("decode");
-            let drate = data.len() as f64 / t.elapsed().as_secs_f64() / 1e6;
-            assert!(out == data, "round trip");
-            if n == 1 {
-                one = (rate, drate);
-            }
+            let (enc, dec) = &rates[n - 1];
             report::row(
                 "Encoding and decoding on the pool (wall time)",
                 &[
@@ -196,19 +226,24 @@ fn threads(name: &str, data: &[u8], most: usize) {
                     name.into(),
                     path.to_string(),
                     n.to_string(),
-                    format!("{rate:.0}"),
-                    format!("{:.2}x", rate / one.0),
-                    format!("{drate:.0}"),
-                    format!("{:.2}x", drate / one.1),
-                    format!("{:.3}", wire.len() as f64 / data.len() as f64),
+                    format!("{:.0}", median(enc.clone())),
+                    format!("{:.2}x", vs_one(n - 1, false)),
+                    format!("{:.0}", median(dec.clone())),
+                    format!("{:.2}x", vs_one(n - 1, true)),
+                    format!("{:.3}", wire_len as f64 / data.len() as f64),
                 ],
             );
-            wires.push(wire);
         }
-        assert!(
-            wires.windows(2).all(|w| w[0] == w[1]),
-            "the same records on any number of threads"
-        );
+    }
+}
+
+/// The middle value (the mean of the two middle ones for an even count).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
 }
 
@@ -700,8 +735,12 @@ fn main() {
             let data = std::fs::read(&path).unwrap_or_else(|e| panic!("--file {path}: {e}"));
             sets.push((path.clone(), data));
         }
+        let rounds = args.get("--rounds", 3usize);
+        report::note(format!(
+            "{rounds} rounds of every thread count in turn, medians (`--rounds`)."
+        ));
         for (name, data) in &sets {
-            threads(name, data, n);
+            threads(name, data, n, rounds);
         }
         report::finish("codec-threads", "codec --threads: the pool on this machine");
         return;

@@ -7,8 +7,10 @@
 //! ahead, and inserts them into its cache in order.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, TryLockError};
 
-use crate::config::Codec;
+use crate::config::{Codec, CodecConfig};
 use crate::fingerprint::{Fingerprint, fingerprint};
 
 /// Chunks prepared together (see this module): 64 of 8 KiB, half a megabyte, keep two to
@@ -20,6 +22,14 @@ pub const BATCH: usize = 64;
 pub trait Workers: Send + Sync + std::fmt::Debug {
     /// Runs every job (see [`Job::run`]).
     fn run(&self, jobs: &mut [Job<'_>]);
+
+    /// Runs `caller` on the calling thread while workers run `ahead`'s jobs (see [`Ahead`]);
+    /// returns when `caller` has returned and every job has run. Alone: `caller`, then the jobs
+    /// it did not take.
+    fn overlap(&self, ahead: &Ahead<'_>, caller: &mut dyn FnMut()) {
+        caller();
+        ahead.work();
+    }
 }
 
 /// Runs jobs one after the other on the calling thread.
@@ -29,6 +39,110 @@ pub struct Inline;
 impl Workers for Inline {
     fn run(&self, jobs: &mut [Job<'_>]) {
         jobs.iter_mut().for_each(Job::run);
+    }
+}
+
+/// Jobs that workers run ahead of the caller while it encodes (see [`Workers::overlap`]): the
+/// caller takes each job's result in order as it comes to the chunk ([`Ahead::with`]), running
+/// the job itself when no worker has started it, or waiting for the worker that has. Workers
+/// take the jobs from the last back, so that they and the caller work apart until they meet
+/// (from the first on, a worker would take the very job the caller wants next, and the two
+/// would take turns). Each job runs once, by whoever takes it first.
+pub struct Ahead<'a> {
+    jobs: Vec<Mutex<Held<'a>>>,
+    /// Jobs not yet taken by a worker: the first `left`.
+    left: AtomicUsize,
+    /// Of them, jobs that cut chunks ahead.
+    cuts: usize,
+    /// The bytes the caller encodes meanwhile (what a probe weighs the time by).
+    weight: u64,
+}
+
+struct Held<'a> {
+    job: Job<'a>,
+    done: bool,
+}
+
+impl Held<'_> {
+    fn finish(&mut self) {
+        if !self.done {
+            self.job.run();
+            self.done = true;
+        }
+    }
+}
+
+impl<'a> Ahead<'a> {
+    /// Jobs to run while the caller encodes `weight` bytes.
+    pub(crate) fn new(jobs: Vec<Job<'a>>, weight: u64) -> Self {
+        let cuts = jobs
+            .iter()
+            .filter(|j| matches!(j.task, Task::Cut { .. }))
+            .count();
+        let jobs_len = jobs.len();
+        Ahead {
+            cuts,
+            weight,
+            jobs: jobs
+                .into_iter()
+                .map(|job| Mutex::new(Held { job, done: false }))
+                .collect(),
+            left: AtomicUsize::new(jobs_len),
+        }
+    }
+
+    /// How many jobs there are.
+    pub fn len(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// True with no jobs.
+    pub fn is_empty(&self) -> bool {
+        self.jobs.is_empty()
+    }
+
+    /// The bytes the caller encodes while the jobs run.
+    pub fn weight(&self) -> u64 {
+        self.weight
+    }
+
+    /// How many of the jobs cut the chunks of a later turn.
+    pub fn cuts(&self) -> usize {
+        self.cuts
+    }
+
+    /// Runs the jobs nobody has taken, from the last back, until none is left (a worker calls
+    /// this; so does the caller once it is done, to help finish).
+    pub fn work(&self) {
+        while let Ok(n) = self
+            .left
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        {
+            let Some(m) = self.jobs.get(n - 1) else {
+                return;
+            };
+            // Held elsewhere: by the caller, which runs the job if nobody has.
+            let held = match m.try_lock() {
+                Ok(h) => Some(h),
+                Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                Err(TryLockError::WouldBlock) => None,
+            };
+            if let Some(mut h) = held {
+                h.finish();
+            }
+        }
+    }
+
+    /// Job `i` run (here, if nobody has started it; else once the worker running it is done),
+    /// then `f` on what it prepared. `None` for no such job.
+    pub(crate) fn with<R>(&self, i: usize, f: impl FnOnce(&mut Prepared) -> R) -> Option<R> {
+        let m = self.jobs.get(i)?;
+        let mut h = m.lock().unwrap_or_else(|p| p.into_inner());
+        h.finish();
+        match &mut h.job.task {
+            Task::Chunk { slot, .. } => Some(f(slot)),
+            Task::Cut { .. } => None,
+        }
     }
 }
 
@@ -55,15 +169,34 @@ pub(crate) enum Work {
     },
 }
 
-/// One chunk's preparation; made by the mirror, run by [`Workers`].
+/// One job: a chunk's preparation, or cutting the chunks ahead; made by the mirror or the send
+/// path, run by [`Workers`].
 pub struct Job<'a> {
-    chunk: &'a [u8],
-    /// `None`: the anchors alone.
-    work: Option<Work>,
-    /// The chunk's delta anchors too (see [`crate::delta`]).
-    anchors: bool,
-    slot: &'a mut Prepared,
+    task: Task<'a>,
 }
+
+enum Task<'a> {
+    Chunk {
+        chunk: &'a [u8],
+        /// `None`: the anchors alone.
+        work: Option<Work>,
+        /// The chunk's delta anchors too (see [`crate::delta`]).
+        anchors: bool,
+        slot: &'a mut Prepared,
+    },
+    /// The chunks of `bytes` (which start at a boundary) that end before its end, `most` of
+    /// them, each with its fingerprint if `fingerprints`; offsets from the start of `bytes`.
+    Cut {
+        bytes: &'a [u8],
+        cfg: &'a CodecConfig,
+        most: usize,
+        fingerprints: bool,
+        found: &'a mut Vec<Found>,
+    },
+}
+
+/// A chunk cut ahead: its offset, length and (where chunks are deduplicated) fingerprint.
+pub(crate) type Found = (usize, usize, Option<Fingerprint>);
 
 /// What was prepared for one chunk.
 #[derive(Debug, Default)]
@@ -111,61 +244,110 @@ impl<'a> Job<'a> {
         slot: &'a mut Prepared,
     ) -> Self {
         Job {
-            chunk,
-            work,
-            anchors,
-            slot,
+            task: Task::Chunk {
+                chunk,
+                work,
+                anchors,
+                slot,
+            },
+        }
+    }
+
+    /// A job that cuts up to `most` chunks of `bytes` into `found` (cleared first), with their
+    /// fingerprints if `fingerprints`: only the chunks that end before `bytes` does (the last
+    /// piece may grow when more bytes come).
+    pub(crate) fn cut(
+        bytes: &'a [u8],
+        cfg: &'a CodecConfig,
+        most: usize,
+        fingerprints: bool,
+        found: &'a mut Vec<Found>,
+    ) -> Self {
+        Job {
+            task: Task::Cut {
+                bytes,
+                cfg,
+                most,
+                fingerprints,
+                found,
+            },
         }
     }
 
     /// Does the job's work (a worker thread calls this).
     pub fn run(&mut self) {
-        if self.anchors {
-            crate::delta::anchors(self.chunk, &mut self.slot.anchors);
-            self.slot.anchored = true;
-        }
-        let Some(work) = self.work else {
-            return;
-        };
-        let s = &mut *self.slot;
-        match work {
-            Work::Fingerprint => s.fingerprint = Some(fingerprint(self.chunk)),
-            Work::Lz4 => {
-                if let Some(n) = lz4_into(self.chunk, &mut s.out) {
-                    s.clen = n;
-                    s.compressed = Some((Codec::Lz4, 0));
-                }
-            }
-            Work::Zstd { level, trial } => {
-                if trial {
-                    let sample = &self.chunk[..self.chunk.len().min(4096)];
-                    let ok = crate::format::skewed(sample)
-                        || lz4_into(sample, &mut s.out)
-                            .is_some_and(|n| crate::format::pays(sample.len(), n));
-                    s.trial = Some(ok);
-                    if !ok {
-                        return;
+        match &mut self.task {
+            Task::Chunk {
+                chunk,
+                work,
+                anchors,
+                slot,
+            } => prepare_chunk(chunk, *work, *anchors, slot),
+            Task::Cut {
+                bytes,
+                cfg,
+                most,
+                fingerprints,
+                found,
+            } => {
+                found.clear();
+                for (off, len) in crate::config::chunks(bytes, cfg) {
+                    if off + len >= bytes.len() || found.len() >= *most {
+                        break;
                     }
-                }
-                if zstd_into(self.chunk, level, &mut s.out) {
-                    s.clen = s.out.len();
-                    s.compressed = Some((Codec::Zstd, level));
+                    let f = fingerprints.then(|| fingerprint(&bytes[off..off + len]));
+                    found.push((off, len, f));
                 }
             }
-            Work::Unzstd { raw_len, hash } | Work::Unlz4 { raw_len, hash } => {
-                let zstd = matches!(work, Work::Unzstd { .. });
-                // A fresh buffer: it becomes the cached chunk.
-                s.out = Vec::new();
-                s.decoded = if zstd {
-                    unzstd_into(self.chunk, raw_len, &mut s.out)
-                } else {
-                    s.out.resize(raw_len, 0);
-                    lz4_flex::block::decompress_into(self.chunk, &mut s.out)
-                        .is_ok_and(|n| n == raw_len)
-                };
-                if s.decoded && hash {
-                    s.fingerprint = Some(fingerprint(&s.out));
+        }
+    }
+}
+
+/// One chunk's preparation (see [`Job::of`]).
+fn prepare_chunk(chunk: &[u8], work: Option<Work>, anchors: bool, s: &mut Prepared) {
+    if anchors {
+        crate::delta::anchors(chunk, &mut s.anchors);
+        s.anchored = true;
+    }
+    let Some(work) = work else {
+        return;
+    };
+    match work {
+        Work::Fingerprint => s.fingerprint = Some(fingerprint(chunk)),
+        Work::Lz4 => {
+            if let Some(n) = lz4_into(chunk, &mut s.out) {
+                s.clen = n;
+                s.compressed = Some((Codec::Lz4, 0));
+            }
+        }
+        Work::Zstd { level, trial } => {
+            if trial {
+                let sample = &chunk[..chunk.len().min(4096)];
+                let ok = crate::format::skewed(sample)
+                    || lz4_into(sample, &mut s.out)
+                        .is_some_and(|n| crate::format::pays(sample.len(), n));
+                s.trial = Some(ok);
+                if !ok {
+                    return;
                 }
+            }
+            if zstd_into(chunk, level, &mut s.out) {
+                s.clen = s.out.len();
+                s.compressed = Some((Codec::Zstd, level));
+            }
+        }
+        Work::Unzstd { raw_len, hash } | Work::Unlz4 { raw_len, hash } => {
+            let zstd = matches!(work, Work::Unzstd { .. });
+            // A fresh buffer: it becomes the cached chunk.
+            s.out = Vec::new();
+            s.decoded = if zstd {
+                unzstd_into(chunk, raw_len, &mut s.out)
+            } else {
+                s.out.resize(raw_len, 0);
+                lz4_flex::block::decompress_into(chunk, &mut s.out).is_ok_and(|n| n == raw_len)
+            };
+            if s.decoded && hash {
+                s.fingerprint = Some(fingerprint(&s.out));
             }
         }
     }

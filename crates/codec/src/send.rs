@@ -9,9 +9,10 @@ use std::collections::VecDeque;
 use bytes::{Buf, BufMut, Bytes};
 
 use crate::config::{CodecConfig, Policy, Pressure, chunks};
+use crate::fingerprint::Fingerprint;
 use crate::format::{RECORD_OVERHEAD, run_reserve};
 use crate::mirror::{Hint, Mirror, encode_tail};
-use crate::prepare::BATCH;
+use crate::prepare::{Ahead, BATCH, Found, Job, Prepared, Work};
 use crate::report::{EncodeStats, Sent};
 
 /// Most bytes a bulk stream's chunker looks at in one turn.
@@ -42,6 +43,28 @@ pub struct Sender {
     /// The last turn ended before a chunk whose bases the disk tier is reading (see
     /// [`Policy::wait_bases`]).
     waiting: bool,
+    /// Chunks cut ahead of the turn that sends them (a bulk stream with workers).
+    cut: CutAhead,
+}
+
+/// A bulk stream's chunks cut, and fingerprinted, ahead of the turn that sends them: on the
+/// workers, while the turn before encoded (see [`crate::prepare::Ahead`]). Boundaries depend on
+/// the bytes since the last one alone, so they are the chunks a turn would cut itself.
+#[derive(Debug, Default)]
+struct CutAhead {
+    /// Stream offset of the first.
+    at: u64,
+    /// Each one's length and (where chunks are deduplicated) fingerprint.
+    chunks: VecDeque<(usize, Option<Fingerprint>)>,
+    /// The cutting job's output (kept for its buffer).
+    found: Vec<Found>,
+}
+
+impl CutAhead {
+    /// The bytes the chunks cover.
+    fn bytes(&self) -> usize {
+        self.chunks.iter().map(|c| c.0).sum()
+    }
 }
 
 impl Sender {
@@ -54,6 +77,7 @@ impl Sender {
             flush_at: 0,
             ratio: 1.0,
             waiting: false,
+            cut: CutAhead::default(),
         }
     }
 
@@ -135,8 +159,11 @@ pub fn emit<B: BufMut>(
         };
         if gather {
             // The budget's worth of bytes (and a chunk more, to find the last boundary) in one
-            // view; the stage holds at most that.
-            let want = budget.saturating_add(chunking.max_chunk);
+            // view, and up to a turn's more for the workers to cut ahead while this turn
+            // encodes; the stage holds at most that.
+            let want = budget
+                .saturating_add(chunking.max_chunk)
+                .saturating_add(budget.min(RAW_TURN));
             while coder.stage.len() - coder.pos < want {
                 let Some(front) = queue.front() else {
                     break;
@@ -149,7 +176,10 @@ pub fn emit<B: BufMut>(
             if view.is_empty() {
                 break;
             }
-            let (used, stop) = cx.cut(view, flush, budget, false, &coder.policy, &mut coder.hint);
+            let base = sent + cx.turn.raw as u64;
+            let at = View::new(view, flush, budget);
+            let (used, stop) =
+                cx.cut_ahead(&at, base, &mut coder.cut, &coder.policy, &mut coder.hint);
             coder.pos += used;
             if coder.pos == coder.stage.len() {
                 coder.stage.clear();
@@ -291,6 +321,35 @@ struct View<'a> {
     end: usize,
     final_end: bool,
     budget: usize,
+    /// The flush point it was made with (0: none).
+    flush: usize,
+}
+
+impl<'a> View<'a> {
+    /// `view` with a flush point `flush` bytes in (0: none): a flush point ends the last chunk
+    /// whether or not the content has a boundary there.
+    fn new(view: &'a [u8], flush: usize, budget: usize) -> Self {
+        let (end, final_end) = if flush > 0 && flush <= view.len() {
+            (flush, true)
+        } else {
+            (view.len(), false)
+        };
+        View {
+            view,
+            end,
+            final_end,
+            budget,
+            flush,
+        }
+    }
+}
+
+/// Where the caller finds what was prepared for one of the turn's chunks.
+enum Place<'a> {
+    /// In the `n`th job of the turn's [`Ahead`].
+    Job(usize),
+    /// In this slot (its fingerprint only).
+    Here(&'a mut Prepared),
 }
 
 /// What encoding one contiguous run of bytes needs.
@@ -308,8 +367,7 @@ struct Cut<'a, B> {
 
 impl<B: BufMut> Cut<'_, B> {
     /// Encodes the chunks of `view` (with `first`, only its first), which starts at a chunk
-    /// boundary; returns the bytes used. With workers, the chunks that can go in this turn are
-    /// cut a batch at a time and prepared together first (see [`crate::prepare`]).
+    /// boundary; returns the bytes used. Each chunk is prepared as it is encoded.
     #[allow(clippy::too_many_arguments)]
     fn cut(
         &mut self,
@@ -320,67 +378,196 @@ impl<B: BufMut> Cut<'_, B> {
         policy: &Policy,
         hint: &mut Hint,
     ) -> (usize, Stop) {
-        // A flush point ends the last chunk whether or not the content has a boundary there.
-        let (end, final_end) = if flush > 0 && flush <= view.len() {
-            (flush, true)
-        } else {
-            (view.len(), false)
-        };
-        let at = View {
-            view,
-            end,
-            final_end,
-            budget,
-        };
-        if first || policy.latency || !self.mirror.has_workers() {
-            for (off, len) in chunks(&view[..end], self.chunking) {
-                if let Some(stop) = self.one(&at, (off, len), policy, hint, None) {
-                    return stop;
-                }
-                if first {
-                    return (off + len, Stop::End);
-                }
+        let at = View::new(view, flush, budget);
+        for (off, len) in chunks(&view[..at.end], self.chunking) {
+            if let Some(stop) = self.one(&at, (off, len), policy, hint, None) {
+                return stop;
             }
-            // Every chunk up to `end` went.
-            return (end, Stop::End);
+            if first {
+                return (off + len, Stop::End);
+            }
         }
+        // Every chunk up to `end` went.
+        (at.end, Stop::End)
+    }
+
+    /// Encodes the chunks of `at` (a bulk stream's gathered bytes, from stream offset `base`,
+    /// which starts at a chunk boundary) with workers; returns the bytes used. The turn's chunks
+    /// come from `cut` (cut ahead in the turn before), or are cut now; while the caller encodes
+    /// them in order, the workers compress the ones that go as literals or deltas and find
+    /// their anchors (see [`crate::prepare`]), and cut and fingerprint the chunks after them
+    /// for the next turn. Without workers, as [`cut`](Self::cut).
+    fn cut_ahead(
+        &mut self,
+        at: &View<'_>,
+        base: u64,
+        cut: &mut CutAhead,
+        policy: &Policy,
+        hint: &mut Hint,
+    ) -> (usize, Stop) {
+        let Some(w) = self.mirror.workers() else {
+            return self.cut(at.view, at.flush, at.budget, false, policy, hint);
+        };
+        let chunking: &CodecConfig = self.chunking;
+        let view = at.view;
+        // Chunks cut for other bytes (a stream sent again from elsewhere) are of no use.
+        if cut.at != base || cut.bytes() > at.end {
+            cut.chunks.clear();
+            cut.at = base;
+        }
+        let mut found = std::mem::take(&mut cut.found);
         let mut used = 0;
-        let mut bounds = Vec::with_capacity(BATCH);
-        while used < end {
-            bounds.clear();
-            // As many chunks as the frame's room and the turn's quantum will likely take (a
-            // prepared chunk that does not go is prepared again in the next turn).
+        let stop = loop {
+            if used >= at.end {
+                break (used, Stop::End);
+            }
+            if cut.chunks.is_empty() {
+                // Nothing cut ahead: cut now, fingerprints on the workers.
+                Job::cut(&view[used..at.end], chunking, BATCH, false, &mut found).run();
+                let Some(&(_, len, _)) = found.first() else {
+                    // Only the last piece, which may grow: it goes (or waits) alone.
+                    let len = chunks(&view[used..at.end], chunking)
+                        .next()
+                        .map_or(at.end - used, |c| c.1);
+                    if let Some(stop) = self.one(at, (used, len), policy, hint, None) {
+                        break stop;
+                    }
+                    used += len;
+                    cut.at = base + used as u64;
+                    continue;
+                };
+                debug_assert!(len > 0);
+                let fps = self.fingerprints(&*w, &view[used..], &found, policy);
+                cut.chunks
+                    .extend(found.iter().zip(fps).map(|(&(_, l, _), f)| (l, f)));
+            }
+            // The turn's chunks: as many as the frame's room and the quantum will likely take
+            // (one that does not go stays cut for the next turn).
             let fits = self.lim.room.min(self.lim.quantum);
             let mut wire = self.turn.wire;
-            for (off, len) in chunks(&view[used..end], self.chunking) {
-                bounds.push((used + off, len));
+            let (mut n, mut end) = (0, used);
+            for &(len, _) in &cut.chunks {
+                n += 1;
                 wire += (len as f64 * self.ratio) as usize + RECORD_OVERHEAD;
-                if bounds.len() == BATCH || used + off + len >= budget || wire >= fits {
+                end += len;
+                if n == BATCH || end > at.budget || wire >= fits {
                     break;
                 }
             }
-            // The last piece may wait for more bytes or go as a tail: never prepared.
-            let ahead = match bounds.last() {
-                Some(&(off, len)) if off + len == end => bounds.len() - 1,
-                _ => bounds.len(),
-            };
-            let prepared = self
-                .mirror
-                .prepare(view, &bounds[..ahead], policy, self.pressure, hint);
-            for (i, &b) in bounds.iter().enumerate() {
-                let prep = (prepared && i < ahead).then_some(i);
-                if let Some(stop) = self.one(&at, b, policy, hint, prep) {
-                    self.mirror.end_batch();
-                    return stop;
+            // Past every chunk cut so far: the next ones, cut on the workers.
+            let from = used + cut.bytes();
+            let more = from < at.end && cut.chunks.len() - n < BATCH;
+            let mut slots = self.mirror.take_slots(n);
+            let (mut places, jobs) = {
+                let (lit, anchors) = self.mirror.ahead_work(policy, self.pressure, hint);
+                let mut seen = std::collections::HashSet::with_capacity(n);
+                let mut jobs = Vec::with_capacity(n + 1);
+                let mut places = Vec::with_capacity(n);
+                let mut off = used;
+                for (slot, &(len, f)) in slots.iter_mut().zip(&cut.chunks).take(n) {
+                    slot.reset(len);
+                    slot.fingerprint = f;
+                    let chunk = &view[off..off + len];
+                    off += len;
+                    // Only what will go as a literal or a delta: not held by the peer, nor
+                    // earlier in the turn.
+                    let goes = match f {
+                        Some(f) => !self.mirror.holds(&f) && seen.insert(f),
+                        None => !policy.dedup,
+                    };
+                    if goes && (lit.is_some() || anchors) {
+                        places.push(Place::Job(jobs.len()));
+                        jobs.push(Job::of(chunk, lit, anchors, slot));
+                    } else {
+                        places.push(Place::Here(slot));
+                    }
                 }
-                used = b.0 + b.1;
+                // Last: the first a worker takes (see `Ahead`).
+                if more {
+                    jobs.push(Job::cut(
+                        &view[from..at.end],
+                        chunking,
+                        BATCH,
+                        policy.dedup,
+                        &mut found,
+                    ));
+                }
+                (places, jobs)
+            };
+            let ahead = Ahead::new(jobs, (end - used) as u64);
+            let (mut went, mut stopped) = (0, None);
+            let mut caller = || {
+                let mut off = used;
+                for (place, &(len, _)) in places.drain(..).zip(&cut.chunks) {
+                    let r = match place {
+                        Place::Job(j) => ahead
+                            .with(j, |p| self.one(at, (off, len), policy, hint, Some(p)))
+                            .flatten(),
+                        Place::Here(p) => self.one(at, (off, len), policy, hint, Some(p)),
+                    };
+                    if let Some(stop) = r {
+                        stopped = Some(stop);
+                        return;
+                    }
+                    off += len;
+                    went += 1;
+                }
+            };
+            if ahead.is_empty() {
+                caller();
+            } else {
+                w.overlap(&ahead, &mut caller);
             }
-            self.mirror.end_batch();
-        }
-        (used, Stop::End)
+            drop(ahead);
+            self.mirror.put_slots(slots);
+            for (len, _) in cut.chunks.drain(..went) {
+                used += len;
+            }
+            cut.at = base + used as u64;
+            if more {
+                cut.chunks.extend(found.iter().map(|&(_, l, f)| (l, f)));
+            }
+            if let Some(stop) = stopped {
+                break stop;
+            }
+        };
+        cut.found = found;
+        stop
     }
 
-    /// Encodes the chunk at `(off, len)` of `at.view` (prepared as the `prep`th of a batch);
+    /// The fingerprints of the chunks `found` in `bytes`, taken on the workers where chunks are
+    /// deduplicated (none where they are not).
+    fn fingerprints(
+        &mut self,
+        w: &dyn crate::prepare::Workers,
+        bytes: &[u8],
+        found: &[Found],
+        policy: &Policy,
+    ) -> Vec<Option<Fingerprint>> {
+        if !policy.dedup {
+            return vec![None; found.len()];
+        }
+        let mut slots = self.mirror.take_slots(found.len());
+        let mut jobs: Vec<Job<'_>> = found
+            .iter()
+            .zip(slots.iter_mut())
+            .map(|(&(o, l, _), s)| {
+                s.reset(l);
+                Job::new(&bytes[o..o + l], Work::Fingerprint, s)
+            })
+            .collect();
+        w.run(&mut jobs);
+        drop(jobs);
+        let fps = slots
+            .iter()
+            .take(found.len())
+            .map(|s| s.fingerprint)
+            .collect();
+        self.mirror.put_slots(slots);
+        fps
+    }
+
+    /// Encodes the chunk at `(off, len)` of `at.view` (with what the workers prepared for it);
     /// `Some` when the turn stops before it, with the bytes used before it.
     fn one(
         &mut self,
@@ -388,7 +575,7 @@ impl<B: BufMut> Cut<'_, B> {
         (off, len): (usize, usize),
         policy: &Policy,
         hint: &mut Hint,
-        prep: Option<usize>,
+        prep: Option<&mut Prepared>,
     ) -> Option<(usize, Stop)> {
         let t = &mut *self.turn;
         // A run's literals have most of their bytes still to come (in this frame): keep

@@ -159,9 +159,8 @@ pub struct Mirror {
     run_done: Option<(usize, usize, usize)>,
     /// Threads to prepare a turn's chunks on (see [`prepare`]); `None`: each chunk in turn.
     workers: Option<std::sync::Arc<dyn prepare::Workers>>,
-    /// What [`prepare`](Mirror::prepare) made of the turn's chunks (the first `batch_len`).
+    /// The slots a turn's chunks are prepared in (see [`take_slots`](Mirror::take_slots)).
     batch: Vec<prepare::Prepared>,
-    batch_len: usize,
     /// A delta run's buffers between runs (a stream holds them only while it gathers one).
     run_spare: Option<Box<Run>>,
     /// Counts of records written for chunks reported earlier (a delta run's, a run's end):
@@ -261,7 +260,6 @@ impl Mirror {
             run_done: None,
             workers: None,
             batch: Vec::new(),
-            batch_len: 0,
             run_spare: None,
             late: EncodeStats::default(),
             logs: crate::logs::Logs::for_cache(cache_bytes),
@@ -290,72 +288,44 @@ impl Mirror {
         self.workers.is_some()
     }
 
-    /// Fingerprints the chunks of `view` at `bounds` (offset, length), and compresses those that
-    /// will go as literals alone, on the workers, before [`encode_chunk`](Self::encode_chunk)
-    /// encodes them in order. False (nothing prepared) without workers, for fewer than two
-    /// chunks, or for a latency-class stream (its small writes never wait for a pool).
-    pub fn prepare(
-        &mut self,
-        view: &[u8],
-        bounds: &[(usize, usize)],
+    /// The workers chunks are prepared on, if any.
+    pub(crate) fn workers(&self) -> Option<std::sync::Arc<dyn prepare::Workers>> {
+        self.workers.clone()
+    }
+
+    /// What the workers do ahead for a chunk of this turn that will go as a literal or a delta
+    /// (see [`prepare`]): its compression alone, if that is how its literal goes, and whether
+    /// its delta anchors are wanted.
+    pub(crate) fn ahead_work(
+        &self,
         policy: &Policy,
         pressure: Pressure,
         hint: &Hint,
-    ) -> bool {
-        use prepare::{Job, Work};
-        self.batch_len = 0;
-        let Some(w) = self.workers.clone() else {
-            return false;
-        };
-        if bounds.len() < 2 || policy.latency || bounds.iter().any(|&(o, l)| o + l > view.len()) {
-            return false;
+    ) -> (Option<prepare::Work>, bool) {
+        (
+            self.literal_work(policy, pressure, hint),
+            self.delta_wanted(policy, pressure, hint),
+        )
+    }
+
+    /// Whether the peer holds the chunk of fingerprint `f` (it will go as a reference).
+    pub(crate) fn holds(&self, f: &Fingerprint) -> bool {
+        self.cache.contains(f)
+    }
+
+    /// The slots a turn's chunks are prepared in, `n` of them, emptied (their buffers stay);
+    /// given back with [`put_slots`](Self::put_slots).
+    pub(crate) fn take_slots(&mut self, n: usize) -> Vec<prepare::Prepared> {
+        let mut v = std::mem::take(&mut self.batch);
+        if v.len() < n {
+            v.resize_with(n, Default::default);
         }
-        if self.batch.len() < bounds.len() {
-            self.batch.resize_with(bounds.len(), Default::default);
-        }
-        for (s, &(_, l)) in self.batch.iter_mut().zip(bounds) {
-            s.reset(l);
-        }
-        let piece = |&(o, l): &(usize, usize)| &view[o..o + l];
-        let work = if policy.dedup {
-            Work::Fingerprint
-        } else {
-            // Nothing to fingerprint: only compression.
-            match self.literal_work(policy, pressure, hint) {
-                Some(w) => w,
-                None => return false,
-            }
-        };
-        let mut jobs: Vec<Job<'_>> = bounds
-            .iter()
-            .zip(self.batch.iter_mut())
-            .map(|(b, s)| Job::new(piece(b), work, s))
-            .collect();
-        w.run(&mut jobs);
-        drop(jobs);
-        let literal = self.literal_work(policy, pressure, hint);
-        // The anchors a delta base is looked up with depend on the chunk's bytes alone.
-        let anchors = self.delta_wanted(policy, pressure, hint);
-        if policy.dedup && (literal.is_some() || anchors) {
-            // Only what will go as a literal or a delta: not held by the peer, nor earlier in
-            // the turn.
-            let cache = &self.cache;
-            let mut seen = std::collections::HashSet::with_capacity(bounds.len());
-            let mut jobs: Vec<Job<'_>> = bounds
-                .iter()
-                .zip(self.batch.iter_mut())
-                .filter(|(_, s)| {
-                    s.fingerprint
-                        .is_some_and(|f| !cache.contains(&f) && seen.insert(f))
-                })
-                .map(|(b, s)| Job::of(piece(b), literal, anchors, s))
-                .collect();
-            if !jobs.is_empty() {
-                w.run(&mut jobs);
-            }
-        }
-        self.batch_len = bounds.len();
-        true
+        v
+    }
+
+    /// Gives back what [`take_slots`](Self::take_slots) took.
+    pub(crate) fn put_slots(&mut self, slots: Vec<prepare::Prepared>) {
+        self.batch = slots;
     }
 
     /// The compression a literal alone of this stream would get, to do ahead; `None` where
@@ -383,11 +353,6 @@ impl Mirror {
                 trial: true,
             }),
         }
-    }
-
-    /// Forgets what was prepared.
-    pub fn end_batch(&mut self) {
-        self.batch_len = 0;
     }
 
     /// Lets bulk streams use long contexts as agreed with the peer, counted in `slots` (shared
@@ -469,20 +434,18 @@ impl Mirror {
         self.recent.size = 0;
     }
 
-    /// Appends the record for one chunk to `out`. With `prepared: Some(i)`, `chunk` is the `i`th
-    /// chunk [`prepare`](Self::prepare) was given, and what was prepared for it is used (the
-    /// record is the same either way).
-    pub fn encode_chunk(
+    /// Appends the record for one chunk to `out`. With `prepared`, what the workers prepared
+    /// for `chunk` (see [`prepare`]) is used: the record is the same either way.
+    pub(crate) fn encode_chunk(
         &mut self,
         chunk: &[u8],
         policy: &Policy,
         pressure: Pressure,
         hint: &mut Hint,
         out: &mut impl BufMut,
-        prepared: Option<usize>,
+        prepared: Option<&mut prepare::Prepared>,
     ) -> Report {
-        let i = prepared.filter(|i| *i < self.batch_len && self.batch[*i].len == chunk.len());
-        let mut p = i.map(|i| std::mem::take(&mut self.batch[i]));
+        let p = prepared.filter(|p| p.len == chunk.len());
         // A live stream's chunks join its tails' context; a bulk stream's all go through its
         // long context when there is one to have.
         let live = policy.context && (hint.live > 0 || (policy.bulk && self.long.is_some()));
@@ -490,20 +453,15 @@ impl Mirror {
         hint.live = hint.live.saturating_sub(1);
         let started = self.start_log(policy, hint, out);
         hint.no_wait = started > 0;
-        let r = self.encode_piece(chunk, live, policy, pressure, hint, out, p.as_mut());
+        let r = self.encode_piece(chunk, live, policy, pressure, hint, out, p);
         if r.sent == Sent::Wait {
             // The chunk comes again.
             hint.live = live_before;
         }
-        let r = Report {
+        Report {
             run_end: r.run_end + started,
             ..r
-        };
-        if let (Some(i), Some(p)) = (i, p) {
-            // Its buffer serves the next turn.
-            self.batch[i] = p;
         }
-        r
     }
 
     /// Appends the record for a chunk or a tail to `out`; a tail may use the stream's context.

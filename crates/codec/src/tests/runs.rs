@@ -130,9 +130,16 @@ fn hostile_runs_are_errors() {
     assert!(out.is_empty(), "nothing rebuilt from a broken run");
 }
 
-/// Workers on threads of their own: the jobs split in `.0` parts, one thread each.
-#[derive(Debug)]
-struct Threads(usize);
+/// Workers on threads of their own: the jobs split in `.0` parts, one thread each; `.1` counts
+/// the jobs that cut chunks ahead.
+#[derive(Debug, Default)]
+struct Threads(usize, std::sync::atomic::AtomicUsize);
+
+impl Threads {
+    fn new(n: usize) -> Self {
+        Threads(n, Default::default())
+    }
+}
 
 impl prepare::Workers for Threads {
     fn run(&self, jobs: &mut [prepare::Job<'_>]) {
@@ -141,6 +148,18 @@ impl prepare::Workers for Threads {
             for part in jobs.chunks_mut(per) {
                 s.spawn(move || part.iter_mut().for_each(prepare::Job::run));
             }
+        });
+    }
+
+    fn overlap(&self, ahead: &prepare::Ahead<'_>, caller: &mut dyn FnMut()) {
+        self.1
+            .fetch_add(ahead.cuts(), std::sync::atomic::Ordering::Relaxed);
+        std::thread::scope(|s| {
+            for _ in 1..self.0 {
+                s.spawn(|| ahead.work());
+            }
+            caller();
+            ahead.work();
         });
     }
 }
@@ -172,7 +191,7 @@ fn anchors_found_on_workers_give_the_same_deltas() {
         };
         let (mut alone, _) = pair(&cfg);
         let (mut pooled, mut dec) = pair(&cfg);
-        pooled.set_workers(Some(std::sync::Arc::new(Threads(2))));
+        pooled.set_workers(Some(std::sync::Arc::new(Threads::new(2))));
         let (a, b) = (wire(&mut alone), wire(&mut pooled));
         assert!(a == b, "{} and {} bytes", a.len(), b.len());
         assert_eq!(alone.stats(), pooled.stats());
@@ -183,6 +202,67 @@ fn anchors_found_on_workers_give_the_same_deltas() {
     }
 }
 
+/// A link's frame room for a turn's records (a 256 KiB frame).
+const ROOM: usize = 256 * 1024 - 4;
+
+/// A bulk stream with more queued than a turn takes has its next turn's chunks cut and
+/// fingerprinted on the workers while a turn encodes: the records are still the very ones the
+/// encoder writes alone, turn for turn (a link's 64 KiB quantum, so turns end in the middle of
+/// what was cut ahead), with and without flushes, repeats, deltas and contexts, and decode to
+/// the stream.
+#[test]
+fn chunks_cut_ahead_encode_to_the_same_records() {
+    let first = [
+        crate::testdata::rows(21, 120),
+        crate::testdata::noise(4, 700_000),
+        crate::testdata::words(5, 60),
+    ]
+    .concat();
+    let changed = crate::testdata::edited(&first, 9);
+    let data = [&first[..], &changed[..], &first[..]].concat();
+    let configs = [
+        (Compression::Lz4, true, false, Pressure::CpuBound),
+        (Compression::Adaptive, true, true, Pressure::LinkBound),
+        (Compression::Zstd, true, false, Pressure::LinkBound),
+        (Compression::Adaptive, false, true, Pressure::LinkBound),
+        (Compression::Lz4, false, false, Pressure::CpuBound),
+    ];
+    for (compression, dedup, context, pressure) in configs {
+        for flush in [false, true] {
+            let cfg = CodecConfig {
+                compression,
+                dedup,
+                context,
+                ..CodecConfig::default()
+            };
+            let wire = |enc: &mut Encoder| {
+                enc.set_turn_limits(65_536, ROOM);
+                encode_all(pressure, enc, &data, &[1 << 20, 300_000], flush)
+            };
+            let (mut alone, _) = pair(&cfg);
+            let (mut pooled, mut dec) = pair(&cfg);
+            let threads = std::sync::Arc::new(Threads::new(2));
+            pooled.set_workers(Some(threads.clone()));
+            let (a, b) = (wire(&mut alone), wire(&mut pooled));
+            let what = format!("{compression:?} dedup {dedup} context {context} flush {flush}");
+            assert!(a == b, "{what}: {} and {} bytes", a.len(), b.len());
+            assert_eq!(alone.stats(), pooled.stats(), "{what}");
+            let cuts = threads.1.load(std::sync::atomic::Ordering::Relaxed);
+            assert!(cuts > 20, "{what}: {cuts} turns' chunks cut ahead");
+            if dedup {
+                assert!(
+                    pooled.stats().hit_chunks > 100,
+                    "{what}: {:?}",
+                    pooled.stats()
+                );
+            }
+            let mut out = Vec::new();
+            dec.decode(&b, &mut out).expect("decodes");
+            assert!(out == data, "{what}");
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
     /// Chunks prepared on worker threads encode to the very records the encoder writes alone,
@@ -190,8 +270,8 @@ proptest! {
     /// decode to the stream.
     #[test]
     fn prepared_chunks_encode_to_the_same_records(
-        parts in proptest::collection::vec((0u8..3, 0usize..120_000, any::<u64>()), 1..6),
-        pieces in proptest::collection::vec(1usize..200_000, 1..6),
+        parts in proptest::collection::vec((0u8..3, 0usize..300_000, any::<u64>()), 1..6),
+        pieces in proptest::collection::vec(1usize..1_200_000, 1..6),
         compression in prop::sample::select(vec![
             Compression::Adaptive, Compression::Lz4, Compression::Zstd, Compression::None,
         ]),
@@ -199,14 +279,21 @@ proptest! {
         dedup in any::<bool>(),
         context in any::<bool>(),
         threads in 1usize..4,
+        quantum in prop::option::of(2_000usize..100_000),
+        flush in any::<bool>(),
     ) {
         let data = mix(&parts);
         let cfg = CodecConfig { compression, dedup, context, ..CodecConfig::default() };
         let pressure = if cpu { Pressure::CpuBound } else { Pressure::LinkBound };
-        let wire = |enc: &mut Encoder| encode_all(pressure, enc, &data, &pieces, false);
+        let wire = |enc: &mut Encoder| {
+            if let Some(q) = quantum {
+                enc.set_turn_limits(q, ROOM);
+            }
+            encode_all(pressure, enc, &data, &pieces, flush)
+        };
         let (mut alone, _) = pair(&cfg);
         let (mut pooled, mut dec) = pair(&cfg);
-        pooled.set_workers(Some(std::sync::Arc::new(Threads(threads))));
+        pooled.set_workers(Some(std::sync::Arc::new(Threads::new(threads))));
         let a = wire(&mut alone);
         let b = wire(&mut pooled);
         prop_assert!(a == b, "{} and {} bytes", a.len(), b.len());
@@ -216,7 +303,7 @@ proptest! {
         prop_assert!(out == data);
         // A decoder that decompresses on the workers rebuilds the same, and caches the same.
         let mut pooled_dec = Decoder::new(&cfg);
-        pooled_dec.set_workers(Some(std::sync::Arc::new(Threads(threads))));
+        pooled_dec.set_workers(Some(std::sync::Arc::new(Threads::new(threads))));
         let mut out2 = Vec::new();
         pooled_dec.decode(&b, &mut out2).expect("decodes");
         prop_assert!(out2 == data);
@@ -245,7 +332,7 @@ proptest! {
         }
         wire.truncate(cut.index(wire.len() + 1));
         let (mut plain, mut pooled) = (Decoder::new(&cfg), Decoder::new(&cfg));
-        pooled.set_workers(Some(std::sync::Arc::new(Threads(2))));
+        pooled.set_workers(Some(std::sync::Arc::new(Threads::new(2))));
         let (mut a, mut b) = (Vec::new(), Vec::new());
         let ra = plain.decode(&wire, &mut a);
         let rb = pooled.decode(&wire, &mut b);
