@@ -500,9 +500,14 @@ impl<B: BufMut> Cut<'_, B> {
                 let mut off = used;
                 for (place, &(len, _)) in places.drain(..).zip(&cut.chunks) {
                     let r = match place {
-                        Place::Job(j) => ahead
+                        // Every chunk is encoded: with what its job made, or (no such job)
+                        // preparing nothing.
+                        Place::Job(j) => match ahead
                             .with(j, |p| self.one(at, (off, len), policy, hint, Some(p)))
-                            .flatten(),
+                        {
+                            Some(r) => r,
+                            None => self.one(at, (off, len), policy, hint, None),
+                        },
                         Place::Here(p) => self.one(at, (off, len), policy, hint, Some(p)),
                     };
                     if let Some(stop) = r {
