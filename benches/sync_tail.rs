@@ -14,7 +14,8 @@
 //! --preset t3-100ms-1 --seconds 600`. Options: `--preset NAME` (default `t3-100ms-0.5`),
 //! `--seconds N` per phase (default 60), `--copies N` for the first pair (default 2),
 //! `--spaced-copies N,M,..` (default: `--copies`; `N@MS` spaces that pair's copies MS apart,
-//! `N@MS/RTO` sets its `link.lane_rto_min` too, in ms or `off`),
+//! `N@MS/RTO` sets its `link.lane_rto_min` too, in ms or `off`; a `:off` or `:on` suffix its
+//! `link.lane_datagrams`),
 //! `--spacing MS` between the spaced pairs' copies (default 5; 0 leaves them out), `--rto-min
 //! MS` their `link.lane_rto_min` (or `off`; default the daemon's `auto`), `--latency-queue V` every pair's
 //! `link.latency_queue` (default 5ms; `off`), `--phases idle,loaded` (default both), `--svg
@@ -144,7 +145,11 @@ fn main() {
     east_servers(&wan, east_ip);
     // Pairs side by side: east on 7400 (copies back to back), 7401 (one connection) and 7402
     // (copies `--spacing` ms apart).
-    let start = |port: u16, redundancy: &str, spacing: u64, rto_min: Option<String>| {
+    let start = |port: u16,
+                 redundancy: &str,
+                 spacing: u64,
+                 rto_min: Option<String>,
+                 datagrams: Option<String>| {
         let latency_queue = latency_queue.clone();
         let lat = format!("    class: latency\n    redundancy: {redundancy}\n");
         let stated = stated.clone();
@@ -158,36 +163,47 @@ fn main() {
             ),
             move |_, y| {
                 link_lines(
-                    y.replace(":7400", &format!(":{port}")),
+                    format!(
+                        "{}admin:\n  listen: 127.0.0.1:0\n",
+                        y.replace(":7400", &format!(":{port}"))
+                    ),
                     &format!(
-                        "{stated}  copy_spacing: {spacing}ms\n{}  latency_queue: {latency_queue}\n",
+                        "{stated}  copy_spacing: {spacing}ms\n{}{}  latency_queue: {latency_queue}\n",
                         rto_min
                             .as_ref()
-                            .map_or(String::new(), |m| format!("  lane_rto_min: {m}\n"))
+                            .map_or(String::new(), |m| format!("  lane_rto_min: {m}\n")),
+                        datagrams
+                            .as_ref()
+                            .map_or(String::new(), |d| format!("  lane_datagrams: {d}\n"))
                     ),
                 )
             },
         )
     };
-    let with_copies = start(7400, &copies, 0, rto_min.clone());
-    let single = start(7401, "off", 0, rto_min.clone());
+    let with_copies = start(7400, &copies, 0, rto_min.clone(), None);
+    let single = start(7401, "off", 0, rto_min.clone(), None);
     // One pair per entry of `--spaced-copies`: N copies `--spacing` ms apart, or `N@MS`.
     // `N@MS/RTO` also sets that pair's `link.lane_rto_min` (else `--rto-min`).
-    let spaced: Vec<(String, u64, Option<String>, common::WanPair)> = if spacing > 0 {
+    type Spaced = (String, u64, Option<String>, Option<String>, common::WanPair);
+    let spaced: Vec<Spaced> = if spacing > 0 {
         spaced_copies
             .iter()
             .enumerate()
             .map(|(i, entry)| {
+                let (entry, datagrams) = match entry.split_once(':') {
+                    Some((e, d)) => (e, Some(d.to_string())),
+                    None => (entry.as_str(), None),
+                };
                 let (entry, rto) = match entry.split_once('/') {
                     Some((e, r)) => (e, Some(rto_setting(r))),
-                    None => (entry.as_str(), rto_min.clone()),
+                    None => (entry, rto_min.clone()),
                 };
                 let (n, ms) = match entry.split_once('@') {
                     Some((n, ms)) => (n.to_string(), ms.parse().expect("--spaced-copies N@MS")),
                     None => (entry.to_string(), spacing),
                 };
-                let pair = start(7402 + i as u16, &n, ms, rto.clone());
-                (n, ms, rto, pair)
+                let pair = start(7402 + i as u16, &n, ms, rto.clone(), datagrams.clone());
+                (n, ms, rto, datagrams, pair)
             })
             .collect()
     } else {
@@ -215,12 +231,15 @@ fn main() {
             "cubic",
         ),
     ];
-    for (n, spacing, rto, p) in &spaced {
+    for (n, spacing, rto, datagrams, p) in &spaced {
         paths.push((
             format!(
-                "wanopt, redundancy {n}, copies {spacing} ms apart{}",
+                "wanopt, redundancy {n}, copies {spacing} ms apart{}{}",
                 rto.as_ref()
-                    .map_or(String::new(), |m| format!(", lane RTO min {m}"))
+                    .map_or(String::new(), |m| format!(", lane RTO min {m}")),
+                datagrams
+                    .as_ref()
+                    .map_or(String::new(), |d| format!(", datagrams {d}"))
             ),
             p.west.bound("lat"),
             "cubic",
@@ -416,6 +435,53 @@ fn main() {
     );
     std::fs::write(&svg, render(&charts).expect("chart")).expect("write chart");
     report::note(format!("Chart: `{svg}`."));
+    // What each pair's copies cost, from its daemons' metrics: the lane's bytes each side took
+    // (by whichever copy or datagram brought them first) against what its peer sent again.
+    for ((name, ..), pair) in paths.iter().zip(&pair_of) {
+        let Some(p) = pair else { continue };
+        let scrape = |d: &common::Daemon, site: Site| {
+            let admin = d.bound("admin");
+            let s = wan
+                .in_site(site, move || TcpStream::connect(admin))
+                .expect("site")
+                .expect("admin");
+            common::scrape_on(s)
+        };
+        let (w, e) = (scrape(&p.west, Site::West), scrape(&p.east, Site::East));
+        let took = |m: &str| {
+            let won = |c: &str| {
+                common::value(
+                    m,
+                    &format!("wanopt_link_copy_won_bytes_total{{copy=\"{c}\"}} "),
+                )
+            };
+            let by: Vec<u64> = ["1", "2", "3", "4", "5", "datagrams"]
+                .iter()
+                .map(|c| won(c))
+                .collect();
+            (by.iter().sum::<u64>(), by)
+        };
+        let again = |m: &str| {
+            (
+                common::value(m, "wanopt_link_copy_duplicated_bytes_total "),
+                common::value(m, "wanopt_link_lane_datagram_bytes_total "),
+            )
+        };
+        for (from, to, sent, took) in [
+            ("west", "east", again(&w), took(&e)),
+            ("east", "west", again(&e), took(&w)),
+        ] {
+            let (total, by) = took;
+            let x = |b: u64| b as f64 / total.max(1) as f64;
+            report::note(format!(
+                "{name}, {from} to {to}: {total} lane bytes; sent again on copies {:.2}x, as datagrams {:.2}x; first by copy 1-5 {:?}, by datagram {}.",
+                x(sent.0),
+                x(sent.1),
+                &by[..5],
+                by[5]
+            ));
+        }
+    }
     for d in [&with_copies.west, &with_copies.east] {
         let lost = d.count("a latency lane connection was lost");
         if lost > 0 {

@@ -98,7 +98,7 @@ fn lane_ports(wan: &wansim::Wan) -> Vec<u16> {
     ports
 }
 
-/// A pair across wansim `t3-100ms-1` (stating its link, admin on) with one latency service
+/// A pair across wansim `t3-100ms-1` (stating its link, admin on; [`lossy_run_on`]: another preset) with one latency service
 /// `sync` whose target in east echoes; `extra` is added to the service on both sides. Also
 /// starts the SYNC loop from west once a copy is attached: returns the WAN, the pair, the
 /// loop's stop flag and round counter, and the loop's thread.
@@ -111,7 +111,12 @@ struct LossyRun {
 }
 
 fn lossy_run(tag: &str, extra: &str) -> LossyRun {
-    let params = wansim::preset("t3-100ms-1").expect("preset");
+    lossy_run_on("t3-100ms-1", tag, extra)
+}
+
+/// [`lossy_run`] across wansim preset `preset`.
+fn lossy_run_on(preset: &str, tag: &str, extra: &str) -> LossyRun {
+    let params = wansim::preset(preset).expect("preset");
     let wan = wansim::Wan::start(
         &format!("{tag}{}", std::process::id() % 100_000),
         params.clone(),
@@ -517,4 +522,56 @@ fn spaced_copies_ride_a_bursty_wan_beside_a_bulk_load() {
         "{yielded} s"
     );
     assert!(sent > 8 * MIB, "the bulk copy moved {sent} bytes");
+}
+
+/// Across wansim's bursty T3, a latency service with `redundancy: 4` sends its writes as
+/// datagrams too (`link.lane_datagrams: auto`): every round trip is answered exactly, both
+/// sides take the other's datagrams and deliver bytes from them before any TCP copy, and
+/// nothing on the sockets is refused.
+#[test]
+fn lane_datagrams_ride_a_bursty_wan() {
+    if !wansim::available_or_skip("latency lane datagrams across a bursty wansim") {
+        return;
+    }
+    let run = lossy_run_on("t3-100ms-burst", "dg", "    redundancy: 4\n");
+    wait_until(90 * SEC, "round trips", || {
+        run.rounds.load(Ordering::Relaxed) >= 200
+    });
+    run.stop.store(true, Ordering::Relaxed);
+    let mut times = run
+        .looping
+        .join()
+        .expect("sync client")
+        .expect("every round trip answered exactly");
+    println!(
+        "{} round trips with datagrams on t3-100ms-burst: p50 {:?}, p99 {:?}",
+        times.len(),
+        percentile(&mut times, 0.5),
+        percentile(&mut times, 0.99)
+    );
+    for (d, site) in [
+        (&run.pair.west, wansim::Site::West),
+        (&run.pair.east, wansim::Site::East),
+    ] {
+        assert_eq!(d.count("stream failed"), 0, "{}", d.log().join("\n"));
+        let admin = d.bound("admin");
+        let m = scrape_on(
+            run.wan
+                .in_site(site, move || TcpStream::connect(admin))
+                .expect("site")
+                .expect("connect"),
+        );
+        let received = value(&m, "wanopt_link_lane_datagrams_received_total ");
+        let won = value(&m, "wanopt_link_copy_won_bytes_total{copy=\"datagrams\"} ");
+        let cost = value(&m, "wanopt_link_lane_datagram_bytes_total ");
+        println!(
+            "{site:?}: {received} datagrams taken, {won} bytes first by datagram, {cost} bytes sent as datagrams"
+        );
+        assert!(received > 0 && won > 0 && cost > 0, "{m}");
+        assert_eq!(
+            value(&m, "wanopt_link_lane_datagrams_refused_total "),
+            0,
+            "{m}"
+        );
+    }
 }

@@ -6,10 +6,13 @@
 //! Every copy carries the whole byte stream from its start offset, in order, so the merged
 //! stream is the sent one exactly: the link above sees one lane and never a duplicate frame.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+
+/// Most bytes of datagram pieces held ahead of the delivered stream (see [`Merge::piece`]).
+pub const PIECES_LIMIT: usize = 1 << 20;
 
 /// Most connections that carry one lane.
 pub const MAX_COPIES: usize = 5;
@@ -272,6 +275,13 @@ pub struct Merge {
     won: [u64; MAX_COPIES],
     /// Bytes that arrived after another copy had brought them.
     discarded: u64,
+    /// Pieces datagrams brought ahead of the delivered stream, by offset (see [`piece`]).
+    ///
+    /// [`piece`]: Self::piece
+    pieces: BTreeMap<u64, Bytes>,
+    pieces_bytes: usize,
+    /// Bytes datagrams delivered first.
+    won_pieces: u64,
 }
 
 impl Merge {
@@ -283,6 +293,9 @@ impl Merge {
             hold_limit,
             won: [0; MAX_COPIES],
             discarded: 0,
+            pieces: BTreeMap::new(),
+            pieces_bytes: 0,
+            won_pieces: 0,
         }
     }
 
@@ -330,6 +343,45 @@ impl Merge {
         self.discarded
     }
 
+    /// Bytes datagrams delivered first, so far.
+    pub fn won_by_pieces(&self) -> u64 {
+        self.won_pieces
+    }
+
+    /// Takes a piece of the lane a datagram brought, at `offset`, and appends to `out` the bytes
+    /// it and what waited for it deliver, in the lane's order; returns how many. A piece ahead
+    /// of the delivered stream waits for the gap to fill, within [`PIECES_LIMIT`] bytes held and
+    /// the merge's hold limit; one beyond either is dropped (the copies bring its bytes).
+    /// Datagrams never count toward [`complete`](Self::complete): they may all be lost.
+    pub fn piece(&mut self, offset: u64, data: &[u8], out: &mut BytesMut) -> usize {
+        let before = out.len();
+        let end = offset.saturating_add(data.len() as u64);
+        if data.is_empty() || end <= self.delivered {
+            self.discarded += data.len() as u64;
+            return 0;
+        }
+        if offset <= self.delivered {
+            let skip = (self.delivered - offset) as usize;
+            self.discarded += skip as u64;
+            out.extend_from_slice(&data[skip..]);
+            self.won_pieces += end - self.delivered;
+            self.delivered = end;
+        } else if end - self.delivered <= self.hold_limit as u64
+            && self.pieces_bytes + data.len() <= PIECES_LIMIT
+        {
+            let longer = self
+                .pieces
+                .get(&offset)
+                .is_none_or(|p| p.len() < data.len());
+            if longer {
+                let old = self.pieces.insert(offset, Bytes::copy_from_slice(data));
+                self.pieces_bytes += data.len() - old.map_or(0, |p| p.len());
+            }
+        }
+        self.settle(out);
+        out.len() - before
+    }
+
     /// True while some copy brings the bytes that follow the delivered ones. False once every
     /// copy left starts past a gap only a copy now gone could have filled: the lane is lost.
     pub fn complete(&self) -> bool {
@@ -341,7 +393,12 @@ impl Merge {
 
     /// Bytes held for copies ahead of the delivered stream.
     pub fn held_bytes(&self) -> usize {
-        self.copies.iter().flatten().map(|c| c.held.len()).sum()
+        self.copies
+            .iter()
+            .flatten()
+            .map(|c| c.held.len())
+            .sum::<usize>()
+            + self.pieces_bytes
     }
 
     /// Takes the next bytes copy `slot` read and appends to `out` those not delivered before,
@@ -380,10 +437,26 @@ impl Merge {
         Ok(out.len() - before)
     }
 
-    /// Delivers what held copies can now give, until none moves.
+    /// Delivers what held copies and pieces can now give, until none moves.
     fn settle(&mut self, out: &mut BytesMut) {
         loop {
             let mut moved = false;
+            while let Some(entry) = self.pieces.first_entry() {
+                if *entry.key() > self.delivered {
+                    break;
+                }
+                let (offset, p) = entry.remove_entry();
+                self.pieces_bytes -= p.len();
+                let end = offset + p.len() as u64;
+                let skip = (self.delivered - offset).min(p.len() as u64) as usize;
+                self.discarded += skip as u64;
+                if end > self.delivered {
+                    out.extend_from_slice(&p[skip..]);
+                    self.won_pieces += end - self.delivered;
+                    self.delivered = end;
+                    moved = true;
+                }
+            }
             for slot in 0..MAX_COPIES {
                 let Some(c) = self.copies[slot].as_mut() else {
                     continue;
@@ -414,6 +487,96 @@ impl Merge {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A small deterministic generator for the property test below.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n.max(1)
+        }
+    }
+
+    proptest::proptest! {
+        /// TCP copies (each bringing the whole stream in its own chunks, some cut short) and
+        /// sealed datagrams (each sent twice, lost in Gilbert-Elliott bursts, reordered) merge
+        /// into the sent stream exactly: each byte once and in order at every step, and all of
+        /// it once one copy is complete.
+        #[test]
+        fn copies_and_datagrams_under_burst_loss_deliver_exactly_once(
+            seed in 1u64..u64::MAX, len in 1usize..40_000, copies in 1usize..=3, cut in proptest::bool::ANY,
+        ) {
+            let mut r = Rng(seed);
+            let stream: Vec<u8> = (0..len).map(|_| r.next() as u8).collect();
+            let key = [5u8; 32];
+            let (mut sealer, mut opener) =
+                (crate::datagram::Sealer::new(&key, 1), crate::datagram::Opener::new(&key, 1));
+            // Datagrams: writes of up to 9 KB, each piece sent twice, a lossy burst chain.
+            let mut flying = Vec::new();
+            let (mut at, mut bad) = (0, false);
+            while at < len {
+                let w = (1 + r.below(9000) as usize).min(len - at);
+                for d in sealer.seal(at as u64, &stream[at..at + w]) {
+                    for _ in 0..2 {
+                        bad = if bad { r.below(5) != 0 } else { r.below(50) == 0 };
+                        if !bad {
+                            flying.push(d.clone());
+                        }
+                    }
+                }
+                at += w;
+            }
+            // Reordered within a few datagrams.
+            for i in 0..flying.len() {
+                let j = (i + r.below(4) as usize).min(flying.len() - 1);
+                flying.swap(i, j);
+            }
+            let mut m = Merge::new(COPY_LAG_LIMIT);
+            let mut pos = vec![0usize; copies];
+            // A cut copy ends early; copy 0 always completes unless `cut` cuts every copy.
+            let ends: Vec<usize> = (0..copies)
+                .map(|c| if cut && (c > 0 || copies == 1) { r.below(len as u64) as usize } else { len })
+                .collect();
+            for c in 0..copies {
+                m.attach(c, 0).expect("attach");
+            }
+            let mut out = BytesMut::new();
+            let mut next_dgram = 0;
+            loop {
+                let live: Vec<usize> = (0..copies).filter(|c| pos[*c] < ends[*c]).collect();
+                if live.is_empty() && next_dgram == flying.len() {
+                    break;
+                }
+                if next_dgram < flying.len() && (live.is_empty() || r.below(3) == 0) {
+                    let mut d = flying[next_dgram].clone();
+                    next_dgram += 1;
+                    if let Ok((offset, piece, _)) = opener.open(&mut d) {
+                        m.piece(offset, piece, &mut out);
+                    }
+                } else {
+                    let c = live[r.below(live.len() as u64) as usize];
+                    let n = (1 + r.below(3000) as usize).min(ends[c] - pos[c]);
+                    m.input(c, &stream[pos[c]..pos[c] + n], &mut out).expect("input");
+                    pos[c] += n;
+                    if pos[c] == ends[c] && ends[c] < len {
+                        m.detach(c);
+                    }
+                }
+                proptest::prop_assert_eq!(m.delivered() as usize, out.len());
+                proptest::prop_assert_eq!(&out[..], &stream[..out.len()]);
+            }
+            if !cut || copies > 1 {
+                proptest::prop_assert_eq!(out.len(), len, "a complete copy brings everything");
+                proptest::prop_assert_eq!(m.held_bytes(), 0, "nothing waits once all is in");
+            }
+            proptest::prop_assert!(m.won_by_pieces() <= len as u64);
+        }
+    }
 
     fn merged(m: &mut Merge, slot: usize, data: &[u8]) -> Vec<u8> {
         let mut out = BytesMut::new();

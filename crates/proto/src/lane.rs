@@ -53,3 +53,6 @@ pub const CAP_QUIET_BASES: u64 = 2048;
 /// varint stream id and the offset's low 16 bits instead of the whole offset, 9 to 13 bytes of
 /// header where a `Coded` frame's are 22).
 pub const CAP_SHORT_CODED: u64 = 4096;
+/// Hello capability bit (with `CAP_LANE_COPIES`): the sender takes pieces of its latency lane
+/// as sealed UDP datagrams beside the lane's connections (see [`crate::datagram`]).
+pub const CAP_LANE_DATAGRAMS: u64 = 8192;

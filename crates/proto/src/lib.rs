@@ -8,6 +8,7 @@
 pub mod codes;
 pub mod coding;
 pub mod copies;
+pub mod datagram;
 pub mod error;
 pub mod flow;
 pub mod frame;

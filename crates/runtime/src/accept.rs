@@ -153,7 +153,12 @@ async fn accept_link(
             sockopt::tune_lane_socket(&sock, &cfg.link);
             match (lane_id, copy_at) {
                 (Some(id), Some(at)) => accept_copy(peer, tls, fd, addr, (token, id, at), buf),
-                _ => accept_lane(peer.clone(), tls, fd, addr, (token, lane_id), buf).await,
+                _ => {
+                    // The lane's datagram keys, from its first connection's TLS session.
+                    let keys = lane_id.and_then(|id| crate::datagrams::export(tls.get_ref().1, id));
+                    let lane = (token, lane_id, keys);
+                    accept_lane(peer.clone(), tls, fd, addr, lane, buf).await
+                }
             }
         }
     }
@@ -238,7 +243,11 @@ async fn accept_lane<S>(
     stream: S,
     fd: Option<std::os::fd::RawFd>,
     addr: SocketAddr,
-    (token, id): (u64, Option<u64>),
+    (token, id, keys): (
+        u64,
+        Option<u64>,
+        Option<[u8; wanopt_proto::datagram::EXPORT_LEN]>,
+    ),
     buf: BytesMut,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -248,8 +257,14 @@ async fn accept_lane<S>(
     let attached = tokio::time::timeout(peer.cfg().limits.handshake_timeout, async {
         loop {
             let current = rx.borrow_and_update().clone();
+            let datagrams = keys
+                .zip(id)
+                .zip(peer.datagram_socket.get())
+                .map(|((k, id), s)| {
+                    crate::datagrams::LaneDatagrams::new(&k, id, false, s.clone(), None)
+                });
             if let Some(h) = current
-                && let Some(conn) = h.attach_lane(token, id)
+                && let Some(conn) = h.attach_lane(token, id, datagrams)
             {
                 return Some((h, conn));
             }

@@ -211,6 +211,10 @@ pub struct LinkCounters {
     pub copy_impaired: Counter,
     pub copies_lost: Counter,
     pub copy_won: Family<CopyLabel, Counter>,
+    pub datagram_bytes: Counter,
+    pub datagrams_received: Counter,
+    pub datagrams_late: Counter,
+    pub datagrams_refused: Counter,
     pub bulk_pacing: Gauge,
     pub bulk_yield_seconds: Seconds,
 }
@@ -222,9 +226,10 @@ pub struct CopyLabel {
 }
 
 impl LinkCounters {
-    /// Counts latency-lane bytes copy `slot` delivered before any other copy.
+    /// Counts latency-lane bytes copy `slot` delivered before any other copy (slot 5: the
+    /// lane's datagrams).
     pub fn copy_won(&self, slot: usize, n: u64) {
-        const NAMES: [&str; 5] = ["1", "2", "3", "4", "5"];
+        const NAMES: [&str; 6] = ["1", "2", "3", "4", "5", "datagrams"];
         if let Some(copy) = NAMES.get(slot) {
             self.copy_won.get_or_create(&CopyLabel { copy }).inc_by(n);
         }
@@ -276,7 +281,7 @@ impl LinkCounters {
         );
         r.register(
             "wanopt_link_outside_allow",
-            "Link connections closed before any TLS byte because their source is outside link.allow",
+            "Link connections closed before any TLS byte, and latency-lane datagrams dropped unread, because their source is outside link.allow",
             m.outside_allow.clone(),
         );
         r.register(
@@ -370,6 +375,30 @@ impl LinkCounters {
             "Latency-lane bytes each copy delivered first",
             m.copy_won.clone(),
         );
+        for (name, help, c) in [
+            (
+                "wanopt_link_lane_datagram_bytes",
+                "Bytes the latency lane's datagrams put on the wire, each send counted (link.lane_datagrams): what they cost",
+                &m.datagram_bytes,
+            ),
+            (
+                "wanopt_link_lane_datagrams_received",
+                "Latency-lane datagrams from the peer that opened under the lane's keys",
+                &m.datagrams_received,
+            ),
+            (
+                "wanopt_link_lane_datagrams_late",
+                "Latency-lane datagrams dropped as seen before: a later send of one that had arrived",
+                &m.datagrams_late,
+            ),
+            (
+                "wanopt_link_lane_datagrams_refused",
+                "Datagrams on the lane's socket that did not open under the current lane's keys (forged, damaged, or of an older lane)",
+                &m.datagrams_refused,
+            ),
+        ] {
+            r.register(name, help, c.clone());
+        }
         r.register(
             "wanopt_link_copies_lost",
             "Copy connections of the latency lane lost while another carried the lane",

@@ -195,6 +195,7 @@ impl Daemon {
             _ => None,
         };
         let mut bound = Bound::default();
+        let mut datagram_socket = None;
         let link_listener = match &cfg.link.role {
             LinkRole::Listen(addr) => {
                 let l = take(&ListenerKind::Link)
@@ -207,6 +208,11 @@ impl Daemon {
                 let local = l.local_addr().unwrap_or(*addr);
                 info!(kind = "link", addr = %local, peer = %cfg.link.peer, "bound");
                 bound.link = Some(local);
+                if cfg.link.latency_lane
+                    && cfg.link.lane_datagrams != crate::datagrams::Setting::Off
+                {
+                    datagram_socket = crate::datagrams::bind_listening(local);
+                }
                 Some(l)
             }
             LinkRole::Connect(_) => None,
@@ -269,6 +275,9 @@ impl Daemon {
             shutdown,
             supervisor_tx,
         ));
+        if let Some(s) = datagram_socket {
+            let _ = peer.datagram_socket.set(s);
+        }
         Ok(Daemon {
             peer,
             supervisor: supervisor_rx,
@@ -363,6 +372,20 @@ impl Daemon {
             }
             None => None,
         };
+        if let Some(s) = peer.datagram_socket.get() {
+            let (p, q) = (peer.clone(), peer.clone());
+            let current = move || p.current.borrow().clone();
+            // As the link listener's gate does: a source outside `link.allow` is not read.
+            let admit = move |from: std::net::SocketAddr| {
+                let allowed = crate::config::allowed(&q.cfg().link.allow, from.ip());
+                if !allowed {
+                    crate::counters::add(&q.counters.link.outside_allow, 1);
+                }
+                allowed
+            };
+            let receive = crate::driver::receive_datagrams(s.clone(), true, current, admit);
+            crate::spawn(receive);
+        }
         let mut link_task = Some(match self.link_listener {
             Some(l) => crate::spawn(accept::accept_links(peer.clone(), l)),
             None => crate::spawn(dial::connect_loop(peer.clone(), adopted_link)),

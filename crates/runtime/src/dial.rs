@@ -202,10 +202,28 @@ async fn try_open_lane(
     tls.write_all(&hello)
         .await
         .map_err(|e| format!("write: {e}"))?;
-    let Some(conn) = h.attach_lane(token, Some(id)) else {
+    // The lane's datagrams: keyed from this connection, on a socket of their own toward the
+    // address it dialed.
+    let datagrams = (peer.cfg().link.lane_datagrams != crate::datagrams::Setting::Off)
+        .then(|| crate::datagrams::export(tls.get_ref().1, id))
+        .flatten()
+        .zip(crate::datagrams::bind_connecting(addr))
+        .map(|(keys, socket)| {
+            crate::datagrams::LaneDatagrams::new(&keys, id, true, socket, Some(addr))
+        });
+    let socket = datagrams.as_ref().map(|d| d.socket());
+    let Some(conn) = h.attach_lane(token, Some(id), datagrams) else {
         // The link went (or has its lane) meanwhile.
         return Ok(());
     };
+    if let Some(s) = socket.filter(|s| h.lane_uses(s)) {
+        let link = h.clone();
+        let current = move || Some(link.clone());
+        // The socket is connected to nothing: only what opens under the lane's keys is taken.
+        let task = crate::spawn(driver::receive_datagrams(s, false, current, |_| true));
+        h.keep_task(task);
+        h.datagram_hello();
+    }
     info!(link = h.id, addr = %addr, "latency lane attached");
     peer.counters.link.lanes.set(2);
     let fd = Some(tls.get_ref().0.get_ref().as_raw_fd());
@@ -306,6 +324,7 @@ pub(crate) async fn keep_copies(peer: Arc<Peer>, h: Arc<LinkHandle>) {
         let (retransmitted, segments) = h.lane_segments();
         policy.segments(now, retransmitted, segments);
         let wanted = policy.wanted(now, sent, received).min(most);
+        h.datagram_hello();
         h.ctx.counters.link.copies_wanted.set(wanted as i64);
         if wanted != wanted_before && wanted_before != 0 {
             let loss = policy

@@ -14,6 +14,7 @@ pub mod cachedir;
 pub mod config;
 pub mod counters;
 pub mod daemon;
+pub mod datagrams;
 mod dial;
 pub mod disk;
 mod driver;

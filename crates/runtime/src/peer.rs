@@ -42,6 +42,8 @@ pub(crate) struct Peer {
     pub pumps: Arc<std::sync::atomic::AtomicUsize>,
     /// The streams parked for the new process.
     pub parked: std::sync::Mutex<Vec<crate::handover::Parked>>,
+    /// The listening side's socket for the latency lane's datagrams (see [`crate::datagrams`]).
+    pub datagram_socket: std::sync::OnceLock<Arc<tokio::net::UdpSocket>>,
 }
 
 /// One of [`Peer::pumps`], counted off when dropped.
@@ -85,6 +87,7 @@ impl Peer {
             parking: watch::channel(false).0,
             pumps: Arc::default(),
             parked: std::sync::Mutex::default(),
+            datagram_socket: std::sync::OnceLock::new(),
         }
     }
 
@@ -129,6 +132,7 @@ impl Peer {
                 crate::config::zstd_range(&cfg.optimize),
             ),
             copy_spacing: cfg.link.copy_spacing,
+            datagrams: cfg.link.lane_datagrams,
             room: cfg
                 .link
                 .max_rate_bps
@@ -297,6 +301,7 @@ pub fn link_config(cfg: &Config, caches: Option<&Arc<CacheDir>>) -> LinkConfig {
     c.latency_lane = cfg.link.latency_lane;
     c.resume_window = cfg.link.resume_window;
     c.lane_copies = cfg.redundancy().most();
+    c.lane_datagrams = cfg.link.lane_datagrams != crate::datagrams::Setting::Off;
     c.token = rand::random();
     if cfg.optimize.enabled {
         c.codec = Some(cfg.optimize.codec.clone());

@@ -38,6 +38,9 @@ pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>, scoped: Vec<String
     }
     if cfg.latency_lane && cfg.lane_copies > 1 {
         capabilities |= CAP_LANE_COPIES;
+        if cfg.lane_datagrams {
+            capabilities |= crate::lane::CAP_LANE_DATAGRAMS;
+        }
     }
     // Deltas off on one side are off both ways, as long contexts are.
     if cfg.codec.as_ref().is_some_and(|c| c.delta_bytes > 0) {

@@ -10,6 +10,7 @@ mod coded;
 mod handover;
 mod hello;
 mod input;
+mod lanes;
 mod resume;
 mod streams;
 mod timer;
@@ -30,7 +31,7 @@ use crate::coding::{
 use crate::error::{LinkError, StreamError};
 use crate::flow::{RecvWindow, SendCredit};
 use crate::frame::{Class, CloseCode, Frame, Hello, ResetCode, StreamId};
-use crate::lane::{CAP_LATENCY_LANE, LANES, LATENCY_LANE, MAIN_LANE};
+use crate::lane::{LANES, LATENCY_LANE, MAIN_LANE};
 use wanopt_codec::cache::Snapshot;
 
 use hello::PeerParams;
@@ -74,6 +75,9 @@ pub struct LinkConfig {
     /// Most connections that may carry the latency lane at once, each with a copy of its bytes
     /// (see [`crate::copies`]); 1 takes no copies.
     pub lane_copies: usize,
+    /// Take pieces of the latency lane as UDP datagrams too (see [`crate::datagram`]); used
+    /// only when both ends say so.
+    pub lane_datagrams: bool,
     /// The optimization codec: `None` sends and accepts stream bytes as they are.
     pub codec: Option<CodecSettings>,
     /// Disk tiers and saved cache states; `None` keeps caches in memory for the link's life.
@@ -113,6 +117,7 @@ impl LinkConfig {
             latency_lane: true,
             token: 0,
             lane_copies: 1,
+            lane_datagrams: false,
             codec: None,
             cache_storage: None,
             checkpoint_interval: Duration::from_secs(60),
@@ -835,97 +840,6 @@ impl Link {
                 });
             }
         }
-    }
-
-    /// The connecting side: after the peer's hello, whether to open a latency lane, and the token
-    /// to present on it.
-    pub fn lane_offer(&self) -> Option<u64> {
-        (self.cfg.initiator
-            && self.cfg.latency_lane
-            && self.state == State::Open
-            && !self.lane_attached
-            && self.peer.has(CAP_LATENCY_LANE))
-        .then_some(self.peer.token)
-    }
-
-    /// The first frame to send on a new latency-lane connection (connecting side): it presents
-    /// `token` and names the lane `lane_id`; a copy of that lane also says where its bytes
-    /// start (`copy_at`).
-    pub fn lane_hello(&self, token: u64, lane_id: u64, copy_at: Option<u64>) -> Frame {
-        Frame::Hello(hello::lane(&self.cfg.site, token, lane_id, copy_at))
-    }
-
-    /// The listener's first frame on a copy's connection: where its bytes on it start.
-    pub fn copy_answer(&self, at: u64) -> Frame {
-        Frame::Hello(hello::copy_answer(&self.cfg.site, at))
-    }
-
-    /// True if `token` is the one a latency lane (or a copy of it) of this link must present.
-    pub fn lane_token_valid(&self, token: u64) -> bool {
-        self.cfg.latency_lane
-            && if self.cfg.initiator {
-                token == self.peer.token
-            } else {
-                token == self.cfg.token && self.peer.has(CAP_LATENCY_LANE)
-            }
-    }
-
-    /// The token a latency-lane connection (or a copy of the lane) presents (connecting side,
-    /// once the peer's hello offered a lane).
-    pub fn lane_token(&self) -> Option<u64> {
-        (self.cfg.initiator && self.cfg.latency_lane && self.peer.has(CAP_LATENCY_LANE))
-            .then_some(self.peer.token)
-    }
-
-    /// How many connections may carry the latency lane: the fewer of ours and the peer's.
-    pub fn lane_copies(&self) -> usize {
-        let theirs = if self.peer.has(crate::lane::CAP_LANE_COPIES) {
-            self.peer.lane_copies
-        } else {
-            1
-        };
-        self.cfg
-            .lane_copies
-            .min(theirs)
-            .clamp(1, crate::copies::MAX_COPIES)
-    }
-
-    /// Attaches the latency lane. The connecting side calls this once its lane connection is up;
-    /// the listening side once a connection presented `token` (checked here against its own).
-    /// Latency-class streams opened from now on use the lane.
-    pub fn attach_lane(&mut self, token: u64) -> bool {
-        let valid = self.state == State::Open
-            && self.cfg.latency_lane
-            && if self.cfg.initiator {
-                token == self.peer.token
-            } else {
-                token == self.cfg.token && self.peer.has(CAP_LATENCY_LANE)
-            };
-        if valid && self.lane_attached && !self.cfg.initiator {
-            // The peer opens a new lane while ours looks up: it saw the old one go.
-            let heard = self.heard;
-            if !heard.is_some_and(|since| self.lane_lost(since)) {
-                return false;
-            }
-        }
-        let ok = self.state == State::Open
-            && !self.lane_attached
-            && self.cfg.latency_lane
-            && if self.cfg.initiator {
-                token == self.peer.token
-            } else {
-                token == self.cfg.token && self.peer.has(CAP_LATENCY_LANE)
-            };
-        if ok {
-            self.lane_attached = true;
-            self.on_lane_attached();
-        }
-        ok
-    }
-
-    /// True while the latency lane is attached.
-    pub fn lane_attached(&self) -> bool {
-        self.lane_attached
     }
 
     fn stream_mut(&mut self, id: StreamId) -> Result<&mut Stream, StreamError> {

@@ -81,6 +81,19 @@ impl Config {
         }
         let _ = writeln!(
             o,
+            "  lane_datagrams: {}  # {}",
+            l.lane_datagrams.label(),
+            match l.lane_datagrams {
+                crate::datagrams::Setting::Auto =>
+                    "latency-lane writes also go as UDP datagrams (the listener's port) while the lane has 4 or more copies (auto's five on a lossy, quiet lane)",
+                crate::datagrams::Setting::On =>
+                    "latency-lane writes also go as UDP datagrams (the listener's port) whenever the peer takes them",
+                crate::datagrams::Setting::Off =>
+                    "latency-lane writes go on their TCP connections only",
+            }
+        );
+        let _ = writeln!(
+            o,
             "  latency_queue: {}  # {}",
             l.latency_queue.map_or("off".to_string(), dur),
             match (l.latency_queue, l.max_rate_bps) {

@@ -35,6 +35,7 @@ pub(super) struct RawLink {
     lane_congestion: Option<String>,
     copy_spacing: Option<String>,
     lane_rto_min: Option<String>,
+    lane_datagrams: Option<String>,
     max_rate: Option<String>,
     latency_queue: Option<String>,
 }
@@ -102,6 +103,9 @@ pub struct LinkSettings {
     /// True when `link.lane_rto_min` is `auto` (the default): a kernel that cannot take the
     /// floor keeps its own silently, where a stated one is warned about.
     pub lane_rto_min_auto: bool,
+    /// When pieces of the latency lane's writes also go as UDP datagrams (see
+    /// [`crate::datagrams`]).
+    pub lane_datagrams: crate::datagrams::Setting,
     /// Pacing cap of each link socket in bits per second (`SO_MAX_PACING_RATE`); `None` = off.
     pub max_rate_bps: Option<u64>,
     /// While the latency lane moves bytes, the most queue the main lane's bulk may add at the
@@ -294,6 +298,12 @@ pub(super) fn parse_link(
             )?),
         },
         lane_rto_min_auto: matches!(l.lane_rto_min.as_deref(), None | Some("auto")),
+        lane_datagrams: match l.lane_datagrams.as_deref() {
+            None => crate::datagrams::Setting::default(),
+            Some(v) => {
+                crate::datagrams::Setting::parse(v).map_err(|m| cx.err("link.lane_datagrams", m))?
+            }
+        },
         max_rate_bps: match l.max_rate.as_deref() {
             // Pace only when the operator stated the WAN rate: a default must not cap anyone.
             None | Some("auto") => l.bandwidth.as_ref().map(|_| bandwidth_bps / 100 * 95),

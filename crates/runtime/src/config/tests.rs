@@ -829,3 +829,29 @@ fn the_default_threads_never_add_a_pool_to_a_small_host() {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     assert_eq!(defaults::threads(), defaults::threads_for(cores));
 }
+
+/// The latency lane's datagrams: `auto` unless set, `on` and `off` spelled out, anything else
+/// an error naming the field; `auto` sends with four or more connections; the effective config
+/// says which.
+#[test]
+fn lane_datagrams_are_auto_unless_set() {
+    use crate::datagrams::Setting;
+    assert_eq!(parse("").expect("valid").link.lane_datagrams, Setting::Auto);
+    for (v, s) in [
+        ("auto", Setting::Auto),
+        ("on", Setting::On),
+        ("off", Setting::Off),
+    ] {
+        let c = with_link("lane_datagrams", v).expect("valid");
+        assert_eq!(c.link.lane_datagrams, s);
+        assert!(c.describe().contains(&format!("lane_datagrams: {v}  #")));
+    }
+    match with_link("lane_datagrams", "sometimes") {
+        Err(ConfigError::Field { field, .. }) => assert_eq!(field, "link.lane_datagrams"),
+        other => panic!("{other:?}"),
+    }
+    let sends = |s: Setting| (1..=5).filter(|n| s.sends(*n)).collect::<Vec<_>>();
+    assert_eq!(sends(Setting::Auto), [4, 5]);
+    assert_eq!(sends(Setting::On), [1, 2, 3, 4, 5]);
+    assert!(sends(Setting::Off).is_empty());
+}

@@ -31,6 +31,8 @@ pub(crate) struct LaneCopies {
     /// Lane bytes sent and received since the link started, for the redundancy policy.
     pub sent: u64,
     pub received: u64,
+    /// The lane's datagrams, when both ends take them.
+    pub datagrams: Option<crate::datagrams::LaneDatagrams>,
 }
 
 impl LaneCopies {
@@ -44,6 +46,7 @@ impl LaneCopies {
             starts: [0; MAX_COPIES],
             sent: 0,
             received: 0,
+            datagrams: None,
         }
     }
 

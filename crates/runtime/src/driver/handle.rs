@@ -63,6 +63,8 @@ pub(crate) struct LinkCtx {
     /// The main lane's pacing cap in bytes per second (`link.max_rate`) and the queue its bulk
     /// may add while the latency lane is busy (`link.latency_queue`): see [`crate::room`].
     pub room: Option<(u64, Duration)>,
+    /// When the latency lane sends datagrams (`link.lane_datagrams`).
+    pub datagrams: crate::datagrams::Setting,
 }
 
 /// Sockets sampled for `TCP_INFO`: the main lane's, then each latency-lane copy's.
@@ -97,6 +99,8 @@ pub(crate) struct LinkHandle {
     progress: Notify,
     /// A reader waits on `progress`: dispatch then wakes it.
     paused: AtomicBool,
+    /// Wakes a latency-lane reader: datagrams merged lane bytes the link has not taken yet.
+    pub(super) lane_input: Notify,
     pub ctx: LinkCtx,
     pub id: u64,
     /// Which connection carries the link: a resumed link counts up, and the tasks of an older
@@ -122,6 +126,7 @@ impl LinkHandle {
             generations: 0.into(),
             progress: Notify::new(),
             paused: false.into(),
+            lane_input: Notify::new(),
             ctx,
             id,
             conn: 0.into(),

@@ -36,8 +36,14 @@ impl LinkHandle {
 
     /// Attaches a new latency lane whose first connection presented `token` (see
     /// [`Link::attach_lane`](wanopt_proto::Link::attach_lane)) and named the lane `id`; the
-    /// connection's place, or `None` if refused.
-    pub fn attach_lane(&self, token: u64, id: Option<u64>) -> Option<Carrier> {
+    /// connection's place, or `None` if refused. `datagrams`: the lane's, keyed from its first
+    /// connection, used if both ends take them.
+    pub fn attach_lane(
+        &self,
+        token: u64,
+        id: Option<u64>,
+        datagrams: Option<crate::datagrams::LaneDatagrams>,
+    ) -> Option<Carrier> {
         let mut g = self.state();
         if !g.link.attach_lane(token) {
             return None;
@@ -45,6 +51,9 @@ impl LinkHandle {
         self.new_lane_connection();
         let generation = self.next_generation();
         g.lane.restart(id, generation);
+        if g.link.lane_datagrams() && self.ctx.datagrams != crate::datagrams::Setting::Off {
+            g.lane.datagrams = datagrams.filter(|d| Some(d.lane()) == id);
+        }
         self.ctx.counters.link.copies.set(1);
         // The old lane's writers, if any, wake and see they are stale.
         self.wake_copies();
@@ -286,6 +295,8 @@ pub(super) async fn write_copy<W: AsyncWrite + Unpin>(
                             );
                             g.lane.fanout.set_ranks(ranks);
                         }
+                        let end = g.lane.fanout.end();
+                        h.send_datagrams(&mut g, end, &buf);
                         for slot in g.lane.fanout.push(buf.split().freeze(), Instant::now()) {
                             g.lane.release(slot);
                             h.forget_fd(1 + slot);
@@ -396,7 +407,7 @@ mod tests {
             .with(|l| l.lane_offer())
             .expect("the dialing side offers a lane");
 
-        let first = west.h.attach_lane(token, Some(5)).expect("attached");
+        let first = west.h.attach_lane(token, Some(5), None).expect("attached");
         assert_eq!(first.slot, 0);
         let (second, id, _) = west.h.add_copy().expect("room for a second connection");
         assert_eq!((second.slot, id), (1, 5));
@@ -411,7 +422,7 @@ mod tests {
 
         let lane = east
             .h
-            .attach_lane(token, Some(5))
+            .attach_lane(token, Some(5), None)
             .expect("the lane attaches");
         assert_eq!(lane.slot, 0);
         assert!(

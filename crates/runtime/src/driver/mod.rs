@@ -6,13 +6,14 @@
 //!
 //! Floors, from the ground: `carriers` (the latency lane's bookkeeping), `state` (what the lock
 //! guards), `dispatch` (routing the link's events), `handle` (every operation on a link), then
-//! `lane_copies` (copies of the latency lane), `reader`, `writer` and `sampler`, and `lifecycle`, which
+//! `lane_copies` (copies of the latency lane), `lane_datagrams` (its datagrams), `reader`, `writer` and `sampler`, and `lifecycle`, which
 //! runs a connection with them.
 
 mod carriers;
 mod dispatch;
 mod handle;
 mod lane_copies;
+mod lane_datagrams;
 mod lifecycle;
 mod reader;
 mod sampler;
@@ -21,6 +22,7 @@ mod writer;
 
 pub(crate) use carriers::Carrier;
 pub(crate) use handle::{LinkCtx, LinkHandle, LinkMsg};
+pub(crate) use lane_datagrams::receive as receive_datagrams;
 pub(crate) use lifecycle::{run_lane, run_link, watch_adopted};
 pub(crate) use state::StreamSignal;
 

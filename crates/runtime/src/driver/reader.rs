@@ -41,20 +41,27 @@ pub(super) async fn read_link<R: AsyncRead + Unpin>(
         } else {
             // Data payloads are split off this buffer without copying; make room for the next read.
             buf.reserve(READ_CHUNK);
-            let read = if announced {
-                rd.read_buf(&mut buf).await
+            let read = if copy.is_some() {
+                // A latency-lane copy also wakes for bytes the lane's datagrams merged
+                // (`read_buf` is cancel safe: nothing is read when the other branch wins).
+                tokio::select! {
+                    r = rd.read_buf(&mut buf) => Some(r),
+                    () = h.lane_input.notified() => None,
+                }
+            } else if announced {
+                Some(rd.read_buf(&mut buf).await)
             } else {
                 match tokio::time::timeout_at(handshake_deadline, rd.read_buf(&mut buf)).await {
-                    Ok(r) => r,
+                    Ok(r) => Some(r),
                     Err(_) => return "no hello from the peer in time".into(),
                 }
             };
-            let n = match read {
-                Ok(0) => return "peer closed the connection".into(),
-                Ok(n) => n,
-                Err(e) => return format!("read: {e}"),
-            };
-            add(&counters.link.wire_in, n as u64);
+            match read {
+                None => {}
+                Some(Ok(0)) => return "peer closed the connection".into(),
+                Some(Ok(n)) => add(&counters.link.wire_in, n as u64),
+                Some(Err(e)) => return format!("read: {e}"),
+            }
         }
         let (opened, up, closed, err, wants, load, loading) = {
             let mut g = h.state();

@@ -68,6 +68,7 @@ pub(super) fn side(west: bool, tweak: &dyn Fn(&mut LinkConfig)) -> Side {
         zstd: (3, None),
         copy_spacing: Duration::ZERO,
         room: None,
+        datagrams: crate::datagrams::Setting::On,
     };
     Side {
         h: Arc::new(LinkHandle::new(link(west, tweak), None, ctx, 1)),
