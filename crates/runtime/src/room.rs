@@ -7,7 +7,9 @@
 //! lane's pacing cap down while it is over `link.latency_queue`, and back up while it is under
 //! half of it, as LEDBAT does for background traffic. Bulk never goes below half of
 //! `link.max_rate`, and is paced at it again a few seconds after the latency lane went quiet.
-//! Pure: fed counts, RTTs and `now`.
+//! Bulk that starts (or starts again after a pause) while the latency lane is busy starts from
+//! that floor and climbs, rather than filling the queue for the round trips it takes the RTT
+//! to show it. Pure: fed counts, RTTs and `now`.
 
 use std::time::{Duration, Instant};
 
@@ -25,6 +27,11 @@ const CUT: f64 = 0.85;
 const GROW: f64 = 0.02;
 /// The least share of `link.max_rate` the cap goes down to.
 const FLOOR: f64 = 0.5;
+/// Bytes the main lane must send for bulk to count as sending (control frames do not).
+pub const BULK_MOVED: u64 = 64 * 1024;
+/// Bulk that sent less than [`BULK_MOVED`] for this long is paused: while the latency lane is
+/// busy its cap waits at the floor for it.
+pub const BULK_PAUSED_AFTER: Duration = Duration::from_millis(250);
 
 /// The main lane's pacing cap while latency traffic needs room.
 #[derive(Debug, Clone)]
@@ -38,6 +45,12 @@ pub struct Room {
     lane: u64,
     lane_moved: Option<Instant>,
     last_cut: Option<Instant>,
+    /// The main lane's bytes sent when it last moved [`BULK_MOVED`], and when (`None`: not
+    /// told, taken as sending).
+    main: u64,
+    main_moved: Option<Instant>,
+    /// Bulk was paused at the last tick.
+    paused: bool,
     /// The cap was given to the socket once: a socket taken over from another process (a
     /// handover) may carry the cap that process left on it.
     applied: bool,
@@ -53,6 +66,9 @@ impl Room {
             lane: 0,
             lane_moved: None,
             last_cut: None,
+            main: 0,
+            main_moved: None,
+            paused: false,
             applied: false,
         }
     }
@@ -65,6 +81,23 @@ impl Room {
     /// True while the cap is below `link.max_rate`.
     pub fn making_room(&self) -> bool {
         self.cap < self.max
+    }
+
+    /// True while the cap holds back bulk that is sending (what room costs bulk).
+    pub fn yielding(&self) -> bool {
+        self.making_room() && !self.paused
+    }
+
+    /// The main lane's bytes sent so far (a count that only grows while its connection stays),
+    /// before each [`tick`](Self::tick).
+    pub fn bulk(&mut self, now: Instant, sent: u64) {
+        if self.main_moved.is_none()
+            || sent >= self.main.saturating_add(BULK_MOVED)
+            || sent < self.main
+        {
+            self.main = sent;
+            self.main_moved = Some(now);
+        }
     }
 
     /// One tick: the latency lane's bytes so far (both ways; a count that only grows), and the
@@ -85,8 +118,14 @@ impl Room {
             .is_some_and(|t| now.saturating_duration_since(t) < QUIET_AFTER);
         let floor = (self.max as f64 * FLOOR) as u64;
         let queue = srtt.saturating_sub(min_rtt);
+        let paused = self
+            .main_moved
+            .is_some_and(|t| now.saturating_duration_since(t) >= BULK_PAUSED_AFTER);
+        self.paused = paused;
         let cap = if !busy || min_rtt.is_zero() {
             self.max
+        } else if paused {
+            floor
         } else if queue > self.target {
             let due = self
                 .last_cut
@@ -189,6 +228,55 @@ mod tests {
         }
         t = quiet + QUIET_AFTER;
         assert_eq!(r.tick(t, lane, RTT + ms(30), RTT), Some(MAX));
+    }
+
+    /// Bulk paused while the latency lane is busy waits at the floor, and starts from it: it
+    /// climbs by steps while the queue stays short. With the lane quiet, a paused bulk keeps
+    /// the whole rate.
+    #[test]
+    fn bulk_starting_beside_latency_traffic_starts_from_the_floor() {
+        let t0 = Instant::now();
+        let mut r = Room::new(MAX, ms(5));
+        let (mut t, mut lane, sent) = (t0, 0, 1000);
+        r.bulk(t, sent);
+        assert_eq!(r.tick(t, lane, RTT, RTT), Some(MAX));
+        // Quiet lane, paused bulk: the whole rate.
+        for _ in 0..10 {
+            t += TICK;
+            r.bulk(t, sent);
+            assert_eq!(r.tick(t, lane, RTT, RTT), None);
+        }
+        // The lane gets busy while bulk is paused: the floor.
+        t += TICK;
+        lane += 8192;
+        r.bulk(t, sent + 100);
+        assert_eq!(r.tick(t, lane, RTT, RTT), Some(MAX / 2));
+        assert!(
+            r.making_room() && !r.yielding(),
+            "a paused bulk loses nothing"
+        );
+        // Bulk starts: from the floor up by steps of 2%, the queue short.
+        let mut sent = sent;
+        let mut steps = 0;
+        while r.cap() < MAX {
+            t += TICK;
+            lane += 8192;
+            sent += 300_000;
+            r.bulk(t, sent);
+            r.tick(t, lane, RTT + ms(1), RTT).expect("a step up");
+            assert_eq!(r.yielding(), r.cap() < MAX);
+            steps += 1;
+        }
+        assert_eq!(steps, 25);
+        // Paused again for longer than BULK_PAUSED_AFTER: back at the floor.
+        let paused = t;
+        while t < paused + BULK_PAUSED_AFTER {
+            t += TICK;
+            lane += 8192;
+            r.bulk(t, sent + 10);
+            r.tick(t, lane, RTT + ms(1), RTT);
+        }
+        assert_eq!(r.cap(), MAX / 2);
     }
 
     /// No RTT measured yet (a least RTT of zero): nothing to judge, bulk keeps its rate.

@@ -81,7 +81,7 @@ pub(super) async fn keep_room(h: Arc<LinkHandle>, max: u64, target: Duration) {
     loop {
         tokio::time::sleep(room::TICK).await;
         let now = Instant::now();
-        if room.making_room() {
+        if room.yielding() {
             counters
                 .bulk_yield_seconds
                 .inc_by(now.saturating_duration_since(last).as_secs_f64());
@@ -99,6 +99,7 @@ pub(super) async fn keep_room(h: Arc<LinkHandle>, max: u64, target: Duration) {
                 return;
             };
             let rtt = |s: f64| Duration::from_secs_f64(s.max(0.0));
+            room.bulk(now, t.bytes_sent.max(0) as u64);
             let Some(cap) = room.tick(now, lane, rtt(t.rtt_seconds), rtt(t.min_rtt_seconds)) else {
                 return;
             };
