@@ -98,7 +98,7 @@ fn lane_ports(wan: &wansim::Wan) -> Vec<u16> {
     ports
 }
 
-/// A pair across wansim `t3-100ms-1` (stating its link, admin on; [`lossy_run_on`]: another preset) with one latency service
+/// A pair across wansim `t3-100ms-1` (stating its link, admin on) with one latency service
 /// `sync` whose target in east echoes; `extra` is added to the service on both sides. Also
 /// starts the SYNC loop from west once a copy is attached: returns the WAN, the pair, the
 /// loop's stop flag and round counter, and the loop's thread.
@@ -111,12 +111,7 @@ struct LossyRun {
 }
 
 fn lossy_run(tag: &str, extra: &str) -> LossyRun {
-    lossy_run_on("t3-100ms-1", tag, extra)
-}
-
-/// [`lossy_run`] across wansim preset `preset`.
-fn lossy_run_on(preset: &str, tag: &str, extra: &str) -> LossyRun {
-    let params = wansim::preset(preset).expect("preset");
+    let params = wansim::preset("t3-100ms-1").expect("preset");
     let wan = wansim::Wan::start(
         &format!("{tag}{}", std::process::id() % 100_000),
         params.clone(),
@@ -524,43 +519,91 @@ fn spaced_copies_ride_a_bursty_wan_beside_a_bulk_load() {
     assert!(sent > 8 * MIB, "the bulk copy moved {sent} bytes");
 }
 
-/// Across wansim's bursty T3, a latency service with `redundancy: 4` sends its writes as
-/// datagrams too (`link.lane_datagrams: auto`): every round trip is answered exactly, both
-/// sides take the other's datagrams and deliver bytes from them before any TCP copy, and
-/// nothing on the sockets is refused.
+/// Across wansim's bursty T3 beside a bulk copy that fills the link, a latency service with
+/// `redundancy: 4` sends its writes as datagrams too (`link.lane_datagrams: auto`): every round
+/// trip and every bulk byte arrives exactly, both sides take the other's datagrams and deliver
+/// bytes from them before any TCP copy, and nothing on the sockets is refused.
 #[test]
-fn lane_datagrams_ride_a_bursty_wan() {
+fn lane_datagrams_ride_a_bursty_wan_beside_a_bulk_load() {
+    use common::sink::{Pace, in_east, send};
     if !wansim::available_or_skip("latency lane datagrams across a bursty wansim") {
         return;
     }
-    let run = lossy_run_on("t3-100ms-burst", "dg", "    redundancy: 4\n");
+    let params = wansim::preset("t3-100ms-burst").expect("preset");
+    let tag = format!("dg{}", std::process::id() % 100_000);
+    let wan = wansim::Wan::start(&tag, params.clone()).expect("wansim");
+    let east_ip = wansim::Site::East.addr();
+    let l = wan
+        .in_site(wansim::Site::East, move || {
+            std::net::TcpListener::bind((east_ip, 9301))
+        })
+        .expect("east")
+        .expect("bind");
+    let sync = serve_on(l, echo_handler);
+    let (_sink, bulk) = in_east(&wan, 9302);
+    let (link, _) = wanopt_replay::showcase::stated_link(&params);
+    let lat = "    class: latency\n    redundancy: 4\n";
+    let pair = wan_pair(
+        &wan,
+        &format!("  - name: sync\n    target: {sync}\n{lat}  - name: bulk\n    target: {bulk}\n"),
+        &format!(
+            "  - name: sync\n    listen: 127.0.0.1:0\n{lat}  - name: bulk\n    listen: 127.0.0.1:0\n"
+        ),
+        move |_, y| link_lines(format!("{y}admin:\n  listen: 127.0.0.1:0\n"), &link),
+    );
+    pair.west.wait_log("latency lane copy attached", 20 * SEC);
+    let connect = |site: wansim::Site, addr: std::net::SocketAddr| {
+        wan.in_site(site, move || TcpStream::connect(addr))
+            .expect("site")
+            .expect("connect")
+    };
+    let west = wansim::Site::West;
+    let (stop, stop_bulk) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let filler = {
+        let (c, stop) = (connect(west, pair.west.bound("bulk")), stop_bulk.clone());
+        let pace = Pace {
+            piece: 256 << 10,
+            every: Duration::ZERO,
+        };
+        std::thread::spawn(move || {
+            send(c, 9, |o, b| fill(9, o, b), pace, &stop, &AtomicU64::new(0))
+        })
+    };
+    let rounds = Arc::new(AtomicU64::new(0));
+    let looping = {
+        let (c, stop, rounds) = (
+            connect(west, pair.west.bound("sync")),
+            stop.clone(),
+            rounds.clone(),
+        );
+        std::thread::spawn(move || sync_loop(c, stop, rounds, Duration::from_millis(20)))
+    };
     wait_until(90 * SEC, "round trips", || {
-        run.rounds.load(Ordering::Relaxed) >= 200
+        rounds.load(Ordering::Relaxed) >= 200
     });
-    run.stop.store(true, Ordering::Relaxed);
-    let mut times = run
-        .looping
+    stop.store(true, Ordering::Relaxed);
+    let mut times = looping
         .join()
         .expect("sync client")
         .expect("every round trip answered exactly");
+    stop_bulk.store(true, Ordering::Relaxed);
+    let sent = filler
+        .join()
+        .expect("bulk client")
+        .expect("the bulk copy arrived exactly");
     println!(
-        "{} round trips with datagrams on t3-100ms-burst: p50 {:?}, p99 {:?}",
+        "{} round trips with datagrams on t3-100ms-burst beside {sent} bulk bytes: p50 {:?}, p99 {:?}",
         times.len(),
         percentile(&mut times, 0.5),
         percentile(&mut times, 0.99)
     );
-    for (d, site) in [
-        (&run.pair.west, wansim::Site::West),
-        (&run.pair.east, wansim::Site::East),
-    ] {
+    assert!(sent > 4 * MIB, "the bulk copy moved {sent} bytes");
+    for (d, site) in [(&pair.west, west), (&pair.east, wansim::Site::East)] {
         assert_eq!(d.count("stream failed"), 0, "{}", d.log().join("\n"));
-        let admin = d.bound("admin");
-        let m = scrape_on(
-            run.wan
-                .in_site(site, move || TcpStream::connect(admin))
-                .expect("site")
-                .expect("connect"),
-        );
+        let m = scrape_on(connect(site, d.bound("admin")));
         let received = value(&m, "wanopt_link_lane_datagrams_received_total ");
         let won = value(&m, "wanopt_link_copy_won_bytes_total{copy=\"datagrams\"} ");
         let cost = value(&m, "wanopt_link_lane_datagram_bytes_total ");
