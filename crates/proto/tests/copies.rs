@@ -2,7 +2,9 @@
 //! connection, copies cut and attached again mid-stream. Every stream must end byte-exact both
 //! ways, the merged lane equal to what was sent (each offset delivered once), nothing leaked.
 //! Also what copies buy: a message one copy delays arrives on time on the other, and copies
-//! spaced in time get through a burst of loss that takes copies sent back to back.
+//! spaced in time get through a burst of loss that takes copies sent back to back. With the
+//! lane's datagrams beside the copies (`common::DatagramPath`), pieces arriving before, after
+//! or instead of the copies' bytes change nothing of that.
 
 mod common;
 
@@ -120,6 +122,8 @@ struct Bursty {
     spacing: Duration,
     /// Windows in which every batch sent is lost, from the pair's start.
     windows: Vec<(Instant, Instant)>,
+    /// The lane also sends datagrams, each lost with this probability beside the bursts.
+    datagrams: Option<f64>,
 }
 
 impl Bursty {
@@ -132,14 +136,24 @@ impl Bursty {
                 .iter()
                 .map(|(at, len)| (t0 + ms(*at), t0 + ms(at + len)))
                 .collect(),
+            datagrams: None,
         }
+    }
+
+    /// The same, with the lane's datagrams, each lost with probability `loss` too.
+    fn with_datagrams(mut self, loss: Option<f64>) -> Bursty {
+        self.datagrams = loss;
+        self
     }
 
     fn apply(&self, p: &mut Pair) {
         let c = p.copies.as_mut().expect("copies");
-        for w in [&mut c.w2e, &mut c.e2w] {
+        for (i, w) in [&mut c.w2e, &mut c.e2w].into_iter().enumerate() {
             w.spacing = self.spacing;
             w.bursts = self.windows.clone();
+            w.datagrams = self
+                .datagrams
+                .map(|l| DatagramPath::new(LATENCY, l, self.spacing, 0xd06 + i as u64));
         }
     }
 }
@@ -158,9 +172,10 @@ fn run(
     cuts: &[(u64, usize, u64)],
     seed: u64,
     bursts: (u64, &[(u64, u64)]),
+    datagrams: Option<f64>,
 ) -> Result<Pair, TestCaseError> {
     let mut p = pair(codec, loss, seed);
-    let bursty = Bursty::new(p.now, bursts.0, bursts.1);
+    let bursty = Bursty::new(p.now, bursts.0, bursts.1).with_datagrams(datagrams);
     bursty.apply(&mut p);
     let mut plans = Vec::new();
     for (i, (up, down)) in sizes.iter().enumerate() {
@@ -252,11 +267,12 @@ proptest! {
         codec in any::<bool>(),
         seed in any::<u64>(),
     ) {
-        run(codec, &loss, &sizes, &cuts, seed, (0, &[]))?;
+        run(codec, &loss, &sizes, &cuts, seed, (0, &[]), None)?;
     }
 
     /// The same through bursts of loss that every copy's path shares, with the copies spaced
-    /// in time or back to back.
+    /// in time or back to back, and datagrams beside them or not: their pieces arrive ahead of
+    /// the copies, behind them, or not at all, and each byte is still delivered once.
     #[test]
     fn latency_streams_are_exact_through_bursts_and_spaced_copies(
         sizes in proptest::collection::vec((0usize..200_000, 0usize..60_000), 1..5),
@@ -264,10 +280,11 @@ proptest! {
         cuts in proptest::collection::vec((0u64..1500, 0usize..3, 0u64..400), 0..3),
         bursts in proptest::collection::vec((0u64..3000, 1u64..20), 0..40),
         spacing in 0u64..10,
+        datagrams in proptest::option::of(0.0f64..0.5),
         codec in any::<bool>(),
         seed in any::<u64>(),
     ) {
-        run(codec, &loss, &sizes, &cuts, seed, (spacing, &bursts))?;
+        run(codec, &loss, &sizes, &cuts, seed, (spacing, &bursts), datagrams)?;
     }
 }
 
@@ -280,8 +297,35 @@ fn every_copy_losing_batches_still_delivers_each_byte_once() {
         &[(200, 0, 100), (400, 1, 0), (900, 2, 300)],
         7,
         (0, &[]),
+        None,
     )
     .expect("exact");
+}
+
+/// Bursts that take every copy of the writes they meet (copies back to back) while the
+/// datagrams' later sends get through: the datagrams deliver bytes first, and every stream
+/// is still exact both ways, each byte once, through a copy cut and attached again.
+#[test]
+fn datagrams_deliver_what_bursts_take_from_every_copy() {
+    let bursts: Vec<(u64, u64)> = (0..60).map(|i| (1000 + i * 40, 2)).collect();
+    let p = run(
+        true,
+        &[0.0, 0.0],
+        &[(150_000, 40_000), (8192, 8192), (30_000, 0)],
+        &[(1500, 1, 100)],
+        11,
+        (0, &bursts),
+        Some(0.0),
+    )
+    .expect("exact");
+    let c = p.copies.as_ref().expect("copies");
+    for (name, w) in [("west to east", &c.w2e), ("east to west", &c.e2w)] {
+        assert!(
+            w.merge.won_by_pieces() > 0,
+            "{name}: no byte came first by datagram"
+        );
+        assert_eq!(w.merged.len(), w.produced.len(), "{name}");
+    }
 }
 
 /// Virtual time for `len` bytes written on a new latency stream to reach east.
@@ -325,6 +369,7 @@ fn losing_the_only_copy_that_holds_a_gap_resumes_the_lane() {
         &[(100, 1, 0), (0, 0, 0)],
         3,
         (0, &[]),
+        None,
     )
     .expect("exact");
     assert_eq!(p.west.app.resumed.len(), 1);

@@ -657,6 +657,84 @@ pub struct CopyWire {
     /// (it arrives its pipe's stall late), as a queue overflowing or a fade loses a run of
     /// packets whatever connection they belong to.
     pub bursts: Vec<(Instant, Instant)>,
+    /// The lane's datagrams, if it sends them.
+    pub datagrams: Option<DatagramPath>,
+}
+
+/// The lane's datagrams (`wanopt_proto::datagram`): each write cut into pieces of at most
+/// `PIECE_MAX` bytes at their lane offsets, each sent at the times of `sends` after the write
+/// on the path the copies share (a piece sent inside a burst is lost) with a loss of its own,
+/// never sent again; a piece that arrives goes to the merge, whatever the copies brought.
+pub struct DatagramPath {
+    pub latency: Duration,
+    pub loss: f64,
+    pub sends: Vec<Duration>,
+    rng: u64,
+    /// (arrival, lane offset, piece)
+    in_flight: Vec<(Instant, u64, Bytes)>,
+}
+
+impl DatagramPath {
+    /// Sent as the runtime sends them: at once, then half a `spacing` and one and a half later
+    /// (5 ms for copies back to back).
+    pub fn new(latency: Duration, loss: f64, spacing: Duration, seed: u64) -> DatagramPath {
+        let spacing = if spacing.is_zero() {
+            Duration::from_millis(5)
+        } else {
+            spacing
+        };
+        DatagramPath {
+            latency,
+            loss,
+            sends: vec![Duration::ZERO, spacing / 2, spacing * 3 / 2],
+            rng: seed | 1,
+            in_flight: Vec::new(),
+        }
+    }
+
+    fn coin(&mut self) -> f64 {
+        // xorshift64*
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        (self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Sends the lane bytes `bytes` produced at `offset`, from `now`; a send inside one of
+    /// `bursts` is lost.
+    fn send(&mut self, now: Instant, offset: u64, bytes: &Bytes, bursts: &[(Instant, Instant)]) {
+        use wanopt_proto::datagram::PIECE_MAX;
+        let mut at = 0;
+        while at < bytes.len() {
+            let piece = bytes.slice(at..bytes.len().min(at + PIECE_MAX));
+            for k in 0..self.sends.len() {
+                let t = now + self.sends[k];
+                let burst = bursts.iter().any(|(a, b)| *a <= t && t < *b);
+                let lost = burst || (self.loss > 0.0 && self.coin() < self.loss);
+                if !lost {
+                    let arrival = t + self.latency;
+                    self.in_flight
+                        .push((arrival, offset + at as u64, piece.clone()));
+                }
+            }
+            at += piece.len();
+        }
+    }
+
+    /// The pieces arrived by `now`, in the order they arrive.
+    fn arrived(&mut self, now: Instant) -> Vec<(u64, Bytes)> {
+        let mut due: Vec<(Instant, u64, Bytes)> = Vec::new();
+        self.in_flight.retain(|d| {
+            if d.0 <= now {
+                due.push(d.clone());
+                false
+            } else {
+                true
+            }
+        });
+        due.sort_by_key(|d| d.0);
+        due.into_iter().map(|(_, o, b)| (o, b)).collect()
+    }
 }
 
 /// One copy's connection: in order, like TCP, and a batch lost with probability `loss`
@@ -719,6 +797,7 @@ impl CopyWire {
             errors: Vec::new(),
             spacing: Duration::ZERO,
             bursts: Vec::new(),
+            datagrams: None,
         }
     }
 
@@ -769,7 +848,11 @@ impl CopyWire {
                             break;
                         }
                         self.produced.extend_from_slice(&out);
-                        for gone in self.fanout.push(out.freeze(), now) {
+                        let out = out.freeze();
+                        if let Some(d) = self.datagrams.as_mut() {
+                            d.send(now, self.fanout.end(), &out, &self.bursts);
+                        }
+                        for gone in self.fanout.push(out, now) {
                             self.merge.detach(gone);
                             self.pipes[gone] = None;
                         }
@@ -806,6 +889,21 @@ impl CopyWire {
                 progress = true;
             }
         }
+        let arrived = match self.datagrams.as_mut() {
+            Some(d) => d.arrived(now),
+            None => Vec::new(),
+        };
+        for (offset, piece) in arrived {
+            let mut out = BytesMut::new();
+            if self.merge.piece(offset, &piece, &mut out) == 0 {
+                continue;
+            }
+            self.merged.extend_from_slice(&out);
+            let buf = &mut to.inbufs[LATENCY_LANE];
+            buf.extend_from_slice(&out);
+            let _ = to.link.handle_lane_input(LATENCY_LANE, buf, now);
+            progress = true;
+        }
         progress
     }
 
@@ -813,6 +911,10 @@ impl CopyWire {
     pub fn next_time(&self, from: &Side, now: Instant) -> Option<Instant> {
         use wanopt_proto::LATENCY_LANE;
         let wants = from.link.wants_transmit_lane(LATENCY_LANE);
+        let datagram = self
+            .datagrams
+            .as_ref()
+            .and_then(|d| d.in_flight.iter().map(|x| x.0).min());
         self.pipes
             .iter()
             .enumerate()
@@ -829,6 +931,7 @@ impl CopyWire {
                 [arrival, room, spaced]
             })
             .flatten()
+            .chain(datagram)
             .min()
     }
 }
