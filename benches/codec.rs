@@ -173,9 +173,11 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize) {
                 let mut wire = vec![1u8; data.len() + data.len() / 100 + 4096];
                 wire.clear();
                 let t = Instant::now();
-                // A megabyte at a time: a link's queue holds a few turns (its send buffer),
-                // so the next turn's chunks can be cut while one encodes.
-                for piece in data.chunks(1 << 20) {
+                // As a link's stream whose client writes faster than it encodes: 64 KiB writes,
+                // and a turn whenever its send buffer is full, so the next turn's chunks can be
+                // cut while one encodes.
+                enc.set_gather(SEND_BUFFER);
+                for piece in data.chunks(64 << 10) {
                     enc.push(piece, false, pressure, &mut wire);
                 }
                 enc.push(&[], true, pressure, &mut wire);
@@ -236,6 +238,9 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize) {
         }
     }
 }
+
+/// A link's stream's send buffer (`limits.stream_buffer`'s default).
+const SEND_BUFFER: usize = 512 << 10;
 
 /// The middle value (the mean of the two middle ones for an even count).
 fn median(mut v: Vec<f64>) -> f64 {
