@@ -343,7 +343,8 @@ fn a_peer_that_takes_no_copies_gets_one_connection() {
 
 /// `auto` on a lossy WAN (t3-100ms-1): once the lane's connections have retransmitted over
 /// 0.2% of their segments, more connections carry the lane: five, as its SYNC loop's traffic
-/// stays under 2% of the link; every round trip stays exact.
+/// stays under 2% of the link, and with five `link.lane_datagrams: auto` sends the writes as
+/// datagrams too, both ways; every round trip stays exact.
 #[test]
 fn auto_takes_five_copies_on_a_lossy_wan_with_little_traffic() {
     if !wansim::available_or_skip("latency lane copies across a lossy wansim link") {
@@ -378,6 +379,25 @@ fn auto_takes_five_copies_on_a_lossy_wan_with_little_traffic() {
         .join()
         .expect("sync client")
         .expect("every round trip answered exactly");
+    for (d, site) in [
+        (&pair.west, wansim::Site::West),
+        (&pair.east, wansim::Site::East),
+    ] {
+        let admin = d.bound("admin");
+        let m = scrape_on(
+            wan.in_site(site, move || TcpStream::connect(admin))
+                .expect("ns")
+                .expect("admin"),
+        );
+        let sent = value(&m, "wanopt_link_lane_datagram_bytes_total ");
+        let taken = value(&m, "wanopt_link_lane_datagrams_received_total ");
+        assert!(sent > 0 && taken > 0, "{site:?}: {m}");
+        assert_eq!(
+            value(&m, "wanopt_link_lane_datagrams_refused_total "),
+            0,
+            "{m}"
+        );
+    }
 }
 
 /// Across wansim's bursty T3 (`t3-100ms-burst`: 1% loss each way, in runs of 5 packets), SYNC
