@@ -110,8 +110,10 @@ struct LossyRun {
     looping: std::thread::JoinHandle<Result<Vec<Duration>, String>>,
 }
 
-fn lossy_run(tag: &str, extra: &str) -> LossyRun {
-    let params = wansim::preset("t3-100ms-1").expect("preset");
+/// wansim's `preset` (its namespaces named after `tag` and this process) with the SYNC loop's
+/// echo server on east's port 9301: the WAN, its parameters and the server's address.
+fn echo_wan(preset: &str, tag: &str) -> (wansim::Wan, wansim::LinkParams, std::net::SocketAddr) {
+    let params = wansim::preset(preset).expect("preset");
     let wan = wansim::Wan::start(
         &format!("{tag}{}", std::process::id() % 100_000),
         params.clone(),
@@ -125,6 +127,11 @@ fn lossy_run(tag: &str, extra: &str) -> LossyRun {
         .expect("east")
         .expect("bind");
     let sync = serve_on(l, echo_handler);
+    (wan, params, sync)
+}
+
+fn lossy_run(tag: &str, extra: &str) -> LossyRun {
+    let (wan, params, sync) = echo_wan("t3-100ms-1", tag);
     let (link, _) = wanopt_replay::showcase::stated_link(&params);
     let pair = wan_pair(
         &wan,
@@ -400,114 +407,148 @@ fn auto_takes_five_copies_on_a_lossy_wan_with_little_traffic() {
     }
 }
 
-/// Across wansim's bursty T3 (`t3-100ms-burst`: 1% loss each way, in runs of 5 packets), SYNC
-/// round trips whose two copies leave 5 ms apart, beside a bulk copy that fills the link: every
-/// round trip and every bulk byte arrives exactly, and the later copy brings bytes first at
-/// times (the bursts took the earlier one). West's bulk paces down to make room for the round
-/// trips while they run, and is paced at `link.max_rate` again once they stopped.
-#[test]
-fn spaced_copies_ride_a_bursty_wan_beside_a_bulk_load() {
-    use common::sink::{Pace, in_east, send};
-    if !wansim::available_or_skip("spaced copies across a bursty wansim") {
-        return;
-    }
-    let params = wansim::preset("t3-100ms-burst").expect("preset");
-    let wan = wansim::Wan::start(
-        &format!("sb{}", std::process::id() % 100_000),
-        params.clone(),
-    )
-    .expect("wansim");
-    let east_ip = wansim::Site::East.addr();
-    let listen = |port: u16| {
-        wan.in_site(wansim::Site::East, move || {
-            std::net::TcpListener::bind((east_ip, port))
-        })
-        .expect("east")
-        .expect("bind")
-    };
-    let sync = serve_on(listen(9301), echo_handler);
-    let (_sink, bulk) = in_east(&wan, 9302);
-    let (link, _) = wanopt_replay::showcase::stated_link(&params);
-    let lat = "    class: latency\n    redundancy: 2\n";
-    let pair = wan_pair(
-        &wan,
-        &format!("  - name: sync\n    target: {sync}\n{lat}  - name: bulk\n    target: {bulk}\n"),
-        &format!(
-            "  - name: sync\n    listen: 127.0.0.1:0\n{lat}  - name: bulk\n    listen: 127.0.0.1:0\n"
-        ),
-        move |_, y| {
-            link_lines(
-                format!("{y}admin:\n  listen: 127.0.0.1:0\n"),
-                &format!("{link}  copy_spacing: 5ms\n"),
-            )
-        },
-    );
-    pair.west.wait_log("latency lane copy attached", 20 * SEC);
-    let started = std::time::Instant::now();
-    let connect = |addr: std::net::SocketAddr| {
-        wan.in_site(wansim::Site::West, move || TcpStream::connect(addr))
-            .expect("west")
-            .expect("connect")
-    };
-    let (stop, stop_bulk) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicBool::new(false)),
-    );
-    let filler = {
-        let (c, stop) = (connect(pair.west.bound("bulk")), stop_bulk.clone());
+/// A pair across wansim's bursty T3 (`t3-100ms-burst`: 1% loss each way, in runs of 5
+/// packets) stating its link (with `link` more link lines), admin on: a latency service `sync`
+/// (with `lat` more lines) whose target in east echoes, and a bulk service `bulk` into a sink
+/// in east, which a client in west fills as fast as the link takes it once the lane's first
+/// copy is attached.
+struct BurstyLoad {
+    wan: wansim::Wan,
+    pair: WanPair,
+    started: std::time::Instant,
+    stop_bulk: Arc<AtomicBool>,
+    filler: Option<std::thread::JoinHandle<Result<u64, String>>>,
+    _sink: Arc<common::sink::Sink>,
+}
+
+impl BurstyLoad {
+    fn start(tag: &str, lat: &str, link: &str, seed: u64) -> BurstyLoad {
+        use common::sink::{Pace, in_east, send};
+        let (wan, params, sync) = echo_wan("t3-100ms-burst", tag);
+        let (sink, bulk) = in_east(&wan, 9302);
+        let (stated, _) = wanopt_replay::showcase::stated_link(&params);
+        let lat = format!("    class: latency\n{lat}");
+        let link = format!("{stated}{link}");
+        let pair = wan_pair(
+            &wan,
+            &format!(
+                "  - name: sync\n    target: {sync}\n{lat}  - name: bulk\n    target: {bulk}\n"
+            ),
+            &format!(
+                "  - name: sync\n    listen: 127.0.0.1:0\n{lat}  - name: bulk\n    listen: 127.0.0.1:0\n"
+            ),
+            move |_, y| link_lines(format!("{y}admin:\n  listen: 127.0.0.1:0\n"), &link),
+        );
+        pair.west.wait_log("latency lane copy attached", 20 * SEC);
+        let mut load = BurstyLoad {
+            wan,
+            pair,
+            started: std::time::Instant::now(),
+            stop_bulk: Arc::new(AtomicBool::new(false)),
+            filler: None,
+            _sink: sink,
+        };
+        let c = load.connect(wansim::Site::West, load.pair.west.bound("bulk"));
+        let stop = load.stop_bulk.clone();
         let pace = Pace {
             piece: 256 << 10,
             every: Duration::ZERO,
         };
-        std::thread::spawn(move || {
-            send(c, 7, |o, b| fill(7, o, b), pace, &stop, &AtomicU64::new(0))
-        })
-    };
-    std::thread::sleep(3 * SEC);
-    let rounds = Arc::new(AtomicU64::new(0));
-    let looping = {
-        let (c, stop, rounds) = (
-            connect(pair.west.bound("sync")),
-            stop.clone(),
-            rounds.clone(),
+        load.filler = Some(std::thread::spawn(move || {
+            send(
+                c,
+                seed,
+                |o, b| fill(seed, o, b),
+                pace,
+                &stop,
+                &AtomicU64::new(0),
+            )
+        }));
+        load
+    }
+
+    fn connect(&self, site: wansim::Site, addr: std::net::SocketAddr) -> TcpStream {
+        self.wan
+            .in_site(site, move || TcpStream::connect(addr))
+            .expect("site")
+            .expect("connect")
+    }
+
+    /// A daemon's metrics, scraped from inside its site.
+    fn scrape(&self, d: &Daemon, site: wansim::Site) -> String {
+        scrape_on(self.connect(site, d.bound("admin")))
+    }
+
+    /// SYNC round trips from west, 20 ms apart, until `n` were answered; their times (each
+    /// answer exact).
+    fn rounds(&self, n: u64) -> Vec<Duration> {
+        let (stop, rounds) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicU64::new(0)),
         );
-        std::thread::spawn(move || sync_loop(c, stop, rounds, Duration::from_millis(20)))
-    };
-    wait_until(90 * SEC, "round trips", || {
-        rounds.load(Ordering::Relaxed) >= 300
-    });
-    stop.store(true, Ordering::Relaxed);
-    let mut times = looping
-        .join()
-        .expect("sync client")
-        .expect("every round trip answered exactly");
+        let looping = {
+            let c = self.connect(wansim::Site::West, self.pair.west.bound("sync"));
+            let (stop, rounds) = (stop.clone(), rounds.clone());
+            std::thread::spawn(move || sync_loop(c, stop, rounds, Duration::from_millis(20)))
+        };
+        wait_until(90 * SEC, "round trips", || {
+            rounds.load(Ordering::Relaxed) >= n
+        });
+        stop.store(true, Ordering::Relaxed);
+        looping
+            .join()
+            .expect("sync client")
+            .expect("every round trip answered exactly")
+    }
+
+    /// Stops the bulk client; the bytes it sent, every one arrived exactly.
+    fn stop_bulk(&mut self) -> u64 {
+        self.stop_bulk.store(true, Ordering::Relaxed);
+        self.filler
+            .take()
+            .expect("a bulk client")
+            .join()
+            .expect("bulk client")
+            .expect("the bulk copy arrived exactly")
+    }
+}
+
+/// Across wansim's bursty T3, SYNC round trips whose two copies leave 5 ms apart, beside a
+/// bulk copy that fills the link: every round trip and every bulk byte arrives exactly, and the
+/// later copy brings bytes first at times (the bursts took the earlier one). West's bulk paces
+/// down to make room for the round trips while they run, and is paced at `link.max_rate` again
+/// once they stopped.
+#[test]
+fn spaced_copies_ride_a_bursty_wan_beside_a_bulk_load() {
+    if !wansim::available_or_skip("spaced copies across a bursty wansim") {
+        return;
+    }
+    let mut load = BurstyLoad::start("sb", "    redundancy: 2\n", "  copy_spacing: 5ms\n", 7);
+    std::thread::sleep(3 * SEC);
+    let mut times = load.rounds(300);
     // While the round trips ran, west's bulk made room for them (`link.latency_queue`); once
     // the lane is quiet, bulk is paced at `link.max_rate` again (95% of 45 Mbit/s).
+    let west = wansim::Site::West;
     let pacing = || {
         value(
-            &scrape_on(connect(pair.west.bound("admin"))),
+            &load.scrape(&load.pair.west, west),
             "wanopt_link_bulk_pacing_bits_per_second ",
         )
     };
     wait_until(10 * SEC, "bulk paced at link.max_rate again", || {
         pacing() == 42_750_000
     });
-    stop_bulk.store(true, Ordering::Relaxed);
-    let sent = filler
-        .join()
-        .expect("bulk client")
-        .expect("the bulk copy arrived exactly");
+    let sent = load.stop_bulk();
     let (p50, p99) = (percentile(&mut times, 0.5), percentile(&mut times, 0.99));
     println!(
         "{} round trips, copies 5 ms apart on t3-100ms-burst beside {sent} bulk bytes: p50 {p50:?}, p99 {p99:?}, max {:?}",
         times.len(),
         times.last().copied().unwrap_or_default()
     );
-    for d in [&pair.west, &pair.east] {
+    for d in [&load.pair.west, &load.pair.east] {
         assert_eq!(d.count("stream failed"), 0, "{}", d.log().join("\n"));
     }
-    let admin = pair.west.bound("admin");
-    let w = scrape_on(connect(admin));
+    let w = load.scrape(&load.pair.west, west);
     let won = |c: &str| {
         value(
             &w,
@@ -521,10 +562,8 @@ fn spaced_copies_ride_a_bursty_wan_beside_a_bulk_load() {
         "the later copy waited {waited:.3} s in all for its spacing, over {} round trips",
         times.len()
     );
-    assert!(
-        waited > 0.0 && waited <= started.elapsed().as_secs_f64(),
-        "{waited} s"
-    );
+    let ran = load.started.elapsed().as_secs_f64();
+    assert!(waited > 0.0 && waited <= ran, "{waited} s");
     // Copies whose connection was recovering from a burst (or had bytes unacknowledged) when
     // a write came were seen, and wrote it after the readier one.
     let impaired = value(&w, "wanopt_link_copy_impaired_total ");
@@ -532,10 +571,7 @@ fn spaced_copies_ride_a_bursty_wan_beside_a_bulk_load() {
     assert!(impaired > 0, "{w}");
     let yielded = value_f64(&w, "wanopt_link_bulk_yield_seconds_total ");
     println!("bulk was paced below link.max_rate for {yielded:.1} s");
-    assert!(
-        yielded > 0.0 && yielded <= started.elapsed().as_secs_f64(),
-        "{yielded} s"
-    );
+    assert!(yielded > 0.0 && yielded <= ran, "{yielded} s");
     assert!(sent > 8 * MIB, "the bulk copy moved {sent} bytes");
 }
 
@@ -545,75 +581,12 @@ fn spaced_copies_ride_a_bursty_wan_beside_a_bulk_load() {
 /// bytes from them before any TCP copy, and nothing on the sockets is refused.
 #[test]
 fn lane_datagrams_ride_a_bursty_wan_beside_a_bulk_load() {
-    use common::sink::{Pace, in_east, send};
     if !wansim::available_or_skip("latency lane datagrams across a bursty wansim") {
         return;
     }
-    let params = wansim::preset("t3-100ms-burst").expect("preset");
-    let tag = format!("dg{}", std::process::id() % 100_000);
-    let wan = wansim::Wan::start(&tag, params.clone()).expect("wansim");
-    let east_ip = wansim::Site::East.addr();
-    let l = wan
-        .in_site(wansim::Site::East, move || {
-            std::net::TcpListener::bind((east_ip, 9301))
-        })
-        .expect("east")
-        .expect("bind");
-    let sync = serve_on(l, echo_handler);
-    let (_sink, bulk) = in_east(&wan, 9302);
-    let (link, _) = wanopt_replay::showcase::stated_link(&params);
-    let lat = "    class: latency\n    redundancy: 4\n";
-    let pair = wan_pair(
-        &wan,
-        &format!("  - name: sync\n    target: {sync}\n{lat}  - name: bulk\n    target: {bulk}\n"),
-        &format!(
-            "  - name: sync\n    listen: 127.0.0.1:0\n{lat}  - name: bulk\n    listen: 127.0.0.1:0\n"
-        ),
-        move |_, y| link_lines(format!("{y}admin:\n  listen: 127.0.0.1:0\n"), &link),
-    );
-    pair.west.wait_log("latency lane copy attached", 20 * SEC);
-    let connect = |site: wansim::Site, addr: std::net::SocketAddr| {
-        wan.in_site(site, move || TcpStream::connect(addr))
-            .expect("site")
-            .expect("connect")
-    };
-    let west = wansim::Site::West;
-    let (stop, stop_bulk) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicBool::new(false)),
-    );
-    let filler = {
-        let (c, stop) = (connect(west, pair.west.bound("bulk")), stop_bulk.clone());
-        let pace = Pace {
-            piece: 256 << 10,
-            every: Duration::ZERO,
-        };
-        std::thread::spawn(move || {
-            send(c, 9, |o, b| fill(9, o, b), pace, &stop, &AtomicU64::new(0))
-        })
-    };
-    let rounds = Arc::new(AtomicU64::new(0));
-    let looping = {
-        let (c, stop, rounds) = (
-            connect(west, pair.west.bound("sync")),
-            stop.clone(),
-            rounds.clone(),
-        );
-        std::thread::spawn(move || sync_loop(c, stop, rounds, Duration::from_millis(20)))
-    };
-    wait_until(90 * SEC, "round trips", || {
-        rounds.load(Ordering::Relaxed) >= 200
-    });
-    stop.store(true, Ordering::Relaxed);
-    let mut times = looping
-        .join()
-        .expect("sync client")
-        .expect("every round trip answered exactly");
-    stop_bulk.store(true, Ordering::Relaxed);
-    let sent = filler
-        .join()
-        .expect("bulk client")
-        .expect("the bulk copy arrived exactly");
+    let mut load = BurstyLoad::start("dg", "    redundancy: 4\n", "", 9);
+    let mut times = load.rounds(200);
+    let sent = load.stop_bulk();
     println!(
         "{} round trips with datagrams on t3-100ms-burst beside {sent} bulk bytes: p50 {:?}, p99 {:?}",
         times.len(),
@@ -621,9 +594,12 @@ fn lane_datagrams_ride_a_bursty_wan_beside_a_bulk_load() {
         percentile(&mut times, 0.99)
     );
     assert!(sent > 4 * MIB, "the bulk copy moved {sent} bytes");
-    for (d, site) in [(&pair.west, west), (&pair.east, wansim::Site::East)] {
+    for (d, site) in [
+        (&load.pair.west, wansim::Site::West),
+        (&load.pair.east, wansim::Site::East),
+    ] {
         assert_eq!(d.count("stream failed"), 0, "{}", d.log().join("\n"));
-        let m = scrape_on(connect(site, d.bound("admin")));
+        let m = load.scrape(d, site);
         let received = value(&m, "wanopt_link_lane_datagrams_received_total ");
         let won = value(&m, "wanopt_link_copy_won_bytes_total{copy=\"datagrams\"} ");
         let cost = value(&m, "wanopt_link_lane_datagram_bytes_total ");

@@ -882,10 +882,7 @@ impl CopyWire {
                     self.errors.push(e.to_string());
                     continue;
                 }
-                self.merged.extend_from_slice(&out);
-                let buf = &mut to.inbufs[LATENCY_LANE];
-                buf.extend_from_slice(&out);
-                let _ = to.link.handle_lane_input(LATENCY_LANE, buf, now);
+                deliver_merged(&mut self.merged, &out, to, now);
                 progress = true;
             }
         }
@@ -898,10 +895,7 @@ impl CopyWire {
             if self.merge.piece(offset, &piece, &mut out) == 0 {
                 continue;
             }
-            self.merged.extend_from_slice(&out);
-            let buf = &mut to.inbufs[LATENCY_LANE];
-            buf.extend_from_slice(&out);
-            let _ = to.link.handle_lane_input(LATENCY_LANE, buf, now);
+            deliver_merged(&mut self.merged, &out, to, now);
             progress = true;
         }
         progress
@@ -934,6 +928,15 @@ impl CopyWire {
             .chain(datagram)
             .min()
     }
+}
+
+/// Bytes the merge delivered, kept in `merged` and handed to the receiving link's lane.
+fn deliver_merged(merged: &mut Vec<u8>, out: &[u8], to: &mut Side, now: Instant) {
+    use wanopt_proto::LATENCY_LANE;
+    merged.extend_from_slice(out);
+    let buf = &mut to.inbufs[LATENCY_LANE];
+    buf.extend_from_slice(out);
+    let _ = to.link.handle_lane_input(LATENCY_LANE, buf, now);
 }
 
 impl Default for CopyWire {
