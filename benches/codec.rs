@@ -18,7 +18,9 @@
 //! 2 KiB average chunks. `--threads N` measures the encoder and decoder with their chunks
 //! prepared on 1 to N threads (`limits.threads`), on the LZ4 path, on zstd alone and on zstd in
 //! a stream context (each `--file` too), `--rounds R` rounds (3) of every thread count in turn,
-//! as medians and ratios to one thread in the same run.
+//! as medians and ratios to one thread in the same run. `--serial` (with each `--file`) splits a
+//! first copy's time on one thread into the jobs the pool takes and the rest (issue 36's serial
+//! share), per path, and the time the jobs' way costs against no workers at all.
 
 #[path = "../tests/common/args.rs"]
 mod args;
@@ -131,37 +133,8 @@ fn run_writes(
 /// turn; medians, and "vs 1" the median of each round's ratio to one thread, since the VM's
 /// rate drifts by a fifth between runs.
 fn threads(name: &str, data: &[u8], most: usize, rounds: usize) {
-    for (path, compression, pressure, context) in [
-        (
-            "lz4 (cpu-bound)",
-            Compression::Adaptive,
-            Pressure::CpuBound,
-            false,
-        ),
-        (
-            "zstd alone (link-bound)",
-            Compression::Adaptive,
-            Pressure::LinkBound,
-            false,
-        ),
-        (
-            "zstd in context, deltas (a stated WAN)",
-            Compression::Adaptive,
-            Pressure::LinkBound,
-            true,
-        ),
-    ] {
-        let cfg = CodecConfig {
-            compression,
-            zstd_level: *LEVEL.get_or_init(|| CodecConfig::default().zstd_level),
-            context,
-            delta_bytes: if context {
-                CodecConfig::default().delta_bytes
-            } else {
-                0
-            },
-            ..CodecConfig::default()
-        };
+    for (path, compression, pressure, context) in PATHS {
+        let cfg = path_config(compression, context);
         // Per thread count: encode and decode MB/s of each round.
         let mut rates = vec![(Vec::new(), Vec::new()); most];
         let mut wires: Vec<Vec<u8>> = Vec::new();
@@ -236,6 +209,152 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize) {
                 ],
             );
         }
+    }
+}
+
+/// The encoder's paths `--threads` and `--serial` measure: name, compression, pressure, stream
+/// contexts (with deltas).
+const PATHS: [(&str, Compression, Pressure, bool); 3] = [
+    (
+        "lz4 (cpu-bound)",
+        Compression::Adaptive,
+        Pressure::CpuBound,
+        false,
+    ),
+    (
+        "zstd alone (link-bound)",
+        Compression::Adaptive,
+        Pressure::LinkBound,
+        false,
+    ),
+    (
+        "zstd in context, deltas (a stated WAN)",
+        Compression::Adaptive,
+        Pressure::LinkBound,
+        true,
+    ),
+];
+
+/// The codec's settings on one of [`PATHS`].
+fn path_config(compression: Compression, context: bool) -> CodecConfig {
+    CodecConfig {
+        compression,
+        zstd_level: *LEVEL.get_or_init(|| CodecConfig::default().zstd_level),
+        context,
+        delta_bytes: if context {
+            CodecConfig::default().delta_bytes
+        } else {
+            0
+        },
+        ..CodecConfig::default()
+    }
+}
+
+/// Workers that run every job on the calling thread and time them: the time a first copy
+/// spends in what the pool can take (jobs) and in what stays on the daemon's thread (the rest).
+#[derive(Debug, Default)]
+struct Timed {
+    jobs: std::sync::Mutex<std::time::Duration>,
+}
+
+impl Timed {
+    fn add(&self, t: Instant) {
+        let d = t.elapsed();
+        *self.jobs.lock().unwrap_or_else(|p| p.into_inner()) += d;
+    }
+}
+
+impl wanopt_codec::prepare::Workers for Timed {
+    fn run(&self, jobs: &mut [wanopt_codec::prepare::Job<'_>]) {
+        let t = Instant::now();
+        jobs.iter_mut().for_each(wanopt_codec::prepare::Job::run);
+        self.add(t);
+    }
+
+    fn overlap(&self, ahead: &wanopt_codec::prepare::Ahead<'_>, caller: &mut dyn FnMut()) {
+        // Every job first, timed; the caller then finds each one's result ready.
+        let t = Instant::now();
+        ahead.work();
+        self.add(t);
+        caller();
+    }
+}
+
+/// The one-core stage split of issue 36: a first copy of `data` encoded and decoded on one
+/// thread, `rounds` times per path, the jobs the pool would take timed apart from the rest
+/// (the mirror, records, copies: what stays on the daemon's thread). The serial share is the
+/// rest's part of the time; by Amdahl's law N cores give at most `1 / (s + (1 - s) / N)`.
+fn serial(name: &str, data: &[u8], rounds: usize) {
+    for (path, compression, pressure, context) in PATHS {
+        let cfg = path_config(compression, context);
+        // Per round: encode's and decode's serial share, and their time with the jobs timed
+        // against their time with no workers at all (what one thread runs).
+        let (mut enc_s, mut dec_s, mut enc_x, mut dec_x) = (vec![], vec![], vec![], vec![]);
+        for _ in 0..rounds.max(1) {
+            let mut took = [[0.0; 2]; 2];
+            let mut share = [0.0; 2];
+            for timed in [false, true] {
+                let t_jobs = std::sync::Arc::new(Timed::default());
+                let workers = timed
+                    .then(|| t_jobs.clone() as std::sync::Arc<dyn wanopt_codec::prepare::Workers>);
+                let jobs = || t_jobs.jobs.lock().map(|d| d.as_secs_f64()).unwrap_or(0.0);
+                let mut enc = Encoder::new(cfg.clone());
+                enc.set_workers(workers.clone());
+                enc.set_gather(SEND_BUFFER);
+                let mut wire = vec![1u8; data.len() + data.len() / 100 + 4096];
+                wire.clear();
+                let t = Instant::now();
+                for piece in data.chunks(64 << 10) {
+                    enc.push(piece, false, pressure, &mut wire);
+                }
+                enc.push(&[], true, pressure, &mut wire);
+                let all = t.elapsed().as_secs_f64();
+                let enc_jobs = jobs();
+                took[usize::from(timed)][0] = all;
+                share[0] = 1.0 - enc_jobs / all;
+                drop(enc);
+                let mut dec = Decoder::new(&cfg);
+                dec.set_workers(workers);
+                let mut out = vec![1u8; data.len() + 4096];
+                out.clear();
+                let t = Instant::now();
+                dec.decode(&wire, &mut out).expect("decode");
+                let all = t.elapsed().as_secs_f64();
+                took[usize::from(timed)][1] = all;
+                share[1] = 1.0 - (jobs() - enc_jobs) / all;
+                assert!(out == data, "round trip");
+            }
+            enc_s.push(share[0]);
+            dec_s.push(share[1]);
+            enc_x.push(took[1][0] / took[0][0]);
+            dec_x.push(took[1][1] / took[0][1]);
+        }
+        let amdahl = |s: f64, n: f64| 1.0 / (s + (1.0 - s) / n);
+        let (e, d) = (median(enc_s), median(dec_s));
+        let (ex, dx) = (median(enc_x), median(dec_x));
+        report::row(
+            "Serial share on one core (jobs the pool takes, timed apart)",
+            &[
+                "data",
+                "path",
+                "encode serial",
+                "time vs no pool",
+                "2 / 16 cores at most",
+                "decode serial",
+                "time vs no pool",
+                "2 / 16 cores at most",
+            ],
+            vec![
+                name.into(),
+                path.to_string(),
+                format!("{e:.3}"),
+                format!("{ex:.2}"),
+                format!("{:.2}x / {:.1}x", amdahl(e, 2.0) / ex, amdahl(e, 16.0) / ex),
+                format!("{d:.3}"),
+                format!("{dx:.2}"),
+                format!("{:.2}x / {:.1}x", amdahl(d, 2.0) / dx, amdahl(d, 16.0) / dx),
+            ],
+        );
     }
 }
 
@@ -748,6 +867,22 @@ fn main() {
             threads(name, data, n, rounds);
         }
         report::finish("codec-threads", "codec --threads: the pool on this machine");
+        return;
+    }
+    if args.flag("--serial") {
+        let mut sets = vec![("db-like".to_string(), db.clone())];
+        for path in args.all("--file") {
+            let data = std::fs::read(&path).unwrap_or_else(|e| panic!("--file {path}: {e}"));
+            sets.push((path.clone(), data));
+        }
+        let rounds = args.get("--rounds", 3usize);
+        for (name, data) in &sets {
+            serial(name, data, rounds);
+        }
+        report::finish(
+            "codec-serial",
+            "codec --serial: the serial share on one core",
+        );
         return;
     }
     if let Some(path) = args.text("--stages") {
