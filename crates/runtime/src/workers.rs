@@ -4,6 +4,7 @@
 //! works through the batch beside the pool's, so `limits.threads: N` is N threads encoding.
 
 use std::sync::LazyLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,12 +16,18 @@ use wanopt_codec::prepare::{Ahead, Job, Workers};
 /// (references) across threads.
 const PART: usize = 2;
 
-/// A pool of `threads - 1` threads, plus the caller's. Whether the pool's threads make batches
-/// faster is measured, not assumed: every so often [`PROBE`] batches run on the caller alone
-/// and as many with the pool, in turn, and the next [`HOLD`] batches run the faster way. On a host whose
-/// cores are all busy, waking a pool thread waits for the scheduler and moves work between
-/// cores that are full anyway: on the 2-core test VM, with both daemons and the applications
-/// on it, the pool cost a loopback pair a sixth of its rate (benches/README.md at 0a2ddc0).
+/// A pool of `threads - 1` threads, plus the caller's. Whether the pool's threads make calls
+/// faster is measured, not assumed, and without running the caller alone: each call with the
+/// pool counts its wall time, and apart the CPU time the caller and the pool's threads spent on
+/// it (their threads' CPU clocks), which is what the call would have cost the caller alone. The
+/// pool is used while the one stays under the other by a margin ([`GAIN`]); on a host whose
+/// cores are all busy, waking a pool thread waits for the scheduler and the caller waits for
+/// jobs a preempted thread holds, and the wall time shows it: on the 2-core test VM, with both
+/// daemons and the applications on it, the pool cost a loopback pair a sixth of its rate
+/// (benches/README.md at 0a2ddc0). While it is not used, every [`HOLD`] calls the next
+/// [`PROBE`] use it again to see. Calls with the pool come back to back, so nothing is lost
+/// to probing where the pool pays: the probe of the pool's first version ran a sixteenth of
+/// the calls on the caller alone, a tenth of a first copy's time on two idle cores.
 #[derive(Debug)]
 pub struct Pool {
     pool: rayon::ThreadPool,
@@ -29,89 +36,116 @@ pub struct Pool {
     /// caller ([`Workers::overlap`]): the two cost differently per job.
     judge: Mutex<Judge>,
     ahead: Mutex<Judge>,
+    /// Counts the calls that woke the pool's threads: a thread lingers after one (see
+    /// [`LINGER`]) until the next comes.
+    calls: Arc<AtomicU64>,
 }
 
-/// Batches of each kind a probe runs (alone and with the pool, in turn).
+/// Calls a judgement of the pool takes.
 const PROBE: u32 = 16;
-/// Batches run the way the last probe chose, before the next probe.
+/// Calls without the pool before the next probe.
 const HOLD: u32 = 256;
-/// The pool is used when it makes a job at least this much faster than the caller alone.
+/// The pool is used while a call's wall time with it is at most this share of the CPU time it
+/// took (what the caller alone would have spent).
 const GAIN: f64 = 0.85;
 /// The same for jobs run ahead of an encoding caller ([`Workers::overlap`]): no batch ends
 /// with the caller waiting for the pool there, and a stream context's turns gain 16-18% with
 /// the pool on two idle cores (`codec --threads 2`), which [`GAIN`] would turn down.
 const GAIN_AHEAD: f64 = 0.94;
 
-/// Where the pool's probe stands.
+/// How long a pool thread stays awake after its part of a call, for the next call to find it
+/// so: a stream's turns come back to back while its client is ahead, a few dozen microseconds
+/// apart, and waking a thread that had gone to sleep took 27 µs a turn on the 2-core test VM
+/// (a tenth of a turn on the LZ4 path; `codec --threads 2`).
+const LINGER: Duration = Duration::from_micros(200);
+
+/// Where the pool's judge stands.
 #[derive(Debug, Default)]
 struct Judge {
-    /// Batches left in the current stage: probing, or holding.
+    /// Calls left in the current stage.
     left: u32,
-    stage: Stage,
-    /// Time and work (jobs, or bytes) of the probe's batches alone and with the pool.
-    alone: (Duration, u64),
-    helped: (Duration, u64),
-    /// The share of the time alone under which the pool is used.
+    /// Whether calls use the pool now.
+    helped: bool,
+    /// The current judgement's calls: wall time with the pool, and the CPU time spent on them.
+    wall: Duration,
+    cpu: Duration,
+    /// The share of the CPU time under which the pool is used.
     gain: f64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Stage {
-    /// Batches alone and with the pool in turn, so that a drift in the host's speed (another
-    /// process, the VM's neighbours) weighs on both alike; `helped`: the next one's.
-    Probe {
-        helped: bool,
-    },
-    Hold {
-        helped: bool,
-    },
-}
-
-impl Default for Stage {
-    fn default() -> Self {
-        Stage::Probe { helped: false }
-    }
-}
-
 impl Judge {
-    /// Whether the next batch uses the pool.
-    fn helped(&self) -> bool {
-        match self.stage {
-            Stage::Probe { helped } | Stage::Hold { helped } => helped,
+    /// A judge that starts with a probe.
+    fn new(gain: f64) -> Self {
+        Judge {
+            left: PROBE,
+            helped: true,
+            gain,
+            ..Judge::default()
         }
     }
 
-    /// Counts a batch of `work` (jobs, or bytes) that took `took`, and moves on; after a
-    /// probe, whether the batches until the next one use the pool.
-    fn done(&mut self, work: u64, took: Duration) -> Option<bool> {
-        if let Stage::Probe { helped } = self.stage {
-            let s = if helped {
-                &mut self.helped
-            } else {
-                &mut self.alone
-            };
-            s.0 += took;
-            s.1 += work;
-            self.stage = Stage::Probe { helped: !helped };
+    /// Counts a call: with the pool (`helped`), its wall time and the CPU time the caller and
+    /// the pool's threads spent on it. Returns whether the calls after it use the pool, when
+    /// that was judged again.
+    fn done(&mut self, helped: Option<(Duration, Duration)>) -> Option<bool> {
+        if let Some((wall, cpu)) = helped {
+            self.wall += wall;
+            self.cpu += cpu;
         }
         self.left = self.left.saturating_sub(1);
         if self.left > 0 {
             return None;
         }
-        (self.stage, self.left) = match self.stage {
-            Stage::Probe { .. } => {
-                let per = |(t, n): (Duration, u64)| t.as_secs_f64() / n.max(1) as f64;
-                let helped = per(self.helped) < per(self.alone) * self.gain;
-                self.alone = Default::default();
-                self.helped = Default::default();
-                (Stage::Hold { helped }, HOLD)
-            }
-            Stage::Hold { .. } => (Stage::Probe { helped: false }, 2 * PROBE),
-        };
-        match self.stage {
-            Stage::Hold { helped } => Some(helped),
-            Stage::Probe { .. } => None,
+        if self.helped {
+            // Judged again every probe's worth of calls while the pool is used.
+            self.helped = self.wall.as_secs_f64() <= self.cpu.as_secs_f64() * self.gain;
+            self.left = if self.helped { PROBE } else { HOLD };
+        } else {
+            // A probe: the next calls use the pool, and are judged.
+            self.helped = true;
+            self.left = PROBE;
         }
+        self.wall = Duration::ZERO;
+        self.cpu = Duration::ZERO;
+        Some(self.helped)
+    }
+}
+
+/// The CPU time the calling thread has run (0 if the clock cannot be read).
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec for the call's duration.
+    let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &raw mut ts) };
+    if r != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(
+        u64::try_from(ts.tv_sec).unwrap_or(0),
+        u32::try_from(ts.tv_nsec).unwrap_or(0),
+    )
+}
+
+/// CPU time the pool's threads spent on a call, summed across them.
+#[derive(Debug, Default)]
+struct Spent(AtomicU64);
+
+impl Spent {
+    /// Runs `f`, counting the calling thread's CPU time.
+    fn count(&self, f: impl FnOnce()) {
+        let t = thread_cpu();
+        f();
+        let d = thread_cpu().saturating_sub(t);
+        self.0.fetch_add(
+            u64::try_from(d.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+    }
+
+    fn total(&self) -> Duration {
+        Duration::from_nanos(self.0.load(Ordering::Relaxed))
     }
 }
 
@@ -119,11 +153,6 @@ impl Pool {
     /// A pool for `threads` encoding threads; `None` for one (the caller alone) or if the
     /// threads could not be started (then each chunk is prepared as it is encoded).
     pub fn start(threads: usize) -> Option<Arc<dyn Workers>> {
-        Self::starting(threads, Stage::default(), 2 * PROBE).map(|p| p as Arc<dyn Workers>)
-    }
-
-    /// A pool whose judge starts at `stage` for `left` batches.
-    fn starting(threads: usize, stage: Stage, left: u32) -> Option<Arc<Pool>> {
         if threads < 2 {
             return None;
         }
@@ -135,18 +164,9 @@ impl Pool {
             Ok(pool) => Some(Arc::new(Pool {
                 pool,
                 threads,
-                judge: Mutex::new(Judge {
-                    left,
-                    stage,
-                    gain: GAIN,
-                    ..Judge::default()
-                }),
-                ahead: Mutex::new(Judge {
-                    left,
-                    stage,
-                    gain: GAIN_AHEAD,
-                    ..Judge::default()
-                }),
+                judge: Mutex::new(Judge::new(GAIN)),
+                ahead: Mutex::new(Judge::new(GAIN_AHEAD)),
+                calls: Arc::default(),
             })),
             Err(e) => {
                 tracing::warn!(error = %e, "codec worker threads could not start; encoding on one");
@@ -155,35 +175,42 @@ impl Pool {
         }
     }
 
-    /// Runs the jobs on the caller and `helpers` of the pool's threads.
-    fn run_on(&self, jobs: &mut [Job<'_>], helpers: usize) {
-        if helpers == 0 {
-            jobs.iter_mut().for_each(Job::run);
-            return;
-        }
-        let parts = Mutex::new(jobs.chunks_mut(PART));
-        let work = || {
-            loop {
-                // A part is taken under the lock and run outside it.
-                let part = match parts.lock() {
-                    Ok(mut p) => p.next(),
-                    Err(_) => None,
-                };
-                let Some(part) = part else { break };
-                part.iter_mut().for_each(Job::run);
-            }
-        };
+    /// Runs `caller` on the calling thread while `helpers` of the pool's threads run `helper`;
+    /// returns the CPU time both spent, then keeps the helpers awake for [`LINGER`] or until
+    /// the next call.
+    fn helped(
+        &self,
+        helpers: usize,
+        helper: &(dyn Fn() + Sync),
+        caller: &mut dyn FnMut(),
+    ) -> Duration {
+        let call = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
+        let spent = Spent::default();
+        let t = thread_cpu();
         self.pool.in_place_scope(|s| {
             for _ in 0..helpers {
-                s.spawn(|_| work());
+                s.spawn(|_| spent.count(helper));
             }
-            work();
+            caller();
         });
+        let cpu = thread_cpu().saturating_sub(t) + spent.total();
+        for _ in 0..helpers {
+            let calls = Arc::clone(&self.calls);
+            self.pool.spawn(move || {
+                let t = Instant::now();
+                while calls.load(Ordering::Relaxed) == call && t.elapsed() < LINGER {
+                    for _ in 0..64 {
+                        std::hint::spin_loop();
+                    }
+                }
+            });
+        }
+        cpu
     }
 }
 
-/// `limits.threads` of the process's pool, and 1 while the last probe found the pool makes
-/// batches faster (see [`Pool`]); the daemons register them with their metrics.
+/// `limits.threads` of the process's pool, and 1 while the pool makes calls faster (see
+/// [`Pool`]); the daemons register them with their metrics.
 static THREADS: LazyLock<Gauge> = LazyLock::new(Gauge::default);
 static IN_USE: LazyLock<Gauge> = LazyLock::new(Gauge::default);
 
@@ -203,49 +230,61 @@ pub fn shared(threads: usize) -> Option<Arc<dyn Workers>> {
     .clone()
 }
 
+/// Runs a call on the pool or alone, as `judge` says, and counts it.
+fn judged(judge: &Mutex<Judge>, helped: impl FnOnce(bool) -> Option<(Duration, Duration)>) {
+    let lock = || judge.lock().unwrap_or_else(|p| p.into_inner());
+    let use_pool = lock().helped;
+    let took = helped(use_pool);
+    if let Some(helped) = lock().done(took) {
+        IN_USE.set(i64::from(helped));
+    }
+}
+
 impl Workers for Pool {
     fn run(&self, jobs: &mut [Job<'_>]) {
-        let lock = || self.judge.lock().unwrap_or_else(|p| p.into_inner());
-        let helped = lock().helped();
         // No more helpers than parts: a helper with nothing to take only costs a wakeup.
-        let helpers = if helped {
-            self.threads
-                .min(jobs.len().div_ceil(PART))
-                .saturating_sub(1)
-        } else {
-            0
-        };
-        let t = Instant::now();
-        self.run_on(jobs, helpers);
-        if let Some(helped) = lock().done(jobs.len() as u64, t.elapsed()) {
-            IN_USE.set(i64::from(helped));
-        }
+        let helpers = self
+            .threads
+            .min(jobs.len().div_ceil(PART))
+            .saturating_sub(1);
+        judged(&self.judge, |use_pool| {
+            if !use_pool || helpers == 0 {
+                jobs.iter_mut().for_each(Job::run);
+                return None;
+            }
+            let t = Instant::now();
+            let parts = Mutex::new(jobs.chunks_mut(PART));
+            let work = || {
+                loop {
+                    // A part is taken under the lock and run outside it.
+                    let part = match parts.lock() {
+                        Ok(mut p) => p.next(),
+                        Err(_) => None,
+                    };
+                    let Some(part) = part else { break };
+                    part.iter_mut().for_each(Job::run);
+                }
+            };
+            let cpu = self.helped(helpers, &work, &mut || work());
+            Some((t.elapsed(), cpu))
+        });
     }
 
     fn overlap(&self, ahead: &Ahead<'_>, caller: &mut dyn FnMut()) {
-        let lock = || self.ahead.lock().unwrap_or_else(|p| p.into_inner());
-        let helpers = if lock().helped() {
-            (self.threads - 1).min(ahead.len())
-        } else {
-            0
-        };
-        let t = Instant::now();
-        if helpers == 0 {
-            caller();
-            ahead.work();
-        } else {
-            self.pool.in_place_scope(|s| {
-                for _ in 0..helpers {
-                    s.spawn(|_| ahead.work());
-                }
+        let helpers = (self.threads - 1).min(ahead.len());
+        judged(&self.ahead, |use_pool| {
+            if !use_pool || helpers == 0 {
+                caller();
+                ahead.work();
+                return None;
+            }
+            let t = Instant::now();
+            let cpu = self.helped(helpers, &|| ahead.work(), &mut || {
                 caller();
                 ahead.work();
             });
-        }
-        // Per byte encoded: a turn's jobs are few where most of it goes as references.
-        if let Some(helped) = lock().done(ahead.weight(), t.elapsed()) {
-            IN_USE.set(i64::from(helped));
-        }
+            Some((t.elapsed(), cpu))
+        });
     }
 }
 
@@ -254,58 +293,55 @@ mod tests {
     use super::*;
     use wanopt_codec::{CodecConfig, Decoder, Encoder, Pressure};
 
-    /// Runs a judge through a probe where a batch takes `alone` alone and `helped` with the
-    /// pool; returns whether the batches after it use the pool, and for how many.
-    fn probe(alone: u64, helped: u64) -> (bool, u32) {
-        probe_at(GAIN, alone, helped)
-    }
-
-    /// [`probe`] with a judge of `gain`.
-    fn probe_at(gain: f64, alone: u64, helped: u64) -> (bool, u32) {
-        let mut j = Judge {
-            left: 2 * PROBE,
-            gain,
-            ..Judge::default()
-        };
-        for _ in 0..2 * PROBE {
-            let t = if j.helped() { helped } else { alone };
-            j.done(10, Duration::from_micros(t));
+    /// Runs a judge of `gain` through calls with the pool that take `wall` against `cpu` of
+    /// CPU time; returns whether the calls after them use the pool, and for how many.
+    fn judge(gain: f64, wall: u64, cpu: u64) -> (bool, u32) {
+        let mut j = Judge::new(gain);
+        let us = Duration::from_micros;
+        for _ in 0..PROBE - 1 {
+            assert!(j.helped);
+            assert_eq!(j.done(Some((us(wall), us(cpu)))), None);
         }
-        let mut held = 0;
-        let used = j.helped();
-        while !matches!(j.stage, Stage::Probe { .. }) {
-            assert_eq!(j.helped(), used);
-            j.done(10, Duration::from_micros(1));
-            held += 1;
-        }
-        (used, held)
+        let used = j.done(Some((us(wall), us(cpu)))).expect("judged");
+        (used, j.left)
     }
 
     #[test]
-    fn the_pool_is_used_only_where_it_makes_batches_faster() {
-        // Idle cores: the pool halves a batch's time.
-        assert_eq!(probe(100, 55), (true, HOLD));
-        // Busy cores: waking the pool's threads costs what they save, or more.
-        assert_eq!(probe(100, 95), (false, HOLD));
-        assert_eq!(probe(100, 140), (false, HOLD));
+    fn the_pool_is_used_only_where_it_makes_calls_faster() {
+        // Idle cores: a call with the pool takes half the CPU time both threads spent on it.
+        assert_eq!(judge(GAIN, 55, 100), (true, PROBE));
+        // Busy cores: the caller waits for jobs a preempted thread holds, or wakes a thread
+        // that waits for a core: the wall time is what the caller alone would have spent.
+        assert_eq!(judge(GAIN, 95, 100), (false, HOLD));
+        assert_eq!(judge(GAIN, 140, 100), (false, HOLD));
         // Jobs run ahead of the encoding caller: a smaller gain is taken, none is not.
-        assert_eq!(probe_at(GAIN_AHEAD, 100, 88), (true, HOLD));
-        assert_eq!(probe_at(GAIN_AHEAD, 100, 97), (false, HOLD));
-        // The host slows down while the probe runs (another process starts): batches alone and
-        // with the pool in turn bear the drift alike, and the pool's gain still shows.
-        let mut j = Judge {
-            left: 2 * PROBE,
-            gain: GAIN,
-            ..Judge::default()
-        };
-        for i in 0..u64::from(2 * PROBE) {
-            let t = 100 + 20 * i;
-            j.done(
-                10,
-                Duration::from_micros(if j.helped() { t * 7 / 10 } else { t }),
-            );
+        assert_eq!(judge(GAIN_AHEAD, 88, 100), (true, PROBE));
+        assert_eq!(judge(GAIN_AHEAD, 97, 100), (false, HOLD));
+        // Turned off, the pool is not used for `HOLD` calls; then a probe uses it again, and
+        // it stays in use if it pays by then (the host's other work ended).
+        let mut j = Judge::new(GAIN);
+        let us = Duration::from_micros;
+        let mut verdicts = Vec::new();
+        for i in 0..PROBE + HOLD + PROBE {
+            let call = j.helped.then(|| {
+                if i < PROBE {
+                    (us(120), us(100))
+                } else {
+                    (us(50), us(100))
+                }
+            });
+            if let Some(v) = j.done(call) {
+                verdicts.push((i, v));
+            }
         }
-        assert_eq!(j.stage, Stage::Hold { helped: true });
+        assert_eq!(
+            verdicts,
+            [
+                (PROBE - 1, false),
+                (PROBE + HOLD - 1, true),
+                (PROBE + HOLD + PROBE - 1, true)
+            ]
+        );
     }
 
     /// A stream encoded with the pool's help (chunks prepared in batches, and run ahead of the
@@ -333,9 +369,8 @@ mod tests {
         };
         let alone = encode(None);
         assert!(Pool::start(1).is_none());
-        // The pool in use from the first batch (a probe would start with the caller alone).
-        let pool = Pool::starting(3, Stage::Hold { helped: true }, u32::MAX).expect("pool");
-        let pooled = encode(Some(pool));
+        // The pool is in use from the first call (its judge starts with a probe of it).
+        let pooled = encode(Pool::start(3));
         assert!(
             alone == pooled,
             "{} against {} bytes",
