@@ -47,6 +47,8 @@ pub struct Decoder {
     /// What [`prepare`](Decoder::prepare) made: by record offset, with the record's tag, raw
     /// and payload lengths (a slot serves only the record it was made for).
     batch: Vec<(usize, u8, usize, usize, prepare::Prepared)>,
+    /// Slots a run's chunks are fingerprinted in on the workers (kept for reuse).
+    run_slots: Vec<prepare::Prepared>,
     /// The streams' logs, the names of reference runs the peer re-sent by their check (our
     /// log differed), and scratch for names.
     pub(crate) logs: crate::logs::Logs,
@@ -87,12 +89,57 @@ impl Decoder {
             delta: delta::RecvScratch::default(),
             workers: None,
             batch: Vec::new(),
+            run_slots: Vec::new(),
             logs: crate::logs::Logs::for_cache(cache.capacity()),
             resolved: std::collections::HashMap::new(),
             names: Vec::new(),
             asked: std::collections::HashMap::new(),
             cache,
         }
+    }
+
+    /// The fingerprints of the chunks `bytes` holds one after the other, `lens` long, of those
+    /// `wanted` (`None` for the others, and for any `bytes` does not hold): on the workers when
+    /// there are two or more, since a run's chunks come out of one stream context in order and
+    /// only their names can be found side by side.
+    pub(crate) fn fingerprints_of(
+        &mut self,
+        bytes: &[u8],
+        lens: impl Iterator<Item = (usize, bool)> + Clone,
+        names: &mut Vec<Option<Fingerprint>>,
+    ) {
+        use prepare::{Job, Work};
+        names.clear();
+        let wanted = lens.clone().filter(|l| l.1).count();
+        let Some(w) = self.workers.clone().filter(|_| wanted >= 2) else {
+            let mut off = 0usize;
+            for (len, want) in lens {
+                let chunk = bytes.get(off..off.saturating_add(len));
+                names.push(chunk.filter(|_| want).map(fingerprint));
+                off = off.saturating_add(len);
+            }
+            return;
+        };
+        let n = lens.clone().count();
+        let mut slots = std::mem::take(&mut self.run_slots);
+        if slots.len() < n {
+            slots.resize_with(n, Default::default);
+        }
+        {
+            let mut jobs = Vec::with_capacity(wanted);
+            let mut off = 0usize;
+            for ((len, want), slot) in lens.zip(slots.iter_mut()) {
+                slot.reset(len);
+                let chunk = bytes.get(off..off.saturating_add(len));
+                off = off.saturating_add(len);
+                if let Some(chunk) = chunk.filter(|_| want) {
+                    jobs.push(Job::new(chunk, Work::Fingerprint, slot));
+                }
+            }
+            w.run(&mut jobs);
+        }
+        names.extend(slots[..n].iter().map(|s| s.fingerprint));
+        self.run_slots = slots;
     }
 
     /// Decompresses literals on `workers` ahead (see [`prepare`](Self::prepare)).
@@ -468,17 +515,21 @@ impl Decoder {
                 if deferred {
                     return Ok(at + clen);
                 }
-                // The run (or the lone chunk) is whole: its chunks in order.
+                // The run (or the lone chunk) is whole: its chunks in order, named first (on
+                // the workers, if any).
                 let bytes = std::mem::take(&mut stream.run_bytes);
+                let run = std::mem::take(&mut stream.run);
+                let mut names = Vec::with_capacity(run.len());
+                self.fingerprints_of(&bytes, run.iter().copied(), &mut names);
                 let mut off = 0;
-                for (len, cached) in std::mem::take(&mut stream.run) {
+                for ((len, cached), name) in run.into_iter().zip(names) {
                     let chunk = &bytes[off..off + len];
                     off += len;
                     out.extend_from_slice(chunk);
                     self.stats.lit_chunks += 1;
                     self.stats.lit_bytes += len as u64;
                     if cached {
-                        let f = fingerprint(chunk);
+                        let f = name.unwrap_or_else(|| fingerprint(chunk));
                         self.cache.insert(f, chunk.to_vec());
                         self.log_chunk(stream.log, f);
                     }

@@ -187,11 +187,13 @@ impl Decoder {
         }
         let bare = buf[0] == TAG_DELTA_RUN_BARE;
         let rebuilt = rebuild(d, payload, total, bare)?.ok_or(CodecError::Decompress)?;
-        // Every chunk checked before any is added or appended.
+        // Every chunk checked before any is added or appended (named on the workers, if any).
+        let mut found = Vec::with_capacity(n);
+        self.fingerprints_of(&rebuilt, lens[..n].iter().map(|&l| (l, true)), &mut found);
         let mut chunks = [[0u8; 16]; MAX_RUN_CHUNKS];
         let mut off = 0;
-        for (name, len) in chunks.iter_mut().zip(&lens[..n]) {
-            *name = fingerprint(&rebuilt[off..off + len]);
+        for ((name, len), f) in chunks.iter_mut().zip(&lens[..n]).zip(found) {
+            *name = f.unwrap_or_else(|| fingerprint(&rebuilt[off..off + len]));
             off += len;
         }
         if run_check(chunks[..n].iter()) != check {

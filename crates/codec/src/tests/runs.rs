@@ -199,6 +199,18 @@ fn anchors_found_on_workers_give_the_same_deltas() {
         let mut out = Vec::new();
         dec.decode(&b, &mut out).expect("decodes");
         assert!(out[..first.len()] == first[..] && out[first.len()..] == changed[..]);
+        // A decoder that names a run's chunks on the workers (a delta run's, a context run's)
+        // rebuilds and caches the same.
+        let mut pooled_dec = Decoder::new(&cfg);
+        pooled_dec.set_workers(Some(std::sync::Arc::new(Threads::new(3))));
+        let mut out2 = Vec::new();
+        pooled_dec.decode(&b, &mut out2).expect("decodes");
+        assert!(out2 == out);
+        assert_eq!(pooled_dec.stats(), dec.stats());
+        assert_eq!(
+            pooled_dec.cache().snapshot().digest(),
+            dec.cache().snapshot().digest()
+        );
     }
 }
 
@@ -312,15 +324,16 @@ proptest! {
     }
 
     /// Damaged records decode through a decoder with workers exactly as through one without:
-    /// the same bytes, then the same error (or none).
+    /// the same bytes, then the same error (or none), literals alone or in stream contexts.
     #[test]
     fn prepared_decoding_of_damaged_records_matches(
         len in 1usize..200_000,
         seed in any::<u64>(),
         hits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..8),
         cut in any::<prop::sample::Index>(),
+        context in any::<bool>(),
     ) {
-        let cfg = CodecConfig { context: false, ..CodecConfig::default() };
+        let cfg = CodecConfig { context, ..CodecConfig::default() };
         let data = [db_blocks(len / 8192 + 1, seed), xorshift(seed, len / 3)].concat();
         let (mut enc, _) = pair(&cfg);
         let mut wire = Vec::new();
