@@ -152,7 +152,7 @@ impl Decoder {
     /// bytes), for [`decode_record_at`](Self::decode_record_at) to insert in order. The scan
     /// stops at the first record that is not a reference or a literal alone; every record is
     /// still checked in full when it is decoded. False if nothing was prepared.
-    pub fn prepare(&mut self, buf: &[u8], room: usize) -> bool {
+    fn prepare(&mut self, buf: &[u8], room: usize) -> bool {
         use prepare::{Job, Work};
         self.batch.clear();
         let Some(w) = self.workers.clone() else {
@@ -250,7 +250,7 @@ impl Decoder {
     }
 
     /// Forgets what was prepared.
-    pub fn end_batch(&mut self) {
+    fn end_batch(&mut self) {
         self.batch.clear();
     }
 
@@ -382,7 +382,7 @@ impl Decoder {
 
     /// Like [`decode_record_within`](Self::decode_record_within), for the record at offset `rec_at`
     /// of the bytes [`prepare`](Self::prepare) was given, using what it made for that record.
-    pub fn decode_record_at(
+    fn decode_record_at(
         &mut self,
         buf: &[u8],
         out: &mut Vec<u8>,
@@ -603,28 +603,52 @@ impl Decoder {
     /// Decodes every whole record at the front of `buf`; returns the bytes used.
     /// With workers, literals are prepared [`BATCH`](BATCH) records at a time.
     pub fn decode(&mut self, buf: &[u8], out: &mut Vec<u8>) -> Result<usize, CodecError> {
-        let mut used = 0;
         let mut own = std::mem::take(&mut self.own);
-        // Where the prepared bytes start, and records decoded since.
-        let (mut base, mut n) = (0, BATCH);
-        let r = loop {
+        let (used, stop) = self.decode_frame(buf, out, &mut own, usize::MAX);
+        self.own = own;
+        match stop {
+            None | Some(CodecError::Incomplete) => Ok(used),
+            Some(e) => Err(e),
+        }
+    }
+
+    /// Decodes a link's coded frame: the records of one stream's turn, in `stream`'s context,
+    /// appending what they rebuild to `out`, at most `announced` bytes (what the frame
+    /// announced). With workers, literals alone are decompressed on them a batch at a time
+    /// ahead of the records that use them ([`prepare`](Self::prepare)). Returns the record
+    /// bytes used, and what stopped it before the end: a miss (the records before it are
+    /// decoded), a truncated record, or damage.
+    pub fn decode_frame(
+        &mut self,
+        records: &[u8],
+        out: &mut Vec<u8>,
+        stream: &mut StreamContext,
+        announced: usize,
+    ) -> (usize, Option<CodecError>) {
+        let start = out.len();
+        let mut used = 0;
+        // Where the prepared records start, and records decoded since.
+        let (mut base, mut n, mut prepared) = (0, BATCH, false);
+        let stop = loop {
+            if used == records.len() {
+                break None;
+            }
+            let room = announced.saturating_sub(out.len() - start);
             if self.workers.is_some() && n >= BATCH {
-                self.prepare(&buf[used..], usize::MAX);
+                prepared = self.prepare(&records[used..], room);
                 (base, n) = (used, 0);
             }
-            let at = Some(used - base).filter(|_| self.workers.is_some());
-            match self.decode_record_at(&buf[used..], out, &mut own, usize::MAX, at) {
+            let at = prepared.then_some(used - base);
+            match self.decode_record_at(&records[used..], out, stream, room, at) {
                 Ok(k) => {
                     used += k;
                     n += 1;
                 }
-                Err(CodecError::Incomplete) => break Ok(used),
-                Err(e) => break Err(e),
+                Err(e) => break Some(e),
             }
         };
         self.end_batch();
-        self.own = own;
-        r
+        (used, stop)
     }
 }
 

@@ -455,39 +455,24 @@ impl Contexts {
             let mut out = Vec::with_capacity(announced.min(OUT_PRESIZE));
             let mut miss = None;
             let mut on_store = false;
-            // With workers, the frame's literals alone are decompressed on them first.
-            let prepared = dec.prepare(&p.records, announced);
-            let mut at = 0;
-            let mut failed = None;
-            while !p.records.is_empty() {
-                // Each record within what the frame announced (and paid credit for).
-                let room = announced.saturating_sub(out.len());
-                let rec_at = prepared.then_some(at);
-                match dec.decode_record_at(&p.records, &mut out, &mut rc.context, room, rec_at) {
-                    Ok(n) => {
-                        p.records.advance(n);
-                        at += n;
-                    }
-                    Err(CodecError::Miss(f)) => {
-                        miss = Some((f, p.scoped));
-                        break;
-                    }
-                    Err(CodecError::Pending(f)) => {
-                        miss = Some((f, p.scoped));
-                        on_store = true;
-                        break;
-                    }
-                    Err(CodecError::Incomplete) => {
-                        failed = Some("truncated record".to_string());
-                        break;
-                    }
-                    Err(e) => {
-                        failed = Some(e.to_string());
-                        break;
-                    }
+            // Each record within what the frame announced (and paid credit for); with workers,
+            // the frame's literals alone are decompressed on them first.
+            let (used, stop) = dec.decode_frame(&p.records, &mut out, &mut rc.context, announced);
+            p.records.advance(used);
+            let failed = match stop {
+                None => None,
+                Some(CodecError::Miss(f)) => {
+                    miss = Some((f, p.scoped));
+                    None
                 }
-            }
-            dec.end_batch();
+                Some(CodecError::Pending(f)) => {
+                    miss = Some((f, p.scoped));
+                    on_store = true;
+                    None
+                }
+                Some(CodecError::Incomplete) => Some("truncated record".to_string()),
+                Some(e) => Some(e.to_string()),
+            };
             if let Some(e) = failed {
                 return Err(e);
             }
