@@ -18,7 +18,9 @@
 //! 2 KiB average chunks. `--threads N` measures the encoder and decoder with their chunks
 //! prepared on 1 to N threads (`limits.threads`), on the LZ4 path, on zstd alone and on zstd in
 //! a stream context (each `--file` too), `--rounds R` rounds (3) of every thread count in turn,
-//! as medians and ratios to one thread in the same run. `--serial` (with each `--file`) splits a
+//! as medians and ratios to one thread in the same run; `--streams S` sends each first copy as
+//! S parts side by side through one mirror, a turn at a time, as a link takes a parallel copy's
+//! streams. `--serial` (with each `--file`) splits a
 //! first copy's time on one thread into the jobs the pool takes and the rest (issue 36's serial
 //! share), per path, and the time the jobs' way costs against no workers at all.
 
@@ -132,7 +134,7 @@ fn run_writes(
 /// rate on the test VM whatever the threads). `rounds` rounds, each of every thread count in
 /// turn; medians, and "vs 1" the median of each round's ratio to one thread, since the VM's
 /// rate drifts by a fifth between runs.
-fn threads(name: &str, data: &[u8], most: usize, rounds: usize) {
+fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) {
     for (path, compression, pressure, context) in PATHS {
         let cfg = path_config(compression, context);
         // Per thread count: encode and decode MB/s of each round.
@@ -141,29 +143,7 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize) {
         let mut wire_len = 0;
         for _ in 0..rounds.max(1) {
             for n in 1..=most {
-                let mut enc = Encoder::new(cfg.clone());
-                enc.set_workers(wanopt_runtime::workers::Pool::start(n));
-                let mut wire = vec![1u8; data.len() + data.len() / 100 + 4096];
-                wire.clear();
-                let t = Instant::now();
-                // As a link's stream whose client writes faster than it encodes: 64 KiB writes,
-                // and a turn whenever its send buffer is full, so the next turn's chunks can be
-                // cut while one encodes.
-                enc.set_gather(SEND_BUFFER);
-                for piece in data.chunks(64 << 10) {
-                    enc.push(piece, false, pressure, &mut wire);
-                }
-                enc.push(&[], true, pressure, &mut wire);
-                let rate = data.len() as f64 / t.elapsed().as_secs_f64() / 1e6;
-                drop(enc);
-                let mut dec = Decoder::new(&cfg);
-                dec.set_workers(wanopt_runtime::workers::Pool::start(n));
-                let mut out = vec![1u8; data.len() + 4096];
-                out.clear();
-                let t = Instant::now();
-                dec.decode(&wire, &mut out).expect("decode");
-                let drate = data.len() as f64 / t.elapsed().as_secs_f64() / 1e6;
-                assert!(out == data, "round trip");
+                let (rate, drate, wire) = first_copy(&cfg, data, n, streams, pressure);
                 rates[n - 1].0.push(rate);
                 rates[n - 1].1.push(drate);
                 wire_len = wire.len();
@@ -189,6 +169,7 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize) {
                 "Encoding and decoding on the pool (wall time)",
                 &[
                     "data",
+                    "streams",
                     "path",
                     "threads",
                     "encode MB/s",
@@ -199,6 +180,7 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize) {
                 ],
                 vec![
                     name.into(),
+                    streams.to_string(),
                     path.to_string(),
                     n.to_string(),
                     format!("{:.0}", median(enc.clone())),
@@ -210,6 +192,80 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize) {
             );
         }
     }
+}
+
+/// A first copy of `data` encoded, then decoded, with chunks prepared on `threads` threads (the
+/// daemon's pool): as one stream whose client writes faster than the link encodes (64 KiB
+/// writes, a turn whenever its send buffer is full, so the next turn's chunks can be cut while
+/// one encodes), or split in `streams` parts sent side by side through one mirror, a turn at a
+/// time as a link takes them (an RMAN duplicate's channels), each turn decoded in its stream's
+/// context. Returns encode and decode MB/s and the records, after checking every byte.
+fn first_copy(
+    cfg: &CodecConfig,
+    data: &[u8],
+    threads: usize,
+    streams: usize,
+    pressure: Pressure,
+) -> (f64, f64, Vec<u8>) {
+    let pool = || wanopt_runtime::workers::Pool::start(threads);
+    let mut wire = vec![1u8; data.len() + data.len() / 100 + 4096];
+    wire.clear();
+    let mb = |secs: f64| data.len() as f64 / secs / 1e6;
+    if streams <= 1 {
+        let mut enc = Encoder::new(cfg.clone());
+        enc.set_workers(pool());
+        enc.set_gather(SEND_BUFFER);
+        let t = Instant::now();
+        for piece in data.chunks(64 << 10) {
+            enc.push(piece, false, pressure, &mut wire);
+        }
+        enc.push(&[], true, pressure, &mut wire);
+        let rate = mb(t.elapsed().as_secs_f64());
+        drop(enc);
+        let mut dec = Decoder::new(cfg);
+        dec.set_workers(pool());
+        let mut out = vec![1u8; data.len() + 4096];
+        out.clear();
+        let t = Instant::now();
+        dec.decode(&wire, &mut out).expect("decode");
+        let drate = mb(t.elapsed().as_secs_f64());
+        assert!(out == data, "round trip");
+        return (rate, drate, wire);
+    }
+    let parts: Vec<&[u8]> = data.chunks(data.len().div_ceil(streams).max(1)).collect();
+    let mut enc = wanopt_codec::Streams::new(cfg.clone(), parts.len(), SEND_BUFFER);
+    enc.set_workers(pool());
+    let mut turns = Vec::new();
+    let t = Instant::now();
+    enc.send(&parts, 64 << 10, pressure, &mut wire, &mut turns);
+    let rate = mb(t.elapsed().as_secs_f64());
+    drop(enc);
+    let mut dec = Decoder::new(cfg);
+    dec.set_workers(pool());
+    // Touched first, as `out` is: first-touch page faults are this harness's, not the codec's.
+    let mut outs: Vec<Vec<u8>> = parts
+        .iter()
+        .map(|p| {
+            let mut o = vec![1u8; p.len() + 4096];
+            o.clear();
+            o
+        })
+        .collect();
+    let mut ctxs: Vec<wanopt_codec::StreamContext> =
+        parts.iter().map(|_| Default::default()).collect();
+    let t = Instant::now();
+    let mut from = 0;
+    for &(k, end) in &turns {
+        let records = &wire[from..end];
+        let (used, stop) = dec.decode_frame(records, &mut outs[k], &mut ctxs[k], usize::MAX);
+        assert!(used == records.len() && stop.is_none(), "decode: {stop:?}");
+        from = end;
+    }
+    let drate = mb(t.elapsed().as_secs_f64());
+    for (o, p) in outs.iter().zip(&parts) {
+        assert!(o == p, "round trip");
+    }
+    (rate, drate, wire)
 }
 
 /// The encoder's paths `--threads` and `--serial` measure: name, compression, pressure, stream
@@ -860,11 +916,13 @@ fn main() {
             sets.push((path.clone(), data));
         }
         let rounds = args.get("--rounds", 3usize);
+        let streams = args.get("--streams", 1usize);
         report::note(format!(
-            "{rounds} rounds of every thread count in turn, medians (`--rounds`)."
+            "{rounds} rounds of every thread count in turn, medians (`--rounds`); each first copy \
+             as {streams} stream(s) side by side (`--streams`)."
         ));
         for (name, data) in &sets {
-            threads(name, data, n, rounds);
+            threads(name, data, n, rounds, streams);
         }
         report::finish("codec-threads", "codec --threads: the pool on this machine");
         return;

@@ -22,11 +22,7 @@ use crate::send::{self, Limits, RAW_TURN, Sender};
 pub struct Encoder {
     cfg: CodecConfig,
     pub(crate) mirror: Mirror,
-    pub(crate) sender: Sender,
-    /// What was pushed and not sent yet (a chunk waiting for its boundary).
-    queue: VecDeque<Bytes>,
-    queued: u64,
-    sent: u64,
+    pub(crate) stream: Stream,
     stats: EncodeStats,
     /// A turn's quantum and frame room (see [`set_turn_limits`](Self::set_turn_limits)).
     turn: (usize, usize),
@@ -40,20 +36,87 @@ pub struct Encoder {
 /// Blocks until the disk tier of the store of bases has finished a read, or a while has passed.
 pub type StoreWait = Box<dyn FnMut() + Send>;
 
-impl Encoder {
-    pub fn new(cfg: CodecConfig) -> Self {
-        let mut mirror = Mirror::new(cfg.cache_bytes, 64 << 20, cfg.zstd_level);
-        mirror.set_long_context(cfg.long, Slots::default());
-        mirror.set_bases(delta::shared(cfg.delta_bytes));
-        // Its decoder is this build's (`Decoder::new`): bases keep their place.
-        mirror.cache_mut().set_quiet_bases(true);
-        Encoder {
-            mirror,
+/// One stream's send side in an [`Encoder`] or [`Streams`]: its sender, and what was pushed
+/// and not sent yet (a chunk waiting for its boundary).
+pub(crate) struct Stream {
+    pub(crate) sender: Sender,
+    queue: VecDeque<Bytes>,
+    queued: u64,
+    sent: u64,
+}
+
+impl Stream {
+    fn new(cfg: &CodecConfig) -> Self {
+        Stream {
             sender: Sender::new(cfg.policy()),
-            cfg,
             queue: VecDeque::new(),
             queued: 0,
             sent: 0,
+        }
+    }
+
+    /// Queues `data`; with `flush`, everything queued goes without waiting for a boundary.
+    fn push(&mut self, data: &[u8], flush: bool) {
+        if !data.is_empty() {
+            self.queue.push_back(Bytes::copy_from_slice(data));
+            self.queued += data.len() as u64;
+        }
+        if flush {
+            self.sender.flush_at = self.queued;
+        }
+    }
+
+    /// Whether a turn may come, as the link's scheduler sees it: a flush is due, or `gather`
+    /// bytes wait.
+    fn ready(&self, gather: usize) -> bool {
+        self.sent < self.queued
+            && (self.sender.flush_at > self.sent || self.queued - self.sent >= gather as u64)
+    }
+
+    /// One turn (a link's frame) into `out`: the raw bytes it sent.
+    fn turn(
+        &mut self,
+        cfg: &CodecConfig,
+        mirror: &mut Mirror,
+        pressure: Pressure,
+        lim: &Limits,
+        out: &mut Vec<u8>,
+        stats: &mut EncodeStats,
+    ) -> usize {
+        let before = out.len();
+        let n = send::emit(
+            &mut self.sender,
+            &mut self.queue,
+            self.sent,
+            cfg,
+            mirror,
+            pressure,
+            lim,
+            out,
+            stats,
+        );
+        self.sent += n as u64;
+        stats.frames += u64::from(n > 0 || out.len() > before);
+        n
+    }
+}
+
+/// A mirror as a link's encoder sets one up for `cfg` (its decoder is this build's).
+fn mirror_for(cfg: &CodecConfig) -> Mirror {
+    let mut mirror = Mirror::new(cfg.cache_bytes, 64 << 20, cfg.zstd_level);
+    mirror.set_long_context(cfg.long, Slots::default());
+    mirror.set_bases(delta::shared(cfg.delta_bytes));
+    // Its decoder is this build's (`Decoder::new`): bases keep their place.
+    mirror.cache_mut().set_quiet_bases(true);
+    mirror
+}
+
+impl Encoder {
+    pub fn new(cfg: CodecConfig) -> Self {
+        Encoder {
+            mirror: mirror_for(&cfg),
+            stream: Stream::new(&cfg),
+            cfg,
             stats: EncodeStats::default(),
             turn: (usize::MAX, usize::MAX),
             store_wait: None,
@@ -65,7 +128,7 @@ impl Encoder {
     /// calls `wait` (which blocks until the store has read something, or a while has passed)
     /// and goes on. Without it (the default) such chunks go with the bases at hand.
     pub fn set_store_wait(&mut self, wait: Option<StoreWait>) {
-        self.sender.policy.wait_bases = wait.is_some();
+        self.stream.sender.policy.wait_bases = wait.is_some();
         self.store_wait = wait;
     }
 
@@ -121,44 +184,27 @@ impl Encoder {
     /// on the same caches, with a context of its own, as a new connection would.
     pub fn end_stream(&mut self, pressure: Pressure, out: &mut Vec<u8>) {
         self.push(&[], true, pressure, out);
-        self.sender = Sender::new(crate::config::Policy {
-            wait_bases: self.store_wait.is_some(),
-            ..self.cfg.policy()
-        });
-        self.queued = 0;
-        self.sent = 0;
+        self.stream = Stream::new(&self.cfg);
+        self.stream.sender.policy.wait_bases = self.store_wait.is_some();
     }
 
     /// Bytes held back waiting for a chunk boundary.
     pub fn pending(&self) -> usize {
-        (self.queued - self.sent) as usize
+        (self.stream.queued - self.stream.sent) as usize
     }
 
     /// Takes stream bytes and appends records to `out`. Without `flush`, the bytes after the last
     /// chunk boundary wait for more data; with it (latency class, end of stream) nothing waits.
     pub fn push(&mut self, data: &[u8], flush: bool, pressure: Pressure, out: &mut Vec<u8>) {
-        if !data.is_empty() {
-            self.queue.push_back(Bytes::copy_from_slice(data));
-            self.queued += data.len() as u64;
-        }
-        if flush {
-            self.sender.flush_at = self.queued;
-        }
+        self.stream.push(data, flush);
         let lim = Limits {
             budget: RAW_TURN,
             quantum: self.turn.0,
             room: self.turn.1,
         };
-        // Turn after turn, as the link's scheduler runs them, until nothing more may go (a
-        // stream is ready with a flush due or enough bytes gathered).
-        while self.sent < self.queued
-            && (self.sender.flush_at > self.sent || self.queued - self.sent >= self.gather as u64)
-        {
-            let before = out.len();
-            let n = send::emit(
-                &mut self.sender,
-                &mut self.queue,
-                self.sent,
+        // Turn after turn, as the link's scheduler runs them, until nothing more may go.
+        while self.stream.ready(self.gather) {
+            let n = self.stream.turn(
                 &self.cfg,
                 &mut self.mirror,
                 pressure,
@@ -166,9 +212,7 @@ impl Encoder {
                 out,
                 &mut self.stats,
             );
-            self.sent += n as u64;
-            self.stats.frames += u64::from(n > 0 || out.len() > before);
-            if self.sender.waiting() {
+            if self.stream.sender.waiting() {
                 if let Some(wait) = self.store_wait.as_mut() {
                     wait();
                 }
@@ -178,5 +222,117 @@ impl Encoder {
                 break;
             }
         }
+    }
+}
+
+/// Several streams of one direction encoded against one mirror, a turn (a link's frame) at a
+/// time, taken in turn as a link's scheduler takes the bulk streams of a parallel copy (an RMAN
+/// duplicate's channels): each stream has its own sender and context, and a chunk one stream
+/// sent is a reference in another's. Each turn's records decode alone, in order, with
+/// [`Decoder::decode_frame`](crate::Decoder::decode_frame) and the stream's context.
+pub struct Streams {
+    cfg: CodecConfig,
+    mirror: Mirror,
+    streams: Vec<Stream>,
+    stats: EncodeStats,
+    gather: usize,
+    /// The stream whose turn comes next, if it may go.
+    next: usize,
+}
+
+impl Streams {
+    /// `n` streams (at least one), as a link's bulk streams that gather `gather` bytes a turn
+    /// ([`send::gather`]).
+    pub fn new(cfg: CodecConfig, n: usize, gather: usize) -> Self {
+        Streams {
+            mirror: mirror_for(&cfg),
+            streams: (0..n.max(1)).map(|_| Stream::new(&cfg)).collect(),
+            cfg,
+            stats: EncodeStats::default(),
+            gather,
+            next: 0,
+        }
+    }
+
+    /// Prepares chunks on `workers` (see [`Mirror::set_workers`]).
+    pub fn set_workers(&mut self, workers: Option<std::sync::Arc<dyn prepare::Workers>>) {
+        self.mirror.set_workers(workers);
+    }
+
+    pub fn stats(&self) -> &EncodeStats {
+        &self.stats
+    }
+
+    /// Queues `data` on stream `k` (none past the last); with `flush`, all the stream's bytes
+    /// go without waiting for a boundary.
+    pub fn push(&mut self, k: usize, data: &[u8], flush: bool) {
+        if let Some(s) = self.streams.get_mut(k) {
+            s.push(data, flush);
+        }
+    }
+
+    /// Sends `parts`, one per stream, as parallel channels' clients write them: `write` bytes
+    /// to each stream in turn (its turns taken as they become ready), then a flush of every
+    /// stream. Appends each turn's records to `out` and, to `turns`, its stream and where its
+    /// records end in `out`.
+    pub fn send(
+        &mut self,
+        parts: &[&[u8]],
+        write: usize,
+        pressure: Pressure,
+        out: &mut Vec<u8>,
+        turns: &mut Vec<(usize, usize)>,
+    ) {
+        let mut take = |s: &mut Self, out: &mut Vec<u8>| {
+            while let Some(k) = s.turn(pressure, out) {
+                turns.push((k, out.len()));
+            }
+        };
+        let write = write.max(1);
+        let longest = parts.iter().map(|p| p.len()).max().unwrap_or(0);
+        for at in (0..longest).step_by(write) {
+            for (k, p) in parts.iter().enumerate() {
+                if let Some(piece) = p.get(at..p.len().min(at + write)) {
+                    self.push(k, piece, false);
+                    take(self, out);
+                }
+            }
+        }
+        for k in 0..parts.len() {
+            self.push(k, &[], true);
+        }
+        take(self, out);
+    }
+
+    /// The next stream's turn that sends something, its records appended to `out`: the
+    /// stream, or `None` when no stream may send.
+    pub fn turn(&mut self, pressure: Pressure, out: &mut Vec<u8>) -> Option<usize> {
+        let lim = Limits {
+            budget: RAW_TURN,
+            quantum: usize::MAX,
+            room: usize::MAX,
+        };
+        let n = self.streams.len();
+        for i in 0..n {
+            let k = (self.next + i) % n;
+            let s = &mut self.streams[k];
+            if !s.ready(self.gather) {
+                continue;
+            }
+            let before = out.len();
+            s.turn(
+                &self.cfg,
+                &mut self.mirror,
+                pressure,
+                &lim,
+                out,
+                &mut self.stats,
+            );
+            if out.len() > before {
+                self.next = (k + 1) % n;
+                return Some(k);
+            }
+        }
+        None
     }
 }

@@ -661,7 +661,7 @@ fn hostile_delta_runs(bare: bool) {
     };
     let (first, second) = pages(16, 3);
     let (mut enc, mut dec) = primed(&cfg, &first);
-    enc.sender.policy.compact_runs = bare;
+    enc.stream.sender.policy.compact_runs = bare;
     let wire = send(&mut enc, &second);
     let wire = without_log(&wire);
     assert_eq!(

@@ -170,13 +170,13 @@ fn hostile_reference_runs_are_errors() {
 fn hostile_reference_runs(short: bool) {
     let cfg = CodecConfig::default();
     let (mut enc, mut dec) = (Encoder::new(cfg.clone()), Decoder::new(&cfg));
-    enc.sender.policy.compact_runs = short;
+    enc.stream.sender.policy.compact_runs = short;
     let data = tree(100, 3);
     let w1 = send(&mut enc, &data);
     let mut s = crate::StreamContext::default();
     answer_all(&enc, &mut dec, &mut s, &w1);
     // Each stream starts with the configuration's policy.
-    enc.sender.policy.compact_runs = short;
+    enc.stream.sender.policy.compact_runs = short;
     let w2 = send(&mut enc, &data);
     let mut s = crate::StreamContext::default();
     let log_len = w2.len() - without_log(&w2).len();

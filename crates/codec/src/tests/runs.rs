@@ -353,3 +353,82 @@ proptest! {
         prop_assert!(a == b);
     }
 }
+
+/// What [`Streams`](crate::Streams) made of `parts` (one stream each, written 64 KiB at a time
+/// to each in turn): each turn's stream and records.
+fn side_by_side(
+    streams: &mut crate::Streams,
+    parts: &[Vec<u8>],
+    pressure: Pressure,
+) -> Vec<(usize, Vec<u8>)> {
+    let (mut out, mut turns) = (Vec::new(), Vec::new());
+    let parts: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+    streams.send(&parts, 65_536, pressure, &mut out, &mut turns);
+    let mut from = 0;
+    turns
+        .into_iter()
+        .map(|(k, end)| {
+            let records = out[from..end].to_vec();
+            from = end;
+            (k, records)
+        })
+        .collect()
+}
+
+/// A parallel copy's streams encoded against one mirror, turn by turn as a link takes them (a
+/// first copy, then a changed one on the same streams): the same records on any number of
+/// workers, with and without stream contexts; each turn decodes alone, in order, in its
+/// stream's context, to exactly the stream's bytes; a chunk one stream sent is another's
+/// reference (and, at a stated WAN, delta base).
+#[test]
+fn streams_side_by_side_encode_alike_and_decode_turn_by_turn() {
+    let (firsts, mut changed) = crate::testdata::parallel_copies(4, 4, 400);
+    // The last stream sends again what the first sent: references to another stream's chunks.
+    changed[3] = firsts[0].clone();
+    for (context, pressure) in [(false, Pressure::CpuBound), (true, Pressure::LinkBound)] {
+        let cfg = CodecConfig {
+            context,
+            delta_bytes: 64 << 20,
+            ..CodecConfig::default()
+        };
+        let encode = |threads: usize| {
+            let mut s = crate::Streams::new(cfg.clone(), 4, 256 << 10);
+            if threads > 1 {
+                s.set_workers(Some(std::sync::Arc::new(Threads::new(threads))));
+            }
+            let mut turns = side_by_side(&mut s, &firsts, pressure);
+            turns.extend(side_by_side(&mut s, &changed, pressure));
+            (turns, s.stats().clone())
+        };
+        let (alone, stats) = encode(1);
+        for threads in [2, 3] {
+            let (pooled, pooled_stats) = encode(threads);
+            assert!(alone == pooled, "context {context}, {threads} threads");
+            assert_eq!(stats, pooled_stats);
+        }
+        assert!(stats.hit_chunks > 300, "{stats:?}");
+        assert_eq!(stats.delta_chunks > 0, context, "{stats:?}");
+        let used: std::collections::BTreeSet<usize> = alone.iter().map(|t| t.0).collect();
+        assert_eq!(used.len(), 4);
+        for threads in [1, 2] {
+            let mut dec = Decoder::new(&cfg);
+            if threads > 1 {
+                dec.set_workers(Some(std::sync::Arc::new(Threads::new(threads))));
+            }
+            let mut outs = vec![Vec::new(); 4];
+            let mut ctxs: Vec<crate::StreamContext> =
+                (0..4).map(|_| crate::StreamContext::default()).collect();
+            for (k, records) in &alone {
+                let (used, stop) =
+                    dec.decode_frame(records, &mut outs[*k], &mut ctxs[*k], usize::MAX);
+                assert_eq!((used, stop), (records.len(), None));
+            }
+            for k in 0..4 {
+                assert!(
+                    outs[k] == [&firsts[k][..], &changed[k][..]].concat(),
+                    "stream {k}"
+                );
+            }
+        }
+    }
+}
