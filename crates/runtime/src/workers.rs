@@ -24,8 +24,9 @@ const PART: usize = 2;
 /// cores are all busy, waking a pool thread waits for the scheduler and the caller waits for
 /// jobs a preempted thread holds, and the wall time shows it: on the 2-core test VM, with both
 /// daemons and the applications on it, the pool cost a loopback pair a sixth of its rate
-/// (benches/README.md at 0a2ddc0). While it is not used, every [`HOLD`] calls the next
-/// [`PROBE`] use it again to see. Calls with the pool come back to back, so nothing is lost
+/// (benches/README.md at 0a2ddc0). Calls twice as slow as alone turn it off at once
+/// ([`SLOWER`]). While it is not used, every [`HOLD`] calls the next [`PROBE`] use it again
+/// to see. Calls with the pool come back to back, so nothing is lost
 /// to probing where the pool pays: the probe of the pool's first version ran a sixteenth of
 /// the calls on the caller alone, a tenth of a first copy's time on two idle cores.
 #[derive(Debug)]
@@ -52,6 +53,10 @@ const GAIN: f64 = 0.85;
 /// with the caller waiting for the pool there, and a stream context's turns gain 16-18% with
 /// the pool on two idle cores (`codec --threads 2`), which [`GAIN`] would turn down.
 const GAIN_AHEAD: f64 = 0.94;
+
+/// How much slower than alone (wall time against CPU time) calls with the pool may run before
+/// the judge turns the pool off without waiting for the rest of its calls.
+const SLOWER: u32 = 2;
 
 /// How long a pool thread stays awake after its part of a call, for the next call to find it
 /// so: a stream's turns come back to back while its client is ahead, a few dozen microseconds
@@ -91,6 +96,13 @@ impl Judge {
         if let Some((wall, cpu)) = helped {
             self.wall += wall;
             self.cpu += cpu;
+            // Twice as slow as alone already, over two calls or more: a pool thread waited for
+            // a core, and the caller for it, a scheduler's slice at a time (milliseconds, where
+            // a call's work takes tens of microseconds). Judged now: a probe's worth of such
+            // calls would cost a short copy more than the copy.
+            if self.left < PROBE && self.wall > self.cpu * SLOWER {
+                self.left = 1;
+            }
         }
         self.left = self.left.saturating_sub(1);
         if self.left > 0 {
@@ -313,6 +325,20 @@ mod tests {
         // Busy cores: the caller waits for jobs a preempted thread holds, or wakes a thread
         // that waits for a core: the wall time is what the caller alone would have spent.
         assert_eq!(judge(GAIN, 95, 100), (false, HOLD));
+        // Far slower than alone: judged after two calls, not a probe's worth.
+        let us = Duration::from_micros;
+        let mut j = Judge::new(GAIN);
+        assert_eq!(
+            j.done(Some((us(4000), us(100)))),
+            None,
+            "one call is not enough"
+        );
+        assert_eq!(j.done(Some((us(150), us(100)))), Some(false));
+        assert_eq!(j.left, HOLD);
+        // Slower, but not twice: the probe's calls all count.
+        let mut j = Judge::new(GAIN);
+        assert_eq!(j.done(Some((us(150), us(100)))), None);
+        assert_eq!(j.done(Some((us(150), us(100)))), None);
         assert_eq!(judge(GAIN, 140, 100), (false, HOLD));
         // Jobs run ahead of the encoding caller: a smaller gain is taken, none is not.
         assert_eq!(judge(GAIN_AHEAD, 88, 100), (true, PROBE));
@@ -320,7 +346,6 @@ mod tests {
         // Turned off, the pool is not used for `HOLD` calls; then a probe uses it again, and
         // it stays in use if it pays by then (the host's other work ended).
         let mut j = Judge::new(GAIN);
-        let us = Duration::from_micros;
         let mut verdicts = Vec::new();
         for i in 0..PROBE + HOLD + PROBE {
             let call = j.helped.then(|| {
