@@ -327,6 +327,12 @@ impl wanopt_codec::prepare::Workers for Timed {
         self.add(t);
     }
 
+    fn spawn(&self, job: Box<dyn FnOnce() + Send>) {
+        let t = Instant::now();
+        job();
+        self.add(t);
+    }
+
     fn overlap(&self, ahead: &wanopt_codec::prepare::Ahead<'_>, caller: &mut dyn FnMut()) {
         // Every job first, timed; the caller then finds each one's result ready.
         let t = Instant::now();

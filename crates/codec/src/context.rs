@@ -132,7 +132,8 @@ impl Drop for Permit {
 
 /// A stream's zstd compression context.
 pub(crate) struct SendContext {
-    pub(crate) cctx: zstd::zstd_safe::CCtx<'static>,
+    /// Its compressor; `None` while a worker makes its records (see [`crate::maker`]).
+    pub(crate) cctx: Option<zstd::zstd_safe::CCtx<'static>>,
     /// No record of it was sent yet: the next one tells the peer to start afresh.
     pub(crate) fresh: bool,
     /// A long-window context (see [`LongContext`]).
@@ -144,17 +145,9 @@ pub(crate) struct SendContext {
     pub(crate) serial: u64,
     pub(crate) pos: u64,
     pub(crate) window: u64,
-    /// The open run: raw bytes deferred since the last flush, their records' payload bytes,
-    /// and how many chunks.
-    pub(crate) run: (usize, usize, usize),
+    /// The open run: raw bytes deferred since the last flush, and how many chunks.
+    pub(crate) run: (usize, usize),
     pub(crate) _permit: Permit,
-}
-
-impl SendContext {
-    /// Raw bytes of the open run.
-    pub(crate) fn run_pending(&self) -> usize {
-        self.run.0
-    }
 }
 
 /// The receiving end of one stream's zstd context: none until the peer starts one.

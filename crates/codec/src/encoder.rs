@@ -230,6 +230,11 @@ impl Encoder {
 /// duplicate's channels): each stream has its own sender and context, and a chunk one stream
 /// sent is a reference in another's. Each turn's records decode alone, in order, with
 /// [`Decoder::decode_frame`](crate::Decoder::decode_frame) and the stream's context.
+///
+/// A turn's context records are made on the workers (see [`send::emit_pending`]) while the
+/// next streams' turns are planned, so several streams' contexts compress at once; turns are
+/// finished (their records written) in the order they were planned, a stream's before its next
+/// turn is planned, and at most [`PENDING`] wait at once.
 pub struct Streams {
     cfg: CodecConfig,
     mirror: Mirror,
@@ -238,7 +243,13 @@ pub struct Streams {
     gather: usize,
     /// The stream whose turn comes next, if it may go.
     next: usize,
+    /// Turns planned and not finished, with their streams.
+    pending: send::PendingTurns<usize>,
 }
+
+/// Turns that may wait for their context records at once: one per long context a link gives
+/// by default ([`LongContext`](crate::LongContext)).
+pub const PENDING: usize = 8;
 
 impl Streams {
     /// `n` streams (at least one), as a link's bulk streams that gather `gather` bytes a turn
@@ -251,6 +262,7 @@ impl Streams {
             stats: EncodeStats::default(),
             gather,
             next: 0,
+            pending: send::PendingTurns::default(),
         }
     }
 
@@ -283,11 +295,7 @@ impl Streams {
         out: &mut Vec<u8>,
         turns: &mut Vec<(usize, usize)>,
     ) {
-        let mut take = |s: &mut Self, out: &mut Vec<u8>| {
-            while let Some(k) = s.turn(pressure, out) {
-                turns.push((k, out.len()));
-            }
-        };
+        let mut take = |s: &mut Self, out: &mut Vec<u8>| while s.turn(pressure, out, turns) {};
         let write = write.max(1);
         let longest = parts.iter().map(|p| p.len()).max().unwrap_or(0);
         for at in (0..longest).step_by(write) {
@@ -302,11 +310,18 @@ impl Streams {
             self.push(k, &[], true);
         }
         take(self, out);
+        self.finish(out, turns);
     }
 
-    /// The next stream's turn that sends something, its records appended to `out`: the
-    /// stream, or `None` when no stream may send.
-    pub fn turn(&mut self, pressure: Pressure, out: &mut Vec<u8>) -> Option<usize> {
+    /// The next stream's turn that sends something; false when no stream may send. Turns
+    /// finished meanwhile have their records appended to `out`, and their streams and where
+    /// their records end in `out` to `turns`.
+    pub fn turn(
+        &mut self,
+        pressure: Pressure,
+        out: &mut Vec<u8>,
+        turns: &mut Vec<(usize, usize)>,
+    ) -> bool {
         let lim = Limits {
             budget: RAW_TURN,
             quantum: usize::MAX,
@@ -315,24 +330,58 @@ impl Streams {
         let n = self.streams.len();
         for i in 0..n {
             let k = (self.next + i) % n;
-            let s = &mut self.streams[k];
-            if !s.ready(self.gather) {
+            if !self.streams[k].ready(self.gather) {
                 continue;
             }
-            let before = out.len();
-            s.turn(
+            // The stream's last turn first (and every turn planned before it).
+            if let Some(at) = self.pending.position(|&p| p == k) {
+                self.finish_through(at, out, turns);
+            }
+            let s = &mut self.streams[k];
+            let p = send::emit_pending(
+                &mut s.sender,
+                &mut s.queue,
+                s.sent,
                 &self.cfg,
                 &mut self.mirror,
                 pressure,
                 &lim,
-                out,
                 &mut self.stats,
             );
-            if out.len() > before {
+            s.sent += p.raw() as u64;
+            let went = !p.is_empty();
+            if went {
+                self.pending.push(k, p, self.mirror.workers().as_deref());
+                if self.pending.len() > PENDING {
+                    self.finish_through(0, out, turns);
+                }
+            } else {
+                // Nothing to write; the stream's context comes back to it.
+                p.finish(&mut s.sender, &mut self.mirror, out, &mut self.stats);
+            }
+            if went {
+                self.stats.frames += 1;
                 self.next = (k + 1) % n;
-                return Some(k);
+                return true;
             }
         }
-        None
+        false
+    }
+
+    /// Finishes every turn still waiting for its context records (see [`turn`](Self::turn)).
+    pub fn finish(&mut self, out: &mut Vec<u8>, turns: &mut Vec<(usize, usize)>) {
+        self.finish_through(usize::MAX, out, turns);
+    }
+
+    /// Finishes the waiting turns up to the `last`th, in order.
+    fn finish_through(&mut self, last: usize, out: &mut Vec<u8>, turns: &mut Vec<(usize, usize)>) {
+        let (streams, mirror, stats) = (&mut self.streams, &mut self.mirror, &mut self.stats);
+        self.pending.finish_through(last, |k, p| {
+            match streams.get_mut(k) {
+                Some(s) => p.finish(&mut s.sender, mirror, out, stats),
+                None => p.finish_orphan(mirror, out, stats),
+            };
+            turns.push((k, out.len()));
+        });
     }
 }

@@ -5,6 +5,26 @@ use bytes::BufMut;
 
 use crate::fingerprint::Fingerprint;
 
+/// Where records are written: a buffer that tells how much it holds, so that a record whose
+/// bytes are made elsewhere (a stream context's, on a worker; see `crate::mirror::lane`) can
+/// be given its place among the others.
+pub trait Out: BufMut {
+    /// Bytes written so far.
+    fn written(&self) -> usize;
+}
+
+impl Out for Vec<u8> {
+    fn written(&self) -> usize {
+        self.len()
+    }
+}
+
+impl Out for bytes::BytesMut {
+    fn written(&self) -> usize {
+        self.len()
+    }
+}
+
 /// Largest chunk or raw record a decoder accepts, checked before anything is allocated.
 pub const MAX_RECORD: usize = 1 << 20;
 /// Largest overhead of one record over the chunk bytes it carries.

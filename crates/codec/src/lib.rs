@@ -27,6 +27,7 @@ mod encoder;
 mod fingerprint;
 mod format;
 mod logs;
+mod maker;
 mod mirror;
 pub mod prepare;
 mod report;
@@ -41,7 +42,7 @@ pub use context::{
 };
 pub use decoder::{DecodeStats, Decoder};
 pub use delta::{Bases, MAX_BASES, SharedBases};
-pub use encoder::{Encoder, StoreWait, Streams};
+pub use encoder::{Encoder, PENDING, StoreWait, Streams};
 pub use format::{CodecError, MAX_RECORD, RECORD_OVERHEAD, RUN_MAX, RUN_MAX_DECODE, run_reserve};
 pub use mirror::{
     Hint, LIVE_CHUNKS, Mirror, TAIL_RAW, TAIL_RAW_IN_CONTEXT, TRIAL_EVERY, encode_raw, encode_tail,

@@ -30,6 +30,16 @@ pub trait Workers: Send + Sync + std::fmt::Debug {
         caller();
         ahead.work();
     }
+
+    /// Threads that run jobs, the caller's included.
+    fn threads(&self) -> usize {
+        1
+    }
+
+    /// Runs `job` on a worker when one is free, while the caller goes on; alone: at once.
+    fn spawn(&self, job: Box<dyn FnOnce() + Send>) {
+        job();
+    }
 }
 
 /// Runs jobs one after the other on the calling thread.

@@ -5,12 +5,14 @@
 //! tests). Boundaries depend on the content alone, never on how the application split its writes.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
-use bytes::{Buf, BufMut, Bytes};
+use bytes::{Buf, Bytes};
 
 use crate::config::{CodecConfig, Policy, Pressure, chunks};
 use crate::fingerprint::Fingerprint;
-use crate::format::{RECORD_OVERHEAD, run_reserve};
+use crate::format::{Out, RECORD_OVERHEAD, run_reserve};
+use crate::maker::{Maker, Queue};
 use crate::mirror::{Hint, Mirror, encode_tail};
 use crate::prepare::{Ahead, BATCH, Found, Job, Prepared, Work};
 use crate::report::{EncodeStats, Sent};
@@ -45,6 +47,10 @@ pub struct Sender {
     waiting: bool,
     /// Chunks cut ahead of the turn that sends them (a bulk stream with workers).
     cut: CutAhead,
+    /// What makes the stream's context records for turns left pending ([`emit_pending`]),
+    /// and a pending turn's buffer of records.
+    maker: Arc<std::sync::Mutex<Maker>>,
+    plan: Vec<u8>,
 }
 
 /// A bulk stream's chunks cut, and fingerprinted, ahead of the turn that sends them: on the
@@ -78,6 +84,8 @@ impl Sender {
             ratio: 1.0,
             waiting: false,
             cut: CutAhead::default(),
+            maker: Arc::default(),
+            plan: Vec::new(),
         }
     }
 
@@ -122,7 +130,7 @@ pub struct Limits {
 /// that one view holds a batch of chunks to prepare at once: the application's writes arrive in
 /// buffers of 64 KiB or less, six chunks each, too few to pay for waking the pool.
 #[allow(clippy::too_many_arguments)]
-pub fn emit<B: BufMut>(
+pub fn emit<B: Out>(
     coder: &mut Sender,
     queue: &mut VecDeque<Bytes>,
     sent: u64,
@@ -133,6 +141,229 @@ pub fn emit<B: BufMut>(
     out: &mut B,
     stats: &mut EncodeStats,
 ) -> usize {
+    let turn = plan_turn(
+        coder, queue, sent, chunking, mirror, pressure, lim, out, stats,
+    );
+    end_turn(coder, mirror, &turn, stats);
+    turn.raw
+}
+
+/// Plans the next turn as [`emit`] does, its stream's context records to be made after it (on
+/// a worker, while the caller goes on with other streams' turns): what it wrote waits in the
+/// returned [`Pending`] until [`Pending::finish`] writes it with the made records in their
+/// places. The records are the ones `emit` writes for the same turn once the stream's context
+/// costs are learned at the same points (the stream's next turn comes after the finish).
+#[allow(clippy::too_many_arguments)]
+pub fn emit_pending(
+    coder: &mut Sender,
+    queue: &mut VecDeque<Bytes>,
+    sent: u64,
+    chunking: &CodecConfig,
+    mirror: &mut Mirror,
+    pressure: Pressure,
+    lim: &Limits,
+    stats: &mut EncodeStats,
+) -> Pending {
+    let lane = Arc::new(Queue::default());
+    let maker = Arc::clone(&coder.maker);
+    mirror.open_lane(Arc::clone(&lane), &mut coder.hint, &mut lock(&maker));
+    let mut plan = std::mem::take(&mut coder.plan);
+    plan.clear();
+    let turn = plan_turn(
+        coder, queue, sent, chunking, mirror, pressure, lim, &mut plan, stats,
+    );
+    // Known now: the link's scheduler asks before the turn is finished.
+    coder.waiting = turn.wait;
+    mirror.detach_lane();
+    Pending {
+        plan,
+        maker,
+        lane,
+        turn,
+    }
+}
+
+/// A turn planned by [`emit_pending`] whose stream's context records are still to be made.
+pub struct Pending {
+    /// The turn's other records, the made ones' places in them.
+    plan: Vec<u8>,
+    maker: Arc<std::sync::Mutex<Maker>>,
+    lane: Arc<Queue>,
+    turn: Turn,
+}
+
+impl std::fmt::Debug for Pending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pending")
+            .field("raw", &self.turn.raw)
+            .field("plan", &self.plan.len())
+            .finish()
+    }
+}
+
+fn lock(m: &std::sync::Mutex<Maker>) -> std::sync::MutexGuard<'_, Maker> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Pending {
+    /// The raw bytes the turn sent.
+    pub fn raw(&self) -> usize {
+        self.turn.raw
+    }
+
+    /// True if the turn wrote nothing (it sent no bytes).
+    pub fn is_empty(&self) -> bool {
+        self.plan.is_empty() && self.lane.is_empty()
+    }
+
+    /// Has `workers` make the turn's context records (one job, which does nothing if the
+    /// caller got to them first).
+    pub fn spawn(&self, workers: &dyn crate::prepare::Workers) {
+        let (maker, lane) = (Arc::clone(&self.maker), Arc::clone(&self.lane));
+        workers.spawn(Box::new(move || {
+            if let Ok(mut m) = maker.try_lock() {
+                m.run(&lane);
+            }
+        }));
+    }
+
+    /// True while a worker makes the turn's context records.
+    pub fn busy(&self) -> bool {
+        self.maker.try_lock().is_err()
+    }
+
+    /// Makes the turn's context records here if no worker has started on them; returns
+    /// whether it did (a caller waiting for another turn helps with this one).
+    pub fn help(&self) -> bool {
+        match self.maker.try_lock() {
+            Ok(mut m) if !self.lane.is_empty() => {
+                m.run(&self.lane);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Writes the turn's records to `out`, the made ones (made here if no worker has, else
+    /// once the worker is done) in their places, and learns what the turn's context records
+    /// cost. Returns the raw bytes it sent. Turns are finished in the order they were planned,
+    /// and a stream's before its next is planned.
+    pub fn finish<B: Out>(
+        self,
+        coder: &mut Sender,
+        mirror: &mut Mirror,
+        out: &mut B,
+        stats: &mut EncodeStats,
+    ) -> usize {
+        {
+            let mut m = lock(&self.maker);
+            m.run(&self.lane);
+            mirror.close_lane(&mut coder.hint, &mut m, &self.plan, out);
+        }
+        end_turn(coder, mirror, &self.turn, stats);
+        coder.plan = self.plan;
+        self.turn.raw
+    }
+
+    /// Finishes a turn whose stream is gone, as [`finish`](Self::finish) does: its records
+    /// still go (the mirror counts on the peer's cache seeing them), and what they cost is
+    /// learned by nobody.
+    pub fn finish_orphan<B: Out>(
+        self,
+        mirror: &mut Mirror,
+        out: &mut B,
+        stats: &mut EncodeStats,
+    ) -> usize {
+        let mut gone = Sender::new(Policy::default());
+        self.finish(&mut gone, mirror, out, stats)
+    }
+}
+
+/// Turns planned with [`emit_pending`] and not finished yet, oldest first, each with what its
+/// owner finishes it with (`K`: a stream, a frame's header). Turns are finished in the order
+/// they were planned; while a worker makes the oldest one's records, the caller makes later
+/// ones' rather than wait, so several streams' contexts compress at once however many
+/// workers there are.
+#[derive(Debug)]
+pub struct PendingTurns<K> {
+    turns: VecDeque<(K, Pending)>,
+}
+
+impl<K> Default for PendingTurns<K> {
+    fn default() -> Self {
+        PendingTurns {
+            turns: VecDeque::new(),
+        }
+    }
+}
+
+impl<K> PendingTurns<K> {
+    /// Adds a turn just planned, its records made on `workers` (or later, by whoever finishes).
+    pub fn push(&mut self, k: K, p: Pending, workers: Option<&dyn crate::prepare::Workers>) {
+        if let Some(w) = workers.filter(|_| !p.lane.is_empty()) {
+            p.spawn(w);
+        }
+        self.turns.push_back((k, p));
+    }
+
+    pub fn len(&self) -> usize {
+        self.turns.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.turns.is_empty()
+    }
+
+    /// Where the first turn `is` picks out waits, if one does.
+    pub fn position(&self, is: impl Fn(&K) -> bool) -> Option<usize> {
+        self.turns.iter().position(|(k, _)| is(k))
+    }
+
+    /// Hands the turns up to the `last`th (every one with `usize::MAX`) to `each`, oldest
+    /// first, to be finished ([`Pending::finish`]).
+    pub fn finish_through(&mut self, last: usize, mut each: impl FnMut(K, Pending)) {
+        let n = last.saturating_add(1).min(self.turns.len());
+        for _ in 0..n {
+            // While a worker makes the oldest's records, make later ones' here.
+            for (_, later) in self.turns.iter().skip(1).rev() {
+                if self.turns.front().is_none_or(|(_, p)| !p.busy()) {
+                    break;
+                }
+                later.help();
+            }
+            if let Some((k, p)) = self.turns.pop_front() {
+                each(k, p);
+            }
+        }
+    }
+}
+
+/// The end of a turn whose records are all written: what its context records cost is learned,
+/// and counted, and the stream's recent ratio of record to raw bytes with them.
+fn end_turn(coder: &mut Sender, mirror: &mut Mirror, turn: &Turn, stats: &mut EncodeStats) {
+    let made = mirror.settle(&mut coder.hint);
+    stats.merge(&mirror.take_late());
+    if turn.raw > 0 {
+        let r = (turn.wire + made) as f64 / turn.raw as f64;
+        coder.ratio = ((coder.ratio + r) / 2.0).clamp(0.001, 1.1);
+    }
+    coder.waiting = turn.wait;
+}
+
+/// The turn itself (see [`emit`]): its records written to `out`, its stream context's made
+/// now or queued on the mirror's lane.
+#[allow(clippy::too_many_arguments)]
+fn plan_turn<B: Out>(
+    coder: &mut Sender,
+    queue: &mut VecDeque<Bytes>,
+    sent: u64,
+    chunking: &CodecConfig,
+    mirror: &mut Mirror,
+    pressure: Pressure,
+    lim: &Limits,
+    out: &mut B,
+    stats: &mut EncodeStats,
+) -> Turn {
     let mut turn = Turn::default();
     coder.waiting = false;
     let gather = mirror.has_workers() && !coder.policy.latency;
@@ -269,14 +500,8 @@ pub fn emit<B: BufMut>(
         coder.pos = 0;
     }
     // A frame's records are whole: a run of its literals ends in it.
-    let n = mirror.end_run(&mut coder.hint, out);
-    stats.merge(&mirror.take_late());
-    if turn.raw > 0 {
-        let r = (turn.wire + n) as f64 / turn.raw as f64;
-        coder.ratio = ((coder.ratio + r) / 2.0).clamp(0.001, 1.1);
-    }
-    coder.waiting = turn.wait;
-    turn.raw
+    turn.wire += mirror.end_run(&mut coder.hint, out);
+    turn
 }
 
 /// Drops `n` sent bytes from the front of the queue.
@@ -295,7 +520,7 @@ fn advance_front(queue: &mut VecDeque<Bytes>, mut n: usize) {
 }
 
 /// Raw and record bytes of one turn so far.
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Turn {
     raw: usize,
     wire: usize,
@@ -365,7 +590,7 @@ struct Cut<'a, B> {
     ratio: f64,
 }
 
-impl<B: BufMut> Cut<'_, B> {
+impl<B: Out> Cut<'_, B> {
     /// Encodes the chunks of `view` (with `first`, only its first), which starts at a chunk
     /// boundary; returns the bytes used. Each chunk is prepared as it is encoded.
     #[allow(clippy::too_many_arguments)]
@@ -497,26 +722,8 @@ impl<B: BufMut> Cut<'_, B> {
             let ahead = Ahead::new(jobs, (end - used) as u64);
             let (mut went, mut stopped) = (0, None);
             let mut caller = || {
-                let mut off = used;
-                for (place, &(len, _)) in places.drain(..).zip(&cut.chunks) {
-                    let r = match place {
-                        // Every chunk is encoded: with what its job made, or (no such job)
-                        // preparing nothing.
-                        Place::Job(j) => match ahead
-                            .with(j, |p| self.one(at, (off, len), policy, hint, Some(p)))
-                        {
-                            Some(r) => r,
-                            None => self.one(at, (off, len), policy, hint, None),
-                        },
-                        Place::Here(p) => self.one(at, (off, len), policy, hint, Some(p)),
-                    };
-                    if let Some(stop) = r {
-                        stopped = Some(stop);
-                        return;
-                    }
-                    off += len;
-                    went += 1;
-                }
+                (went, stopped) =
+                    self.batch(&ahead, &mut places, &cut.chunks, at, used, policy, hint);
             };
             if ahead.is_empty() {
                 caller();
@@ -538,6 +745,41 @@ impl<B: BufMut> Cut<'_, B> {
         };
         cut.found = found;
         stop
+    }
+
+    /// Encodes a batch's chunks in order from `used` (each at its place: prepared by its job
+    /// in `ahead`, or here), until one stops the turn; returns how many went, and the stop.
+    #[allow(clippy::too_many_arguments)]
+    fn batch(
+        &mut self,
+        ahead: &Ahead<'_>,
+        places: &mut Vec<Place<'_>>,
+        chunks: &VecDeque<(usize, Option<Fingerprint>)>,
+        at: &View<'_>,
+        used: usize,
+        policy: &Policy,
+        hint: &mut Hint,
+    ) -> (usize, Option<(usize, Stop)>) {
+        let (mut off, mut went) = (used, 0);
+        for (place, &(len, _)) in places.drain(..).zip(chunks) {
+            let r = match place {
+                // Every chunk is encoded: with what its job made, or (no such job) preparing
+                // nothing.
+                Place::Job(j) => {
+                    match ahead.with(j, |p| self.one(at, (off, len), policy, hint, Some(p))) {
+                        Some(r) => r,
+                        None => self.one(at, (off, len), policy, hint, None),
+                    }
+                }
+                Place::Here(p) => self.one(at, (off, len), policy, hint, Some(p)),
+            };
+            if let Some(stop) = r {
+                return (went, Some(stop));
+            }
+            off += len;
+            went += 1;
+        }
+        (went, None)
     }
 
     /// The fingerprints of the chunks `found` in `bytes`, taken on the workers where chunks are

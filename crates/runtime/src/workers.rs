@@ -40,6 +40,10 @@ pub struct Pool {
     /// Counts the calls that woke the pool's threads: a thread lingers after one (see
     /// [`LINGER`]) until the next comes.
     calls: Arc<AtomicU64>,
+    /// Jobs handed to the pool to run on their own ([`Workers::spawn`]: a stream context's
+    /// records) and not done yet: the threads they hold are no helpers to a call, which would
+    /// otherwise wait for them to start.
+    making: Arc<AtomicU64>,
 }
 
 /// Calls a judgement of the pool takes.
@@ -179,6 +183,7 @@ impl Pool {
                 judge: Mutex::new(Judge::new(GAIN)),
                 ahead: Mutex::new(Judge::new(GAIN_AHEAD)),
                 calls: Arc::default(),
+                making: Arc::default(),
             })),
             Err(e) => {
                 tracing::warn!(error = %e, "codec worker threads could not start; encoding on one");
@@ -252,13 +257,18 @@ fn judged(judge: &Mutex<Judge>, helped: impl FnOnce(bool) -> Option<(Duration, D
     }
 }
 
+impl Pool {
+    /// The pool's threads not held by jobs of their own (see [`Pool::making`]).
+    fn free(&self) -> usize {
+        let making = usize::try_from(self.making.load(Ordering::Relaxed)).unwrap_or(usize::MAX);
+        (self.threads - 1).saturating_sub(making)
+    }
+}
+
 impl Workers for Pool {
     fn run(&self, jobs: &mut [Job<'_>]) {
         // No more helpers than parts: a helper with nothing to take only costs a wakeup.
-        let helpers = self
-            .threads
-            .min(jobs.len().div_ceil(PART))
-            .saturating_sub(1);
+        let helpers = self.free().min(jobs.len().div_ceil(PART).saturating_sub(1));
         judged(&self.judge, |use_pool| {
             if !use_pool || helpers == 0 {
                 jobs.iter_mut().for_each(Job::run);
@@ -282,8 +292,21 @@ impl Workers for Pool {
         });
     }
 
+    fn threads(&self) -> usize {
+        self.threads
+    }
+
+    fn spawn(&self, job: Box<dyn FnOnce() + Send>) {
+        let making = Arc::clone(&self.making);
+        making.fetch_add(1, Ordering::Relaxed);
+        self.pool.spawn(move || {
+            job();
+            making.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+
     fn overlap(&self, ahead: &Ahead<'_>, caller: &mut dyn FnMut()) {
-        let helpers = (self.threads - 1).min(ahead.len());
+        let helpers = self.free().min(ahead.len());
         judged(&self.ahead, |use_pool| {
             if !use_pool || helpers == 0 {
                 caller();

@@ -105,9 +105,9 @@ mod tests {
         let mut m = Mirror::new(1 << 20, 1 << 20, 3);
         let mut hint = Hint::default();
         let page = vec![7u8; 4096];
-        m.compress_in_context(&page, &mut hint, false, false)
+        let payload = m
+            .compress_in_context(&page, &mut hint, false)
             .expect("a context");
-        let payload = m.compressed().to_vec();
         let mut dec = Decoder::new(&CodecConfig::default());
         let mut s = StreamContext::default();
         dec.feed_context(&payload, page.len(), true, Some(false), &mut s)

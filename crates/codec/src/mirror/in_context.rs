@@ -2,31 +2,41 @@
 //! before (flushed so the peer rebuilds each at once, or deferred into a run whose end flushes
 //! them together), and the end of such a run.
 
-use super::{Hint, Mirror};
+use super::{Hint, Mirror, SMALL};
 use crate::context::{
     CONTEXT_WINDOW_LOG, MIRROR_CONTEXTS, RESTART_WINDOWS, SendContext, long_tables,
 };
-use crate::format::{DEFERRED, FRESH, LONG, RUN_MAX, TAG_RUN_END, put_len};
+use crate::format::{DEFERRED, FRESH, LONG, RUN_MAX, pays};
+use crate::maker::{self, Kind, Make, Maker, Op, Queue};
+
+/// A context literal the mirror planned (see [`crate::maker`]): its tag flags, whether its
+/// context keeps its bytes for a later record of the run, and what it is to the turn's end.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Planned {
+    pub(crate) flags: u8,
+    pub(crate) defer: bool,
+    pub(crate) kind: Kind,
+}
 
 impl Mirror {
-    /// Compresses `chunk` in the stream's context into the scratch buffer, flushed so that the
-    /// peer can rebuild it from this record; returns the record's tag flags (whether it starts
-    /// the context, and a long one). A bulk stream's context is a long one while the link has
-    /// one to give. `None` if there is no context to be had (too many, or zstd failed), and
-    /// then the context is gone: the next one starts afresh.
-    pub(crate) fn compress_in_context(
+    /// Plans `len` bytes of a chunk in the stream's context: starts the context if there is
+    /// none (a bulk stream's is a long one while the link has one to give) and returns the
+    /// record's tag flags (whether it starts the context, a long one, a deferred chunk). The
+    /// record itself is made by [`context_record`](Self::context_record). `None` if there is
+    /// no context to be had (too many, or zstd could not make one).
+    pub(crate) fn plan_in_context(
         &mut self,
-        chunk: &[u8],
+        len: usize,
         hint: &mut Hint,
         bulk: bool,
         runs: bool,
-    ) -> Option<u8> {
-        use zstd::zstd_safe::{CCtx, CParameter, InBuffer, OutBuffer, zstd_sys::ZSTD_EndDirective};
+    ) -> Option<Planned> {
+        use zstd::zstd_safe::{CCtx, CParameter};
         // Another level than the context's: a new context, when the old one has paid for its
         // window and holds no run (see RESTART_WINDOWS).
         if let Some(ctx) = hint.context.as_ref()
             && ctx.level != self.zstd_level
-            && ctx.run.2 == 0
+            && ctx.run.1 == 0
             && ctx.pos >= ctx.window * RESTART_WINDOWS
         {
             hint.context = None;
@@ -67,100 +77,215 @@ impl Mirror {
                 _ => 1 << CONTEXT_WINDOW_LOG,
             };
             hint.context = Some(SendContext {
-                cctx,
+                cctx: Some(cctx),
                 fresh: true,
                 long,
                 level: self.zstd_level,
                 serial: self.serials,
                 pos: 0,
                 window,
-                run: (0, 0, 0),
+                run: (0, 0),
                 _permit: permit,
             });
         }
         let ctx = hint.context.as_mut()?;
         // A long context may leave the chunk inside zstd (a run), up to RUN_MAX bytes.
-        let defer = runs && ctx.long && ctx.run.0 + chunk.len() <= RUN_MAX;
-        self.scratch.clear();
-        // Room for everything the run holds, flushed: nothing is left inside zstd after one call.
-        self.scratch
-            .reserve(zstd::zstd_safe::compress_bound(ctx.run.0 + chunk.len()) + 64);
-        let mut input = InBuffer::around(chunk);
-        let mut output = OutBuffer::around(&mut self.scratch);
-        let end = if defer {
-            ZSTD_EndDirective::ZSTD_e_continue
+        let defer = runs && ctx.long && ctx.run.0 + len <= RUN_MAX;
+        ctx.pos += len as u64;
+        let kind = if defer {
+            ctx.run.0 += len;
+            ctx.run.1 += 1;
+            Kind::Deferred
+        } else if ctx.run.1 > 0 {
+            let (raw, n) = std::mem::take(&mut ctx.run);
+            Kind::EndsRun {
+                raw: raw + len,
+                n: n + 1,
+            }
         } else {
-            ZSTD_EndDirective::ZSTD_e_flush
+            Kind::Alone { learn: false }
         };
-        let r = ctx.cctx.compress_stream2(&mut output, &mut input, end);
-        if r.is_err() || (!defer && r != Ok(0)) || input.pos() != chunk.len() {
-            hint.context = None;
-            return None;
-        }
-        self.clen = output.pos();
-        ctx.pos += chunk.len() as u64;
-        self.run_done = None;
-        if defer {
-            ctx.run.0 += chunk.len();
-            ctx.run.1 += self.clen;
-            ctx.run.2 += 1;
-        } else if ctx.run.2 > 0 {
-            let (raw, wire, n) = std::mem::take(&mut ctx.run);
-            self.run_done = Some((raw + chunk.len(), wire + self.clen, n + 1));
-        }
         let fresh = std::mem::replace(&mut ctx.fresh, false);
-        Some(
-            match (fresh, ctx.long) {
-                (true, true) => FRESH | LONG,
-                (true, false) => FRESH,
-                _ => 0,
-            } | if defer { DEFERRED } else { 0 },
-        )
+        let flags = match (fresh, ctx.long) {
+            (true, true) => FRESH | LONG,
+            (true, false) => FRESH,
+            _ => 0,
+        } | if defer { DEFERRED } else { 0 };
+        Some(Planned { flags, defer, kind })
+    }
+
+    /// Makes a planned context record of `raw` (see [`crate::maker`]): while a worker makes
+    /// the turn's context records, it is queued for it with its place in `out`; otherwise it
+    /// is made and written now. Either way its cost is learned at the turn's end
+    /// ([`settle`](Self::settle)), and it counts as planned until then.
+    pub(crate) fn context_record(
+        &mut self,
+        hint: &mut Hint,
+        make: Make,
+        kind: Kind,
+        raw: &[u8],
+        out: &mut impl crate::format::Out,
+    ) {
+        hint.planned.0 += raw.len();
+        hint.planned.1 += 1;
+        if let Some(q) = self.lane.as_ref() {
+            let start = hint
+                .context
+                .as_mut()
+                .and_then(|c| c.cctx.take().map(|x| (c.serial, x)));
+            let mut buf = self.spare.pop().unwrap_or_default();
+            buf.extend_from_slice(raw);
+            q.push(Op {
+                at: out.written(),
+                make,
+                kind,
+                raw: buf,
+                start,
+            });
+            return;
+        }
+        let cctx = hint.context.as_mut().and_then(|c| c.cctx.as_mut());
+        let (o, ok) = maker::make(cctx, make, kind, raw, &mut self.run_scratch, out);
+        if !ok {
+            hint.context = None;
+        }
+        hint.outcomes.push(o);
     }
 
     /// Ends the stream's open runs: writes its delta run or its reference run, or ends its run
-    /// of context literals (only one is ever open), and returns the bytes written, 0 if there was nothing
-    /// to end. Every record of a frame that is not in a run comes after this, and so does the
-    /// frame's end. What it wrote is counted in [`take_late`](Self::take_late).
-    pub fn end_run(&mut self, hint: &mut Hint, out: &mut impl bytes::BufMut) -> usize {
+    /// of context literals (only one is ever open), and returns the bytes written, 0 if there
+    /// was nothing to end (a context's run end counts as planned until the turn's end). Every
+    /// record of a frame that is not in a run comes after this, and so does the frame's end.
+    /// What it wrote is counted in [`take_late`](Self::take_late).
+    pub fn end_run(&mut self, hint: &mut Hint, out: &mut impl crate::format::Out) -> usize {
         let n = self.flush_run(hint, out) + self.flush_refs(hint, out);
-        n + self.end_context_run(hint, out)
+        self.end_context_run(hint, out);
+        n
     }
 
-    /// Ends the stream's open run of context literals, if it has one: appends a run end (the
-    /// rest of its context's output) to `out` and returns its bytes, 0 if there was nothing to
-    /// end.
-    pub(crate) fn end_context_run(
+    /// Ends the stream's open run of context literals, if it has one: plans its run end (the
+    /// rest of its context's output).
+    pub(crate) fn end_context_run(&mut self, hint: &mut Hint, out: &mut impl crate::format::Out) {
+        let Some(ctx) = hint.context.as_mut().filter(|c| c.run.1 > 0) else {
+            return;
+        };
+        let (raw, n) = std::mem::take(&mut ctx.run);
+        self.context_record(hint, Make::RunEnd, Kind::RunEnd { raw, n }, &[], out);
+    }
+
+    /// The turn is over: learns from what its context records cost (in the order they were
+    /// planned), counts their bytes ([`take_late`](Self::take_late)) and returns them. A
+    /// literal flushed alone that did not pay counts against its stream's chunks paying (as
+    /// the noise trial's failures do); runs teach what literals cost.
+    pub(crate) fn settle(&mut self, hint: &mut Hint) -> usize {
+        let (mut total, mut run_wire) = (0, 0);
+        let mut outcomes = std::mem::take(&mut hint.outcomes);
+        for o in outcomes.drain(..) {
+            total += o.wire;
+            self.late.add_run_end(o.wire);
+            if o.failed {
+                run_wire = 0;
+                continue;
+            }
+            match o.kind {
+                Kind::Deferred => run_wire += o.payload,
+                Kind::EndsRun { raw, n } | Kind::RunEnd { raw, n } => {
+                    self.learn_run(raw, run_wire + o.payload, n);
+                    run_wire = 0;
+                }
+                Kind::Alone { learn } => {
+                    if pays(o.raw, o.payload) {
+                        hint.compressible();
+                    } else if o.raw >= SMALL {
+                        hint.incompressible();
+                    }
+                    if learn {
+                        let d = &mut self.delta;
+                        d.lit_ratio += (o.wire as f64 / o.raw.max(1) as f64 - d.lit_ratio) / 16.0;
+                    }
+                }
+            }
+        }
+        hint.outcomes = outcomes;
+        hint.planned = (0, 0);
+        total
+    }
+
+    /// The payload of `chunk` compressed alone in the stream's context (tests build records
+    /// from it).
+    #[cfg(test)]
+    pub(crate) fn compress_in_context(
+        &mut self,
+        chunk: &[u8],
+        hint: &mut Hint,
+        bulk: bool,
+    ) -> Option<Vec<u8>> {
+        let p = self.plan_in_context(chunk.len(), hint, bulk, false)?;
+        let make = Make::Literal {
+            tag: crate::format::TAG_LIT_CONTEXT | p.flags,
+            defer: false,
+            cached: true,
+        };
+        let mut rec = Vec::new();
+        self.context_record(hint, make, p.kind, chunk, &mut rec);
+        let o = hint.outcomes.pop()?;
+        (!o.failed).then(|| rec[rec.len() - o.payload..].to_vec())
+    }
+
+    /// Queues the stream's context records on `queue` from now on, to be made later (see
+    /// [`crate::maker`]); `maker` (which [`Maker::run`] runs on the queue) takes the stream's
+    /// compressor. The records written meanwhile leave room for them, and
+    /// [`close_lane`](Self::close_lane) puts them in their places.
+    pub(crate) fn open_lane(
+        &mut self,
+        queue: std::sync::Arc<Queue>,
+        hint: &mut Hint,
+        maker: &mut Maker,
+    ) {
+        maker.cctx = hint
+            .context
+            .as_mut()
+            .and_then(|c| c.cctx.take().map(|x| (c.serial, x)));
+        maker.recs.clear();
+        maker.made.clear();
+        self.lane = Some(queue);
+    }
+
+    /// The turn's records are all planned: context records are made at once again.
+    pub(crate) fn detach_lane(&mut self) {
+        self.lane = None;
+    }
+
+    /// The queued records are made: writes `plan` (the records written since
+    /// [`open_lane`](Self::open_lane)) to `out` with the made records in their places, and gives the stream its compressor back (a context that failed is dropped,
+    /// and the next one starts afresh).
+    pub(crate) fn close_lane(
         &mut self,
         hint: &mut Hint,
-        out: &mut impl bytes::BufMut,
-    ) -> usize {
-        use zstd::zstd_safe::{InBuffer, OutBuffer, zstd_sys::ZSTD_EndDirective};
-        let Some(ctx) = hint.context.as_mut().filter(|c| c.run.2 > 0) else {
-            return 0;
-        };
-        let (raw, wire, n) = std::mem::take(&mut ctx.run);
-        self.run_scratch.clear();
-        self.run_scratch
-            .reserve(zstd::zstd_safe::compress_bound(raw) + 64);
-        let mut input = InBuffer::around(&[]);
-        let mut output = OutBuffer::around(&mut self.run_scratch);
-        let r = ctx
-            .cctx
-            .compress_stream2(&mut output, &mut input, ZSTD_EndDirective::ZSTD_e_flush);
-        let clen = output.pos();
-        if r != Ok(0) {
-            // The run's chunks cannot be completed: drop the context. The peer's decoder finds
-            // the run unfinished at the next record or the frame's end and fails the stream.
-            hint.context = None;
-            return 0;
+        maker: &mut Maker,
+        plan: &[u8],
+        out: &mut impl crate::format::Out,
+    ) {
+        self.lane = None;
+        let (mut from, mut rec) = (0, 0);
+        for (at, end, o) in maker.made.drain(..) {
+            out.put_slice(&plan[from..at]);
+            out.put_slice(&maker.recs[rec..end]);
+            (from, rec) = (at, end);
+            hint.outcomes.push(o);
         }
-        out.put_u8(TAG_RUN_END);
-        let h = put_len(out, clen);
-        out.put_slice(&self.run_scratch[..clen]);
-        self.learn_run(raw, wire + clen, n);
-        self.late.add_run_end(1 + h + clen);
-        1 + h + clen
+        out.put_slice(&plan[from..]);
+        if let Some((serial, cctx)) = maker.cctx.take()
+            && let Some(c) = hint.context.as_mut()
+            && c.serial == serial
+            && c.cctx.is_none()
+        {
+            c.cctx = Some(cctx);
+        }
+        if hint.context.as_ref().is_some_and(|c| c.cctx.is_none()) {
+            hint.context = None;
+        }
+        self.spare.append(&mut maker.spare);
     }
 }
 
@@ -172,33 +297,45 @@ mod tests {
     /// on in it; a run of deferred chunks ends with a record of the rest of the context's output.
     #[test]
     fn a_context_starts_fresh_then_goes_on_and_a_run_ends() {
+        use crate::format::{TAG_LIT_CONTEXT, TAG_RUN_END};
         let mut m = Mirror::new(1 << 20, 1 << 20, 3);
         m.set_long_context(
             Some(crate::context::LongContext::default()),
             Default::default(),
         );
         let mut hint = Hint::default();
-        let page = |i: u8| vec![i; 4096];
-        let first = m
-            .compress_in_context(&page(1), &mut hint, true, false)
-            .expect("a context");
+        let mut out = Vec::new();
+        let mut send = |m: &mut Mirror, hint: &mut Hint, i: u8, runs: bool| {
+            let p = m
+                .plan_in_context(4096, hint, true, runs)
+                .expect("a context");
+            let make = Make::Literal {
+                tag: TAG_LIT_CONTEXT | p.flags,
+                defer: p.defer,
+                cached: true,
+            };
+            m.context_record(hint, make, p.kind, &[i; 4096], &mut out);
+            p.flags
+        };
+        let first = send(&mut m, &mut hint, 1, false);
         assert_eq!(
             first & (FRESH | LONG),
             FRESH | LONG,
             "a bulk stream's is a long one"
         );
-        let next = m
-            .compress_in_context(&page(2), &mut hint, true, false)
-            .expect("the same");
-        assert_eq!(next & FRESH, 0);
-        let deferred = m
-            .compress_in_context(&page(3), &mut hint, true, true)
-            .expect("a run");
-        assert_ne!(deferred & DEFERRED, 0);
+        assert_eq!(send(&mut m, &mut hint, 2, false) & FRESH, 0);
+        assert_ne!(send(&mut m, &mut hint, 3, true) & DEFERRED, 0, "a run");
         assert!(hint.run_pending() > 0);
-        let mut out = Vec::new();
-        assert!(m.end_run(&mut hint, &mut out) > 0);
-        assert_eq!(out.first().copied(), Some(TAG_RUN_END));
+        let before = out.len();
+        assert_eq!(
+            m.end_run(&mut hint, &mut out),
+            0,
+            "counted at the turn's end"
+        );
+        assert_eq!(out.get(before).copied(), Some(TAG_RUN_END));
+        assert!(hint.run_pending() > 0, "planned until the turn's end");
+        assert_eq!(m.settle(&mut hint), out.len());
         assert_eq!(hint.run_pending(), 0);
+        assert_eq!(m.take_late().wire_bytes, out.len() as u64);
     }
 }

@@ -2,7 +2,9 @@
 //! log starts with a `TAG_LOG` record, every cached chunk it carries is logged, and references
 //! to chunks that follow each other in a log go as one reference run.
 
-use bytes::{BufMut, Bytes};
+use bytes::Bytes;
+
+use crate::format::Out;
 
 use super::{Hint, Mirror};
 use crate::config::Policy;
@@ -38,7 +40,7 @@ impl Mirror {
         &mut self,
         policy: &Policy,
         hint: &mut Hint,
-        out: &mut impl BufMut,
+        out: &mut impl Out,
     ) -> usize {
         if !policy.ref_runs || !policy.dedup || hint.log.is_some() {
             return 0;
@@ -86,7 +88,7 @@ impl Mirror {
         chunk: &[u8],
         short: bool,
         hint: &mut Hint,
-        out: &mut impl BufMut,
+        out: &mut impl Out,
     ) -> Option<Report> {
         let own = hint.log?;
         // The place after the open run's last, if the log there holds this chunk: a chunk
@@ -156,7 +158,7 @@ impl Mirror {
     /// Writes the stream's reference run, if it has one: one record naming its place, or
     /// plain references where that does not pay (a single one) or the log no longer holds the
     /// place. Returns the bytes written (counted in [`take_late`](Self::take_late)).
-    pub(crate) fn flush_refs(&mut self, hint: &mut Hint, out: &mut impl BufMut) -> usize {
+    pub(crate) fn flush_refs(&mut self, hint: &mut Hint, out: &mut impl Out) -> usize {
         let Some(run) = hint.refs.as_deref_mut() else {
             return 0;
         };

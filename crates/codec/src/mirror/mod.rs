@@ -3,18 +3,20 @@
 //! [`Hint`], its memory between chunks. The chunk in its stream's context is `in_context.rs`;
 //! deltas against the store of what was sent are `with_bases.rs`.
 
-use bytes::BufMut;
+use crate::format::Out;
 
 use crate::cache::ChunkCache;
 use crate::config::{Codec, Compression, Policy, Pressure};
 use crate::context::{LongContext, SendContext, Slots};
 use crate::delta::{self, SharedBases};
 use crate::fingerprint::{Fingerprint, fingerprint};
-use crate::format::{DEFERRED, NO_CACHE, TAG_LIT_CONTEXT, TAG_RAW, TAG_REF, pays, put_len, skewed};
+use crate::format::{NO_CACHE, TAG_LIT_CONTEXT, TAG_RAW, TAG_REF, pays, put_len, skewed};
+use crate::maker;
 use crate::prepare;
 use crate::report::{EncodeStats, Report, Sent};
 
 mod in_context;
+use in_context::Planned;
 mod logged;
 mod with_bases;
 #[cfg(test)]
@@ -52,6 +54,10 @@ pub struct Hint {
     /// The chunk being encoded may not wait: a record for it went out already (its stream's
     /// log started), which a turn that ends with no raw bytes would drop.
     no_wait: bool,
+    /// The turn's context records so far (see [`crate::maker`]): their raw bytes and count,
+    /// and what those made already cost; learned from at the turn's end.
+    planned: (usize, usize),
+    outcomes: Vec<maker::Outcome>,
 }
 
 /// Turns a chunk may wait for its bases to be read from the disk tier before it goes with
@@ -111,7 +117,8 @@ impl Hint {
     /// their records are still to come, in this frame (at most about as many bytes; see
     /// [`run_reserve`]).
     pub fn run_pending(&self) -> usize {
-        self.context.as_ref().map_or(0, |c| c.run_pending())
+        self.planned.0
+            + self.planned.1 * maker::PLANNED_OVERHEAD
             + self.run.as_ref().map_or(0, |r| r.pending())
             + self.refs.as_ref().map_or(0, |r| r.pending())
     }
@@ -150,13 +157,14 @@ pub struct Mirror {
     /// Compression output: the first `clen` bytes.
     scratch: Vec<u8>,
     clen: usize,
-    /// The scratch holds a context record's payload: its tag flags ([`FRESH`], [`LONG`],
-    /// [`DEFERRED`]).
-    context: Option<u8>,
-    /// A run's end is put together here (the scratch may hold the next record's payload).
+    /// The chunk being encoded goes as a context record, planned so (see [`crate::maker`]).
+    context: Option<Planned>,
+    /// Context records made on this thread are compressed here.
     run_scratch: Vec<u8>,
-    /// The context record in the scratch ended a run: its raw bytes, payload bytes and chunks.
-    run_done: Option<(usize, usize, usize)>,
+    /// While a worker makes the stream's context records: where they are queued for it.
+    lane: Option<std::sync::Arc<maker::Queue>>,
+    /// The queued records' buffers, between turns.
+    spare: Vec<Vec<u8>>,
     /// Threads to prepare a turn's chunks on (see [`prepare`]); `None`: each chunk in turn.
     workers: Option<std::sync::Arc<dyn prepare::Workers>>,
     /// The slots a turn's chunks are prepared in (see [`take_slots`](Mirror::take_slots)).
@@ -219,12 +227,6 @@ impl Recent {
 }
 
 impl Mirror {
-    /// What the last compression left in the scratch buffer (tests build records from it).
-    #[cfg(test)]
-    pub(crate) fn compressed(&self) -> &[u8] {
-        &self.scratch[..self.clen]
-    }
-
     /// What literals are believed to cost, wire bytes per raw byte (tests set it).
     #[cfg(test)]
     pub(crate) fn set_lit_ratio(&mut self, r: f64) {
@@ -257,7 +259,8 @@ impl Mirror {
             clen: 0,
             context: None,
             run_scratch: Vec::new(),
-            run_done: None,
+            lane: None,
+            spare: Vec::new(),
             workers: None,
             batch: Vec::new(),
             run_spare: None,
@@ -286,6 +289,15 @@ impl Mirror {
     /// Whether chunks are prepared on workers.
     pub fn has_workers(&self) -> bool {
         self.workers.is_some()
+    }
+
+    /// How many turns of bulk streams may wait for their context records at once
+    /// ([`send::emit_pending`](crate::send::emit_pending)): as many as there are threads to make
+    /// them, at most [`PENDING`](crate::encoder::PENDING); none without workers.
+    pub fn pending_turns(&self) -> usize {
+        self.workers
+            .as_ref()
+            .map_or(0, |w| w.threads().min(crate::PENDING))
     }
 
     /// The workers chunks are prepared on, if any.
@@ -328,6 +340,11 @@ impl Mirror {
         self.batch = slots;
     }
 
+    /// Whether this stream's literals go through its context when zstd compresses them.
+    fn context_wanted(&self, policy: &Policy, hint: &Hint) -> bool {
+        policy.context && (hint.live > 0 || (policy.bulk && self.long.is_some()))
+    }
+
     /// The compression a literal alone of this stream would get, to do ahead; `None` where
     /// its literals go through the stream's context (or are not compressed).
     fn literal_work(
@@ -337,7 +354,7 @@ impl Mirror {
         hint: &Hint,
     ) -> Option<prepare::Work> {
         use prepare::Work;
-        let in_context = policy.context && (hint.live > 0 || (policy.bulk && self.long.is_some()));
+        let in_context = self.context_wanted(policy, hint);
         match policy.compression {
             Compression::None => None,
             Compression::Lz4 => Some(Work::Lz4),
@@ -442,13 +459,13 @@ impl Mirror {
         policy: &Policy,
         pressure: Pressure,
         hint: &mut Hint,
-        out: &mut impl BufMut,
+        out: &mut impl Out,
         prepared: Option<&mut prepare::Prepared>,
     ) -> Report {
         let p = prepared.filter(|p| p.len == chunk.len());
         // A live stream's chunks join its tails' context; a bulk stream's all go through its
         // long context when there is one to have.
-        let live = policy.context && (hint.live > 0 || (policy.bulk && self.long.is_some()));
+        let live = self.context_wanted(policy, hint);
         let live_before = hint.live;
         hint.live = hint.live.saturating_sub(1);
         let started = self.start_log(policy, hint, out);
@@ -473,7 +490,7 @@ impl Mirror {
         policy: &Policy,
         pressure: Pressure,
         hint: &mut Hint,
-        out: &mut impl BufMut,
+        out: &mut impl Out,
         mut prep: Option<&mut prepare::Prepared>,
     ) -> Report {
         let f = if policy.dedup {
@@ -558,7 +575,7 @@ impl Mirror {
         (policy, pressure): (&Policy, Pressure),
         (in_context, delta): (bool, bool),
         hint: &mut Hint,
-        out: &mut impl BufMut,
+        out: &mut impl Out,
         prep: Option<&mut prepare::Prepared>,
     ) -> Report {
         let codec = self.compress(chunk, policy, pressure, hint, in_context, prep);
@@ -569,34 +586,39 @@ impl Mirror {
         } else {
             0
         };
-        let wire = match codec {
-            Some(codec) => {
-                let c = &self.scratch[..self.clen];
-                let tag = match self.context {
-                    Some(flags) => TAG_LIT_CONTEXT | flags | if f.is_some() { 0 } else { NO_CACHE },
-                    None => codec.tag(f.is_some()),
+        let wire = match (self.context, codec) {
+            (Some(p), _) => {
+                // Made now or on a worker; its bytes count at the turn's end.
+                let make = maker::Make::Literal {
+                    tag: TAG_LIT_CONTEXT | p.flags | if f.is_some() { 0 } else { NO_CACHE },
+                    defer: p.defer,
+                    cached: f.is_some(),
                 };
-                out.put_u8(tag);
+                let kind = match p.kind {
+                    maker::Kind::Alone { .. } => maker::Kind::Alone {
+                        learn: delta && f.is_some(),
+                    },
+                    k => k,
+                };
+                self.context_record(hint, make, kind, chunk, out);
+                0
+            }
+            (None, Some(codec)) => {
+                let c = &self.scratch[..self.clen];
+                out.put_u8(codec.tag(f.is_some()));
                 let h = put_len(out, chunk.len()) + put_len(out, c.len());
                 out.put_slice(c);
                 1 + h + c.len()
             }
-            None => {
+            (None, None) => {
                 out.put_u8(Codec::None.tag(f.is_some()));
                 let h = put_len(out, chunk.len());
                 out.put_slice(chunk);
                 1 + h + chunk.len()
             }
         };
-        // What a literal costs: known for a chunk flushed alone, for a run only at its end.
-        let learn = match (self.context, self.run_done.take()) {
-            (Some(flags), _) if flags & DEFERRED != 0 => None,
-            (Some(_), Some((raw, wire, n))) => {
-                self.learn_run(raw, wire, n);
-                None
-            }
-            _ => Some(wire),
-        };
+        // What a literal costs: known now for one alone, at the turn's end for one in context.
+        let learn = self.context.is_none().then_some(wire);
         if let Some(f) = f {
             self.cache.insert_len(f, chunk.len());
             self.log_chunk(hint, f);
@@ -661,21 +683,18 @@ impl Mirror {
         };
         if codec == Codec::Zstd
             && in_context
-            && let Some(flags) = self.compress_in_context(
-                chunk,
+            && let Some(planned) = self.plan_in_context(
+                chunk.len(),
                 hint,
                 policy.bulk,
                 policy.runs && policy.bulk && !hint.interrupted,
             )
         {
-            // The context has taken the chunk: it must go as compressed, paying or not (the
-            // LZ4 trial already told it from noise). A deferred chunk's cost is not known yet.
-            self.context = Some(flags);
-            let run = flags & DEFERRED != 0 || self.run_done.is_some();
-            if run || pays(chunk.len(), self.clen) {
+            // The context takes the chunk: it goes as compressed, paying or not (the LZ4 trial
+            // already told it from noise). What one alone cost is judged at the turn's end.
+            self.context = Some(planned);
+            if !matches!(planned.kind, maker::Kind::Alone { .. }) {
                 hint.compressible();
-            } else if chunk.len() >= SMALL {
-                hint.incompressible();
             }
             return Some(codec);
         }
@@ -747,7 +766,7 @@ pub fn encode_tail(
     policy: &Policy,
     pressure: Pressure,
     hint: &mut Hint,
-    out: &mut impl BufMut,
+    out: &mut impl Out,
 ) -> Report {
     let in_context = policy.context
         && !policy.latency
@@ -779,7 +798,7 @@ pub fn encode_tail(
 }
 
 /// Appends a raw record (bytes sent as they are, not cached) to `out`.
-pub fn encode_raw(data: &[u8], out: &mut impl BufMut) -> Report {
+pub fn encode_raw(data: &[u8], out: &mut impl Out) -> Report {
     out.put_u8(TAG_RAW);
     let h = put_len(out, data.len());
     out.put_slice(data);

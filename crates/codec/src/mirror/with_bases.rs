@@ -1,7 +1,9 @@
 //! Deltas: a chunk sent as zstd against similar chunks both caches hold, found through the
 //! store of what was sent ([`Bases`](crate::delta::Bases)), when that costs less than a literal.
 
-use bytes::{BufMut, Bytes};
+use bytes::Bytes;
+
+use crate::format::Out;
 
 use super::{Hint, Mirror};
 use crate::config::{Compression, Policy, Pressure};
@@ -49,7 +51,7 @@ impl Mirror {
         chunk: &[u8],
         policy: &Policy,
         hint: &mut Hint,
-        out: &mut impl BufMut,
+        out: &mut impl Out,
     ) -> Option<Report> {
         let best = self.find_bases(chunk, hint)?;
         let shared = self.bases.clone()?;
@@ -272,7 +274,7 @@ impl Mirror {
         (policy, pressure): (&Policy, Pressure),
         in_context: bool,
         hint: &mut Hint,
-        out: &mut impl BufMut,
+        out: &mut impl Out,
     ) -> Option<Report> {
         let best = self.find_bases(chunk, hint)?;
         let shared = self.bases.clone()?;
@@ -312,7 +314,8 @@ impl Mirror {
         let mut run_end = if full { self.flush_run(hint, out) } else { 0 };
         if hint.run.as_deref().is_none_or(|r| r.chunks.is_empty()) {
             // References and context literals before the run go before it.
-            run_end += self.flush_refs(hint, out) + self.end_context_run(hint, out);
+            run_end += self.flush_refs(hint, out);
+            self.end_context_run(hint, out);
         }
         let spare = &mut self.run_spare;
         let run = hint
@@ -345,7 +348,7 @@ impl Mirror {
     /// Writes the stream's delta run, if it has one: one record if it pays against what
     /// literals of its chunks are expected to cost, else each chunk as a literal. Returns the
     /// bytes written; their counts go to [`take_late`](Self::take_late).
-    pub(crate) fn flush_run(&mut self, hint: &mut Hint, out: &mut impl BufMut) -> usize {
+    pub(crate) fn flush_run(&mut self, hint: &mut Hint, out: &mut impl Out) -> usize {
         let Some(mut run) = hint.run.take() else {
             return 0;
         };
@@ -367,7 +370,7 @@ impl Mirror {
     }
 
     /// The run as one record, if it pays; 0 (nothing written) if not.
-    fn write_run(&mut self, run: &mut Run, hint: &Hint, out: &mut impl BufMut) -> usize {
+    fn write_run(&mut self, run: &mut Run, hint: &Hint, out: &mut impl Out) -> usize {
         let Some(shared) = self.bases.clone() else {
             return 0;
         };
@@ -471,7 +474,7 @@ impl Mirror {
         run: &Run,
         (policy, pressure): (Policy, Pressure),
         hint: &mut Hint,
-        out: &mut impl BufMut,
+        out: &mut impl Out,
     ) -> usize {
         let policy = Policy {
             runs: false,

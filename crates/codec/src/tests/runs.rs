@@ -151,6 +151,10 @@ impl prepare::Workers for Threads {
         });
     }
 
+    fn spawn(&self, job: Box<dyn FnOnce() + Send>) {
+        std::thread::spawn(job);
+    }
+
     fn overlap(&self, ahead: &prepare::Ahead<'_>, caller: &mut dyn FnMut()) {
         self.1
             .fetch_add(ahead.cuts(), std::sync::atomic::Ordering::Relaxed);

@@ -173,9 +173,10 @@ fn context_records_are_bounded_and_fail_cleanly() {
     let mut m = Mirror::new(1 << 20, 1 << 20, 3);
     let mut hint = Hint::default();
     let mut big = Vec::new();
-    m.compress_in_context(&vec![0u8; 8 << 20], &mut hint, false, false)
-        .expect("compress");
-    big.extend_from_slice(m.compressed());
+    big.extend_from_slice(
+        &m.compress_in_context(&vec![0u8; 8 << 20], &mut hint, false)
+            .expect("compress"),
+    );
     let mut rec = vec![TAG_LIT_CONTEXT | FRESH];
     put_len(&mut rec, 1024);
     put_len(&mut rec, big.len());

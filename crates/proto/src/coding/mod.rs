@@ -16,7 +16,7 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use wanopt_codec as codec;
 use wanopt_codec::cache::Snapshot;
-use wanopt_codec::send::{Limits, RAW_TURN, emit};
+use wanopt_codec::send::{Limits, Pending, RAW_TURN, emit, emit_pending};
 
 pub use wanopt_codec::cache::{Fingerprint, TierStats};
 pub use wanopt_codec::store::ChunkStore;
@@ -307,10 +307,26 @@ pub(crate) struct CodedTurn<'a> {
 }
 
 /// What one coded turn sent: raw bytes covered, and whether the frame ends the stream.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub(crate) struct Emitted {
     pub raw: usize,
     pub fin: bool,
+    /// A frame whose context records are still being made: nothing of it is in `out` yet
+    /// (see [`Coding::finish_frame`]).
+    pub pending: Option<(PendingFrame, Pending)>,
+}
+
+/// What a coded frame left waiting for its stream's context records needs to be written:
+/// its header's fields and where its mirror is.
+#[derive(Debug)]
+pub(crate) struct PendingFrame {
+    pub id: StreamId,
+    pub lane: usize,
+    pub service: Arc<str>,
+    scope: Arc<str>,
+    sent: u64,
+    scoped: bool,
+    raw: usize,
 }
 
 fn no_codec(what: &str) -> LinkError {
@@ -491,14 +507,69 @@ impl Coding {
         Some(Box::new(c))
     }
 
+    /// How many coded frames of `lane`'s bulk streams may wait for their context records at
+    /// once (0: none may), and the workers that make them.
+    pub(crate) fn pending_frames(
+        &self,
+        lane: usize,
+    ) -> (usize, Option<Arc<dyn codec::prepare::Workers>>) {
+        let workers = self
+            .ctx
+            .as_ref()
+            .and_then(|c| c.workers.clone())
+            .filter(|_| lane == crate::lane::MAIN_LANE);
+        let n = workers
+            .as_ref()
+            .map_or(0, |w| w.threads().min(codec::PENDING));
+        (if n > 1 { n } else { 0 }, workers)
+    }
+
+    /// Writes a frame left waiting for its context records (see [`emit_frame`](Self::emit_frame))
+    /// to `out`: its header, and its records once they are made. `coder` is its stream's (none
+    /// if the stream is gone: its records still go, the peer's cache counts on them). Returns
+    /// the frame's bytes.
+    pub(crate) fn finish_frame(
+        &mut self,
+        f: &PendingFrame,
+        p: Pending,
+        coder: Option<&mut SendCoder>,
+        out: &mut BytesMut,
+    ) -> usize {
+        let start = out.len();
+        let at = frame::begin_coded(out, f.id, f.sent, self.peer_short_frames);
+        let mut stats = EncodeStats::default();
+        match self.ctx.as_mut() {
+            Some(ctx) => {
+                let mirror = ctx.mirror(f.lane, &f.scope);
+                match coder {
+                    Some(c) => p.finish(&mut c.sender, mirror, out, &mut stats),
+                    None => p.finish_orphan(mirror, out, &mut stats),
+                };
+                ctx.counts
+                    .entry(f.service.clone())
+                    .or_default()
+                    .sent
+                    .merge(&stats);
+            }
+            // A pending frame was planned by a mirror: the codec is there.
+            None => return 0,
+        }
+        frame::finish_coded(out, at, false, f.scoped, f.raw as u32);
+        out.len() - start
+    }
+
     /// Encodes a stream's next chunks as one coded frame into `out`. `None`, with `out`
     /// untouched, when nothing may go yet: the stream waits for a boundary, a flush or credit.
+    /// With `pend`, a frame with context records may be left for workers to make them
+    /// ([`Emitted::pending`]): it is to be finished ([`finish_frame`](Self::finish_frame))
+    /// before any frame after it is written, and before the stream's next turn.
     pub fn emit_frame(
         &mut self,
         t: CodedTurn<'_>,
         coder: &mut SendCoder,
         queue: &mut VecDeque<Bytes>,
         out: &mut BytesMut,
+        pend: bool,
     ) -> Option<Emitted> {
         let ctx = self.ctx.as_mut()?;
         let chunking = ctx.chunking.clone()?;
@@ -507,20 +578,66 @@ impl Coding {
         } else {
             Arc::from("")
         };
-        let before = out.len();
-        let at = frame::begin_coded(out, t.id, t.sent, self.peer_short_frames);
         let lim = Limits {
             budget: t.budget.min(RAW_TURN),
             quantum: t.quantum,
             room: t.room,
         };
         let mut stats = EncodeStats::default();
+        let mirror = ctx.mirror(t.lane, &scope);
+        if pend {
+            let p = emit_pending(
+                &mut coder.sender,
+                queue,
+                t.sent,
+                &chunking,
+                mirror,
+                self.pressure,
+                &lim,
+                &mut stats,
+            );
+            let raw = p.raw();
+            let p = if raw == 0 {
+                // Nothing to write (see below); the stream's context comes back to it.
+                let before = out.len();
+                p.finish(&mut coder.sender, mirror, out, &mut stats);
+                out.truncate(before);
+                None
+            } else {
+                Some(p)
+            };
+            stats.frames = u64::from(raw > 0);
+            ctx.counts
+                .entry(t.service.clone())
+                .or_default()
+                .sent
+                .merge(&stats);
+            let p = p?;
+            // Written when its records are made (never the stream's last: `pend` is not
+            // given for a stream that ends).
+            let f = PendingFrame {
+                id: t.id,
+                lane: t.lane,
+                service: t.service.clone(),
+                scope,
+                sent: t.sent,
+                scoped: coder.scoped,
+                raw,
+            };
+            return Some(Emitted {
+                raw,
+                fin: false,
+                pending: Some((f, p)),
+            });
+        }
+        let before = out.len();
+        let at = frame::begin_coded(out, t.id, t.sent, self.peer_short_frames);
         let raw = emit(
             &mut coder.sender,
             queue,
             t.sent,
             &chunking,
-            ctx.mirror(t.lane, &scope),
+            mirror,
             self.pressure,
             &lim,
             out,
@@ -541,7 +658,11 @@ impl Coding {
             return None;
         }
         frame::finish_coded(out, at, fin, coder.scoped, raw as u32);
-        Some(Emitted { raw, fin })
+        Some(Emitted {
+            raw,
+            fin,
+            pending: None,
+        })
     }
 
     /// Checks that a coded frame may be received at all.

@@ -276,6 +276,9 @@ impl Default for ServiceLimit {
 pub struct Link {
     cfg: LinkConfig,
     state: State,
+    /// Coded frames planned in this `poll_transmit` whose context records are being made
+    /// (written before it returns; see `Coding::emit_frame`).
+    pending: wanopt_codec::send::PendingTurns<crate::coding::PendingFrame>,
     services: HashMap<Arc<str>, ServiceLimit>,
     streams: Streams,
     /// What the peer's hello said (defaults until it arrives).
@@ -348,6 +351,7 @@ impl Link {
         coding.set_workers(cfg.workers.clone());
         let hello = hello::ours(&cfg, coding.offers(), Vec::new());
         Link {
+            pending: Default::default(),
             state: State::Handshake,
             services: HashMap::new(),
             streams: Streams::new(cfg.initiator),

@@ -10,7 +10,7 @@ use bytes::BytesMut;
 
 use super::streams::Queue;
 use super::{Event, Link, State};
-use crate::coding::{CodedTurn, Role};
+use crate::coding::{CodedTurn, Emitted, Role};
 use crate::frame::{self, Frame, StreamId};
 use crate::lane::LANES;
 
@@ -76,6 +76,8 @@ impl Link {
                 }
             }
         }
+        // Nothing leaves a call waiting: the frames still being made are written now.
+        self.finish_pending(out);
         let n = out.len() - start;
         self.link_wire_out += n as u64;
         n
@@ -152,6 +154,19 @@ impl Link {
     ) -> Turn {
         let link_avail = self.link_credit.available();
         let peer_max_frame = self.peer.max_frame;
+        let (cap, workers) = self.coding.pending_frames(lane);
+        // A bulk stream's coded frame may wait for its context records while other streams'
+        // turns go on (see `Coding::emit_frame`), but never its stream's last, and never past
+        // a frame that may not wait: frames leave in the order they were planned.
+        let pend = match self.streams.get(&id) {
+            Some(s) => {
+                cap > 0 && queue == Queue::Bulk && s.send.coder.is_some() && !s.send.fin_requested
+            }
+            None => false,
+        };
+        if !pend || self.pending.position(|f| f.id == id).is_some() {
+            self.finish_pending(out);
+        }
         let Some(s) = self.streams.get_mut(&id) else {
             return Turn::Next;
         };
@@ -184,7 +199,18 @@ impl Link {
                 quantum,
                 room: coded_turn(peer_max_frame).1,
             };
-            match self.coding.emit_frame(turn, coder, &mut s.send.queue, out) {
+            match self
+                .coding
+                .emit_frame(turn, coder, &mut s.send.queue, out, pend)
+            {
+                Some(Emitted {
+                    raw,
+                    pending: Some((f, p)),
+                    ..
+                }) => {
+                    self.pending.push(f, p, workers.as_deref());
+                    (raw, false)
+                }
                 Some(e) => (e.raw, e.fin),
                 None => return Turn::Next,
             }
@@ -219,6 +245,28 @@ impl Link {
         if fin {
             self.maybe_remove(id);
         }
+        if self.pending.len() >= cap.max(1) {
+            self.finish_pending(out);
+        }
         Turn::Next
+    }
+
+    /// Writes the frames still waiting for their context records to `out`, in the order they
+    /// were planned, each counted to its service as it is written.
+    fn finish_pending(&mut self, out: &mut BytesMut) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let mut pending = std::mem::take(&mut self.pending);
+        pending.finish_through(usize::MAX, |f, p| {
+            let coder = self
+                .streams
+                .get_mut(&f.id)
+                .and_then(|s| s.send.coder.as_deref_mut());
+            let wire = self.coding.finish_frame(&f, p, coder, out) as u64;
+            self.wire.entry(f.service.clone()).or_default().out += wire;
+            self.streams.shaper.charge(f.lane, &f.service, wire);
+        });
+        self.pending = pending;
     }
 }

@@ -1,0 +1,323 @@
+//! A stream context's records made apart from the mirror's decisions. The mirror decides, in
+//! link order, what each chunk of a turn becomes; a chunk that goes as a literal in its
+//! stream's context only needs its context after that, in the stream's order. So the mirror
+//! plans such a record (its tag, whether it defers) and a [`Maker`] compresses it: at once on
+//! the calling thread, or, for a bulk stream's turn left pending
+//! ([`emit_pending`](crate::send::emit_pending)), from a [`Queue`] on a worker, while the
+//! caller plans other streams' turns. The turn's records are then put together in order. Either way the bytes are the same: the same
+//! compressor sees the same input with the same directives, and nothing the mirror decides
+//! within a turn depends on what a context record cost (that is learned at the turn's end,
+//! from each record's [`Outcome`]).
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
+use bytes::BufMut;
+use zstd::zstd_safe::{CCtx, InBuffer, OutBuffer, zstd_sys::ZSTD_EndDirective};
+
+use crate::config::Codec;
+use crate::format::{TAG_RUN_END, put_len};
+
+/// Record bytes a planned context record is counted as at most beyond its raw bytes' share of
+/// [`run_reserve`](crate::format::run_reserve): its tag and two lengths, a zstd block header,
+/// and a fresh context's frame header.
+pub(crate) const PLANNED_OVERHEAD: usize = 32;
+
+/// What one planned record is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Make {
+    /// A context literal with this tag (flags included); `defer`: the context keeps its bytes
+    /// for a later record of the run. `cached`: the peer caches the chunk (for the raw record
+    /// it becomes if its context fails).
+    Literal { tag: u8, defer: bool, cached: bool },
+    /// The end of a run: the rest of the context's output.
+    RunEnd,
+}
+
+/// What a planned record is to the turn's end, which learns from what it cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// A literal the context keeps for a later record of its run.
+    Deferred,
+    /// A literal that ends a run of `n` chunks and `raw` bytes (itself included).
+    EndsRun { raw: usize, n: usize },
+    /// A literal flushed alone; `learn`: it teaches what literals cost (deltas were tried for it).
+    Alone { learn: bool },
+    /// A run's end, after `n` chunks and `raw` bytes.
+    RunEnd { raw: usize, n: usize },
+}
+
+/// What one context record cost: its raw bytes, its context's output and the record's bytes.
+/// `failed`: the context failed; the record went as raw bytes (or not at all, a run's end).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Outcome {
+    pub(crate) raw: usize,
+    pub(crate) payload: usize,
+    pub(crate) wire: usize,
+    pub(crate) kind: Kind,
+    pub(crate) failed: bool,
+}
+
+/// One planned record.
+pub(crate) struct Op {
+    /// Where it goes: the bytes of the turn's other records before it.
+    pub(crate) at: usize,
+    pub(crate) make: Make,
+    pub(crate) kind: Kind,
+    /// The chunk (empty for a run's end).
+    pub(crate) raw: Vec<u8>,
+    /// A context started for it (with its serial): the one before it is done with.
+    pub(crate) start: Option<(u64, CCtx<'static>)>,
+}
+
+/// A turn's planned records, in order, for whoever makes them (a worker, or the caller that
+/// finishes the turn).
+#[derive(Default)]
+pub(crate) struct Queue(Mutex<VecDeque<Op>>);
+
+impl Queue {
+    pub(crate) fn push(&self, op: Op) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(op);
+    }
+
+    /// True if no record waits to be made.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+    }
+
+    fn next(&self) -> Option<Op> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).pop_front()
+    }
+}
+
+/// Makes a stream context's planned records in order: its compressor, and what it made.
+#[derive(Default)]
+pub(crate) struct Maker {
+    /// The context's compressor and serial; `None` once it failed (or before one started).
+    pub(crate) cctx: Option<(u64, CCtx<'static>)>,
+    /// The records made, one after the other, and each one's place, end in `recs` and outcome.
+    pub(crate) recs: Vec<u8>,
+    pub(crate) made: Vec<(usize, usize, Outcome)>,
+    /// The chunks' buffers, for the mirror to plan the next ones in.
+    pub(crate) spare: Vec<Vec<u8>>,
+    scratch: Vec<u8>,
+}
+
+impl std::fmt::Debug for Maker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Maker")
+            .field("made", &self.made.len())
+            .finish()
+    }
+}
+
+impl Maker {
+    /// Makes every record queued on `queue`, in order.
+    pub(crate) fn run(&mut self, queue: &Queue) {
+        while let Some(mut op) = queue.next() {
+            if let Some(start) = op.start.take() {
+                self.cctx = Some(start);
+            }
+            let cctx = self.cctx.as_mut().map(|c| &mut c.1);
+            let (outcome, ok) = make(
+                cctx,
+                op.make,
+                op.kind,
+                &op.raw,
+                &mut self.scratch,
+                &mut self.recs,
+            );
+            if !ok {
+                self.cctx = None;
+            }
+            self.made.push((op.at, self.recs.len(), outcome));
+            op.raw.clear();
+            self.spare.push(op.raw);
+        }
+    }
+}
+
+/// Makes one planned record of `raw` in `cctx` and appends it to `out`; returns what it cost,
+/// and false if the context failed (or there was none): then a literal goes as raw bytes (its
+/// run, if one was open, is left unfinished, which fails the stream at the receiver) and a
+/// run's end writes nothing.
+pub(crate) fn make(
+    cctx: Option<&mut CCtx<'static>>,
+    what: Make,
+    kind: Kind,
+    raw: &[u8],
+    scratch: &mut Vec<u8>,
+    out: &mut impl BufMut,
+) -> (Outcome, bool) {
+    let directive = match what {
+        Make::Literal { defer: true, .. } => ZSTD_EndDirective::ZSTD_e_continue,
+        _ => ZSTD_EndDirective::ZSTD_e_flush,
+    };
+    let compressed = cctx.and_then(|cctx| {
+        scratch.clear();
+        // Room for everything the context holds, flushed: nothing is left inside zstd after
+        // one call (a run holds at most RUN_MAX bytes before a record flushes it).
+        scratch.reserve(zstd::zstd_safe::compress_bound(raw.len() + crate::RUN_MAX) + 64);
+        let mut input = InBuffer::around(raw);
+        let mut output = OutBuffer::around(scratch);
+        let r = cctx.compress_stream2(&mut output, &mut input, directive);
+        let flushed = r == Ok(0) || (directive == ZSTD_EndDirective::ZSTD_e_continue && r.is_ok());
+        (flushed && input.pos() == raw.len()).then(|| output.pos())
+    });
+    let outcome = |payload, wire, failed| Outcome {
+        raw: raw.len(),
+        payload,
+        wire,
+        kind,
+        failed,
+    };
+    match (what, compressed) {
+        (Make::Literal { tag, .. }, Some(clen)) => {
+            out.put_u8(tag);
+            let h = put_len(out, raw.len()) + put_len(out, clen);
+            out.put_slice(&scratch[..clen]);
+            (outcome(clen, 1 + h + clen, false), true)
+        }
+        (Make::RunEnd, Some(clen)) => {
+            out.put_u8(TAG_RUN_END);
+            let h = put_len(out, clen);
+            out.put_slice(&scratch[..clen]);
+            (outcome(clen, 1 + h + clen, false), true)
+        }
+        (Make::Literal { cached, .. }, None) => {
+            out.put_u8(Codec::None.tag(cached));
+            let h = put_len(out, raw.len());
+            out.put_slice(raw);
+            (outcome(raw.len(), 1 + h + raw.len(), true), false)
+        }
+        (Make::RunEnd, None) => (outcome(0, 0, true), false),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Decoder;
+    use crate::format::{DEFERRED, FRESH, TAG_LIT_CONTEXT};
+
+    fn compressor() -> CCtx<'static> {
+        let mut c = CCtx::create();
+        c.set_parameter(zstd::zstd_safe::CParameter::CompressionLevel(3))
+            .expect("a level");
+        c
+    }
+
+    /// Records queued for a worker come out of it as they come out of the calling thread:
+    /// byte for byte, in order, each at the place it was planned for.
+    #[test]
+    fn a_worker_makes_the_records_made_on_the_calling_thread() {
+        let chunks: Vec<Vec<u8>> = (0..24usize)
+            .map(|i| format!("row {i} ").repeat(500 + i * 37).into_bytes())
+            .collect();
+        let plan = |i: usize| {
+            let defer = i % 4 != 3;
+            let tag =
+                TAG_LIT_CONTEXT | if i == 0 { FRESH } else { 0 } | if defer { DEFERRED } else { 0 };
+            Make::Literal {
+                tag,
+                defer,
+                cached: true,
+            }
+        };
+        let mut here = compressor();
+        let (mut scratch, mut inline) = (Vec::new(), Vec::new());
+        for (i, c) in chunks.iter().enumerate() {
+            make(
+                Some(&mut here),
+                plan(i),
+                Kind::Deferred,
+                c,
+                &mut scratch,
+                &mut inline,
+            );
+        }
+        make(
+            Some(&mut here),
+            Make::RunEnd,
+            Kind::RunEnd { raw: 0, n: 0 },
+            &[],
+            &mut scratch,
+            &mut inline,
+        );
+        let queue = Queue::default();
+        let mut maker = Maker {
+            cctx: Some((1, compressor())),
+            ..Maker::default()
+        };
+        for (i, c) in chunks.iter().enumerate() {
+            queue.push(Op {
+                at: i * 10,
+                make: plan(i),
+                kind: Kind::Deferred,
+                raw: c.to_vec(),
+                start: None,
+            });
+        }
+        queue.push(Op {
+            at: 240,
+            make: Make::RunEnd,
+            kind: Kind::RunEnd { raw: 0, n: 0 },
+            raw: Vec::new(),
+            start: None,
+        });
+        std::thread::scope(|s| {
+            s.spawn(|| maker.run(&queue));
+        });
+        assert!(
+            maker.recs == inline,
+            "{} against {} bytes",
+            maker.recs.len(),
+            inline.len()
+        );
+        let places: Vec<usize> = maker.made.iter().map(|m| m.0).collect();
+        assert_eq!(places, (0..=24).map(|i| i * 10).collect::<Vec<_>>());
+        assert!(maker.made.iter().all(|m| !m.2.failed));
+        assert_eq!(maker.spare.len(), 25, "the chunks' buffers come back");
+    }
+
+    /// A context that fails (or is gone) sends its chunk as raw bytes, which rebuild it
+    /// alone; a run's end has nothing to send.
+    #[test]
+    fn a_failed_context_sends_the_chunk_raw() {
+        let chunk = b"a chunk whose context is gone".repeat(40);
+        let lit = Make::Literal {
+            tag: TAG_LIT_CONTEXT,
+            defer: false,
+            cached: true,
+        };
+        let (mut scratch, mut out) = (Vec::new(), Vec::new());
+        let (o, ok) = make(
+            None,
+            lit,
+            Kind::Alone { learn: true },
+            &chunk,
+            &mut scratch,
+            &mut out,
+        );
+        assert!(!ok && o.failed);
+        assert_eq!(o.wire, out.len());
+        let mut dec = Decoder::with_capacity(1 << 20, true);
+        let mut got = Vec::new();
+        assert_eq!(dec.decode_record(&out, &mut got), Ok(out.len()));
+        assert_eq!(got, chunk);
+        let before = out.len();
+        let (o, ok) = make(
+            None,
+            Make::RunEnd,
+            Kind::RunEnd { raw: 1, n: 1 },
+            &[],
+            &mut scratch,
+            &mut out,
+        );
+        assert!(!ok && o.failed && o.wire == 0);
+        assert_eq!(out.len(), before);
+    }
+}
