@@ -132,7 +132,7 @@ impl Drop for Permit {
 
 /// A stream's zstd compression context.
 pub(crate) struct SendContext {
-    /// Its compressor; `None` while a worker makes its records (see [`crate::maker`]).
+    /// Its compressor; `None` while a turn's records in it wait to be made (on a worker).
     pub(crate) cctx: Option<zstd::zstd_safe::CCtx<'static>>,
     /// No record of it was sent yet: the next one tells the peer to start afresh.
     pub(crate) fresh: bool,

@@ -6,8 +6,8 @@ use bytes::BufMut;
 use crate::fingerprint::Fingerprint;
 
 /// Where records are written: a buffer that tells how much it holds, so that a record whose
-/// bytes are made elsewhere (a stream context's, on a worker; see `crate::mirror::lane`) can
-/// be given its place among the others.
+/// bytes are made elsewhere (a stream context's, on a worker) can be given its place among
+/// the others.
 pub trait Out: BufMut {
     /// Bytes written so far.
     fn written(&self) -> usize;

@@ -2,9 +2,8 @@
 //! link order, what each chunk of a turn becomes; a chunk that goes as a literal in its
 //! stream's context only needs its context after that, in the stream's order. So the mirror
 //! plans such a record (its tag, whether it defers) and a [`Maker`] compresses it: at once on
-//! the calling thread, or, for a bulk stream's turn left pending
-//! ([`emit_pending`](crate::send::emit_pending)), from a [`Queue`] on a worker, while the
-//! caller plans other streams' turns. The turn's records are then put together in order. Either way the bytes are the same: the same
+//! the calling thread, or, for a bulk stream's turn left pending (`emit_pending` in the send
+//! path), from a [`Queue`] on a worker, while the caller plans other streams' turns. The turn's records are then put together in order. Either way the bytes are the same: the same
 //! compressor sees the same input with the same directives, and nothing the mirror decides
 //! within a turn depends on what a context record cost (that is learned at the turn's end,
 //! from each record's [`Outcome`]).

@@ -289,6 +289,15 @@ impl Contexts {
         });
     }
 
+    /// Counts what a service's stream sent.
+    pub(crate) fn count_sent(&mut self, service: &Arc<str>, stats: &wanopt_codec::EncodeStats) {
+        self.counts
+            .entry(service.clone())
+            .or_default()
+            .sent
+            .merge(stats);
+    }
+
     pub fn mirror(&mut self, lane: usize, scope: &Arc<str>) -> &mut Mirror {
         let size = if scope.is_empty() {
             self.peer_cache

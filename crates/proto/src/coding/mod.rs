@@ -545,11 +545,7 @@ impl Coding {
                     Some(c) => p.finish(&mut c.sender, mirror, out, &mut stats),
                     None => p.finish_orphan(mirror, out, &mut stats),
                 };
-                ctx.counts
-                    .entry(f.service.clone())
-                    .or_default()
-                    .sent
-                    .merge(&stats);
+                ctx.count_sent(&f.service, &stats);
             }
             // A pending frame was planned by a mirror: the codec is there.
             None => return 0,
@@ -607,11 +603,7 @@ impl Coding {
                 Some(p)
             };
             stats.frames = u64::from(raw > 0);
-            ctx.counts
-                .entry(t.service.clone())
-                .or_default()
-                .sent
-                .merge(&stats);
+            ctx.count_sent(t.service, &stats);
             let p = p?;
             // Written when its records are made (never the stream's last: `pend` is not
             // given for a stream that ends).
@@ -646,11 +638,7 @@ impl Coding {
         let fin = t.fin_requested && raw == t.queued;
         let sent = raw > 0 || fin;
         stats.frames = u64::from(sent);
-        ctx.counts
-            .entry(t.service.clone())
-            .or_default()
-            .sent
-            .merge(&stats);
+        ctx.count_sent(t.service, &stats);
         if !sent {
             // Nothing was written but the frame's header (a turn that sends nothing writes no
             // record; a chunk waiting for its bases counts the wait).
