@@ -392,6 +392,47 @@ mod tests {
         );
     }
 
+    /// Four bulk streams in long stream contexts, side by side: with the pool, each turn's
+    /// context records are made on its threads while the next streams' turns are planned,
+    /// and the records are the ones one thread writes, byte for byte; they decode to the
+    /// streams' bytes.
+    #[test]
+    fn a_pool_makes_several_streams_contexts_as_one_thread_does() {
+        let (parts, _) = wanopt_codec::testdata::parallel_copies(4, 2, 300);
+        let cfg = CodecConfig::default();
+        let encode = |workers: Option<Arc<dyn Workers>>| {
+            let mut s = wanopt_codec::Streams::new(cfg.clone(), parts.len(), 256 << 10);
+            s.set_workers(workers);
+            let refs: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+            let (mut wire, mut turns) = (Vec::new(), Vec::new());
+            s.send(&refs, 64 << 10, Pressure::LinkBound, &mut wire, &mut turns);
+            (wire, turns)
+        };
+        let (alone, turns) = encode(None);
+        let pooled = encode(Pool::start(3));
+        assert!(
+            pooled.0 == alone,
+            "{} against {} bytes",
+            pooled.0.len(),
+            alone.len()
+        );
+        assert_eq!(pooled.1, turns);
+        let mut dec = Decoder::new(&cfg);
+        let mut outs = vec![Vec::new(); parts.len()];
+        let mut ctxs: Vec<wanopt_codec::StreamContext> =
+            parts.iter().map(|_| Default::default()).collect();
+        let mut from = 0;
+        for &(k, end) in &turns {
+            let (used, stop) =
+                dec.decode_frame(&alone[from..end], &mut outs[k], &mut ctxs[k], usize::MAX);
+            assert_eq!((used, stop), (end - from, None));
+            from = end;
+        }
+        for (o, p) in outs.iter().zip(&parts) {
+            assert!(o == p);
+        }
+    }
+
     /// A stream encoded with the pool's help (chunks prepared in batches, and run ahead of the
     /// encoder) is the stream encoded alone, byte for byte.
     #[test]
