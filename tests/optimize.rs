@@ -409,11 +409,30 @@ fn send_side_by_side(addr: SocketAddr, parts: &[Vec<u8>]) {
 /// reset ("a chunk was lost on both sides": a literal is not kept to answer with).
 #[test]
 fn a_changed_copy_in_parallel_streams_arrives_exact() {
+    changed_copy_in_parallel_streams("");
+}
+
+/// The same with the codec's pool on both sides: the streams' coded frames wait for their
+/// context records, made on the pool's threads while the other streams' turns are planned,
+/// and leave in order.
+#[test]
+fn a_changed_copy_in_parallel_streams_arrives_exact_with_codec_threads() {
+    changed_copy_in_parallel_streams("  threads: 3\n");
+}
+
+/// [`a_changed_copy_in_parallel_streams_arrives_exact`] with `limits` of both sides (the
+/// config's last section) extended by `limits`.
+fn changed_copy_in_parallel_streams(limits: &str) {
     let srv = hash_server();
+    // A state directory of its own: the disk tiers of tests that run at once stay apart.
+    let state = tempfile::tempdir().expect("tempdir");
     let p = Pair::start_link(
         &format!("  - name: svc\n    target: {srv}\n"),
         "  - name: svc\n    listen: 127.0.0.1:0\n",
-        "admin:\n  listen: 127.0.0.1:0\noptimize:\n  memory: 16MiB\n  delta_memory: 8MiB\n  disk:\n    bytes: 256MiB\n",
+        &format!(
+            "{limits}admin:\n  listen: 127.0.0.1:0\nstate_dir: {}\noptimize:\n  memory: 16MiB\n  delta_memory: 8MiB\n  disk:\n    bytes: 256MiB\n",
+            state.path().display()
+        ),
         "\n  bandwidth: 200mbit",
     );
     let addr = p.west.bound("svc");
@@ -433,6 +452,18 @@ fn a_changed_copy_in_parallel_streams_arrives_exact() {
     assert!(
         changed_wire * 5 < raw as u64,
         "the changed copy went as deltas: {changed_wire} wire for {raw}"
+    );
+    // With the pool, its threads made streams' context records while other turns went on.
+    let w = scrape(p.west.bound("admin"));
+    let made = w
+        .lines()
+        .find_map(|l| l.strip_prefix("wanopt_codec_context_turns_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert_eq!(
+        made > 0.0,
+        !limits.is_empty(),
+        "{made} turns made on the pool"
     );
 }
 

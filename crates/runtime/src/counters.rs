@@ -316,6 +316,11 @@ impl LinkCounters {
             in_use,
         );
         r.register(
+            "wanopt_codec_context_turns",
+            "Bulk streams' turns whose stream-context compression the codec pool made while other streams' turns went on",
+            crate::workers::context_turns(),
+        );
+        r.register(
             "wanopt_link_outages",
             "Link connections lost while streams waited for the next one (link.resume_window)",
             m.outages.clone(),

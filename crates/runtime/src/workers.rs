@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 
 use wanopt_codec::prepare::{Ahead, Job, Workers};
@@ -236,6 +237,15 @@ pub fn gauges() -> (Gauge, Gauge) {
     (THREADS.clone(), IN_USE.clone())
 }
 
+/// Turns whose stream-context records the process's pool was handed to make on its own
+/// ([`Workers::spawn`]: several bulk streams' contexts compressing at once).
+static CONTEXT_TURNS: LazyLock<Counter> = LazyLock::new(Counter::default);
+
+/// The count of turns handed to the pool to make their context records.
+pub fn context_turns() -> Counter {
+    CONTEXT_TURNS.clone()
+}
+
 /// The process's pool, started by the first daemon that asks, with its `threads`; the daemons
 /// of one process (`wanoptd demo`, several configs) share it rather than start one each.
 pub fn shared(threads: usize) -> Option<Arc<dyn Workers>> {
@@ -299,6 +309,7 @@ impl Workers for Pool {
     fn spawn(&self, job: Box<dyn FnOnce() + Send>) {
         let making = Arc::clone(&self.making);
         making.fetch_add(1, Ordering::Relaxed);
+        CONTEXT_TURNS.inc();
         self.pool.spawn(move || {
             job();
             making.fetch_sub(1, Ordering::Relaxed);
