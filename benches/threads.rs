@@ -6,7 +6,10 @@
 //!
 //! Run: `cargo build --release --workspace && cargo bench --bench threads -- --file A --file B`
 //! (real data: a `pg_basebackup -Ft` tar, and its first 48 MB, for instance). Options:
-//! `--rounds N` (default 5), `--threads N` for the other side of the comparison (default 1).
+//! `--rounds N` (default 5), `--threads N` for the other side of the comparison (default 1),
+//! `--streams N` to send each file cut in N parts on N connections at once (an RMAN
+//! duplicate's channels; default 1), `--bandwidth B` for the stated link (default `1gbit`; a
+//! slower one takes the stream-context path, as a WAN does).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -18,8 +21,9 @@ use std::time::Instant;
 
 use common::{Pair, report};
 
-/// MB/s of one first copy of `data` through a fresh pair whose `limits` get `threads`.
-fn first_copy(data: &[u8], threads: Option<usize>) -> f64 {
+/// MB/s of one first copy of `data` through a fresh pair whose `limits` get `threads`, stating
+/// `bandwidth`, cut in `streams` parts sent on as many connections at once.
+fn first_copy(data: &[u8], threads: Option<usize>, streams: usize, bandwidth: &str) -> f64 {
     let sink = common::server(|mut s| {
         let mut buf = vec![0u8; 1 << 20];
         let mut n = 0u64;
@@ -36,22 +40,32 @@ fn first_copy(data: &[u8], threads: Option<usize>) -> f64 {
         &format!("  - name: b\n    target: {sink}\n"),
         "  - name: b\n    listen: 127.0.0.1:0\n",
         &extra,
-        "\n  bandwidth: 1gbit\n  rtt: 1ms",
+        &format!("\n  bandwidth: {bandwidth}\n  rtt: 1ms"),
     );
-    let mut s = TcpStream::connect(pair.west.bound("b")).expect("connect");
+    let addr = pair.west.bound("b");
+    let parts: Vec<&[u8]> = data
+        .chunks(data.len().div_ceil(streams.max(1)).max(1))
+        .collect();
     let t = Instant::now();
-    for piece in data.chunks(1 << 20) {
-        s.write_all(piece).expect("write");
-    }
-    s.shutdown(Shutdown::Write).expect("shutdown");
-    let mut got = [0u8; 8];
-    s.read_exact(&mut got).expect("the sink's count");
+    std::thread::scope(|sc| {
+        for part in &parts {
+            sc.spawn(move || {
+                let mut s = TcpStream::connect(addr).expect("connect");
+                for piece in part.chunks(1 << 20) {
+                    s.write_all(piece).expect("write");
+                }
+                s.shutdown(Shutdown::Write).expect("shutdown");
+                let mut got = [0u8; 8];
+                s.read_exact(&mut got).expect("the sink's count");
+                assert_eq!(
+                    u64::from_le_bytes(got),
+                    part.len() as u64,
+                    "the sink got less"
+                );
+            });
+        }
+    });
     let secs = t.elapsed().as_secs_f64();
-    assert_eq!(
-        u64::from_le_bytes(got),
-        data.len() as u64,
-        "the sink got less"
-    );
     data.len() as f64 / secs / 1e6
 }
 
@@ -64,6 +78,8 @@ fn main() {
     let args = common::args::Args::new();
     let rounds: usize = args.get("--rounds", 5);
     let other: usize = args.get("--threads", 1);
+    let streams: usize = args.get("--streams", 1);
+    let bandwidth = args.text("--bandwidth").unwrap_or_else(|| "1gbit".into());
     let files: Vec<PathBuf> = args.all("--file").into_iter().map(PathBuf::from).collect();
     if files.is_empty() {
         eprintln!("threads: give the data with --file F (one or more)");
@@ -71,14 +87,14 @@ fn main() {
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     report::note(format!(
-        "A fresh loopback pair stating 1 Gbit/s per first copy; {rounds} rounds, the default (this host: {cores} cores) and `threads: {other}` alternating; MB/s of the client's bytes."
+        "A fresh loopback pair stating {bandwidth} per first copy, sent as {streams} stream(s) at once; {rounds} rounds, the default (this host: {cores} cores) and `threads: {other}` alternating; MB/s of the client's bytes."
     ));
     for f in files {
         let data = std::fs::read(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
         let (mut def, mut one) = (Vec::new(), Vec::new());
         for _ in 0..rounds {
-            def.push(first_copy(&data, None));
-            one.push(first_copy(&data, Some(other)));
+            def.push(first_copy(&data, None, streams, &bandwidth));
+            one.push(first_copy(&data, Some(other), streams, &bandwidth));
         }
         let (db, dm) = stats(def);
         let (ob, om) = stats(one);
