@@ -241,7 +241,16 @@ fn first_copy(
     let rate = mb(t.elapsed().as_secs_f64());
     drop(enc);
     let mut dec = Decoder::new(cfg);
-    dec.set_workers(pool());
+    let workers = pool();
+    dec.set_workers(workers.clone());
+    // As the link does: with two threads or more, each stream's frame is fed to its context on
+    // the pool while earlier frames are decoded, up to `PENDING` frames ahead.
+    let ahead = if threads > 1 {
+        threads.min(wanopt_codec::PENDING)
+    } else {
+        0
+    };
+    let wire_bytes = bytes::Bytes::copy_from_slice(&wire);
     // Touched first, as `out` is: first-touch page faults are this harness's, not the codec's.
     let mut outs: Vec<Vec<u8>> = parts
         .iter()
@@ -254,13 +263,23 @@ fn first_copy(
     let mut ctxs: Vec<wanopt_codec::StreamContext> =
         parts.iter().map(|_| Default::default()).collect();
     let t = Instant::now();
+    let mut order = wanopt_codec::InOrder::new(ahead, workers);
+    let mut decode = |dec: &mut Decoder, k: usize, r: std::ops::Range<usize>, ctx: &mut _| {
+        let records = &wire[r];
+        let (used, stop) = dec.decode_frame(records, &mut outs[k], ctx, usize::MAX);
+        assert!(used == records.len() && stop.is_none(), "decode: {stop:?}");
+    };
     let mut from = 0;
     for &(k, end) in &turns {
-        let records = &wire[from..end];
-        let (used, stop) = dec.decode_frame(records, &mut outs[k], &mut ctxs[k], usize::MAX);
-        assert!(used == records.len() && stop.is_none(), "decode: {stop:?}");
+        order.frame(
+            &mut dec,
+            (&wire_bytes, k, from..end),
+            &mut ctxs,
+            &mut decode,
+        );
         from = end;
     }
+    order.finish(&mut dec, &mut ctxs, &mut decode);
     let drate = mb(t.elapsed().as_secs_f64());
     for (o, p) in outs.iter().zip(&parts) {
         assert!(o == p, "round trip");

@@ -159,6 +159,35 @@ pub struct StreamContext {
     pub(crate) run_bytes: Vec<u8>,
     /// The serial of the stream's log, once its sender started one (see `crate::logs`).
     pub(crate) log: Option<u32>,
+    /// Its next context records, fed ahead (on a worker) of the records around them: each is
+    /// taken by the record it was fed for, in order.
+    pub(crate) fed: std::collections::VecDeque<Fed>,
+}
+
+/// A run (or a lone chunk) rebuilt whole out of its stream's context: its bytes, and its
+/// chunks' lengths and whether each is cached.
+#[derive(Debug, Default)]
+pub(crate) struct Run {
+    pub(crate) bytes: Vec<u8>,
+    pub(crate) chunks: Vec<(usize, bool)>,
+}
+
+/// A chunk of a run fed ahead (on a worker): its bytes, and its name if it is cached.
+#[derive(Debug)]
+pub(crate) struct Piece {
+    pub(crate) bytes: Vec<u8>,
+    pub(crate) name: Option<crate::fingerprint::Fingerprint>,
+}
+
+/// A context record fed ahead: its first byte and length, whether its stream had a run open
+/// before it, and what feeding it gave (a run's chunks once it is whole, or what was wrong with
+/// it).
+#[derive(Debug)]
+pub(crate) struct Fed {
+    pub(crate) first: u8,
+    pub(crate) used: usize,
+    pub(crate) open_before: bool,
+    pub(crate) result: Result<Option<Vec<Piece>>, crate::format::CodecError>,
 }
 
 impl std::fmt::Debug for StreamContext {

@@ -42,6 +42,80 @@ pub trait Workers: Send + Sync + std::fmt::Debug {
     }
 }
 
+/// Work left to the workers that its owner finishes in turn (a stream's context records made,
+/// a frame fed to its stream's context): one job, which does nothing if the owner got to it
+/// first.
+pub trait Deferred {
+    /// Has `workers` do the work.
+    fn spawn(&self, workers: &dyn Workers);
+    /// True while a worker does it.
+    fn busy(&self) -> bool;
+    /// Does the work here if no worker has started on it; returns whether it did.
+    fn help(&self) -> bool;
+}
+
+/// Deferred work, oldest first, each with its owner's key (a stream, a frame's header),
+/// finished in the order it was handed over; while a worker does the oldest, the caller does
+/// later ones rather than wait, so several streams' work runs at once however many workers
+/// there are.
+#[derive(Debug)]
+pub struct InTurn<K, J> {
+    jobs: std::collections::VecDeque<(K, J)>,
+}
+
+impl<K, J> Default for InTurn<K, J> {
+    fn default() -> Self {
+        InTurn {
+            jobs: std::collections::VecDeque::new(),
+        }
+    }
+}
+
+impl<K, J: Deferred> InTurn<K, J> {
+    /// Adds work just handed over, done on `workers` (or later, by whoever finishes it).
+    pub fn push(&mut self, k: K, j: J, workers: Option<&dyn Workers>) {
+        if let Some(w) = workers {
+            j.spawn(w);
+        }
+        self.jobs.push_back((k, j));
+    }
+
+    pub fn len(&self) -> usize {
+        self.jobs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.jobs.is_empty()
+    }
+
+    /// Where the first work `is` picks out waits, if any does.
+    pub fn position(&self, is: impl Fn(&K) -> bool) -> Option<usize> {
+        self.jobs.iter().position(|(k, _)| is(k))
+    }
+
+    /// The oldest work, to be finished: later ones are done here while a worker does it.
+    pub fn pop_front(&mut self) -> Option<(K, J)> {
+        for (_, later) in self.jobs.iter().skip(1).rev() {
+            if self.jobs.front().is_none_or(|(_, j)| !j.busy()) {
+                break;
+            }
+            later.help();
+        }
+        self.jobs.pop_front()
+    }
+
+    /// Hands the work up to the `last`th (all of it with `usize::MAX`) to `each`, oldest first,
+    /// to be finished.
+    pub fn finish_through(&mut self, last: usize, mut each: impl FnMut(K, J)) {
+        let n = last.saturating_add(1).min(self.jobs.len());
+        for _ in 0..n {
+            if let Some((k, j)) = self.pop_front() {
+                each(k, j);
+            }
+        }
+    }
+}
+
 /// Runs jobs one after the other on the calling thread.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Inline;

@@ -216,34 +216,6 @@ impl Pending {
         self.plan.is_empty() && self.lane.is_empty()
     }
 
-    /// Has `workers` make the turn's context records (one job, which does nothing if the
-    /// caller got to them first).
-    pub fn spawn(&self, workers: &dyn crate::prepare::Workers) {
-        let (maker, lane) = (Arc::clone(&self.maker), Arc::clone(&self.lane));
-        workers.spawn(Box::new(move || {
-            if let Ok(mut m) = maker.try_lock() {
-                m.run(&lane);
-            }
-        }));
-    }
-
-    /// True while a worker makes the turn's context records.
-    pub fn busy(&self) -> bool {
-        self.maker.try_lock().is_err()
-    }
-
-    /// Makes the turn's context records here if no worker has started on them; returns
-    /// whether it did (a caller waiting for another turn helps with this one).
-    pub fn help(&self) -> bool {
-        match self.maker.try_lock() {
-            Ok(mut m) if !self.lane.is_empty() => {
-                m.run(&self.lane);
-                true
-            }
-            _ => false,
-        }
-    }
-
     /// Writes the turn's records to `out`, the made ones (made here if no worker has, else
     /// once the worker is done) in their places, and learns what the turn's context records
     /// cost. Returns the raw bytes it sent. Turns are finished in the order they were planned,
@@ -279,64 +251,41 @@ impl Pending {
     }
 }
 
+impl crate::prepare::Deferred for Pending {
+    /// Has `workers` make the turn's context records, if it has any.
+    fn spawn(&self, workers: &dyn crate::prepare::Workers) {
+        if self.lane.is_empty() {
+            return;
+        }
+        let (maker, lane) = (Arc::clone(&self.maker), Arc::clone(&self.lane));
+        workers.spawn(Box::new(move || {
+            if let Ok(mut m) = maker.try_lock() {
+                m.run(&lane);
+            }
+        }));
+    }
+
+    /// True while a worker makes the turn's context records.
+    fn busy(&self) -> bool {
+        self.maker.try_lock().is_err()
+    }
+
+    /// Makes the turn's context records here if no worker has started on them.
+    fn help(&self) -> bool {
+        match self.maker.try_lock() {
+            Ok(mut m) if !self.lane.is_empty() => {
+                m.run(&self.lane);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
 /// Turns planned with [`emit_pending`] and not finished yet, oldest first, each with what its
-/// owner finishes it with (`K`: a stream, a frame's header). Turns are finished in the order
-/// they were planned; while a worker makes the oldest one's records, the caller makes later
-/// ones' rather than wait, so several streams' contexts compress at once however many
-/// workers there are.
-#[derive(Debug)]
-pub struct PendingTurns<K> {
-    turns: VecDeque<(K, Pending)>,
-}
-
-impl<K> Default for PendingTurns<K> {
-    fn default() -> Self {
-        PendingTurns {
-            turns: VecDeque::new(),
-        }
-    }
-}
-
-impl<K> PendingTurns<K> {
-    /// Adds a turn just planned, its records made on `workers` (or later, by whoever finishes).
-    pub fn push(&mut self, k: K, p: Pending, workers: Option<&dyn crate::prepare::Workers>) {
-        if let Some(w) = workers.filter(|_| !p.lane.is_empty()) {
-            p.spawn(w);
-        }
-        self.turns.push_back((k, p));
-    }
-
-    pub fn len(&self) -> usize {
-        self.turns.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.turns.is_empty()
-    }
-
-    /// Where the first turn `is` picks out waits, if one does.
-    pub fn position(&self, is: impl Fn(&K) -> bool) -> Option<usize> {
-        self.turns.iter().position(|(k, _)| is(k))
-    }
-
-    /// Hands the turns up to the `last`th (every one with `usize::MAX`) to `each`, oldest
-    /// first, to be finished ([`Pending::finish`]).
-    pub fn finish_through(&mut self, last: usize, mut each: impl FnMut(K, Pending)) {
-        let n = last.saturating_add(1).min(self.turns.len());
-        for _ in 0..n {
-            // While a worker makes the oldest's records, make later ones' here.
-            for (_, later) in self.turns.iter().skip(1).rev() {
-                if self.turns.front().is_none_or(|(_, p)| !p.busy()) {
-                    break;
-                }
-                later.help();
-            }
-            if let Some((k, p)) = self.turns.pop_front() {
-                each(k, p);
-            }
-        }
-    }
-}
+/// owner finishes it with (`K`: a stream, a frame's header), finished in the order they were
+/// planned ([`Pending::finish`]).
+pub type PendingTurns<K> = crate::prepare::InTurn<K, Pending>;
 
 /// The end of a turn whose records are all written: what its context records cost is learned,
 /// and counted, and the stream's recent ratio of record to raw bytes with them.

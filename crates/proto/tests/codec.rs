@@ -1329,3 +1329,81 @@ fn frames_left_for_workers_leave_in_order_and_rebuild_exactly() {
         "{pooled} wire bytes with workers, {alone} without"
     );
 }
+
+/// Bulk streams in long stream contexts sent side by side to a side with workers: each
+/// stream's frame is fed to its context on them while the frames before it are decoded, and
+/// decoded in its turn. A first copy, then a changed copy on new streams (references, deltas
+/// and reference runs among the context records): every stream arrives exact, no chunk is
+/// asked for again (the receiver's cache saw what the sender's mirror saw, in its order), and
+/// the frames were fed ahead.
+#[test]
+fn frames_fed_ahead_on_the_receiver_decode_in_order_exactly() {
+    const CACHE: u64 = 64 << 20;
+    let firsts: Vec<Bytes> = (0..4u32)
+        .map(|k| {
+            let mut v = order_rows(30_000 + k * 3_000, ["|", "|c-", "|", "|", "|"]).to_vec();
+            v.extend_from_slice(&db_blocks(96, 20 + u64::from(k)));
+            Bytes::from(v)
+        })
+        .collect();
+    let changed: Vec<Bytes> = firsts
+        .iter()
+        .enumerate()
+        .map(|(k, d)| Bytes::from(wanopt_codec::testdata::edited(d, k)))
+        .collect();
+    let receiving = Arc::new(Spawning::default());
+    let sending = Arc::new(Spawning::default());
+    let (w, e) = (sending.clone(), receiving.clone());
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        50_000_000,
+        move |c| {
+            c.codec = Some(codec(CACHE));
+            c.workers = Some(w as Arc<dyn wanopt_codec::prepare::Workers>);
+        },
+        move |c| {
+            c.codec = Some(codec(CACHE));
+            c.workers = Some(e as Arc<dyn wanopt_codec::prepare::Workers>);
+        },
+    );
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up);
+    p.west.link.set_pressure(Pressure::LinkBound);
+    for copy in [&firsts, &changed] {
+        let ids: Vec<_> = copy
+            .iter()
+            .map(|d| open_and_send(&mut p, "e-svc", Class::Bulk, d.clone()))
+            .collect();
+        p.drive(Duration::from_secs(60));
+        for (id, d) in ids.iter().zip(copy.iter()) {
+            assert!(
+                p.east.app.received.get(id).is_some_and(|r| r[..] == d[..]),
+                "bytes differ"
+            );
+            assert!(p.east.app.fin.contains(id));
+            p.east.app.to_send.insert(*id, (Bytes::new(), true));
+        }
+        p.drive(Duration::from_secs(5));
+    }
+    let c = counts(&mut p.west.link);
+    assert!(c.sent.hit_chunks > 100 && c.sent.delta_chunks > 10, "{c:?}");
+    assert_eq!(counts(&mut p.east.link).needs, 0, "caches in step");
+    // The same chunks in the same order on both sides.
+    let west = p.west.link.cache_digests_for_test();
+    let east = p.east.link.cache_digests_for_test();
+    let mirrors: Vec<_> = west.iter().filter(|d| d.0 == "mirror").collect();
+    assert!(!mirrors.is_empty());
+    for (_, lane, scope, digest) in mirrors {
+        let theirs = east
+            .iter()
+            .find(|d| d.0 == "decoder" && d.1 == *lane && d.2 == *scope);
+        assert_eq!(
+            theirs.map(|d| d.3),
+            Some(*digest),
+            "lane {lane} scope {scope:?}"
+        );
+    }
+    let fed = receiving.0.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(fed > 8, "{fed} frames fed ahead");
+    p.assert_no_leaks();
+}

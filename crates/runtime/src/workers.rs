@@ -405,8 +405,9 @@ mod tests {
 
     /// Four bulk streams in long stream contexts, side by side: with the pool, each turn's
     /// context records are made on its threads while the next streams' turns are planned,
-    /// and the records are the ones one thread writes, byte for byte; they decode to the
-    /// streams' bytes.
+    /// and the records are the ones one thread writes, byte for byte. They decode to the
+    /// streams' bytes, and to the same cache, with each turn fed to its stream's context on
+    /// the pool while the turns before it are decoded.
     #[test]
     fn a_pool_makes_several_streams_contexts_as_one_thread_does() {
         let (parts, _) = wanopt_codec::testdata::parallel_copies(4, 2, 300);
@@ -428,20 +429,37 @@ mod tests {
             alone.len()
         );
         assert_eq!(pooled.1, turns);
-        let mut dec = Decoder::new(&cfg);
-        let mut outs = vec![Vec::new(); parts.len()];
-        let mut ctxs: Vec<wanopt_codec::StreamContext> =
-            parts.iter().map(|_| Default::default()).collect();
-        let mut from = 0;
-        for &(k, end) in &turns {
-            let (used, stop) =
-                dec.decode_frame(&alone[from..end], &mut outs[k], &mut ctxs[k], usize::MAX);
-            assert_eq!((used, stop), (end - from, None));
-            from = end;
-        }
-        for (o, p) in outs.iter().zip(&parts) {
-            assert!(o == p);
-        }
+        // Decoded in turn, and with each frame fed to its stream's context on the pool (up to
+        // three at once) while the ones before it are decoded: the same bytes, the same cache.
+        let wire = bytes::Bytes::from(alone);
+        let decode = |workers: Option<Arc<dyn Workers>>| {
+            let mut dec = Decoder::new(&cfg);
+            let mut outs = vec![Vec::new(); parts.len()];
+            let mut ctxs: Vec<wanopt_codec::StreamContext> =
+                parts.iter().map(|_| Default::default()).collect();
+            let ahead = if workers.is_some() { 3 } else { 0 };
+            let mut order = wanopt_codec::InOrder::new(ahead, workers);
+            let mut in_turn =
+                |dec: &mut Decoder, k: usize, r: std::ops::Range<usize>, ctx: &mut _| {
+                    let len = r.len();
+                    let (used, stop) = dec.decode_frame(&wire[r], &mut outs[k], ctx, usize::MAX);
+                    assert_eq!((used, stop), (len, None));
+                };
+            let (mut from, mut fed) = (0, 0);
+            for &(k, end) in &turns {
+                let frame = (&wire, k, from..end);
+                fed += usize::from(order.frame(&mut dec, frame, &mut ctxs, &mut in_turn));
+                from = end;
+            }
+            order.finish(&mut dec, &mut ctxs, &mut in_turn);
+            for (o, p) in outs.iter().zip(&parts) {
+                assert!(o == p);
+            }
+            (fed > 0, dec.cache().digest())
+        };
+        let (fed, digest) = decode(None);
+        assert!(!fed);
+        assert_eq!(decode(Pool::start(3)), (true, digest));
     }
 
     /// A stream encoded with the pool's help (chunks prepared in batches, and run ahead of the

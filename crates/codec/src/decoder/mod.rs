@@ -5,16 +5,20 @@
 
 use crate::cache::{self, ChunkCache};
 use crate::config::CodecConfig;
-use crate::context::{LongContext, Slots, StreamContext};
+use crate::context::{LongContext, Run, Slots, StreamContext};
 use crate::delta;
 use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::format::{
-    CodecError, DEFERRED, FRESH, LONG, MAX_RECORD, NO_CACHE, RUN_MAX_DECODE, TAG_DELTA,
-    TAG_DELTA_RUN, TAG_DELTA_RUN_BARE, TAG_LIT, TAG_LIT_CONTEXT, TAG_LIT_LZ4, TAG_LIT_ZSTD,
-    TAG_LOG, TAG_RAW, TAG_REF, TAG_REF_RUN, TAG_REF_RUN_SHORT, TAG_RUN_END, get_len, get_varint,
+    CodecError, MAX_RECORD, NO_CACHE, TAG_DELTA, TAG_DELTA_RUN, TAG_DELTA_RUN_BARE, TAG_LIT,
+    TAG_LIT_CONTEXT, TAG_LIT_LZ4, TAG_LIT_ZSTD, TAG_LOG, TAG_RAW, TAG_REF, TAG_REF_RUN,
+    TAG_REF_RUN_SHORT, TAG_RUN_END, get_len, get_varint,
 };
 use crate::prepare::{self, BATCH};
+use in_context::Accept;
 
+pub use ahead::{DecodeFrame, Feeding, Feeds, InOrder};
+
+mod ahead;
 mod in_context;
 mod logged;
 mod with_bases;
@@ -33,12 +37,11 @@ pub struct DecodeStats {
 /// One direction's decoder with its cache.
 pub struct Decoder {
     pub(crate) cache: ChunkCache,
-    pub(crate) dedup: bool,
     pub(crate) zstd: Option<zstd::bulk::Decompressor<'static>>,
     pub(crate) stats: DecodeStats,
-    pub(crate) contexts: Slots,
-    /// The long contexts we accept (the link's count of them shared in the `Slots`).
-    pub(crate) long: Option<(LongContext, Slots)>,
+    /// The stream contexts we accept (the link's count of them shared in its `Slots`), and
+    /// whether we cache.
+    pub(crate) accept: Accept,
     /// The context of [`Decoder::decode_record`]'s one stream.
     pub(crate) own: StreamContext,
     pub(crate) delta: delta::RecvScratch,
@@ -80,11 +83,12 @@ impl Decoder {
     /// A decoder using `cache` (a two-tier one, or one restored from a snapshot).
     pub fn with_cache(cache: ChunkCache, dedup: bool) -> Self {
         Decoder {
-            dedup,
+            accept: Accept {
+                dedup,
+                ..Accept::default()
+            },
             zstd: zstd::bulk::Decompressor::new().ok(),
             stats: DecodeStats::default(),
-            contexts: Slots::default(),
-            long: None,
             own: StreamContext::default(),
             delta: delta::RecvScratch::default(),
             workers: None,
@@ -189,7 +193,7 @@ impl Decoder {
             if !matches!(tag, TAG_LIT | TAG_LIT_LZ4 | TAG_LIT_ZSTD) {
                 break;
             }
-            let hash = self.dedup && first & NO_CACHE == 0;
+            let hash = self.accept.dedup && first & NO_CACHE == 0;
             let Ok((raw_len, h1)) = get_len(rec, 1) else {
                 break;
             };
@@ -258,7 +262,7 @@ impl Decoder {
     /// decoders of the lane: [`DECODER_CONTEXTS`](crate::DECODER_CONTEXTS) (about 1 MiB each
     /// after a run) is then the link's bound, however many scopes it has.
     pub fn share_context_slots(&mut self, slots: Slots) {
-        self.contexts = slots;
+        self.accept.contexts = slots;
     }
 
     /// Accepts long contexts of at most `long`'s window, and twice its streams at once (counted
@@ -266,12 +270,12 @@ impl Decoder {
     /// stream ends, which may be before we have read that stream's last record. `None` refuses
     /// them: a record asking for one is malformed.
     pub fn set_long_context(&mut self, long: Option<LongContext>, slots: Slots) {
-        self.long = long.map(|l| (l, slots));
+        self.accept.long = long.map(|l| (l, slots));
     }
 
     /// Stream contexts in use.
     pub fn contexts(&self) -> usize {
-        self.contexts.in_use()
+        self.accept.contexts.in_use()
     }
 
     /// Counts of what was rebuilt so far.
@@ -402,24 +406,7 @@ impl Decoder {
         let Some(&first) = buf.first() else {
             return Err(CodecError::Incomplete);
         };
-        let (tag, cache, fresh) = match first {
-            TAG_LIT | TAG_LIT_LZ4 | TAG_LIT_ZSTD | TAG_LIT_CONTEXT => (first, self.dedup, false),
-            t if t & NO_CACHE != 0
-                && matches!(t & !NO_CACHE, TAG_LIT | TAG_LIT_LZ4 | TAG_LIT_ZSTD) =>
-            {
-                (t & !NO_CACHE, false, false)
-            }
-            t if t & !(NO_CACHE | FRESH | LONG | DEFERRED) == TAG_LIT_CONTEXT
-                && (t & LONG == 0 || t & FRESH != 0) =>
-            {
-                (
-                    TAG_LIT_CONTEXT,
-                    self.dedup && t & NO_CACHE == 0,
-                    t & FRESH != 0,
-                )
-            }
-            t => (t, false, false),
-        };
+        let (tag, cache, _) = in_context::classify(first, self.accept.dedup);
         let need = |n: usize| {
             if buf.len() < n {
                 Err(CodecError::Incomplete)
@@ -428,7 +415,13 @@ impl Decoder {
             }
         };
         // An open run (see `DEFERRED`) takes only context literals and its end.
-        if !stream.run.is_empty() && tag != TAG_LIT_CONTEXT && tag != TAG_RUN_END {
+        // Records fed ahead of this one leave the run as it is after them: the one to feed
+        // next knows whether a run is open here.
+        let open = match stream.fed.front() {
+            Some(next) => next.open_before,
+            None => !stream.run.is_empty(),
+        };
+        if open && tag != TAG_LIT_CONTEXT && tag != TAG_RUN_END {
             return Err(CodecError::Malformed("a run left unfinished"));
         }
 
@@ -484,60 +477,24 @@ impl Decoder {
                 Ok(at + len)
             }
             TAG_LIT_CONTEXT | TAG_RUN_END => {
-                let (raw_len, h1) = if tag == TAG_RUN_END {
-                    (0, 0)
-                } else {
-                    get_len(buf, 1)?
-                };
-                let (clen, h2) = get_len(buf, 1 + h1)?;
-                let at = 1 + h1 + h2;
-                need(at + clen)?;
-                let payload = &buf[at..at + clen];
-                let deferred = tag == TAG_LIT_CONTEXT && first & DEFERRED != 0;
-                if tag == TAG_RUN_END && stream.run.is_empty() {
-                    return Err(CodecError::Malformed("a run end without a run"));
-                }
-                if fresh && !stream.run.is_empty() {
-                    return Err(CodecError::Malformed("a fresh context inside a run"));
-                }
-                // The run's chunks and this one: all rebuilt from this record on, within what
-                // the frame announced and what a run may hold.
-                let total = stream.run.iter().map(|r| r.0).sum::<usize>() + raw_len;
-                if total > RUN_MAX_DECODE {
-                    return Err(CodecError::Malformed("run longer than a receiver accepts"));
-                }
-                fits(total)?;
-                let long = first & LONG != 0;
-                self.feed_context(payload, total, !deferred, fresh.then_some(long), stream)?;
-                if tag == TAG_LIT_CONTEXT {
-                    stream.run.push((raw_len, cache));
-                }
-                if deferred {
-                    return Ok(at + clen);
-                }
-                // The run (or the lone chunk) is whole: its chunks in order, named first (on
-                // the workers, if any).
-                let bytes = std::mem::take(&mut stream.run_bytes);
-                let run = std::mem::take(&mut stream.run);
-                let mut names = Vec::with_capacity(run.len());
-                self.fingerprints_of(&bytes, run.iter().copied(), &mut names);
-                let mut off = 0;
-                for ((len, cached), name) in run.into_iter().zip(names) {
-                    let chunk = &bytes[off..off + len];
-                    off += len;
-                    out.extend_from_slice(chunk);
-                    self.stats.lit_chunks += 1;
-                    self.stats.lit_bytes += len as u64;
-                    if cached {
-                        let f = name.unwrap_or_else(|| fingerprint(chunk));
-                        self.cache.insert(f, chunk.to_vec());
-                        self.log_chunk(stream.log, f);
+                // Fed ahead (on a worker), or here.
+                match stream.fed.pop_front() {
+                    Some(fed) if fed.first == first => {
+                        if let Some(pieces) = fed.result? {
+                            self.rebuild_pieces(pieces, out, stream, room)?;
+                        }
+                        Ok(fed.used)
+                    }
+                    Some(_) => Err(CodecError::Malformed("records out of step")),
+                    None => {
+                        let (used, run) =
+                            in_context::context_record(first, buf, stream, room, &self.accept)?;
+                        if let Some(run) = run {
+                            self.rebuild_run(run, out, stream);
+                        }
+                        Ok(used)
                     }
                 }
-                // Keep the buffer for the next run.
-                stream.run_bytes = bytes;
-                stream.run_bytes.clear();
-                Ok(at + clen)
             }
             TAG_LIT_LZ4 | TAG_LIT_ZSTD => {
                 let (raw_len, h1) = get_len(buf, 1)?;
@@ -579,6 +536,57 @@ impl Decoder {
             TAG_REF_RUN | TAG_REF_RUN_SHORT => self.decode_ref_run(buf, out, stream.log, room),
             _ => Err(CodecError::Malformed("unknown record")),
         }
+    }
+
+    /// A run rebuilt whole out of its stream's context (see [`in_context::context_record`]):
+    /// its chunks in order, named first (on the workers, if any), appended to `out` and cached.
+    /// Its buffer is kept for the stream's next run.
+    fn rebuild_run(&mut self, run: Run, out: &mut Vec<u8>, stream: &mut StreamContext) {
+        let Run { bytes, chunks } = run;
+        let mut names = Vec::with_capacity(chunks.len());
+        self.fingerprints_of(&bytes, chunks.iter().copied(), &mut names);
+        let mut off = 0;
+        for ((len, cached), name) in chunks.into_iter().zip(names) {
+            // The run's bytes are its chunks' (`context_record` fed exactly their sum).
+            let chunk = &bytes[off..off + len];
+            off += len;
+            out.extend_from_slice(chunk);
+            self.stats.lit_chunks += 1;
+            self.stats.lit_bytes += len as u64;
+            if cached {
+                let f = name.unwrap_or_else(|| fingerprint(chunk));
+                self.cache.insert(f, chunk.to_vec());
+                self.log_chunk(stream.log, f);
+            }
+        }
+        stream.run_bytes = bytes;
+        stream.run_bytes.clear();
+    }
+
+    /// The chunks of a run fed ahead (see [`Feeding`]), appended to `out` and cached (named
+    /// where they were fed), within `room`.
+    fn rebuild_pieces(
+        &mut self,
+        pieces: Vec<crate::context::Piece>,
+        out: &mut Vec<u8>,
+        stream: &StreamContext,
+        room: usize,
+    ) -> Result<(), CodecError> {
+        if pieces.iter().map(|p| p.bytes.len()).sum::<usize>() > room {
+            return Err(CodecError::Malformed(
+                "record rebuilds more than its frame announced",
+            ));
+        }
+        for p in pieces {
+            out.extend_from_slice(&p.bytes);
+            self.stats.lit_chunks += 1;
+            self.stats.lit_bytes += p.bytes.len() as u64;
+            if let Some(f) = p.name {
+                self.cache.insert(f, p.bytes);
+                self.log_chunk(stream.log, f);
+            }
+        }
+        Ok(())
     }
 
     /// A literal alone's payload decompressed.

@@ -414,25 +414,151 @@ fn streams_side_by_side_encode_alike_and_decode_turn_by_turn() {
         assert_eq!(stats.delta_chunks > 0, context, "{stats:?}");
         let used: std::collections::BTreeSet<usize> = alone.iter().map(|t| t.0).collect();
         assert_eq!(used.len(), 4);
-        for threads in [1, 2] {
+        let mut digests = Vec::new();
+        for (threads, ahead) in [(1, 0), (2, 0), (2, 1), (2, 3), (3, 8)] {
             let mut dec = Decoder::new(&cfg);
-            if threads > 1 {
-                dec.set_workers(Some(std::sync::Arc::new(Threads::new(threads))));
-            }
+            let workers: Option<std::sync::Arc<dyn prepare::Workers>> =
+                (threads > 1).then(|| std::sync::Arc::new(Threads::new(threads)) as _);
+            dec.set_workers(workers.clone());
             let mut outs = vec![Vec::new(); 4];
             let mut ctxs: Vec<crate::StreamContext> =
                 (0..4).map(|_| crate::StreamContext::default()).collect();
-            for (k, records) in &alone {
-                let (used, stop) =
-                    dec.decode_frame(records, &mut outs[*k], &mut ctxs[*k], usize::MAX);
-                assert_eq!((used, stop), (records.len(), None));
-            }
+            let fed = decode_fed_ahead(
+                &mut dec,
+                &alone,
+                ahead,
+                workers.clone(),
+                (&mut ctxs, &mut outs),
+                |_| None,
+            );
+            assert_eq!(fed > 0, ahead > 0 && context, "{fed} frames fed ahead");
             for k in 0..4 {
                 assert!(
                     outs[k] == [&firsts[k][..], &changed[k][..]].concat(),
-                    "stream {k}"
+                    "stream {k}, {threads} threads, {ahead} ahead"
                 );
             }
+            digests.push(dec.cache().digest());
         }
+        // The cache saw the same chunks in the same order, however the frames were fed.
+        assert!(digests.windows(2).all(|w| w[0] == w[1]));
     }
+}
+
+/// Decodes each stream's turns (`frames`, in the order a link took them) as a link does: with
+/// `ahead` of 1 or more, each frame is fed to its stream's context on `workers` (the caller
+/// feeding later ones while a worker feeds the oldest), up to `ahead` of them, while the
+/// frames before it are decoded in order ([`Feeds`](crate::Feeds)). A miss is answered with
+/// the bytes `answer` gives, and the frame goes on where it stopped. Returns how many frames
+/// were fed ahead.
+fn decode_fed_ahead(
+    dec: &mut Decoder,
+    frames: &[(usize, Vec<u8>)],
+    ahead: usize,
+    workers: Option<std::sync::Arc<dyn prepare::Workers>>,
+    (ctxs, outs): (&mut [crate::StreamContext], &mut [Vec<u8>]),
+    mut answer: impl FnMut(&crate::fingerprint::Fingerprint) -> Option<Vec<u8>>,
+) -> usize {
+    let wire = bytes::Bytes::from(frames.iter().flat_map(|f| f.1.clone()).collect::<Vec<u8>>());
+    let mut decode = |dec: &mut Decoder, k: usize, r: std::ops::Range<usize>, ctx: &mut _| {
+        let records = &wire[r];
+        let mut at = 0;
+        while at < records.len() {
+            let (used, stop) = dec.decode_frame(&records[at..], &mut outs[k], ctx, usize::MAX);
+            at += used;
+            match stop {
+                None => assert_eq!(at, records.len()),
+                Some(CodecError::Miss(f)) => {
+                    let bytes = answer(&f).expect("a chunk to answer with");
+                    assert!(dec.insert_verified(f, &bytes));
+                }
+                Some(e) => panic!("stream {k}: {e}"),
+            }
+        }
+    };
+    let mut order = crate::InOrder::new(ahead, workers);
+    let (mut from, mut fed) = (0, 0);
+    for (k, records) in frames {
+        let r = from..from + records.len();
+        from = r.end;
+        fed += usize::from(order.frame(dec, (&wire, *k, r), ctxs, &mut decode));
+    }
+    order.finish(dec, ctxs, &mut decode);
+    fed
+}
+
+/// Frames fed ahead of their turn, when a chunk they refer to is damaged in the cache: the
+/// frame stops at the miss with its later context records already fed, and goes on from there
+/// once the chunk is answered, to exactly the stream's bytes. A damaged context record fed
+/// ahead fails its frame as it does fed in turn, never rebuilding a wrong byte.
+#[test]
+fn frames_fed_ahead_resume_after_misses_and_fail_as_in_turn() {
+    let (firsts, mut changed) = crate::testdata::parallel_copies(4, 4, 400);
+    changed[3] = firsts[0].clone();
+    let cfg = CodecConfig {
+        context: true,
+        delta_bytes: 64 << 20,
+        ..CodecConfig::default()
+    };
+    let mut s = crate::Streams::new(cfg.clone(), 4, 256 << 10);
+    let first = side_by_side(&mut s, &firsts, Pressure::LinkBound);
+    let second = side_by_side(&mut s, &changed, Pressure::LinkBound);
+    let fresh = || -> Vec<crate::StreamContext> { (0..4).map(|_| Default::default()).collect() };
+    // One decoder in turn, whose cache answers the other's misses.
+    let mut whole = Decoder::new(&cfg);
+    let (mut ctxs, mut outs) = (fresh(), vec![Vec::new(); 4]);
+    let all: Vec<_> = first.iter().chain(&second).cloned().collect();
+    decode_fed_ahead(&mut whole, &all, 0, None, (&mut ctxs, &mut outs), |_| None);
+
+    let workers: std::sync::Arc<dyn prepare::Workers> = std::sync::Arc::new(Threads::new(2));
+    let mut dec = Decoder::new(&cfg);
+    dec.set_workers(Some(workers.clone()));
+    let (mut ctxs, mut outs) = (fresh(), vec![Vec::new(); 4]);
+    let io = (&mut ctxs[..], &mut outs[..]);
+    decode_fed_ahead(&mut dec, &first, 3, Some(workers.clone()), io, |_| None);
+    // Every fifth chunk of the first stream's first copy, which the last stream sends again.
+    for (at, len) in chunks(&firsts[0], &cfg).step_by(5) {
+        let f = crate::fingerprint::fingerprint(&firsts[0][at..at + len]);
+        dec.cache_mut().corrupt_for_test(&f);
+    }
+    let mut misses = 0;
+    let io = (&mut ctxs[..], &mut outs[..]);
+    let fed = decode_fed_ahead(&mut dec, &second, 3, Some(workers.clone()), io, |f| {
+        misses += 1;
+        whole.cache().peek(f).map(<[u8]>::to_vec)
+    });
+    assert!(misses > 10 && fed > 10, "{misses} misses, {fed} fed");
+    for k in 0..4 {
+        assert!(outs[k] == [&firsts[k][..], &changed[k][..]].concat(), "{k}");
+    }
+
+    // A byte of a context record damaged (one that zstd, or the record's checks, find: a
+    // literal byte changed is found by nobody, as in a literal alone, which is what TLS is
+    // for): the same stop fed ahead as in turn, and what was rebuilt before it is the stream's.
+    let (k, records) = &first[0];
+    let in_turn = |bad: &[u8]| {
+        let mut d = Decoder::new(&cfg);
+        let mut out = Vec::new();
+        let r = d.decode_frame(bad, &mut out, &mut Default::default(), usize::MAX);
+        (r, out)
+    };
+    let (bad, in_turn) = (records.len() / 3..records.len())
+        .step_by(101)
+        .find_map(|at| {
+            let mut bad = records.clone();
+            bad[at] ^= 0x55;
+            let r = in_turn(&bad);
+            r.0.1.is_some().then_some((bad, r))
+        })
+        .expect("damage that is found");
+    let mut d = Decoder::new(&cfg);
+    let feeding = d
+        .feed_ahead(bad.clone().into(), &mut Default::default(), usize::MAX)
+        .expect("a frame of context records");
+    prepare::Deferred::spawn(&feeding, &*workers);
+    let mut ctx = feeding.finish();
+    let mut out = Vec::new();
+    let r = d.decode_frame(&bad, &mut out, &mut ctx, usize::MAX);
+    assert_eq!((r, &out), (in_turn.0, &in_turn.1));
+    assert!(firsts[*k].starts_with(&out));
 }

@@ -440,6 +440,32 @@ impl Contexts {
         move |f| m.and_then(|m| m.chunk(f))
     }
 
+    /// Starts feeding the frame that just arrived on a stream with nothing else waiting (no
+    /// earlier frame, no stall) to the stream's context ahead of its turn (see
+    /// [`Feeding`](wanopt_codec::Feeding)), if it holds context records: the stream's context
+    /// is the feeding's until [`RecvCoded::fed`] gives it back, which must come before the
+    /// frame is decoded.
+    pub fn feed_ahead(
+        &mut self,
+        rc: &mut RecvCoded,
+        lane: usize,
+        service: &Arc<str>,
+    ) -> Option<wanopt_codec::Feeding> {
+        if rc.stall.is_some() || rc.frames.len() != 1 {
+            return None;
+        }
+        let p = rc.frames.front()?;
+        let scope = if p.scoped {
+            service.clone()
+        } else {
+            Arc::from("")
+        };
+        let announced = usize::try_from(p.remaining).unwrap_or(usize::MAX);
+        let records = p.records.clone();
+        self.decoder(lane, &scope)
+            .feed_ahead(records, &mut rc.context, announced)
+    }
+
     /// Decodes a stream's waiting frames until they run out or a reference misses (counted as
     /// a need of the stream's service when it asks the peer).
     pub fn decode(
@@ -563,6 +589,18 @@ impl Contexts {
                         tiers: b.tier_stats(),
                     }),
             )
+            .collect()
+    }
+
+    /// Test hook: the digests of our mirrors' and decoders' caches (see
+    /// [`ChunkCache::digest`]), by role, lane and scope: a mirror's equals its peer decoder's
+    /// while the two are in step.
+    pub fn cache_digests(&self) -> Vec<(&'static str, usize, Arc<str>, Fingerprint)> {
+        let mirrors = self.mirrors.iter().map(|(k, m)| ("mirror", k, m.cache()));
+        let decoders = self.decoders.iter().map(|(k, d)| ("decoder", k, d.cache()));
+        mirrors
+            .chain(decoders)
+            .map(|(role, (lane, scope), c)| (role, *lane, scope.clone(), c.digest()))
             .collect()
     }
 

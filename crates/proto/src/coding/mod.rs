@@ -809,4 +809,11 @@ impl Coding {
     pub fn corrupt_decoders(&mut self) -> usize {
         self.ctx.as_mut().map_or(0, Contexts::corrupt_decoders)
     }
+
+    pub fn cache_digests(&self) -> Vec<(&'static str, usize, Arc<str>, Fingerprint)> {
+        self.ctx
+            .as_ref()
+            .map(Contexts::cache_digests)
+            .unwrap_or_default()
+    }
 }

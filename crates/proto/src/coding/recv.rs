@@ -86,6 +86,12 @@ impl RecvCoded {
     }
 
     /// When the first frame still waiting arrived.
+    /// The stream's context, back from feeding its frame ahead (see
+    /// [`Contexts::feed_ahead`](super::Contexts::feed_ahead)).
+    pub fn fed(&mut self, context: StreamContext) {
+        self.context = context;
+    }
+
     pub fn front_seq(&self) -> Option<u64> {
         self.frames.front().map(|p| p.seq)
     }

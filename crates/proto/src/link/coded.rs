@@ -33,6 +33,8 @@ impl Link {
         lane: usize,
     ) -> Result<(), LinkError> {
         self.coding.accept_coded()?;
+        // The stream's earlier frame fed ahead is decoded first, with those before it.
+        self.decode_fed_through(id);
         let open = self.admit((id, lane), offset, u64::from(raw_len), wire, |s| {
             (lane != s.lane).then(|| "data on the wrong lane".to_string())
         })?;
@@ -40,6 +42,7 @@ impl Link {
             // A stream we already closed: still decode what uses the shared cache, so it stays
             // in step with the peer's mirror.
             if !scoped {
+                self.decode_fed();
                 self.coding.decode_orphan(lane, records, raw_len, fin);
             }
             return Ok(());
@@ -76,8 +79,71 @@ impl Link {
         if fin {
             s.recv.fin_received = true;
         }
+        if self.feed_ahead(id, lane) {
+            return Ok(());
+        }
+        // In the order the frames came: those fed ahead first.
+        self.decode_fed();
         self.decode_stream(id);
         Ok(())
+    }
+
+    /// With workers (two threads or more), the frame that just arrived on a stream with nothing
+    /// else waiting is fed to its stream's context on them while the frames before it are
+    /// decoded, up to as many frames as threads at once (and [`PENDING`]): several streams'
+    /// contexts decompress at once. It is decoded in its turn, at the latest before the input
+    /// call returns or anything but a stream's frame is read. True if it was.
+    ///
+    /// [`PENDING`]: wanopt_codec::PENDING
+    fn feed_ahead(&mut self, id: StreamId, lane: usize) -> bool {
+        let (cap, workers) = self.coding.pending_frames(lane);
+        if cap == 0 {
+            return false;
+        }
+        let Some(s) = self.streams.get_mut(&id) else {
+            return false;
+        };
+        let (Some(rc), Some(c)) = (s.recv.coded.as_mut(), self.coding.contexts()) else {
+            return false;
+        };
+        let Some(f) = c.feed_ahead(rc, s.lane, &s.service) else {
+            return false;
+        };
+        self.feeds.push(id, f, workers.as_deref());
+        if self.feeds.len() >= cap {
+            self.decode_fed_front();
+        }
+        true
+    }
+
+    /// Decodes the oldest frame fed ahead (its stream given its context back first).
+    fn decode_fed_front(&mut self) {
+        let Some((id, fed)) = self.feeds.pop_front() else {
+            return;
+        };
+        let context = fed.finish();
+        if let Some(rc) = self
+            .streams
+            .get_mut(&id)
+            .and_then(|s| s.recv.coded.as_mut())
+        {
+            rc.fed(context);
+        }
+        self.decode_stream(id);
+    }
+
+    /// Decodes every frame fed ahead, in the order they came.
+    pub(super) fn decode_fed(&mut self) {
+        while !self.feeds.is_empty() {
+            self.decode_fed_front();
+        }
+    }
+
+    /// Decodes the frames fed ahead up to `id`'s, if it has one waiting.
+    fn decode_fed_through(&mut self, id: StreamId) {
+        while self.feeds.position(|k| *k == id).is_some() {
+            self.decode_fed_front();
+        }
     }
 
     /// Decodes what a stream has waiting (see [`decode_one`](Self::decode_one)), then the
@@ -92,6 +158,11 @@ impl Link {
     /// else asks the peer for the chunk. Records that do not rebuild reset it. Never hands over
     /// a wrong byte.
     fn decode_one(&mut self, id: StreamId) {
+        // A frame of it fed ahead holds its context: decoded in its turn, with those before it.
+        if self.feeds.position(|k| *k == id).is_some() {
+            self.decode_fed_through(id);
+            return;
+        }
         let Some(s) = self.streams.get_mut(&id) else {
             return;
         };

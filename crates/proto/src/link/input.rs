@@ -38,6 +38,18 @@ impl Link {
         buf: &mut BytesMut,
         now: Instant,
     ) -> Result<(), LinkError> {
+        let r = self.lane_input(lane, buf, now);
+        // Frames fed ahead of their turn are all decoded before the call returns.
+        self.decode_fed();
+        r
+    }
+
+    fn lane_input(
+        &mut self,
+        lane: usize,
+        buf: &mut BytesMut,
+        now: Instant,
+    ) -> Result<(), LinkError> {
         if lane >= LANES || (lane == LATENCY_LANE && !self.lane_attached) {
             return Err(self.fail(LinkError::Protocol(
                 "input on a lane that is not attached".into(),
@@ -78,6 +90,10 @@ impl Link {
                 Err(e) => return Err(self.fail(LinkError::Frame(e))),
             };
             self.link_wire_in += n as u64;
+            if !matches!(f, Frame::Coded { .. } | Frame::CodedShort { .. }) {
+                // Anything else may depend on what the frames before it rebuilt.
+                self.decode_fed();
+            }
             if let Err(e) = self.on_frame(f, n, now, lane) {
                 return Err(self.fail(e));
             }

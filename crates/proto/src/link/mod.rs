@@ -279,6 +279,9 @@ pub struct Link {
     /// Coded frames planned in this `poll_transmit` whose context records are being made
     /// (written before it returns; see `Coding::emit_frame`).
     pending: wanopt_codec::send::PendingTurns<crate::coding::PendingFrame>,
+    /// Streams' frames fed to their contexts ahead of their turn on the workers, in the order
+    /// they arrived (see `coded.rs`): every one is decoded before an input call returns.
+    feeds: wanopt_codec::Feeds<StreamId>,
     services: HashMap<Arc<str>, ServiceLimit>,
     streams: Streams,
     /// What the peer's hello said (defaults until it arrives).
@@ -352,6 +355,7 @@ impl Link {
         let hello = hello::ours(&cfg, coding.offers(), Vec::new());
         Link {
             pending: Default::default(),
+            feeds: Default::default(),
             state: State::Handshake,
             services: HashMap::new(),
             streams: Streams::new(cfg.initiator),
@@ -442,6 +446,14 @@ impl Link {
     /// Size and evictions of every chunk cache of the link.
     pub fn cache_stats(&self) -> Vec<CacheStat> {
         self.coding.cache_stats()
+    }
+
+    /// Test hook: the digests of the link's caches by role ("mirror", "decoder"), lane and
+    /// scope. A side's mirror digest equals the peer's decoder's of the same lane and scope
+    /// while they are in step (the same chunks, in the same order).
+    #[doc(hidden)]
+    pub fn cache_digests_for_test(&self) -> Vec<(&'static str, usize, Arc<str>, [u8; 16])> {
+        self.coding.cache_digests()
     }
 
     /// Test hook: damages every chunk our decoders hold; returns how many.

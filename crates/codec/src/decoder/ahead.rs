@@ -1,0 +1,350 @@
+//! A frame's context records fed ahead. A bulk stream's literals come out of its own zstd
+//! context, one record after the other, and nothing in that needs the cache: so while the
+//! decoder's thread rebuilds one stream's frame (references, the cache's inserts, in the order
+//! the frames arrived), a worker feeds the next streams' frames to their contexts, and the
+//! decoder's thread takes what they rebuilt (and the chunks' names) when it reaches them.
+//! Several streams' contexts decompress at once; the records and what they rebuild are the
+//! same as when they are fed in turn.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bytes::Bytes;
+
+use super::Decoder;
+use super::in_context::{Accept, classify, context_record};
+use crate::context::{Fed, Piece, Run, StreamContext};
+use crate::fingerprint::SHORT_CHECK;
+use crate::fingerprint::fingerprint;
+use crate::format::{
+    TAG_DELTA, TAG_DELTA_RUN, TAG_DELTA_RUN_BARE, TAG_LIT, TAG_LIT_CONTEXT, TAG_LIT_LZ4,
+    TAG_LIT_ZSTD, TAG_LOG, TAG_RAW, TAG_REF, TAG_REF_RUN, TAG_REF_RUN_SHORT, TAG_RUN_END, get_len,
+    get_varint,
+};
+
+/// A frame's records whose stream's context records are being fed ahead, with the stream's
+/// context (out of its owner's hands until [`finish`](Feeding::finish)).
+pub struct Feeding(Arc<Mutex<Feed>>);
+
+struct Feed {
+    records: Bytes,
+    announced: usize,
+    stream: StreamContext,
+    accept: Accept,
+    done: bool,
+}
+
+impl std::fmt::Debug for Feeding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Feeding").finish_non_exhaustive()
+    }
+}
+
+fn lock(m: &Mutex<Feed>) -> MutexGuard<'_, Feed> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Decoder {
+    /// Starts feeding the context records of a frame's `records` (the whole frame, which
+    /// announced `announced` raw bytes) to `stream`'s context ahead of decoding it, if it holds
+    /// any: the context is the feeding's until [`Feeding::finish`] gives it back, which must
+    /// come before the frame is decoded ([`decode_frame`](Self::decode_frame) takes what was
+    /// fed, record by record). `None` (and `stream` left as it is) for a frame without context
+    /// records before anything the feeding cannot step over, or a stream whose records fed
+    /// before are not all taken yet.
+    pub fn feed_ahead(
+        &self,
+        records: Bytes,
+        stream: &mut StreamContext,
+        announced: usize,
+    ) -> Option<Feeding> {
+        if !stream.fed.is_empty() || !has_context(&records) {
+            return None;
+        }
+        Some(Feeding(Arc::new(Mutex::new(Feed {
+            records,
+            announced,
+            stream: std::mem::take(stream),
+            accept: self.accept.clone(),
+            done: false,
+        }))))
+    }
+}
+
+impl crate::prepare::Deferred for Feeding {
+    /// Has `workers` feed the frame.
+    fn spawn(&self, workers: &dyn crate::prepare::Workers) {
+        let feed = Arc::clone(&self.0);
+        workers.spawn(Box::new(move || {
+            if let Ok(mut f) = feed.try_lock() {
+                f.run();
+            }
+        }));
+    }
+
+    /// True while a worker feeds the frame.
+    fn busy(&self) -> bool {
+        self.0.try_lock().is_err()
+    }
+
+    /// Feeds the frame here if no worker has started on it.
+    fn help(&self) -> bool {
+        match self.0.try_lock() {
+            Ok(mut f) if !f.done => {
+                f.run();
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+impl Feeding {
+    /// The stream's context, its frame fed (here, if no worker did; else once the worker is
+    /// done).
+    pub fn finish(self) -> StreamContext {
+        let mut f = lock(&self.0);
+        f.run();
+        std::mem::take(&mut f.stream)
+    }
+}
+
+impl Feed {
+    /// Walks the frame's records: each context record is fed (a run, once whole, named too),
+    /// the others stepped over by their headers, counting what they rebuild against what the
+    /// frame announced. It stops at the first record it cannot step over that way (a delta, a
+    /// reference run, damage): the decoder's thread feeds the context records from there.
+    fn run(&mut self) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        let (buf, stream) = (&self.records[..], &mut self.stream);
+        let (mut at, mut room) = (0usize, self.announced);
+        while let Some(&first) = buf.get(at) {
+            let rec = &buf[at..];
+            let (tag, _, _) = classify(first, false);
+            if matches!(tag, TAG_LIT_CONTEXT | TAG_RUN_END) {
+                let open_before = !stream.run.is_empty();
+                let result = context_record(first, rec, stream, room, &self.accept);
+                let (used, ok) = match &result {
+                    Ok((used, run)) => {
+                        let made = run.as_ref().map_or(0, |r| r.bytes.len());
+                        room -= made.min(room);
+                        (*used, true)
+                    }
+                    Err(_) => (0, false),
+                };
+                let result = result.map(|(_, run)| run.map(|r| pieces(r, stream)));
+                stream.fed.push_back(Fed {
+                    first,
+                    used,
+                    open_before,
+                    result,
+                });
+                if !ok {
+                    return;
+                }
+                at += used;
+                continue;
+            }
+            if !stream.run.is_empty() {
+                return;
+            }
+            let Some((len, rebuilt)) = step(tag, rec) else {
+                return;
+            };
+            let Some(left) = room.checked_sub(rebuilt) else {
+                return;
+            };
+            room = left;
+            at += len;
+        }
+    }
+}
+
+/// True if a context record comes before the first record that [`Feed::run`] cannot step over.
+fn has_context(records: &[u8]) -> bool {
+    let mut at = 0;
+    while let Some(&first) = records.get(at) {
+        let tag = classify(first, false).0;
+        if tag == TAG_LIT_CONTEXT {
+            return true;
+        }
+        match step(tag, &records[at..]) {
+            Some((len, _)) => at += len,
+            None => return false,
+        }
+    }
+    false
+}
+
+/// A run's chunks, each in a buffer of its own (the one the cache keeps) and named if it is
+/// cached; the run's buffer goes back to `stream` for its next run.
+fn pieces(run: Run, stream: &mut StreamContext) -> Vec<Piece> {
+    let Run { mut bytes, chunks } = run;
+    let mut off = 0usize;
+    let pieces = chunks
+        .iter()
+        .map(|&(len, cached)| {
+            // The run's bytes are its chunks' (`context_record` fed exactly their sum).
+            let chunk = bytes.get(off..off.saturating_add(len)).unwrap_or_default();
+            off = off.saturating_add(len);
+            Piece {
+                bytes: chunk.to_vec(),
+                name: cached.then(|| fingerprint(chunk)),
+            }
+        })
+        .collect();
+    bytes.clear();
+    stream.run_bytes = bytes;
+    pieces
+}
+
+/// The length of a record with tag `tag` (its flags off) at the front of `rec`, and the bytes
+/// it rebuilds, from its header alone; `None` for a record whose header does not say, or
+/// that is not whole.
+fn step(tag: u8, rec: &[u8]) -> Option<(usize, usize)> {
+    let (len, rebuilt) = match tag {
+        TAG_RAW | TAG_LIT => {
+            let (n, h) = get_len(rec, 1).ok()?;
+            (1 + h + n, n)
+        }
+        TAG_REF => {
+            let (n, h) = get_len(rec, 17).ok()?;
+            (17 + h, n)
+        }
+        TAG_LIT_LZ4 | TAG_LIT_ZSTD => {
+            let (n, h1) = get_len(rec, 1).ok()?;
+            let (c, h2) = get_len(rec, 1 + h1).ok()?;
+            (1 + h1 + h2 + c, n)
+        }
+        TAG_LOG => (1 + get_varint(rec, 1).ok()?.1, 0),
+        TAG_DELTA => {
+            let (n, h) = get_len(rec, 1).ok()?;
+            let bases = usize::from(*rec.get(1 + h)?);
+            let at = 2 + h + 16 * (bases + 1);
+            let (c, h2) = get_len(rec, at).ok()?;
+            (at + h2 + c, n)
+        }
+        TAG_DELTA_RUN | TAG_DELTA_RUN_BARE => delta_run(rec)?,
+        // What a reference run rebuilds is in the cache: counted as nothing here (the
+        // decoder's thread checks each run fed against what is left of the frame).
+        TAG_REF_RUN | TAG_REF_RUN_SHORT => {
+            let mut at = 1;
+            for _ in 0..3 {
+                at += get_varint(rec, at).ok()?.1;
+            }
+            let check = if tag == TAG_REF_RUN { 16 } else { SHORT_CHECK };
+            (at + check, 0)
+        }
+        _ => return None,
+    };
+    (len <= rec.len()).then_some((len, rebuilt))
+}
+
+/// A delta run's length and the bytes it rebuilds, from its header (see
+/// `Decoder::decode_delta_run`, which checks its counts).
+fn delta_run(rec: &[u8]) -> Option<(usize, usize)> {
+    let n = usize::from(*rec.get(1)?);
+    let bases = usize::from(*rec.get(2)?);
+    let mut at = 3;
+    for _ in 0..bases {
+        let (v, h) = get_varint(rec, at).ok()?;
+        at += h;
+        if v == 0 {
+            at += 16;
+        } else if v % 2 == 0 {
+            at += get_varint(rec, at).ok()?.1;
+        }
+    }
+    let mut rebuilt = 0usize;
+    for _ in 0..n {
+        let (l, h) = get_len(rec, at).ok()?;
+        at += h;
+        rebuilt = rebuilt.checked_add(l)?;
+    }
+    at += 16;
+    let (c, h) = get_len(rec, at).ok()?;
+    Some((at + h + c, rebuilt))
+}
+
+/// Frames whose context records are being fed ahead, oldest first, each with its owner's key
+/// (a stream), finished ([`Feeding::finish`]) in the order they arrived, for the frames to be
+/// decoded in that order.
+pub type Feeds<K> = crate::prepare::InTurn<K, Feeding>;
+
+/// What decodes one frame in its turn: the decoder, the frame's stream (an index), where its
+/// records are in the wire, and the stream's context.
+pub type DecodeFrame<'a> =
+    dyn FnMut(&mut Decoder, usize, std::ops::Range<usize>, &mut StreamContext) + 'a;
+
+/// Several streams' frames, which arrived one after the other in `wire`, decoded in that order
+/// as a link decodes them: with `ahead` of 1 or more, each frame is fed to its stream's context
+/// on the workers (up to `ahead` frames at once) while the frames before it are decoded. For
+/// benches and tests; the link keeps its streams' contexts with its streams.
+pub struct InOrder {
+    feeds: Feeds<(usize, std::ops::Range<usize>)>,
+    ahead: usize,
+    workers: Option<Arc<dyn crate::prepare::Workers>>,
+}
+
+impl InOrder {
+    pub fn new(ahead: usize, workers: Option<Arc<dyn crate::prepare::Workers>>) -> Self {
+        InOrder {
+            feeds: Feeds::default(),
+            ahead,
+            workers,
+        }
+    }
+
+    /// The frame of stream `k` at `range` of `wire` arrived: fed ahead, or (with the frames
+    /// fed before it first) decoded by `decode` now.
+    pub fn frame(
+        &mut self,
+        dec: &mut Decoder,
+        (wire, k, range): (&Bytes, usize, std::ops::Range<usize>),
+        contexts: &mut [StreamContext],
+        decode: &mut DecodeFrame<'_>,
+    ) -> bool {
+        // The stream's earlier frame first, and every frame before it.
+        while self.feeds.position(|f| f.0 == k).is_some() {
+            self.decode_front(dec, contexts, decode);
+        }
+        let fed = (self.ahead > 0)
+            .then(|| dec.feed_ahead(wire.slice(range.clone()), &mut contexts[k], usize::MAX))
+            .flatten();
+        let Some(f) = fed else {
+            self.finish(dec, contexts, decode);
+            decode(dec, k, range, &mut contexts[k]);
+            return false;
+        };
+        self.feeds.push((k, range), f, self.workers.as_deref());
+        if self.feeds.len() >= self.ahead {
+            self.decode_front(dec, contexts, decode);
+        }
+        true
+    }
+
+    /// Decodes every frame fed ahead, in order.
+    pub fn finish(
+        &mut self,
+        dec: &mut Decoder,
+        contexts: &mut [StreamContext],
+        decode: &mut DecodeFrame<'_>,
+    ) {
+        while !self.feeds.is_empty() {
+            self.decode_front(dec, contexts, decode);
+        }
+    }
+
+    fn decode_front(
+        &mut self,
+        dec: &mut Decoder,
+        contexts: &mut [StreamContext],
+        decode: &mut DecodeFrame<'_>,
+    ) {
+        if let Some(((k, range), f)) = self.feeds.pop_front() {
+            contexts[k] = f.finish();
+            decode(dec, k, range, &mut contexts[k]);
+        }
+    }
+}
