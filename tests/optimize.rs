@@ -414,7 +414,8 @@ fn a_changed_copy_in_parallel_streams_arrives_exact() {
 
 /// The same with the codec's pool on both sides: the streams' coded frames wait for their
 /// context records, made on the pool's threads while the other streams' turns are planned,
-/// and leave in order.
+/// and leave in order; the receiver feeds each frame to its stream's context on its pool while
+/// the frames before it are decoded, and decodes them in order.
 #[test]
 fn a_changed_copy_in_parallel_streams_arrives_exact_with_codec_threads() {
     changed_copy_in_parallel_streams("  threads: 3\n");
@@ -453,17 +454,20 @@ fn changed_copy_in_parallel_streams(limits: &str) {
         changed_wire * 5 < raw as u64,
         "the changed copy went as deltas: {changed_wire} wire for {raw}"
     );
-    // With the pool, its threads made streams' context records while other turns went on.
-    let w = scrape(p.west.bound("admin"));
-    let made = w
-        .lines()
-        .find_map(|l| l.strip_prefix("wanopt_codec_context_turns_total "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .unwrap_or(0.0);
+    // With the pool, west's threads made streams' context records while other turns went on,
+    // and east's fed streams' frames to their contexts while the frames before them decoded.
+    let pooled = |admin| {
+        scrape(admin)
+            .lines()
+            .find_map(|l| l.strip_prefix("wanopt_codec_context_turns_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let (made, fed) = (pooled(p.west.bound("admin")), pooled(p.east.bound("admin")));
     assert_eq!(
-        made > 0.0,
-        !limits.is_empty(),
-        "{made} turns made on the pool"
+        (made > 0.0, fed > 0.0),
+        (!limits.is_empty(), !limits.is_empty()),
+        "{made} turns made and {fed} frames fed on the pools"
     );
 }
 

@@ -237,11 +237,12 @@ pub fn gauges() -> (Gauge, Gauge) {
     (THREADS.clone(), IN_USE.clone())
 }
 
-/// Turns whose stream-context records the process's pool was handed to make on its own
-/// ([`Workers::spawn`]: several bulk streams' contexts compressing at once).
+/// Stream-context work the process's pool was handed to do on its own ([`Workers::spawn`]:
+/// a turn's context records made, a frame fed to its stream's context; several bulk streams'
+/// contexts at once).
 static CONTEXT_TURNS: LazyLock<Counter> = LazyLock::new(Counter::default);
 
-/// The count of turns handed to the pool to make their context records.
+/// The count of turns and frames handed to the pool for their streams' contexts.
 pub fn context_turns() -> Counter {
     CONTEXT_TURNS.clone()
 }

@@ -59,7 +59,13 @@ pub(super) async fn read_link<R: AsyncRead + Unpin>(
             match read {
                 None => {}
                 Some(Ok(0)) => return "peer closed the connection".into(),
-                Some(Ok(n)) => add(&counters.link.wire_in, n as u64),
+                Some(Ok(n)) => {
+                    add(&counters.link.wire_in, n as u64);
+                    if copy.is_none() && announced {
+                        let more = read_ready(&mut rd, &mut buf).await;
+                        add(&counters.link.wire_in, more);
+                    }
+                }
                 Some(Err(e)) => return format!("read: {e}"),
             }
         }
@@ -145,6 +151,31 @@ pub(super) async fn read_link<R: AsyncRead + Unpin>(
     }
 }
 
+/// Most bytes [`read_ready`] gathers for one pass of the link.
+const READ_BATCH: usize = 512 * 1024;
+
+/// The bytes that already arrived behind a read, read without waiting, up to [`READ_BATCH`]
+/// in `buf`; returns how many. TLS hands them over a record (16 KiB) at a time, so a link
+/// behind on its input would otherwise take one frame per pass, where it decodes several
+/// streams' frames side by side (the link's frames fed ahead) only within one pass. An end or
+/// an error is left to the next read, which sees it again.
+async fn read_ready<R: AsyncRead + Unpin>(rd: &mut R, buf: &mut BytesMut) -> u64 {
+    let mut got = 0;
+    while buf.len() < READ_BATCH {
+        buf.reserve(READ_CHUNK);
+        let read = tokio::select! {
+            biased;
+            r = rd.read_buf(buf) => r,
+            () = std::future::ready(()) => break,
+        };
+        match read {
+            Ok(n) if n > 0 => got += n as u64,
+            _ => break,
+        }
+    }
+    got
+}
+
 /// Loads the saved cache states a link resumes, on a blocking thread; one that cannot be read is
 /// `None` (its cache starts empty).
 async fn load_states(
@@ -173,6 +204,34 @@ mod tests {
 
     use super::super::testing::{SOON, link, side};
     use super::*;
+
+    /// What already arrived behind a read is read in the same pass, up to about `READ_BATCH`,
+    /// and nothing more is waited for.
+    #[tokio::test]
+    async fn bytes_already_here_are_read_in_one_pass_without_waiting() {
+        let (mut a, mut b) = tokio::io::duplex(4 << 20);
+        let mut buf = BytesMut::new();
+        assert_eq!(
+            read_ready(&mut b, &mut buf).await,
+            0,
+            "nothing here: no wait"
+        );
+        a.write_all(&vec![7u8; 300 << 10]).await.expect("write");
+        let first = b.read_buf(&mut buf).await.expect("read");
+        let more = read_ready(&mut b, &mut buf).await;
+        assert_eq!((first as u64 + more, buf.len()), (300 << 10, 300 << 10));
+        a.write_all(&vec![7u8; 2 << 20]).await.expect("write");
+        buf.clear();
+        read_ready(&mut b, &mut buf).await;
+        assert!((READ_BATCH..READ_BATCH + 2 * READ_CHUNK).contains(&buf.len()));
+        drop(a);
+        buf.clear();
+        let rest = tokio::time::timeout(SOON, read_ready(&mut b, &mut buf)).await;
+        assert!(
+            rest.is_ok_and(|n| n > 0),
+            "the rest, then the end left for the next read"
+        );
+    }
 
     /// The reader hands the peer's hello to the link and tells the supervisor the link is up;
     /// when the peer closes the connection it ends, saying so.
