@@ -246,7 +246,7 @@ fn first_copy(
     // As the link does: with two threads or more, each stream's frame is fed to its context on
     // the pool while earlier frames are decoded, up to `PENDING` frames ahead.
     let ahead = if threads > 1 {
-        threads.min(wanopt_codec::PENDING)
+        wanopt_codec::PENDING
     } else {
         0
     };

@@ -90,13 +90,13 @@ impl Link {
 
     /// With workers (two threads or more), the frame that just arrived on a stream with nothing
     /// else waiting is fed to its stream's context on them while the frames before it are
-    /// decoded, up to as many frames as threads at once (and [`PENDING`]): several streams'
-    /// contexts decompress at once. It is decoded in its turn, at the latest before the input
-    /// call returns or anything but a stream's frame is read. True if it was.
+    /// decoded, up to [`PENDING`] frames at once: several streams' contexts decompress at once.
+    /// It is decoded in its turn, at the latest before the input call returns or anything but
+    /// a stream's frame is read. True if it was.
     ///
     /// [`PENDING`]: wanopt_codec::PENDING
     fn feed_ahead(&mut self, id: StreamId, lane: usize) -> bool {
-        let (cap, workers) = self.coding.pending_frames(lane);
+        let (cap, workers) = self.coding.fed_frames(lane);
         if cap == 0 {
             return false;
         }
