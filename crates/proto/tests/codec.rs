@@ -1271,19 +1271,25 @@ impl wanopt_codec::prepare::Workers for Spawning {
     }
 }
 
+/// Four parts of a parallel copy: rows (from `rows` on, more in each part), then database
+/// blocks.
+fn parallel_parts(rows: u32) -> Vec<Bytes> {
+    (0..4u32)
+        .map(|k| {
+            let mut v = order_rows(rows + k * 3_000, ["|", "|c-", "|", "|", "|"]).to_vec();
+            v.extend_from_slice(&db_blocks(96, 20 + u64::from(k)));
+            Bytes::from(v)
+        })
+        .collect()
+}
+
 /// Bulk streams in long stream contexts at a stated WAN, sent side by side by a side with
 /// workers: their frames wait for their context records while the other streams' turns go on,
 /// and leave in the order they were planned. Every stream arrives exact, no chunk is asked for
 /// again, and the wire bytes are about those of a side without workers.
 #[test]
 fn frames_left_for_workers_leave_in_order_and_rebuild_exactly() {
-    let parts: Vec<Bytes> = (0..4u32)
-        .map(|k| {
-            let mut v = order_rows(40_000 + k * 3_000, ["|", "|c-", "|", "|", "|"]).to_vec();
-            v.extend_from_slice(&db_blocks(96, 20 + u64::from(k)));
-            Bytes::from(v)
-        })
-        .collect();
+    let parts = parallel_parts(40_000);
     let run = |workers: Option<Arc<Spawning>>| {
         let w = workers.clone();
         let mut p = link_bound_pair(
@@ -1339,13 +1345,7 @@ fn frames_left_for_workers_leave_in_order_and_rebuild_exactly() {
 #[test]
 fn frames_fed_ahead_on_the_receiver_decode_in_order_exactly() {
     const CACHE: u64 = 64 << 20;
-    let firsts: Vec<Bytes> = (0..4u32)
-        .map(|k| {
-            let mut v = order_rows(30_000 + k * 3_000, ["|", "|c-", "|", "|", "|"]).to_vec();
-            v.extend_from_slice(&db_blocks(96, 20 + u64::from(k)));
-            Bytes::from(v)
-        })
-        .collect();
+    let firsts = parallel_parts(30_000);
     let changed: Vec<Bytes> = firsts
         .iter()
         .enumerate()

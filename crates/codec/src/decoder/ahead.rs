@@ -111,8 +111,9 @@ impl Feeding {
 impl Feed {
     /// Walks the frame's records: each context record is fed (a run, once whole, named too),
     /// the others stepped over by their headers, counting what they rebuild against what the
-    /// frame announced. It stops at the first record it cannot step over that way (a delta, a
-    /// reference run, damage): the decoder's thread feeds the context records from there.
+    /// frame announced. It stops at the first record it cannot step over that way (damage, or
+    /// any other record inside an open run): the decoder's thread feeds the context records
+    /// from there.
     fn run(&mut self) {
         if std::mem::replace(&mut self.done, true) {
             return;

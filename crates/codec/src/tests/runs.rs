@@ -490,7 +490,8 @@ fn decode_fed_ahead(
 /// Frames fed ahead of their turn, when a chunk they refer to is damaged in the cache: the
 /// frame stops at the miss with its later context records already fed, and goes on from there
 /// once the chunk is answered, to exactly the stream's bytes. A damaged context record fed
-/// ahead fails its frame as it does fed in turn, never rebuilding a wrong byte.
+/// ahead fails its frame as it does fed in turn, never rebuilding a wrong byte. One stream's
+/// frames are fed one after the other.
 #[test]
 fn frames_fed_ahead_resume_after_misses_and_fail_as_in_turn() {
     let (firsts, mut changed) = crate::testdata::parallel_copies(4, 4, 400);
@@ -531,6 +532,17 @@ fn frames_fed_ahead_resume_after_misses_and_fail_as_in_turn() {
     for k in 0..4 {
         assert!(outs[k] == [&firsts[k][..], &changed[k][..]].concat(), "{k}");
     }
+
+    // One stream: each frame fed once the one before it is decoded.
+    let mut one = crate::Streams::new(cfg.clone(), 1, 256 << 10);
+    let frames = side_by_side(&mut one, &firsts[..1], Pressure::LinkBound);
+    let (mut c1, mut o1) = (vec![crate::StreamContext::default()], vec![Vec::new()]);
+    let mut d1 = Decoder::new(&cfg);
+    d1.set_workers(Some(workers.clone()));
+    let io = (&mut c1[..], &mut o1[..]);
+    let fed = decode_fed_ahead(&mut d1, &frames, 8, Some(workers.clone()), io, |_| None);
+    assert!(fed * 10 > frames.len() * 9, "{fed} of {} fed", frames.len());
+    assert!(o1[0] == firsts[0]);
 
     // A byte of a context record damaged (one that zstd, or the record's checks, find: a
     // literal byte changed is found by nobody, as in a literal alone, which is what TLS is
