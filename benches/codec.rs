@@ -20,9 +20,11 @@
 //! a stream context (each `--file` too), `--rounds R` rounds (3) of every thread count in turn,
 //! as medians and ratios to one thread in the same run; `--streams S` sends each first copy as
 //! S parts side by side through one mirror, a turn at a time, as a link takes a parallel copy's
-//! streams. `--serial` (with each `--file`) splits a
+//! streams; `--path TEXT` only the paths whose name holds TEXT (`lz4`, `alone`, `context`).
+//! `--serial` (with each `--file`, `--serial-threads N`, default 16) splits a
 //! first copy's time on one thread into the jobs the pool takes and the rest (issue 36's serial
-//! share), per path, and the time the jobs' way costs against no workers at all.
+//! share), per path, and the time the jobs' way costs against no workers at all; and the span,
+//! what no number of threads can cut, with the encoder told it has one thread and N.
 
 #[path = "../tests/common/args.rs"]
 mod args;
@@ -135,7 +137,7 @@ fn run_writes(
 /// turn; medians, and "vs 1" the median of each round's ratio to one thread, since the VM's
 /// rate drifts by a fifth between runs.
 fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) {
-    for (path, compression, pressure, context) in PATHS {
+    for (path, compression, pressure, context) in paths() {
         let cfg = path_config(compression, context);
         // Per thread count: encode and decode MB/s of each round.
         let mut rates = vec![(Vec::new(), Vec::new()); most];
@@ -287,6 +289,12 @@ fn first_copy(
     (rate, drate, wire)
 }
 
+/// The paths to measure: those whose name holds `--path TEXT` (every one without).
+fn paths() -> Vec<(&'static str, Compression, Pressure, bool)> {
+    let only = args::Args::new().text("--path").unwrap_or_default();
+    PATHS.into_iter().filter(|p| p.0.contains(&only)).collect()
+}
+
 /// The encoder's paths `--threads` and `--serial` measure: name, compression, pressure, stream
 /// contexts (with deltas).
 const PATHS: [(&str, Compression, Pressure, bool); 3] = [
@@ -326,59 +334,116 @@ fn path_config(compression: Compression, context: bool) -> CodecConfig {
 }
 
 /// Workers that run every job on the calling thread and time them: the time a first copy
-/// spends in what the pool can take (jobs) and in what stays on the daemon's thread (the rest).
+/// spends in what the pool can take (jobs) and in what stays on the daemon's thread (the rest);
+/// and its span, what no number of threads can cut: per turn, the longer of the caller's own
+/// part and the longest job. They tell the encoder they have `threads` threads, which decides
+/// how finely it splits a turn's work (the next turn's cuts, in pieces from two on).
 #[derive(Debug, Default)]
 struct Timed {
     jobs: std::sync::Mutex<std::time::Duration>,
+    span: std::sync::Mutex<std::time::Duration>,
+    /// All the time spent in the calls above, the caller's part of `overlap` included.
+    inside: std::sync::Mutex<std::time::Duration>,
+    threads: usize,
 }
 
 impl Timed {
-    fn add(&self, t: Instant) {
-        let d = t.elapsed();
+    fn new(threads: usize) -> Self {
+        Timed {
+            threads,
+            ..Timed::default()
+        }
+    }
+
+    fn add(&self, d: std::time::Duration) {
         *self.jobs.lock().unwrap_or_else(|p| p.into_inner()) += d;
+    }
+
+    fn add_span(&self, d: std::time::Duration, inside: std::time::Duration) {
+        *self.span.lock().unwrap_or_else(|p| p.into_inner()) += d;
+        *self.inside.lock().unwrap_or_else(|p| p.into_inner()) += inside;
+    }
+
+    fn secs(m: &std::sync::Mutex<std::time::Duration>) -> f64 {
+        m.lock().map(|d| d.as_secs_f64()).unwrap_or(0.0)
     }
 }
 
 impl wanopt_codec::prepare::Workers for Timed {
     fn run(&self, jobs: &mut [wanopt_codec::prepare::Job<'_>]) {
-        let t = Instant::now();
-        jobs.iter_mut().for_each(wanopt_codec::prepare::Job::run);
-        self.add(t);
+        let (mut longest, mut all) = (std::time::Duration::ZERO, std::time::Duration::ZERO);
+        for j in jobs.iter_mut() {
+            let t = Instant::now();
+            j.run();
+            let d = t.elapsed();
+            self.add(d);
+            longest = longest.max(d);
+            all += d;
+        }
+        self.add_span(longest, all);
     }
 
     fn spawn(&self, job: Box<dyn FnOnce() + Send>) {
+        // One stream's context work, in its order: all of it on the span.
         let t = Instant::now();
         job();
-        self.add(t);
+        let d = t.elapsed();
+        self.add(d);
+        self.add_span(d, d);
+    }
+
+    fn threads(&self) -> usize {
+        self.threads.max(1)
     }
 
     fn overlap(&self, ahead: &wanopt_codec::prepare::Ahead<'_>, caller: &mut dyn FnMut()) {
-        // Every job first, timed; the caller then finds each one's result ready.
+        // Every job first, each timed; the caller then finds each one's result ready.
+        let (mut longest, mut all) = (std::time::Duration::ZERO, std::time::Duration::ZERO);
+        loop {
+            let t = Instant::now();
+            if !ahead.work_one() {
+                break;
+            }
+            let d = t.elapsed();
+            self.add(d);
+            longest = longest.max(d);
+            all += d;
+        }
         let t = Instant::now();
-        ahead.work();
-        self.add(t);
         caller();
+        let own = t.elapsed();
+        self.add_span(longest.max(own), all + own);
     }
 }
 
 /// The one-core stage split of issue 36: a first copy of `data` encoded and decoded on one
 /// thread, `rounds` times per path, the jobs the pool would take timed apart from the rest
-/// (the mirror, records, copies: what stays on the daemon's thread). The serial share is the
-/// rest's part of the time; by Amdahl's law N cores give at most `1 / (s + (1 - s) / N)`.
-fn serial(name: &str, data: &[u8], rounds: usize) {
-    for (path, compression, pressure, context) in PATHS {
+/// (the mirror, records, copies: what stays on the daemon's thread), with the encoder told it
+/// has `threads` threads (how finely it splits a turn). The serial share `s` is the rest's part
+/// of the time; by Amdahl's law N cores give at most `1 / (s + (1 - s) / N)`. The span's share
+/// `p` (per turn, the longer of the rest and the longest job, see [`Timed`]) bounds them too: at
+/// most `1 / p` however many cores.
+fn serial(name: &str, data: &[u8], rounds: usize, threads: usize) {
+    for (path, compression, pressure, context) in paths() {
         let cfg = path_config(compression, context);
-        // Per round: encode's and decode's serial share, and their time with the jobs timed
-        // against their time with no workers at all (what one thread runs).
-        let (mut enc_s, mut dec_s, mut enc_x, mut dec_x) = (vec![], vec![], vec![], vec![]);
+        // Per round, encode's and decode's: serial share, span share, and their time with the
+        // jobs timed against their time with no workers at all (what one thread runs).
+        let mut per: [[Vec<f64>; 3]; 2] = Default::default();
         for _ in 0..rounds.max(1) {
             let mut took = [[0.0; 2]; 2];
-            let mut share = [0.0; 2];
+            let mut share = [[0.0; 2]; 2];
             for timed in [false, true] {
-                let t_jobs = std::sync::Arc::new(Timed::default());
+                let t_jobs = std::sync::Arc::new(Timed::new(threads));
                 let workers = timed
                     .then(|| t_jobs.clone() as std::sync::Arc<dyn wanopt_codec::prepare::Workers>);
-                let jobs = || t_jobs.jobs.lock().map(|d| d.as_secs_f64()).unwrap_or(0.0);
+                // Jobs, span and time inside the workers' calls so far.
+                let sums = || [&t_jobs.jobs, &t_jobs.span, &t_jobs.inside].map(Timed::secs);
+                let shares = |all: f64, before: [f64; 3]| {
+                    let [j, sp, ins] = sums();
+                    let (j, sp, ins) = (j - before[0], sp - before[1], ins - before[2]);
+                    // What ran outside the workers' calls is all on the span.
+                    [1.0 - j / all, (sp + (all - ins).max(0.0)) / all]
+                };
                 let mut enc = Encoder::new(cfg.clone());
                 enc.set_workers(workers.clone());
                 enc.set_gather(SEND_BUFFER);
@@ -390,9 +455,9 @@ fn serial(name: &str, data: &[u8], rounds: usize) {
                 }
                 enc.push(&[], true, pressure, &mut wire);
                 let all = t.elapsed().as_secs_f64();
-                let enc_jobs = jobs();
                 took[usize::from(timed)][0] = all;
-                share[0] = 1.0 - enc_jobs / all;
+                share[0] = shares(all, [0.0; 3]);
+                let before = sums();
                 drop(enc);
                 let mut dec = Decoder::new(&cfg);
                 dec.set_workers(workers);
@@ -402,39 +467,44 @@ fn serial(name: &str, data: &[u8], rounds: usize) {
                 dec.decode(&wire, &mut out).expect("decode");
                 let all = t.elapsed().as_secs_f64();
                 took[usize::from(timed)][1] = all;
-                share[1] = 1.0 - (jobs() - enc_jobs) / all;
+                share[1] = shares(all, before);
                 assert!(out == data, "round trip");
             }
-            enc_s.push(share[0]);
-            dec_s.push(share[1]);
-            enc_x.push(took[1][0] / took[0][0]);
-            dec_x.push(took[1][1] / took[0][1]);
+            for side in 0..2 {
+                per[side][0].push(share[side][0]);
+                per[side][1].push(share[side][1]);
+                per[side][2].push(took[1][side] / took[0][side]);
+            }
         }
         let amdahl = |s: f64, n: f64| 1.0 / (s + (1.0 - s) / n);
-        let (e, d) = (median(enc_s), median(dec_s));
-        let (ex, dx) = (median(enc_x), median(dec_x));
+        let mut row = vec![name.into(), path.to_string(), threads.to_string()];
+        for [s, p, x] in per.map(|v| v.map(median)) {
+            // At most on N cores: Amdahl's bound and the span's, whichever is lower, for the
+            // time the jobs' way costs against none.
+            let most = |n: f64| amdahl(s, n).min(1.0 / p.max(f64::MIN_POSITIVE)).min(n) / x;
+            row.extend([
+                format!("{s:.3}"),
+                format!("{p:.3}"),
+                format!("{x:.2}"),
+                format!("{:.2}x / {:.1}x", most(2.0), most(16.0)),
+            ]);
+        }
         report::row(
             "Serial share on one core (jobs the pool takes, timed apart)",
             &[
                 "data",
                 "path",
+                "threads told",
                 "encode serial",
+                "span",
                 "time vs no pool",
                 "2 / 16 cores at most",
                 "decode serial",
+                "span",
                 "time vs no pool",
                 "2 / 16 cores at most",
             ],
-            vec![
-                name.into(),
-                path.to_string(),
-                format!("{e:.3}"),
-                format!("{ex:.2}"),
-                format!("{:.2}x / {:.1}x", amdahl(e, 2.0) / ex, amdahl(e, 16.0) / ex),
-                format!("{d:.3}"),
-                format!("{dx:.2}"),
-                format!("{:.2}x / {:.1}x", amdahl(d, 2.0) / dx, amdahl(d, 16.0) / dx),
-            ],
+            row,
         );
     }
 }
@@ -762,23 +832,33 @@ fn stages(name: &str, data: &[u8]) {
         x ^= wanopt_codec::cache::fingerprint(&data[off..off + len])[0];
     }
     let hashing = t.elapsed().as_secs_f64();
-    // The same cuts found in pieces (wanopt_codec::cuts): on one thread, and on two.
+    // The same cuts found in pieces (wanopt_codec::cuts, as a turn's are with three threads
+    // or more): the pieces' chains on one thread, and on two.
+    let (piece, lookback) = (256 << 10, wanopt_codec::cuts::lookback(&cfg));
+    let in_pieces = |two: bool| {
+        wanopt_codec::cuts::chains_in_pieces(data, &cfg, piece, lookback, usize::MAX, |jobs| {
+            if !two {
+                return jobs.iter_mut().for_each(|j| j());
+            }
+            let half = jobs.len().div_ceil(2);
+            let (a, b) = jobs.split_at_mut(half);
+            std::thread::scope(|sc| {
+                sc.spawn(|| b.iter_mut().for_each(|j| j()));
+                a.iter_mut().for_each(|j| j());
+            });
+        })
+    };
     let t = Instant::now();
-    let one = wanopt_codec::cuts::chunks_serial(data, &cfg, 1 << 20);
+    let (one, here) = in_pieces(false);
     let pieces1 = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    let two = wanopt_codec::cuts::chunks_in_pieces(data, &cfg, 1 << 20, |pieces, m| {
-        let half = pieces.len().div_ceil(2);
-        std::thread::scope(|sc| {
-            let h = sc.spawn(|| wanopt_codec::cuts::candidates_of(data, &pieces[half..], m));
-            let mut v = wanopt_codec::cuts::candidates_of(data, &pieces[..half], m);
-            v.extend(h.join().expect("piece thread"));
-            v
-        })
-    });
+    let (two, _) = in_pieces(true);
     let pieces2 = t.elapsed().as_secs_f64();
-    assert_eq!(one.len(), n, "the pieces' cuts");
-    assert_eq!(one, two, "the pieces' cuts on two threads");
+    let closed: Vec<(usize, usize)> = wanopt_codec::chunks(data, &cfg)
+        .filter(|&(o, l)| o + l < data.len())
+        .collect();
+    assert!(one == closed, "the pieces' cuts");
+    assert!(one == two, "the pieces' cuts on two threads");
     report::row(
         "Stages on one core",
         &[
@@ -786,8 +866,9 @@ fn stages(name: &str, data: &[u8]) {
             "chunking MB/s",
             "chunking + BLAKE3 MB/s",
             "chunks",
-            "cuts in pieces, 1 thread MB/s",
+            "cuts in 256 KiB pieces, 1 thread MB/s",
             "2 threads MB/s",
+            "cut by the join",
         ],
         vec![
             name.into(),
@@ -796,6 +877,7 @@ fn stages(name: &str, data: &[u8]) {
             format!("{n} ({x})"),
             mbs(data.len(), pieces1),
             mbs(data.len(), pieces2),
+            here.to_string(),
         ],
     );
 }
@@ -959,8 +1041,11 @@ fn main() {
             sets.push((path.clone(), data));
         }
         let rounds = args.get("--rounds", 3usize);
+        let told = args.get("--serial-threads", 16usize);
         for (name, data) in &sets {
-            serial(name, data, rounds);
+            for threads in [1, told] {
+                serial(name, data, rounds, threads);
+            }
         }
         report::finish(
             "codec-serial",

@@ -7,6 +7,7 @@
 //! ahead, and inserts them into its cache in order.
 
 use std::cell::RefCell;
+use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, TryLockError};
 
@@ -198,23 +199,31 @@ impl<'a> Ahead<'a> {
     /// Runs the jobs nobody has taken, from the last back, until none is left (a worker calls
     /// this; so does the caller once it is done, to help finish).
     pub fn work(&self) {
-        while let Ok(n) = self
+        while self.work_one() {}
+    }
+
+    /// Takes the last job nobody has taken and runs it (unless the caller holds it, which runs
+    /// it itself); false when none was left.
+    pub fn work_one(&self) -> bool {
+        let Ok(n) = self
             .left
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-        {
-            let Some(m) = self.jobs.get(n - 1) else {
-                return;
-            };
-            // Held elsewhere: by the caller, which runs the job if nobody has.
-            let held = match m.try_lock() {
-                Ok(h) => Some(h),
-                Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
-                Err(TryLockError::WouldBlock) => None,
-            };
-            if let Some(mut h) = held {
-                h.finish();
-            }
+        else {
+            return false;
+        };
+        let Some(m) = self.jobs.get(n - 1) else {
+            return false;
+        };
+        // Held elsewhere: by the caller, which runs the job if nobody has.
+        let held = match m.try_lock() {
+            Ok(h) => Some(h),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        if let Some(mut h) = held {
+            h.finish();
         }
+        true
     }
 
     /// Job `i` run (here, if nobody has started it; else once the worker running it is done),
@@ -268,10 +277,13 @@ enum Task<'a> {
         anchors: bool,
         slot: &'a mut Prepared,
     },
-    /// The chunks of `bytes` (which start at a boundary) that end before its end, `most` of
-    /// them, each with its fingerprint if `fingerprints`; offsets from the start of `bytes`.
+    /// The chunks of `bytes` that start in `piece` and end before its end, `most` of them,
+    /// cut from `begin` on (see [`crate::cuts::chain_in_piece`]: a boundary, or a guess), each
+    /// with its fingerprint if `fingerprints`; offsets from the start of `bytes`.
     Cut {
         bytes: &'a [u8],
+        begin: usize,
+        piece: Range<usize>,
         cfg: &'a CodecConfig,
         most: usize,
         fingerprints: bool,
@@ -347,11 +359,31 @@ impl<'a> Job<'a> {
         fingerprints: bool,
         found: &'a mut Vec<Found>,
     ) -> Self {
+        let mut job = Job::cut_piece(bytes, 0, 0..bytes.len(), cfg, fingerprints, found);
+        if let Task::Cut { most: m, .. } = &mut job.task {
+            *m = most;
+        }
+        job
+    }
+
+    /// A job that cuts the chunks of `bytes` that start in `piece`, cut from `begin` on, into
+    /// `found`, with their fingerprints if `fingerprints` (one piece's chain, see
+    /// [`crate::cuts::join`]).
+    pub(crate) fn cut_piece(
+        bytes: &'a [u8],
+        begin: usize,
+        piece: Range<usize>,
+        cfg: &'a CodecConfig,
+        fingerprints: bool,
+        found: &'a mut Vec<Found>,
+    ) -> Self {
         Job {
             task: Task::Cut {
                 bytes,
+                begin,
+                piece,
                 cfg,
-                most,
+                most: usize::MAX,
                 fingerprints,
                 found,
             },
@@ -369,19 +401,23 @@ impl<'a> Job<'a> {
             } => prepare_chunk(chunk, *work, *anchors, slot),
             Task::Cut {
                 bytes,
+                begin,
+                piece,
                 cfg,
                 most,
                 fingerprints,
                 found,
             } => {
                 found.clear();
-                for (off, len) in crate::config::chunks(bytes, cfg) {
-                    if off + len >= bytes.len() || found.len() >= *most {
-                        break;
+                let bytes: &[u8] = bytes;
+                crate::cuts::chain_in_piece(bytes, *begin, piece.clone(), cfg, |off, len| {
+                    if found.len() >= *most {
+                        return false;
                     }
                     let f = fingerprints.then(|| fingerprint(&bytes[off..off + len]));
                     found.push((off, len, f));
-                }
+                    true
+                });
             }
         }
     }

@@ -17,6 +17,19 @@ use crate::mirror::{Hint, Mirror, encode_tail};
 use crate::prepare::{Ahead, BATCH, Found, Job, Prepared, Work};
 use crate::report::{EncodeStats, Sent};
 
+/// Chunks the join of the next turn's pieces cuts itself, at most, where a piece's chain has
+/// not met the true one (see [`crate::cuts::join`]): past them, the rest is cut in a later turn.
+const RESYNC: usize = 4;
+
+/// Pieces the next turn's chunks are cut in with `threads` threads. One job on two: there the
+/// caller's turn and the one cutting job already keep both threads busy (measured on this
+/// 2-core VM, LZ4 path, three runs each way: 1.39-1.80x of one thread in pieces, 1.51-1.69x
+/// without, a wash); from three on, a turn can be no shorter than its longest job, and the
+/// cutting was a third of the LZ4 path's time (see docs/scaling.md).
+fn cut_pieces(threads: usize) -> usize {
+    if threads >= 3 { threads.min(8) } else { 1 }
+}
+
 /// Most bytes a bulk stream's chunker looks at in one turn.
 pub const RAW_TURN: usize = 256 * 1024;
 
@@ -64,6 +77,8 @@ struct CutAhead {
     chunks: VecDeque<(usize, Option<Fingerprint>)>,
     /// The cutting job's output (kept for its buffer).
     found: Vec<Found>,
+    /// With several threads, each piece's cutting job's output (see [`crate::cuts::join`]).
+    pieces: Vec<Vec<Found>>,
 }
 
 impl CutAhead {
@@ -590,6 +605,10 @@ impl<B: Out> Cut<'_, B> {
             cut.at = base;
         }
         let mut found = std::mem::take(&mut cut.found);
+        let mut pieces = std::mem::take(&mut cut.pieces);
+        // With helpers, the next turn's chunks are cut in pieces that threads share.
+        let threads_split = cut_pieces(w.threads());
+        pieces.resize_with(threads_split, Vec::new);
         let mut used = 0;
         let stop = loop {
             if used >= at.end {
@@ -631,6 +650,12 @@ impl<B: Out> Cut<'_, B> {
             // Past every chunk cut so far: the next ones, cut on the workers.
             let from = used + cut.bytes();
             let more = from < at.end && cut.chunks.len() - n < BATCH;
+            // In pieces, about a batch's bytes, none smaller than is worth its lookback.
+            let next = &view[from..at.end];
+            let region = next
+                .len()
+                .min(BATCH * (chunking.min_chunk + chunking.avg_chunk));
+            let split = threads_split.min(region / crate::cuts::min_piece(chunking));
             let mut slots = self.mirror.take_slots(n);
             let (mut places, jobs) = {
                 let (lit, anchors) = self.mirror.ahead_work(policy, self.pressure, hint);
@@ -657,14 +682,17 @@ impl<B: Out> Cut<'_, B> {
                     }
                 }
                 // Last: the first a worker takes (see `Ahead`).
-                if more {
-                    jobs.push(Job::cut(
-                        &view[from..at.end],
-                        chunking,
-                        BATCH,
-                        policy.dedup,
-                        &mut found,
-                    ));
+                if more && split > 1 {
+                    let ranges = crate::cuts::pieces(region, region.div_ceil(split));
+                    let lookback = crate::cuts::lookback(chunking);
+                    for (r, f) in ranges.into_iter().zip(pieces.iter_mut()) {
+                        let begin = r
+                            .start
+                            .saturating_sub(if r.start == 0 { 0 } else { lookback });
+                        jobs.push(Job::cut_piece(next, begin, r, chunking, policy.dedup, f));
+                    }
+                } else if more {
+                    jobs.push(Job::cut(next, chunking, BATCH, policy.dedup, &mut found));
                 }
                 (places, jobs)
             };
@@ -685,6 +713,17 @@ impl<B: Out> Cut<'_, B> {
                 used += len;
             }
             cut.at = base + used as u64;
+            if more && split > 1 {
+                // The pieces' chains joined into the true one, a chunk or so cut here where
+                // one begun inside a piece had not met it.
+                found.clear();
+                crate::cuts::join(next, chunking, &mut pieces, RESYNC, &mut found, |o, l| {
+                    policy
+                        .dedup
+                        .then(|| crate::fingerprint::fingerprint(&next[o..o + l]))
+                });
+                pieces.iter_mut().for_each(Vec::clear);
+            }
             if more {
                 cut.chunks.extend(found.iter().map(|&(_, l, f)| (l, f)));
             }
@@ -693,6 +732,7 @@ impl<B: Out> Cut<'_, B> {
             }
         };
         cut.found = found;
+        cut.pieces = pieces;
         stop
     }
 

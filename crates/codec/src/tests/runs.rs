@@ -131,13 +131,17 @@ fn hostile_runs_are_errors() {
 }
 
 /// Workers on threads of their own: the jobs split in `.0` parts, one thread each; `.1` counts
-/// the jobs that cut chunks ahead.
+/// the jobs that cut chunks ahead, `.2` the turns that cut them in pieces.
 #[derive(Debug, Default)]
-struct Threads(usize, std::sync::atomic::AtomicUsize);
+struct Threads(
+    usize,
+    std::sync::atomic::AtomicUsize,
+    std::sync::atomic::AtomicUsize,
+);
 
 impl Threads {
     fn new(n: usize) -> Self {
-        Threads(n, Default::default())
+        Threads(n, Default::default(), Default::default())
     }
 }
 
@@ -155,9 +159,16 @@ impl prepare::Workers for Threads {
         std::thread::spawn(job);
     }
 
+    fn threads(&self) -> usize {
+        self.0
+    }
+
     fn overlap(&self, ahead: &prepare::Ahead<'_>, caller: &mut dyn FnMut()) {
         self.1
             .fetch_add(ahead.cuts(), std::sync::atomic::Ordering::Relaxed);
+        if ahead.cuts() > 1 {
+            self.2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         std::thread::scope(|s| {
             for _ in 1..self.0 {
                 s.spawn(|| ahead.work());
@@ -225,7 +236,7 @@ const ROOM: usize = 256 * 1024 - 4;
 /// fingerprinted on the workers while a turn encodes: the records are still the very ones the
 /// encoder writes alone, turn for turn (a link's 64 KiB quantum, so turns end in the middle of
 /// what was cut ahead), with and without flushes, repeats, deltas and contexts, and decode to
-/// the stream.
+/// the stream: cut in one job on two threads, in pieces on three.
 #[test]
 fn chunks_cut_ahead_encode_to_the_same_records() {
     let first = [
@@ -257,14 +268,21 @@ fn chunks_cut_ahead_encode_to_the_same_records() {
             };
             let (mut alone, _) = pair(&cfg);
             let (mut pooled, mut dec) = pair(&cfg);
-            let threads = std::sync::Arc::new(Threads::new(2));
+            // Two threads cut the next turn in one job, three in pieces.
+            let threads = std::sync::Arc::new(Threads::new(if flush { 2 } else { 3 }));
             pooled.set_workers(Some(threads.clone()));
             let (a, b) = (wire(&mut alone), wire(&mut pooled));
             let what = format!("{compression:?} dedup {dedup} context {context} flush {flush}");
             assert!(a == b, "{what}: {} and {} bytes", a.len(), b.len());
             assert_eq!(alone.stats(), pooled.stats(), "{what}");
             let cuts = threads.1.load(std::sync::atomic::Ordering::Relaxed);
-            assert!(cuts > 20, "{what}: {cuts} turns' chunks cut ahead");
+            assert!(cuts > 20, "{what}: {cuts} jobs cut chunks ahead");
+            let in_pieces = threads.2.load(std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(
+                in_pieces > 10,
+                !flush,
+                "{what}: {in_pieces} turns cut in pieces"
+            );
             if dedup {
                 assert!(
                     pooled.stats().hit_chunks > 100,
