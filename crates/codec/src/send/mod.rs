@@ -23,8 +23,9 @@ const RESYNC: usize = 4;
 
 /// Pieces the next turn's chunks are cut in with `threads` threads. One job on two: there the
 /// caller's turn and the one cutting job already keep both threads busy (measured on this
-/// 2-core VM, LZ4 path, three runs each way: 1.39-1.80x of one thread in pieces, 1.51-1.69x
-/// without, a wash); from three on, a turn can be no shorter than its longest job, and the
+/// 2-core VM, LZ4 path, three runs each way of three files, with 128 KiB pieces: each file's
+/// mean 1.39-1.80x of one thread in pieces, 1.51-1.69x in one job, single runs 1.32-2.03x and
+/// 1.41-1.79x, a wash); from three on, a turn can be no shorter than its longest job, and the
 /// cutting was a third of the LZ4 path's time (see docs/scaling.md).
 fn cut_pieces(threads: usize) -> usize {
     if threads >= 3 { threads.min(8) } else { 1 }
