@@ -657,6 +657,11 @@ impl<B: Out> Cut<'_, B> {
                 .len()
                 .min(BATCH * (chunking.min_chunk + chunking.avg_chunk));
             let split = threads_split.min(region / crate::cuts::min_piece(chunking));
+            let ranges = if more && split > 1 {
+                crate::cuts::pieces(region, region.div_ceil(split))
+            } else {
+                Vec::new()
+            };
             let mut slots = self.mirror.take_slots(n);
             let (mut places, jobs) = {
                 let (lit, anchors) = self.mirror.ahead_work(policy, self.pressure, hint);
@@ -683,10 +688,9 @@ impl<B: Out> Cut<'_, B> {
                     }
                 }
                 // Last: the first a worker takes (see `Ahead`).
-                if more && split > 1 {
-                    let ranges = crate::cuts::pieces(region, region.div_ceil(split));
+                if !ranges.is_empty() {
                     let lookback = crate::cuts::lookback(chunking);
-                    for (r, f) in ranges.into_iter().zip(pieces.iter_mut()) {
+                    for (r, f) in ranges.iter().cloned().zip(pieces.iter_mut()) {
                         let begin = r
                             .start
                             .saturating_sub(if r.start == 0 { 0 } else { lookback });
@@ -714,11 +718,13 @@ impl<B: Out> Cut<'_, B> {
                 used += len;
             }
             cut.at = base + used as u64;
-            if more && split > 1 {
+            if !ranges.is_empty() {
                 // The pieces' chains joined into the true one, a chunk or so cut here where
-                // one begun inside a piece had not met it.
+                // one begun inside a piece had not met it. Only the pieces cut: past the last,
+                // the join would cut on itself.
                 found.clear();
-                crate::cuts::join(next, chunking, &mut pieces, RESYNC, &mut found, |o, l| {
+                let cut_now = &mut pieces[..ranges.len().min(threads_split)];
+                crate::cuts::join(next, chunking, cut_now, RESYNC, &mut found, |o, l| {
                     policy
                         .dedup
                         .then(|| crate::fingerprint::fingerprint(&next[o..o + l]))
