@@ -641,6 +641,69 @@ fn a_silent_path_is_given_up_for_a_new_connection() {
     p.assert_no_leaks();
 }
 
+/// Drives `p` for `limit` on a path that drops everything, in steps of 10 ms; returns when
+/// west suspended (or `limit` passed), as the time since the start.
+fn drop_everything_until_west_suspends(p: &mut Pair, limit: Duration) -> Duration {
+    let start = p.now;
+    while !p.west.link.is_suspended() && p.now < start + limit {
+        let step = p.now + Duration::from_millis(10);
+        p.drive(Duration::from_millis(10));
+        p.now = p.now.max(step);
+        for pipe in p.w2e.iter_mut().chain(p.e2w.iter_mut()) {
+            pipe.in_flight.clear();
+        }
+    }
+    p.now - start
+}
+
+#[test]
+fn a_side_that_did_not_run_does_not_blame_the_peer() {
+    // Neither side runs for 3 s (a host whose cores the applications took): each pings when it
+    // runs again and stays up, rather than counting its own absence as the peer's silence.
+    let mut p = resumable_pair(true, false);
+    let id = open_and_send(&mut p, "e-svc", Class::Bulk, data(5, 500_000));
+    p.drive(Duration::from_millis(200));
+    p.now += Duration::from_secs(3);
+    p.west.link.handle_timeout(p.now);
+    p.east.link.handle_timeout(p.now);
+    assert!(!p.west.link.is_suspended() && !p.east.link.is_suspended());
+    p.east.app.to_send.insert(id, (Bytes::new(), true));
+    p.drive(Duration::from_secs(10));
+    assert_eq!(p.east.app.received[&id], data(5, 500_000)[..]);
+    assert_eq!(p.west.app.suspended + p.east.app.suspended, 0);
+    // A path that then drops everything is still given up: 2 s after the peer was last heard,
+    // or one ping interval less after a side's own absence.
+    let mut p = resumable_pair(false, false);
+    p.drive(Duration::from_millis(200));
+    p.now += Duration::from_secs(3);
+    let silent = drop_everything_until_west_suspends(&mut p, Duration::from_secs(3));
+    assert!(p.west.link.is_suspended(), "nobody noticed");
+    assert!(
+        silent >= Duration::from_millis(1400) && silent <= Duration::from_millis(1600),
+        "{silent:?}"
+    );
+}
+
+#[test]
+fn data_waiting_unread_counts_as_heard() {
+    // The runtime's sockets say data came 1.5 s into a silence (a reader that had not run):
+    // the silence clock starts over there.
+    let mut p = resumable_pair(false, false);
+    p.drive(Duration::from_millis(200));
+    let start = p.now;
+    let first = drop_everything_until_west_suspends(&mut p, Duration::from_millis(1500));
+    assert!(!p.west.link.is_suspended());
+    p.west.link.peer_heard(start + first);
+    // Earlier data says nothing new.
+    p.west.link.peer_heard(start);
+    let more = drop_everything_until_west_suspends(&mut p, Duration::from_secs(3));
+    assert!(p.west.link.is_suspended(), "nobody noticed");
+    assert!(
+        more >= Duration::from_millis(1990) && more <= Duration::from_millis(2100),
+        "{more:?}"
+    );
+}
+
 #[test]
 fn a_quiet_link_pings_and_stays_up() {
     let mut p = resumable_pair(false, false);

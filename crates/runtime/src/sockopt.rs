@@ -269,6 +269,12 @@ fn rank_of(info: &libc::tcp_info, bytes: usize) -> u8 {
     }
 }
 
+/// How long ago the kernel last received data (not a bare acknowledgement) on a connected
+/// socket, whether or not anyone read it since. `None`: the socket cannot say.
+pub fn last_data_received(fd: std::os::fd::RawFd) -> Option<std::time::Duration> {
+    raw_tcp_info(fd).map(|i| std::time::Duration::from_millis(u64::from(i.tcpi_last_data_recv)))
+}
+
 /// A copy connection's state in a few words, for the log line that says every copy of a write
 /// was impaired.
 pub fn copy_state(fd: std::os::fd::RawFd) -> String {
@@ -425,6 +431,28 @@ mod tests {
         i.tcpi_backoff = 0;
         i.tcpi_ca_state = 4;
         assert_eq!(rank_of(&i, 1000), 2);
+    }
+
+    /// The kernel tells when data last arrived on a socket, read or not: what the link's
+    /// silence clock asks when its reader has not run.
+    #[test]
+    fn a_socket_tells_when_data_last_arrived_unread() {
+        use std::io::Write;
+        use std::os::fd::AsRawFd;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut a = std::net::TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        let (b, _) = l.accept().expect("accept");
+        a.write_all(b"ping").expect("write");
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let ago = last_data_received(b.as_raw_fd()).expect("tcp_info");
+        assert!(
+            ago >= std::time::Duration::from_millis(250) && ago < std::time::Duration::from_secs(5),
+            "{ago:?}"
+        );
+        a.write_all(b"pong").expect("write");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let ago = last_data_received(b.as_raw_fd()).expect("tcp_info");
+        assert!(ago < std::time::Duration::from_millis(250), "{ago:?}");
     }
 
     /// The lane's least retransmission timeout reaches the socket (the kernel rounds it to its

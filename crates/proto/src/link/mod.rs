@@ -323,6 +323,8 @@ pub struct Link {
     done_ids: VecDeque<StreamId>,
     /// When the peer was last heard from (input on any lane).
     heard: Option<Instant>,
+    /// When the silence was last looked at (see [`resume::SELF_STALL`]).
+    silence_checked: Option<Instant>,
     /// The listener's tokens that resume the link (see [`Link::resumes`]).
     resume_tokens: Vec<u64>,
     /// Stream bytes sent and received per lane since the last resumption (a lane lost alone
@@ -385,6 +387,7 @@ impl Link {
             resuming: None,
             done_ids: VecDeque::new(),
             heard: None,
+            silence_checked: None,
             resume_tokens: vec![cfg.token],
             lane_sent: [0; LANES],
             lane_received: [0; LANES],

@@ -29,6 +29,13 @@ pub(super) const DONE_KEPT: usize = 4096;
 /// every half second meanwhile, gets through at once.
 pub(super) const SILENCE_MIN: Duration = Duration::from_secs(2);
 
+/// A gap this many times the ping interval between two looks at the silence means this side
+/// did not run meanwhile (a host whose cores the applications took, a stopped process): the
+/// peer had no ping to answer then, so that time does not count as its silence. On two busy
+/// cores, a sender not run for seconds gave up live connections ("nothing heard from the
+/// peer for 2436-4170 ms") and lost the caches' history with them.
+pub(super) const SELF_STALL: u32 = 2;
+
 /// A link whose connection was lost, until its streams are resumed or given up.
 #[derive(Debug)]
 pub(super) struct Outage {
@@ -669,14 +676,33 @@ impl Link {
         }
     }
 
+    /// Input from the peer that arrived at `at` but was not read yet (the runtime asks its
+    /// sockets when they last received data): the peer was heard then, however late this side
+    /// gets to read it.
+    pub fn peer_heard(&mut self, at: Instant) {
+        if self.heard.is_some_and(|h| h < at) {
+            self.heard_from_peer(at);
+        }
+    }
+
     /// A resumable link that heard nothing for a while pings; one that heard nothing for too
     /// long suspends (the runtime drops the connection and dials a new one). Returns true if
-    /// it suspended.
+    /// it suspended. Time this side did not run (see [`SELF_STALL`]) is not counted: the
+    /// silence clock then starts over at one ping interval, and a ping goes out.
     pub(super) fn check_silence(&mut self, now: Instant) -> bool {
         if !self.resumable || !matches!(self.state, State::Open | State::Draining) {
             return false;
         }
         let (probe, stall) = self.silence_limits();
+        let last = self.silence_checked.replace(now);
+        if let (Some(last), Some(heard)) = (last, self.heard)
+            && now.saturating_duration_since(last) > probe * SELF_STALL
+            && let Some(from) = now.checked_sub(probe)
+            && heard < from
+        {
+            self.heard = Some(from);
+            self.keepalive.sent = None;
+        }
         let heard = *self.heard.get_or_insert(now);
         let quiet = now.saturating_duration_since(heard);
         if quiet >= stall {

@@ -198,6 +198,18 @@ impl LinkHandle {
         self.set_fd(i, None);
     }
 
+    /// The latest time the kernel received data from the peer on any of the link's sockets,
+    /// as of `now` (`None`: no socket says).
+    pub(super) fn peer_data_at(&self, now: Instant) -> Option<Instant> {
+        self.with_fds(|fds| {
+            fds.iter()
+                .flatten()
+                .filter_map(|&fd| crate::sockopt::last_data_received(fd))
+                .min()
+        })
+        .and_then(|ago| now.checked_sub(ago))
+    }
+
     /// The latency lane's sockets.
     pub(super) fn lane_fds(&self) -> [Option<RawFd>; MAX_COPIES] {
         let f = lock(&self.fds);
@@ -431,6 +443,16 @@ impl LinkHandle {
         // The supervisor lives as long as the daemon serves; after that nobody listens.
         let _ = self.ctx.supervisor.send(m);
     }
+}
+
+/// Runs `link`'s timers due at `now`, telling it first when data last arrived from the peer
+/// (`heard`, from [`LinkHandle::peer_data_at`]): on a busy host the reader may not have run
+/// since, and the silence clock must not count bytes waiting in a socket as silence.
+pub(super) fn run_timers(link: &mut Link, heard: Option<Instant>, now: Instant) {
+    if let Some(at) = heard {
+        link.peer_heard(at);
+    }
+    link.handle_timeout(now);
 }
 
 #[cfg(test)]

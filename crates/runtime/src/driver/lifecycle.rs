@@ -16,7 +16,7 @@ use tracing::{info, warn};
 use wanopt_proto::{CloseCode, LATENCY_LANE, Link, LinkError, MAIN_LANE};
 
 use super::carriers::Carrier;
-use super::handle::{LinkHandle, LinkMsg};
+use super::handle::{LinkHandle, LinkMsg, run_timers};
 use super::lane_copies::{CopyEnd, write_copy};
 use super::reader::read_link;
 use super::sampler::{keep_room, sample_sockets};
@@ -131,10 +131,11 @@ async fn ticker(h: &LinkHandle, conn: (u64, u64), lane: usize, copy: Option<Carr
     loop {
         tokio::time::sleep(TICK).await;
         let now = Instant::now();
+        let heard = if timers { h.peer_data_at(now) } else { None };
         let (suspended, wants) = {
             let mut g = h.state();
             if timers && g.link.poll_timeout().is_some_and(|t| t <= now) {
-                g.link.handle_timeout(now);
+                run_timers(&mut g.link, heard, now);
                 h.dispatch(&mut g);
             }
             if copy.is_some_and(|c| !h.carries(&g, &c)) {

@@ -11,7 +11,7 @@ use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tracing::debug;
 use wanopt_proto::MAIN_LANE;
 
-use super::handle::{LinkHandle, TRANSMIT_BATCH};
+use super::handle::{LinkHandle, TRANSMIT_BATCH, run_timers};
 use crate::counters::add;
 use crate::pressure::{Governor, Pressure};
 
@@ -103,7 +103,9 @@ pub(super) async fn write_link<W: AsyncWrite + Unpin>(
             _ = h.writable(lane) => {}
             _ = &mut timer, if deadline.is_some() => {
                 timer_at = None;
-                h.with(|l| l.handle_timeout(Instant::now()));
+                let now = Instant::now();
+                let heard = h.peer_data_at(now);
+                h.with(|l| run_timers(l, heard, now));
             }
         }
     }
