@@ -671,6 +671,8 @@ fn a_side_that_did_not_run_does_not_blame_the_peer() {
     p.drive(Duration::from_secs(10));
     assert_eq!(p.east.app.received[&id], data(5, 500_000)[..]);
     assert_eq!(p.west.app.suspended + p.east.app.suspended, 0);
+    // Each side tells it once (the runtime logs and counts it).
+    assert_eq!((p.west.app.stalled, p.east.app.stalled), (1, 1));
     // A path that then drops everything is still given up: 2 s after the peer was last heard,
     // or one ping interval less after a side's own absence.
     let mut p = resumable_pair(false, false);
@@ -702,6 +704,7 @@ fn data_waiting_unread_counts_as_heard() {
         more >= Duration::from_millis(1990) && more <= Duration::from_millis(2100),
         "{more:?}"
     );
+    assert_eq!(p.west.app.stalled, 0, "west ran all along");
 }
 
 #[test]

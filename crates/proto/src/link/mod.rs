@@ -178,6 +178,10 @@ pub enum Event {
     Suspended { reason: String },
     /// The streams went on over a new connection.
     Resumed(ResumeStats),
+    /// This side was not run for this long while the peer was quiet (a host whose cores were
+    /// busy, a stopped process): not counted as the peer's silence (see
+    /// [`Link::peer_heard`]).
+    Stalled(std::time::Duration),
 }
 
 /// The result of reading a stream.

@@ -702,6 +702,8 @@ impl Link {
         {
             self.heard = Some(from);
             self.keepalive.sent = None;
+            self.events
+                .push_back(Event::Stalled(now.saturating_duration_since(last)));
         }
         let heard = *self.heard.get_or_insert(now);
         let quiet = now.saturating_duration_since(heard);

@@ -80,6 +80,8 @@ pub struct App {
     pub loads: Option<(Instant, Vec<StateRequest>)>,
     /// Connections lost with the link suspended, and what each resumption did.
     pub suspended: u32,
+    /// Times this side saw it had not run for a while (see `Event::Stalled`).
+    pub stalled: u32,
     pub resumed: Vec<wanopt_proto::ResumeStats>,
 }
 
@@ -325,6 +327,7 @@ pub fn step_side(side: &mut Side, pipes: &mut [Pipe], now: Instant) -> bool {
             Event::LoadStates(reqs) => side.app.loads = Some((now, reqs)),
             Event::Suspended { .. } => side.app.suspended += 1,
             Event::Resumed(r) => side.app.resumed.push(r),
+            Event::Stalled(_) => side.app.stalled += 1,
             Event::Readable(_) | Event::Writable(_) | Event::Done(_) => {}
         }
     }

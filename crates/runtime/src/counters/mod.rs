@@ -203,6 +203,7 @@ pub struct LinkCounters {
     pub lanes: Gauge,
     pub zstd_level: Gauge,
     pub outages: Counter,
+    pub stalls: Counter,
     pub outage_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
     pub streams_resumed: Counter,
     pub resent: Counter,
@@ -323,6 +324,11 @@ impl LinkCounters {
             "wanopt_codec_context_turns",
             "Bulk streams' stream-context work the codec pool did while the daemon's thread went on with other streams': a turn compressed in its context (sending), a frame fed to its context (receiving)",
             crate::workers::context_turns(),
+        );
+        r.register(
+            "wanopt_link_stalls",
+            "Times the daemon found it had not run for over two ping intervals while the peer was quiet (a busy host): that time was not counted as the peer's silence",
+            m.stalls.clone(),
         );
         r.register(
             "wanopt_link_outages",

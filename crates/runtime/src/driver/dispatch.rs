@@ -15,6 +15,9 @@ use crate::sync::LogBudget;
 /// Refusals of the peer's opens are the peer's to cause: their log lines are rationed.
 static PEER_REFUSALS: LogBudget = LogBudget::new(Duration::from_secs(10), 10);
 
+/// A host starved of CPU stalls every link at once, over and over: rationed too.
+static STALLS: LogBudget = LogBudget::new(Duration::from_secs(60), 5);
+
 /// Routes every pending event of link `link` (its id, for logs): wakes the streams concerned,
 /// counts, saves the cache states the link checkpoints, and leaves opens, the hello and state
 /// loads in `g` for the link's reader to act on.
@@ -101,6 +104,17 @@ pub(super) fn dispatch(
                     outage_ms = r.outage.as_millis() as u64,
                     "link resumed: its streams go on"
                 );
+            }
+            Event::Stalled(gap) => {
+                add(&counters.link.stalls, 1);
+                if let Some(suppressed) = STALLS.take(Instant::now()) {
+                    warn!(
+                        link,
+                        ms = gap.as_millis() as u64,
+                        suppressed,
+                        "this daemon was not run for a while (a busy host?)"
+                    );
+                }
             }
             Event::LoadStates(reqs) => g.load = reqs,
             Event::Checkpoint {
