@@ -360,22 +360,35 @@ impl ChunkCache {
     /// [`Lookup::Pending`]: it stays in the cache, and the caller asks again once the store has
     /// it (nothing blocks on the disk here).
     pub fn lookup(&mut self, f: &Fingerprint) -> Lookup<'_> {
-        self.lookup_as(f, false)
+        self.lookup_as(f, false, false)
+    }
+
+    /// [`lookup`](Self::lookup) of a chunk whose bytes in memory the caller has just checked
+    /// against `f` (on a worker, from [`in_memory_bytes`](Self::in_memory_bytes)), if
+    /// `checked`: they are not hashed again.
+    pub(crate) fn lookup_checked(&mut self, f: &Fingerprint, checked: bool) -> Lookup<'_> {
+        self.lookup_as(f, false, checked)
+    }
+
+    /// Whether chunks held in memory are checked against their fingerprints when used (see
+    /// [`trust_memory`](Self::trust_memory)).
+    pub(crate) fn verifies_memory(&self) -> bool {
+        self.verify_mem
     }
 
     /// [`lookup`](Self::lookup) of a delta's base (see
     /// [`set_quiet_bases`](Self::set_quiet_bases)).
     pub fn lookup_base(&mut self, f: &Fingerprint) -> Lookup<'_> {
-        self.lookup_as(f, self.quiet_bases)
+        self.lookup_as(f, self.quiet_bases, false)
     }
 
-    fn lookup_as(&mut self, f: &Fingerprint, quiet: bool) -> Lookup<'_> {
+    fn lookup_as(&mut self, f: &Fingerprint, quiet: bool, checked: bool) -> Lookup<'_> {
         let Some(e) = self.entries.get(f) else {
             return Lookup::Miss;
         };
         let verify = self.verify_mem;
         let read = match (&e.mem, e.loc, self.disk.as_mut()) {
-            (Some(d), _, _) => Ok(!verify || fingerprint(d) == *f),
+            (Some(d), _, _) => Ok(!verify || checked || fingerprint(d) == *f),
             (None, Some(loc), Some(disk)) => match disk.store.try_read(loc, f) {
                 Poll::Pending => return Lookup::Pending,
                 Poll::Ready(Some(data)) if data.len() == e.len => Err(data),
@@ -424,6 +437,12 @@ impl ChunkCache {
     pub fn peek(&self, f: &Fingerprint) -> Option<&[u8]> {
         let d = self.entries.get(f)?.mem.as_deref()?;
         (fingerprint(d) == *f).then_some(d)
+    }
+
+    /// A chunk's bytes if held in memory, unchecked and without counting as a use: what a
+    /// decoder copies ahead for a reference that [`lookup`](Self::lookup) then confirms.
+    pub(crate) fn in_memory_bytes(&self, f: &Fingerprint) -> Option<&[u8]> {
+        self.entries.get(f)?.mem.as_deref()
     }
 
     /// Inserts a chunk (or refreshes it), evicting the least recently used chunks to fit.

@@ -4,9 +4,12 @@
 //! [`Workers`] prepares a turn's chunks together, possibly on several threads, then encodes them
 //! in link order with the results: the records are byte for byte the ones it would have written
 //! preparing nothing. A decoder likewise decompresses and fingerprints a frame's literals alone
-//! ahead, and inserts them into its cache in order.
+//! ahead, and inserts them into its cache in order; its workers also copy what those literals
+//! and the chunks its references name rebuild straight into its output, so that the decoding
+//! thread only counts them in.
 
 use std::cell::RefCell;
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, TryLockError};
@@ -276,6 +279,9 @@ enum Task<'a> {
         /// The chunk's delta anchors too (see [`crate::delta`]).
         anchors: bool,
         slot: &'a mut Prepared,
+        /// A decoder's job: where in its output the bytes the record rebuilds go (see
+        /// [`Job::placed`]).
+        place: Option<&'a mut [MaybeUninit<u8>]>,
     },
     /// The chunks of `bytes` that start in `piece` and end before its end, `most` of them,
     /// cut from `begin` on (see [`crate::cuts::chain_in_piece`]: a boundary, or a guess), each
@@ -309,6 +315,9 @@ pub(crate) struct Prepared {
     pub clen: usize,
     /// A decoder's job: the payload decompressed into `out`, exactly as long as announced.
     pub decoded: bool,
+    /// A decoder's job: the bytes the record rebuilds were also written where it was told
+    /// (see [`Job::placed`]).
+    pub placed: bool,
     /// The chunk's delta anchors, when `anchored`.
     pub anchors: Vec<u64>,
     pub anchored: bool,
@@ -323,6 +332,7 @@ impl Prepared {
         self.compressed = None;
         self.clen = 0;
         self.decoded = false;
+        self.placed = false;
         self.anchored = false;
     }
 }
@@ -345,6 +355,28 @@ impl<'a> Job<'a> {
                 work,
                 anchors,
                 slot,
+                place: None,
+            },
+        }
+    }
+
+    /// A decoder's job of `work` (a literal's payload decompressed, or fingerprinted) that
+    /// also writes the bytes the record rebuilds into `place`, the part of the decoder's output
+    /// they will take, if they fill it exactly (then `slot.placed`): the copy into the output
+    /// is made on the worker, next to the decompression, not on the caller's thread.
+    pub(crate) fn placed(
+        chunk: &'a [u8],
+        work: Option<Work>,
+        slot: &'a mut Prepared,
+        place: Option<&'a mut [MaybeUninit<u8>]>,
+    ) -> Self {
+        Job {
+            task: Task::Chunk {
+                chunk,
+                work,
+                anchors: false,
+                slot,
+                place,
             },
         }
     }
@@ -398,7 +430,13 @@ impl<'a> Job<'a> {
                 work,
                 anchors,
                 slot,
-            } => prepare_chunk(chunk, *work, *anchors, slot),
+                place,
+            } => {
+                prepare_chunk(chunk, *work, *anchors, slot);
+                if let Some(place) = place.as_deref_mut() {
+                    place_rebuilt(chunk, *work, slot, place);
+                }
+            }
             Task::Cut {
                 bytes,
                 begin,
@@ -470,6 +508,25 @@ fn prepare_chunk(chunk: &[u8], work: Option<Work>, anchors: bool, s: &mut Prepar
                 s.fingerprint = Some(fingerprint(&s.out));
             }
         }
+    }
+}
+
+/// A decoder's job, after its work: the bytes the record rebuilds (what was decompressed, or
+/// a stored literal's payload) copied into `place` if they fill it exactly.
+fn place_rebuilt(
+    chunk: &[u8],
+    work: Option<Work>,
+    s: &mut Prepared,
+    place: &mut [MaybeUninit<u8>],
+) {
+    let rebuilt: &[u8] = match work {
+        Some(Work::Unlz4 { .. } | Work::Unzstd { .. }) if s.decoded => &s.out,
+        Some(Work::Unlz4 { .. } | Work::Unzstd { .. } | Work::Lz4 | Work::Zstd { .. }) => return,
+        Some(Work::Fingerprint) | None => chunk,
+    };
+    if rebuilt.len() == place.len() {
+        place.write_copy_of_slice(rebuilt);
+        s.placed = true;
     }
 }
 

@@ -90,10 +90,14 @@ impl Decoder {
             ));
         }
         let before = out.len();
+        // Copied (and checked) on the workers, or here.
+        let checked = self.copy_held_ahead(names, out, total);
         for f in names {
-            let err = match self.cache.lookup(f) {
+            let err = match self.cache.lookup_checked(f, checked) {
                 Lookup::Hit(c) => {
-                    out.extend_from_slice(c);
+                    if !checked {
+                        out.extend_from_slice(c);
+                    }
                     continue;
                 }
                 Lookup::Miss => CodecError::Miss(*f),
@@ -102,8 +106,82 @@ impl Decoder {
             out.truncate(before);
             return Err(err);
         }
+        if checked {
+            // SAFETY: `copy_held_ahead` returned true: the jobs filled `out`'s spare room from
+            // `before` on with exactly `total` bytes (the chunks' places tile it, and each job
+            // wrote its whole place), and nothing has written to `out` since.
+            unsafe { out.set_len(before + total) };
+            self.ahead_bytes += total as u64;
+        }
+        debug_assert_eq!(out.len(), before + total);
         self.stats.hit_chunks += names.len() as u64;
         self.stats.hit_bytes += total as u64;
         Ok(())
     }
+
+    /// With workers and a run of [`RUN_AHEAD`] bytes or more, all held in memory: copies the
+    /// chunks `names` (`total` bytes) into `out`'s spare room in order on the workers, each
+    /// checked against its name if the cache checks what it holds. True if every chunk was
+    /// copied and matched: the bytes are then in place, and `out`'s length is the caller's to
+    /// set once the chunks are looked up in turn. False (nothing in place) otherwise.
+    fn copy_held_ahead(
+        &mut self,
+        names: &[crate::fingerprint::Fingerprint],
+        out: &mut Vec<u8>,
+        total: usize,
+    ) -> bool {
+        use crate::prepare::{Job, Work};
+        let Some(w) = self
+            .workers
+            .clone()
+            .filter(|_| total >= RUN_AHEAD && names.len() >= 2)
+        else {
+            return false;
+        };
+        let verify = self.cache.verifies_memory();
+        let mut slots = std::mem::take(&mut self.run_slots);
+        if slots.len() < names.len() {
+            slots.resize_with(names.len(), Default::default);
+        }
+        out.reserve(total);
+        let all = {
+            let cache = &self.cache;
+            let mut spare = &mut out.spare_capacity_mut()[..total];
+            let mut jobs = Vec::with_capacity(names.len());
+            for (f, slot) in names.iter().zip(slots.iter_mut()) {
+                let Some(chunk) = cache.in_memory_bytes(f) else {
+                    break;
+                };
+                if chunk.len() > spare.len() {
+                    break;
+                }
+                slot.reset(chunk.len());
+                let (mine, rest) = std::mem::take(&mut spare).split_at_mut(chunk.len());
+                spare = rest;
+                jobs.push(Job::placed(
+                    chunk,
+                    verify.then_some(Work::Fingerprint),
+                    slot,
+                    Some(mine),
+                ));
+            }
+            if jobs.len() == names.len() && spare.is_empty() {
+                w.run(&mut jobs);
+                true
+            } else {
+                false
+            }
+        };
+        let ok = all
+            && names
+                .iter()
+                .zip(&slots)
+                .all(|(f, s)| s.placed && (!verify || s.fingerprint == Some(*f)));
+        self.run_slots = slots;
+        ok
+    }
 }
+
+/// A reference run's bytes copied on the workers from this size on: below it, the call costs
+/// more than the copies.
+const RUN_AHEAD: usize = 16 << 10;

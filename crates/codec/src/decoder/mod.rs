@@ -47,9 +47,14 @@ pub struct Decoder {
     pub(crate) delta: delta::RecvScratch,
     /// Threads to decompress literals on ahead (see [`prepare`]); `None`: in turn.
     workers: Option<std::sync::Arc<dyn prepare::Workers>>,
-    /// What [`prepare`](Decoder::prepare) made: by record offset, with the record's tag, raw
-    /// and payload lengths (a slot serves only the record it was made for).
-    batch: Vec<(usize, u8, usize, usize, prepare::Prepared)>,
+    /// What [`prepare`](Decoder::prepare) made, in record order (a slot serves only the record
+    /// it was made for), the next one to look at, and the output buffer's address when it was
+    /// prepared (what was placed in it counts only in that buffer).
+    batch: Vec<Batched>,
+    batch_next: usize,
+    batch_base: usize,
+    /// Bytes rebuilt that a worker copied into place (see [`Decoder::ahead_bytes`]).
+    ahead_bytes: u64,
     /// Slots a run's chunks are fingerprinted in on the workers (kept for reuse).
     run_slots: Vec<prepare::Prepared>,
     /// The streams' logs, the names of reference runs the peer re-sent by their check (our
@@ -65,6 +70,19 @@ pub struct Decoder {
 /// Literals a decoder prepares at once: the raw bytes they rebuild are allocated ahead, so at
 /// most this many of them (and no more than their frame announced).
 const PREPARE_BYTES: usize = 4 << 20;
+
+/// One record [`prepare`](Decoder::prepare) made work for: its offset in the bytes prepared,
+/// tag, raw and payload lengths, where in the output what it rebuilds was to be placed (if
+/// anywhere), and what the job made.
+#[derive(Debug)]
+struct Batched {
+    at: usize,
+    tag: u8,
+    raw: usize,
+    clen: usize,
+    place: Option<usize>,
+    prepared: prepare::Prepared,
+}
 
 impl Decoder {
     pub fn new(cfg: &CodecConfig) -> Self {
@@ -93,6 +111,9 @@ impl Decoder {
             delta: delta::RecvScratch::default(),
             workers: None,
             batch: Vec::new(),
+            batch_next: 0,
+            batch_base: 0,
+            ahead_bytes: 0,
             run_slots: Vec::new(),
             logs: crate::logs::Logs::for_cache(cache.capacity()),
             resolved: std::collections::HashMap::new(),
@@ -146,7 +167,8 @@ impl Decoder {
         self.run_slots = slots;
     }
 
-    /// Decompresses literals on `workers` ahead (see [`prepare`](Self::prepare)).
+    /// Decompresses literals on `workers` ahead, and has them copy what literals and held
+    /// chunks rebuild straight into the output (see [`prepare`](Self::prepare)).
     pub fn set_workers(&mut self, workers: Option<std::sync::Arc<dyn prepare::Workers>>) {
         self.workers = workers;
     }
@@ -155,38 +177,54 @@ impl Decoder {
     /// at the front of `buf` (up to [`BATCH`](BATCH) of them, rebuilding at most `room`
     /// bytes), for [`decode_record_at`](Self::decode_record_at) to insert in order. The scan
     /// stops at the first record that is not a reference or a literal alone; every record is
-    /// still checked in full when it is decoded. False if nothing was prepared.
-    fn prepare(&mut self, buf: &[u8], room: usize) -> bool {
+    /// still checked in full when it is decoded. Each job also writes what its record rebuilds
+    /// into `out`'s spare room, where the record will put it if every record before it rebuilds
+    /// what it announces (see [`Job::placed`](prepare::Job::placed)): the caller then only
+    /// counts those bytes in. False if nothing was prepared.
+    fn prepare(&mut self, buf: &[u8], room: usize, out: &mut Vec<u8>) -> (usize, bool) {
         use prepare::{Job, Work};
         self.batch.clear();
+        self.batch_next = 0;
         let Some(w) = self.workers.clone() else {
-            return false;
+            return (buf.len(), false);
         };
         let room = room.min(PREPARE_BYTES);
-        let (mut at, mut raw) = (0, 0);
-        // (record offset, tag, raw length, payload range, work)
+        let start = out.len();
+        // Literal bytes prepared, and where the next record's bytes go in `out`.
+        let (mut at, mut raw, mut pos) = (0, 0, start);
+        // (record offset, tag, raw length, payload range, work, place in `out`)
         let mut found = Vec::new();
         while found.len() < BATCH {
             let Some(&first) = buf.get(at) else { break };
             let rec = &buf[at..];
             if first == TAG_REF {
-                let Ok((_, h)) = get_len(rec, 17) else { break };
+                let Ok((len, h)) = get_len(rec, 17) else {
+                    break;
+                };
+                // A chunk held in memory is copied into its place too (the record's lookup
+                // then confirms it); any other reference is copied when it is decoded.
+                let place = Some(pos).filter(|p| p - start + len <= room);
+                let held = rec.get(1..17).and_then(|f| {
+                    let f: Fingerprint = f.try_into().ok()?;
+                    self.cache.in_memory_bytes(&f).map(|c| c.len())
+                });
+                // Checked against its name there too, if this cache checks what it holds.
+                let check = self.cache.verifies_memory().then_some(Work::Fingerprint);
+                if let Some(place) = place.filter(|_| held == Some(len)) {
+                    found.push((at, first, len, 0..0, check, Some(place)));
+                }
+                pos = pos.saturating_add(len);
                 at += 17 + h;
                 continue;
             }
-            // A log's start and a reference run rebuild nothing to prepare: step over them.
-            if matches!(first, TAG_LOG | TAG_REF_RUN | TAG_REF_RUN_SHORT) {
-                let fields = if first == TAG_LOG { 1 } else { 3 };
-                let mut k = Some(1);
-                for _ in 0..fields {
-                    k = k.and_then(|k| get_varint(rec, k).ok().map(|(_, h)| k + h));
-                }
-                let Some(k) = k else { break };
-                at += k + match first {
-                    TAG_REF_RUN => 16,
-                    TAG_REF_RUN_SHORT => crate::fingerprint::SHORT_CHECK,
-                    _ => 0,
+            // A log's start rebuilds nothing: step over it. A reference run (whose length is
+            // known only once its chunks are named) ends the batch: it copies its chunks on
+            // the workers itself, and the records after it are prepared after it.
+            if first == TAG_LOG {
+                let Ok((_, h)) = get_varint(rec, 1) else {
+                    break;
                 };
+                at += 1 + h;
                 continue;
             }
             let tag = first & !NO_CACHE;
@@ -207,55 +245,133 @@ impl Decoder {
                 let Ok(l) = get_len(rec, 1 + h1) else { break };
                 l
             };
-            let start = at + 1 + h1 + h2;
-            let Some(end) = start.checked_add(clen).filter(|e| *e <= buf.len()) else {
+            let payload_at = at + 1 + h1 + h2;
+            let Some(end) = payload_at.checked_add(clen).filter(|e| *e <= buf.len()) else {
                 break;
             };
+            // Placed only within what the frame announced (bounded as `room` is).
+            let place = Some(pos).filter(|p| p - start + raw_len <= room);
+            pos = pos.saturating_add(raw_len);
             let work = match tag {
                 TAG_LIT_LZ4 => Some(Work::Unlz4 { raw_len, hash }),
                 TAG_LIT_ZSTD => Some(Work::Unzstd { raw_len, hash }),
                 _ => hash.then_some(Work::Fingerprint),
             };
-            if let Some(work) = work {
-                found.push((at, first, raw_len, start..end, work));
+            if work.is_some() || place.is_some() {
+                found.push((at, first, raw_len, payload_at..end, work, place));
             }
             at = end;
         }
         if found.len() < 2 {
-            return false;
+            return (at, false);
         }
-        self.batch.extend(
-            found
-                .iter()
-                .map(|(at, tag, raw_len, p, _)| (*at, *tag, *raw_len, p.len(), Default::default())),
-        );
-        let mut jobs: Vec<Job<'_>> = found
-            .into_iter()
-            .zip(self.batch.iter_mut())
-            .map(|((_, _, _, p, work), slot)| Job::new(&buf[p], work, &mut slot.4))
-            .collect();
+        // Room for every byte placed, so that what the records before write does not move it.
+        let placed_end = found
+            .iter()
+            .filter_map(|f| f.5.map(|p| p + f.2))
+            .max()
+            .unwrap_or(start);
+        out.reserve(placed_end - start);
+        self.batch_base = out.as_ptr() as usize;
+        self.batch.extend(found.iter().map(|f| Batched {
+            at: f.0,
+            tag: f.1,
+            raw: f.2,
+            clen: f.3.len(),
+            place: f.5,
+            prepared: Default::default(),
+        }));
+        // The spare room cut into the records' places, in order (they do not overlap).
+        let mut spare = out.spare_capacity_mut();
+        let mut spare_at = start;
+        let mut jobs: Vec<Job<'_>> = Vec::with_capacity(found.len());
+        for ((rec_at, tag, raw_len, p, work, place), slot) in
+            found.into_iter().zip(self.batch.iter_mut())
+        {
+            let place = match place {
+                Some(off) if off >= spare_at && off - spare_at + raw_len <= spare.len() => {
+                    let rest = std::mem::take(&mut spare);
+                    let (_, rest) = rest.split_at_mut(off - spare_at);
+                    let (mine, rest) = rest.split_at_mut(raw_len);
+                    spare = rest;
+                    spare_at = off + raw_len;
+                    Some(mine)
+                }
+                _ => {
+                    slot.place = None;
+                    None
+                }
+            };
+            // A reference's bytes come out of the cache; a literal's out of its payload.
+            let bytes = if tag == TAG_REF {
+                buf.get(rec_at + 1..rec_at + 17)
+                    .and_then(|f| <[u8; 16]>::try_from(f).ok())
+                    .and_then(|f| self.cache.in_memory_bytes(&f))
+                    .unwrap_or_default()
+            } else {
+                &buf[p]
+            };
+            jobs.push(Job::placed(bytes, work, &mut slot.prepared, place));
+        }
         w.run(&mut jobs);
-        true
+        (at, true)
     }
 
-    /// What was prepared for the record at `at` with this tag and lengths, taken; `None` if
-    /// nothing was (or it was made for another record).
+    /// What was prepared for the record at `at` with this tag and lengths, taken, with where
+    /// its bytes were placed in `out` (its offset, if they were and `out` is still the buffer
+    /// they were placed in); `None` if nothing was (or it was made for another record).
     fn prepared(
         &mut self,
         at: Option<usize>,
         tag: u8,
         raw: usize,
         clen: usize,
-    ) -> Option<prepare::Prepared> {
+        out: &[u8],
+    ) -> Option<(prepare::Prepared, Option<usize>)> {
         let at = at?;
-        let i = self.batch.iter().position(|b| b.0 == at)?;
+        // Records are decoded in order: the next one is almost always the one looked for.
+        let i = match self.batch.get(self.batch_next) {
+            Some(b) if b.at == at => self.batch_next,
+            _ => self.batch.iter().position(|b| b.at == at)?,
+        };
+        self.batch_next = i + 1;
+        let base = self.batch_base;
         let b = &mut self.batch[i];
-        (b.1 == tag && b.2 == raw && b.3 == clen).then(|| std::mem::take(&mut b.4))
+        if b.tag != tag || b.raw != raw || b.clen != clen {
+            return None;
+        }
+        let p = std::mem::take(&mut b.prepared);
+        let place = b
+            .place
+            .filter(|_| p.placed && out.as_ptr() as usize == base);
+        Some((p, place))
+    }
+
+    /// Counts in the `n` bytes a job placed at `place` (see [`prepare`](Self::prepare)) if they
+    /// are next in `out`, in the buffer they were placed in; false (nothing done) if not: the
+    /// caller then appends them itself.
+    fn take_placed(out: &mut Vec<u8>, place: Option<usize>, n: usize) -> bool {
+        let len = out.len();
+        if place != Some(len) || out.capacity() - len < n {
+            return false;
+        }
+        // SAFETY: `prepared` gives a place only for this very buffer (its address is the one
+        // `prepare` cut the places from, after reserving room for all of them) and only if the
+        // job wrote the record's `n` bytes there (`placed`: it writes a place only when what it
+        // copies fills it exactly); the records before this one rebuilt exactly what they
+        // announced (each is checked, and a batch holds only records that append what they
+        // rebuild), so they filled the buffer up to this place and did not write past it.
+        // Those `n` bytes are initialized, and they are the record's: the caller checked its
+        // decompressed length, or found the referenced chunk (the bytes copied ahead are the
+        // chunk held under the same fingerprint).
+        unsafe { out.set_len(len + n) };
+        true
     }
 
     /// Forgets what was prepared.
     fn end_batch(&mut self) {
         self.batch.clear();
+        self.batch_next = 0;
     }
 
     /// Counts this decoder's short stream contexts in `slots`, shared with the link's other
@@ -281,6 +397,12 @@ impl Decoder {
     /// Counts of what was rebuilt so far.
     pub fn stats(&self) -> DecodeStats {
         self.stats
+    }
+
+    /// Of the bytes rebuilt so far, those a worker copied into place (literals alone and chunks
+    /// held, see [`set_workers`](Self::set_workers)), which the decoding thread only counted in.
+    pub fn ahead_bytes(&self) -> u64 {
+        self.ahead_bytes
     }
 
     pub fn cache(&self) -> &ChunkCache {
@@ -440,7 +562,12 @@ impl Decoder {
                 f.copy_from_slice(&buf[1..17]);
                 let (len, h) = get_len(buf, 17)?;
                 fits(len)?;
-                let chunk = match self.cache.lookup(&f) {
+                // Copied (and checked) ahead on a worker, if it was held in memory then.
+                let (place, checked) = match self.prepared(rec_at, first, len, 0, out) {
+                    Some((p, place)) => (place, p.fingerprint == Some(f)),
+                    None => (None, false),
+                };
+                let chunk = match self.cache.lookup_checked(&f, checked) {
                     cache::Lookup::Hit(c) => c,
                     cache::Lookup::Miss => return Err(CodecError::Miss(f)),
                     cache::Lookup::Pending => return Err(CodecError::Pending(f)),
@@ -450,7 +577,13 @@ impl Decoder {
                         "reference length differs from the chunk",
                     ));
                 }
-                out.extend_from_slice(chunk);
+                // Copied ahead from this very chunk (held under its fingerprint), or here.
+                let ahead = Self::take_placed(out, place, len);
+                if !ahead {
+                    out.extend_from_slice(chunk);
+                }
+                debug_assert!(out.ends_with(chunk));
+                self.ahead_bytes += if ahead { len as u64 } else { 0 };
                 self.stats.hit_chunks += 1;
                 self.stats.hit_bytes += len as u64;
                 self.log_chunk(stream.log, f);
@@ -462,14 +595,19 @@ impl Decoder {
                 let at = 1 + h;
                 need(at + len)?;
                 let chunk = &buf[at..at + len];
-                out.extend_from_slice(chunk);
+                let (f, place) = match self.prepared(rec_at, first, len, len, out) {
+                    Some((p, place)) => (p.fingerprint, place),
+                    None => (None, None),
+                };
+                let ahead = Self::take_placed(out, place, len);
+                if !ahead {
+                    out.extend_from_slice(chunk);
+                }
+                debug_assert!(out.ends_with(chunk));
+                self.ahead_bytes += if ahead { len as u64 } else { 0 };
                 self.stats.lit_chunks += 1;
                 self.stats.lit_bytes += len as u64;
                 if cache {
-                    let f = match self.prepared(rec_at, first, len, len) {
-                        Some(p) => p.fingerprint,
-                        None => None,
-                    };
                     let f = f.unwrap_or_else(|| fingerprint(chunk));
                     self.cache.insert(f, chunk.to_vec());
                     self.log_chunk(stream.log, f);
@@ -504,14 +642,19 @@ impl Decoder {
                 need(at + clen)?;
                 let payload = &buf[at..at + clen];
                 // Decompressed ahead on a worker (into exactly the announced size), or here.
-                let (chunk, f) = match self.prepared(rec_at, first, raw_len, clen) {
-                    Some(p) if p.decoded => (p.out, p.fingerprint),
-                    _ => (self.decompress(tag, payload, raw_len)?, None),
+                let (chunk, f, place) = match self.prepared(rec_at, first, raw_len, clen, out) {
+                    Some((p, place)) if p.decoded => (p.out, p.fingerprint, place),
+                    _ => (self.decompress(tag, payload, raw_len)?, None, None),
                 };
                 if chunk.len() != raw_len {
                     return Err(CodecError::Decompress);
                 }
-                out.extend_from_slice(&chunk);
+                let ahead = Self::take_placed(out, place, raw_len);
+                if !ahead {
+                    out.extend_from_slice(&chunk);
+                }
+                debug_assert!(out.ends_with(&chunk));
+                self.ahead_bytes += if ahead { raw_len as u64 } else { 0 };
                 self.stats.lit_chunks += 1;
                 self.stats.lit_bytes += raw_len as u64;
                 if cache {
@@ -635,23 +778,22 @@ impl Decoder {
     ) -> (usize, Option<CodecError>) {
         let start = out.len();
         let mut used = 0;
-        // Where the prepared records start, and records decoded since.
-        let (mut base, mut n, mut prepared) = (0, BATCH, false);
+        // Where the prepared records start, and where the next batch is prepared (past what
+        // the last one looked at).
+        let (mut base, mut next, mut prepared) = (0, 0, false);
         let stop = loop {
             if used == records.len() {
                 break None;
             }
             let room = announced.saturating_sub(out.len() - start);
-            if self.workers.is_some() && n >= BATCH {
-                prepared = self.prepare(&records[used..], room);
-                (base, n) = (used, 0);
+            if self.workers.is_some() && used >= next {
+                let scanned;
+                (scanned, prepared) = self.prepare(&records[used..], room, out);
+                (base, next) = (used, used + scanned.max(1));
             }
             let at = prepared.then_some(used - base);
             match self.decode_record_at(&records[used..], out, stream, room, at) {
-                Ok(k) => {
-                    used += k;
-                    n += 1;
-                }
+                Ok(k) => used += k,
                 Err(e) => break Some(e),
             }
         };

@@ -2,6 +2,7 @@
 //! prepared chunks (on workers) encode and decode to the same records as chunks in turn.
 
 use super::*;
+use crate::format::{TAG_LIT, TAG_REF, TAG_REF_RUN_SHORT};
 
 #[test]
 fn a_run_of_literals_rebuilds_at_its_end_exactly_and_caches_every_chunk() {
@@ -227,6 +228,143 @@ fn anchors_found_on_workers_give_the_same_deltas() {
             dec.cache().snapshot().digest()
         );
     }
+}
+
+/// A decoder with workers has them copy what records rebuild straight into its output
+/// (literals alone after decompressing them, chunks held for references and reference runs,
+/// checked against their names there): the bytes are the stream's exactly, the cache the same
+/// as a decoder's in turn, on an output that starts with no room. A chunk damaged in the cache
+/// is still a miss (its copy made ahead is never counted in), and after the miss is answered
+/// the rest lands exactly. A frame cut off or damaged stops where it does in turn, with the
+/// same bytes before it.
+#[test]
+fn copies_made_on_the_workers_land_exactly_or_not_at_all() {
+    // With streams' logs, repeats go as reference runs; without, as references one by one.
+    for logs in [true, false] {
+        copies_made_on_the_workers_land_exactly(CodecConfig {
+            logs,
+            ..CodecConfig::default()
+        });
+    }
+}
+
+fn copies_made_on_the_workers_land_exactly(cfg: CodecConfig) {
+    // LZ4 literals, stored ones (noise), repeats within the copy, then the whole again.
+    let data = mix(&[
+        (1, 600_000, 3),
+        (0, 300_000, 4),
+        (2, 400_000, 0),
+        (1, 200_000, 5),
+    ]);
+    let mut enc = Encoder::new(cfg.clone());
+    let first = encode_all(Pressure::CpuBound, &mut enc, &data, &[65_536], false);
+    let second = encode_all(Pressure::CpuBound, &mut enc, &data, &[65_536], false);
+    let seen: std::collections::HashSet<u8> =
+        records(&mut Decoder::new(&cfg), &[&first[..], &second[..]].concat())
+            .into_iter()
+            .map(|(t, _)| t & !NO_CACHE)
+            .collect();
+    let repeats = if cfg.logs { TAG_REF_RUN_SHORT } else { TAG_REF };
+    for t in [TAG_LIT, TAG_LIT_LZ4, repeats] {
+        assert!(seen.contains(&t), "tag {t} in {seen:?}");
+    }
+    let workers = || -> Option<std::sync::Arc<dyn prepare::Workers>> {
+        Some(std::sync::Arc::new(Threads::new(2)))
+    };
+    let mut in_turn = Decoder::new(&cfg);
+    let mut want = Vec::new();
+    in_turn.decode(&first, &mut want).expect("decodes");
+    in_turn.decode(&second, &mut want).expect("decodes");
+    assert!(want == [&data[..], &data[..]].concat());
+
+    let mut dec = Decoder::new(&cfg);
+    dec.set_workers(workers());
+    let mut out = Vec::new();
+    assert_eq!(dec.decode(&first, &mut out), Ok(first.len()));
+    let ahead_first = dec.ahead_bytes();
+    assert_eq!(dec.decode(&second, &mut out), Ok(second.len()));
+    assert!(out == want);
+    let s = dec.stats();
+    let (len, second_ahead) = (data.len() as u64, dec.ahead_bytes() - ahead_first);
+    assert!(
+        ahead_first * 10 > len * 8 && second_ahead * 10 > len * 8,
+        "{ahead_first} and {second_ahead} of {len} bytes copied ahead: {s:?}"
+    );
+    assert_eq!(s, in_turn.stats(), "the same chunks rebuilt the same way");
+    assert_eq!(dec.cache().digest(), in_turn.cache().digest());
+
+    // Every seventh chunk damaged in the cache before the second copy.
+    let mut dec = Decoder::new(&cfg);
+    dec.set_workers(workers());
+    let mut out = Vec::new();
+    dec.decode(&first, &mut out).expect("decodes");
+    let mut damaged = 0;
+    for (at, len) in chunks(&data, &cfg).step_by(7) {
+        dec.cache_mut()
+            .corrupt_for_test(&crate::fingerprint::fingerprint(&data[at..at + len]));
+        damaged += 1;
+    }
+    let (mut at, mut misses) = (0, 0);
+    let mut ctx = StreamContext::default();
+    while at < second.len() {
+        let before = out.len();
+        let (used, stop) = dec.decode_frame(&second[at..], &mut out, &mut ctx, usize::MAX);
+        at += used;
+        assert!(
+            want.starts_with(&out),
+            "only whole, checked chunks are counted in"
+        );
+        match stop {
+            None => {}
+            Some(CodecError::Miss(f)) => {
+                misses += 1;
+                assert!(out.len() >= before);
+                // A chunk, or a run's names, as the link answers from the sender's mirror.
+                let answer = enc.mirror.chunk(&f).expect("the sender kept it");
+                assert!(dec.insert_verified(f, &answer));
+            }
+            Some(e) => panic!("decode: {e}"),
+        }
+        assert!(misses <= damaged + 10, "{misses} misses");
+    }
+    assert!(
+        misses >= damaged / 2,
+        "{misses} misses of {damaged} damaged"
+    );
+    assert!(out == want);
+
+    // Cut off, or a byte of a compressed literal changed: the same stop and bytes as in turn.
+    for cut in [first.len() / 3, first.len() / 2 + 7] {
+        let mut bad = first.clone();
+        bad.truncate(cut);
+        let mut d = Decoder::new(&cfg);
+        d.set_workers(workers());
+        let (mut o1, mut o2) = (Vec::new(), Vec::new());
+        let r1 = d.decode_frame(&bad, &mut o1, &mut Default::default(), usize::MAX);
+        let r2 =
+            Decoder::new(&cfg).decode_frame(&bad, &mut o2, &mut Default::default(), usize::MAX);
+        assert_eq!(r1, r2);
+        assert!(o1 == o2);
+    }
+    // The 40th LZ4 literal's wire offset and length.
+    let (mut d, mut o, mut at, mut lz4) = (Decoder::new(&cfg), Vec::new(), 0, Vec::new());
+    while at < first.len() {
+        let n = d.decode_record(&first[at..], &mut o).expect("decodes");
+        if first[at] == TAG_LIT_LZ4 {
+            lz4.push((at, n));
+        }
+        at += n;
+    }
+    let (lz4_at, lz4_len) = lz4[40];
+    let mut bad = first.clone();
+    bad[lz4_at + lz4_len / 2] ^= 0x5a;
+    let mut d = Decoder::new(&cfg);
+    d.set_workers(workers());
+    let (mut o1, mut o2) = (Vec::new(), Vec::new());
+    let r1 = d.decode_frame(&bad, &mut o1, &mut Default::default(), usize::MAX);
+    let r2 = Decoder::new(&cfg).decode_frame(&bad, &mut o2, &mut Default::default(), usize::MAX);
+    assert_eq!(r1, r2);
+    assert!(o1 == o2);
 }
 
 /// A link's frame room for a turn's records (a 256 KiB frame).
