@@ -26,8 +26,11 @@ const PART: usize = 2;
 /// jobs a preempted thread holds, and the wall time shows it: on the 2-core test VM, with both
 /// daemons and the applications on it, the pool cost a loopback pair a sixth of its rate
 /// (benches/README.md at 0a2ddc0). Calls twice as slow as alone turn it off at once
-/// ([`SLOWER`]). While it is not used, every [`HOLD`] calls the next [`PROBE`] use it again
-/// to see. Calls with the pool come back to back, so nothing is lost
+/// ([`SLOWER`]). While it is not used, after [`HOLD_FIRST`] calls the next [`PROBE`] use it
+/// again to see, and after twice as many each time it is turned down again, up to [`HOLD`]:
+/// a judgement a moment's stall of an idle host turned (a VM's, a thread's first wakeup)
+/// costs a few dozen calls, not hundreds. Calls with the pool come back to back, so nothing is
+/// lost
 /// to probing where the pool pays: the probe of the pool's first version ran a sixteenth of
 /// the calls on the caller alone, a tenth of a first copy's time on two idle cores.
 #[derive(Debug)]
@@ -49,7 +52,9 @@ pub struct Pool {
 
 /// Calls a judgement of the pool takes.
 const PROBE: u32 = 16;
-/// Calls without the pool before the next probe.
+/// Calls without the pool before the next probe, after the pool was turned down once, and
+/// at most (after it was turned down again and again: a busy host).
+const HOLD_FIRST: u32 = 16;
 const HOLD: u32 = 256;
 /// The pool is used while a call's wall time with it is at most this share of the CPU time it
 /// took (what the caller alone would have spent).
@@ -81,6 +86,8 @@ struct Judge {
     cpu: Duration,
     /// The share of the CPU time under which the pool is used.
     gain: f64,
+    /// Calls without the pool after the next judgement that turns it down.
+    hold: u32,
 }
 
 impl Judge {
@@ -90,6 +97,7 @@ impl Judge {
             left: PROBE,
             helped: true,
             gain,
+            hold: HOLD_FIRST,
             ..Judge::default()
         }
     }
@@ -116,7 +124,14 @@ impl Judge {
         if self.helped {
             // Judged again every probe's worth of calls while the pool is used.
             self.helped = self.wall.as_secs_f64() <= self.cpu.as_secs_f64() * self.gain;
-            self.left = if self.helped { PROBE } else { HOLD };
+            self.left = if self.helped {
+                self.hold = HOLD_FIRST;
+                PROBE
+            } else {
+                let hold = self.hold;
+                self.hold = (hold * 2).min(HOLD);
+                hold
+            };
         } else {
             // A probe: the next calls use the pool, and are judged.
             self.helped = true;
@@ -359,7 +374,7 @@ mod tests {
         assert_eq!(judge(GAIN, 55, 100), (true, PROBE));
         // Busy cores: the caller waits for jobs a preempted thread holds, or wakes a thread
         // that waits for a core: the wall time is what the caller alone would have spent.
-        assert_eq!(judge(GAIN, 95, 100), (false, HOLD));
+        assert_eq!(judge(GAIN, 95, 100), (false, HOLD_FIRST));
         // Far slower than alone: judged after two calls, not a probe's worth.
         let us = Duration::from_micros;
         let mut j = Judge::new(GAIN);
@@ -369,20 +384,20 @@ mod tests {
             "one call is not enough"
         );
         assert_eq!(j.done(Some((us(150), us(100)))), Some(false));
-        assert_eq!(j.left, HOLD);
+        assert_eq!(j.left, HOLD_FIRST);
         // Slower, but not twice: the probe's calls all count.
         let mut j = Judge::new(GAIN);
         assert_eq!(j.done(Some((us(150), us(100)))), None);
         assert_eq!(j.done(Some((us(150), us(100)))), None);
-        assert_eq!(judge(GAIN, 140, 100), (false, HOLD));
+        assert_eq!(judge(GAIN, 140, 100), (false, HOLD_FIRST));
         // Jobs run ahead of the encoding caller: a smaller gain is taken, none is not.
         assert_eq!(judge(GAIN_AHEAD, 88, 100), (true, PROBE));
-        assert_eq!(judge(GAIN_AHEAD, 97, 100), (false, HOLD));
-        // Turned off, the pool is not used for `HOLD` calls; then a probe uses it again, and
-        // it stays in use if it pays by then (the host's other work ended).
+        assert_eq!(judge(GAIN_AHEAD, 97, 100), (false, HOLD_FIRST));
+        // Turned off, the pool is not used for `HOLD_FIRST` calls; then a probe uses it again,
+        // and it stays in use if it pays by then (the host's other work ended).
         let mut j = Judge::new(GAIN);
         let mut verdicts = Vec::new();
-        for i in 0..PROBE + HOLD + PROBE {
+        for i in 0..PROBE + HOLD_FIRST + PROBE {
             let call = j.helped.then(|| {
                 if i < PROBE {
                     (us(120), us(100))
@@ -398,10 +413,37 @@ mod tests {
             verdicts,
             [
                 (PROBE - 1, false),
-                (PROBE + HOLD - 1, true),
-                (PROBE + HOLD + PROBE - 1, true)
+                (PROBE + HOLD_FIRST - 1, true),
+                (PROBE + HOLD_FIRST + PROBE - 1, true)
             ]
         );
+        // A host that stays busy: each probe turns the pool down again, for twice as long as
+        // the last time up to `HOLD`; once a probe pays, the next hold is short again.
+        let mut j = Judge::new(GAIN);
+        let mut holds = Vec::new();
+        for _ in 0..PROBE * 7 + HOLD * 6 {
+            let call = j.helped.then_some((us(120), us(100)));
+            if j.done(call) == Some(false) {
+                holds.push(j.left);
+            }
+            if holds.len() == 7 {
+                break;
+            }
+        }
+        let h = HOLD_FIRST;
+        assert_eq!(holds, [h, 2 * h, 4 * h, 8 * h, HOLD, HOLD, HOLD]);
+        for _ in 1..HOLD {
+            assert_eq!(j.done(None), None);
+        }
+        assert_eq!(j.done(None), Some(true), "a probe after the longest hold");
+        for _ in 0..PROBE - 1 {
+            assert_eq!(j.done(Some((us(50), us(100)))), None);
+        }
+        assert_eq!(j.done(Some((us(50), us(100)))), Some(true));
+        for _ in 0..PROBE {
+            j.done(Some((us(120), us(100))));
+        }
+        assert_eq!((j.helped, j.left), (false, HOLD_FIRST));
     }
 
     /// Four bulk streams in long stream contexts, side by side: with the pool, each turn's
