@@ -55,11 +55,12 @@ impl Stream {
         }
     }
 
-    /// Queues `data`; with `flush`, everything queued goes without waiting for a boundary.
-    fn push(&mut self, data: &[u8], flush: bool) {
+    /// Queues `data` (as it is: a link's stream queues the buffers its application wrote);
+    /// with `flush`, everything queued goes without waiting for a boundary.
+    fn push(&mut self, data: Bytes, flush: bool) {
         if !data.is_empty() {
-            self.queue.push_back(Bytes::copy_from_slice(data));
             self.queued += data.len() as u64;
+            self.queue.push_back(data);
         }
         if flush {
             self.sender.flush_at = self.queued;
@@ -196,6 +197,12 @@ impl Encoder {
     /// Takes stream bytes and appends records to `out`. Without `flush`, the bytes after the last
     /// chunk boundary wait for more data; with it (latency class, end of stream) nothing waits.
     pub fn push(&mut self, data: &[u8], flush: bool, pressure: Pressure, out: &mut Vec<u8>) {
+        self.push_bytes(Bytes::copy_from_slice(data), flush, pressure, out);
+    }
+
+    /// [`push`](Self::push) of bytes already in a buffer of their own, queued without a copy as
+    /// a link queues what its application wrote.
+    pub fn push_bytes(&mut self, data: Bytes, flush: bool, pressure: Pressure, out: &mut Vec<u8>) {
         self.stream.push(data, flush);
         let lim = Limits {
             budget: RAW_TURN,
@@ -278,6 +285,11 @@ impl Streams {
     /// Queues `data` on stream `k` (none past the last); with `flush`, all the stream's bytes
     /// go without waiting for a boundary.
     pub fn push(&mut self, k: usize, data: &[u8], flush: bool) {
+        self.push_bytes(k, Bytes::copy_from_slice(data), flush);
+    }
+
+    /// [`push`](Self::push) of bytes already in a buffer of their own, queued without a copy.
+    pub fn push_bytes(&mut self, k: usize, data: Bytes, flush: bool) {
         if let Some(s) = self.streams.get_mut(k) {
             s.push(data, flush);
         }
@@ -295,19 +307,33 @@ impl Streams {
         out: &mut Vec<u8>,
         turns: &mut Vec<(usize, usize)>,
     ) {
+        let parts: Vec<Bytes> = parts.iter().map(|p| Bytes::copy_from_slice(p)).collect();
+        self.send_bytes(&parts, write, pressure, out, turns);
+    }
+
+    /// [`send`](Self::send) of parts already in buffers of their own: each write is a slice of
+    /// its part, queued without a copy as a link queues what its application wrote.
+    pub fn send_bytes(
+        &mut self,
+        parts: &[Bytes],
+        write: usize,
+        pressure: Pressure,
+        out: &mut Vec<u8>,
+        turns: &mut Vec<(usize, usize)>,
+    ) {
         let mut take = |s: &mut Self, out: &mut Vec<u8>| while s.turn(pressure, out, turns) {};
         let write = write.max(1);
         let longest = parts.iter().map(|p| p.len()).max().unwrap_or(0);
         for at in (0..longest).step_by(write) {
             for (k, p) in parts.iter().enumerate() {
-                if let Some(piece) = p.get(at..p.len().min(at + write)) {
-                    self.push(k, piece, false);
+                if at < p.len() {
+                    self.push_bytes(k, p.slice(at..p.len().min(at + write)), false);
                     take(self, out);
                 }
             }
         }
         for k in 0..parts.len() {
-            self.push(k, &[], true);
+            self.push_bytes(k, Bytes::new(), true);
         }
         take(self, out);
         self.finish(out, turns);
