@@ -192,8 +192,12 @@ impl Decoder {
         let start = out.len();
         // Literal bytes prepared, and where the next record's bytes go in `out`.
         let (mut at, mut raw, mut pos) = (0, 0, start);
-        // (record offset, tag, raw length, payload range, work, place in `out`)
+        // (record offset, tag, raw length, payload length, the bytes the job works on, work,
+        // place in `out`)
         let mut found = Vec::new();
+        // Held chunks are checked against their names on the workers, if this cache checks
+        // what it holds.
+        let check = self.cache.verifies_memory().then_some(Work::Fingerprint);
         while found.len() < BATCH {
             let Some(&first) = buf.get(at) else { break };
             let rec = &buf[at..];
@@ -204,14 +208,13 @@ impl Decoder {
                 // A chunk held in memory is copied into its place too (the record's lookup
                 // then confirms it); any other reference is copied when it is decoded.
                 let place = Some(pos).filter(|p| p - start + len <= room);
-                let held = rec.get(1..17).and_then(|f| {
-                    let f: Fingerprint = f.try_into().ok()?;
-                    self.cache.in_memory_bytes(&f).map(|c| c.len())
-                });
-                // Checked against its name there too, if this cache checks what it holds.
-                let check = self.cache.verifies_memory().then_some(Work::Fingerprint);
-                if let Some(place) = place.filter(|_| held == Some(len)) {
-                    found.push((at, first, len, 0..0, check, Some(place)));
+                let held = rec
+                    .get(1..17)
+                    .and_then(|f| <[u8; 16]>::try_from(f).ok())
+                    .and_then(|f| self.cache.in_memory_bytes(&f))
+                    .filter(|c| c.len() == len);
+                if let (Some(place), Some(chunk)) = (place, held) {
+                    found.push((at, first, len, 0, chunk, check, Some(place)));
                 }
                 pos = pos.saturating_add(len);
                 at += 17 + h;
@@ -258,7 +261,8 @@ impl Decoder {
                 _ => hash.then_some(Work::Fingerprint),
             };
             if work.is_some() || place.is_some() {
-                found.push((at, first, raw_len, payload_at..end, work, place));
+                let payload = &buf[payload_at..end];
+                found.push((at, first, raw_len, clen, payload, work, place));
             }
             at = end;
         }
@@ -268,7 +272,7 @@ impl Decoder {
         // Room for every byte placed, so that what the records before write does not move it.
         let placed_end = found
             .iter()
-            .filter_map(|f| f.5.map(|p| p + f.2))
+            .filter_map(|f| f.6.map(|p| p + f.2))
             .max()
             .unwrap_or(start);
         out.reserve(placed_end - start);
@@ -277,15 +281,15 @@ impl Decoder {
             at: f.0,
             tag: f.1,
             raw: f.2,
-            clen: f.3.len(),
-            place: f.5,
+            clen: f.3,
+            place: f.6,
             prepared: Default::default(),
         }));
         // The spare room cut into the records' places, in order (they do not overlap).
         let mut spare = out.spare_capacity_mut();
         let mut spare_at = start;
         let mut jobs: Vec<Job<'_>> = Vec::with_capacity(found.len());
-        for ((rec_at, tag, raw_len, p, work, place), slot) in
+        for ((_, _, raw_len, _, bytes, work, place), slot) in
             found.into_iter().zip(self.batch.iter_mut())
         {
             let place = match place {
@@ -302,15 +306,7 @@ impl Decoder {
                     None
                 }
             };
-            // A reference's bytes come out of the cache; a literal's out of its payload.
-            let bytes = if tag == TAG_REF {
-                buf.get(rec_at + 1..rec_at + 17)
-                    .and_then(|f| <[u8; 16]>::try_from(f).ok())
-                    .and_then(|f| self.cache.in_memory_bytes(&f))
-                    .unwrap_or_default()
-            } else {
-                &buf[p]
-            };
+            // A reference's bytes come out of the cache, a literal's out of its payload.
             jobs.push(Job::placed(bytes, work, &mut slot.prepared, place));
         }
         w.run(&mut jobs);
