@@ -1,10 +1,39 @@
 //! Fuzzes the optimization codec's decoder: arbitrary records must never panic or allocate past
 //! the record limit, whatever the cache holds, and whatever zstd context the stream has; a
-//! decoder that decompresses literals ahead on workers must rebuild exactly the same.
+//! decoder that decompresses literals ahead on workers must rebuild exactly the same, with the
+//! workers in turn on its thread or on a thread beside it (the daemon's pool: the jobs then
+//! write into the output while the decoding thread counts earlier records in).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
+use wanopt_codec::prepare::{Ahead, Job, Workers};
 use wanopt_codec::{CodecConfig, Decoder, Encoder, Pressure};
+
+/// Workers on a thread beside the caller's, started for each call.
+#[derive(Debug)]
+struct Beside;
+
+impl Workers for Beside {
+    fn run(&self, jobs: &mut [Job<'_>]) {
+        let (a, b) = jobs.split_at_mut(jobs.len() / 2);
+        std::thread::scope(|s| {
+            s.spawn(|| a.iter_mut().for_each(Job::run));
+            b.iter_mut().for_each(Job::run);
+        });
+    }
+
+    fn threads(&self) -> usize {
+        2
+    }
+
+    fn overlap(&self, ahead: &Ahead<'_>, caller: &mut dyn FnMut()) {
+        std::thread::scope(|s| {
+            s.spawn(|| ahead.work());
+            caller();
+            ahead.work();
+        });
+    }
+}
 
 fuzz_target!(|data: &[u8]| {
     let cfg = CodecConfig {
@@ -28,14 +57,20 @@ fuzz_target!(|data: &[u8]| {
     }
     let mut pooled = Decoder::new(&cfg);
     pooled.set_workers(Some(std::sync::Arc::new(wanopt_codec::prepare::Inline)));
+    let mut beside = Decoder::new(&cfg);
+    beside.set_workers(Some(std::sync::Arc::new(Beside)));
     let mut out = Vec::new();
     let _ = dec.decode(&wire, &mut out);
     let _ = pooled.decode(&wire, &mut Vec::new());
+    let _ = beside.decode(&wire, &mut Vec::new());
     // Then feed the raw input as records.
     let mut out = Vec::new();
     let r = dec.decode(data, &mut out);
     assert!(out.len() <= data.len().saturating_mul(300) + wanopt_codec::MAX_RECORD * 2);
     let mut again = Vec::new();
     assert_eq!(pooled.decode(data, &mut again), r);
+    assert!(again == out);
+    let mut again = Vec::new();
+    assert_eq!(beside.decode(data, &mut again), r);
     assert!(again == out);
 });

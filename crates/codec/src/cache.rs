@@ -14,6 +14,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::task::Poll;
 
+use bytes::Bytes;
+
 use crate::store::{ChunkStore, Loc};
 
 /// Chunks are named by their fingerprint (see [`crate::fingerprint`]).
@@ -23,7 +25,7 @@ pub use crate::snapshot::{SnapEntry, Snapshot, SnapshotError};
 #[derive(Debug)]
 struct Entry {
     /// The chunk's bytes when held in memory (never in a mirror).
-    mem: Option<Vec<u8>>,
+    mem: Option<Bytes>,
     /// Where the chunk is on disk, with a disk tier.
     loc: Option<Loc>,
     len: usize,
@@ -428,7 +430,7 @@ impl ChunkCache {
         {
             self.mem_size += data.len();
             self.mem_order.insert(e.mem_stamp, *f);
-            e.mem = Some(data);
+            e.mem = Some(Bytes::from(data));
         }
     }
 
@@ -443,6 +445,12 @@ impl ChunkCache {
     /// decoder copies ahead for a reference that [`lookup`](Self::lookup) then confirms.
     pub(crate) fn in_memory_bytes(&self, f: &Fingerprint) -> Option<&[u8]> {
         self.entries.get(f)?.mem.as_deref()
+    }
+
+    /// Like [`in_memory_bytes`](Self::in_memory_bytes), as a handle of its own: a copy made
+    /// from it may run while the cache goes on changing (and drops the chunk).
+    pub(crate) fn in_memory_handle(&self, f: &Fingerprint) -> Option<Bytes> {
+        self.entries.get(f)?.mem.clone()
     }
 
     /// Inserts a chunk (or refreshes it), evicting the least recently used chunks to fit.
@@ -479,7 +487,11 @@ impl ChunkCache {
             _ => None,
         };
         self.on_disk += u64::from(loc.is_some());
-        let mem = if self.mem_limit > 0 { data } else { None };
+        let mem = if self.mem_limit > 0 {
+            data.map(Bytes::from)
+        } else {
+            None
+        };
         if mem.is_some() {
             self.mem_size += len;
             self.mem_order.insert(self.clock, f);
@@ -688,9 +700,7 @@ impl ChunkCache {
     #[doc(hidden)]
     pub fn corrupt_all_for_test(&mut self) -> usize {
         for e in self.entries.values_mut() {
-            if let Some(b) = e.mem.as_mut().and_then(|d| d.first_mut()) {
-                *b ^= 0xff;
-            }
+            damage(&mut e.mem);
         }
         self.entries.len()
     }
@@ -698,11 +708,20 @@ impl ChunkCache {
     /// Test hook: damages a chunk held in memory, as a bad disk or memory would.
     #[doc(hidden)]
     pub fn corrupt_for_test(&mut self, f: &Fingerprint) {
-        if let Some(e) = self.entries.get_mut(f)
-            && let Some(b) = e.mem.as_mut().and_then(|d| d.first_mut())
-        {
-            *b ^= 0xff;
+        if let Some(e) = self.entries.get_mut(f) {
+            damage(&mut e.mem);
         }
+    }
+}
+
+/// Flips the first byte of a chunk held in memory (a test hook's damage).
+fn damage(mem: &mut Option<Bytes>) {
+    if let Some(d) = mem.as_mut()
+        && !d.is_empty()
+    {
+        let mut v = d.to_vec();
+        v[0] ^= 0xff;
+        *d = Bytes::from(v);
     }
 }
 

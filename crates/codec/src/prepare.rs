@@ -5,8 +5,8 @@
 //! in link order with the results: the records are byte for byte the ones it would have written
 //! preparing nothing. A decoder likewise decompresses and fingerprints a frame's literals alone
 //! ahead, and inserts them into its cache in order; its workers also copy what those literals
-//! and the chunks its references name rebuild straight into its output, so that the decoding
-//! thread only counts them in.
+//! and the chunks its references name rebuild straight into its output ([`Place`]), so that the
+//! decoding thread only counts them in, record by record, while later jobs still run.
 
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
@@ -229,6 +229,14 @@ impl<'a> Ahead<'a> {
         true
     }
 
+    /// Every job run: here, those nobody has started; then each one a worker runs is waited
+    /// for. After it, no job touches anything it was given.
+    pub(crate) fn finish_all(&self) {
+        for m in &self.jobs {
+            m.lock().unwrap_or_else(|p| p.into_inner()).finish();
+        }
+    }
+
     /// Job `i` run (here, if nobody has started it; else once the worker running it is done),
     /// then `f` on what it prepared. `None` for no such job.
     pub(crate) fn with<R>(&self, i: usize, f: impl FnOnce(&mut Prepared) -> R) -> Option<R> {
@@ -281,7 +289,7 @@ enum Task<'a> {
         slot: &'a mut Prepared,
         /// A decoder's job: where in its output the bytes the record rebuilds go (see
         /// [`Job::placed`]).
-        place: Option<&'a mut [MaybeUninit<u8>]>,
+        place: Option<Place<'a>>,
     },
     /// The chunks of `bytes` that start in `piece` and end before its end, `most` of them,
     /// cut from `begin` on (see [`crate::cuts::chain_in_piece`]: a boundary, or a guess), each
@@ -368,7 +376,7 @@ impl<'a> Job<'a> {
         chunk: &'a [u8],
         work: Option<Work>,
         slot: &'a mut Prepared,
-        place: Option<&'a mut [MaybeUninit<u8>]>,
+        place: Option<Place<'a>>,
     ) -> Self {
         Job {
             task: Task::Chunk {
@@ -433,7 +441,7 @@ impl<'a> Job<'a> {
                 place,
             } => {
                 prepare_chunk(chunk, *work, *anchors, slot);
-                if let Some(place) = place.as_deref_mut() {
+                if let Some(place) = place.as_mut() {
                     place_rebuilt(chunk, *work, slot, place);
                 }
             }
@@ -513,20 +521,62 @@ fn prepare_chunk(chunk: &[u8], work: Option<Work>, anchors: bool, s: &mut Prepar
 
 /// A decoder's job, after its work: the bytes the record rebuilds (what was decompressed, or
 /// a stored literal's payload) copied into `place` if they fill it exactly.
-fn place_rebuilt(
-    chunk: &[u8],
-    work: Option<Work>,
-    s: &mut Prepared,
-    place: &mut [MaybeUninit<u8>],
-) {
+fn place_rebuilt(chunk: &[u8], work: Option<Work>, s: &mut Prepared, place: &mut Place<'_>) {
     let rebuilt: &[u8] = match work {
         Some(Work::Unlz4 { .. } | Work::Unzstd { .. }) if s.decoded => &s.out,
         Some(Work::Unlz4 { .. } | Work::Unzstd { .. } | Work::Lz4 | Work::Zstd { .. }) => return,
         Some(Work::Fingerprint) | None => chunk,
     };
-    if rebuilt.len() == place.len() {
-        place.write_copy_of_slice(rebuilt);
-        s.placed = true;
+    s.placed = place.write(rebuilt);
+}
+
+/// Where a decoder's job writes what a record rebuilds: a part of the decoder's output past
+/// its length, which nobody else reads or writes until the job is done.
+pub(crate) struct Place<'a> {
+    ptr: *mut MaybeUninit<u8>,
+    len: usize,
+    _room: std::marker::PhantomData<&'a mut [MaybeUninit<u8>]>,
+}
+
+// SAFETY: a place is written only by the job that holds it, on whichever thread runs that job,
+// and by nobody else until the job is done (`Place::raw`'s contract; a borrowed slice's own).
+unsafe impl Send for Place<'_> {}
+
+impl<'a> From<&'a mut [MaybeUninit<u8>]> for Place<'a> {
+    fn from(room: &'a mut [MaybeUninit<u8>]) -> Self {
+        Place {
+            ptr: room.as_mut_ptr(),
+            len: room.len(),
+            _room: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Place<'_> {
+    /// The `len` bytes from `ptr`, as a place for one job.
+    ///
+    /// # Safety
+    /// The bytes must stay allocated and writable, and nobody else may read or write them (nor
+    /// move or free the buffer they are in), until the job holding the place has run: until
+    /// [`Ahead::with`] of that job, or [`Ahead::finish_all`], returns.
+    pub(crate) unsafe fn raw(ptr: *mut MaybeUninit<u8>, len: usize) -> Self {
+        Place {
+            ptr,
+            len,
+            _room: std::marker::PhantomData,
+        }
+    }
+
+    /// Copies `bytes` into the place if they fill it exactly; true if they did.
+    fn write(&mut self, bytes: &[u8]) -> bool {
+        if bytes.len() != self.len {
+            return false;
+        }
+        // SAFETY: the place's `len` bytes are this job's alone to write (see `Place::raw`, or
+        // the borrowed slice it was made from), and `bytes` is exactly that long; a job's own
+        // buffers never overlap its place.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr.cast::<u8>(), self.len) };
+        true
     }
 }
 

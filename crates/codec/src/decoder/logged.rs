@@ -162,7 +162,7 @@ impl Decoder {
                     chunk,
                     verify.then_some(Work::Fingerprint),
                     slot,
-                    Some(mine),
+                    Some(mine.into()),
                 ));
             }
             if jobs.len() == names.len() && spare.is_empty() {

@@ -47,12 +47,8 @@ pub struct Decoder {
     pub(crate) delta: delta::RecvScratch,
     /// Threads to decompress literals on ahead (see [`prepare`]); `None`: in turn.
     workers: Option<std::sync::Arc<dyn prepare::Workers>>,
-    /// What [`prepare`](Decoder::prepare) made, in record order (a slot serves only the record
-    /// it was made for), the next one to look at, and the output buffer's address when it was
-    /// prepared (what was placed in it counts only in that buffer).
-    batch: Vec<Batched>,
-    batch_next: usize,
-    batch_base: usize,
+    /// The slots a batch's jobs prepare in (see [`Decoder::decode_batch`]; kept for reuse).
+    batch_slots: Vec<prepare::Prepared>,
     /// Bytes rebuilt that a worker copied into place (see [`Decoder::ahead_bytes`]).
     ahead_bytes: u64,
     /// Slots a run's chunks are fingerprinted in on the workers (kept for reuse).
@@ -71,9 +67,28 @@ pub struct Decoder {
 /// most this many of them (and no more than their frame announced).
 const PREPARE_BYTES: usize = 4 << 20;
 
-/// One record [`prepare`](Decoder::prepare) made work for: its offset in the bytes prepared,
-/// tag, raw and payload lengths, where in the output what it rebuilds was to be placed (if
-/// anywhere), and what the job made.
+/// One record [`scan`](Decoder::scan) found work for: its offset in the bytes scanned, tag,
+/// raw and payload lengths, the bytes its job works on, the work, and where in the output what
+/// it rebuilds is to be placed (if anywhere).
+struct Scanned {
+    at: usize,
+    tag: u8,
+    raw: usize,
+    clen: usize,
+    source: Source,
+    work: Option<prepare::Work>,
+    place: Option<usize>,
+}
+
+/// What a job works on: a literal's payload (its place in the bytes scanned), or the chunk a
+/// reference names, held in memory (a handle of its own, so the cache may change meanwhile).
+enum Source {
+    Payload(std::ops::Range<usize>),
+    Held(bytes::Bytes),
+}
+
+/// One record of a batch, the `n`th job's: its offset in the bytes scanned, tag, raw and
+/// payload lengths, and where in the output its job places what it rebuilds (if anywhere).
 #[derive(Debug)]
 struct Batched {
     at: usize,
@@ -81,7 +96,64 @@ struct Batched {
     raw: usize,
     clen: usize,
     place: Option<usize>,
-    prepared: prepare::Prepared,
+}
+
+/// A batch being decoded while its jobs run (see [`Decoder::decode_batch`]).
+struct Batch<'m, 'a> {
+    meta: &'m [Batched],
+    ahead: &'m prepare::Ahead<'a>,
+    /// The next record to look at.
+    next: usize,
+    /// The address of the output buffer the places were cut from.
+    base: usize,
+    /// Every job has run.
+    settled: bool,
+}
+
+impl Batch<'_, '_> {
+    /// Waits for every job (running those nobody has begun): after it, nothing writes into
+    /// the output but the decoding thread, which may then grow it.
+    fn settle(&mut self) {
+        if !self.settled {
+            self.ahead.finish_all();
+            self.settled = true;
+        }
+    }
+
+    /// What the job for the record at `at` with this tag and lengths made, taken once it has
+    /// run, with where its bytes were placed in `out` (its offset, if they were and `out` is
+    /// the buffer they were placed in). `None` if no job was made for that record; the batch is
+    /// then settled, as it is when nothing was placed, since the caller writes `out` itself.
+    fn take(
+        &mut self,
+        at: usize,
+        tag: u8,
+        raw: usize,
+        clen: usize,
+        out: &[u8],
+    ) -> Option<(prepare::Prepared, Option<usize>)> {
+        // Records are decoded in order: the next one is almost always the one looked for.
+        let i = match self.meta.get(self.next) {
+            Some(b) if b.at == at => Some(self.next),
+            _ => self.meta.iter().position(|b| b.at == at),
+        };
+        let found = i.and_then(|i| {
+            self.next = i + 1;
+            let b = &self.meta[i];
+            if b.tag != tag || b.raw != raw || b.clen != clen {
+                return None;
+            }
+            let p = self.ahead.with(i, std::mem::take)?;
+            let place = b
+                .place
+                .filter(|_| p.placed && out.as_ptr() as usize == self.base);
+            Some((p, place))
+        });
+        if found.as_ref().is_none_or(|(_, place)| place.is_none()) {
+            self.settle();
+        }
+        found
+    }
 }
 
 impl Decoder {
@@ -110,9 +182,7 @@ impl Decoder {
             own: StreamContext::default(),
             delta: delta::RecvScratch::default(),
             workers: None,
-            batch: Vec::new(),
-            batch_next: 0,
-            batch_base: 0,
+            batch_slots: Vec::new(),
             ahead_bytes: 0,
             run_slots: Vec::new(),
             logs: crate::logs::Logs::for_cache(cache.capacity()),
@@ -168,32 +238,26 @@ impl Decoder {
     }
 
     /// Decompresses literals on `workers` ahead, and has them copy what literals and held
-    /// chunks rebuild straight into the output (see [`prepare`](Self::prepare)).
+    /// chunks rebuild straight into the output (see [`decode_batch`](Self::decode_batch)).
     pub fn set_workers(&mut self, workers: Option<std::sync::Arc<dyn prepare::Workers>>) {
         self.workers = workers;
     }
 
-    /// Decompresses and fingerprints, on the workers, the literals alone among the whole records
-    /// at the front of `buf` (up to [`BATCH`](BATCH) of them, rebuilding at most `room`
-    /// bytes), for [`decode_record_at`](Self::decode_record_at) to insert in order. The scan
-    /// stops at the first record that is not a reference or a literal alone; every record is
-    /// still checked in full when it is decoded. Each job also writes what its record rebuilds
-    /// into `out`'s spare room, where the record will put it if every record before it rebuilds
-    /// what it announces (see [`Job::placed`](prepare::Job::placed)): the caller then only
-    /// counts those bytes in. False if nothing was prepared.
-    fn prepare(&mut self, buf: &[u8], room: usize, out: &mut Vec<u8>) -> (usize, bool) {
-        use prepare::{Job, Work};
-        self.batch.clear();
-        self.batch_next = 0;
-        let Some(w) = self.workers.clone() else {
-            return (buf.len(), false);
-        };
+    /// Finds, among the whole records at the front of `buf` (up to [`BATCH`](BATCH) of them,
+    /// rebuilding at most `room` bytes), the work the workers can do for them: literals alone
+    /// decompressed and fingerprinted, and chunks held in memory for references copied (and
+    /// checked against their names, if this cache checks what it holds). Each also gets its
+    /// place in `out`'s spare room, reserved here: where its record will put what it rebuilds
+    /// if every record before it rebuilds what it announces. The scan stops at the first record
+    /// that is not a reference, a literal alone or a log's start; every record is still checked
+    /// in full when it is decoded. Returns the bytes scanned, and the work (none for fewer than
+    /// two records).
+    fn scan(&mut self, buf: &[u8], room: usize, out: &mut Vec<u8>) -> (usize, Vec<Scanned>) {
+        use prepare::Work;
         let room = room.min(PREPARE_BYTES);
         let start = out.len();
         // Literal bytes prepared, and where the next record's bytes go in `out`.
         let (mut at, mut raw, mut pos) = (0, 0, start);
-        // (record offset, tag, raw length, payload length, the bytes the job works on, work,
-        // place in `out`)
         let mut found = Vec::new();
         // Held chunks are checked against their names on the workers, if this cache checks
         // what it holds.
@@ -211,10 +275,18 @@ impl Decoder {
                 let held = rec
                     .get(1..17)
                     .and_then(|f| <[u8; 16]>::try_from(f).ok())
-                    .and_then(|f| self.cache.in_memory_bytes(&f))
+                    .and_then(|f| self.cache.in_memory_handle(&f))
                     .filter(|c| c.len() == len);
                 if let (Some(place), Some(chunk)) = (place, held) {
-                    found.push((at, first, len, 0, chunk, check, Some(place)));
+                    found.push(Scanned {
+                        at,
+                        tag: first,
+                        raw: len,
+                        clen: 0,
+                        source: Source::Held(chunk),
+                        work: check,
+                        place: Some(place),
+                    });
                 }
                 pos = pos.saturating_add(len);
                 at += 17 + h;
@@ -261,113 +333,145 @@ impl Decoder {
                 _ => hash.then_some(Work::Fingerprint),
             };
             if work.is_some() || place.is_some() {
-                let payload = &buf[payload_at..end];
-                found.push((at, first, raw_len, clen, payload, work, place));
+                found.push(Scanned {
+                    at,
+                    tag: first,
+                    raw: raw_len,
+                    clen,
+                    source: Source::Payload(payload_at..end),
+                    work,
+                    place,
+                });
             }
             at = end;
         }
         if found.len() < 2 {
-            return (at, false);
+            return (at, Vec::new());
         }
         // Room for every byte placed, so that what the records before write does not move it.
         let placed_end = found
             .iter()
-            .filter_map(|f| f.6.map(|p| p + f.2))
+            .filter_map(|f| f.place.map(|p| p + f.raw))
             .max()
             .unwrap_or(start);
         out.reserve(placed_end - start);
-        self.batch_base = out.as_ptr() as usize;
-        self.batch.extend(found.iter().map(|f| Batched {
-            at: f.0,
-            tag: f.1,
-            raw: f.2,
-            clen: f.3,
-            place: f.6,
-            prepared: Default::default(),
-        }));
-        // The spare room cut into the records' places, in order (they do not overlap).
-        let mut spare = out.spare_capacity_mut();
-        let mut spare_at = start;
-        let mut jobs: Vec<Job<'_>> = Vec::with_capacity(found.len());
-        for ((_, _, raw_len, _, bytes, work, place), slot) in
-            found.into_iter().zip(self.batch.iter_mut())
-        {
-            let place = match place {
-                Some(off) if off >= spare_at && off - spare_at + raw_len <= spare.len() => {
-                    let rest = std::mem::take(&mut spare);
-                    let (_, rest) = rest.split_at_mut(off - spare_at);
-                    let (mine, rest) = rest.split_at_mut(raw_len);
-                    spare = rest;
-                    spare_at = off + raw_len;
-                    Some(mine)
-                }
-                _ => {
-                    slot.place = None;
-                    None
-                }
-            };
-            // A reference's bytes come out of the cache, a literal's out of its payload.
-            jobs.push(Job::placed(bytes, work, &mut slot.prepared, place));
-        }
-        w.run(&mut jobs);
-        (at, true)
+        (at, found)
     }
 
-    /// What was prepared for the record at `at` with this tag and lengths, taken, with where
-    /// its bytes were placed in `out` (its offset, if they were and `out` is still the buffer
-    /// they were placed in); `None` if nothing was (or it was made for another record).
-    fn prepared(
+    /// Decodes the records of `records` from `*used` up to `end` (what [`scan`](Self::scan)
+    /// scanned from `*used`, finding `found`) while the workers do their work, as
+    /// [`decode_frame`](Self::decode_frame) does; the decoding thread takes each record's work
+    /// when it comes to it (doing it itself if no worker has begun it, or waiting for the one
+    /// that has), and counts in what the job placed in `out`. A record whose work is not all
+    /// the job's, or not placed where it is appended, first waits for every job (see
+    /// [`Batch::settle`]): only then is `out` written or grown. What stopped it, if anything.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_batch(
         &mut self,
-        at: Option<usize>,
-        tag: u8,
-        raw: usize,
-        clen: usize,
-        out: &[u8],
-    ) -> Option<(prepare::Prepared, Option<usize>)> {
-        let at = at?;
-        // Records are decoded in order: the next one is almost always the one looked for.
-        let i = match self.batch.get(self.batch_next) {
-            Some(b) if b.at == at => self.batch_next,
-            _ => self.batch.iter().position(|b| b.at == at)?,
+        w: &dyn prepare::Workers,
+        records: &[u8],
+        used: &mut usize,
+        end: usize,
+        out: &mut Vec<u8>,
+        stream: &mut StreamContext,
+        (start, announced): (usize, usize),
+        found: Vec<Scanned>,
+    ) -> Option<CodecError> {
+        use prepare::{Ahead, Job, Place};
+        let from = *used;
+        let scanned = &records[from..end];
+        let mut slots = std::mem::take(&mut self.batch_slots);
+        slots.resize_with(found.len().max(slots.len()), Default::default);
+        let base = out.as_mut_ptr();
+        // The places, checked to be in order, apart and within the room reserved.
+        let (len, cap) = (out.len(), out.capacity());
+        let mut free_from = len;
+        let mut jobs = Vec::with_capacity(found.len());
+        let mut meta = Vec::with_capacity(found.len());
+        for (f, slot) in found.iter().zip(slots.iter_mut()) {
+            slot.reset(f.raw);
+            let bytes: &[u8] = match &f.source {
+                Source::Payload(r) => &scanned[r.clone()],
+                Source::Held(b) => b,
+            };
+            let place = f
+                .place
+                .filter(|&p| p >= free_from && p.checked_add(f.raw).is_some_and(|e| e <= cap));
+            let room = place.map(|p| {
+                free_from = p + f.raw;
+                // SAFETY: `p..p + f.raw` is within `out`'s capacity, past its length when the
+                // batch began and apart from every other job's place (`free_from`). Until this
+                // job has run, the decoding thread neither writes nor reads those bytes nor
+                // moves the buffer: it counts them in only after `Ahead::with` of this job
+                // (`take_placed`), and anything else that writes or grows `out` comes after
+                // `Batch::settle`, which waits for every job. `out` outlives the jobs.
+                unsafe { Place::raw(base.add(p).cast(), f.raw) }
+            });
+            meta.push(Batched {
+                at: f.at,
+                tag: f.tag,
+                raw: f.raw,
+                clen: f.clen,
+                place,
+            });
+            jobs.push(Job::placed(bytes, f.work, slot, room));
+        }
+        let weight = meta.iter().map(|b| b.raw as u64).sum();
+        let ahead = Ahead::new(jobs, weight);
+        let mut batch = Batch {
+            meta: &meta,
+            ahead: &ahead,
+            next: 0,
+            base: base as usize,
+            settled: false,
         };
-        self.batch_next = i + 1;
-        let base = self.batch_base;
-        let b = &mut self.batch[i];
-        if b.tag != tag || b.raw != raw || b.clen != clen {
-            return None;
-        }
-        let p = std::mem::take(&mut b.prepared);
-        let place = b
-            .place
-            .filter(|_| p.placed && out.as_ptr() as usize == base);
-        Some((p, place))
+        let mut stop = None;
+        w.overlap(&ahead, &mut || {
+            while *used < end {
+                let room = announced.saturating_sub(out.len() - start);
+                let rec = Some((*used - from, &mut batch));
+                match self.decode_record_at(&records[*used..], out, stream, room, rec) {
+                    Ok(k) => *used += k,
+                    Err(e) => {
+                        stop = Some(e);
+                        break;
+                    }
+                }
+            }
+        });
+        drop(ahead);
+        self.batch_slots = slots;
+        stop
     }
 
-    /// Counts in the `n` bytes a job placed at `place` (see [`prepare`](Self::prepare)) if they
-    /// are next in `out`, in the buffer they were placed in; false (nothing done) if not: the
-    /// caller then appends them itself.
-    fn take_placed(out: &mut Vec<u8>, place: Option<usize>, n: usize) -> bool {
-        let len = out.len();
-        if place != Some(len) || out.capacity() - len < n {
-            return false;
+    /// Counts in the `n` bytes a job placed at `place` if they are next in `out`, in the buffer
+    /// they were placed in; else waits for the batch's jobs (if any) and appends `bytes`, the
+    /// record's, itself. True if they were placed.
+    fn put_rebuilt(
+        out: &mut Vec<u8>,
+        place: Option<usize>,
+        bytes: &[u8],
+        batch: Option<&mut Batch<'_, '_>>,
+    ) -> bool {
+        let (len, n) = (out.len(), bytes.len());
+        if place == Some(len) && out.capacity() - len >= n {
+            // SAFETY: `Batch::take` gives a place only for this very buffer (its address is the
+            // one the places were cut from, after reserving room for all of them), only once
+            // the job is done, and only if the job wrote the record's `n` bytes there (`placed`:
+            // it writes a place only when what it copies fills it exactly); the records before
+            // this one rebuilt exactly what they announced (each is checked, and a batch holds
+            // only records that append what they rebuild), so they filled the buffer up to this
+            // place and did not write past it. Those `n` bytes are initialized, and they are the
+            // record's: the caller checked its decompressed length, or found the referenced
+            // chunk (the bytes copied ahead are the chunk held under the same fingerprint).
+            unsafe { out.set_len(len + n) };
+            return true;
         }
-        // SAFETY: `prepared` gives a place only for this very buffer (its address is the one
-        // `prepare` cut the places from, after reserving room for all of them) and only if the
-        // job wrote the record's `n` bytes there (`placed`: it writes a place only when what it
-        // copies fills it exactly); the records before this one rebuilt exactly what they
-        // announced (each is checked, and a batch holds only records that append what they
-        // rebuild), so they filled the buffer up to this place and did not write past it.
-        // Those `n` bytes are initialized, and they are the record's: the caller checked its
-        // decompressed length, or found the referenced chunk (the bytes copied ahead are the
-        // chunk held under the same fingerprint).
-        unsafe { out.set_len(len + n) };
-        true
-    }
-
-    /// Forgets what was prepared.
-    fn end_batch(&mut self) {
-        self.batch.clear();
-        self.batch_next = 0;
+        if let Some(b) = batch {
+            b.settle();
+        }
+        out.extend_from_slice(bytes);
+        false
     }
 
     /// Counts this decoder's short stream contexts in `slots`, shared with the link's other
@@ -502,16 +606,18 @@ impl Decoder {
         self.decode_record_at(buf, out, stream, room, None)
     }
 
-    /// Like [`decode_record_within`](Self::decode_record_within), for the record at offset `rec_at`
-    /// of the bytes [`prepare`](Self::prepare) was given, using what it made for that record.
+    /// Like [`decode_record_within`](Self::decode_record_within); with `rec`, for the record at
+    /// that offset of the bytes [`scan`](Self::scan) was given, using what its job in that
+    /// batch made.
     fn decode_record_at(
         &mut self,
         buf: &[u8],
         out: &mut Vec<u8>,
         stream: &mut StreamContext,
         room: usize,
-        rec_at: Option<usize>,
+        rec: Option<(usize, &mut Batch<'_, '_>)>,
     ) -> Result<usize, CodecError> {
+        let (rec_at, mut batch) = rec.unzip();
         let fits = |n: usize| {
             if n > room {
                 Err(CodecError::Malformed(
@@ -525,6 +631,20 @@ impl Decoder {
             return Err(CodecError::Incomplete);
         };
         let (tag, cache, _) = in_context::classify(first, self.accept.dedup);
+        // Any record but those a batch prepares (or steps over) writes the output itself: not
+        // while jobs may still write into it.
+        if !matches!(
+            tag,
+            TAG_REF | TAG_LIT | TAG_LIT_LZ4 | TAG_LIT_ZSTD | TAG_LOG
+        ) && let Some(b) = batch.as_deref_mut()
+        {
+            b.settle();
+        }
+        let mut prepared =
+            |tag: u8, raw: usize, clen: usize, out: &[u8]| match (rec_at, batch.as_deref_mut()) {
+                (Some(at), Some(b)) => b.take(at, tag, raw, clen, out),
+                _ => None,
+            };
         let need = |n: usize| {
             if buf.len() < n {
                 Err(CodecError::Incomplete)
@@ -559,7 +679,7 @@ impl Decoder {
                 let (len, h) = get_len(buf, 17)?;
                 fits(len)?;
                 // Copied (and checked) ahead on a worker, if it was held in memory then.
-                let (place, checked) = match self.prepared(rec_at, first, len, 0, out) {
+                let (place, checked) = match prepared(first, len, 0, out) {
                     Some((p, place)) => (place, p.fingerprint == Some(f)),
                     None => (None, false),
                 };
@@ -574,10 +694,7 @@ impl Decoder {
                     ));
                 }
                 // Copied ahead from this very chunk (held under its fingerprint), or here.
-                let ahead = Self::take_placed(out, place, len);
-                if !ahead {
-                    out.extend_from_slice(chunk);
-                }
+                let ahead = Self::put_rebuilt(out, place, chunk, batch.as_deref_mut());
                 debug_assert!(out.ends_with(chunk));
                 self.ahead_bytes += if ahead { len as u64 } else { 0 };
                 self.stats.hit_chunks += 1;
@@ -591,14 +708,11 @@ impl Decoder {
                 let at = 1 + h;
                 need(at + len)?;
                 let chunk = &buf[at..at + len];
-                let (f, place) = match self.prepared(rec_at, first, len, len, out) {
+                let (f, place) = match prepared(first, len, len, out) {
                     Some((p, place)) => (p.fingerprint, place),
                     None => (None, None),
                 };
-                let ahead = Self::take_placed(out, place, len);
-                if !ahead {
-                    out.extend_from_slice(chunk);
-                }
+                let ahead = Self::put_rebuilt(out, place, chunk, batch.as_deref_mut());
                 debug_assert!(out.ends_with(chunk));
                 self.ahead_bytes += if ahead { len as u64 } else { 0 };
                 self.stats.lit_chunks += 1;
@@ -638,17 +752,14 @@ impl Decoder {
                 need(at + clen)?;
                 let payload = &buf[at..at + clen];
                 // Decompressed ahead on a worker (into exactly the announced size), or here.
-                let (chunk, f, place) = match self.prepared(rec_at, first, raw_len, clen, out) {
+                let (chunk, f, place) = match prepared(first, raw_len, clen, out) {
                     Some((p, place)) if p.decoded => (p.out, p.fingerprint, place),
                     _ => (self.decompress(tag, payload, raw_len)?, None, None),
                 };
                 if chunk.len() != raw_len {
                     return Err(CodecError::Decompress);
                 }
-                let ahead = Self::take_placed(out, place, raw_len);
-                if !ahead {
-                    out.extend_from_slice(&chunk);
-                }
+                let ahead = Self::put_rebuilt(out, place, &chunk, batch);
                 debug_assert!(out.ends_with(&chunk));
                 self.ahead_bytes += if ahead { raw_len as u64 } else { 0 };
                 self.stats.lit_chunks += 1;
@@ -761,8 +872,9 @@ impl Decoder {
 
     /// Decodes a link's coded frame: the records of one stream's turn, in `stream`'s context,
     /// appending what they rebuild to `out`, at most `announced` bytes (what the frame
-    /// announced). With workers, literals alone are decompressed on them a batch at a time
-    /// ahead of the records that use them ([`prepare`](Self::prepare)). Returns the record
+    /// announced). With workers, literals alone are decompressed on them (and chunks held for
+    /// references copied) a batch at a time, beside the records that use them
+    /// ([`decode_batch`](Self::decode_batch)). Returns the record
     /// bytes used, and what stopped it before the end: a miss (the records before it are
     /// decoded), a truncated record, or damage.
     pub fn decode_frame(
@@ -774,26 +886,34 @@ impl Decoder {
     ) -> (usize, Option<CodecError>) {
         let start = out.len();
         let mut used = 0;
-        // Where the prepared records start, and where the next batch is prepared (past what
-        // the last one looked at).
-        let (mut base, mut next, mut prepared) = (0, 0, false);
+        // Where the next batch is looked for (past what the last scan looked at).
+        let mut next = 0;
         let stop = loop {
             if used == records.len() {
                 break None;
             }
             let room = announced.saturating_sub(out.len() - start);
-            if self.workers.is_some() && used >= next {
-                let scanned;
-                (scanned, prepared) = self.prepare(&records[used..], room, out);
-                (base, next) = (used, used + scanned.max(1));
+            if used >= next
+                && let Some(w) = self.workers.clone()
+            {
+                let (scanned, found) = self.scan(&records[used..], room, out);
+                next = used + scanned.max(1);
+                if !found.is_empty() {
+                    let end = used + scanned;
+                    let got = (start, announced);
+                    let stop =
+                        self.decode_batch(&*w, records, &mut used, end, out, stream, got, found);
+                    if stop.is_some() {
+                        break stop;
+                    }
+                    continue;
+                }
             }
-            let at = prepared.then_some(used - base);
-            match self.decode_record_at(&records[used..], out, stream, room, at) {
+            match self.decode_record_at(&records[used..], out, stream, room, None) {
                 Ok(k) => used += k,
                 Err(e) => break Some(e),
             }
         };
-        self.end_batch();
         (used, stop)
     }
 }

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::format::{TAG_LIT, TAG_REF, TAG_REF_RUN_SHORT};
+use std::sync::atomic::Ordering::Relaxed;
 
 #[test]
 fn a_run_of_literals_rebuilds_at_its_end_exactly_and_caches_every_chunk() {
@@ -180,6 +181,42 @@ impl prepare::Workers for Threads {
     }
 }
 
+/// Workers whose one helper is slower than the caller: it sleeps before each job it takes.
+/// Counts the batches run beside the caller and the jobs the helper ran.
+#[derive(Debug, Default)]
+struct Slow {
+    calls: std::sync::atomic::AtomicUsize,
+    helped: std::sync::atomic::AtomicUsize,
+}
+
+impl prepare::Workers for Slow {
+    fn run(&self, jobs: &mut [prepare::Job<'_>]) {
+        jobs.iter_mut().for_each(prepare::Job::run);
+    }
+
+    fn threads(&self) -> usize {
+        2
+    }
+
+    fn overlap(&self, ahead: &prepare::Ahead<'_>, caller: &mut dyn FnMut()) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.calls.fetch_add(1, Relaxed);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                loop {
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                    if !ahead.work_one() {
+                        break;
+                    }
+                    self.helped.fetch_add(1, Relaxed);
+                }
+            });
+            caller();
+            ahead.work();
+        });
+    }
+}
+
 /// A changed copy's delta bases are looked up with anchors found on the workers: the records
 /// are the very ones the encoder writes alone (the anchors depend on a chunk's bytes only), with
 /// deltas in them, with and without delta runs and stream contexts.
@@ -292,6 +329,24 @@ fn copies_made_on_the_workers_land_exactly(cfg: CodecConfig) {
     );
     assert_eq!(s, in_turn.stats(), "the same chunks rebuilt the same way");
     assert_eq!(dec.cache().digest(), in_turn.cache().digest());
+
+    // A worker slower than the decoding thread, taking the jobs from the last: the decoding
+    // thread comes to jobs still running (and waits for them), runs those nobody began, and
+    // counts each record in while later jobs still write their places; the same bytes.
+    let slow = std::sync::Arc::new(Slow::default());
+    let mut dec = Decoder::new(&cfg);
+    dec.set_workers(Some(slow.clone()));
+    let mut out = Vec::new();
+    assert_eq!(dec.decode(&first, &mut out), Ok(first.len()));
+    assert_eq!(dec.decode(&second, &mut out), Ok(second.len()));
+    assert!(out == want);
+    assert_eq!(dec.stats(), in_turn.stats());
+    assert_eq!(dec.cache().digest(), in_turn.cache().digest());
+    let (calls, helped) = (slow.calls.load(Relaxed), slow.helped.load(Relaxed));
+    assert!(
+        calls >= 2 && helped > 0,
+        "{calls} batches, {helped} jobs helped"
+    );
 
     // Every seventh chunk damaged in the cache before the second copy.
     let mut dec = Decoder::new(&cfg);
