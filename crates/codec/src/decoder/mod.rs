@@ -67,9 +67,9 @@ pub struct Decoder {
 /// most this many of them (and no more than their frame announced).
 const PREPARE_BYTES: usize = 4 << 20;
 
-/// One record [`scan`](Decoder::scan) found work for: its offset in the bytes scanned, tag,
-/// raw and payload lengths, the bytes its job works on, the work, and where in the output what
-/// it rebuilds is to be placed (if anywhere).
+/// One record [`scan`](Decoder::scan) found work for, the `n`th job of its batch: its offset
+/// in the bytes scanned, tag, raw and payload lengths, the bytes its job works on, the work,
+/// and where in the output what it rebuilds is to be placed (if anywhere).
 struct Scanned {
     at: usize,
     tag: u8,
@@ -87,20 +87,9 @@ enum Source {
     Held(bytes::Bytes),
 }
 
-/// One record of a batch, the `n`th job's: its offset in the bytes scanned, tag, raw and
-/// payload lengths, and where in the output its job places what it rebuilds (if anywhere).
-#[derive(Debug)]
-struct Batched {
-    at: usize,
-    tag: u8,
-    raw: usize,
-    clen: usize,
-    place: Option<usize>,
-}
-
 /// A batch being decoded while its jobs run (see [`Decoder::decode_batch`]).
 struct Batch<'m, 'a> {
-    meta: &'m [Batched],
+    meta: &'m [Scanned],
     ahead: &'m prepare::Ahead<'a>,
     /// The next record to look at.
     next: usize,
@@ -375,51 +364,44 @@ impl Decoder {
         out: &mut Vec<u8>,
         stream: &mut StreamContext,
         (start, announced): (usize, usize),
-        found: Vec<Scanned>,
+        mut found: Vec<Scanned>,
     ) -> Option<CodecError> {
         use prepare::{Ahead, Job, Place};
         let from = *used;
         let scanned = &records[from..end];
         let mut slots = std::mem::take(&mut self.batch_slots);
         slots.resize_with(found.len().max(slots.len()), Default::default);
+        // Only places in order, apart and within the room reserved.
+        let (mut free_from, cap) = (out.len(), out.capacity());
+        for f in &mut found {
+            f.place = f
+                .place
+                .filter(|&p| p >= free_from && p.checked_add(f.raw).is_some_and(|e| e <= cap));
+            free_from = f.place.map_or(free_from, |p| p + f.raw);
+        }
         let base = out.as_mut_ptr();
-        // The places, checked to be in order, apart and within the room reserved.
-        let (len, cap) = (out.len(), out.capacity());
-        let mut free_from = len;
         let mut jobs = Vec::with_capacity(found.len());
-        let mut meta = Vec::with_capacity(found.len());
         for (f, slot) in found.iter().zip(slots.iter_mut()) {
             slot.reset(f.raw);
             let bytes: &[u8] = match &f.source {
                 Source::Payload(r) => &scanned[r.clone()],
                 Source::Held(b) => b,
             };
-            let place = f
+            // SAFETY: `p..p + f.raw` is within `out`'s capacity, past its length when the batch
+            // began and apart from every other job's place (checked above). Until this job has
+            // run, the decoding thread neither writes nor reads those bytes nor moves the
+            // buffer: it counts them in only after `Ahead::with` of this job (`put_rebuilt`),
+            // and anything else that writes or grows `out` comes after `Batch::settle`, which
+            // waits for every job. `out` outlives the jobs.
+            let room = f
                 .place
-                .filter(|&p| p >= free_from && p.checked_add(f.raw).is_some_and(|e| e <= cap));
-            let room = place.map(|p| {
-                free_from = p + f.raw;
-                // SAFETY: `p..p + f.raw` is within `out`'s capacity, past its length when the
-                // batch began and apart from every other job's place (`free_from`). Until this
-                // job has run, the decoding thread neither writes nor reads those bytes nor
-                // moves the buffer: it counts them in only after `Ahead::with` of this job
-                // (`take_placed`), and anything else that writes or grows `out` comes after
-                // `Batch::settle`, which waits for every job. `out` outlives the jobs.
-                unsafe { Place::raw(base.add(p).cast(), f.raw) }
-            });
-            meta.push(Batched {
-                at: f.at,
-                tag: f.tag,
-                raw: f.raw,
-                clen: f.clen,
-                place,
-            });
+                .map(|p| unsafe { Place::raw(base.add(p).cast(), f.raw) });
             jobs.push(Job::placed(bytes, f.work, slot, room));
         }
-        let weight = meta.iter().map(|b| b.raw as u64).sum();
+        let weight = found.iter().map(|f| f.raw as u64).sum();
         let ahead = Ahead::new(jobs, weight);
         let mut batch = Batch {
-            meta: &meta,
+            meta: &found,
             ahead: &ahead,
             next: 0,
             base: base as usize,

@@ -181,8 +181,9 @@ impl prepare::Workers for Threads {
     }
 }
 
-/// Workers whose one helper is slower than the caller: it sleeps before each job it takes.
-/// Counts the batches run beside the caller and the jobs the helper ran.
+/// Workers whose one helper is slower than the caller: after the first job, which it runs
+/// before the caller starts, it sleeps before each job it takes. Counts the batches run beside
+/// the caller and the jobs the helper ran.
 #[derive(Debug, Default)]
 struct Slow {
     calls: std::sync::atomic::AtomicUsize,
@@ -202,15 +203,21 @@ impl prepare::Workers for Slow {
         use std::sync::atomic::Ordering::Relaxed;
         self.calls.fetch_add(1, Relaxed);
         std::thread::scope(|s| {
-            s.spawn(|| {
+            // The helper runs one job before the caller starts (however busy the host), then
+            // takes one every 50 µs.
+            let (started, start) = std::sync::mpsc::channel();
+            s.spawn(move || {
                 loop {
-                    std::thread::sleep(std::time::Duration::from_micros(50));
                     if !ahead.work_one() {
+                        let _ = started.send(());
                         break;
                     }
                     self.helped.fetch_add(1, Relaxed);
+                    let _ = started.send(());
+                    std::thread::sleep(std::time::Duration::from_micros(50));
                 }
             });
+            let _ = start.recv();
             caller();
             ahead.work();
         });
