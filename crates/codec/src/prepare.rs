@@ -250,6 +250,167 @@ impl<'a> Ahead<'a> {
     }
 }
 
+/// The bytes a cutting job cuts: at hand, or partly still to come from a [`Fill`] (taken
+/// when the job runs, once the fill is complete).
+#[derive(Clone, Copy)]
+pub(crate) enum CutBytes<'a> {
+    Ready(&'a [u8]),
+    Filled(Filled<'a>),
+}
+
+impl<'a> From<&'a [u8]> for CutBytes<'a> {
+    fn from(b: &'a [u8]) -> Self {
+        CutBytes::Ready(b)
+    }
+}
+
+impl<'a> CutBytes<'a> {
+    fn len(&self) -> usize {
+        match self {
+            CutBytes::Ready(b) => b.len(),
+            CutBytes::Filled(f) => f.len,
+        }
+    }
+
+    /// The bytes (a fill they end in completed first).
+    pub(crate) fn get(&self) -> &'a [u8] {
+        match self {
+            CutBytes::Ready(b) => b,
+            CutBytes::Filled(f) => f.get(),
+        }
+    }
+}
+
+/// Bytes that a turn takes from its stream's queue into the free room after its stage's
+/// bytes, copied on the workers while the turn encodes what is already staged (see
+/// [`crate::send`]): the cutting job that needs them copies them first, and whoever needs
+/// them next finishes the copy (or waits for the part another thread copies).
+pub(crate) struct Fill {
+    dst: *mut u8,
+    /// Each part's offset from `dst`, and its bytes.
+    parts: Vec<(usize, bytes::Bytes)>,
+    len: usize,
+    /// Parts taken by a thread to copy, and parts copied.
+    taken: AtomicUsize,
+    copied: AtomicUsize,
+}
+
+// SAFETY: a part is copied by the one thread that takes it (`taken`), into bytes nobody else
+// reads or writes until every part is copied (`Fill::new`'s contract); the bytes copied from
+// are shared, immutable buffers.
+unsafe impl Send for Fill {}
+// SAFETY: as above: `complete` is the only access, and it is safe from any number of threads.
+unsafe impl Sync for Fill {}
+
+/// Bytes one thread copies of a [`Fill`] at a time.
+const FILL_PART: usize = 64 << 10;
+
+impl Fill {
+    /// Copies `sources`, in order, to `dst` on.
+    ///
+    /// # Safety
+    /// The bytes from `dst` on, as many as `sources` hold, must stay allocated and writable,
+    /// and nobody may read or write them (nor move or free the buffer they are in) but through
+    /// this fill, until [`complete`](Self::complete) has returned.
+    pub(crate) unsafe fn new(dst: *mut u8, sources: Vec<bytes::Bytes>) -> Self {
+        let mut parts = Vec::with_capacity(sources.len());
+        let mut len = 0;
+        for mut s in sources {
+            while !s.is_empty() {
+                let part = s.split_to(s.len().min(FILL_PART));
+                let n = part.len();
+                parts.push((len, part));
+                len += n;
+            }
+        }
+        Fill {
+            dst,
+            parts,
+            len,
+            taken: AtomicUsize::new(0),
+            copied: AtomicUsize::new(0),
+        }
+    }
+
+    /// The bytes it copies.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Copies the parts no thread has taken, then waits for those others copy: after it, every
+    /// byte is in place.
+    pub(crate) fn complete(&self) {
+        let n = self.parts.len();
+        while self.copied.load(Ordering::Acquire) < n {
+            let i = self.taken.fetch_add(1, Ordering::Relaxed);
+            let Some((off, src)) = self.parts.get(i) else {
+                // Every part is taken: the rest are being copied (a few microseconds each).
+                let mut spins = 0u32;
+                while self.copied.load(Ordering::Acquire) < n {
+                    spins += 1;
+                    if spins < 1 << 12 {
+                        std::hint::spin_loop();
+                    } else {
+                        std::thread::yield_now();
+                    }
+                }
+                return;
+            };
+            // SAFETY: `off + src.len() <= len`, within what `new`'s caller handed over, and this
+            // part's bytes are this thread's alone to write (it took the part).
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.dst.add(*off), src.len()) };
+            self.copied.fetch_add(1, Ordering::Release);
+        }
+    }
+}
+
+/// A cutting job's bytes that end in a [`Fill`]'s: `len` bytes from `ptr`, those before the
+/// fill's at hand, the rest the fill's.
+#[derive(Clone, Copy)]
+pub(crate) struct Filled<'a> {
+    fill: &'a Fill,
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: the bytes are only read, and only once `fill` is complete (see `Filled::get`).
+unsafe impl Send for Filled<'_> {}
+
+impl<'a> Filled<'a> {
+    /// # Safety
+    /// The `len` bytes from `ptr` must stay allocated and unchanged while the view is used;
+    /// those before the fill's destination initialized, the rest (up to its end) the fill's.
+    pub(crate) unsafe fn new(fill: &'a Fill, ptr: *const u8, len: usize) -> Self {
+        Filled { fill, ptr, len }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The bytes in `r` of these, as a view of their own.
+    pub(crate) fn from(&self, r: Range<usize>) -> Self {
+        assert!(
+            r.start <= r.end && r.end <= self.len,
+            "a view within the bytes"
+        );
+        Filled {
+            fill: self.fill,
+            // SAFETY: `r.start <= len`: within (or just past) the bytes `new` was given.
+            ptr: unsafe { self.ptr.add(r.start) },
+            len: r.len(),
+        }
+    }
+
+    /// The bytes, the fill completed first.
+    pub(crate) fn get(&self) -> &'a [u8] {
+        self.fill.complete();
+        // SAFETY: `new`'s contract; the fill is complete, so every one of them is written, and
+        // nobody writes them any more.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
 /// What a job computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Work {
@@ -295,7 +456,7 @@ enum Task<'a> {
     /// cut from `begin` on (see [`crate::cuts::chain_in_piece`]: a boundary, or a guess), each
     /// with its fingerprint if `fingerprints`; offsets from the start of `bytes`.
     Cut {
-        bytes: &'a [u8],
+        bytes: CutBytes<'a>,
         begin: usize,
         piece: Range<usize>,
         cfg: &'a CodecConfig,
@@ -393,13 +554,15 @@ impl<'a> Job<'a> {
     /// fingerprints if `fingerprints`: only the chunks that end before `bytes` does (the last
     /// piece may grow when more bytes come).
     pub(crate) fn cut(
-        bytes: &'a [u8],
+        bytes: impl Into<CutBytes<'a>>,
         cfg: &'a CodecConfig,
         most: usize,
         fingerprints: bool,
         found: &'a mut Vec<Found>,
     ) -> Self {
-        let mut job = Job::cut_piece(bytes, 0, 0..bytes.len(), cfg, fingerprints, found);
+        let bytes = bytes.into();
+        let len = bytes.len();
+        let mut job = Job::cut_piece(bytes, 0, 0..len, cfg, fingerprints, found);
         if let Task::Cut { most: m, .. } = &mut job.task {
             *m = most;
         }
@@ -410,7 +573,7 @@ impl<'a> Job<'a> {
     /// `found`, with their fingerprints if `fingerprints` (one piece's chain, see
     /// [`crate::cuts::join`]).
     pub(crate) fn cut_piece(
-        bytes: &'a [u8],
+        bytes: impl Into<CutBytes<'a>>,
         begin: usize,
         piece: Range<usize>,
         cfg: &'a CodecConfig,
@@ -419,7 +582,7 @@ impl<'a> Job<'a> {
     ) -> Self {
         Job {
             task: Task::Cut {
-                bytes,
+                bytes: bytes.into(),
                 begin,
                 piece,
                 cfg,
@@ -455,7 +618,7 @@ impl<'a> Job<'a> {
                 found,
             } => {
                 found.clear();
-                let bytes: &[u8] = bytes;
+                let bytes: &[u8] = bytes.get();
                 crate::cuts::chain_in_piece(bytes, *begin, piece.clone(), cfg, |off, len| {
                     if found.len() >= *most {
                         return false;
@@ -629,4 +792,64 @@ fn zstd_into(data: &[u8], level: i32, out: &mut Vec<u8>) -> bool {
         out.reserve(zstd::zstd_safe::compress_bound(data.len()));
         c.compress_to_buffer(data, out).is_ok()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fill copies its sources, in order and whole, however many threads complete it at once
+    /// and whichever of them takes each part; the bytes before and after its room are not
+    /// touched.
+    #[test]
+    fn a_fill_lands_its_bytes_exactly_from_any_number_of_threads() {
+        let src: Vec<u8> = (0..8_000_003u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        // Sources of uneven sizes: parts split within and across them.
+        let mut sources = Vec::new();
+        let (mut at, mut k) = (0, 1usize);
+        while at < src.len() {
+            let n = (k * 37_501 % 150_000 + 1).min(src.len() - at);
+            sources.push(bytes::Bytes::copy_from_slice(&src[at..at + n]));
+            at += n;
+            k += 1;
+        }
+        for threads in [1, 2, 4] {
+            let mut buf: Vec<u8> = vec![0xAA; 16];
+            buf.reserve(src.len() + 16);
+            let held = buf.len();
+            // SAFETY: the room past `held` is reserved, and nothing else touches `buf` until
+            // the fill is complete.
+            let fill = unsafe { Fill::new(buf.as_mut_ptr().add(held), sources.clone()) };
+            assert_eq!(fill.len(), src.len());
+            assert!(fill.parts.iter().all(|p| p.1.len() <= FILL_PART));
+            let room = buf.as_ptr() as usize + held;
+            let start = std::sync::Barrier::new(threads);
+            std::thread::scope(|s| {
+                for _ in 0..threads {
+                    s.spawn(|| {
+                        start.wait();
+                        fill.complete();
+                        let copied = fill.copied.load(Ordering::Acquire);
+                        assert_eq!(copied, fill.parts.len(), "complete with parts uncopied");
+                        // SAFETY: once `complete` returns, every byte of the room is written
+                        // and nobody writes it any more.
+                        let got =
+                            unsafe { std::slice::from_raw_parts(room as *const u8, src.len()) };
+                        assert!(got == src, "complete before every part was copied");
+                    });
+                }
+            });
+            fill.complete();
+            // SAFETY: complete: every byte of the room is written.
+            unsafe { buf.set_len(held + fill.len()) };
+            assert!(buf[..held].iter().all(|&b| b == 0xAA));
+            assert!(buf[held..] == src[..], "{threads} threads");
+        }
+        // Nothing to copy: complete at once.
+        let mut empty: Vec<u8> = Vec::new();
+        // SAFETY: no bytes are written.
+        let none = unsafe { Fill::new(empty.as_mut_ptr(), Vec::new()) };
+        none.complete();
+        assert_eq!(none.len(), 0);
+    }
 }

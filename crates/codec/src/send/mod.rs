@@ -5,6 +5,7 @@
 //! tests). Boundaries depend on the content alone, never on how the application split its writes.
 
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::{Buf, Bytes};
@@ -14,7 +15,7 @@ use crate::fingerprint::Fingerprint;
 use crate::format::{Out, RECORD_OVERHEAD, run_reserve};
 use crate::maker::{Maker, Queue};
 use crate::mirror::{Hint, Mirror, encode_tail};
-use crate::prepare::{Ahead, BATCH, Found, Job, Prepared, Work};
+use crate::prepare::{Ahead, BATCH, CutBytes, Fill, Filled, Found, Job, Prepared, Work};
 use crate::report::{EncodeStats, Sent};
 
 /// Chunks the join of the next turn's pieces cuts itself, at most, where a piece's chain has
@@ -144,7 +145,9 @@ pub struct Limits {
 ///
 /// With workers (a bulk stream), the turn's bytes are put together in the stage instead, so
 /// that one view holds a batch of chunks to prepare at once: the application's writes arrive in
-/// buffers of 64 KiB or less, six chunks each, too few to pay for waking the pool.
+/// buffers of 64 KiB or less, six chunks each, too few to pay for waking the pool. The bytes
+/// only the next turn's cutting needs are copied into the stage by the job that cuts them
+/// ([`Fill`]), beside the turn; in the steady state of a stream that is all of them.
 #[allow(clippy::too_many_arguments)]
 pub fn emit<B: Out>(
     coder: &mut Sender,
@@ -357,25 +360,64 @@ fn plan_turn<B: Out>(
             // The budget's worth of bytes (and a chunk more, to find the last boundary) in one
             // view, and up to a turn's more for the workers to cut ahead while this turn
             // encodes; the stage holds at most that.
-            let want = budget
-                .saturating_add(chunking.max_chunk)
-                .saturating_add(budget.min(RAW_TURN));
-            while coder.stage.len() - coder.pos < want {
+            let now = budget.saturating_add(chunking.max_chunk);
+            let want = now.saturating_add(budget.min(RAW_TURN));
+            // The turn's own bytes are copied here (a turn's lookahead from the one before
+            // has them already, but at a stream's start or after a pause)...
+            while coder.stage.len() - coder.pos < now {
                 let Some(front) = queue.front() else {
                     break;
                 };
-                let k = front.len().min(want - (coder.stage.len() - coder.pos));
+                let k = front.len().min(now - (coder.stage.len() - coder.pos));
                 coder.stage.extend_from_slice(&front[..k]);
                 advance_front(queue, k);
             }
-            let view = &coder.stage[coder.pos..];
-            if view.is_empty() {
+            // ...and the ones only the next turn's cutting needs are copied on the workers,
+            // by the job that cuts them, while this turn encodes (see `Fill`).
+            let mut later = Vec::new();
+            let mut staged = coder.stage.len() - coder.pos;
+            while staged < want {
+                let Some(front) = queue.front() else {
+                    break;
+                };
+                let k = front.len().min(want - staged);
+                later.push(front.slice(..k));
+                advance_front(queue, k);
+                staged += k;
+            }
+            let fill_len: usize = later.iter().map(Bytes::len).sum();
+            coder.stage.reserve(fill_len);
+            let (held, start) = (coder.stage.len(), coder.pos);
+            let ptr = coder.stage.as_mut_ptr();
+            // SAFETY: `reserve` made room for `fill_len` bytes past the stage's length, and
+            // nothing touches the stage (its buffer, length or bytes) until the fill is
+            // complete and counted in below: the view reads only what the stage holds, and
+            // what the fill copies once it is complete.
+            let fill = unsafe { Fill::new(ptr.add(held), later) };
+            // SAFETY: the stage's bytes from `start` to its length are initialized, and stay
+            // unchanged until the view is dropped (see above).
+            let ready =
+                unsafe { std::slice::from_raw_parts(ptr.add(start).cast_const(), held - start) };
+            // SAFETY: the bytes from `start` are the stage's, then the fill's (see above).
+            let filled = (fill.len() > 0).then(|| unsafe {
+                Filled::new(
+                    &fill,
+                    ptr.add(start).cast_const(),
+                    held - start + fill.len(),
+                )
+            });
+            let at = View::with_fill(ready, filled, flush, budget);
+            if at.len() == 0 {
                 break;
             }
             let base = sent + cx.turn.raw as u64;
-            let at = View::new(view, flush, budget);
             let (used, stop) =
                 cx.cut_ahead(&at, base, &mut coder.cut, &coder.policy, &mut coder.hint);
+            fill.complete();
+            // SAFETY: the fill is complete: the `fill.len()` bytes past the stage's length (the
+            // room reserved above) are written.
+            unsafe { coder.stage.set_len(held + fill.len()) };
+            drop(fill);
             coder.pos += used;
             if coder.pos == coder.stage.len() {
                 coder.stage.clear();
@@ -505,9 +547,13 @@ enum Stop {
 }
 
 /// The bytes [`Cut::cut`] encodes from: chunks end by `end` (a flush point with `final_end`),
-/// and start before `budget`.
+/// and start before `budget`. The last of them may still be on their way into the view, copied
+/// on the workers ([`Fill`]): [`get`](View::get) waits for them (or copies them) when asked.
 struct View<'a> {
-    view: &'a [u8],
+    /// The bytes at hand.
+    ready: &'a [u8],
+    /// All of them, with those a fill still copies.
+    filled: Option<Filled<'a>>,
     end: usize,
     final_end: bool,
     budget: usize,
@@ -519,17 +565,45 @@ impl<'a> View<'a> {
     /// `view` with a flush point `flush` bytes in (0: none): a flush point ends the last chunk
     /// whether or not the content has a boundary there.
     fn new(view: &'a [u8], flush: usize, budget: usize) -> Self {
-        let (end, final_end) = if flush > 0 && flush <= view.len() {
+        Self::with_fill(view, None, flush, budget)
+    }
+
+    /// As [`new`](Self::new), the bytes `ready` followed by what `filled` adds.
+    fn with_fill(ready: &'a [u8], filled: Option<Filled<'a>>, flush: usize, budget: usize) -> Self {
+        let len = filled.map_or(ready.len(), |f| f.len());
+        let (end, final_end) = if flush > 0 && flush <= len {
             (flush, true)
         } else {
-            (view.len(), false)
+            (len, false)
         };
         View {
-            view,
+            ready,
+            filled,
             end,
             final_end,
             budget,
             flush,
+        }
+    }
+
+    /// How many bytes it holds, those still to come too.
+    fn len(&self) -> usize {
+        self.filled.map_or(self.ready.len(), |f| f.len())
+    }
+
+    /// The bytes in `r`, waiting for the fill if they are not all at hand.
+    fn get(&self, r: Range<usize>) -> &'a [u8] {
+        match self.filled {
+            Some(f) if r.end > self.ready.len() => &f.get()[r],
+            _ => &self.ready[r],
+        }
+    }
+
+    /// The bytes in `r` as a cutting job's: those still to come, taken when it runs.
+    fn cut_bytes(&self, r: Range<usize>) -> CutBytes<'a> {
+        match self.filled {
+            Some(f) if r.end > self.ready.len() => CutBytes::Filled(f.from(r)),
+            _ => CutBytes::Ready(&self.ready[r]),
         }
     }
 }
@@ -569,7 +643,7 @@ impl<B: Out> Cut<'_, B> {
         hint: &mut Hint,
     ) -> (usize, Stop) {
         let at = View::new(view, flush, budget);
-        for (off, len) in chunks(&view[..at.end], self.chunking) {
+        for (off, len) in chunks(at.get(0..at.end), self.chunking) {
             if let Some(stop) = self.one(&at, (off, len), policy, hint, None) {
                 return stop;
             }
@@ -596,10 +670,16 @@ impl<B: Out> Cut<'_, B> {
         hint: &mut Hint,
     ) -> (usize, Stop) {
         let Some(w) = self.mirror.workers() else {
-            return self.cut(at.view, at.flush, at.budget, false, policy, hint);
+            return self.cut(
+                at.get(0..at.len()),
+                at.flush,
+                at.budget,
+                false,
+                policy,
+                hint,
+            );
         };
         let chunking: &CodecConfig = self.chunking;
-        let view = at.view;
         // Chunks cut for other bytes (a stream sent again from elsewhere) are of no use.
         if cut.at != base || cut.bytes() > at.end {
             cut.chunks.clear();
@@ -617,10 +697,10 @@ impl<B: Out> Cut<'_, B> {
             }
             if cut.chunks.is_empty() {
                 // Nothing cut ahead: cut now, fingerprints on the workers.
-                Job::cut(&view[used..at.end], chunking, BATCH, false, &mut found).run();
+                Job::cut(at.get(used..at.end), chunking, BATCH, false, &mut found).run();
                 let Some(&(_, len, _)) = found.first() else {
                     // Only the last piece, which may grow: it goes (or waits) alone.
-                    let len = chunks(&view[used..at.end], chunking)
+                    let len = chunks(at.get(used..at.end), chunking)
                         .next()
                         .map_or(at.end - used, |c| c.1);
                     if let Some(stop) = self.one(at, (used, len), policy, hint, None) {
@@ -631,7 +711,7 @@ impl<B: Out> Cut<'_, B> {
                     continue;
                 };
                 debug_assert!(len > 0);
-                let fps = self.fingerprints(&*w, &view[used..], &found, policy);
+                let fps = self.fingerprints(&*w, at.get(used..at.len()), &found, policy);
                 cut.chunks
                     .extend(found.iter().zip(fps).map(|(&(_, l, _), f)| (l, f)));
             }
@@ -651,11 +731,11 @@ impl<B: Out> Cut<'_, B> {
             // Past every chunk cut so far: the next ones, cut on the workers.
             let from = used + cut.bytes();
             let more = from < at.end && cut.chunks.len() - n < BATCH;
-            // In pieces, about a batch's bytes, none smaller than is worth its lookback.
-            let next = &view[from..at.end];
-            let region = next
-                .len()
-                .min(BATCH * (chunking.min_chunk + chunking.avg_chunk));
+            // In pieces, about a batch's bytes, none smaller than is worth its lookback. Those
+            // still to come into the view are copied by the jobs, ahead of their cutting.
+            let next = at.cut_bytes(from.min(at.end)..at.end);
+            let region =
+                (at.end - from.min(at.end)).min(BATCH * (chunking.min_chunk + chunking.avg_chunk));
             let split = threads_split.min(region / crate::cuts::min_piece(chunking));
             let ranges = if more && split > 1 {
                 crate::cuts::pieces(region, region.div_ceil(split))
@@ -672,7 +752,7 @@ impl<B: Out> Cut<'_, B> {
                 for (slot, &(len, f)) in slots.iter_mut().zip(&cut.chunks).take(n) {
                     slot.reset(len);
                     slot.fingerprint = f;
-                    let chunk = &view[off..off + len];
+                    let chunk = at.get(off..off + len);
                     off += len;
                     // Only what will go as a literal or a delta: not held by the peer, nor
                     // earlier in the turn.
@@ -723,6 +803,7 @@ impl<B: Out> Cut<'_, B> {
                 // one begun inside a piece had not met it. Only the pieces cut: past the last,
                 // the join would cut on itself.
                 found.clear();
+                let next = next.get();
                 let cut_now = &mut pieces[..ranges.len().min(threads_split)];
                 crate::cuts::join(next, chunking, cut_now, RESYNC, &mut found, |o, l| {
                     policy
@@ -847,7 +928,7 @@ impl<B: Out> Cut<'_, B> {
         if last && !at.final_end && len < self.chunking.max_chunk {
             return Some((off, Stop::Tail));
         }
-        let chunk = &at.view[off..off + len];
+        let chunk = at.get(off..off + len);
         let (m, out) = (&mut *self.mirror, &mut *self.out);
         let r = if last && len < self.chunking.min_chunk {
             encode_tail(m, chunk, policy, self.pressure, hint, out)
