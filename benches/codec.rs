@@ -197,11 +197,12 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
 }
 
 /// A first copy of `data` encoded, then decoded, with chunks prepared on `threads` threads (the
-/// daemon's pool): as one stream whose client writes faster than the link encodes (64 KiB
-/// writes, a turn whenever its send buffer is full, so the next turn's chunks can be cut while
-/// one encodes), or split in `streams` parts sent side by side through one mirror, a turn at a
-/// time as a link takes them (an RMAN duplicate's channels), each turn decoded in its stream's
-/// context. Returns encode and decode MB/s and the records, after checking every byte.
+/// daemon's pool), as `streams` streams (one, or the copy split in as many parts sent side by
+/// side through one mirror: an RMAN duplicate's channels) whose clients write faster than the
+/// link encodes (64 KiB writes, a turn whenever a stream's send buffer is full, so the next
+/// turn's chunks can be cut while one encodes), a turn at a time as a link takes them, each
+/// turn decoded as the link decodes a frame, in its stream's context. Returns encode and decode
+/// MB/s and the records, after checking every byte.
 fn first_copy(
     cfg: &CodecConfig,
     data: &[u8],
@@ -213,26 +214,9 @@ fn first_copy(
     let mut wire = vec![1u8; data.len() + data.len() / 100 + 4096];
     wire.clear();
     let mb = |secs: f64| data.len() as f64 / secs / 1e6;
-    if streams <= 1 {
-        let mut enc = Encoder::new(cfg.clone());
-        enc.set_workers(pool());
-        enc.set_gather(SEND_BUFFER);
-        let bytes = bytes::Bytes::copy_from_slice(data);
-        let t = Instant::now();
-        push_writes(&mut enc, &bytes, pressure, &mut wire);
-        let rate = mb(t.elapsed().as_secs_f64());
-        drop(enc);
-        let mut dec = Decoder::new(cfg);
-        dec.set_workers(pool());
-        let mut out = vec![1u8; data.len() + 4096];
-        out.clear();
-        let t = Instant::now();
-        dec.decode(&wire, &mut out).expect("decode");
-        let drate = mb(t.elapsed().as_secs_f64());
-        assert!(out == data, "round trip");
-        return (rate, drate, wire);
-    }
-    let parts: Vec<&[u8]> = data.chunks(data.len().div_ceil(streams).max(1)).collect();
+    let parts: Vec<&[u8]> = data
+        .chunks(data.len().div_ceil(streams.max(1)).max(1))
+        .collect();
     let mut enc = wanopt_codec::Streams::new(cfg.clone(), parts.len(), SEND_BUFFER);
     enc.set_workers(pool());
     let mut turns = Vec::new();
