@@ -282,8 +282,8 @@ impl<'a> CutBytes<'a> {
 }
 
 /// Bytes that a turn takes from its stream's queue into the free room after its stage's
-/// bytes, copied on the workers while the turn encodes what is already staged (see
-/// [`crate::send`]): the cutting job that needs them copies them first, and whoever needs
+/// bytes, copied on the workers while the turn encodes what is already staged (a bulk
+/// stream's sender): the cutting job that needs them copies them first, and whoever needs
 /// them next finishes the copy (or waits for the part another thread copies).
 pub(crate) struct Fill {
     dst: *mut u8,
