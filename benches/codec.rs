@@ -25,6 +25,9 @@
 //! first copy's time on one thread into the jobs the pool takes and the rest (issue 36's serial
 //! share), per path, and the time the jobs' way costs against no workers at all; and the span,
 //! what no number of threads can cut, with the encoder told it has one thread and N.
+//! `--side-by-side` (with each `--file`, `--rounds`, `--streams`, `--path`) runs two first
+//! copies at once on one thread each, against one alone: the most two threads give on this
+//! machine, beside what the pool's two threads give in the same rounds.
 
 #[path = "../tests/common/args.rs"]
 mod args;
@@ -40,12 +43,12 @@ use wanopt_runtime::disk::DiskStore;
 
 use wanopt_codec::testdata::noise as xorshift;
 
-/// 8 KiB blocks of order-entry-like rows with varying keys and quantities.
 /// The daemon's allocator (see crates/wanoptd), so the codec's allocations cost here what they
 /// cost there: a new first copy reuses the freed pages of the one before.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// 8 KiB blocks of order-entry-like rows with varying keys and quantities.
 fn db_like(len: usize) -> Vec<u8> {
     let mut v = Vec::with_capacity(len + 8192);
     let mut r = 0u64;
@@ -210,26 +213,71 @@ fn first_copy(
     streams: usize,
     pressure: Pressure,
 ) -> (f64, f64, Vec<u8>) {
-    let pool = || wanopt_runtime::workers::Pool::start(threads);
+    let sent = encode_copy(cfg, data, threads, streams, pressure, None);
+    let took = decode_copy(cfg, data, threads, streams, &sent, None);
+    let mb = |d: std::time::Duration| data.len() as f64 / d.as_secs_f64() / 1e6;
+    (
+        mb(sent.took.1 - sent.took.0),
+        mb(took.1 - took.0),
+        sent.wire,
+    )
+}
+
+/// A first copy's records, with the turns that made them (stream, end in `wire`) and when its
+/// encoding began and ended.
+struct Sent {
+    wire: Vec<u8>,
+    turns: Vec<(usize, usize)>,
+    took: (Instant, Instant),
+}
+
+/// `data` cut in `streams` parts, as [`first_copy`] sends it.
+fn parts(data: &[u8], streams: usize) -> Vec<&[u8]> {
+    data.chunks(data.len().div_ceil(streams.max(1)).max(1))
+        .collect()
+}
+
+/// [`first_copy`]'s encoding; the clock starts once `gate` (if any) opens.
+fn encode_copy(
+    cfg: &CodecConfig,
+    data: &[u8],
+    threads: usize,
+    streams: usize,
+    pressure: Pressure,
+    gate: Option<&std::sync::Barrier>,
+) -> Sent {
     let mut wire = vec![1u8; data.len() + data.len() / 100 + 4096];
     wire.clear();
-    let mb = |secs: f64| data.len() as f64 / secs / 1e6;
-    let parts: Vec<&[u8]> = data
-        .chunks(data.len().div_ceil(streams.max(1)).max(1))
-        .collect();
+    let parts = parts(data, streams);
     let mut enc = wanopt_codec::Streams::new(cfg.clone(), parts.len(), SEND_BUFFER);
-    enc.set_workers(pool());
+    enc.set_workers(wanopt_runtime::workers::Pool::start(threads));
     let mut turns = Vec::new();
     let owned: Vec<bytes::Bytes> = parts
         .iter()
         .map(|p| bytes::Bytes::copy_from_slice(p))
         .collect();
+    if let Some(g) = gate {
+        g.wait();
+    }
     let t = Instant::now();
     enc.send_bytes(&owned, 64 << 10, pressure, &mut wire, &mut turns);
-    let rate = mb(t.elapsed().as_secs_f64());
-    drop(enc);
+    let took = (t, Instant::now());
+    Sent { wire, turns, took }
+}
+
+/// [`first_copy`]'s decoding of what [`encode_copy`] sent, every byte checked; when it began
+/// and ended (the clock starts once `gate`, if any, opens).
+fn decode_copy(
+    cfg: &CodecConfig,
+    data: &[u8],
+    threads: usize,
+    streams: usize,
+    sent: &Sent,
+    gate: Option<&std::sync::Barrier>,
+) -> (Instant, Instant) {
+    let parts = parts(data, streams);
     let mut dec = Decoder::new(cfg);
-    let workers = pool();
+    let workers = wanopt_runtime::workers::Pool::start(threads);
     dec.set_workers(workers.clone());
     // As the link does: with two threads or more, each stream's frame is fed to its context on
     // the pool while earlier frames are decoded, up to `PENDING` frames ahead.
@@ -238,7 +286,8 @@ fn first_copy(
     } else {
         0
     };
-    let wire_bytes = bytes::Bytes::copy_from_slice(&wire);
+    let wire = &sent.wire;
+    let wire_bytes = bytes::Bytes::copy_from_slice(wire);
     // Touched first, as `out` is: first-touch page faults are this harness's, not the codec's.
     let mut outs: Vec<Vec<u8>> = parts
         .iter()
@@ -250,6 +299,9 @@ fn first_copy(
         .collect();
     let mut ctxs: Vec<wanopt_codec::StreamContext> =
         parts.iter().map(|_| Default::default()).collect();
+    if let Some(g) = gate {
+        g.wait();
+    }
     let t = Instant::now();
     let mut order = wanopt_codec::InOrder::new(ahead, workers);
     let mut decode = |dec: &mut Decoder, k: usize, r: std::ops::Range<usize>, ctx: &mut _| {
@@ -258,7 +310,7 @@ fn first_copy(
         assert!(used == records.len() && stop.is_none(), "decode: {stop:?}");
     };
     let mut from = 0;
-    for &(k, end) in &turns {
+    for &(k, end) in &sent.turns {
         order.frame(
             &mut dec,
             (&wire_bytes, k, from..end),
@@ -268,11 +320,86 @@ fn first_copy(
         from = end;
     }
     order.finish(&mut dec, &mut ctxs, &mut decode);
-    let drate = mb(t.elapsed().as_secs_f64());
+    let took = (t, Instant::now());
     for (o, p) in outs.iter().zip(&parts) {
         assert!(o == p, "round trip");
     }
-    (rate, drate, wire)
+    took
+}
+
+/// What this machine's two cores give at most, beside what the pool gives: two first copies of
+/// `data` on one thread each, side by side in two threads of this process (both encodings
+/// begin together, then both decodings), against one alone and against one copy on the pool's
+/// two threads, in the same rounds. Two copies side by side share nothing but the machine
+/// (memory, caches, the allocator), so their ratio to one is the most any way of spreading one
+/// copy over two threads can reach here.
+fn side_by_side(name: &str, data: &[u8], rounds: usize, streams: usize) {
+    for (path, compression, pressure, context) in paths() {
+        let cfg = path_config(compression, context);
+        // Per round: encode and decode ratios of two side by side, and of the pool's two
+        // threads, to one copy alone.
+        let mut two: [Vec<f64>; 2] = Default::default();
+        let mut pool: [Vec<f64>; 2] = Default::default();
+        for _ in 0..rounds.max(1) {
+            let span = |t: (Instant, Instant)| (t.1 - t.0).as_secs_f64();
+            let sent = encode_copy(&cfg, data, 1, streams, pressure, None);
+            let alone = [
+                span(sent.took),
+                span(decode_copy(&cfg, data, 1, streams, &sent, None)),
+            ];
+            drop(sent);
+            let pooled = encode_copy(&cfg, data, 2, streams, pressure, None);
+            let pooled = [
+                span(pooled.took),
+                span(decode_copy(&cfg, data, 2, streams, &pooled, None)),
+            ];
+            let gate = std::sync::Barrier::new(2);
+            let both: Vec<[(Instant, Instant); 2]> = std::thread::scope(|s| {
+                let run = || {
+                    let sent = encode_copy(&cfg, data, 1, streams, pressure, Some(&gate));
+                    let took = decode_copy(&cfg, data, 1, streams, &sent, Some(&gate));
+                    [sent.took, took]
+                };
+                let h = [s.spawn(run), s.spawn(run)];
+                h.map(|h| h.join().expect("a copy side by side"))
+                    .into_iter()
+                    .collect()
+            });
+            for side in 0..2 {
+                // Both copies' bytes over the time from the first start to the last end.
+                let from = both.iter().map(|b| b[side].0).min().expect("two");
+                let to = both.iter().map(|b| b[side].1).max().expect("two");
+                two[side].push(2.0 * alone[side] / (to - from).as_secs_f64());
+                pool[side].push(alone[side] / pooled[side]);
+            }
+        }
+        let [two, pool] = [two, pool].map(|v| v.map(median));
+        report::row(
+            "Two copies side by side on two threads against one alone, and the pool's two threads",
+            &[
+                "data",
+                "streams",
+                "path",
+                "encode: side by side",
+                "pool",
+                "pool / side by side",
+                "decode: side by side",
+                "pool",
+                "pool / side by side",
+            ],
+            vec![
+                name.into(),
+                streams.to_string(),
+                path.to_string(),
+                format!("{:.2}x", two[0]),
+                format!("{:.2}x", pool[0]),
+                format!("{:.2}", pool[0] / two[0]),
+                format!("{:.2}x", two[1]),
+                format!("{:.2}x", pool[1]),
+                format!("{:.2}", pool[1] / two[1]),
+            ],
+        );
+    }
 }
 
 /// The paths to measure: those whose name holds `--path TEXT` (every one without).
@@ -998,6 +1125,16 @@ fn tiers(data: &[u8]) {
     }
 }
 
+/// The database-like blocks, then each `--file`.
+fn data_sets(args: &args::Args, db: &[u8]) -> Vec<(String, Vec<u8>)> {
+    let mut sets = vec![("db-like".to_string(), db.to_vec())];
+    for path in args.all("--file") {
+        let data = std::fs::read(&path).unwrap_or_else(|e| panic!("--file {path}: {e}"));
+        sets.push((path.clone(), data));
+    }
+    sets
+}
+
 fn main() {
     let args = args::Args::new();
     let mib: usize = args.get("--mib", 256);
@@ -1011,11 +1148,7 @@ fn main() {
     ));
     if let Some(n) = args.text("--threads") {
         let n: usize = n.parse().expect("--threads N");
-        let mut sets = vec![("db-like".to_string(), db.clone())];
-        for path in args.all("--file") {
-            let data = std::fs::read(&path).unwrap_or_else(|e| panic!("--file {path}: {e}"));
-            sets.push((path.clone(), data));
-        }
+        let sets = data_sets(&args, &db);
         let rounds = args.get("--rounds", 3usize);
         let streams = args.get("--streams", 1usize);
         report::note(format!(
@@ -1028,12 +1161,21 @@ fn main() {
         report::finish("codec-threads", "codec --threads: the pool on this machine");
         return;
     }
-    if args.flag("--serial") {
-        let mut sets = vec![("db-like".to_string(), db.clone())];
-        for path in args.all("--file") {
-            let data = std::fs::read(&path).unwrap_or_else(|e| panic!("--file {path}: {e}"));
-            sets.push((path.clone(), data));
+    if args.flag("--side-by-side") {
+        let sets = data_sets(&args, &db);
+        let rounds = args.get("--rounds", 3usize);
+        let streams = args.get("--streams", 1usize);
+        for (name, data) in &sets {
+            side_by_side(name, data, rounds, streams);
         }
+        report::finish(
+            "codec-side-by-side",
+            "codec --side-by-side: two copies at once, the most two threads give here",
+        );
+        return;
+    }
+    if args.flag("--serial") {
+        let sets = data_sets(&args, &db);
         let rounds = args.get("--rounds", 3usize);
         let told = args.get("--serial-threads", 16usize);
         for (name, data) in &sets {

@@ -364,33 +364,19 @@ fn plan_turn<B: Out>(
             let want = now.saturating_add(budget.min(RAW_TURN));
             // The turn's own bytes are copied here (a turn's lookahead from the one before
             // has them already, but at a stream's start or after a pause)...
-            while coder.stage.len() - coder.pos < now {
-                let Some(front) = queue.front() else {
-                    break;
-                };
-                let k = front.len().min(now - (coder.stage.len() - coder.pos));
-                coder.stage.extend_from_slice(&front[..k]);
-                advance_front(queue, k);
-            }
+            let lack = now.saturating_sub(coder.stage.len() - coder.pos);
+            take_front(queue, lack, |b| coder.stage.extend_from_slice(&b));
             // ...and the ones only the next turn's cutting needs are copied on the workers,
             // by the job that cuts them, while this turn encodes (see `Fill`).
             let mut later = Vec::new();
-            let mut staged = coder.stage.len() - coder.pos;
-            while staged < want {
-                let Some(front) = queue.front() else {
-                    break;
-                };
-                let k = front.len().min(want - staged);
-                later.push(front.slice(..k));
-                advance_front(queue, k);
-                staged += k;
-            }
-            let fill_len: usize = later.iter().map(Bytes::len).sum();
-            coder.stage.reserve(fill_len);
+            let more = want.saturating_sub(coder.stage.len() - coder.pos);
+            coder
+                .stage
+                .reserve(take_front(queue, more, |b| later.push(b)));
             let (held, start) = (coder.stage.len(), coder.pos);
             let ptr = coder.stage.as_mut_ptr();
-            // SAFETY: `reserve` made room for `fill_len` bytes past the stage's length, and
-            // nothing touches the stage (its buffer, length or bytes) until the fill is
+            // SAFETY: `reserve` made room past the stage's length for the bytes `later` holds,
+            // and nothing touches the stage (its buffer, length or bytes) until the fill is
             // complete and counted in below: the view reads only what the stage holds, and
             // what the fill copies once it is complete.
             let fill = unsafe { Fill::new(ptr.add(held), later) };
@@ -509,6 +495,26 @@ fn plan_turn<B: Out>(
     // A frame's records are whole: a run of its literals ends in it.
     turn.wire += mirror.end_run(&mut coder.hint, out);
     turn
+}
+
+/// Takes up to `n` bytes off the front of the queue, a buffer's part at a time, each handed to
+/// `f` (a slice of the queued buffer, not a copy); returns how many it took.
+fn take_front(queue: &mut VecDeque<Bytes>, n: usize, mut f: impl FnMut(Bytes)) -> usize {
+    let mut took = 0;
+    while took < n {
+        let Some(front) = queue.front_mut() else {
+            break;
+        };
+        let k = front.len().min(n - took);
+        if k > 0 {
+            f(front.split_to(k));
+        }
+        if front.is_empty() {
+            queue.pop_front();
+        }
+        took += k;
+    }
+    took
 }
 
 /// Drops `n` sent bytes from the front of the queue.
