@@ -215,12 +215,13 @@ fn first_copy(
 ) -> (f64, f64, Vec<u8>) {
     let sent = encode_copy(cfg, data, threads, streams, pressure, None);
     let took = decode_copy(cfg, data, threads, streams, &sent, None);
-    let mb = |d: std::time::Duration| data.len() as f64 / d.as_secs_f64() / 1e6;
-    (
-        mb(sent.took.1 - sent.took.0),
-        mb(took.1 - took.0),
-        sent.wire,
-    )
+    let mb = |t| data.len() as f64 / span(t) / 1e6;
+    (mb(sent.took), mb(took), sent.wire)
+}
+
+/// Seconds from the first instant to the second.
+fn span(t: (Instant, Instant)) -> f64 {
+    (t.1 - t.0).as_secs_f64()
 }
 
 /// A first copy's records, with the turns that made them (stream, end in `wire`) and when its
@@ -341,7 +342,6 @@ fn side_by_side(name: &str, data: &[u8], rounds: usize, streams: usize) {
         let mut two: [Vec<f64>; 2] = Default::default();
         let mut pool: [Vec<f64>; 2] = Default::default();
         for _ in 0..rounds.max(1) {
-            let span = |t: (Instant, Instant)| (t.1 - t.0).as_secs_f64();
             let sent = encode_copy(&cfg, data, 1, streams, pressure, None);
             let alone = [
                 span(sent.took),
@@ -369,7 +369,7 @@ fn side_by_side(name: &str, data: &[u8], rounds: usize, streams: usize) {
                 // Both copies' bytes over the time from the first start to the last end.
                 let from = both.iter().map(|b| b[side].0).min().expect("two");
                 let to = both.iter().map(|b| b[side].1).max().expect("two");
-                two[side].push(2.0 * alone[side] / (to - from).as_secs_f64());
+                two[side].push(2.0 * alone[side] / span((from, to)));
                 pool[side].push(alone[side] / pooled[side]);
             }
         }
