@@ -181,6 +181,16 @@ fn rides_through_kills(extra: impl Fn(&str) -> String) {
     assert!(value(&w, "wanopt_link_streams_resumed_total ") >= 3, "{w}");
     assert_eq!(value(&w, "wanopt_link_streams_lost_total "), 0, "{w}");
     assert_eq!(value(&e, "wanopt_link_streams_lost_total "), 0, "{e}");
+    // Both daemons of this build: the link resumed by sending again what was in flight, its
+    // caches and contexts kept.
+    for m in [&w, &e] {
+        assert!(value(m, "wanopt_link_replays_total ") >= 2, "{m}");
+    }
+    println!(
+        "replayed: west {} bytes, east {} bytes",
+        value(&w, "wanopt_link_replayed_bytes_total "),
+        value(&e, "wanopt_link_replayed_bytes_total ")
+    );
     // Which connection's end each side sees first decides whether a whole cut starts as a
     // lane loss; the main connection's end always follows.
     assert!(p.east.count("the peer resumes the link") >= 1);

@@ -56,3 +56,7 @@ pub const CAP_SHORT_CODED: u64 = 4096;
 /// Hello capability bit (with `CAP_LANE_COPIES`): the sender takes pieces of its latency lane
 /// as sealed UDP datagrams beside the lane's connections (see [`crate::datagram`]).
 pub const CAP_LANE_DATAGRAMS: u64 = 8192;
+/// Hello capability bit (with `CAP_RESUME`): the sender keeps the main lane's bytes until the
+/// peer says it read them (`Received`), and resumes a link by sending again what the lost
+/// connection did not deliver, so both codecs go on with their caches and contexts.
+pub const CAP_REPLAY: u64 = 16384;

@@ -12,7 +12,13 @@ const TOKEN: u64 = 0x5eed_cafe;
 
 /// A pair that resumes streams, up, with its latency lane attached when `laned`.
 fn resumable_pair(codec: bool, laned: bool) -> Pair {
-    let mut p = resumable_pair_with(codec, |_| {}, |_| {});
+    resumable_pair_replaying(codec, laned, true)
+}
+
+/// [`resumable_pair`], west an older build that resumes through the lists alone unless
+/// `replay`.
+fn resumable_pair_replaying(codec: bool, laned: bool, replay: bool) -> Pair {
+    let mut p = resumable_pair_with(codec, |c| c.replay = replay, |_| {});
     if laned {
         attach(&mut p);
     }
@@ -149,7 +155,18 @@ fn run(
     cuts: &[(u64, u64)],
 ) -> Result<Pair, TestCaseError> {
     let kinds: Vec<Cut> = cuts.iter().map(|_| Cut::Link).collect();
-    run_cuts(codec, laned, sizes, cuts, &kinds, false)
+    run_cuts(codec, laned, sizes, cuts, &kinds, false, true)
+}
+
+/// [`run`] with west an older build: every resumption goes through the resume lists.
+fn run_lists(
+    codec: bool,
+    laned: bool,
+    sizes: &[(usize, usize, bool)],
+    cuts: &[(u64, u64)],
+) -> Result<Pair, TestCaseError> {
+    let kinds: Vec<Cut> = cuts.iter().map(|_| Cut::Link).collect();
+    run_cuts(codec, laned, sizes, cuts, &kinds, false, false)
 }
 
 /// What a cut loses.
@@ -200,6 +217,7 @@ fn hand_over(p: &mut Pair, west: bool, codec: bool) {
     let state = side.link.hand_over(p.now).expect("handed over");
     let mut cfg = LinkConfig::new(site, peer, west);
     resumable(&mut cfg, codec);
+    cfg.replay = side.link.replays_offered();
     let mut link = Link::take_over(cfg, &state, p.now).expect("taken over");
     link.set_services(services.iter().copied());
     side.link = link;
@@ -226,8 +244,9 @@ fn run_cuts(
     cuts: &[(u64, u64)],
     kinds: &[Cut],
     wrap: bool,
+    replay: bool,
 ) -> Result<Pair, TestCaseError> {
-    let mut p = resumable_pair(codec, laned);
+    let mut p = resumable_pair_replaying(codec, laned, replay);
     let mut plans = Vec::new();
     for (i, (up, down, lat)) in sizes.iter().enumerate() {
         if wrap && i == 1 {
@@ -316,16 +335,30 @@ fn run_cuts(
     check_exact(&p, &plans)?;
     let whole = kinds.iter().filter(|k| k.whole()).count();
     prop_assert_eq!(p.west.app.suspended as usize, whole);
-    // A lane resumption that a whole cut overtook is settled by the whole resumption.
+    // A lane resumption that a whole cut overtook is settled by the whole resumption; a whole
+    // one that replays has the lane's settle on its own.
     for side in [&p.west, &p.east] {
-        let n = side.app.resumed.len();
+        let n = side.app.resumed.iter().filter(|r| !r.lane).count();
+        let lanes = side.app.resumed.len() - n;
         prop_assert!(
-            whole <= n && n <= cuts.len(),
-            "{n} resumptions for {kinds:?}"
+            n == whole && lanes <= cuts.len(),
+            "{n} resumptions and {lanes} of the lane for {kinds:?}"
         );
     }
-    if kinds.iter().all(|k| k.whole()) {
-        prop_assert_eq!(p.west.app.resumed.len(), cuts.len());
+    // Both sides take the same way each time: a replay (the codecs go on) unless a side was
+    // handed over to a new process, whose codec started over.
+    let ways = |side: &Side| -> Vec<bool> {
+        side.app
+            .resumed
+            .iter()
+            .filter(|r| !r.lane)
+            .map(|r| r.replay)
+            .collect()
+    };
+    prop_assert_eq!(ways(&p.west), ways(&p.east));
+    for (k, replayed) in kinds.iter().filter(|k| k.whole()).zip(ways(&p.west)) {
+        let hand = matches!(k, Cut::HandWest | Cut::HandEast);
+        prop_assert_eq!(replayed, replay && !hand, "{:?}", kinds);
     }
     p.assert_no_leaks();
     Ok(p)
@@ -341,8 +374,9 @@ proptest! {
         codec in any::<bool>(),
         laned in any::<bool>(),
         wrap in any::<bool>(),
+        replay in any::<bool>(),
     ) {
-        run_cuts(codec, laned, &sizes, &cuts, &vec![Cut::Link; cuts.len()], wrap)?;
+        run_cuts(codec, laned, &sizes, &cuts, &vec![Cut::Link; cuts.len()], wrap, replay)?;
     }
 
     #[test]
@@ -350,13 +384,14 @@ proptest! {
         sizes in proptest::collection::vec((0usize..300_000, 0usize..100_000, any::<bool>()), 1..8),
         cuts in proptest::collection::vec((0u64..300, 0u64..2000, 0u8..3), 1..4),
         codec in any::<bool>(),
+        replay in any::<bool>(),
     ) {
         let kinds: Vec<Cut> = cuts
             .iter()
             .map(|c| [Cut::Link, Cut::Lane, Cut::LaneWestOnly][usize::from(c.2)])
             .collect();
         let cuts: Vec<(u64, u64)> = cuts.iter().map(|c| (c.0, c.1)).collect();
-        run_cuts(codec, true, &sizes, &cuts, &kinds, false)?;
+        run_cuts(codec, true, &sizes, &cuts, &kinds, false, replay)?;
     }
 
     /// Either side handed over to a new process (a restart or an upgrade) at any point, in
@@ -369,13 +404,14 @@ proptest! {
         codec in any::<bool>(),
         laned in any::<bool>(),
         wrap in any::<bool>(),
+        replay in any::<bool>(),
     ) {
         let kinds: Vec<Cut> = cuts
             .iter()
             .map(|c| [Cut::HandWest, Cut::HandEast, Cut::Link][usize::from(c.2)])
             .collect();
         let cuts: Vec<(u64, u64)> = cuts.iter().map(|c| (c.0, c.1)).collect();
-        run_cuts(codec, laned, &sizes, &cuts, &kinds, wrap)?;
+        run_cuts(codec, laned, &sizes, &cuts, &kinds, wrap, replay)?;
     }
 }
 
@@ -450,7 +486,7 @@ fn stream_ids_wrap_on_a_resumed_link() {
         (20_000, 2_000, true),
         (10_000, 0, false),
     ];
-    for laned in [false, true] {
+    for (laned, replay) in [(false, true), (true, true), (false, false), (true, false)] {
         for cuts in [&[][..], &[(1, 100)], &[(30, 200), (10, 50)]] {
             let p = run_cuts(
                 true,
@@ -459,8 +495,9 @@ fn stream_ids_wrap_on_a_resumed_link() {
                 cuts,
                 &vec![Cut::Link; cuts.len()],
                 true,
+                replay,
             )
-            .unwrap_or_else(|e| panic!("laned {laned}, cuts {cuts:?}: {e}"));
+            .unwrap_or_else(|e| panic!("laned {laned}, replay {replay}, cuts {cuts:?}: {e}"));
             let ids: Vec<u32> = p.west.app.received.keys().map(|id| id.0).collect();
             assert!(ids.contains(&u32::MAX), "{ids:?}");
             assert!(ids.contains(&3), "wrapped past stream 1: {ids:?}");
@@ -472,6 +509,19 @@ fn stream_ids_wrap_on_a_resumed_link() {
 fn a_cut_before_the_first_open_arrives_opens_it_again() {
     // The open and the first bytes are lost in flight: the peer's list does not name the
     // stream, so it is opened again and sent from its first byte.
+    let p = run_lists(
+        true,
+        true,
+        &[(100_000, 5_000, false), (3_000, 3_000, true)],
+        &[(1, 100)],
+    )
+    .expect("exact");
+    let r = p.west.app.resumed[0];
+    assert_eq!((r.streams, r.lost, r.replay), (2, 0, false), "{r:?}");
+    assert!(r.resent > 0, "{r:?}");
+    // Down for 100 ms, then the new hellos and lists take a round trip of 20 ms each way.
+    assert!(r.outage >= Duration::from_millis(140), "{r:?}");
+    // Replayed, the open goes again as it went, with the bytes after it.
     let p = run(
         true,
         true,
@@ -480,10 +530,12 @@ fn a_cut_before_the_first_open_arrives_opens_it_again() {
     )
     .expect("exact");
     let r = p.west.app.resumed[0];
-    assert_eq!((r.streams, r.lost), (2, 0), "{r:?}");
-    assert!(r.resent > 0, "{r:?}");
-    // Down for 100 ms, then the new hellos and lists take a round trip of 20 ms each way.
-    assert!(r.outage >= Duration::from_millis(140), "{r:?}");
+    assert_eq!(
+        (r.streams, r.lost, r.resent, r.replay),
+        (1, 0, 0, true),
+        "{r:?}"
+    );
+    assert!(r.replayed > 0, "{r:?}");
 }
 
 #[test]
@@ -491,11 +543,19 @@ fn a_cut_mid_transfer_resends_at_most_what_was_in_flight() {
     // 5 MB/s and 20 ms each way: at most the windows' worth is in flight.
     let window = LinkConfig::new("x", "y", false).stream_window as u64;
     for codec in [false, true] {
-        let p = run(codec, false, &[(4_000_000, 1_000_000, false)], &[(80, 500)]).expect("exact");
+        let sizes = [(4_000_000, 1_000_000, false)];
+        let p = run_lists(codec, false, &sizes, &[(80, 500)]).expect("exact");
         let r = p.west.app.resumed[0];
         assert_eq!(r.streams, 1);
         assert!(r.resent > 0, "{r:?}");
         assert!(r.resent <= window, "{r:?}");
+        // Replayed, what went again is what the peer had not read: at most a window and the
+        // frames' own bytes.
+        let p = run(codec, false, &sizes, &[(80, 500)]).expect("exact");
+        let r = p.west.app.resumed[0];
+        assert_eq!((r.streams, r.resent, r.replay), (1, 0, true), "{r:?}");
+        assert!(r.replayed > 0, "{r:?}");
+        assert!(r.replayed <= window + window / 16, "{r:?}");
     }
 }
 
@@ -637,7 +697,8 @@ fn a_silent_path_is_given_up_for_a_new_connection() {
     p.drive(Duration::from_secs(30));
     assert_eq!(p.east.app.received[&id], data(4, 2_000_000)[..]);
     assert!(p.west.app.fin.contains(&id) && p.east.app.fin.contains(&id));
-    assert_eq!(p.west.app.resumed.len(), 1);
+    // The link's resumption, and the latency lane's of its own after it.
+    assert_eq!(p.west.app.resumed.iter().filter(|r| !r.lane).count(), 1);
     p.assert_no_leaks();
 }
 
@@ -757,7 +818,14 @@ fn a_connection_lost_during_the_resumption_resumes_on_the_next() {
 #[test]
 fn a_peer_cannot_grow_the_resume_list_past_what_it_can_know() {
     use wanopt_proto::frame::{Resume, ResumeEntry};
-    let mut p = resumable_pair_with(false, |c| c.max_streams = u32::MAX, |_| {});
+    let mut p = resumable_pair_with(
+        false,
+        |c| {
+            c.max_streams = u32::MAX;
+            c.replay = false;
+        },
+        |_| {},
+    );
     cut(&mut p);
     let presented = p.west.link.resume_token();
     assert!(p.west.link.reconnect(p.now, Vec::new()));
@@ -840,4 +908,45 @@ fn a_huge_window_from_the_peer_keeps_no_more_than_ours() {
     }
     assert!(most > 0, "nothing was kept");
     assert!(most <= window + buffer, "{most} > {window} + {buffer}");
+}
+
+/// A link resumed by a replay keeps its caches and stream contexts: a copy cut in the middle
+/// arrives exact (its frames in flight sent again as they were), and the same copy sent after
+/// the cut is references. Through the resume lists (west an older build, no saved states) the
+/// caches start over: what went before the cut goes whole again.
+#[test]
+fn a_replayed_resumption_keeps_the_caches() {
+    let copy: Bytes = wanopt_codec::testdata::noise(9, 1_500_000).into();
+    let mut wire = Vec::new();
+    for replay in [true, false] {
+        let mut p = resumable_pair_replaying(true, false, replay);
+        let first = open_and_send(&mut p, "e-svc", Class::Bulk, copy.clone());
+        // 5 MB/s: the cut comes with a part of the copy still to send and some in flight.
+        p.drive(Duration::from_millis(150));
+        assert!(p.east.app.received[&first].len() < copy.len());
+        cut(&mut p);
+        reconnect(&mut p, TOKEN + 1, false);
+        p.drive(Duration::from_secs(5));
+        assert_eq!(p.east.app.received[&first], copy[..], "replay {replay}");
+        let r = p.west.app.resumed[0];
+        assert_eq!(r.replay, replay, "{r:?}");
+        assert_eq!(p.east.app.resumed[0].replay, replay);
+        if replay {
+            assert!(r.replayed > 0 && r.resent == 0, "{r:?}");
+        }
+        let before = p.west.link.link_wire().0;
+        let second = open_and_send(&mut p, "e-svc", Class::Bulk, copy.clone());
+        p.drive(Duration::from_secs(5));
+        assert_eq!(p.east.app.received[&second], copy[..], "replay {replay}");
+        wire.push(p.west.link.link_wire().0 - before);
+        for id in [first, second] {
+            p.east.app.to_send.insert(id, (Bytes::new(), true));
+        }
+        p.drive(Duration::from_secs(10));
+        p.assert_no_leaks();
+    }
+    // References only, against the part of the copy sent before the cut (what came after it
+    // is in the new caches too) sent whole again.
+    assert!(wire[0] * 20 < wire[1], "{wire:?}");
+    assert!(wire[1] > 400_000, "{wire:?}");
 }

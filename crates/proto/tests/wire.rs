@@ -99,12 +99,13 @@ fn frames() -> Vec<Frame> {
             raw_len: 100,
             records: Bytes::from_static(&[1, 2, 3]),
         },
+        Frame::Received { offset: 1 << 40 },
     ]
 }
 
 /// The bytes each of [`frames`] encodes to, as recorded from the build before the frame code
-/// was split (7e4cb03).
-const RECORDED: [&str; 15] = [
+/// was split (7e4cb03); the last kind came after it.
+const RECORDED: [&str; 16] = [
     "01000000000000000046000300010477657374000000000000001f000200010000000000400000000500000000deadbeef0001010102646701abababababababababababababababab000104726d616e",
     "0200000000070000000400026467",
     "0301000000070000000c00000002000000007265646f",
@@ -120,6 +121,7 @@ const RECORDED: [&str; 15] = [
     "0d000000000700000008000000000000004d",
     "0e01000000000000002f000000000000000a000000000000001400000003000000040001000000070000000000000001000000000000000205",
     "0fac028000030000640005010203",
+    "100000000000000000080000010000000000",
 ];
 
 fn hex(b: &[u8]) -> String {

@@ -60,7 +60,7 @@ impl Frame {
                 Frame::Need { scope, .. } => 16 + 1 + name_len(scope),
                 Frame::Chunk { scope, data, .. } => 16 + 1 + name_len(scope) + data.len(),
                 Frame::Checkpoint { scope, .. } => 16 + 1 + name_len(scope),
-                Frame::Finished { .. } => 8,
+                Frame::Finished { .. } | Frame::Received { .. } => 8,
                 Frame::Resume(r) => {
                     RESUME_HEAD_LEN + r.entries.len().min(usize::from(u16::MAX)) * RESUME_ENTRY_LEN
                 }
@@ -107,6 +107,7 @@ impl Frame {
             Frame::Checkpoint { .. } => (kind::CHECKPOINT, 0, StreamId::LINK),
             Frame::Finished { stream, .. } => (kind::FINISHED, 0, *stream),
             Frame::Resume(r) => (kind::RESUME, coded_flags(r.last, r.lane), StreamId::LINK),
+            Frame::Received { .. } => (kind::RECEIVED, 0, StreamId::LINK),
         };
         out.put_u8(kind);
         out.put_u8(flags);
@@ -196,7 +197,7 @@ impl Frame {
                 out.extend_from_slice(digest);
                 put_name(out, scope);
             }
-            Frame::Finished { offset, .. } => out.put_u64(*offset),
+            Frame::Finished { offset, .. } | Frame::Received { offset } => out.put_u64(*offset),
             Frame::Resume(r) => {
                 out.put_u64(r.link_received);
                 out.put_u64(r.link_max);

@@ -77,6 +77,11 @@ pub mod setting {
     pub const COPY_AT: u16 = 14;
     /// With `CAP_LANE_COPIES`: the most connections the sender takes for its latency lane.
     pub const LANE_COPIES: u16 = 15;
+    /// On a resuming side's hello (with `CAP_REPLAY`): the main-lane bytes of the peer's it read
+    /// on the lost connection, past the hellos. The peer sends the rest again, byte for byte.
+    pub const REPLAY_RECEIVED: u16 = 16;
+    /// Beside it: the first main-lane byte of ours we can still send again.
+    pub const REPLAY_KEPT: u16 = 17;
 }
 
 impl Hello {

@@ -131,6 +131,10 @@ pub enum Frame {
     /// After a resumed link's hellos: what the sender of this frame received before the old
     /// connection was lost, so the other side sends the rest. `last` ends the list.
     Resume(Box<Resume>),
+    /// Main-lane bytes of the peer's that the sender of this frame has read, past the hellos
+    /// (with `CAP_REPLAY`): the peer may forget what it kept of them to send again after a lost
+    /// connection (see the link's `replay` module).
+    Received { offset: u64 },
 }
 
 /// One [`Frame::Resume`]: the link's receive state, then one entry per stream.
@@ -186,6 +190,7 @@ pub(super) mod kind {
     pub const FINISHED: u8 = 13;
     pub const RESUME: u8 = 14;
     pub const CODED_SHORT: u8 = 15;
+    pub const RECEIVED: u8 = 16;
 }
 
 pub(super) const FLAG_FIN: u8 = 1;
@@ -217,7 +222,7 @@ impl Frame {
             if buf.len() < HEADER_LEN {
                 return Err(FrameError::Incomplete);
             }
-            if !(kind::HELLO..=kind::RESUME).contains(&kind) {
+            if !(kind::HELLO..=kind::RECEIVED).contains(&kind) || kind == kind::CODED_SHORT {
                 return Err(FrameError::UnknownKind(kind));
             }
             (

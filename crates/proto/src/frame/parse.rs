@@ -127,6 +127,12 @@ impl Frame {
                 }
             }
             kind::RESUME => Frame::Resume(Box::new(parse_resume(&mut p, flags)?)),
+            kind::RECEIVED => {
+                if stream != StreamId::LINK {
+                    return Err(FrameError::Malformed("received on a stream"));
+                }
+                Frame::Received { offset: p.u64()? }
+            }
             other => return Err(FrameError::UnknownKind(other)),
         };
         if p.has_remaining() {

@@ -143,6 +143,7 @@ fn arb_frame() -> impl Strategy<Value = Frame> {
         (arb_name(), any::<[u8; 16]>())
             .prop_map(|(scope, digest)| Frame::Checkpoint { scope, digest }),
         (sid.clone(), any::<u64>()).prop_map(|(stream, offset)| Frame::Finished { stream, offset }),
+        any::<u64>().prop_map(|offset| Frame::Received { offset }),
         (
             any::<(u64, u64, u32, u32, bool, bool)>(),
             proptest::collection::vec((1u32.., any::<(u64, u64, bool, bool, bool)>()), 0..40)

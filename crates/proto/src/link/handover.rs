@@ -167,6 +167,9 @@ impl Link {
         }
         // Coded frames not rebuilt yet are codec state: their bytes come again.
         self.drop_undecoded(None);
+        // The new process resumes through the lists with a fresh codec; so does this one if
+        // it goes on after all: what it counted as read is no longer all here.
+        self.replay = Default::default();
         let mut out = Vec::new();
         out.put_slice(&MAGIC);
         out.put_u16(HANDOVER_VERSION);

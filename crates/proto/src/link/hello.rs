@@ -7,8 +7,8 @@ use crate::error::LinkError;
 use crate::frame::{self, CacheOffer, Hello, setting};
 use crate::lane::{
     CAP_CODEC, CAP_COMPACT_RUNS, CAP_CONTEXT, CAP_DELTA, CAP_DELTA_RUNS, CAP_LANE_COPIES,
-    CAP_LATENCY_LANE, CAP_LONG_CONTEXT, CAP_QUIET_BASES, CAP_REF_RUNS, CAP_RESUME, CAP_RUNS,
-    CAP_SHORT_CODED, MAIN_LANE,
+    CAP_LATENCY_LANE, CAP_LONG_CONTEXT, CAP_QUIET_BASES, CAP_REF_RUNS, CAP_REPLAY, CAP_RESUME,
+    CAP_RUNS, CAP_SHORT_CODED, MAIN_LANE,
 };
 
 use super::LinkConfig;
@@ -35,6 +35,9 @@ pub(super) fn ours(cfg: &LinkConfig, caches: Vec<CacheOffer>, scoped: Vec<String
     }
     if !cfg.resume_window.is_zero() {
         capabilities |= CAP_RESUME;
+        if cfg.replay {
+            capabilities |= CAP_REPLAY;
+        }
     }
     if cfg.latency_lane && cfg.lane_copies > 1 {
         capabilities |= CAP_LANE_COPIES;

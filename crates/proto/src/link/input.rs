@@ -94,8 +94,12 @@ impl Link {
                 // Anything else may depend on what the frames before it rebuilt.
                 self.decode_fed();
             }
+            let hello = matches!(f, Frame::Hello(_));
             if let Err(e) = self.on_frame(f, n, now, lane) {
                 return Err(self.fail(e));
+            }
+            if lane == MAIN_LANE && !hello {
+                self.replay_read(n);
             }
             if self.state == State::Closed {
                 buf.clear();
@@ -195,6 +199,7 @@ impl Link {
             } => self.on_chunk(lane, &scope, fingerprint, &data),
             Frame::Checkpoint { scope, digest } => self.on_checkpoint(lane, scope, &digest),
             Frame::Finished { stream, offset } => self.on_finished(stream, offset),
+            Frame::Received { offset } => self.on_received(offset, lane),
             Frame::Resume(r) => self.on_resume(*r, now, lane),
         }
     }
@@ -228,7 +233,7 @@ impl Link {
         } else {
             State::Open
         };
-        self.on_resumed_hello(&h);
+        self.on_resumed_hello(&h, now)?;
         self.timers.set(Timer::Ping, now + self.cfg.keepalive);
         self.events.push_back(Event::Up { peer: h, version });
         let load = self.coding.take_state_requests();

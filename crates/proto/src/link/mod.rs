@@ -11,6 +11,7 @@ mod handover;
 mod hello;
 mod input;
 mod lanes;
+mod replay;
 mod resume;
 mod streams;
 mod timer;
@@ -97,6 +98,11 @@ pub struct LinkConfig {
     /// How long streams wait for a new connection after the link's was lost (zero: a lost
     /// connection resets every stream, and the hello does not offer resumption).
     pub resume_window: Duration,
+    /// With a resume window: keep the main lane's bytes until the peer read them, and resume
+    /// by sending again what a lost connection did not deliver, the codecs untouched
+    /// (`CAP_REPLAY`, see `replay.rs`). Off, a link resumes as a build before it did, through
+    /// the resume lists and a fresh codec (tests take that way as an older peer would).
+    pub replay: bool,
 }
 
 impl LinkConfig {
@@ -125,6 +131,7 @@ impl LinkConfig {
             delta_bases: None,
             workers: None,
             resume_window: Duration::ZERO,
+            replay: true,
         }
     }
 }
@@ -337,6 +344,8 @@ pub struct Link {
     lane_received: [u64; LANES],
     /// The latency lane was lost alone: its streams wait for the peer's list on the new lane.
     lane_resuming: Option<Box<resume::Resuming>>,
+    /// The main lane's bytes kept and counted to resume by sending them again (see `replay`).
+    replay: replay::Replay,
 }
 
 /// On a resumable link, a stream's consumption is confirmed (a `MaxData`) at least every this
@@ -396,6 +405,7 @@ impl Link {
             lane_sent: [0; LANES],
             lane_received: [0; LANES],
             lane_resuming: None,
+            replay: Default::default(),
             cfg,
         }
     }
@@ -834,6 +844,7 @@ impl Link {
             if k.sent.is_none() {
                 k.sent = Some((k.seq, now));
             }
+            self.tell_received();
             self.timers.set(Timer::Ping, now + self.cfg.keepalive);
         }
         self.timers.get_or_set(Timer::Stalls, now + STALL_SWEEP);
@@ -921,6 +932,8 @@ impl Link {
     fn shut(&mut self, err: Option<LinkError>) {
         self.state = State::Closed;
         self.timers.stop_all();
+        // Nothing is sent again on a closed link (the codec set aside for it goes too).
+        self.replay = Default::default();
         for id in self.streams.clear() {
             self.events.push_back(Event::Reset {
                 stream: id,

@@ -70,6 +70,14 @@ pub struct ResumeStats {
     pub resent: u64,
     /// Streams reset because the peer no longer had them.
     pub lost: usize,
+    /// The main lane's bytes the old connection did not deliver were sent again as they were
+    /// (see `replay`): the caches, stream contexts and streams went on untouched. False when the
+    /// resume lists settled the streams with a fresh codec (or for the latency lane alone).
+    pub replay: bool,
+    /// With `replay`, the bytes sent again.
+    pub replayed: u64,
+    /// The latency lane's alone (lost alone, or after a replay of the main lane).
+    pub lane: bool,
     /// From the lost connection to the settled streams.
     pub outage: std::time::Duration,
 }
@@ -116,6 +124,7 @@ impl Link {
             self.connection_lost(reason);
             return false;
         }
+        self.replay_set_aside();
         if self.outage.is_none() {
             self.outage = Some(Outage {
                 since: now,
@@ -195,13 +204,15 @@ impl Link {
             return false;
         }
         self.cfg.saved_states = saved;
-        self.coding = self.coding.renew(
+        let renewed = self.coding.renew(
             self.cfg.codec.clone(),
             self.cfg.cache_storage.clone(),
             self.cfg.saved_states.clone(),
         );
+        let replay = self.replay_restart(renewed);
         let mut h = hello::ours(&self.cfg, self.coding.offers(), self.coding.own_scoped());
         h.settings.push((id, old));
+        h.settings.extend(replay);
         // What was queued while the link was down goes in the resume list instead (credit,
         // ends) or is sent again after it (resets of streams the peer still lists).
         for c in &mut self.ctrl {
@@ -225,11 +236,16 @@ impl Link {
         true
     }
 
-    /// The peer's hello on a resumed connection: if it resumes the same link, our resume list
+    /// The peer's hello on a resumed connection: if it resumes the same link, both sides send
+    /// again what the other did not read (see `replay`) or, if either cannot, our resume list
     /// goes out; if not (it restarted, or gave the link up), every stream is lost.
-    pub(super) fn on_resumed_hello(&mut self, h: &crate::frame::Hello) {
+    pub(super) fn on_resumed_hello(
+        &mut self,
+        h: &crate::frame::Hello,
+        now: Instant,
+    ) -> Result<(), LinkError> {
         let Some(r) = self.resuming.as_ref() else {
-            return;
+            return Ok(());
         };
         let id = if self.cfg.initiator {
             setting::RESUMED
@@ -239,12 +255,17 @@ impl Link {
         let same = h.capabilities & CAP_RESUME != 0 && h.setting(id) == Some(r.token);
         if !same {
             self.resuming = None;
+            self.replay = Default::default();
             self.end_outage();
             self.lose_streams("the peer no longer has the link's streams (it restarted?)");
-            return;
+            return Ok(());
+        }
+        if self.try_replay(h, now)? {
+            return Ok(());
         }
         self.drop_undecoded(None);
         self.list_streams(None);
+        Ok(())
     }
 
     /// Queues our resume list: what we received of each stream (`lane`: of that lane's only,
@@ -334,6 +355,14 @@ impl Link {
         {
             return false;
         }
+        self.lane_gone(now);
+        true
+    }
+
+    /// The latency lane's connection is gone (alone, or with a main connection that resumed
+    /// by a replay): its streams wait for a new lane and the lists on it; its caches start
+    /// empty on both sides.
+    pub(super) fn lane_gone(&mut self, now: Instant) {
         // Lost again before the lists settled it: what each side received is listed anew.
         let since = self.lane_resuming.as_ref().and_then(|r| r.since);
         self.lane_attached = false;
@@ -356,7 +385,6 @@ impl Link {
             self.timers
                 .set(Timer::LaneResume, now + self.cfg.resume_window);
         }
-        true
     }
 
     /// The latency lane is attached again after [`lane_lost`](Self::lane_lost): our list of
@@ -448,6 +476,7 @@ impl Link {
         c.resync(c.sent().saturating_sub(lost), max);
         let mut stats = ResumeStats {
             outage: now.saturating_duration_since(rs.since.unwrap_or(now)),
+            lane: true,
             ..Default::default()
         };
         self.settle_streams(&rs, seen, &mut stats)?;
@@ -581,7 +610,7 @@ impl Link {
     }
 
     /// The outage is over (resumed, or given up): the resume window no longer runs.
-    fn end_outage(&mut self) {
+    pub(super) fn end_outage(&mut self) {
         self.outage = None;
         self.timers.clear(Timer::Resume);
     }

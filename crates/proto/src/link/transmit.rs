@@ -12,7 +12,7 @@ use super::streams::Queue;
 use super::{Event, Link, State};
 use crate::coding::{CodedTurn, Emitted, Role};
 use crate::frame::{self, Frame, StreamId};
-use crate::lane::LANES;
+use crate::lane::{LANES, MAIN_LANE};
 
 /// Bytes a bulk stream may send in one scheduling turn before the next stream gets its turn.
 const BULK_QUANTUM: usize = 32 * 1024;
@@ -65,7 +65,7 @@ impl Link {
         }
         self.streams.shaper.advance(now);
         let start = out.len();
-        self.transmit_control(lane, out);
+        let from = self.transmit_control(lane, out);
         if self.streams_may_send_on(lane) {
             while out.len() < limit && self.link_credit.available() > 0 {
                 let Some((queue, id)) = self.streams.next_ready(lane) else {
@@ -78,6 +78,9 @@ impl Link {
         }
         // Nothing leaves a call waiting: the frames still being made are written now.
         self.finish_pending(out);
+        if lane == MAIN_LANE {
+            self.replay_sent(&out[from..]);
+        }
         let n = out.len() - start;
         self.link_wire_out += n as u64;
         n
@@ -108,15 +111,36 @@ impl Link {
     pub fn wants_transmit_lane(&self, lane: usize) -> bool {
         self.lane_usable(lane)
             && (!self.ctrl[lane].is_empty()
+                || (lane == MAIN_LANE && self.replay_waits())
                 || (self.streams_may_send_on(lane)
                     && self.link_credit.available() > 0
                     && self.streams.any_ready(lane)))
     }
 
     /// Encodes the lane's queued control frames. A `Checkpoint` takes the mirror's state as it
-    /// leaves: that is what the peer's cache will be when it reads the frame.
-    fn transmit_control(&mut self, lane: usize, out: &mut BytesMut) {
-        while let Some(mut f) = self.ctrl[lane].pop_front() {
+    /// leaves: that is what the peer's cache will be when it reads the frame. On the main lane,
+    /// what a replay sends again goes right after our hello, and nothing but the hello goes
+    /// until the peer's hello decided whether it replays. Returns where the lane's bytes past
+    /// any hello, and what was sent again, start in `out` (what a replay keeps).
+    fn transmit_control(&mut self, lane: usize, out: &mut BytesMut) -> usize {
+        let mut from = out.len();
+        loop {
+            if lane == MAIN_LANE
+                && let Some(again) = self.replay_again()
+            {
+                for b in again {
+                    out.extend_from_slice(&b);
+                }
+                from = out.len();
+            }
+            let Some(mut f) = self.ctrl[lane].pop_front() else {
+                break;
+            };
+            let hello = matches!(f, Frame::Hello(_));
+            if lane == MAIN_LANE && !hello && self.replay_undecided() {
+                self.ctrl[lane].push_front(f);
+                break;
+            }
             if let Frame::Checkpoint { scope, digest } = &mut f {
                 let Some(state) = self.coding.checkpoint_mirror(lane, scope) else {
                     continue;
@@ -141,7 +165,12 @@ impl Link {
             if matches!(f, Frame::Chunk { .. }) {
                 self.coding.answered();
             }
+            if hello && lane == MAIN_LANE {
+                self.replay_hello_out();
+                from = out.len();
+            }
         }
+        from
     }
 
     /// One stream's turn: a `Data` or `Coded` frame, as credit and the quantum allow.

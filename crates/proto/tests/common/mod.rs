@@ -287,6 +287,13 @@ impl Pair {
             assert_eq!(s.link.stream_count(), 0, "{name} leaked streams");
             assert_eq!(s.link.buffered_bytes(), 0, "{name} leaked buffered bytes");
             assert_eq!(s.link.coded_backlog(), 0, "{name} leaked coded backlog");
+            // What is kept to send again after a lost connection goes once the peer read it
+            // (it says so with its pings at the latest).
+            assert!(
+                s.link.replay_kept() <= 4096,
+                "{name} keeps {} bytes to send again",
+                s.link.replay_kept()
+            );
         }
     }
 }

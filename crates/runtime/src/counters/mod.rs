@@ -207,6 +207,8 @@ pub struct LinkCounters {
     pub outage_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
     pub streams_resumed: Counter,
     pub resent: Counter,
+    pub replays: Counter,
+    pub replayed: Counter,
     pub streams_lost: Counter,
     pub copies: Gauge,
     pub copies_wanted: Gauge,
@@ -349,6 +351,16 @@ impl LinkCounters {
             "wanopt_link_resent_bytes",
             "Stream bytes sent again after a lost link connection (they were in flight)",
             m.resent.clone(),
+        );
+        r.register(
+            "wanopt_link_replays",
+            "Lost link connections resumed by sending again what they had not delivered, the caches and stream contexts kept (both daemons of this build)",
+            m.replays.clone(),
+        );
+        r.register(
+            "wanopt_link_replayed_bytes",
+            "Link bytes sent again as they were after a lost connection (a replay)",
+            m.replayed.clone(),
         );
         r.register(
             "wanopt_link_streams_lost",

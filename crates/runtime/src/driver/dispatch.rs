@@ -94,15 +94,27 @@ pub(super) fn dispatch(
                 let l = &counters.link;
                 add(&l.streams_resumed, r.streams as u64);
                 add(&l.resent, r.resent);
+                if r.replay {
+                    add(&l.replays, 1);
+                    add(&l.replayed, r.replayed);
+                }
                 l.outage_seconds.inc_by(r.outage.as_secs_f64());
                 counters.handover.resumed(r.outage);
+                let what = if r.lane {
+                    "latency lane resumed: its streams go on"
+                } else if r.replay {
+                    "link resumed: its streams go on, the caches kept"
+                } else {
+                    "link resumed: its streams go on"
+                };
                 info!(
                     link,
                     streams = r.streams,
                     resent = r.resent,
+                    replayed = r.replayed,
                     lost = r.lost,
                     outage_ms = r.outage.as_millis() as u64,
-                    "link resumed: its streams go on"
+                    "{what}"
                 );
             }
             Event::Stalled(gap) => {
