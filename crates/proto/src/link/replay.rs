@@ -23,8 +23,9 @@ use crate::flow::SendCredit;
 use crate::frame::{Frame, Hello, setting};
 use crate::lane::{CAP_LATENCY_LANE, CAP_REPLAY, MAIN_LANE};
 
-/// Main-lane bytes read between two `Received` frames.
-const RECEIVED_EVERY: u64 = 256 * 1024;
+/// Main-lane bytes read after which a `Received` frame goes on its own; otherwise it goes
+/// with the next control frames (credit, answers, pings), in the same write.
+const RECEIVED_EVERY: u64 = 4 << 20;
 /// Most main-lane bytes kept to send again, at least and at most, whatever the link window:
 /// past it the oldest go, and a connection lost with more in flight than is kept resumes
 /// through the resume lists instead.
@@ -160,8 +161,9 @@ impl Link {
         }
     }
 
-    /// Tells the peer how far we read its main lane, if it has not heard it yet (with a ping,
-    /// so a quiet link's peer does not keep its last bytes for long).
+    /// Tells the peer how far we read its main lane, if it has not heard it yet (with other
+    /// control frames, and with a ping, so a quiet link's peer does not keep its last bytes
+    /// for long).
     pub(super) fn tell_received(&mut self) {
         if self.replays() && self.replay.received > self.replay.told {
             self.replay.told = self.replay.received;

@@ -65,6 +65,10 @@ impl Link {
         }
         self.streams.shaper.advance(now);
         let start = out.len();
+        if lane == MAIN_LANE && !self.ctrl[lane].is_empty() {
+            // How far we read goes with the control frames already going.
+            self.tell_received();
+        }
         let from = self.transmit_control(lane, out);
         if self.streams_may_send_on(lane) {
             while out.len() < limit && self.link_credit.available() > 0 {
