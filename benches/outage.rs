@@ -26,7 +26,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::sink::Sink;
-use common::{Certs, Daemon, Relay, bin, report, scrape, server, site_yaml, value};
+use common::{Certs, Daemon, Relay, bin, east_yaml, report, scrape, server, site_yaml, value};
 
 const MB: f64 = 1e6;
 
@@ -109,20 +109,9 @@ fn run(exe: &Path, cut: bool, first: &[u8], changed: &[u8]) -> Case {
     };
     let certs = Certs::new(&["west", "east"]);
     let admin = "admin:\n  listen: 127.0.0.1:0\n";
-    let east = Daemon::start_bin(
-        exe,
-        None,
-        "east",
-        &site_yaml(
-            "east",
-            "west",
-            "listen: 127.0.0.1:0",
-            &certs,
-            &format!("  - name: bulk\n    target: {target}\n"),
-            admin,
-        ),
-        &[],
-    );
+    let services = format!("  - name: bulk\n    target: {target}\n");
+    let east_cfg = east_yaml(&certs, &services) + admin;
+    let east = Daemon::start_bin(exe, None, "east", &east_cfg, &[]);
     let relay = Relay::new(east.bound("link"));
     let west = Daemon::start_bin(
         exe,

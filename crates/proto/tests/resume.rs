@@ -158,17 +158,6 @@ fn run(
     run_cuts(codec, laned, sizes, cuts, &kinds, false, true)
 }
 
-/// [`run`] with west an older build: every resumption goes through the resume lists.
-fn run_lists(
-    codec: bool,
-    laned: bool,
-    sizes: &[(usize, usize, bool)],
-    cuts: &[(u64, u64)],
-) -> Result<Pair, TestCaseError> {
-    let kinds: Vec<Cut> = cuts.iter().map(|_| Cut::Link).collect();
-    run_cuts(codec, laned, sizes, cuts, &kinds, false, false)
-}
-
 /// What a cut loses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Cut {
@@ -509,26 +498,16 @@ fn stream_ids_wrap_on_a_resumed_link() {
 fn a_cut_before_the_first_open_arrives_opens_it_again() {
     // The open and the first bytes are lost in flight: the peer's list does not name the
     // stream, so it is opened again and sent from its first byte.
-    let p = run_lists(
-        true,
-        true,
-        &[(100_000, 5_000, false), (3_000, 3_000, true)],
-        &[(1, 100)],
-    )
-    .expect("exact");
+    // West an older build: the resumption goes through the lists.
+    let sizes = [(100_000, 5_000, false), (3_000, 3_000, true)];
+    let p = run_cuts(true, true, &sizes, &[(1, 100)], &[Cut::Link], false, false).expect("exact");
     let r = p.west.app.resumed[0];
     assert_eq!((r.streams, r.lost, r.replay), (2, 0, false), "{r:?}");
     assert!(r.resent > 0, "{r:?}");
     // Down for 100 ms, then the new hellos and lists take a round trip of 20 ms each way.
     assert!(r.outage >= Duration::from_millis(140), "{r:?}");
     // Replayed, the open goes again as it went, with the bytes after it.
-    let p = run(
-        true,
-        true,
-        &[(100_000, 5_000, false), (3_000, 3_000, true)],
-        &[(1, 100)],
-    )
-    .expect("exact");
+    let p = run(true, true, &sizes, &[(1, 100)]).expect("exact");
     let r = p.west.app.resumed[0];
     assert_eq!(
         (r.streams, r.lost, r.resent, r.replay),
@@ -544,7 +523,17 @@ fn a_cut_mid_transfer_resends_at_most_what_was_in_flight() {
     let window = LinkConfig::new("x", "y", false).stream_window as u64;
     for codec in [false, true] {
         let sizes = [(4_000_000, 1_000_000, false)];
-        let p = run_lists(codec, false, &sizes, &[(80, 500)]).expect("exact");
+        // West an older build: the resumption goes through the lists.
+        let lists = run_cuts(
+            codec,
+            false,
+            &sizes,
+            &[(80, 500)],
+            &[Cut::Link],
+            false,
+            false,
+        );
+        let p = lists.expect("exact");
         let r = p.west.app.resumed[0];
         assert_eq!(r.streams, 1);
         assert!(r.resent > 0, "{r:?}");
