@@ -939,3 +939,47 @@ fn a_replayed_resumption_keeps_the_caches() {
     assert!(wire[0] * 20 < wire[1], "{wire:?}");
     assert!(wire[1] > 400_000, "{wire:?}");
 }
+
+/// A peer that says it read more of our main lane than we sent (in a `Received` frame, or in
+/// its hello when it resumes) fails the link with a protocol error: nothing is sent again from
+/// an offset we never reached.
+#[test]
+fn a_peer_that_claims_to_have_read_more_than_we_sent_fails_the_link() {
+    let mut p = resumable_pair(false, false);
+    let mut buf = BytesMut::new();
+    Frame::Received { offset: 1 << 40 }.encode(&mut buf);
+    let e = p.east.link.handle_input(&buf, p.now).expect_err("refused");
+    assert!(
+        matches!(&e, LinkError::Protocol(m) if m.contains("more than we sent")),
+        "{e:?}"
+    );
+
+    // In the hello of a resumed connection.
+    let mut p = resumable_pair(false, false);
+    cut(&mut p);
+    let presented = p.west.link.resume_token();
+    assert!(p.west.link.reconnect(p.now, Vec::new()));
+    assert!(
+        p.east
+            .link
+            .accept_resume(p.now, presented, TOKEN + 1, Vec::new())
+    );
+    let mut out = BytesMut::new();
+    p.west.link.poll_transmit(p.now, &mut out, 1 << 20);
+    let n = Frame::check(&out, 1 << 20).expect("a whole first frame");
+    let Ok(Frame::Hello(mut h)) = Frame::parse(out.split_to(n).freeze()) else {
+        panic!("west's first frame is its hello");
+    };
+    for (id, v) in &mut h.settings {
+        if *id == wanopt_proto::frame::setting::REPLAY_RECEIVED {
+            *v = 1 << 40;
+        }
+    }
+    let mut buf = BytesMut::new();
+    Frame::Hello(h).encode(&mut buf);
+    let e = p.east.link.handle_input(&buf, p.now).expect_err("refused");
+    assert!(
+        matches!(&e, LinkError::Protocol(m) if m.contains("more than we sent")),
+        "{e:?}"
+    );
+}
