@@ -209,6 +209,7 @@ pub struct LinkCounters {
     pub resent: Counter,
     pub replays: Counter,
     pub replayed: Counter,
+    pub replay_kept: Gauge,
     pub streams_lost: Counter,
     pub copies: Gauge,
     pub copies_wanted: Gauge,
@@ -356,6 +357,11 @@ impl LinkCounters {
             "wanopt_link_replays",
             "Lost link connections resumed by sending again what they had not delivered, the caches and stream contexts kept (both daemons of this build)",
             m.replays.clone(),
+        );
+        r.register(
+            "wanopt_link_replay_kept_bytes",
+            "Link bytes kept to send again after a lost connection: sent, and not yet read by the peer",
+            m.replay_kept.clone(),
         );
         r.register(
             "wanopt_link_replayed_bytes",

@@ -57,10 +57,19 @@ impl Sampler {
                 }
             }
         });
-        let (caches, expired) = {
+        let (caches, expired, kept) = {
             let g = h.state();
-            (g.link.cache_stats(), g.link.stalls_expired())
+            (
+                g.link.cache_stats(),
+                g.link.stalls_expired(),
+                g.link.replay_kept(),
+            )
         };
+        h.ctx
+            .counters
+            .link
+            .replay_kept
+            .set(i64::try_from(kept).unwrap_or(i64::MAX));
         h.ctx.counters.codec.record_caches(&caches);
         h.ctx
             .counters
