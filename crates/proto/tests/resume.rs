@@ -801,6 +801,23 @@ fn a_connection_lost_during_the_resumption_resumes_on_the_next() {
     assert!(p.east.link.resumes(TOKEN + 2));
 }
 
+/// Cuts the connection and starts a new one by hand (west reconnects, east accepts it); returns
+/// west's hello on it, which east has not read.
+fn new_connection_hello(p: &mut Pair) -> Bytes {
+    cut(p);
+    let presented = p.west.link.resume_token();
+    assert!(p.west.link.reconnect(p.now, Vec::new()));
+    assert!(
+        p.east
+            .link
+            .accept_resume(p.now, presented, TOKEN + 1, Vec::new())
+    );
+    let mut out = BytesMut::new();
+    p.west.link.poll_transmit(p.now, &mut out, 1 << 20);
+    let n = Frame::check(&out, 1 << 20).expect("a whole first frame");
+    out.split_to(n).freeze()
+}
+
 /// A peer that claims `max_streams` of 2^32 cannot grow our copy of its resume list past what
 /// it can know (the streams it may open, ours, and the recently closed): non-final lists beyond
 /// that end the link, before our memory or the settling's resets grow with them.
@@ -815,22 +832,9 @@ fn a_peer_cannot_grow_the_resume_list_past_what_it_can_know() {
         },
         |_| {},
     );
-    cut(&mut p);
-    let presented = p.west.link.resume_token();
-    assert!(p.west.link.reconnect(p.now, Vec::new()));
-    assert!(
-        p.east
-            .link
-            .accept_resume(p.now, presented, TOKEN + 1, Vec::new())
-    );
     // West's hello on the new connection, alone: what follows is the hostile list.
-    let mut out = BytesMut::new();
-    p.west.link.poll_transmit(p.now, &mut out, 1 << 20);
-    let hello_len = Frame::check(&out, 1 << 20).expect("a whole first frame");
-    p.east
-        .link
-        .handle_input(&out[..hello_len], p.now)
-        .expect("the hello");
+    let hello = new_connection_hello(&mut p);
+    p.east.link.handle_input(&hello, p.now).expect("the hello");
     let max_streams = LinkConfig::new("east", "west", false).max_streams as usize;
     let bound = max_streams + 4096;
     let mut sent = 0usize;
@@ -956,18 +960,8 @@ fn a_peer_that_claims_to_have_read_more_than_we_sent_fails_the_link() {
 
     // In the hello of a resumed connection.
     let mut p = resumable_pair(false, false);
-    cut(&mut p);
-    let presented = p.west.link.resume_token();
-    assert!(p.west.link.reconnect(p.now, Vec::new()));
-    assert!(
-        p.east
-            .link
-            .accept_resume(p.now, presented, TOKEN + 1, Vec::new())
-    );
-    let mut out = BytesMut::new();
-    p.west.link.poll_transmit(p.now, &mut out, 1 << 20);
-    let n = Frame::check(&out, 1 << 20).expect("a whole first frame");
-    let Ok(Frame::Hello(mut h)) = Frame::parse(out.split_to(n).freeze()) else {
+    let hello = new_connection_hello(&mut p);
+    let Ok(Frame::Hello(mut h)) = Frame::parse(hello) else {
         panic!("west's first frame is its hello");
     };
     for (id, v) in &mut h.settings {
