@@ -21,10 +21,11 @@
 //! as medians and ratios to one thread in the same run; `--streams S` sends each first copy as
 //! S parts side by side through one mirror, a turn at a time, as a link takes a parallel copy's
 //! streams; `--path TEXT` only the paths whose name holds TEXT (`lz4`, `alone`, `context`).
-//! `--serial` (with each `--file`, `--serial-threads N`, default 16) splits a
-//! first copy's time on one thread into the jobs the pool takes and the rest (issue 36's serial
-//! share), per path, and the time the jobs' way costs against no workers at all; and the span,
-//! what no number of threads can cut, with the encoder told it has one thread and N.
+//! `--serial` (with each `--file`, `--streams`, `--path`, `--serial-threads N`, default 16)
+//! splits a first copy's time on one thread into the jobs the pool takes and the rest (issue
+//! 36's serial share; the streams' context work is the pool's), per path, and the time the
+//! jobs' way costs against no workers at all; and the span, what no number of threads can cut,
+//! with the encoder told it has one thread and N.
 //! `--side-by-side` (with each `--file`, `--rounds`, `--streams`, `--path`) runs two first
 //! copies at once on one thread each, against one alone: the most two threads give on this
 //! machine, beside what the pool's two threads give in the same rounds.
@@ -213,8 +214,8 @@ fn first_copy(
     streams: usize,
     pressure: Pressure,
 ) -> (f64, f64, Vec<u8>) {
-    let sent = encode_copy(cfg, data, threads, streams, pressure, None);
-    let took = decode_copy(cfg, data, threads, streams, &sent, None);
+    let sent = encode_copy(cfg, data, pool_of(threads), streams, pressure, None);
+    let took = decode_copy(cfg, data, pool_of(threads), streams, &sent, None);
     let mb = |t| data.len() as f64 / span(t) / 1e6;
     (mb(sent.took), mb(took), sent.wire)
 }
@@ -238,11 +239,19 @@ fn parts(data: &[u8], streams: usize) -> Vec<&[u8]> {
         .collect()
 }
 
+/// The workers a copy runs with: the daemon's pool, or the serial split's [`Timed`].
+type Workers = Option<std::sync::Arc<dyn wanopt_codec::prepare::Workers>>;
+
+/// The daemon's pool of `threads` threads (none for one).
+fn pool_of(threads: usize) -> Workers {
+    wanopt_runtime::workers::Pool::start(threads)
+}
+
 /// [`first_copy`]'s encoding; the clock starts once `gate` (if any) opens.
 fn encode_copy(
     cfg: &CodecConfig,
     data: &[u8],
-    threads: usize,
+    workers: Workers,
     streams: usize,
     pressure: Pressure,
     gate: Option<&std::sync::Barrier>,
@@ -251,7 +260,7 @@ fn encode_copy(
     wire.clear();
     let parts = parts(data, streams);
     let mut enc = wanopt_codec::Streams::new(cfg.clone(), parts.len(), SEND_BUFFER);
-    enc.set_workers(wanopt_runtime::workers::Pool::start(threads));
+    enc.set_workers(workers);
     let mut turns = Vec::new();
     let owned: Vec<bytes::Bytes> = parts
         .iter()
@@ -271,18 +280,17 @@ fn encode_copy(
 fn decode_copy(
     cfg: &CodecConfig,
     data: &[u8],
-    threads: usize,
+    workers: Workers,
     streams: usize,
     sent: &Sent,
     gate: Option<&std::sync::Barrier>,
 ) -> (Instant, Instant) {
     let parts = parts(data, streams);
     let mut dec = Decoder::new(cfg);
-    let workers = wanopt_runtime::workers::Pool::start(threads);
     dec.set_workers(workers.clone());
     // As the link does: with two threads or more, each stream's frame is fed to its context on
     // the pool while earlier frames are decoded, up to `PENDING` frames ahead.
-    let ahead = if threads > 1 {
+    let ahead = if workers.as_ref().is_some_and(|w| w.threads() > 1) {
         wanopt_codec::PENDING
     } else {
         0
@@ -342,22 +350,22 @@ fn side_by_side(name: &str, data: &[u8], rounds: usize, streams: usize) {
         let mut two: [Vec<f64>; 2] = Default::default();
         let mut pool: [Vec<f64>; 2] = Default::default();
         for _ in 0..rounds.max(1) {
-            let sent = encode_copy(&cfg, data, 1, streams, pressure, None);
+            let sent = encode_copy(&cfg, data, None, streams, pressure, None);
             let alone = [
                 span(sent.took),
-                span(decode_copy(&cfg, data, 1, streams, &sent, None)),
+                span(decode_copy(&cfg, data, None, streams, &sent, None)),
             ];
             drop(sent);
-            let pooled = encode_copy(&cfg, data, 2, streams, pressure, None);
+            let pooled = encode_copy(&cfg, data, pool_of(2), streams, pressure, None);
             let pooled = [
                 span(pooled.took),
-                span(decode_copy(&cfg, data, 2, streams, &pooled, None)),
+                span(decode_copy(&cfg, data, pool_of(2), streams, &pooled, None)),
             ];
             let gate = std::sync::Barrier::new(2);
             let both: Vec<[(Instant, Instant); 2]> = std::thread::scope(|s| {
                 let run = || {
-                    let sent = encode_copy(&cfg, data, 1, streams, pressure, Some(&gate));
-                    let took = decode_copy(&cfg, data, 1, streams, &sent, Some(&gate));
+                    let sent = encode_copy(&cfg, data, None, streams, pressure, Some(&gate));
+                    let took = decode_copy(&cfg, data, None, streams, &sent, Some(&gate));
                     [sent.took, took]
                 };
                 let h = [s.spawn(run), s.spawn(run)];
@@ -457,6 +465,12 @@ struct Timed {
     span: std::sync::Mutex<std::time::Duration>,
     /// All the time spent in the calls above, the caller's part of `overlap` included.
     inside: std::sync::Mutex<std::time::Duration>,
+    /// Of the jobs, the streams' context work that outlives a turn ([`Workers::spawn`]: a
+    /// turn's context records, a frame fed to its stream's context), which runs beside the
+    /// caller's later turns, each stream's in its order.
+    ///
+    /// [`Workers::spawn`]: wanopt_codec::prepare::Workers::spawn
+    spawned: std::sync::Mutex<std::time::Duration>,
     threads: usize,
 }
 
@@ -497,12 +511,13 @@ impl wanopt_codec::prepare::Workers for Timed {
     }
 
     fn spawn(&self, job: Box<dyn FnOnce() + Send>) {
-        // One stream's context work, in its order: all of it on the span.
+        // A stream's context work, in its order beside the caller's: see `serial`.
         let t = Instant::now();
         job();
         let d = t.elapsed();
         self.add(d);
-        self.add_span(d, d);
+        *self.spawned.lock().unwrap_or_else(|p| p.into_inner()) += d;
+        *self.inside.lock().unwrap_or_else(|p| p.into_inner()) += d;
     }
 
     fn threads(&self) -> usize {
@@ -529,14 +544,17 @@ impl wanopt_codec::prepare::Workers for Timed {
     }
 }
 
-/// The one-core stage split of issue 36: a first copy of `data` encoded and decoded on one
-/// thread, `rounds` times per path, the jobs the pool would take timed apart from the rest
-/// (the mirror, records, copies: what stays on the daemon's thread), with the encoder told it
-/// has `threads` threads (how finely it splits a turn). The serial share `s` is the rest's part
-/// of the time; by Amdahl's law N cores give at most `1 / (s + (1 - s) / N)`. The span's share
-/// `p` (per turn, the longer of the rest and the longest job, see [`Timed`]) bounds them too: at
-/// most `1 / p` however many cores.
-fn serial(name: &str, data: &[u8], rounds: usize, threads: usize) {
+/// The one-core stage split of issue 36: a first copy of `data` as `streams` streams, encoded
+/// and decoded on one thread as [`first_copy`] does, `rounds` times per path, the jobs the pool
+/// would take timed apart from the rest (the mirror, records, copies: what stays on the daemon's
+/// thread), with the encoder told it has `threads` threads (how finely it splits a turn; with
+/// two or more, the streams' context records are made, and their frames fed, as jobs). The
+/// serial share `s` is the rest's part of the time; by Amdahl's law N cores give at most `1 /
+/// (s + (1 - s) / N)`. The span's share `p` bounds them too, at most `1 / p` however many
+/// cores: the longer of the caller's chain (per turn, the longer of the rest and the longest
+/// job, see [`Timed`]) and one stream's context work (a stream's share of it: the streams take
+/// turns alike), which runs beside the caller's later turns but in its stream's order.
+fn serial(name: &str, data: &[u8], rounds: usize, threads: usize, streams: usize) {
     for (path, compression, pressure, context) in paths() {
         let cfg = path_config(compression, context);
         // Per round, encode's and decode's: serial share, span share, and their time with the
@@ -547,39 +565,32 @@ fn serial(name: &str, data: &[u8], rounds: usize, threads: usize) {
             let mut share = [[0.0; 2]; 2];
             for timed in [false, true] {
                 let t_jobs = std::sync::Arc::new(Timed::new(threads));
-                let workers = timed
+                let workers: Workers = timed
                     .then(|| t_jobs.clone() as std::sync::Arc<dyn wanopt_codec::prepare::Workers>);
-                // Jobs, span and time inside the workers' calls so far.
-                let sums = || [&t_jobs.jobs, &t_jobs.span, &t_jobs.inside].map(Timed::secs);
-                let shares = |all: f64, before: [f64; 3]| {
-                    let [j, sp, ins] = sums();
-                    let (j, sp, ins) = (j - before[0], sp - before[1], ins - before[2]);
-                    // What ran outside the workers' calls is all on the span.
-                    [1.0 - j / all, (sp + (all - ins).max(0.0)) / all]
+                // Jobs, span, time inside the workers' calls and spawned work so far.
+                let sums = || {
+                    [&t_jobs.jobs, &t_jobs.span, &t_jobs.inside, &t_jobs.spawned].map(Timed::secs)
                 };
-                let mut enc = Encoder::new(cfg.clone());
-                enc.set_workers(workers.clone());
-                enc.set_gather(SEND_BUFFER);
-                let mut wire = vec![1u8; data.len() + data.len() / 100 + 4096];
-                wire.clear();
-                let bytes = bytes::Bytes::copy_from_slice(data);
-                let t = Instant::now();
-                push_writes(&mut enc, &bytes, pressure, &mut wire);
-                let all = t.elapsed().as_secs_f64();
+                let shares = |all: f64, before: [f64; 4]| {
+                    let [j, sp, ins, sw] = sums();
+                    let (j, sp, ins, sw) = (
+                        j - before[0],
+                        sp - before[1],
+                        ins - before[2],
+                        sw - before[3],
+                    );
+                    // What ran outside the workers' calls is all on the caller's chain.
+                    let chain = sp + (all - ins).max(0.0);
+                    [1.0 - j / all, chain.max(sw / streams.max(1) as f64) / all]
+                };
+                let sent = encode_copy(&cfg, data, workers.clone(), streams, pressure, None);
+                let all = span(sent.took);
                 took[usize::from(timed)][0] = all;
-                share[0] = shares(all, [0.0; 3]);
+                share[0] = shares(all, [0.0; 4]);
                 let before = sums();
-                drop(enc);
-                let mut dec = Decoder::new(&cfg);
-                dec.set_workers(workers);
-                let mut out = vec![1u8; data.len() + 4096];
-                out.clear();
-                let t = Instant::now();
-                dec.decode(&wire, &mut out).expect("decode");
-                let all = t.elapsed().as_secs_f64();
+                let all = span(decode_copy(&cfg, data, workers, streams, &sent, None));
                 took[usize::from(timed)][1] = all;
                 share[1] = shares(all, before);
-                assert!(out == data, "round trip");
             }
             for side in 0..2 {
                 per[side][0].push(share[side][0]);
@@ -588,7 +599,12 @@ fn serial(name: &str, data: &[u8], rounds: usize, threads: usize) {
             }
         }
         let amdahl = |s: f64, n: f64| 1.0 / (s + (1.0 - s) / n);
-        let mut row = vec![name.into(), path.to_string(), threads.to_string()];
+        let mut row = vec![
+            name.into(),
+            streams.to_string(),
+            path.to_string(),
+            threads.to_string(),
+        ];
         for [s, p, x] in per.map(|v| v.map(median)) {
             // At most on N cores: Amdahl's bound and the span's, whichever is lower, for the
             // time the jobs' way costs against none.
@@ -604,6 +620,7 @@ fn serial(name: &str, data: &[u8], rounds: usize, threads: usize) {
             "Serial share on one core (jobs the pool takes, timed apart)",
             &[
                 "data",
+                "streams",
                 "path",
                 "threads told",
                 "encode serial",
@@ -618,16 +635,6 @@ fn serial(name: &str, data: &[u8], rounds: usize, threads: usize) {
             row,
         );
     }
-}
-
-/// `data` pushed as a client's 64 KiB writes, then flushed: each write a slice of `data`,
-/// queued without a copy as a link queues the buffers its reader filled.
-fn push_writes(enc: &mut Encoder, data: &bytes::Bytes, pressure: Pressure, wire: &mut Vec<u8>) {
-    for at in (0..data.len()).step_by(64 << 10) {
-        let piece = data.slice(at..data.len().min(at + (64 << 10)));
-        enc.push_bytes(piece, false, pressure, wire);
-    }
-    enc.push_bytes(bytes::Bytes::new(), true, pressure, wire);
 }
 
 /// A link's stream's send buffer (`limits.stream_buffer`'s default).
@@ -1178,9 +1185,10 @@ fn main() {
         let sets = data_sets(&args, &db);
         let rounds = args.get("--rounds", 3usize);
         let told = args.get("--serial-threads", 16usize);
+        let streams = args.get("--streams", 1usize);
         for (name, data) in &sets {
             for threads in [1, told] {
-                serial(name, data, rounds, threads);
+                serial(name, data, rounds, threads, streams);
             }
         }
         report::finish(
