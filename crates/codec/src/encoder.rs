@@ -377,7 +377,8 @@ impl Streams {
             s.sent += p.raw() as u64;
             let went = !p.is_empty();
             if went {
-                self.pending.push(k, p, self.mirror.workers().as_deref());
+                self.pending
+                    .push(k as u64, k, p, self.mirror.workers().as_deref());
                 if self.pending.len() > PENDING {
                     self.finish_through(0, out, turns);
                 }

@@ -318,7 +318,8 @@ impl InOrder {
             decode(dec, k, range, &mut contexts[k]);
             return false;
         };
-        self.feeds.push((k, range), f, self.workers.as_deref());
+        self.feeds
+            .push(k as u64, (k, range), f, self.workers.as_deref());
         if self.feeds.len() >= self.ahead {
             self.decode_front(dec, contexts, decode);
         }

@@ -109,7 +109,7 @@ impl Link {
         let Some(f) = c.feed_ahead(rc, s.lane, &s.service) else {
             return false;
         };
-        self.feeds.push(id, f, workers.as_deref());
+        self.feeds.push(u64::from(id.0), id, f, workers.as_deref());
         if self.feeds.len() >= cap {
             self.decode_fed_front();
         }

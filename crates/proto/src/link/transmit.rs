@@ -241,7 +241,8 @@ impl Link {
                     pending: Some((f, p)),
                     ..
                 }) => {
-                    self.pending.push(f, p, workers.as_deref());
+                    self.pending
+                        .push(u64::from(f.id.0), f, p, workers.as_deref());
                     (raw, false)
                 }
                 Some(e) => (e.raw, e.fin),
