@@ -191,6 +191,11 @@ impl ChunkCache {
         self.quiet_bases = quiet;
     }
 
+    /// Whether uses as a base keep a chunk's place (see [`set_quiet_bases`](Self::set_quiet_bases)).
+    pub fn has_quiet_bases(&self) -> bool {
+        self.quiet_bases
+    }
+
     /// [`set_quiet_bases`](Self::set_quiet_bases) for a new cache.
     pub fn quiet_bases(mut self) -> Self {
         self.quiet_bases = true;

@@ -6,7 +6,9 @@
 //! path), from a [`Queue`] on a worker, while the caller plans other streams' turns. The turn's records are then put together in order. Either way the bytes are the same: the same
 //! compressor sees the same input with the same directives, and nothing the mirror decides
 //! within a turn depends on what a context record cost (that is learned at the turn's end,
-//! from each record's [`Outcome`]).
+//! from each record's [`Outcome`]). A delta run in the stream's context goes the same way
+//! ([`RunJob`]): its frame, and whether it pays or its chunks go as context literals, are the
+//! maker's.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -31,6 +33,8 @@ pub(crate) enum Make {
     Literal { tag: u8, defer: bool, cached: bool },
     /// The end of a run: the rest of the context's output.
     RunEnd,
+    /// A delta run ([`RunJob`]): one record if it pays, else its chunks as context literals.
+    DeltaRun,
 }
 
 /// What a planned record is to the turn's end, which learns from what it cost.
@@ -44,6 +48,11 @@ pub(crate) enum Kind {
     Alone { learn: bool },
     /// A run's end, after `n` chunks and `raw` bytes.
     RunEnd { raw: usize, n: usize },
+    /// A delta run's record, of `n` chunks.
+    Delta { n: usize },
+    /// A chunk of a delta run that did not pay, as a literal in its stream's context (which
+    /// also teaches what literals cost).
+    FromRun,
 }
 
 /// What one context record cost: its raw bytes, its context's output and the record's bytes.
@@ -67,6 +76,105 @@ pub(crate) struct Op {
     pub(crate) raw: Vec<u8>,
     /// A context started for it (with its serial): the one before it is done with.
     pub(crate) start: Option<(u64, CCtx<'static>)>,
+    /// A delta run's frame to make (`Make::DeltaRun`; `raw` holds its chunks).
+    pub(crate) run: Option<Box<RunJob>>,
+}
+
+/// A delta run the mirror planned in order (its bases, names and what its chunks do to both
+/// caches are decided then), left for a [`Maker`] to compress: its frame against its bases,
+/// written as one record if that costs less than `limit`, else its chunks each flushed alone
+/// in the stream's context, as the literals they would have been. Either way what the mirror
+/// learns from it waits for the turn's end, so the records do not depend on where it was made.
+pub(crate) struct RunJob {
+    /// The record between its tag and its frame's length: the counts, the bases' names, the
+    /// chunks' lengths and the run's check.
+    pub(crate) head: Vec<u8>,
+    /// The bases' bytes, in the order the record names them.
+    pub(crate) dict: Vec<u8>,
+    /// The chunks' lengths (their bytes are the op's `raw`).
+    pub(crate) lens: Vec<usize>,
+    /// The frame's zstd level and table size.
+    pub(crate) level: (i32, u32),
+    /// The frame goes without zstd's magic number (`TAG_DELTA_RUN_BARE`).
+    pub(crate) compact: bool,
+    /// Record bytes the run must cost less than to go as one.
+    pub(crate) limit: f64,
+}
+
+/// Compresses the run of `raw` against `job.dict` and appends its record to `out` if it costs
+/// less than `job.limit`: the record's bytes, or `None` (nothing written) if it does not pay.
+pub(crate) fn run_record(
+    job: &mut RunJob,
+    raw: &[u8],
+    scratch: &mut Vec<u8>,
+    out: &mut impl BufMut,
+) -> Option<usize> {
+    use crate::delta::{compress_delta, len_len};
+    use crate::format::{TAG_DELTA_RUN, TAG_DELTA_RUN_BARE, ZSTD_MAGIC};
+    scratch.clear();
+    scratch.reserve(zstd::zstd_safe::compress_bound(raw.len()));
+    compress_delta(scratch, &mut job.dict, raw, job.level)?;
+    // Without zstd's magic number where the peer puts it back.
+    let bare = job.compact && scratch.starts_with(&ZSTD_MAGIC);
+    let skip = if bare { ZSTD_MAGIC.len() } else { 0 };
+    let clen = scratch.len() - skip;
+    let wire = 1 + job.head.len() + len_len(clen) + clen;
+    if wire as f64 >= job.limit {
+        return None;
+    }
+    out.put_u8(if bare {
+        TAG_DELTA_RUN_BARE
+    } else {
+        TAG_DELTA_RUN
+    });
+    out.put_slice(&job.head);
+    put_len(out, clen);
+    out.put_slice(&scratch[skip..skip + clen]);
+    Some(wire)
+}
+
+/// Makes a delta run ([`RunJob`]) of `raw` and appends its records to `out`: what each cost,
+/// with the bytes it took, and false if the stream's context failed making its literals.
+pub(crate) fn make_run(
+    mut cctx: Option<&mut CCtx<'static>>,
+    job: &mut RunJob,
+    raw: &[u8],
+    scratch: &mut Vec<u8>,
+    out: &mut impl BufMut,
+) -> (Vec<(Outcome, usize)>, bool) {
+    if let Some(wire) = run_record(job, raw, scratch, out) {
+        let o = Outcome {
+            raw: raw.len(),
+            payload: wire,
+            wire,
+            kind: Kind::Delta { n: job.lens.len() },
+            failed: false,
+        };
+        return (vec![(o, wire)], true);
+    }
+    let lit = Make::Literal {
+        tag: crate::format::TAG_LIT_CONTEXT,
+        defer: false,
+        cached: true,
+    };
+    let (mut made, mut ok, mut at) = (Vec::with_capacity(job.lens.len()), true, 0);
+    for &len in &job.lens {
+        let Some(chunk) = raw.get(at..at + len) else {
+            break;
+        };
+        at += len;
+        let (o, good) = make(
+            cctx.as_deref_mut().filter(|_| ok),
+            lit,
+            Kind::FromRun,
+            chunk,
+            scratch,
+            out,
+        );
+        ok &= good;
+        made.push((o, o.wire));
+    }
+    (made, ok)
 }
 
 /// A turn's planned records, in order, for whoever makes them (a worker, or the caller that
@@ -121,6 +229,19 @@ impl Maker {
                 self.cctx = Some(start);
             }
             let cctx = self.cctx.as_mut().map(|c| &mut c.1);
+            if let Some(mut job) = op.run.take() {
+                let (made, ok) =
+                    make_run(cctx, &mut job, &op.raw, &mut self.scratch, &mut self.recs);
+                if !ok {
+                    self.cctx = None;
+                }
+                let mut end = self.recs.len() - made.iter().map(|m| m.1).sum::<usize>();
+                for (o, n) in made {
+                    end += n;
+                    self.made.push((op.at, end, o));
+                }
+                continue;
+            }
             let (outcome, ok) = make(
                 cctx,
                 op.make,
@@ -153,7 +274,18 @@ pub(crate) fn make(
 ) -> (Outcome, bool) {
     let directive = match what {
         Make::Literal { defer: true, .. } => ZSTD_EndDirective::ZSTD_e_continue,
-        _ => ZSTD_EndDirective::ZSTD_e_flush,
+        Make::Literal { .. } | Make::RunEnd => ZSTD_EndDirective::ZSTD_e_flush,
+        // Made by `make_run` (its chunks each as a literal): never one record of its own.
+        Make::DeltaRun => {
+            let o = Outcome {
+                raw: raw.len(),
+                payload: 0,
+                wire: 0,
+                kind,
+                failed: true,
+            };
+            return (o, true);
+        }
     };
     let compressed = cctx.and_then(|cctx| {
         scratch.clear();
@@ -192,7 +324,8 @@ pub(crate) fn make(
             out.put_slice(raw);
             (outcome(raw.len(), 1 + h + raw.len(), true), false)
         }
-        (Make::RunEnd, None) => (outcome(0, 0, true), false),
+        (Make::RunEnd | Make::DeltaRun, None) => (outcome(0, 0, true), false),
+        (Make::DeltaRun, Some(_)) => (outcome(0, 0, true), true),
     }
 }
 
@@ -258,6 +391,7 @@ mod tests {
                 kind: Kind::Deferred,
                 raw: c.to_vec(),
                 start: None,
+                run: None,
             });
         }
         queue.push(Op {
@@ -266,6 +400,7 @@ mod tests {
             kind: Kind::RunEnd { raw: 0, n: 0 },
             raw: Vec::new(),
             start: None,
+            run: None,
         });
         std::thread::scope(|s| {
             s.spawn(|| maker.run(&queue));

@@ -3,6 +3,7 @@
 //! them together), and the end of such a run.
 
 use super::{Hint, Mirror, SMALL};
+use crate::config::Codec;
 use crate::context::{
     CONTEXT_WINDOW_LOG, MIRROR_CONTEXTS, RESTART_WINDOWS, SendContext, long_tables,
 };
@@ -141,6 +142,7 @@ impl Mirror {
                 kind,
                 raw: buf,
                 start,
+                run: None,
             });
             return;
         }
@@ -182,6 +184,31 @@ impl Mirror {
         let mut outcomes = std::mem::take(&mut hint.outcomes);
         for o in outcomes.drain(..) {
             total += o.wire;
+            match o.kind {
+                Kind::Delta { n } => {
+                    let l = &mut self.late;
+                    l.delta_chunks += n as u64;
+                    l.delta_bytes += o.raw as u64;
+                    l.delta_wire += o.wire as u64;
+                    l.wire_bytes += o.wire as u64;
+                    continue;
+                }
+                Kind::FromRun => {
+                    // A literal after all, although offered a base: its raw bytes were counted
+                    // when it joined the run.
+                    let l = &mut self.late;
+                    l.miss_chunks += 1;
+                    l.miss_bytes += o.raw as u64;
+                    l.no_base_chunks += 1;
+                    l.no_base_bytes += o.raw as u64;
+                    let codec = if o.failed { Codec::None } else { Codec::Zstd };
+                    l.codec_bytes[codec.index()] += o.raw as u64;
+                    if let Some(c) = hint.context.as_mut() {
+                        c.pos += o.raw as u64;
+                    }
+                }
+                _ => {}
+            }
             self.late.add_run_end(o.wire);
             if o.failed {
                 run_wire = 0;
@@ -193,7 +220,9 @@ impl Mirror {
                     self.learn_run(raw, run_wire + o.payload, n);
                     run_wire = 0;
                 }
-                Kind::Alone { learn } => {
+                Kind::Delta { .. } => {}
+                Kind::Alone { .. } | Kind::FromRun => {
+                    let learn = matches!(o.kind, Kind::Alone { learn: true } | Kind::FromRun);
                     if pays(o.raw, o.payload) {
                         hint.compressible();
                     } else if o.raw >= SMALL {

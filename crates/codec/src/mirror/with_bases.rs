@@ -3,7 +3,9 @@
 
 use bytes::Bytes;
 
+use crate::context::RESTART_WINDOWS;
 use crate::format::Out;
+use crate::maker::{Kind, Make, Op, RunJob, make_run, run_record};
 
 use super::{Hint, Mirror};
 use crate::config::{Compression, Policy, Pressure};
@@ -14,8 +16,7 @@ use crate::delta::{
 };
 use crate::fingerprint::{Fingerprint, run_check};
 use crate::format::{
-    MAX_RUN_BASES, MAX_RUN_CHUNKS, RUN_DICT, RUN_MAX, TAG_DELTA, TAG_DELTA_RUN, TAG_DELTA_RUN_BARE,
-    ZSTD_MAGIC, put_len, put_varint,
+    MAX_RUN_BASES, MAX_RUN_CHUNKS, RUN_DICT, RUN_MAX, TAG_DELTA, put_len, put_varint,
 };
 use crate::report::{Report, Sent};
 
@@ -352,7 +353,10 @@ impl Mirror {
         let Some(mut run) = hint.run.take() else {
             return 0;
         };
+        let planned =
+            run.how.is_some() && !run.chunks.is_empty() && self.plan_run(&mut run, hint, out);
         let n = match run.how {
+            _ if planned => 0,
             Some(how) if !run.chunks.is_empty() => {
                 let n = self.write_run(&mut run, hint, out);
                 if n > 0 {
@@ -369,6 +373,80 @@ impl Mirror {
         n
     }
 
+    /// Plans the run as a [`RunJob`] (see [`crate::maker`]), where that gives what writing it
+    /// now would: every chunk's literal would go in the stream's context, which is going and
+    /// holds no run of its own, and the peer's cache keeps a base's place whether the run pays
+    /// or not (quiet bases). Decided now, in order: the bases (named, touched, at hand to
+    /// answer a miss), and each chunk joining both caches and the log, as a delta run's
+    /// chunks do (a literal's too: it joins the store of bases whatever it cost). Left to the
+    /// maker: the frame, and whether it pays or the chunks go as context literals; what it
+    /// cost is learned at the turn's end ([`settle`](Self::settle)), and counts as planned
+    /// until then. False: nothing was done (the run is written now).
+    fn plan_run(&mut self, run: &mut Run, hint: &mut Hint, out: &mut impl Out) -> bool {
+        let level = self.zstd_level;
+        let ready = self.cache.has_quiet_bases()
+            && run.chunks.iter().all(|c| c.3)
+            && hint.context.as_ref().is_some_and(|c| {
+                !c.fresh
+                    && c.run.1 == 0
+                    && (c.level == level || c.pos < c.window * RESTART_WINDOWS)
+                    && (self.lane.is_some() || c.cctx.is_some())
+            });
+        let Some(shared) = self.bases.clone().filter(|_| ready) else {
+            return false;
+        };
+        let Ok(mut bases) = shared.lock() else {
+            return false;
+        };
+        let cache = &self.cache;
+        run.bases.retain(|b| cache.contains(b));
+        // Its own buffers, which go with the job (kept, up to a megabyte each, they would
+        // swell every spare buffer of the stream's context records).
+        let mut dict = Vec::new();
+        if !bases.dictionary(&mut run.bases, &mut dict) {
+            return false;
+        }
+        let (n, raw) = (run.chunks.len(), run.bytes.len());
+        let mut head = Vec::new();
+        let named = self.run_head(run, &mut head);
+        self.run_sent(run, &mut bases, &dict, named, hint);
+        drop(bases);
+        let mut job = Box::new(RunJob {
+            head,
+            dict,
+            lens: run.chunks.iter().map(|c| c.1).collect(),
+            level: (run_level(level), RUN_TABLE_LOG),
+            compact: run.how.is_some_and(|(p, _)| p.compact_runs),
+            limit: raw as f64 * self.delta.lit_ratio * ACCEPT,
+        });
+        // Counted as what its literals would be at most (a record that pays is smaller).
+        hint.planned.0 += raw;
+        hint.planned.1 += n;
+        let bytes = std::mem::replace(&mut run.bytes, Vec::with_capacity(raw));
+        if let Some(q) = self.lane.as_ref() {
+            let start = hint
+                .context
+                .as_mut()
+                .and_then(|c| c.cctx.take().map(|x| (c.serial, x)));
+            q.push(Op {
+                at: out.written(),
+                make: Make::DeltaRun,
+                kind: Kind::Delta { n },
+                raw: bytes,
+                start,
+                run: Some(job),
+            });
+            return true;
+        }
+        let cctx = hint.context.as_mut().and_then(|c| c.cctx.as_mut());
+        let (made, ok) = make_run(cctx, &mut job, &bytes, &mut self.run_scratch, out);
+        if !ok {
+            hint.context = None;
+        }
+        hint.outcomes.extend(made.into_iter().map(|m| m.0));
+        true
+    }
+
     /// The run as one record, if it pays; 0 (nothing written) if not.
     fn write_run(&mut self, run: &mut Run, hint: &Hint, out: &mut impl Out) -> usize {
         let Some(shared) = self.bases.clone() else {
@@ -379,27 +457,43 @@ impl Mirror {
         };
         let cache = &self.cache;
         run.bases.retain(|b| cache.contains(b));
-        let d = &mut self.delta;
-        if !bases.dictionary(&mut run.bases, &mut d.dict) {
+        if !bases.dictionary(&mut run.bases, &mut self.delta.dict) {
             return 0;
         }
-        self.scratch.clear();
-        self.scratch
-            .reserve(zstd::zstd_safe::compress_bound(run.bytes.len()));
-        let level = (run_level(self.zstd_level), RUN_TABLE_LOG);
-        if compress_delta(&mut self.scratch, &mut d.dict, &run.bytes, level).is_none() {
+        let mut head = std::mem::take(&mut self.names_buf);
+        head.clear();
+        let named = self.run_head(run, &mut head);
+        let mut job = RunJob {
+            head,
+            dict: std::mem::take(&mut self.delta.dict),
+            lens: Vec::new(),
+            level: (run_level(self.zstd_level), RUN_TABLE_LOG),
+            compact: run.how.is_some_and(|(p, _)| p.compact_runs),
+            limit: run.bytes.len() as f64 * self.delta.lit_ratio * ACCEPT,
+        };
+        let wire = run_record(&mut job, &run.bytes, &mut self.scratch, out);
+        (self.names_buf, self.delta.dict) = (job.head, job.dict);
+        let Some(wire) = wire else {
             return 0;
-        }
-        // Without zstd's magic number where the peer puts it back.
-        let bare =
-            run.how.is_some_and(|(p, _)| p.compact_runs) && self.scratch.starts_with(&ZSTD_MAGIC);
-        let skip = if bare { ZSTD_MAGIC.len() } else { 0 };
-        let clen = self.scratch.len() - skip;
-        let raw = run.bytes.len();
-        let lens: usize = run.chunks.iter().map(|c| len_len(c.1)).sum();
-        // The bases by their place in a log where the peer's log holds them, else by name.
-        let mut names = std::mem::take(&mut self.names_buf);
-        names.clear();
+        };
+        let dict = std::mem::take(&mut self.delta.dict);
+        self.run_sent(run, &mut bases, &dict, named, hint);
+        self.delta.dict = dict;
+        let l = &mut self.late;
+        l.delta_chunks += run.chunks.len() as u64;
+        l.delta_bytes += run.bytes.len() as u64;
+        l.delta_wire += wire as u64;
+        l.wire_bytes += wire as u64;
+        wire
+    }
+
+    /// A delta run's record between its tag and its frame's length, appended to `head`: the
+    /// counts, the bases by their place in a log where the peer's log holds them (else by
+    /// name), the chunks' lengths and the run's check. Returns the check if a base went by
+    /// place.
+    fn run_head(&self, run: &Run, head: &mut Vec<u8>) -> Option<Fingerprint> {
+        head.push(run.chunks.len() as u8);
+        head.push(run.bases.len() as u8);
         let mut prev: Option<(u32, u64)> = None;
         for b in &run.bases {
             let place = self
@@ -407,47 +501,44 @@ impl Mirror {
                 .get(b)
                 .copied()
                 .filter(|&(s, i)| self.logs.get(s, i) == Some(b));
-            prev = put_base(&mut names, b, place, prev);
+            prev = put_base(head, b, place, prev);
         }
-        let wire = 3 + names.len() + lens + 16 + len_len(clen) + clen;
-        if wire as f64 >= raw as f64 * d.lit_ratio * ACCEPT {
-            self.names_buf = names;
-            return 0;
+        for (_, len, _, _) in &run.chunks {
+            put_len(head, *len);
         }
-        out.put_u8(if bare {
-            TAG_DELTA_RUN_BARE
-        } else {
-            TAG_DELTA_RUN
-        });
-        out.put_u8(run.chunks.len() as u8);
-        out.put_u8(run.bases.len() as u8);
-        out.put_slice(&names);
-        // A peer whose log differs asks for the bases' names by the run's check.
         let check = run_check(run.chunks.iter().map(|c| &c.0));
-        if prev.is_some() {
-            let bases = &run.bases;
-            self.recent.put_with(check, 16 * bases.len(), || {
-                Bytes::from(bases.iter().flatten().copied().collect::<Vec<u8>>())
+        head.extend_from_slice(&check);
+        prev.map(|_| check)
+    }
+
+    /// What a delta run's record does to the mirror, as the peer does it: the bases looked up
+    /// in order (their bytes, `dict`, kept to answer a miss of one; with `named`, the run's
+    /// check, by which a peer whose log differs asks for their names), then the chunks added
+    /// to the cache, the log and the store of bases. A base the peer lacks is a miss of the
+    /// base: the chunks are named by none but the check.
+    fn run_sent(
+        &mut self,
+        run: &Run,
+        bases: &mut Bases,
+        dict: &[u8],
+        named: Option<Fingerprint>,
+        hint: &Hint,
+    ) {
+        if let Some(check) = named {
+            let names = &run.bases;
+            self.recent.put_with(check, 16 * names.len(), || {
+                Bytes::from(names.iter().flatten().copied().collect::<Vec<u8>>())
             });
         }
-        self.names_buf = names;
-        // The peer looks the bases up in this order, then adds the chunks: the mirror does too.
-        // A base it lacks is a miss of the base: the chunks are named by none but the check.
         let mut at = 0;
         for b in &run.bases {
             self.cache.touch_base(b);
-            let len = bases.held_len(b).unwrap_or(0).min(d.dict.len() - at);
-            let data = &d.dict[at..at + len];
+            let len = bases.held_len(b).unwrap_or(0).min(dict.len() - at);
+            let data = &dict[at..at + len];
             self.recent
                 .put_with(*b, len, || Bytes::copy_from_slice(data));
             at += len;
         }
-        for (_, len, _, _) in &run.chunks {
-            put_len(out, *len);
-        }
-        out.put_slice(&check);
-        put_len(out, clen);
-        out.put_slice(&self.scratch[skip..skip + clen]);
         let (mut at, mut k) = (0, 0);
         for &(f, len, keys_end, _) in &run.chunks {
             let chunk = &run.bytes[at..at + len];
@@ -459,12 +550,6 @@ impl Mirror {
             bases.insert(f, chunk, &run.keys[k..keys_end]);
             (at, k) = (at + len, keys_end);
         }
-        let l = &mut self.late;
-        l.delta_chunks += run.chunks.len() as u64;
-        l.delta_bytes += raw as u64;
-        l.delta_wire += wire as u64;
-        l.wire_bytes += wire as u64;
-        wire
     }
 
     /// The run's chunks as literals, each flushed alone (in the stream's context where its

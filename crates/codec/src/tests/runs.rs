@@ -634,21 +634,7 @@ fn streams_side_by_side_encode_alike_and_decode_turn_by_turn() {
         assert_eq!(used.len(), 4);
         let mut digests = Vec::new();
         for (threads, ahead) in [(1, 0), (2, 0), (2, 1), (2, 3), (3, 8)] {
-            let mut dec = Decoder::new(&cfg);
-            let workers: Option<std::sync::Arc<dyn prepare::Workers>> =
-                (threads > 1).then(|| std::sync::Arc::new(Threads::new(threads)) as _);
-            dec.set_workers(workers.clone());
-            let mut outs = vec![Vec::new(); 4];
-            let mut ctxs: Vec<crate::StreamContext> =
-                (0..4).map(|_| crate::StreamContext::default()).collect();
-            let fed = decode_fed_ahead(
-                &mut dec,
-                &alone,
-                ahead,
-                workers.clone(),
-                (&mut ctxs, &mut outs),
-                |_| None,
-            );
+            let (dec, outs, fed) = decode_streams(&cfg, &alone, threads, ahead);
             assert_eq!(fed > 0, ahead > 0 && context, "{fed} frames fed ahead");
             for k in 0..4 {
                 assert!(
@@ -661,6 +647,95 @@ fn streams_side_by_side_encode_alike_and_decode_turn_by_turn() {
         // The cache saw the same chunks in the same order, however the frames were fed.
         assert!(digests.windows(2).all(|w| w[0] == w[1]));
     }
+}
+
+/// Delta runs in stream contexts are made by the streams' makers, on the workers while other
+/// streams' turns are planned (`maker::RunJob`): a changed copy of four streams side by side,
+/// whose runs mostly pay, and a rewritten one, whose runs mostly do not (their chunks then go
+/// as literals in their streams' contexts), give the same records and counts on one, two and
+/// three threads, and decode exactly, fed ahead or not.
+#[test]
+fn delta_runs_made_apart_pay_or_go_as_literals_alike_on_any_threads() {
+    use crate::testdata::{BLOCK, edited, rows, words};
+    let firsts: Vec<Vec<u8>> = (0..4).map(|i| rows(40 + i, 160)).collect();
+    // Each stream changes the next one's copy, which its own context never saw.
+    let next = |i: usize| &firsts[(i + 1) % 4];
+    let changed: Vec<Vec<u8>> = (0..4).map(|i| edited(next(i), i)).collect();
+    // Each block keeps its first eighth and its last; the rest is new text, which a delta
+    // saves little of.
+    let rewritten: Vec<Vec<u8>> = (0..4)
+        .map(|i| {
+            let f = next(i);
+            let fresh = words(70 + i as u64, f.len() / BLOCK);
+            let mut out = f.clone();
+            for (b, n) in out.chunks_mut(BLOCK).zip(fresh.chunks(BLOCK)) {
+                b[BLOCK / 8..BLOCK - 64].copy_from_slice(&n[BLOCK / 8..BLOCK - 64]);
+            }
+            out
+        })
+        .collect();
+    let cfg = CodecConfig {
+        context: true,
+        delta_bytes: 64 << 20,
+        ..CodecConfig::default()
+    };
+    let copies = [&firsts, &changed, &rewritten];
+    let encode = |threads: usize| {
+        let mut s = crate::Streams::new(cfg.clone(), 4, 256 << 10);
+        if threads > 1 {
+            s.set_workers(Some(std::sync::Arc::new(Threads::new(threads))));
+        }
+        let mut turns = Vec::new();
+        let mut per = Vec::new();
+        for copy in copies {
+            let before = s.stats().clone();
+            turns.extend(side_by_side(&mut s, copy, Pressure::LinkBound));
+            let after = s.stats();
+            per.push((
+                after.delta_chunks - before.delta_chunks,
+                after.no_base_chunks - before.no_base_chunks,
+            ));
+        }
+        (turns, s.stats().clone(), per)
+    };
+    let (alone, stats, per) = encode(1);
+    for threads in [2, 3] {
+        let (pooled, pooled_stats, _) = encode(threads);
+        assert!(alone == pooled, "{threads} threads");
+        assert_eq!(stats, pooled_stats);
+    }
+    // The changed copy goes mostly as deltas; the rewritten one mostly as literals offered a
+    // base.
+    let blocks = 4 * 160;
+    assert!(per[1].0 > blocks / 2 && per[1].1 < blocks / 10, "{per:?}");
+    assert!(per[2].1 > blocks / 4, "{per:?}");
+    for (threads, ahead) in [(1, 0), (2, 3)] {
+        let (_, outs, _) = decode_streams(&cfg, &alone, threads, ahead);
+        for k in 0..4 {
+            let want: Vec<u8> = copies.iter().flat_map(|c| c[k].clone()).collect();
+            assert!(outs[k] == want, "stream {k}, {threads} threads");
+        }
+    }
+}
+
+/// Four streams' `frames` decoded by a new decoder on `threads` threads, fed `ahead` (see
+/// [`decode_fed_ahead`]): the decoder, each stream's bytes, and how many frames were fed ahead.
+fn decode_streams(
+    cfg: &CodecConfig,
+    frames: &[(usize, Vec<u8>)],
+    threads: usize,
+    ahead: usize,
+) -> (Decoder, Vec<Vec<u8>>, usize) {
+    let mut dec = Decoder::new(cfg);
+    let workers: Option<std::sync::Arc<dyn prepare::Workers>> =
+        (threads > 1).then(|| std::sync::Arc::new(Threads::new(threads)) as _);
+    dec.set_workers(workers.clone());
+    let mut outs = vec![Vec::new(); 4];
+    let mut ctxs: Vec<crate::StreamContext> =
+        (0..4).map(|_| crate::StreamContext::default()).collect();
+    let io = (&mut ctxs[..], &mut outs[..]);
+    let fed = decode_fed_ahead(&mut dec, frames, ahead, workers, io, |_| None);
+    (dec, outs, fed)
 }
 
 /// Decodes each stream's turns (`frames`, in the order a link took them) as a link does: with
