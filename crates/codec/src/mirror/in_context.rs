@@ -237,6 +237,7 @@ impl Mirror {
         }
         hint.outcomes = outcomes;
         hint.planned = (0, 0);
+        hint.planned_bases = 0;
         total
     }
 

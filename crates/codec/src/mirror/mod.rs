@@ -57,6 +57,8 @@ pub struct Hint {
     /// The turn's context records so far (see [`crate::maker`]): their raw bytes and count,
     /// and what those made already cost; learned from at the turn's end.
     planned: (usize, usize),
+    /// Bytes of bases the turn's delta runs left to be made hold (see `plan_run`).
+    planned_bases: usize,
     outcomes: Vec<maker::Outcome>,
 }
 

@@ -26,6 +26,9 @@ use crate::report::{Report, Sent};
 /// pair 0.1287 against 0.1542 of its bytes (0.1286 before turns gathered, when 64 KiB turns
 /// ended runs sooner); every other copy within 0.0004 (pgbench's changed copy 0.0110 against 0.0109).
 pub(crate) const SEND_RUN_CHUNKS: usize = 8;
+/// Bytes of bases a turn's delta runs left to be made may hold (four runs' worth of the most a
+/// run names, [`RUN_DICT`]); past it, a run is written at once.
+pub(crate) const PLANNED_BASES: usize = 4 * RUN_DICT;
 const _: () = assert!(SEND_RUN_CHUNKS <= MAX_RUN_CHUNKS);
 
 impl Mirror {
@@ -381,10 +384,13 @@ impl Mirror {
     /// chunks do (a literal's too: it joins the store of bases whatever it cost). Left to the
     /// maker: the frame, and whether it pays or the chunks go as context literals; what it
     /// cost is learned at the turn's end ([`settle`](Self::settle)), and counts as planned
-    /// until then. False: nothing was done (the run is written now).
+    /// until then. A turn's runs left to be made hold at most [`PLANNED_BASES`] of bases, so
+    /// that turns waiting for their records hold at most that each. False: nothing was done
+    /// (the run is written now).
     fn plan_run(&mut self, run: &mut Run, hint: &mut Hint, out: &mut impl Out) -> bool {
         let level = self.zstd_level;
         let ready = self.cache.has_quiet_bases()
+            && hint.planned_bases + run.base_bytes <= PLANNED_BASES
             && run.chunks.iter().all(|c| c.3)
             && hint.context.as_ref().is_some_and(|c| {
                 !c.fresh
@@ -407,6 +413,7 @@ impl Mirror {
             return false;
         }
         let (n, raw) = (run.chunks.len(), run.bytes.len());
+        hint.planned_bases += run.base_bytes;
         let mut head = Vec::new();
         let named = self.run_head(run, &mut head);
         self.run_sent(run, &mut bases, &dict, named, hint);
