@@ -33,8 +33,13 @@ pub(crate) enum Make {
     Literal { tag: u8, defer: bool, cached: bool },
     /// The end of a run: the rest of the context's output.
     RunEnd,
-    /// A delta run ([`RunJob`]): one record if it pays, else its chunks as context literals.
-    DeltaRun,
+}
+
+/// What an [`Op`] makes: one planned record, or a delta run ([`RunJob`]: one record if it
+/// pays, else its chunks as context literals).
+pub(crate) enum What {
+    Record(Make),
+    Run(Box<RunJob>),
 }
 
 /// What a planned record is to the turn's end, which learns from what it cost.
@@ -70,14 +75,12 @@ pub(crate) struct Outcome {
 pub(crate) struct Op {
     /// Where it goes: the bytes of the turn's other records before it.
     pub(crate) at: usize,
-    pub(crate) make: Make,
+    pub(crate) what: What,
     pub(crate) kind: Kind,
-    /// The chunk (empty for a run's end).
+    /// The chunk (empty for a run's end; a delta run's chunks).
     pub(crate) raw: Vec<u8>,
     /// A context started for it (with its serial): the one before it is done with.
     pub(crate) start: Option<(u64, CCtx<'static>)>,
-    /// A delta run's frame to make (`Make::DeltaRun`; `raw` holds its chunks).
-    pub(crate) run: Option<Box<RunJob>>,
 }
 
 /// A delta run the mirror planned in order (its bases, names and what its chunks do to both
@@ -229,22 +232,25 @@ impl Maker {
                 self.cctx = Some(start);
             }
             let cctx = self.cctx.as_mut().map(|c| &mut c.1);
-            if let Some(mut job) = op.run.take() {
-                let (made, ok) =
-                    make_run(cctx, &mut job, &op.raw, &mut self.scratch, &mut self.recs);
-                if !ok {
-                    self.cctx = None;
+            let record = match &mut op.what {
+                What::Record(r) => *r,
+                What::Run(job) => {
+                    let (made, ok) =
+                        make_run(cctx, job, &op.raw, &mut self.scratch, &mut self.recs);
+                    if !ok {
+                        self.cctx = None;
+                    }
+                    let mut end = self.recs.len() - made.iter().map(|m| m.1).sum::<usize>();
+                    for (o, n) in made {
+                        end += n;
+                        self.made.push((op.at, end, o));
+                    }
+                    continue;
                 }
-                let mut end = self.recs.len() - made.iter().map(|m| m.1).sum::<usize>();
-                for (o, n) in made {
-                    end += n;
-                    self.made.push((op.at, end, o));
-                }
-                continue;
-            }
+            };
             let (outcome, ok) = make(
                 cctx,
-                op.make,
+                record,
                 op.kind,
                 &op.raw,
                 &mut self.scratch,
@@ -274,18 +280,7 @@ pub(crate) fn make(
 ) -> (Outcome, bool) {
     let directive = match what {
         Make::Literal { defer: true, .. } => ZSTD_EndDirective::ZSTD_e_continue,
-        Make::Literal { .. } | Make::RunEnd => ZSTD_EndDirective::ZSTD_e_flush,
-        // Made by `make_run` (its chunks each as a literal): never one record of its own.
-        Make::DeltaRun => {
-            let o = Outcome {
-                raw: raw.len(),
-                payload: 0,
-                wire: 0,
-                kind,
-                failed: true,
-            };
-            return (o, true);
-        }
+        _ => ZSTD_EndDirective::ZSTD_e_flush,
     };
     let compressed = cctx.and_then(|cctx| {
         scratch.clear();
@@ -324,8 +319,7 @@ pub(crate) fn make(
             out.put_slice(raw);
             (outcome(raw.len(), 1 + h + raw.len(), true), false)
         }
-        (Make::RunEnd | Make::DeltaRun, None) => (outcome(0, 0, true), false),
-        (Make::DeltaRun, Some(_)) => (outcome(0, 0, true), true),
+        (Make::RunEnd, None) => (outcome(0, 0, true), false),
     }
 }
 
@@ -387,20 +381,18 @@ mod tests {
         for (i, c) in chunks.iter().enumerate() {
             queue.push(Op {
                 at: i * 10,
-                make: plan(i),
+                what: What::Record(plan(i)),
                 kind: Kind::Deferred,
                 raw: c.to_vec(),
                 start: None,
-                run: None,
             });
         }
         queue.push(Op {
             at: 240,
-            make: Make::RunEnd,
+            what: What::Record(Make::RunEnd),
             kind: Kind::RunEnd { raw: 0, n: 0 },
             raw: Vec::new(),
             start: None,
-            run: None,
         });
         std::thread::scope(|s| {
             s.spawn(|| maker.run(&queue));

@@ -8,7 +8,7 @@ use crate::context::{
     CONTEXT_WINDOW_LOG, MIRROR_CONTEXTS, RESTART_WINDOWS, SendContext, long_tables,
 };
 use crate::format::{DEFERRED, FRESH, LONG, RUN_MAX, pays};
-use crate::maker::{self, Kind, Make, Maker, Op, Queue};
+use crate::maker::{self, Kind, Make, Maker, Op, Queue, What};
 
 /// A context literal the mirror planned (see [`crate::maker`]): its tag flags, whether its
 /// context keeps its bytes for a later record of the run, and what it is to the turn's end.
@@ -138,11 +138,10 @@ impl Mirror {
             buf.extend_from_slice(raw);
             q.push(Op {
                 at: out.written(),
-                make,
+                what: What::Record(make),
                 kind,
                 raw: buf,
                 start,
-                run: None,
             });
             return;
         }

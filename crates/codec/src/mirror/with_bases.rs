@@ -5,7 +5,7 @@ use bytes::Bytes;
 
 use crate::context::RESTART_WINDOWS;
 use crate::format::Out;
-use crate::maker::{Kind, Make, Op, RunJob, make_run, run_record};
+use crate::maker::{Kind, Op, RunJob, What, make_run, run_record};
 
 use super::{Hint, Mirror};
 use crate::config::{Compression, Policy, Pressure};
@@ -437,11 +437,10 @@ impl Mirror {
                 .and_then(|c| c.cctx.take().map(|x| (c.serial, x)));
             q.push(Op {
                 at: out.written(),
-                make: Make::DeltaRun,
+                what: What::Run(job),
                 kind: Kind::Delta { n },
                 raw: bytes,
                 start,
-                run: Some(job),
             });
             return true;
         }
