@@ -2,7 +2,8 @@
 //! the record limit, whatever the cache holds, and whatever zstd context the stream has; a
 //! decoder that decompresses literals ahead on workers must rebuild exactly the same, with the
 //! workers in turn on its thread or on a thread beside it (the daemon's pool: the jobs then
-//! write into the output while the decoding thread counts earlier records in).
+//! write into the output while the decoding thread counts earlier records in); and one whose
+//! frame is fed ahead first (its context records fed, its delta runs rebuilt) must too.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -59,6 +60,9 @@ fuzz_target!(|data: &[u8]| {
     pooled.set_workers(Some(std::sync::Arc::new(wanopt_codec::prepare::Inline)));
     let mut beside = Decoder::new(&cfg);
     beside.set_workers(Some(std::sync::Arc::new(Beside)));
+    let mut ahead = Decoder::new(&cfg);
+    let mut ctx = wanopt_codec::StreamContext::default();
+    let _ = ahead.decode_frame(&wire, &mut Vec::new(), &mut ctx, usize::MAX);
     let mut out = Vec::new();
     let _ = dec.decode(&wire, &mut out);
     let _ = pooled.decode(&wire, &mut Vec::new());
@@ -72,5 +76,16 @@ fuzz_target!(|data: &[u8]| {
     assert!(again == out);
     let mut again = Vec::new();
     assert_eq!(beside.decode(data, &mut again), r);
+    assert!(again == out);
+    if let Some(f) = ahead.feed_ahead(bytes::Bytes::copy_from_slice(data), &mut ctx, usize::MAX) {
+        ctx = f.finish();
+    }
+    let mut again = Vec::new();
+    let (used, stop) = ahead.decode_frame(data, &mut again, &mut ctx, usize::MAX);
+    let fed = match stop {
+        None | Some(wanopt_codec::CodecError::Incomplete) => Ok(used),
+        Some(e) => Err(e),
+    };
+    assert_eq!(fed, r);
     assert!(again == out);
 });

@@ -389,6 +389,12 @@ impl ChunkCache {
         self.lookup_as(f, self.quiet_bases, false)
     }
 
+    /// [`lookup_base`](Self::lookup_base) of a base whose bytes were `checked` against its
+    /// name already (the very bytes held now).
+    pub(crate) fn lookup_base_checked(&mut self, f: &Fingerprint, checked: bool) -> Lookup<'_> {
+        self.lookup_as(f, self.quiet_bases, checked)
+    }
+
     fn lookup_as(&mut self, f: &Fingerprint, quiet: bool, checked: bool) -> Lookup<'_> {
         let Some(e) = self.entries.get(f) else {
             return Lookup::Miss;

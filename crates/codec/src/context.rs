@@ -162,6 +162,18 @@ pub struct StreamContext {
     /// Its next context records, fed ahead (on a worker) of the records around them: each is
     /// taken by the record it was fed for, in order.
     pub(crate) fed: std::collections::VecDeque<Fed>,
+    /// Its next delta runs rebuilt ahead (on a worker), each taken by the record with its check.
+    pub(crate) runs_fed: std::collections::VecDeque<RunFed>,
+}
+
+/// A delta run rebuilt ahead (on a worker) from the bases the cache held when its frame was
+/// fed: its chunks, each named, which match the record's `check`; and, where the cache checks
+/// what it holds, the bases checked against their names then.
+#[derive(Debug)]
+pub(crate) struct RunFed {
+    pub(crate) check: crate::fingerprint::Fingerprint,
+    pub(crate) pieces: Vec<Piece>,
+    pub(crate) checked: Vec<(crate::fingerprint::Fingerprint, bytes::Bytes)>,
 }
 
 /// A run (or a lone chunk) rebuilt whole out of its stream's context: its bytes, and its

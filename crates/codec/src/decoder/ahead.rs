@@ -6,13 +6,17 @@
 //! Several streams' contexts decompress at once; the records and what they rebuild are the
 //! same as when they are fed in turn.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
 
 use super::Decoder;
 use super::in_context::{Accept, classify, context_record};
+use super::with_bases::{rebuild_ahead, run_head};
 use crate::context::{Fed, Piece, Run, StreamContext};
+use crate::delta::RecvScratch;
+use crate::fingerprint::Fingerprint;
 use crate::fingerprint::SHORT_CHECK;
 use crate::fingerprint::fingerprint;
 use crate::format::{
@@ -31,6 +35,11 @@ struct Feed {
     stream: StreamContext,
     accept: Accept,
     done: bool,
+    /// Its delta runs to rebuild, in order, whether each base is checked against its name
+    /// first, and the decoder's scratch for them.
+    runs: VecDeque<RunBases>,
+    verify: bool,
+    scratch: Arc<Mutex<Vec<RecvScratch>>>,
 }
 
 impl std::fmt::Debug for Feeding {
@@ -57,18 +66,78 @@ impl Decoder {
         stream: &mut StreamContext,
         announced: usize,
     ) -> Option<Feeding> {
-        if !stream.fed.is_empty() || !has_context(&records) {
+        if !stream.fed.is_empty() {
             return None;
         }
+        let runs = self.runs_to_rebuild(&records);
+        if runs.is_empty() && !has_context(&records) {
+            return None;
+        }
+        // Runs rebuilt ahead of an earlier frame and not taken: its records were not decoded
+        // that far after all (they are rebuilt in order if they come).
+        stream.runs_fed.clear();
         Some(Feeding(Arc::new(Mutex::new(Feed {
             records,
             announced,
             stream: std::mem::take(stream),
             accept: self.accept.clone(),
             done: false,
+            runs,
+            verify: self.cache.verifies_memory(),
+            scratch: Arc::clone(&self.scratch_ahead),
         }))))
     }
+
+    /// The delta runs among `records` (up to the first record [`Feed::run`] cannot step over,
+    /// [`RUNS_AHEAD`] at most) whose bases the cache holds in memory now, by name or by a place
+    /// our log holds: each with its offset in `records` and its bases, in the record's order.
+    fn runs_to_rebuild(&self, records: &[u8]) -> VecDeque<RunBases> {
+        let mut runs = VecDeque::new();
+        let (mut at, mut held) = (0, 0usize);
+        while let Some(&first) = records.get(at)
+            && runs.len() < RUNS_AHEAD
+        {
+            let rec = &records[at..];
+            let tag = classify(first, false).0;
+            if matches!(tag, TAG_DELTA_RUN | TAG_DELTA_RUN_BARE)
+                && let Ok(head) = run_head(rec, Some(&self.logs))
+                && !head.unresolved
+            {
+                let bases: Option<Vec<_>> = head.names[..head.nb]
+                    .iter()
+                    .map(|f| Some((*f, self.cache.in_memory_handle(f)?)))
+                    .collect();
+                if let Some(bases) = bases {
+                    held += bases.iter().map(|b| b.1.len()).sum::<usize>();
+                    if held > HELD_AHEAD {
+                        break;
+                    }
+                    runs.push_back((at, bases));
+                }
+            }
+            match step(tag, rec) {
+                Some((len, _)) => at += len,
+                None => break,
+            }
+        }
+        runs
+    }
 }
+
+/// Delta runs a frame's feeding rebuilds ahead, at most: their bases are held (not copied)
+/// until then, and what they rebuild is within the frame's announced bytes.
+const RUNS_AHEAD: usize = 64;
+
+/// Bytes of bases a frame's feeding holds for its runs, at most (the cache's own chunks, kept
+/// from being freed if they are evicted before the feeding is done).
+const HELD_AHEAD: usize = 4 * crate::format::RUN_DICT_DECODE;
+
+/// Scratch for delta runs rebuilt ahead kept for the next feedings, at most.
+const SCRATCH_KEPT: usize = 4;
+
+/// A delta run to rebuild ahead: its record's offset in the frame, and its bases (names and
+/// the bytes the cache held when the frame was fed).
+type RunBases = (usize, Vec<(Fingerprint, Bytes)>);
 
 impl crate::prepare::Deferred for Feeding {
     /// Has `workers` feed the frame.
@@ -157,6 +226,22 @@ impl Feed {
                 return;
             };
             room = left;
+            if self.runs.front().is_some_and(|r| r.0 == at)
+                && let Some((_, bases)) = self.runs.pop_front()
+            {
+                let mut kept = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+                let mut d = kept.pop().unwrap_or_default();
+                drop(kept);
+                if let Some(run) = rebuild_ahead(rec, bases, self.verify, &mut d) {
+                    stream.runs_fed.push_back(run);
+                }
+                d.dict.clear();
+                d.dict.shrink_to(crate::format::RUN_DICT);
+                let mut kept = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+                if kept.len() < SCRATCH_KEPT {
+                    kept.push(d);
+                }
+            }
             at += len;
         }
     }
@@ -205,6 +290,15 @@ fn pieces(run: Run, stream: &mut StreamContext) -> Vec<Piece> {
 /// that is not whole.
 fn step(tag: u8, rec: &[u8]) -> Option<(usize, usize)> {
     let (len, rebuilt) = match tag {
+        TAG_LIT_CONTEXT => {
+            let (n, h1) = get_len(rec, 1).ok()?;
+            let (c, h2) = get_len(rec, 1 + h1).ok()?;
+            (1 + h1 + h2 + c, n)
+        }
+        TAG_RUN_END => {
+            let (c, h) = get_len(rec, 1).ok()?;
+            (1 + h + c, 0)
+        }
         TAG_RAW | TAG_LIT => {
             let (n, h) = get_len(rec, 1).ok()?;
             (1 + h + n, n)

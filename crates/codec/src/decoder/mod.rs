@@ -61,6 +61,10 @@ pub struct Decoder {
     /// The checks whose names we asked for, and whether the names must match the check (a
     /// reference run's do; a delta run's bases are checked by what they rebuild).
     asked: std::collections::HashMap<Fingerprint, bool>,
+    /// Delta runs taken rebuilt ahead (see [`Decoder::runs_ahead`]).
+    runs_ahead: u64,
+    /// Scratch for delta runs rebuilt ahead (see [`Feeding`]), shared with the feedings.
+    scratch_ahead: std::sync::Arc<std::sync::Mutex<Vec<delta::RecvScratch>>>,
 }
 
 /// Literals a decoder prepares at once: the raw bytes they rebuild are allocated ahead, so at
@@ -178,6 +182,8 @@ impl Decoder {
             resolved: std::collections::HashMap::new(),
             names: Vec::new(),
             asked: std::collections::HashMap::new(),
+            runs_ahead: 0,
+            scratch_ahead: Default::default(),
             cache,
         }
     }
@@ -481,6 +487,13 @@ impl Decoder {
         self.stats
     }
 
+    /// Delta runs a worker rebuilt ahead, while the frames before theirs were decoded, that
+    /// their records took (each checked against the record's check there, its bases looked up
+    /// in order here as any run's are).
+    pub fn runs_ahead(&self) -> u64 {
+        self.runs_ahead
+    }
+
     /// Of the bytes rebuilt so far, those a worker copied into place (literals alone and chunks
     /// held, see [`set_workers`](Self::set_workers)), which the decoding thread only counted in.
     pub fn ahead_bytes(&self) -> u64 {
@@ -757,7 +770,7 @@ impl Decoder {
                 fits(get_len(buf, 1)?.0)?;
                 self.decode_delta(buf, out, stream.log)
             }
-            TAG_DELTA_RUN | TAG_DELTA_RUN_BARE => self.decode_delta_run(buf, out, room, stream.log),
+            TAG_DELTA_RUN | TAG_DELTA_RUN_BARE => self.decode_delta_run(buf, out, room, stream),
             TAG_LOG => {
                 let (serial, h) = get_varint(buf, 1)?;
                 let serial = u32::try_from(serial)

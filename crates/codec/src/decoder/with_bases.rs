@@ -1,12 +1,16 @@
 //! A delta record on the receiving side: the chunk rebuilt from the bases it names, which the
 //! cache must hold, and checked against its fingerprint.
 
+use std::collections::VecDeque;
+
 use super::Decoder;
 use crate::cache::Lookup;
+use crate::context::{Piece, RunFed, StreamContext};
 use crate::delta::{MAX_BASES, RecvScratch, is_dict_magic};
+use crate::logs::Logs;
 use zstd::zstd_safe::DCtx;
 
-use crate::fingerprint::{fingerprint, run_check};
+use crate::fingerprint::{Fingerprint, fingerprint, run_check};
 use crate::format::{
     CodecError, MAX_RUN_BASES, MAX_RUN_CHUNKS, RUN_DICT_DECODE, RUN_MAX_DECODE, TAG_DELTA_RUN_BARE,
     ZSTD_MAGIC, get_len, get_varint,
@@ -85,82 +89,34 @@ impl Decoder {
     /// fingerprints), then added to the cache in order. Counts, lengths and the dictionary's
     /// bytes are checked against the limits before anything is allocated; the chunks may
     /// rebuild at most `room` bytes. A base we lack is a miss of that base (the peer re-sends
-    /// it); chunks that do not match their check are an error, never wrong data.
+    /// it); chunks that do not match their check are an error, never wrong data. A run rebuilt
+    /// ahead on a worker ([`RunFed`], from the same check) is taken instead of rebuilding it
+    /// here; its bases are still looked up here, in order, as they would be otherwise.
     pub(crate) fn decode_delta_run(
         &mut self,
         buf: &[u8],
         out: &mut Vec<u8>,
         room: usize,
-        log: Option<u32>,
+        stream: &mut StreamContext,
     ) -> Result<usize, CodecError> {
-        let n = usize::from(*buf.get(1).ok_or(CodecError::Incomplete)?);
-        let nb = usize::from(*buf.get(2).ok_or(CodecError::Incomplete)?);
-        if n == 0 || n > MAX_RUN_CHUNKS || nb == 0 || nb > MAX_RUN_BASES {
-            return Err(CodecError::Malformed(
-                "delta run with no or too many chunks or bases",
-            ));
-        }
-        let mut at = 3;
-        // The bases, by name or by place in a log (see `put_base`).
-        let mut names = [[0u8; 16]; MAX_RUN_BASES];
-        let (mut prev, mut placed, mut unresolved) = (None::<(u32, u64)>, false, false);
-        for name in &mut names[..nb] {
-            let (v, h) = get_varint(buf, at)?;
-            at += h;
-            if v == 0 {
-                name.copy_from_slice(buf.get(at..at + 16).ok_or(CodecError::Incomplete)?);
-                at += 16;
-                continue;
-            }
-            let place = if v % 2 == 1 {
-                let (s, i) = prev.ok_or(CodecError::Malformed(
-                    "a base placed after no other placed base",
-                ))?;
-                let zz = (v - 1) / 2;
-                let d = ((zz >> 1) as i64) ^ -((zz & 1) as i64);
-                (s, i.wrapping_add(1).wrapping_add(d as u64))
-            } else {
-                let s = u32::try_from(v / 2 - 1)
-                    .map_err(|_| CodecError::Malformed("log serial beyond 32 bits"))?;
-                let (i, h) = get_varint(buf, at)?;
-                at += h;
-                (s, i)
-            };
-            prev = Some(place);
-            placed = true;
-            match self.logs.get(place.0, place.1) {
-                Some(f) => *name = *f,
-                None => unresolved = true,
-            }
-        }
-        let mut lens = [0usize; MAX_RUN_CHUNKS];
-        let mut total = 0usize;
-        for len in &mut lens[..n] {
-            let (l, h) = get_len(buf, at)?;
-            at += h;
-            if l == 0 {
-                return Err(CodecError::Malformed("empty chunk in a delta run"));
-            }
-            total += l;
-            if total > RUN_MAX_DECODE {
-                return Err(CodecError::Malformed(
-                    "delta run longer than a receiver accepts",
-                ));
-            }
-            *len = l;
-        }
+        let RunHead {
+            n,
+            nb,
+            mut names,
+            placed,
+            unresolved,
+            lens,
+            total,
+            check,
+            payload,
+        } = run_head(buf, Some(&self.logs))?;
         if total > room {
             return Err(CodecError::Malformed(
                 "record rebuilds more than its frame announced",
             ));
         }
-        let mut check = [0u8; 16];
-        check.copy_from_slice(buf.get(at..at + 16).ok_or(CodecError::Incomplete)?);
-        at += 16;
-        let (clen, h) = get_len(buf, at)?;
-        at += h;
-        let payload = buf.get(at..at + clen).ok_or(CodecError::Incomplete)?;
-        let used = at + clen;
+        let used = payload.end;
+        let payload = &buf[payload];
         // Places our log does not hold: the names the peer re-sent for the run, or ask.
         let mut re_sent = false;
         if placed && let Some(r) = self.resolved.get(&check).filter(|r| r.len() == nb) {
@@ -169,12 +125,26 @@ impl Decoder {
         } else if unresolved {
             return Err(self.ask(check, false));
         }
+        // Taken once every base is found: a miss leaves it for the record's next try.
+        let fed_at = fed_position(&stream.runs_fed, &check, &lens[..n]);
+        let fed = fed_at.and_then(|i| stream.runs_fed.get(i));
         let d = &mut self.delta;
         d.dict.clear();
+        let mut dict = 0usize;
         for b in &names[..nb] {
-            match self.cache.lookup_base(b) {
-                Lookup::Hit(c) if d.dict.len() + c.len() <= RUN_DICT_DECODE => {
-                    d.dict.extend_from_slice(c)
+            // A base the worker checked, still the very bytes the cache holds, needs no check.
+            let checked = fed.as_ref().is_some_and(|f| {
+                let held = self.cache.in_memory_bytes(b);
+                f.checked
+                    .iter()
+                    .any(|(name, h)| name == b && held.is_some_and(|c| c.as_ptr() == h.as_ptr()))
+            });
+            match self.cache.lookup_base_checked(b, checked) {
+                Lookup::Hit(c) if dict + c.len() <= RUN_DICT_DECODE => {
+                    dict += c.len();
+                    if fed.is_none() {
+                        d.dict.extend_from_slice(c);
+                    }
                 }
                 Lookup::Hit(_) => {
                     return Err(CodecError::Malformed(
@@ -184,6 +154,26 @@ impl Decoder {
                 Lookup::Miss => return Err(CodecError::Miss(*b)),
                 Lookup::Pending => return Err(CodecError::Pending(*b)),
             }
+        }
+        if let Some(fed) = fed_at.and_then(|i| {
+            stream.runs_fed.drain(..i);
+            stream.runs_fed.pop_front()
+        }) {
+            // Rebuilt and checked against this record's check on the worker.
+            if re_sent {
+                self.resolved.remove(&check);
+            }
+            for p in fed.pieces {
+                out.extend_from_slice(&p.bytes);
+                if let Some(name) = p.name {
+                    self.cache.insert(name, p.bytes);
+                    self.log_chunk(stream.log, name);
+                }
+            }
+            self.stats.delta_chunks += n as u64;
+            self.stats.delta_bytes += total as u64;
+            self.runs_ahead += 1;
+            return Ok(used);
         }
         let bare = buf[0] == TAG_DELTA_RUN_BARE;
         let rebuilt = rebuild(d, payload, total, bare)?.ok_or(CodecError::Decompress)?;
@@ -211,13 +201,164 @@ impl Decoder {
             let chunk = &rebuilt[off..off + len];
             out.extend_from_slice(chunk);
             self.cache.insert(*name, chunk.to_vec());
-            self.log_chunk(log, *name);
+            self.log_chunk(stream.log, *name);
             off += len;
         }
         self.stats.delta_chunks += n as u64;
         self.stats.delta_bytes += total as u64;
         Ok(used)
     }
+}
+
+/// A delta run record's header, read and bounded: its chunks' and bases' counts, the bases'
+/// names (those placed in a log resolved by `logs`, where given and held there), the chunks'
+/// lengths and their sum, the run's check, and where its frame is in the record (its end is the
+/// record's).
+pub(crate) struct RunHead {
+    pub(crate) n: usize,
+    pub(crate) nb: usize,
+    pub(crate) names: [Fingerprint; MAX_RUN_BASES],
+    /// Some base is named by its place in a log, and some such place was not resolved.
+    pub(crate) placed: bool,
+    pub(crate) unresolved: bool,
+    pub(crate) lens: [usize; MAX_RUN_CHUNKS],
+    pub(crate) total: usize,
+    pub(crate) check: Fingerprint,
+    pub(crate) payload: std::ops::Range<usize>,
+}
+
+/// Reads the header of the delta run record at the front of `buf` (see [`RunHead`]), checking
+/// its counts and lengths against the limits.
+pub(crate) fn run_head(buf: &[u8], logs: Option<&Logs>) -> Result<RunHead, CodecError> {
+    let n = usize::from(*buf.get(1).ok_or(CodecError::Incomplete)?);
+    let nb = usize::from(*buf.get(2).ok_or(CodecError::Incomplete)?);
+    if n == 0 || n > MAX_RUN_CHUNKS || nb == 0 || nb > MAX_RUN_BASES {
+        return Err(CodecError::Malformed(
+            "delta run with no or too many chunks or bases",
+        ));
+    }
+    let mut at = 3;
+    // The bases, by name or by place in a log (see `put_base`).
+    let mut names = [[0u8; 16]; MAX_RUN_BASES];
+    let (mut prev, mut placed, mut unresolved) = (None::<(u32, u64)>, false, false);
+    for name in &mut names[..nb] {
+        let (v, h) = get_varint(buf, at)?;
+        at += h;
+        if v == 0 {
+            name.copy_from_slice(buf.get(at..at + 16).ok_or(CodecError::Incomplete)?);
+            at += 16;
+            continue;
+        }
+        let place = if v % 2 == 1 {
+            let (s, i) = prev.ok_or(CodecError::Malformed(
+                "a base placed after no other placed base",
+            ))?;
+            let zz = (v - 1) / 2;
+            let d = ((zz >> 1) as i64) ^ -((zz & 1) as i64);
+            (s, i.wrapping_add(1).wrapping_add(d as u64))
+        } else {
+            let s = u32::try_from(v / 2 - 1)
+                .map_err(|_| CodecError::Malformed("log serial beyond 32 bits"))?;
+            let (i, h) = get_varint(buf, at)?;
+            at += h;
+            (s, i)
+        };
+        prev = Some(place);
+        placed = true;
+        match logs.and_then(|l| l.get(place.0, place.1)) {
+            Some(f) => *name = *f,
+            None => unresolved = true,
+        }
+    }
+    let mut lens = [0usize; MAX_RUN_CHUNKS];
+    let mut total = 0usize;
+    for len in &mut lens[..n] {
+        let (l, h) = get_len(buf, at)?;
+        at += h;
+        if l == 0 {
+            return Err(CodecError::Malformed("empty chunk in a delta run"));
+        }
+        total += l;
+        if total > RUN_MAX_DECODE {
+            return Err(CodecError::Malformed(
+                "delta run longer than a receiver accepts",
+            ));
+        }
+        *len = l;
+    }
+    let mut check = [0u8; 16];
+    check.copy_from_slice(buf.get(at..at + 16).ok_or(CodecError::Incomplete)?);
+    at += 16;
+    let (clen, h) = get_len(buf, at)?;
+    at += h;
+    let end = at.checked_add(clen).filter(|e| *e <= buf.len());
+    let end = end.ok_or(CodecError::Incomplete)?;
+    Ok(RunHead {
+        n,
+        nb,
+        names,
+        placed,
+        unresolved,
+        lens,
+        total,
+        check,
+        payload: at..end,
+    })
+}
+
+/// Where in `fed` the run rebuilt ahead for the record with this `check` and chunks' `lens`
+/// is, if it is there (those before it were not needed after all: records are decoded in
+/// order).
+fn fed_position(fed: &VecDeque<RunFed>, check: &Fingerprint, lens: &[usize]) -> Option<usize> {
+    fed.iter().position(|f| {
+        f.check == *check
+            && f.pieces.len() == lens.len()
+            && f.pieces.iter().zip(lens).all(|(p, &l)| p.bytes.len() == l)
+    })
+}
+
+/// Rebuilds ahead, on a worker, the delta run record at the front of `rec` from the bases the
+/// decoder's thread found for it (`bases`, each with its name, in the record's order, the
+/// bytes the cache held then): its chunks, named, if they match the record's check (and each
+/// base its name, where the cache checks what it holds: `verify`). `None` for anything else:
+/// the record is then rebuilt in order, which finds what is wrong with it.
+pub(crate) fn rebuild_ahead(
+    rec: &[u8],
+    bases: Vec<(Fingerprint, bytes::Bytes)>,
+    verify: bool,
+    d: &mut RecvScratch,
+) -> Option<RunFed> {
+    let head = run_head(rec, None).ok()?;
+    if bases.len() != head.nb {
+        return None;
+    }
+    d.dict.clear();
+    for (name, b) in &bases {
+        if d.dict.len() + b.len() > RUN_DICT_DECODE || (verify && fingerprint(b) != *name) {
+            return None;
+        }
+        d.dict.extend_from_slice(b);
+    }
+    let bare = rec.first() == Some(&TAG_DELTA_RUN_BARE);
+    let rebuilt = rebuild(d, rec.get(head.payload)?, head.total, bare).ok()??;
+    let mut pieces = Vec::with_capacity(head.n);
+    let mut off = 0;
+    for &len in &head.lens[..head.n] {
+        let chunk = rebuilt.get(off..off + len)?;
+        off += len;
+        pieces.push(Piece {
+            bytes: chunk.to_vec(),
+            name: Some(fingerprint(chunk)),
+        });
+    }
+    if run_check(pieces.iter().filter_map(|p| p.name.as_ref())) != head.check {
+        return None;
+    }
+    Some(RunFed {
+        check: head.check,
+        pieces,
+        checked: if verify { bases } else { Vec::new() },
+    })
 }
 
 /// Decompresses `payload` (a frame without its magic number if `bare`) against the bases

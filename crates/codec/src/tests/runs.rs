@@ -718,6 +718,100 @@ fn delta_runs_made_apart_pay_or_go_as_literals_alike_on_any_threads() {
     }
 }
 
+/// Delta runs rebuilt ahead, on a worker, while the frames before theirs are decoded (from the
+/// bases the cache held when their frame was fed): taken by their records after the bases are
+/// looked up in order, so the cache sees the same lookups and chunks as in turn, and the bytes
+/// are the same. A base damaged after its run was rebuilt ahead is a miss there as in turn, and
+/// the frame goes on, once it is answered, to exactly the stream's bytes.
+#[test]
+fn delta_runs_rebuilt_ahead_take_the_lookups_of_runs_rebuilt_in_turn() {
+    use crate::testdata::{edited, rows};
+    let firsts: Vec<Vec<u8>> = (0..4).map(|i| rows(50 + i, 120)).collect();
+    let changed: Vec<Vec<u8>> = (0..4).map(|i| edited(&firsts[(i + 1) % 4], i)).collect();
+    let cfg = CodecConfig {
+        context: true,
+        delta_bytes: 64 << 20,
+        ..CodecConfig::default()
+    };
+    let mut s = crate::Streams::new(cfg.clone(), 4, 256 << 10);
+    let first = side_by_side(&mut s, &firsts, Pressure::LinkBound);
+    let second = side_by_side(&mut s, &changed, Pressure::LinkBound);
+    assert!(s.stats().delta_chunks > 200, "{:?}", s.stats());
+    let all: Vec<_> = first.iter().chain(&second).cloned().collect();
+    let want = |k: usize| [&firsts[k][..], &changed[k][..]].concat();
+    let (in_turn, outs, _) = decode_streams(&cfg, &all, 1, 0);
+    assert_eq!(in_turn.runs_ahead(), 0);
+    for (threads, ahead) in [(2, 1), (2, 3), (3, 8)] {
+        let (dec, outs_ahead, _) = decode_streams(&cfg, &all, threads, ahead);
+        assert!(dec.runs_ahead() > 10, "{} runs ahead", dec.runs_ahead());
+        assert_eq!(dec.stats(), in_turn.stats());
+        assert_eq!(dec.cache().digest(), in_turn.cache().digest());
+        for k in 0..4 {
+            assert!(outs_ahead[k] == want(k) && outs[k] == want(k), "stream {k}");
+        }
+    }
+
+    // Every chunk damaged once the first frame with a run rebuilt ahead is fed: the same misses,
+    // one by one, as when nothing is fed ahead.
+    let workers: std::sync::Arc<dyn prepare::Workers> = std::sync::Arc::new(Threads::new(2));
+    let damaged = |ahead: bool, at: Option<usize>| {
+        let mut dec = Decoder::new(&cfg);
+        dec.set_workers(Some(workers.clone()));
+        let mut ctxs: Vec<crate::StreamContext> = (0..4).map(|_| Default::default()).collect();
+        let mut outs = vec![Vec::new(); 4];
+        let io = (&mut ctxs[..], &mut outs[..]);
+        decode_fed_ahead(&mut dec, &first, 3, Some(workers.clone()), io, |_| None);
+        let (mut when, mut misses) = (None, Vec::new());
+        for (i, (k, records)) in second.iter().enumerate() {
+            if ahead
+                && let Some(f) = dec.feed_ahead(records.clone().into(), &mut ctxs[*k], usize::MAX)
+            {
+                prepare::Deferred::spawn(&f, &*workers);
+                ctxs[*k] = f.finish();
+            }
+            let now = match at {
+                Some(at) => at == i,
+                None => when.is_none() && !ctxs[*k].runs_fed.is_empty(),
+            };
+            if now {
+                assert!(dec.cache_mut().corrupt_all_for_test() > 0);
+                when = Some(i);
+            }
+            let mut at = 0;
+            while at < records.len() {
+                let (used, stop) =
+                    dec.decode_frame(&records[at..], &mut outs[*k], &mut ctxs[*k], usize::MAX);
+                at += used;
+                match stop {
+                    None => assert_eq!(at, records.len()),
+                    Some(CodecError::Miss(f)) => {
+                        misses.push(f);
+                        let bytes = in_turn.cache().peek(&f).expect("a chunk to answer with");
+                        assert!(dec.insert_verified(f, bytes));
+                    }
+                    Some(e) => panic!("stream {k}: {e}"),
+                }
+            }
+        }
+        for (k, out) in outs.iter().enumerate() {
+            assert!(*out == want(k), "stream {k}");
+        }
+        (when, misses, dec.runs_ahead())
+    };
+    let (when, misses, ahead) = damaged(true, None);
+    assert!(
+        when.is_some() && ahead > 0,
+        "damaged at {when:?}, {ahead} runs ahead"
+    );
+    let (_, in_turn_misses, none) = damaged(false, when);
+    assert_eq!(none, 0);
+    assert!(
+        !misses.is_empty() && misses == in_turn_misses,
+        "{} misses",
+        misses.len()
+    );
+}
+
 /// Four streams' `frames` decoded by a new decoder on `threads` threads, fed `ahead` (see
 /// [`decode_fed_ahead`]): the decoder, each stream's bytes, and how many frames were fed ahead.
 fn decode_streams(
