@@ -167,10 +167,12 @@ pub struct StreamContext {
 }
 
 /// A delta run rebuilt ahead (on a worker) from the bases the cache held when its frame was
-/// fed: its chunks, each named, which match the record's `check`; and, where the cache checks
+/// fed (or since): its chunks, each named, which match the record's `check`; and, where the cache checks
 /// what it holds, the bases checked against their names then.
 #[derive(Debug)]
 pub(crate) struct RunFed {
+    /// Where its record is in its frame.
+    pub(crate) at: usize,
     pub(crate) check: crate::fingerprint::Fingerprint,
     pub(crate) pieces: Vec<Piece>,
     pub(crate) checked: Vec<(crate::fingerprint::Fingerprint, bytes::Bytes)>,

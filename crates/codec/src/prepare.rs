@@ -101,6 +101,11 @@ impl<K, J: Deferred> InTurn<K, J> {
         self.jobs.is_empty()
     }
 
+    /// The work waiting, oldest first, with its owners' keys.
+    pub fn iter(&self) -> impl Iterator<Item = &(K, J)> {
+        self.jobs.iter()
+    }
+
     /// Where the first work `is` picks out waits, if any does.
     pub fn position(&self, is: impl Fn(&K) -> bool) -> Option<usize> {
         self.jobs.iter().position(|(k, _)| is(k))

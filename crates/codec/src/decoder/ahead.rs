@@ -14,7 +14,7 @@ use bytes::Bytes;
 use super::Decoder;
 use super::in_context::{Accept, classify, context_record};
 use super::with_bases::{rebuild_ahead, run_head};
-use crate::context::{Fed, Piece, Run, StreamContext};
+use crate::context::{Fed, Piece, Run, RunFed, StreamContext};
 use crate::delta::RecvScratch;
 use crate::fingerprint::Fingerprint;
 use crate::fingerprint::SHORT_CHECK;
@@ -26,8 +26,74 @@ use crate::format::{
 };
 
 /// A frame's records whose stream's context records are being fed ahead, with the stream's
-/// context (out of its owner's hands until [`finish`](Feeding::finish)).
-pub struct Feeding(Arc<Mutex<Feed>>);
+/// context (out of its owner's hands until [`finish`](Feeding::finish)); and its delta runs
+/// rebuilt ahead, those whose bases the cache held when it was fed by the feeding itself, the
+/// others once the frames before it bring their bases ([`Decoder::rebuild_later`]).
+pub struct Feeding {
+    feed: Arc<Mutex<Feed>>,
+    records: Bytes,
+    /// The decoder that fed it (see [`Decoder::rebuild_later`]).
+    decoder: u64,
+    later: Mutex<Later>,
+}
+
+/// A feeding's delta runs whose bases were not at hand when it was fed: their offsets in the
+/// frame, the bytes of bases held for those rebuilt since, and their jobs.
+struct Later {
+    runs: Vec<usize>,
+    held: usize,
+    jobs: Vec<Arc<Mutex<LateRun>>>,
+    verify: bool,
+    scratch: Arc<Mutex<Vec<RecvScratch>>>,
+}
+
+/// A delta run rebuilt after its frame was fed: its record (the frame from it on) and bases,
+/// and what rebuilding it made, once it has run.
+struct LateRun {
+    at: usize,
+    rec: Bytes,
+    bases: Vec<(Fingerprint, Bytes)>,
+    verify: bool,
+    scratch: Arc<Mutex<Vec<RecvScratch>>>,
+    made: Option<Option<RunFed>>,
+}
+
+impl LateRun {
+    fn run(&mut self) {
+        if self.made.is_none() {
+            let bases = std::mem::take(&mut self.bases);
+            let made = with_scratch(&self.scratch, |d| {
+                rebuild_ahead(&self.rec, self.at, bases, self.verify, d)
+            });
+            self.made = Some(made);
+        }
+    }
+}
+
+/// Runs `f` with scratch from `kept` (new if none is), kept again after (if few are).
+fn with_scratch<T>(kept: &Mutex<Vec<RecvScratch>>, f: impl FnOnce(&mut RecvScratch) -> T) -> T {
+    let mut d = kept
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .pop()
+        .unwrap_or_default();
+    let made = f(&mut d);
+    d.dict.clear();
+    d.dict.shrink_to(crate::format::RUN_DICT);
+    let mut kept = kept.lock().unwrap_or_else(|p| p.into_inner());
+    if kept.len() < SCRATCH_KEPT {
+        kept.push(d);
+    }
+    made
+}
+
+/// Decoders made so far: each one's number, which its feedings carry.
+static DECODERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A new decoder's number (see [`Feeding`]).
+pub(super) fn decoder_number() -> u64 {
+    DECODERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
 
 struct Feed {
     records: Bytes,
@@ -69,50 +135,119 @@ impl Decoder {
         if !stream.fed.is_empty() {
             return None;
         }
-        let runs = self.runs_to_rebuild(&records);
-        if runs.is_empty() && !has_context(&records) {
+        let (runs, later, held) = self.runs_to_rebuild(&records);
+        if runs.is_empty() && later.is_empty() && !has_context(&records) {
             return None;
         }
         // Runs rebuilt ahead of an earlier frame and not taken: its records were not decoded
         // that far after all (they are rebuilt in order if they come).
         stream.runs_fed.clear();
-        Some(Feeding(Arc::new(Mutex::new(Feed {
-            records,
+        let verify = self.cache.verifies_memory();
+        let feed = Feed {
+            records: records.clone(),
             announced,
             stream: std::mem::take(stream),
             accept: self.accept.clone(),
             done: false,
             runs,
-            verify: self.cache.verifies_memory(),
+            verify,
             scratch: Arc::clone(&self.scratch_ahead),
-        }))))
+        };
+        Some(Feeding {
+            feed: Arc::new(Mutex::new(feed)),
+            records,
+            decoder: self.number,
+            later: Mutex::new(Later {
+                runs: later,
+                held,
+                jobs: Vec::new(),
+                verify,
+                scratch: Arc::clone(&self.scratch_ahead),
+            }),
+        })
+    }
+
+    /// Has `workers` rebuild the delta runs of a frame this decoder fed (`feeding`) whose bases
+    /// were not at hand when it was fed and are now (the frames decoded since brought them),
+    /// while the frames before it are decoded. Call it after each frame decoded while later
+    /// ones are fed; a feeding another decoder fed is left as it is.
+    pub fn rebuild_later(&self, feeding: &Feeding, workers: &dyn crate::prepare::Workers) {
+        if feeding.decoder != self.number {
+            return;
+        }
+        let mut later = feeding.later.lock().unwrap_or_else(|p| p.into_inner());
+        let Later {
+            runs,
+            held,
+            jobs,
+            verify,
+            scratch,
+        } = &mut *later;
+        runs.retain(|&at| {
+            let Some(rec) = feeding.records.get(at..) else {
+                return false;
+            };
+            let Some(bases) = self.run_bases(rec) else {
+                return true;
+            };
+            *held += bases.iter().map(|b| b.1.len()).sum::<usize>();
+            if *held > HELD_AHEAD {
+                return false;
+            }
+            let job = Arc::new(Mutex::new(LateRun {
+                at,
+                rec: feeding.records.slice(at..),
+                bases,
+                verify: *verify,
+                scratch: Arc::clone(scratch),
+                made: None,
+            }));
+            let run = Arc::clone(&job);
+            workers.spawn(Box::new(move || {
+                if let Ok(mut r) = run.try_lock() {
+                    r.run();
+                }
+            }));
+            jobs.push(job);
+            false
+        });
+    }
+
+    /// The bases of the delta run record at the front of `rec`, if every one is named (by
+    /// name, or by a place our log holds) and held in memory: each with its name, in the
+    /// record's order. `Err` for a record that is not one whose head reads.
+    fn run_bases(&self, rec: &[u8]) -> Option<Vec<(Fingerprint, Bytes)>> {
+        let head = run_head(rec, Some(&self.logs)).ok()?;
+        if head.unresolved {
+            return None;
+        }
+        head.names[..head.nb]
+            .iter()
+            .map(|f| Some((*f, self.cache.in_memory_handle(f)?)))
+            .collect()
     }
 
     /// The delta runs among `records` (up to the first record [`Feed::run`] cannot step over,
-    /// [`RUNS_AHEAD`] at most) whose bases the cache holds in memory now, by name or by a place
-    /// our log holds: each with its offset in `records` and its bases, in the record's order.
-    fn runs_to_rebuild(&self, records: &[u8]) -> VecDeque<RunBases> {
-        let mut runs = VecDeque::new();
+    /// [`RUNS_AHEAD`] at most): those whose bases the cache holds in memory now (by name or by a
+    /// place our log holds), each with its offset in `records` and its bases, in the record's
+    /// order; the offsets of the others, to rebuild once their bases come
+    /// ([`rebuild_later`](Self::rebuild_later)); and the bytes of bases held.
+    fn runs_to_rebuild(&self, records: &[u8]) -> (VecDeque<RunBases>, Vec<usize>, usize) {
+        let (mut runs, mut later) = (VecDeque::new(), Vec::new());
         let (mut at, mut held) = (0, 0usize);
         while let Some(&first) = records.get(at)
-            && runs.len() < RUNS_AHEAD
+            && runs.len() + later.len() < RUNS_AHEAD
+            && held <= HELD_AHEAD
         {
             let rec = &records[at..];
             let tag = classify(first, false).0;
-            if matches!(tag, TAG_DELTA_RUN | TAG_DELTA_RUN_BARE)
-                && let Ok(head) = run_head(rec, Some(&self.logs))
-                && !head.unresolved
-            {
-                let bases: Option<Vec<_>> = head.names[..head.nb]
-                    .iter()
-                    .map(|f| Some((*f, self.cache.in_memory_handle(f)?)))
-                    .collect();
-                if let Some(bases) = bases {
-                    held += bases.iter().map(|b| b.1.len()).sum::<usize>();
-                    if held > HELD_AHEAD {
-                        break;
+            if matches!(tag, TAG_DELTA_RUN | TAG_DELTA_RUN_BARE) {
+                match self.run_bases(rec) {
+                    Some(bases) => {
+                        held += bases.iter().map(|b| b.1.len()).sum::<usize>();
+                        runs.push_back((at, bases));
                     }
-                    runs.push_back((at, bases));
+                    None => later.push(at),
                 }
             }
             match step(tag, rec) {
@@ -120,7 +255,7 @@ impl Decoder {
                 None => break,
             }
         }
-        runs
+        (runs, later, held)
     }
 }
 
@@ -142,7 +277,7 @@ type RunBases = (usize, Vec<(Fingerprint, Bytes)>);
 impl crate::prepare::Deferred for Feeding {
     /// Has `workers` feed the frame.
     fn spawn(&self, workers: &dyn crate::prepare::Workers) {
-        let feed = Arc::clone(&self.0);
+        let feed = Arc::clone(&self.feed);
         workers.spawn(Box::new(move || {
             if let Ok(mut f) = feed.try_lock() {
                 f.run();
@@ -152,12 +287,12 @@ impl crate::prepare::Deferred for Feeding {
 
     /// True while a worker feeds the frame.
     fn busy(&self) -> bool {
-        self.0.try_lock().is_err()
+        self.feed.try_lock().is_err()
     }
 
     /// Feeds the frame here if no worker has started on it.
     fn help(&self) -> bool {
-        match self.0.try_lock() {
+        match self.feed.try_lock() {
             Ok(mut f) if !f.done => {
                 f.run();
                 true
@@ -171,9 +306,22 @@ impl Feeding {
     /// The stream's context, its frame fed (here, if no worker did; else once the worker is
     /// done).
     pub fn finish(self) -> StreamContext {
-        let mut f = lock(&self.0);
+        let mut f = lock(&self.feed);
         f.run();
-        std::mem::take(&mut f.stream)
+        let mut stream = std::mem::take(&mut f.stream);
+        // Its runs rebuilt since it was fed (here, if no worker has begun one), in order.
+        let later = self.later.into_inner().unwrap_or_else(|p| p.into_inner());
+        if !later.jobs.is_empty() {
+            for job in later.jobs {
+                let mut r = job.lock().unwrap_or_else(|p| p.into_inner());
+                r.run();
+                if let Some(Some(run)) = r.made.take() {
+                    stream.runs_fed.push_back(run);
+                }
+            }
+            stream.runs_fed.make_contiguous().sort_by_key(|r| r.at);
+        }
+        stream
     }
 }
 
@@ -229,18 +377,10 @@ impl Feed {
             if self.runs.front().is_some_and(|r| r.0 == at)
                 && let Some((_, bases)) = self.runs.pop_front()
             {
-                let mut kept = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-                let mut d = kept.pop().unwrap_or_default();
-                drop(kept);
-                if let Some(run) = rebuild_ahead(rec, bases, self.verify, &mut d) {
-                    stream.runs_fed.push_back(run);
-                }
-                d.dict.clear();
-                d.dict.shrink_to(crate::format::RUN_DICT);
-                let mut kept = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-                if kept.len() < SCRATCH_KEPT {
-                    kept.push(d);
-                }
+                let verify = self.verify;
+                let made =
+                    with_scratch(&self.scratch, |d| rebuild_ahead(rec, at, bases, verify, d));
+                stream.runs_fed.extend(made);
             }
             at += len;
         }
@@ -283,6 +423,13 @@ fn pieces(run: Run, stream: &mut StreamContext) -> Vec<Piece> {
     bytes.clear();
     stream.run_bytes = bytes;
     pieces
+}
+
+/// The length of the record at the front of `rec`, whose first byte is `first`, from its
+/// header alone (see [`step`]).
+#[cfg(test)]
+pub(crate) fn record_len(first: u8, rec: &[u8]) -> Option<usize> {
+    step(classify(first, false).0, rec).map(|s| s.0)
 }
 
 /// The length of a record with tag `tag` (its flags off) at the front of `rec`, and the bytes
@@ -441,6 +588,12 @@ impl InOrder {
         if let Some(((k, range), f)) = self.feeds.pop_front() {
             contexts[k] = f.finish();
             decode(dec, k, range, &mut contexts[k]);
+            // What it brought may be the bases of later frames' delta runs.
+            if let Some(w) = self.workers.as_deref() {
+                for (_, later) in self.feeds.iter() {
+                    dec.rebuild_later(later, w);
+                }
+            }
         }
     }
 }

@@ -16,6 +16,8 @@ use crate::format::{
 use crate::prepare::{self, BATCH};
 use in_context::Accept;
 
+#[cfg(test)]
+pub(crate) use ahead::record_len;
 pub use ahead::{DecodeFrame, Feeding, Feeds, InOrder};
 
 mod ahead;
@@ -63,6 +65,8 @@ pub struct Decoder {
     asked: std::collections::HashMap<Fingerprint, bool>,
     /// Delta runs taken rebuilt ahead (see [`Decoder::runs_ahead`]).
     runs_ahead: u64,
+    /// This decoder's number, which the frames it feeds carry (see [`Feeding`]).
+    number: u64,
     /// Scratch for delta runs rebuilt ahead (see [`Feeding`]), shared with the feedings.
     scratch_ahead: std::sync::Arc<std::sync::Mutex<Vec<delta::RecvScratch>>>,
 }
@@ -183,6 +187,7 @@ impl Decoder {
             names: Vec::new(),
             asked: std::collections::HashMap::new(),
             runs_ahead: 0,
+            number: ahead::decoder_number(),
             scratch_ahead: Default::default(),
             cache,
         }

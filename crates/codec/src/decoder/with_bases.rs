@@ -317,13 +317,15 @@ fn fed_position(fed: &VecDeque<RunFed>, check: &Fingerprint, lens: &[usize]) -> 
     })
 }
 
-/// Rebuilds ahead, on a worker, the delta run record at the front of `rec` from the bases the
+/// Rebuilds ahead, on a worker, the delta run record at the front of `rec` (at `at` in its
+/// frame) from the bases the
 /// decoder's thread found for it (`bases`, each with its name, in the record's order, the
 /// bytes the cache held then): its chunks, named, if they match the record's check (and each
 /// base its name, where the cache checks what it holds: `verify`). `None` for anything else:
 /// the record is then rebuilt in order, which finds what is wrong with it.
 pub(crate) fn rebuild_ahead(
     rec: &[u8],
+    at: usize,
     bases: Vec<(Fingerprint, bytes::Bytes)>,
     verify: bool,
     d: &mut RecvScratch,
@@ -355,6 +357,7 @@ pub(crate) fn rebuild_ahead(
         return None;
     }
     Some(RunFed {
+        at,
         check: head.check,
         pieces,
         checked: if verify { bases } else { Vec::new() },

@@ -751,6 +751,28 @@ fn delta_runs_rebuilt_ahead_take_the_lookups_of_runs_rebuilt_in_turn() {
         }
     }
 
+    // One copy whose streams are edits of each other, side by side: a run's bases are often in
+    // another stream's frame still waiting to be decoded when its own frame is fed, and are
+    // rebuilt once that frame is (`Decoder::rebuild_later`).
+    let mut chain = vec![rows(70, 120)];
+    for i in 1..4 {
+        chain.push(edited(&chain[i - 1], i));
+    }
+    let mut s = crate::Streams::new(cfg.clone(), 4, 256 << 10);
+    let frames = side_by_side(&mut s, &chain, Pressure::LinkBound);
+    assert!(s.stats().delta_chunks > 100, "{:?}", s.stats());
+    let (in_turn_chain, _, _) = decode_streams(&cfg, &frames, 1, 0);
+    let (dec, outs, _) = decode_streams(&cfg, &frames, 2, 3);
+    assert!(outs == chain);
+    assert_eq!(dec.stats(), in_turn_chain.stats());
+    assert_eq!(dec.cache().digest(), in_turn_chain.cache().digest());
+    let runs = frames.iter().map(|f| count_delta_runs(&f.1)).sum::<usize>();
+    assert!(
+        dec.runs_ahead() as usize * 10 > runs * 8,
+        "{} of {runs} runs rebuilt ahead",
+        dec.runs_ahead()
+    );
+
     // Every chunk damaged once the first frame with a run rebuilt ahead is fed: the same misses,
     // one by one, as when nothing is fed ahead.
     let workers: std::sync::Arc<dyn prepare::Workers> = std::sync::Arc::new(Threads::new(2));
@@ -810,6 +832,22 @@ fn delta_runs_rebuilt_ahead_take_the_lookups_of_runs_rebuilt_in_turn() {
         "{} misses",
         misses.len()
     );
+}
+
+/// The delta run records among a frame's `records`.
+fn count_delta_runs(records: &[u8]) -> usize {
+    let (mut at, mut runs) = (0, 0);
+    while let Some(&first) = records.get(at) {
+        runs += usize::from(matches!(
+            first,
+            crate::format::TAG_DELTA_RUN | crate::format::TAG_DELTA_RUN_BARE
+        ));
+        match crate::decoder::record_len(first, &records[at..]) {
+            Some(n) => at += n,
+            None => break,
+        }
+    }
+    runs
 }
 
 /// Four streams' `frames` decoded by a new decoder on `threads` threads, fed `ahead` (see

@@ -466,6 +466,20 @@ impl Contexts {
             .feed_ahead(records, &mut rc.context, announced)
     }
 
+    /// Has the workers rebuild the delta runs of frames fed ahead (`feeds`) whose bases the
+    /// frames decoded since brought (see [`Decoder::rebuild_later`]), each by the decoder that
+    /// fed it.
+    pub fn rebuild_later<'a>(&self, feeds: impl Iterator<Item = &'a wanopt_codec::Feeding>) {
+        let Some(w) = self.workers.as_deref() else {
+            return;
+        };
+        for f in feeds {
+            for d in self.decoders.values() {
+                d.rebuild_later(f, w);
+            }
+        }
+    }
+
     /// Decodes a stream's waiting frames until they run out or a reference misses (counted as
     /// a need of the stream's service when it asks the peer).
     pub fn decode(

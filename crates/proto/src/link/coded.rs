@@ -130,6 +130,12 @@ impl Link {
             rc.fed(context);
         }
         self.decode_stream(id);
+        // What it brought may be the bases of later frames' delta runs.
+        if !self.feeds.is_empty()
+            && let Some(c) = self.coding.contexts()
+        {
+            c.rebuild_later(self.feeds.iter().map(|f| &f.1));
+        }
     }
 
     /// Decodes every frame fed ahead, in the order they came.
