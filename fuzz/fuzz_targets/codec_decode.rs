@@ -3,7 +3,8 @@
 //! decoder that decompresses literals ahead on workers must rebuild exactly the same, with the
 //! workers in turn on its thread or on a thread beside it (the daemon's pool: the jobs then
 //! write into the output while the decoding thread counts earlier records in); and one whose
-//! frame is fed ahead first (its context records fed, its delta runs rebuilt) must too.
+//! frame is fed ahead first (its context records fed, its delta runs rebuilt, both then copied
+//! into place on the thread beside) must too.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -61,6 +62,7 @@ fuzz_target!(|data: &[u8]| {
     let mut beside = Decoder::new(&cfg);
     beside.set_workers(Some(std::sync::Arc::new(Beside)));
     let mut ahead = Decoder::new(&cfg);
+    ahead.set_workers(Some(std::sync::Arc::new(Beside)));
     let mut ctx = wanopt_codec::StreamContext::default();
     let _ = ahead.decode_frame(&wire, &mut Vec::new(), &mut ctx, usize::MAX);
     let mut out = Vec::new();

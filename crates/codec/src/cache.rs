@@ -468,6 +468,12 @@ impl ChunkCache {
     /// Chunks larger than the whole cache are not kept.
     pub fn insert(&mut self, f: Fingerprint, data: Vec<u8>) {
         let len = data.len();
+        self.put(f, Some(Bytes::from(data)), len);
+    }
+
+    /// [`insert`](Self::insert) of a chunk already held as `Bytes` (a buffer of its own).
+    pub(crate) fn insert_bytes(&mut self, f: Fingerprint, data: Bytes) {
+        let len = data.len();
         self.put(f, Some(data), len);
     }
 
@@ -476,7 +482,7 @@ impl ChunkCache {
         self.put(f, None, len);
     }
 
-    fn put(&mut self, f: Fingerprint, data: Option<Vec<u8>>, len: usize) {
+    fn put(&mut self, f: Fingerprint, data: Option<Bytes>, len: usize) {
         if self.entries.contains_key(&f) {
             self.bump(&f);
             return;
@@ -498,11 +504,7 @@ impl ChunkCache {
             _ => None,
         };
         self.on_disk += u64::from(loc.is_some());
-        let mem = if self.mem_limit > 0 {
-            data.map(Bytes::from)
-        } else {
-            None
-        };
+        let mem = if self.mem_limit > 0 { data } else { None };
         if mem.is_some() {
             self.mem_size += len;
             self.mem_order.insert(self.clock, f);

@@ -189,7 +189,7 @@ pub(crate) struct Run {
 /// A chunk of a run fed ahead (on a worker): its bytes, and its name if it is cached.
 #[derive(Debug)]
 pub(crate) struct Piece {
-    pub(crate) bytes: Vec<u8>,
+    pub(crate) bytes: bytes::Bytes,
     pub(crate) name: Option<crate::fingerprint::Fingerprint>,
 }
 

@@ -258,7 +258,7 @@ impl<'a> Ahead<'a> {
         let mut h = m.lock().unwrap_or_else(|p| p.into_inner());
         h.finish();
         match &mut h.job.task {
-            Task::Chunk { slot, .. } => Some(f(slot)),
+            Task::Chunk { slot, .. } | Task::Parts { slot, .. } => Some(f(slot)),
             Task::Cut { .. } => None,
         }
     }
@@ -466,6 +466,13 @@ enum Task<'a> {
         /// [`Job::placed`]).
         place: Option<Place<'a>>,
     },
+    /// A decoder's job: `parts`, one after the other, written into `place` if they fill it
+    /// exactly (then `slot.placed`): a run's chunks, rebuilt ahead, copied into the output.
+    Parts {
+        parts: &'a [bytes::Bytes],
+        slot: &'a mut Prepared,
+        place: Place<'a>,
+    },
     /// The chunks of `bytes` that start in `piece` and end before its end, `most` of them,
     /// cut from `begin` on (see [`crate::cuts::chain_in_piece`]: a boundary, or a guess), each
     /// with its fingerprint if `fingerprints`; offsets from the start of `bytes`.
@@ -564,6 +571,18 @@ impl<'a> Job<'a> {
         }
     }
 
+    /// A decoder's job that writes `parts`, one after the other, into `place` (see
+    /// [`Task::Parts`]).
+    pub(crate) fn parts(
+        parts: &'a [bytes::Bytes],
+        slot: &'a mut Prepared,
+        place: Place<'a>,
+    ) -> Self {
+        Job {
+            task: Task::Parts { parts, slot, place },
+        }
+    }
+
     /// A job that cuts up to `most` chunks of `bytes` into `found` (cleared first), with their
     /// fingerprints if `fingerprints`: only the chunks that end before `bytes` does (the last
     /// piece may grow when more bytes come).
@@ -621,6 +640,9 @@ impl<'a> Job<'a> {
                 if let Some(place) = place.as_mut() {
                     place_rebuilt(chunk, *work, slot, place);
                 }
+            }
+            Task::Parts { parts, slot, place } => {
+                slot.placed = place.write_parts(parts);
             }
             Task::Cut {
                 bytes,
@@ -742,6 +764,24 @@ impl Place<'_> {
             len,
             _room: std::marker::PhantomData,
         }
+    }
+
+    /// Copies `parts` into the place, one after the other, if together they fill it exactly;
+    /// true if they did.
+    fn write_parts(&mut self, parts: &[bytes::Bytes]) -> bool {
+        if parts.iter().map(|p| p.len()).sum::<usize>() != self.len {
+            return false;
+        }
+        let mut at = 0;
+        for p in parts {
+            // SAFETY: as in `write`: the place's `len` bytes are this job's alone, and the parts
+            // together are exactly that long, so each lands within it, after the one before.
+            unsafe {
+                std::ptr::copy_nonoverlapping(p.as_ptr(), self.ptr.cast::<u8>().add(at), p.len())
+            };
+            at += p.len();
+        }
+        true
     }
 
     /// Copies `bytes` into the place if they fill it exactly; true if they did.

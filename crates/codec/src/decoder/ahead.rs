@@ -315,7 +315,8 @@ impl Feeding {
             for job in later.jobs {
                 let mut r = job.lock().unwrap_or_else(|p| p.into_inner());
                 r.run();
-                if let Some(Some(run)) = r.made.take() {
+                // Left made (with nothing), so that a worker coming to it later skips it.
+                if let Some(Some(run)) = r.made.replace(None) {
                     stream.runs_fed.push_back(run);
                 }
             }
@@ -415,7 +416,7 @@ fn pieces(run: Run, stream: &mut StreamContext) -> Vec<Piece> {
             let chunk = bytes.get(off..off.saturating_add(len)).unwrap_or_default();
             off = off.saturating_add(len);
             Piece {
-                bytes: chunk.to_vec(),
+                bytes: Bytes::copy_from_slice(chunk),
                 name: cached.then(|| fingerprint(chunk)),
             }
         })

@@ -93,6 +93,8 @@ struct Scanned {
 enum Source {
     Payload(std::ops::Range<usize>),
     Held(bytes::Bytes),
+    /// A run's chunks fed ahead, one after the other (handles of their own).
+    Parts(Vec<bytes::Bytes>),
 }
 
 /// A batch being decoded while its jobs run (see [`Decoder::decode_batch`]).
@@ -252,13 +254,22 @@ impl Decoder {
     /// that is not a reference, a literal alone or a log's start; every record is still checked
     /// in full when it is decoded. Returns the bytes scanned, and the work (none for fewer than
     /// two records).
-    fn scan(&mut self, buf: &[u8], room: usize, out: &mut Vec<u8>) -> (usize, Vec<Scanned>) {
+    fn scan(
+        &mut self,
+        buf: &[u8],
+        room: usize,
+        out: &mut Vec<u8>,
+        stream: &StreamContext,
+    ) -> (usize, Vec<Scanned>) {
         use prepare::Work;
         let room = room.min(PREPARE_BYTES);
         let start = out.len();
         // Literal bytes prepared, and where the next record's bytes go in `out`.
         let (mut at, mut raw, mut pos) = (0, 0, start);
         let mut found = Vec::new();
+        // The stream's context records fed ahead, and its delta runs rebuilt ahead, the next
+        // one first.
+        let (mut fed, mut runs) = (stream.fed.iter(), stream.runs_fed.iter().peekable());
         // Held chunks are checked against their names on the workers, if this cache checks
         // what it holds.
         let check = self.cache.verifies_memory().then_some(Work::Fingerprint);
@@ -300,6 +311,70 @@ impl Decoder {
                     break;
                 };
                 at += 1 + h;
+                continue;
+            }
+            // A context record fed ahead: a run's chunks, if it ends one, copied into their
+            // place on the workers (a record that does not rebuilds nothing here).
+            if matches!(
+                in_context::classify(first, false).0,
+                TAG_LIT_CONTEXT | TAG_RUN_END
+            ) {
+                let Some(f) = fed.next().filter(|f| f.first == first && f.used > 0) else {
+                    break;
+                };
+                match &f.result {
+                    Ok(None) => {}
+                    Ok(Some(pieces)) => {
+                        let len = pieces.iter().map(|p| p.bytes.len()).sum::<usize>();
+                        raw += len;
+                        if raw > room {
+                            break;
+                        }
+                        let Some(place) = Some(pos).filter(|p| p - start + len <= room) else {
+                            break;
+                        };
+                        found.push(Scanned {
+                            at,
+                            tag: first,
+                            raw: len,
+                            clen: 0,
+                            source: Source::Parts(pieces.iter().map(|p| p.bytes.clone()).collect()),
+                            work: None,
+                            place: Some(place),
+                        });
+                        pos = pos.saturating_add(len);
+                    }
+                    Err(_) => break,
+                }
+                at += f.used;
+                continue;
+            }
+            // A delta run rebuilt ahead: its chunks copied into their place on the workers too
+            // (its bases are still looked up when it is decoded).
+            if matches!(first, TAG_DELTA_RUN | TAG_DELTA_RUN_BARE) {
+                let Ok(head) = with_bases::run_head(rec, None) else {
+                    break;
+                };
+                let lens = &head.lens[..head.n];
+                let Some(r) = runs.next_if(|r| with_bases::fed_is(r, &head.check, lens)) else {
+                    break;
+                };
+                raw += head.total;
+                let place = Some(pos).filter(|p| p - start + head.total <= room);
+                let (true, Some(place)) = (raw <= room, place) else {
+                    break;
+                };
+                found.push(Scanned {
+                    at,
+                    tag: first,
+                    raw: head.total,
+                    clen: 0,
+                    source: Source::Parts(r.pieces.iter().map(|p| p.bytes.clone()).collect()),
+                    work: None,
+                    place: Some(place),
+                });
+                pos = pos.saturating_add(head.total);
+                at += head.payload.end;
                 continue;
             }
             let tag = first & !NO_CACHE;
@@ -397,6 +472,7 @@ impl Decoder {
             let bytes: &[u8] = match &f.source {
                 Source::Payload(r) => &scanned[r.clone()],
                 Source::Held(b) => b,
+                Source::Parts(_) => &[],
             };
             // SAFETY: `p..p + f.raw` is within `out`'s capacity, past its length when the batch
             // began and apart from every other job's place (checked above). Until this job has
@@ -407,7 +483,10 @@ impl Decoder {
             let room = f
                 .place
                 .map(|p| unsafe { Place::raw(base.add(p).cast(), f.raw) });
-            jobs.push(Job::placed(bytes, f.work, slot, room));
+            jobs.push(match (&f.source, room) {
+                (Source::Parts(parts), Some(room)) => Job::parts(parts, slot, room),
+                (_, room) => Job::placed(bytes, f.work, slot, room),
+            });
         }
         let weight = found.iter().map(|f| f.raw as u64).sum();
         let ahead = Ahead::new(jobs, weight);
@@ -635,7 +714,15 @@ impl Decoder {
         // while jobs may still write into it.
         if !matches!(
             tag,
-            TAG_REF | TAG_LIT | TAG_LIT_LZ4 | TAG_LIT_ZSTD | TAG_LOG
+            TAG_REF
+                | TAG_LIT
+                | TAG_LIT_LZ4
+                | TAG_LIT_ZSTD
+                | TAG_LOG
+                | TAG_LIT_CONTEXT
+                | TAG_RUN_END
+                | TAG_DELTA_RUN
+                | TAG_DELTA_RUN_BARE
         ) && let Some(b) = batch.as_deref_mut()
         {
             b.settle();
@@ -729,12 +816,18 @@ impl Decoder {
                 match stream.fed.pop_front() {
                     Some(fed) if fed.first == first => {
                         if let Some(pieces) = fed.result? {
-                            self.rebuild_pieces(pieces, out, stream, room)?;
+                            let len = pieces.iter().map(|p| p.bytes.len()).sum::<usize>();
+                            // Copied into place ahead on a worker, if the batch made a job of it.
+                            let place = prepared(first, len, 0, out).and_then(|p| p.1);
+                            self.rebuild_pieces(pieces, out, stream, room, place, batch)?;
                         }
                         Ok(fed.used)
                     }
                     Some(_) => Err(CodecError::Malformed("records out of step")),
                     None => {
+                        if let Some(b) = batch {
+                            b.settle();
+                        }
                         let (used, run) =
                             in_context::context_record(first, buf, stream, room, &self.accept)?;
                         if let Some(run) = run {
@@ -775,7 +868,18 @@ impl Decoder {
                 fits(get_len(buf, 1)?.0)?;
                 self.decode_delta(buf, out, stream.log)
             }
-            TAG_DELTA_RUN | TAG_DELTA_RUN_BARE => self.decode_delta_run(buf, out, room, stream),
+            TAG_DELTA_RUN | TAG_DELTA_RUN_BARE => {
+                // Its chunks rebuilt ahead and copied into place on a worker, if the batch made
+                // a job of it.
+                let place = match rec_at {
+                    Some(_) => {
+                        let total = with_bases::run_head(buf, None).map_or(0, |h| h.total);
+                        prepared(first, total, 0, out).and_then(|p| p.1)
+                    }
+                    None => None,
+                };
+                self.decode_delta_run(buf, out, room, stream, (place, batch))
+            }
             TAG_LOG => {
                 let (serial, h) = get_varint(buf, 1)?;
                 let serial = u32::try_from(serial)
@@ -821,18 +925,43 @@ impl Decoder {
         out: &mut Vec<u8>,
         stream: &StreamContext,
         room: usize,
+        place: Option<usize>,
+        batch: Option<&mut Batch<'_, '_>>,
     ) -> Result<(), CodecError> {
-        if pieces.iter().map(|p| p.bytes.len()).sum::<usize>() > room {
+        let len = pieces.iter().map(|p| p.bytes.len()).sum::<usize>();
+        if len > room {
             return Err(CodecError::Malformed(
                 "record rebuilds more than its frame announced",
             ));
         }
+        let n = out.len();
+        if place == Some(n) && out.capacity() - n >= len {
+            // SAFETY: as in `put_rebuilt`: the place is in this very buffer, its job is done and
+            // wrote exactly the pieces' `len` bytes there, one after the other, and the records
+            // before this one filled the buffer up to it.
+            unsafe { out.set_len(n + len) };
+            self.ahead_bytes += len as u64;
+        } else {
+            if let Some(b) = batch {
+                b.settle();
+            }
+            for p in &pieces {
+                out.extend_from_slice(&p.bytes);
+            }
+        }
+        debug_assert!(
+            out.ends_with(
+                &pieces
+                    .iter()
+                    .flat_map(|p| p.bytes.to_vec())
+                    .collect::<Vec<u8>>()
+            )
+        );
         for p in pieces {
-            out.extend_from_slice(&p.bytes);
             self.stats.lit_chunks += 1;
             self.stats.lit_bytes += p.bytes.len() as u64;
             if let Some(f) = p.name {
-                self.cache.insert(f, p.bytes);
+                self.cache.insert_bytes(f, p.bytes);
                 self.log_chunk(stream.log, f);
             }
         }
@@ -896,7 +1025,7 @@ impl Decoder {
             if used >= next
                 && let Some(w) = self.workers.clone()
             {
-                let (scanned, found) = self.scan(&records[used..], room, out);
+                let (scanned, found) = self.scan(&records[used..], room, out, stream);
                 next = used + scanned.max(1);
                 if !found.is_empty() {
                     let end = used + scanned;

@@ -92,12 +92,13 @@ impl Decoder {
     /// it); chunks that do not match their check are an error, never wrong data. A run rebuilt
     /// ahead on a worker ([`RunFed`], from the same check) is taken instead of rebuilding it
     /// here; its bases are still looked up here, in order, as they would be otherwise.
-    pub(crate) fn decode_delta_run(
+    pub(super) fn decode_delta_run(
         &mut self,
         buf: &[u8],
         out: &mut Vec<u8>,
         room: usize,
         stream: &mut StreamContext,
+        (place, batch): (Option<usize>, Option<&mut super::Batch<'_, '_>>),
     ) -> Result<usize, CodecError> {
         let RunHead {
             n,
@@ -163,10 +164,24 @@ impl Decoder {
             if re_sent {
                 self.resolved.remove(&check);
             }
+            let at = out.len();
+            if place == Some(at) && out.capacity() - at >= total {
+                // SAFETY: as in `Decoder::put_rebuilt`: the place is in this very buffer, its
+                // job is done and wrote exactly the pieces' `total` bytes there, one after the
+                // other, and the records before this one filled the buffer up to it.
+                unsafe { out.set_len(at + total) };
+                self.ahead_bytes += total as u64;
+            } else {
+                if let Some(b) = batch {
+                    b.settle();
+                }
+                for p in &fed.pieces {
+                    out.extend_from_slice(&p.bytes);
+                }
+            }
             for p in fed.pieces {
-                out.extend_from_slice(&p.bytes);
                 if let Some(name) = p.name {
-                    self.cache.insert(name, p.bytes);
+                    self.cache.insert_bytes(name, p.bytes);
                     self.log_chunk(stream.log, name);
                 }
             }
@@ -174,6 +189,10 @@ impl Decoder {
             self.stats.delta_bytes += total as u64;
             self.runs_ahead += 1;
             return Ok(used);
+        }
+        // Written here: not while a batch's jobs may still write into `out`.
+        if let Some(b) = batch {
+            b.settle();
         }
         let bare = buf[0] == TAG_DELTA_RUN_BARE;
         let rebuilt = rebuild(d, payload, total, bare)?.ok_or(CodecError::Decompress)?;
@@ -310,11 +329,14 @@ pub(crate) fn run_head(buf: &[u8], logs: Option<&Logs>) -> Result<RunHead, Codec
 /// is, if it is there (those before it were not needed after all: records are decoded in
 /// order).
 fn fed_position(fed: &VecDeque<RunFed>, check: &Fingerprint, lens: &[usize]) -> Option<usize> {
-    fed.iter().position(|f| {
-        f.check == *check
-            && f.pieces.len() == lens.len()
-            && f.pieces.iter().zip(lens).all(|(p, &l)| p.bytes.len() == l)
-    })
+    fed.iter().position(|f| fed_is(f, check, lens))
+}
+
+/// True if `f` is the run rebuilt ahead for the record with this `check` and chunks' `lens`.
+pub(crate) fn fed_is(f: &RunFed, check: &Fingerprint, lens: &[usize]) -> bool {
+    f.check == *check
+        && f.pieces.len() == lens.len()
+        && f.pieces.iter().zip(lens).all(|(p, &l)| p.bytes.len() == l)
 }
 
 /// Rebuilds ahead, on a worker, the delta run record at the front of `rec` (at `at` in its
@@ -349,7 +371,7 @@ pub(crate) fn rebuild_ahead(
         let chunk = rebuilt.get(off..off + len)?;
         off += len;
         pieces.push(Piece {
-            bytes: chunk.to_vec(),
+            bytes: bytes::Bytes::copy_from_slice(chunk),
             name: Some(fingerprint(chunk)),
         });
     }

@@ -719,9 +719,10 @@ fn delta_runs_made_apart_pay_or_go_as_literals_alike_on_any_threads() {
 }
 
 /// Delta runs rebuilt ahead, on a worker, while the frames before theirs are decoded (from the
-/// bases the cache held when their frame was fed): taken by their records after the bases are
-/// looked up in order, so the cache sees the same lookups and chunks as in turn, and the bytes
-/// are the same. A base damaged after its run was rebuilt ahead is a miss there as in turn, and
+/// bases the cache held when their frame was fed, or once the frames before bring them): taken
+/// by their records after the bases are looked up in order, so the cache sees the same lookups
+/// and chunks as in turn, and the bytes are the same; they and the runs fed to the streams'
+/// contexts are copied into place in the output on the workers too. A base damaged after its run was rebuilt ahead is a miss there as in turn, and
 /// the frame goes on, once it is answered, to exactly the stream's bytes.
 #[test]
 fn delta_runs_rebuilt_ahead_take_the_lookups_of_runs_rebuilt_in_turn() {
@@ -764,6 +765,14 @@ fn delta_runs_rebuilt_ahead_take_the_lookups_of_runs_rebuilt_in_turn() {
     let (in_turn_chain, _, _) = decode_streams(&cfg, &frames, 1, 0);
     let (dec, outs, _) = decode_streams(&cfg, &frames, 2, 3);
     assert!(outs == chain);
+    // Most of what the runs and the streams' contexts rebuilt was copied into place on the
+    // workers (the decoder's thread only counts it in).
+    let rebuilt = dec.stats().lit_bytes + dec.stats().delta_bytes;
+    assert!(
+        dec.ahead_bytes() * 2 > rebuilt,
+        "{} of {rebuilt}",
+        dec.ahead_bytes()
+    );
     assert_eq!(dec.stats(), in_turn_chain.stats());
     assert_eq!(dec.cache().digest(), in_turn_chain.cache().digest());
     let runs = frames.iter().map(|f| count_delta_runs(&f.1)).sum::<usize>();
