@@ -546,6 +546,42 @@ impl Decoder {
         false
     }
 
+    /// Counts in the `len` bytes of `pieces` a job placed at `place`, one after the other, if
+    /// they are next in `out` (as [`put_rebuilt`](Self::put_rebuilt) does); else waits for the
+    /// batch's jobs (if any) and appends them itself.
+    fn put_pieces(
+        &mut self,
+        out: &mut Vec<u8>,
+        pieces: &[crate::context::Piece],
+        len: usize,
+        place: Option<usize>,
+        batch: Option<&mut Batch<'_, '_>>,
+    ) {
+        let n = out.len();
+        if place == Some(n) && out.capacity() - n >= len {
+            // SAFETY: as in `put_rebuilt`: `Batch::take` gives a place only in this very buffer
+            // and once its job is done, which wrote exactly the pieces' `len` bytes there, one
+            // after the other (`placed`); the records before this one filled the buffer up to it.
+            unsafe { out.set_len(n + len) };
+            self.ahead_bytes += len as u64;
+        } else {
+            if let Some(b) = batch {
+                b.settle();
+            }
+            for p in pieces {
+                out.extend_from_slice(&p.bytes);
+            }
+        }
+        debug_assert!(
+            out.ends_with(
+                &pieces
+                    .iter()
+                    .flat_map(|p| p.bytes.to_vec())
+                    .collect::<Vec<u8>>()
+            )
+        );
+    }
+
     /// Counts this decoder's short stream contexts in `slots`, shared with the link's other
     /// decoders of the lane: [`DECODER_CONTEXTS`](crate::DECODER_CONTEXTS) (about 1 MiB each
     /// after a run) is then the link's bound, however many scopes it has.
@@ -934,29 +970,7 @@ impl Decoder {
                 "record rebuilds more than its frame announced",
             ));
         }
-        let n = out.len();
-        if place == Some(n) && out.capacity() - n >= len {
-            // SAFETY: as in `put_rebuilt`: the place is in this very buffer, its job is done and
-            // wrote exactly the pieces' `len` bytes there, one after the other, and the records
-            // before this one filled the buffer up to it.
-            unsafe { out.set_len(n + len) };
-            self.ahead_bytes += len as u64;
-        } else {
-            if let Some(b) = batch {
-                b.settle();
-            }
-            for p in &pieces {
-                out.extend_from_slice(&p.bytes);
-            }
-        }
-        debug_assert!(
-            out.ends_with(
-                &pieces
-                    .iter()
-                    .flat_map(|p| p.bytes.to_vec())
-                    .collect::<Vec<u8>>()
-            )
-        );
+        self.put_pieces(out, &pieces, len, place, batch);
         for p in pieces {
             self.stats.lit_chunks += 1;
             self.stats.lit_bytes += p.bytes.len() as u64;

@@ -164,21 +164,7 @@ impl Decoder {
             if re_sent {
                 self.resolved.remove(&check);
             }
-            let at = out.len();
-            if place == Some(at) && out.capacity() - at >= total {
-                // SAFETY: as in `Decoder::put_rebuilt`: the place is in this very buffer, its
-                // job is done and wrote exactly the pieces' `total` bytes there, one after the
-                // other, and the records before this one filled the buffer up to it.
-                unsafe { out.set_len(at + total) };
-                self.ahead_bytes += total as u64;
-            } else {
-                if let Some(b) = batch {
-                    b.settle();
-                }
-                for p in &fed.pieces {
-                    out.extend_from_slice(&p.bytes);
-                }
-            }
+            self.put_pieces(out, &fed.pieces, total, place, batch);
             for p in fed.pieces {
                 if let Some(name) = p.name {
                     self.cache.insert_bytes(name, p.bytes);

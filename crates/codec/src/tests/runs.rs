@@ -597,6 +597,21 @@ fn side_by_side(
         .collect()
 }
 
+/// Four streams' first copy (`firsts`) and then `changed` sent side by side in stream contexts
+/// at a stated WAN, deltas on: the config and each copy's turns (see [`side_by_side`]).
+type Turns = Vec<(usize, Vec<u8>)>;
+fn in_contexts(firsts: &[Vec<u8>], changed: &[Vec<u8>]) -> (CodecConfig, Turns, Turns) {
+    let cfg = CodecConfig {
+        context: true,
+        delta_bytes: 64 << 20,
+        ..CodecConfig::default()
+    };
+    let mut s = crate::Streams::new(cfg.clone(), 4, 256 << 10);
+    let first = side_by_side(&mut s, firsts, Pressure::LinkBound);
+    let second = side_by_side(&mut s, changed, Pressure::LinkBound);
+    (cfg, first, second)
+}
+
 /// A parallel copy's streams encoded against one mirror, turn by turn as a link takes them (a
 /// first copy, then a changed one on the same streams): the same records on any number of
 /// workers, with and without stream contexts; each turn decodes alone, in order, in its
@@ -722,26 +737,20 @@ fn delta_runs_made_apart_pay_or_go_as_literals_alike_on_any_threads() {
 /// bases the cache held when their frame was fed, or once the frames before bring them): taken
 /// by their records after the bases are looked up in order, so the cache sees the same lookups
 /// and chunks as in turn, and the bytes are the same; they and the runs fed to the streams'
-/// contexts are copied into place in the output on the workers too. A base damaged after its run was rebuilt ahead is a miss there as in turn, and
-/// the frame goes on, once it is answered, to exactly the stream's bytes.
+/// contexts are copied into place in the output on the workers too. A base damaged after its
+/// run was rebuilt ahead is a miss there as in turn, and the frame goes on, once it is
+/// answered, to exactly the stream's bytes.
 #[test]
 fn delta_runs_rebuilt_ahead_take_the_lookups_of_runs_rebuilt_in_turn() {
     use crate::testdata::{edited, rows};
     let firsts: Vec<Vec<u8>> = (0..4).map(|i| rows(50 + i, 120)).collect();
     let changed: Vec<Vec<u8>> = (0..4).map(|i| edited(&firsts[(i + 1) % 4], i)).collect();
-    let cfg = CodecConfig {
-        context: true,
-        delta_bytes: 64 << 20,
-        ..CodecConfig::default()
-    };
-    let mut s = crate::Streams::new(cfg.clone(), 4, 256 << 10);
-    let first = side_by_side(&mut s, &firsts, Pressure::LinkBound);
-    let second = side_by_side(&mut s, &changed, Pressure::LinkBound);
-    assert!(s.stats().delta_chunks > 200, "{:?}", s.stats());
+    let (cfg, first, second) = in_contexts(&firsts, &changed);
     let all: Vec<_> = first.iter().chain(&second).cloned().collect();
     let want = |k: usize| [&firsts[k][..], &changed[k][..]].concat();
     let (in_turn, outs, _) = decode_streams(&cfg, &all, 1, 0);
     assert_eq!(in_turn.runs_ahead(), 0);
+    assert!(in_turn.stats().delta_chunks > 200, "{:?}", in_turn.stats());
     for (threads, ahead) in [(2, 1), (2, 3), (3, 8)] {
         let (dec, outs_ahead, _) = decode_streams(&cfg, &all, threads, ahead);
         assert!(dec.runs_ahead() > 10, "{} runs ahead", dec.runs_ahead());
@@ -930,14 +939,7 @@ fn decode_fed_ahead(
 fn frames_fed_ahead_resume_after_misses_and_fail_as_in_turn() {
     let (firsts, mut changed) = crate::testdata::parallel_copies(4, 4, 400);
     changed[3] = firsts[0].clone();
-    let cfg = CodecConfig {
-        context: true,
-        delta_bytes: 64 << 20,
-        ..CodecConfig::default()
-    };
-    let mut s = crate::Streams::new(cfg.clone(), 4, 256 << 10);
-    let first = side_by_side(&mut s, &firsts, Pressure::LinkBound);
-    let second = side_by_side(&mut s, &changed, Pressure::LinkBound);
+    let (cfg, first, second) = in_contexts(&firsts, &changed);
     let fresh = || -> Vec<crate::StreamContext> { (0..4).map(|_| Default::default()).collect() };
     // One decoder in turn, whose cache answers the other's misses.
     let mut whole = Decoder::new(&cfg);
