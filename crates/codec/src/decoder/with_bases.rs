@@ -98,7 +98,7 @@ impl Decoder {
         out: &mut Vec<u8>,
         room: usize,
         stream: &mut StreamContext,
-        (place, batch): (Option<usize>, Option<&mut super::Batch<'_, '_>>),
+        (place, batch): (Option<usize>, Option<&mut super::batch::Batch<'_, '_>>),
     ) -> Result<usize, CodecError> {
         let RunHead {
             n,

@@ -12,6 +12,7 @@ use crate::format::{
 
 mod anchors;
 mod deltas;
+mod fed_ahead;
 mod ref_runs;
 mod runs;
 mod stream_contexts;

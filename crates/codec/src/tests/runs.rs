@@ -1,6 +1,7 @@
 //! Runs of deferred literals rebuild at their end exactly, hostile runs are errors, and
 //! prepared chunks (on workers) encode and decode to the same records as chunks in turn.
 
+use super::fed_ahead::decode_streams;
 use super::*;
 use crate::format::{TAG_LIT, TAG_REF, TAG_REF_RUN_SHORT};
 use std::sync::atomic::Ordering::Relaxed;
@@ -135,14 +136,14 @@ fn hostile_runs_are_errors() {
 /// Workers on threads of their own: the jobs split in `.0` parts, one thread each; `.1` counts
 /// the jobs that cut chunks ahead, `.2` the turns that cut them in pieces.
 #[derive(Debug, Default)]
-struct Threads(
+pub(super) struct Threads(
     usize,
     std::sync::atomic::AtomicUsize,
     std::sync::atomic::AtomicUsize,
 );
 
 impl Threads {
-    fn new(n: usize) -> Self {
+    pub(super) fn new(n: usize) -> Self {
         Threads(n, Default::default(), Default::default())
     }
 }
@@ -578,7 +579,7 @@ proptest! {
 
 /// What [`Streams`](crate::Streams) made of `parts` (one stream each, written 64 KiB at a time
 /// to each in turn): each turn's stream and records.
-fn side_by_side(
+pub(super) fn side_by_side(
     streams: &mut crate::Streams,
     parts: &[Vec<u8>],
     pressure: Pressure,
@@ -599,8 +600,8 @@ fn side_by_side(
 
 /// Four streams' first copy (`firsts`) and then `changed` sent side by side in stream contexts
 /// at a stated WAN, deltas on: the config and each copy's turns (see [`side_by_side`]).
-type Turns = Vec<(usize, Vec<u8>)>;
-fn in_contexts(firsts: &[Vec<u8>], changed: &[Vec<u8>]) -> (CodecConfig, Turns, Turns) {
+pub(super) type Turns = Vec<(usize, Vec<u8>)>;
+pub(super) fn in_contexts(firsts: &[Vec<u8>], changed: &[Vec<u8>]) -> (CodecConfig, Turns, Turns) {
     let cfg = CodecConfig {
         context: true,
         delta_bytes: 64 << 20,
@@ -731,282 +732,4 @@ fn delta_runs_made_apart_pay_or_go_as_literals_alike_on_any_threads() {
             assert!(outs[k] == want, "stream {k}, {threads} threads");
         }
     }
-}
-
-/// Delta runs rebuilt ahead, on a worker, while the frames before theirs are decoded (from the
-/// bases the cache held when their frame was fed, or once the frames before bring them): taken
-/// by their records after the bases are looked up in order, so the cache sees the same lookups
-/// and chunks as in turn, and the bytes are the same; they and the runs fed to the streams'
-/// contexts are copied into place in the output on the workers too. A base damaged after its
-/// run was rebuilt ahead is a miss there as in turn, and the frame goes on, once it is
-/// answered, to exactly the stream's bytes.
-#[test]
-fn delta_runs_rebuilt_ahead_take_the_lookups_of_runs_rebuilt_in_turn() {
-    use crate::testdata::{edited, rows};
-    let firsts: Vec<Vec<u8>> = (0..4).map(|i| rows(50 + i, 120)).collect();
-    let changed: Vec<Vec<u8>> = (0..4).map(|i| edited(&firsts[(i + 1) % 4], i)).collect();
-    let (cfg, first, second) = in_contexts(&firsts, &changed);
-    let all: Vec<_> = first.iter().chain(&second).cloned().collect();
-    let want = |k: usize| [&firsts[k][..], &changed[k][..]].concat();
-    let (in_turn, outs, _) = decode_streams(&cfg, &all, 1, 0);
-    assert_eq!(in_turn.runs_ahead(), 0);
-    assert!(in_turn.stats().delta_chunks > 200, "{:?}", in_turn.stats());
-    for (threads, ahead) in [(2, 1), (2, 3), (3, 8)] {
-        let (dec, outs_ahead, _) = decode_streams(&cfg, &all, threads, ahead);
-        assert!(dec.runs_ahead() > 10, "{} runs ahead", dec.runs_ahead());
-        assert_eq!(dec.stats(), in_turn.stats());
-        assert_eq!(dec.cache().digest(), in_turn.cache().digest());
-        for k in 0..4 {
-            assert!(outs_ahead[k] == want(k) && outs[k] == want(k), "stream {k}");
-        }
-    }
-
-    // One copy whose streams are edits of each other, side by side: a run's bases are often in
-    // another stream's frame still waiting to be decoded when its own frame is fed, and are
-    // rebuilt once that frame is (`Decoder::rebuild_later`).
-    let mut chain = vec![rows(70, 120)];
-    for i in 1..4 {
-        chain.push(edited(&chain[i - 1], i));
-    }
-    let mut s = crate::Streams::new(cfg.clone(), 4, 256 << 10);
-    let frames = side_by_side(&mut s, &chain, Pressure::LinkBound);
-    assert!(s.stats().delta_chunks > 100, "{:?}", s.stats());
-    let (in_turn_chain, _, _) = decode_streams(&cfg, &frames, 1, 0);
-    let (dec, outs, _) = decode_streams(&cfg, &frames, 2, 3);
-    assert!(outs == chain);
-    // Most of what the runs and the streams' contexts rebuilt was copied into place on the
-    // workers (the decoder's thread only counts it in).
-    let rebuilt = dec.stats().lit_bytes + dec.stats().delta_bytes;
-    assert!(
-        dec.ahead_bytes() * 2 > rebuilt,
-        "{} of {rebuilt}",
-        dec.ahead_bytes()
-    );
-    assert_eq!(dec.stats(), in_turn_chain.stats());
-    assert_eq!(dec.cache().digest(), in_turn_chain.cache().digest());
-    let runs = frames.iter().map(|f| count_delta_runs(&f.1)).sum::<usize>();
-    assert!(
-        dec.runs_ahead() as usize * 10 > runs * 8,
-        "{} of {runs} runs rebuilt ahead",
-        dec.runs_ahead()
-    );
-
-    // Every chunk damaged once the first frame with a run rebuilt ahead is fed: the same misses,
-    // one by one, as when nothing is fed ahead.
-    let workers: std::sync::Arc<dyn prepare::Workers> = std::sync::Arc::new(Threads::new(2));
-    let damaged = |ahead: bool, at: Option<usize>| {
-        let mut dec = Decoder::new(&cfg);
-        dec.set_workers(Some(workers.clone()));
-        let mut ctxs: Vec<crate::StreamContext> = (0..4).map(|_| Default::default()).collect();
-        let mut outs = vec![Vec::new(); 4];
-        let io = (&mut ctxs[..], &mut outs[..]);
-        decode_fed_ahead(&mut dec, &first, 3, Some(workers.clone()), io, |_| None);
-        let (mut when, mut misses) = (None, Vec::new());
-        for (i, (k, records)) in second.iter().enumerate() {
-            if ahead
-                && let Some(f) = dec.feed_ahead(records.clone().into(), &mut ctxs[*k], usize::MAX)
-            {
-                prepare::Deferred::spawn(&f, &*workers);
-                ctxs[*k] = f.finish();
-            }
-            let now = match at {
-                Some(at) => at == i,
-                None => when.is_none() && !ctxs[*k].runs_fed.is_empty(),
-            };
-            if now {
-                assert!(dec.cache_mut().corrupt_all_for_test() > 0);
-                when = Some(i);
-            }
-            let mut at = 0;
-            while at < records.len() {
-                let (used, stop) =
-                    dec.decode_frame(&records[at..], &mut outs[*k], &mut ctxs[*k], usize::MAX);
-                at += used;
-                match stop {
-                    None => assert_eq!(at, records.len()),
-                    Some(CodecError::Miss(f)) => {
-                        misses.push(f);
-                        let bytes = in_turn.cache().peek(&f).expect("a chunk to answer with");
-                        assert!(dec.insert_verified(f, bytes));
-                    }
-                    Some(e) => panic!("stream {k}: {e}"),
-                }
-            }
-        }
-        for (k, out) in outs.iter().enumerate() {
-            assert!(*out == want(k), "stream {k}");
-        }
-        (when, misses, dec.runs_ahead())
-    };
-    let (when, misses, ahead) = damaged(true, None);
-    assert!(
-        when.is_some() && ahead > 0,
-        "damaged at {when:?}, {ahead} runs ahead"
-    );
-    let (_, in_turn_misses, none) = damaged(false, when);
-    assert_eq!(none, 0);
-    assert!(
-        !misses.is_empty() && misses == in_turn_misses,
-        "{} misses",
-        misses.len()
-    );
-}
-
-/// The delta run records among a frame's `records`.
-fn count_delta_runs(records: &[u8]) -> usize {
-    let (mut at, mut runs) = (0, 0);
-    while let Some(&first) = records.get(at) {
-        runs += usize::from(matches!(
-            first,
-            crate::format::TAG_DELTA_RUN | crate::format::TAG_DELTA_RUN_BARE
-        ));
-        match crate::decoder::record_len(first, &records[at..]) {
-            Some(n) => at += n,
-            None => break,
-        }
-    }
-    runs
-}
-
-/// Four streams' `frames` decoded by a new decoder on `threads` threads, fed `ahead` (see
-/// [`decode_fed_ahead`]): the decoder, each stream's bytes, and how many frames were fed ahead.
-fn decode_streams(
-    cfg: &CodecConfig,
-    frames: &[(usize, Vec<u8>)],
-    threads: usize,
-    ahead: usize,
-) -> (Decoder, Vec<Vec<u8>>, usize) {
-    let mut dec = Decoder::new(cfg);
-    let workers: Option<std::sync::Arc<dyn prepare::Workers>> =
-        (threads > 1).then(|| std::sync::Arc::new(Threads::new(threads)) as _);
-    dec.set_workers(workers.clone());
-    let mut outs = vec![Vec::new(); 4];
-    let mut ctxs: Vec<crate::StreamContext> =
-        (0..4).map(|_| crate::StreamContext::default()).collect();
-    let io = (&mut ctxs[..], &mut outs[..]);
-    let fed = decode_fed_ahead(&mut dec, frames, ahead, workers, io, |_| None);
-    (dec, outs, fed)
-}
-
-/// Decodes each stream's turns (`frames`, in the order a link took them) as a link does: with
-/// `ahead` of 1 or more, each frame is fed to its stream's context on `workers` (the caller
-/// feeding later ones while a worker feeds the oldest), up to `ahead` of them, while the
-/// frames before it are decoded in order ([`Feeds`](crate::Feeds)). A miss is answered with
-/// the bytes `answer` gives, and the frame goes on where it stopped. Returns how many frames
-/// were fed ahead.
-fn decode_fed_ahead(
-    dec: &mut Decoder,
-    frames: &[(usize, Vec<u8>)],
-    ahead: usize,
-    workers: Option<std::sync::Arc<dyn prepare::Workers>>,
-    (ctxs, outs): (&mut [crate::StreamContext], &mut [Vec<u8>]),
-    mut answer: impl FnMut(&crate::fingerprint::Fingerprint) -> Option<Vec<u8>>,
-) -> usize {
-    let wire = bytes::Bytes::from(frames.iter().flat_map(|f| f.1.clone()).collect::<Vec<u8>>());
-    let mut decode = |dec: &mut Decoder, k: usize, r: std::ops::Range<usize>, ctx: &mut _| {
-        let records = &wire[r];
-        let mut at = 0;
-        while at < records.len() {
-            let (used, stop) = dec.decode_frame(&records[at..], &mut outs[k], ctx, usize::MAX);
-            at += used;
-            match stop {
-                None => assert_eq!(at, records.len()),
-                Some(CodecError::Miss(f)) => {
-                    let bytes = answer(&f).expect("a chunk to answer with");
-                    assert!(dec.insert_verified(f, &bytes));
-                }
-                Some(e) => panic!("stream {k}: {e}"),
-            }
-        }
-    };
-    let mut order = crate::InOrder::new(ahead, workers);
-    let (mut from, mut fed) = (0, 0);
-    for (k, records) in frames {
-        let r = from..from + records.len();
-        from = r.end;
-        fed += usize::from(order.frame(dec, (&wire, *k, r), ctxs, &mut decode));
-    }
-    order.finish(dec, ctxs, &mut decode);
-    fed
-}
-
-/// Frames fed ahead of their turn, when a chunk they refer to is damaged in the cache: the
-/// frame stops at the miss with its later context records already fed, and goes on from there
-/// once the chunk is answered, to exactly the stream's bytes. A damaged context record fed
-/// ahead fails its frame as it does fed in turn, never rebuilding a wrong byte. One stream's
-/// frames are fed one after the other.
-#[test]
-fn frames_fed_ahead_resume_after_misses_and_fail_as_in_turn() {
-    let (firsts, mut changed) = crate::testdata::parallel_copies(4, 4, 400);
-    changed[3] = firsts[0].clone();
-    let (cfg, first, second) = in_contexts(&firsts, &changed);
-    let fresh = || -> Vec<crate::StreamContext> { (0..4).map(|_| Default::default()).collect() };
-    // One decoder in turn, whose cache answers the other's misses.
-    let mut whole = Decoder::new(&cfg);
-    let (mut ctxs, mut outs) = (fresh(), vec![Vec::new(); 4]);
-    let all: Vec<_> = first.iter().chain(&second).cloned().collect();
-    decode_fed_ahead(&mut whole, &all, 0, None, (&mut ctxs, &mut outs), |_| None);
-
-    let workers: std::sync::Arc<dyn prepare::Workers> = std::sync::Arc::new(Threads::new(2));
-    let mut dec = Decoder::new(&cfg);
-    dec.set_workers(Some(workers.clone()));
-    let (mut ctxs, mut outs) = (fresh(), vec![Vec::new(); 4]);
-    let io = (&mut ctxs[..], &mut outs[..]);
-    decode_fed_ahead(&mut dec, &first, 3, Some(workers.clone()), io, |_| None);
-    // Every fifth chunk of the first stream's first copy, which the last stream sends again.
-    for (at, len) in chunks(&firsts[0], &cfg).step_by(5) {
-        let f = crate::fingerprint::fingerprint(&firsts[0][at..at + len]);
-        dec.cache_mut().corrupt_for_test(&f);
-    }
-    let mut misses = 0;
-    let io = (&mut ctxs[..], &mut outs[..]);
-    let fed = decode_fed_ahead(&mut dec, &second, 3, Some(workers.clone()), io, |f| {
-        misses += 1;
-        whole.cache().peek(f).map(<[u8]>::to_vec)
-    });
-    assert!(misses > 10 && fed > 10, "{misses} misses, {fed} fed");
-    for k in 0..4 {
-        assert!(outs[k] == [&firsts[k][..], &changed[k][..]].concat(), "{k}");
-    }
-
-    // One stream: each frame fed once the one before it is decoded.
-    let mut one = crate::Streams::new(cfg.clone(), 1, 256 << 10);
-    let frames = side_by_side(&mut one, &firsts[..1], Pressure::LinkBound);
-    let (mut c1, mut o1) = (vec![crate::StreamContext::default()], vec![Vec::new()]);
-    let mut d1 = Decoder::new(&cfg);
-    d1.set_workers(Some(workers.clone()));
-    let io = (&mut c1[..], &mut o1[..]);
-    let fed = decode_fed_ahead(&mut d1, &frames, 8, Some(workers.clone()), io, |_| None);
-    assert!(fed * 10 > frames.len() * 9, "{fed} of {} fed", frames.len());
-    assert!(o1[0] == firsts[0]);
-
-    // A byte of a context record damaged (one that zstd, or the record's checks, find: a
-    // literal byte changed is found by nobody, as in a literal alone, which is what TLS is
-    // for): the same stop fed ahead as in turn, and what was rebuilt before it is the stream's.
-    let (k, records) = &first[0];
-    let in_turn = |bad: &[u8]| {
-        let mut d = Decoder::new(&cfg);
-        let mut out = Vec::new();
-        let r = d.decode_frame(bad, &mut out, &mut Default::default(), usize::MAX);
-        (r, out)
-    };
-    let (bad, in_turn) = (records.len() / 3..records.len())
-        .step_by(101)
-        .find_map(|at| {
-            let mut bad = records.clone();
-            bad[at] ^= 0x55;
-            let r = in_turn(&bad);
-            r.0.1.is_some().then_some((bad, r))
-        })
-        .expect("damage that is found");
-    let mut d = Decoder::new(&cfg);
-    let feeding = d
-        .feed_ahead(bad.clone().into(), &mut Default::default(), usize::MAX)
-        .expect("a frame of context records");
-    prepare::Deferred::spawn(&feeding, &*workers);
-    let mut ctx = feeding.finish();
-    let mut out = Vec::new();
-    let r = d.decode_frame(&bad, &mut out, &mut ctx, usize::MAX);
-    assert_eq!((r, &out), (in_turn.0, &in_turn.1));
-    assert!(firsts[*k].starts_with(&out));
 }
