@@ -396,40 +396,4 @@ impl Decoder {
         out.extend_from_slice(bytes);
         false
     }
-
-    /// Counts in the `len` bytes of `pieces` a job placed at `place`, one after the other, if
-    /// they are next in `out` (as [`put_rebuilt`](Self::put_rebuilt) does); else waits for the
-    /// batch's jobs (if any) and appends them itself.
-    pub(super) fn put_pieces(
-        &mut self,
-        out: &mut Vec<u8>,
-        pieces: &[crate::context::Piece],
-        len: usize,
-        place: Option<usize>,
-        batch: Option<&mut Batch<'_, '_>>,
-    ) {
-        let n = out.len();
-        if place == Some(n) && out.capacity() - n >= len {
-            // SAFETY: as in `put_rebuilt`: `Batch::take` gives a place only in this very buffer
-            // and once its job is done, which wrote exactly the pieces' `len` bytes there, one
-            // after the other (`placed`); the records before this one filled the buffer up to it.
-            unsafe { out.set_len(n + len) };
-            self.ahead_bytes += len as u64;
-        } else {
-            if let Some(b) = batch {
-                b.settle();
-            }
-            for p in pieces {
-                out.extend_from_slice(&p.bytes);
-            }
-        }
-        debug_assert!(
-            out.ends_with(
-                &pieces
-                    .iter()
-                    .flat_map(|p| p.bytes.to_vec())
-                    .collect::<Vec<u8>>()
-            )
-        );
-    }
 }

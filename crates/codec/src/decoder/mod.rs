@@ -495,7 +495,12 @@ impl Decoder {
                     }
                     None => None,
                 };
-                self.decode_delta_run(buf, out, room, stream, (place, batch))
+                let mut settle = || {
+                    if let Some(b) = batch.as_deref_mut() {
+                        b.settle();
+                    }
+                };
+                self.decode_delta_run(buf, out, room, stream, (place, &mut settle))
             }
             TAG_LOG => {
                 let (serial, h) = get_varint(buf, 1)?;
@@ -543,7 +548,7 @@ impl Decoder {
         stream: &StreamContext,
         room: usize,
         place: Option<usize>,
-        batch: Option<&mut Batch<'_, '_>>,
+        mut batch: Option<&mut Batch<'_, '_>>,
     ) -> Result<(), CodecError> {
         let len = pieces.iter().map(|p| p.bytes.len()).sum::<usize>();
         if len > room {
@@ -551,7 +556,12 @@ impl Decoder {
                 "record rebuilds more than its frame announced",
             ));
         }
-        self.put_pieces(out, &pieces, len, place, batch);
+        let mut settle = || {
+            if let Some(b) = batch.as_deref_mut() {
+                b.settle();
+            }
+        };
+        self.put_pieces(out, &pieces, len, place, &mut settle);
         for p in pieces {
             self.stats.lit_chunks += 1;
             self.stats.lit_bytes += p.bytes.len() as u64;
@@ -561,6 +571,40 @@ impl Decoder {
             }
         }
         Ok(())
+    }
+
+    /// Counts in the `len` bytes of `pieces` a job placed at `place`, one after the other, if
+    /// they are next in `out` (as [`put_rebuilt`](Self::put_rebuilt) does); else `settle`s
+    /// (waits for the batch's jobs, if any) and appends them itself.
+    fn put_pieces(
+        &mut self,
+        out: &mut Vec<u8>,
+        pieces: &[crate::context::Piece],
+        len: usize,
+        place: Option<usize>,
+        settle: &mut dyn FnMut(),
+    ) {
+        let n = out.len();
+        if place == Some(n) && out.capacity() - n >= len {
+            // SAFETY: as in `put_rebuilt`: `Batch::take` gives a place only in this very buffer
+            // and once its job is done, which wrote exactly the pieces' `len` bytes there, one
+            // after the other (`placed`); the records before this one filled the buffer up to it.
+            unsafe { out.set_len(n + len) };
+            self.ahead_bytes += len as u64;
+        } else {
+            settle();
+            for p in pieces {
+                out.extend_from_slice(&p.bytes);
+            }
+        }
+        debug_assert!(
+            out.ends_with(
+                &pieces
+                    .iter()
+                    .flat_map(|p| p.bytes.to_vec())
+                    .collect::<Vec<u8>>()
+            )
+        );
     }
 
     /// A literal alone's payload decompressed.

@@ -98,7 +98,7 @@ impl Decoder {
         out: &mut Vec<u8>,
         room: usize,
         stream: &mut StreamContext,
-        (place, batch): (Option<usize>, Option<&mut super::batch::Batch<'_, '_>>),
+        (place, settle): (Option<usize>, &mut dyn FnMut()),
     ) -> Result<usize, CodecError> {
         let RunHead {
             n,
@@ -164,7 +164,7 @@ impl Decoder {
             if re_sent {
                 self.resolved.remove(&check);
             }
-            self.put_pieces(out, &fed.pieces, total, place, batch);
+            self.put_pieces(out, &fed.pieces, total, place, settle);
             for p in fed.pieces {
                 if let Some(name) = p.name {
                     self.cache.insert_bytes(name, p.bytes);
@@ -177,9 +177,7 @@ impl Decoder {
             return Ok(used);
         }
         // Written here: not while a batch's jobs may still write into `out`.
-        if let Some(b) = batch {
-            b.settle();
-        }
+        settle();
         let bare = buf[0] == TAG_DELTA_RUN_BARE;
         let rebuilt = rebuild(d, payload, total, bare)?.ok_or(CodecError::Decompress)?;
         // Every chunk checked before any is added or appended (named on the workers, if any).
