@@ -215,7 +215,7 @@ impl Decoder {
 
     /// The bases of the delta run record at the front of `rec`, if every one is named (by
     /// name, or by a place our log holds) and held in memory: each with its name, in the
-    /// record's order. `Err` for a record that is not one whose head reads.
+    /// record's order. `None` also for a record whose head does not read.
     fn run_bases(&self, rec: &[u8]) -> Option<Vec<(Fingerprint, Bytes)>> {
         let head = run_head(rec, Some(&self.logs)).ok()?;
         if head.unresolved {
