@@ -514,6 +514,19 @@ pub(crate) struct Prepared {
 }
 
 impl Prepared {
+    /// Gives the slot a buffer for a chunk of `len` bytes to be decompressed into (the one the
+    /// cache keeps), allocated here: on the decoding thread, which also frees the chunks the
+    /// cache lets go. A buffer a worker allocated came from the worker's heap and went back to
+    /// it from another thread; that memory was not found again for the next chunks, and the
+    /// worker paid the kernel's page faults for fresh memory instead: a fifth of its samples
+    /// decoding a first copy on the LZ4 path (`codec --threads 2`, perf), where one thread
+    /// alone reused its own.
+    pub(crate) fn buffer(&mut self, len: usize) {
+        if self.out.capacity() != len {
+            self.out = Vec::with_capacity(len);
+        }
+    }
+
     /// Empties the slot for a chunk of `len` bytes (its buffer stays).
     pub(crate) fn reset(&mut self, len: usize) {
         self.len = len;
@@ -703,8 +716,13 @@ fn prepare_chunk(chunk: &[u8], work: Option<Work>, anchors: bool, s: &mut Prepar
         }
         Work::Unzstd { raw_len, hash } | Work::Unlz4 { raw_len, hash } => {
             let zstd = matches!(work, Work::Unzstd { .. });
-            // A fresh buffer: it becomes the cached chunk.
-            s.out = Vec::new();
+            // A buffer of exactly the chunk's size: it becomes the cached chunk. The decoder's
+            // thread gives one (see `Prepared::buffer`), so that the chunks' memory is taken
+            // and given back on the thread that frees it when the cache lets a chunk go.
+            if s.out.capacity() != raw_len {
+                s.out = Vec::with_capacity(raw_len);
+            }
+            s.out.clear();
             s.decoded = if zstd {
                 unzstd_into(chunk, raw_len, &mut s.out)
             } else {

@@ -320,6 +320,12 @@ impl Decoder {
         let mut jobs = Vec::with_capacity(found.len());
         for (f, slot) in found.iter().zip(slots.iter_mut()) {
             slot.reset(f.raw);
+            if matches!(
+                f.work,
+                Some(prepare::Work::Unlz4 { .. } | prepare::Work::Unzstd { .. })
+            ) {
+                slot.buffer(f.raw);
+            }
             let bytes: &[u8] = match &f.source {
                 Source::Payload(r) => &scanned[r.clone()],
                 Source::Held(b) => b,
