@@ -470,6 +470,8 @@ enum Task<'a> {
     /// exactly (then `slot.placed`): a run's chunks, rebuilt ahead, copied into the output.
     Parts {
         parts: &'a [bytes::Bytes],
+        /// Each part's name to check it against first, if any (a reference run's chunks).
+        names: &'a [Fingerprint],
         slot: &'a mut Prepared,
         place: Place<'a>,
     },
@@ -584,15 +586,21 @@ impl<'a> Job<'a> {
         }
     }
 
-    /// A decoder's job that writes `parts`, one after the other, into `place` (see
-    /// [`Task::Parts`]).
+    /// A decoder's job that writes `parts`, one after the other, into `place`, each checked
+    /// against its name first if `names` are given (see [`Task::Parts`]).
     pub(crate) fn parts(
         parts: &'a [bytes::Bytes],
+        names: &'a [Fingerprint],
         slot: &'a mut Prepared,
         place: Place<'a>,
     ) -> Self {
         Job {
-            task: Task::Parts { parts, slot, place },
+            task: Task::Parts {
+                parts,
+                names,
+                slot,
+                place,
+            },
         }
     }
 
@@ -654,8 +662,20 @@ impl<'a> Job<'a> {
                     place_rebuilt(chunk, *work, slot, place);
                 }
             }
-            Task::Parts { parts, slot, place } => {
-                slot.placed = place.write_parts(parts);
+            Task::Parts {
+                parts,
+                names,
+                slot,
+                place,
+            } => {
+                // Checked first: a part that fails its name is never placed.
+                let named = names.is_empty()
+                    || (names.len() == parts.len()
+                        && parts
+                            .iter()
+                            .zip(names.iter())
+                            .all(|(p, f)| fingerprint(p) == *f));
+                slot.placed = named && place.write_parts(parts);
             }
             Task::Cut {
                 bytes,

@@ -5,9 +5,11 @@
 use super::Decoder;
 use super::{in_context, with_bases};
 use crate::context::StreamContext;
+use crate::fingerprint::Fingerprint;
 use crate::format::{
     CodecError, NO_CACHE, TAG_DELTA_RUN, TAG_DELTA_RUN_BARE, TAG_LIT, TAG_LIT_CONTEXT, TAG_LIT_LZ4,
-    TAG_LIT_ZSTD, TAG_LOG, TAG_REF, TAG_RUN_END, get_len, get_varint,
+    TAG_LIT_ZSTD, TAG_LOG, TAG_REF, TAG_REF_RUN, TAG_REF_RUN_SHORT, TAG_RUN_END, get_len,
+    get_varint,
 };
 use crate::prepare::{self, BATCH};
 
@@ -33,8 +35,10 @@ pub(super) struct Scanned {
 enum Source {
     Payload(std::ops::Range<usize>),
     Held(bytes::Bytes),
-    /// A run's chunks fed ahead, one after the other (handles of their own).
-    Parts(Vec<bytes::Bytes>),
+    /// A run's chunks, one after the other (handles of their own): fed ahead, or held for a
+    /// reference run, with their names to check them against if the cache checks what it
+    /// holds.
+    Parts(Vec<bytes::Bytes>, Vec<Fingerprint>),
 }
 
 /// A batch being decoded while its jobs run (see [`Decoder::decode_batch`]).
@@ -57,6 +61,24 @@ impl Batch<'_, '_> {
             self.ahead.finish_all();
             self.settled = true;
         }
+    }
+
+    /// Where the job for the reference run at `at` (whose first byte is `tag`) copied its
+    /// chunks, taken once it has run, and the chunks it copied: if the scan made one, it placed
+    /// them, and `out` is the buffer they were placed in (as [`take`](Self::take) says).
+    pub(super) fn placed_run(
+        &mut self,
+        at: usize,
+        tag: u8,
+        out: &[u8],
+    ) -> Option<(usize, Vec<bytes::Bytes>)> {
+        let b = self.meta.iter().find(|b| b.at == at && b.tag == tag)?;
+        let Source::Parts(parts, _) = &b.source else {
+            return None;
+        };
+        let (parts, raw) = (parts.clone(), b.raw);
+        let (_, place) = self.take(at, tag, raw, 0, out)?;
+        Some((place?, parts))
     }
 
     /// What the job for the record at `at` with this tag and lengths made, taken once it has
@@ -101,10 +123,11 @@ impl Decoder {
     /// decompressed and fingerprinted, and chunks held in memory for references copied (and
     /// checked against their names, if this cache checks what it holds). Each also gets its
     /// place in `out`'s spare room, reserved here: where its record will put what it rebuilds
-    /// if every record before it rebuilds what it announces. The scan stops at the first record
-    /// that is not a reference, a literal alone or a log's start; every record is still checked
-    /// in full when it is decoded. Returns the bytes scanned, and the work (none for fewer than
-    /// two records).
+    /// if every record before it rebuilds what it announces. Reference runs whose chunks can be
+    /// named now and are all held in memory are copied into their place too. The scan stops at
+    /// the first record that is not a reference, such a reference run, a literal alone, a
+    /// log's start or one rebuilt ahead; every record is still checked in full when it is
+    /// decoded. Returns the bytes scanned, and the work (none for fewer than two records).
     pub(super) fn scan(
         &mut self,
         buf: &[u8],
@@ -117,6 +140,8 @@ impl Decoder {
         let start = out.len();
         // Literal bytes prepared, and where the next record's bytes go in `out`.
         let (mut at, mut raw, mut pos) = (0, 0, start);
+        // A reference run's names.
+        let mut names = Vec::new();
         let mut found = Vec::new();
         // The stream's context records fed ahead, and its delta runs rebuilt ahead, the next
         // one first.
@@ -134,8 +159,8 @@ impl Decoder {
                 // A chunk held in memory is copied into its place too (the record's lookup
                 // then confirms it); any other reference is copied when it is decoded.
                 let place = Some(pos).filter(|p| p - start + len <= room);
-                let held = rec
-                    .get(1..17)
+                let held = place
+                    .and_then(|_| rec.get(1..17))
                     .and_then(|f| <[u8; 16]>::try_from(f).ok())
                     .and_then(|f| self.cache.in_memory_handle(&f))
                     .filter(|c| c.len() == len);
@@ -154,14 +179,53 @@ impl Decoder {
                 at += 17 + h;
                 continue;
             }
-            // A log's start rebuilds nothing: step over it. A reference run (whose length is
-            // known only once its chunks are named) ends the batch: it copies its chunks on
-            // the workers itself, and the records after it are prepared after it.
+            // A log's start rebuilds nothing: step over it.
             if first == TAG_LOG {
                 let Ok((_, h)) = get_varint(rec, 1) else {
                     break;
                 };
                 at += 1 + h;
+                continue;
+            }
+            // A reference run whose chunks can be named now (from our log, or the names the
+            // peer re-sent), all held in memory: copied into its place on the workers, each
+            // chunk checked against its name there if the cache checks what it holds (the
+            // record names and looks them up again when it is decoded). Any other ends the
+            // batch: it copies its chunks on the workers itself, and the records after it are
+            // prepared after it.
+            if matches!(first, TAG_REF_RUN | TAG_REF_RUN_SHORT) {
+                let Ok(head) = super::logged::ref_run_head(rec) else {
+                    break;
+                };
+                let Some(n) = self
+                    .ref_run_len(&head, &mut names)
+                    .filter(|n| pos - start + n <= room)
+                else {
+                    break;
+                };
+                let held: Option<Vec<_>> = names
+                    .iter()
+                    .map(|f| self.cache.in_memory_handle(f))
+                    .collect();
+                let Some(parts) = held else {
+                    break;
+                };
+                let names = if check.is_some() {
+                    names.clone()
+                } else {
+                    Vec::new()
+                };
+                found.push(Scanned {
+                    at,
+                    tag: first,
+                    raw: n,
+                    clen: 0,
+                    source: Source::Parts(parts, names),
+                    work: None,
+                    place: Some(pos),
+                });
+                pos += n;
+                at += head.used;
                 continue;
             }
             // A context record fed ahead: a run's chunks, if it ends one, copied into their
@@ -189,7 +253,10 @@ impl Decoder {
                             tag: first,
                             raw: len,
                             clen: 0,
-                            source: Source::Parts(pieces.iter().map(|p| p.bytes.clone()).collect()),
+                            source: Source::Parts(
+                                pieces.iter().map(|p| p.bytes.clone()).collect(),
+                                Vec::new(),
+                            ),
                             work: None,
                             place: Some(place),
                         });
@@ -220,7 +287,10 @@ impl Decoder {
                     tag: first,
                     raw: head.total,
                     clen: 0,
-                    source: Source::Parts(r.pieces.iter().map(|p| p.bytes.clone()).collect()),
+                    source: Source::Parts(
+                        r.pieces.iter().map(|p| p.bytes.clone()).collect(),
+                        Vec::new(),
+                    ),
                     work: None,
                     place: Some(place),
                 });
@@ -329,7 +399,7 @@ impl Decoder {
             let bytes: &[u8] = match &f.source {
                 Source::Payload(r) => &scanned[r.clone()],
                 Source::Held(b) => b,
-                Source::Parts(_) => &[],
+                Source::Parts(..) => &[],
             };
             // SAFETY: `p..p + f.raw` is within `out`'s capacity, past its length when the batch
             // began and apart from every other job's place (checked above). Until this job has
@@ -341,7 +411,7 @@ impl Decoder {
                 .place
                 .map(|p| unsafe { Place::raw(base.add(p).cast(), f.raw) });
             jobs.push(match (&f.source, room) {
-                (Source::Parts(parts), Some(room)) => Job::parts(parts, slot, room),
+                (Source::Parts(parts, names), Some(room)) => Job::parts(parts, names, slot, room),
                 (_, room) => Job::placed(bytes, f.work, slot, room),
             });
         }

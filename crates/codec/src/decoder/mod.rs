@@ -340,6 +340,8 @@ impl Decoder {
                 | TAG_RUN_END
                 | TAG_DELTA_RUN
                 | TAG_DELTA_RUN_BARE
+                | TAG_REF_RUN
+                | TAG_REF_RUN_SHORT
         ) && let Some(b) = batch.as_deref_mut()
         {
             b.settle();
@@ -509,7 +511,20 @@ impl Decoder {
                 stream.log = Some(serial);
                 Ok(1 + h)
             }
-            TAG_REF_RUN | TAG_REF_RUN_SHORT => self.decode_ref_run(buf, out, stream.log, room),
+            TAG_REF_RUN | TAG_REF_RUN_SHORT => match batch {
+                // Within a batch (the scan made it a job): counted in where its job copied its
+                // chunks, else copied here once the jobs that write into `out` are done.
+                Some(b) => {
+                    let placed = rec_at.and_then(|at| b.placed_run(at, first, out));
+                    let mut settle = || b.settle();
+                    let in_batch = logged::InBatch {
+                        placed,
+                        settle: &mut settle,
+                    };
+                    self.decode_ref_run(buf, out, stream.log, room, Some(in_batch))
+                }
+                None => self.decode_ref_run(buf, out, stream.log, room, None),
+            },
             _ => Err(CodecError::Malformed("unknown record")),
         }
     }

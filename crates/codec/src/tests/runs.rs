@@ -430,6 +430,92 @@ fn copies_made_on_the_workers_land_exactly(cfg: CodecConfig) {
     assert!(o1 == o2);
 }
 
+/// A changed copy's reference runs (a stream log names chunks of the first copy) join the
+/// decoding batch with the literals between them, their chunks copied into place on the
+/// workers and checked there: the batches no longer end at each run, and the bytes, stats and
+/// cache are those of a decoder in turn, with a slow helper too. A chunk damaged in the cache
+/// fails its check on the worker: the run is looked up in turn and misses, as in turn.
+#[test]
+fn reference_runs_join_the_batch_and_land_exactly() {
+    let cfg = CodecConfig::default();
+    assert!(cfg.logs);
+    let data = mix(&[(1, 900_000, 6), (0, 200_000, 7), (1, 500_000, 8)]);
+    // A few bytes changed every 48 KiB: runs of references with changed chunks between them.
+    let mut changed = data.clone();
+    for at in (1000..changed.len()).step_by(48 << 10) {
+        changed[at] ^= 0x55;
+    }
+    let mut enc = Encoder::new(cfg.clone());
+    let first = encode_all(Pressure::CpuBound, &mut enc, &data, &[65_536], false);
+    let second = encode_all(Pressure::CpuBound, &mut enc, &changed, &[65_536], false);
+    let mut in_turn = Decoder::new(&cfg);
+    let mut want = Vec::new();
+    in_turn.decode(&first, &mut want).expect("decodes");
+    in_turn.decode(&second, &mut want).expect("decodes");
+    let mut counter = Decoder::new(&cfg);
+    counter.decode(&first, &mut Vec::new()).expect("decodes");
+    let runs = records(&mut counter, &second)
+        .iter()
+        .filter(|(t, _)| *t == TAG_REF_RUN_SHORT)
+        .count();
+    assert!(want == [&data[..], &changed[..]].concat());
+    assert!(runs >= 20, "{runs} reference runs");
+
+    let slow = std::sync::Arc::new(Slow::default());
+    let mut dec = Decoder::new(&cfg);
+    dec.set_workers(Some(slow.clone()));
+    let mut out = Vec::new();
+    assert_eq!(dec.decode(&first, &mut out), Ok(first.len()));
+    let (calls, ahead) = (slow.calls.load(Relaxed), dec.ahead_bytes());
+    assert_eq!(dec.decode(&second, &mut out), Ok(second.len()));
+    assert!(out == want);
+    assert_eq!(dec.stats(), in_turn.stats());
+    assert_eq!(dec.cache().digest(), in_turn.cache().digest());
+    let (calls, ahead) = (slow.calls.load(Relaxed) - calls, dec.ahead_bytes() - ahead);
+    assert!(
+        calls * 4 <= runs,
+        "{calls} batches for {runs} reference runs"
+    );
+    let len = changed.len() as u64;
+    assert!(ahead * 10 >= len * 9, "{ahead} of {len} bytes placed ahead");
+
+    // Every fifth chunk of the first copy damaged before the second: the same misses as in
+    // turn, one by one, then the same bytes.
+    let damage = |d: &mut Decoder| {
+        for (at, len) in chunks(&data, &cfg).step_by(5) {
+            d.cache_mut()
+                .corrupt_for_test(&crate::fingerprint::fingerprint(&data[at..at + len]));
+        }
+    };
+    let mut decoders = [Decoder::new(&cfg), Decoder::new(&cfg)];
+    decoders[1].set_workers(Some(std::sync::Arc::new(Threads::new(2))));
+    let mut got = Vec::new();
+    for d in &mut decoders {
+        let mut out = Vec::new();
+        d.decode(&first, &mut out).expect("decodes");
+        damage(d);
+        let (mut at, mut misses) = (0, Vec::new());
+        let mut ctx = StreamContext::default();
+        while at < second.len() {
+            let (used, stop) = d.decode_frame(&second[at..], &mut out, &mut ctx, usize::MAX);
+            at += used;
+            match stop {
+                None => {}
+                Some(CodecError::Miss(f)) => {
+                    misses.push(f);
+                    let answer = enc.mirror.chunk(&f).expect("the sender kept it");
+                    assert!(d.insert_verified(f, &answer));
+                }
+                Some(e) => panic!("decode: {e}"),
+            }
+        }
+        assert!(out == want);
+        got.push(misses);
+    }
+    assert!(got[0].len() >= 10, "{} misses", got[0].len());
+    assert_eq!(got[0], got[1], "the same misses, in the same order");
+}
+
 /// A link's frame room for a turn's records (a 256 KiB frame).
 const ROOM: usize = 256 * 1024 - 4;
 
