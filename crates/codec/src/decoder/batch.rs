@@ -72,13 +72,22 @@ impl Batch<'_, '_> {
         tag: u8,
         out: &[u8],
     ) -> Option<(usize, Vec<bytes::Bytes>)> {
-        let b = self.meta.iter().find(|b| b.at == at && b.tag == tag)?;
-        let Source::Parts(parts, _) = &b.source else {
+        let b = self.index_of(at).map(|i| &self.meta[i])?;
+        let (Source::Parts(parts, _), true) = (&b.source, b.tag == tag) else {
             return None;
         };
         let (parts, raw) = (parts.clone(), b.raw);
         let (_, place) = self.take(at, tag, raw, 0, out)?;
         Some((place?, parts))
+    }
+
+    /// Which of the batch's records is the one at `at`, if any.
+    fn index_of(&self, at: usize) -> Option<usize> {
+        // Records are decoded in order: the next one is almost always the one looked for.
+        match self.meta.get(self.next) {
+            Some(b) if b.at == at => Some(self.next),
+            _ => self.meta.iter().position(|b| b.at == at),
+        }
     }
 
     /// What the job for the record at `at` with this tag and lengths made, taken once it has
@@ -93,12 +102,7 @@ impl Batch<'_, '_> {
         clen: usize,
         out: &[u8],
     ) -> Option<(prepare::Prepared, Option<usize>)> {
-        // Records are decoded in order: the next one is almost always the one looked for.
-        let i = match self.meta.get(self.next) {
-            Some(b) if b.at == at => Some(self.next),
-            _ => self.meta.iter().position(|b| b.at == at),
-        };
-        let found = i.and_then(|i| {
+        let found = self.index_of(at).and_then(|i| {
             self.next = i + 1;
             let b = &self.meta[i];
             if b.tag != tag || b.raw != raw || b.clen != clen {

@@ -367,29 +367,13 @@ fn copies_made_on_the_workers_land_exactly(cfg: CodecConfig) {
             .corrupt_for_test(&crate::fingerprint::fingerprint(&data[at..at + len]));
         damaged += 1;
     }
-    let (mut at, mut misses) = (0, 0);
-    let mut ctx = StreamContext::default();
-    while at < second.len() {
-        let before = out.len();
-        let (used, stop) = dec.decode_frame(&second[at..], &mut out, &mut ctx, usize::MAX);
-        at += used;
+    let misses = answered(&enc, &mut dec, &second, &mut out, damaged + 10, |out| {
         assert!(
-            want.starts_with(&out),
+            want.starts_with(out),
             "only whole, checked chunks are counted in"
         );
-        match stop {
-            None => {}
-            Some(CodecError::Miss(f)) => {
-                misses += 1;
-                assert!(out.len() >= before);
-                // A chunk, or a run's names, as the link answers from the sender's mirror.
-                let answer = enc.mirror.chunk(&f).expect("the sender kept it");
-                assert!(dec.insert_verified(f, &answer));
-            }
-            Some(e) => panic!("decode: {e}"),
-        }
-        assert!(misses <= damaged + 10, "{misses} misses");
-    }
+    })
+    .len();
     assert!(
         misses >= damaged / 2,
         "{misses} misses of {damaged} damaged"
@@ -494,26 +478,45 @@ fn reference_runs_join_the_batch_and_land_exactly() {
         let mut out = Vec::new();
         d.decode(&first, &mut out).expect("decodes");
         damage(d);
-        let (mut at, mut misses) = (0, Vec::new());
-        let mut ctx = StreamContext::default();
-        while at < second.len() {
-            let (used, stop) = d.decode_frame(&second[at..], &mut out, &mut ctx, usize::MAX);
-            at += used;
-            match stop {
-                None => {}
-                Some(CodecError::Miss(f)) => {
-                    misses.push(f);
-                    let answer = enc.mirror.chunk(&f).expect("the sender kept it");
-                    assert!(d.insert_verified(f, &answer));
-                }
-                Some(e) => panic!("decode: {e}"),
-            }
-        }
+        let misses = answered(&enc, d, &second, &mut out, usize::MAX, |_| {});
         assert!(out == want);
         got.push(misses);
     }
     assert!(got[0].len() >= 10, "{} misses", got[0].len());
     assert_eq!(got[0], got[1], "the same misses, in the same order");
+}
+
+/// Decodes `wire` frame by frame into `out`, answering each miss with the chunk (or a run's
+/// names) the sender's mirror kept, as the link does; `each` sees the output after every call,
+/// and a miss never takes back what was counted in. Returns the misses in order, at most `most`.
+fn answered(
+    enc: &Encoder,
+    d: &mut Decoder,
+    wire: &[u8],
+    out: &mut Vec<u8>,
+    most: usize,
+    mut each: impl FnMut(&[u8]),
+) -> Vec<crate::fingerprint::Fingerprint> {
+    let (mut at, mut misses) = (0, Vec::new());
+    let mut ctx = StreamContext::default();
+    while at < wire.len() {
+        let before = out.len();
+        let (used, stop) = d.decode_frame(&wire[at..], out, &mut ctx, usize::MAX);
+        at += used;
+        each(out);
+        match stop {
+            None => {}
+            Some(CodecError::Miss(f)) => {
+                misses.push(f);
+                assert!(out.len() >= before);
+                let answer = enc.mirror.chunk(&f).expect("the sender kept it");
+                assert!(d.insert_verified(f, &answer));
+            }
+            Some(e) => panic!("decode: {e}"),
+        }
+        assert!(misses.len() <= most, "{} misses", misses.len());
+    }
+    misses
 }
 
 /// A link's frame room for a turn's records (a 256 KiB frame).
