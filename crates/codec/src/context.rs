@@ -164,6 +164,29 @@ pub struct StreamContext {
     pub(crate) fed: std::collections::VecDeque<Fed>,
     /// Its next delta runs rebuilt ahead (on a worker), each taken by the record with its check.
     pub(crate) runs_fed: std::collections::VecDeque<RunFed>,
+    /// Its next literals alone (LZ4 or zstd), decompressed ahead with their frame (on a
+    /// worker): each taken, in order, by the record whose very payload it was made from.
+    pub(crate) lits_fed: std::collections::VecDeque<LitFed>,
+}
+
+/// A literal alone decompressed ahead (on a worker) with its frame: the record's first byte
+/// and payload, and the chunk it rebuilds (named if it is cached).
+#[derive(Debug)]
+pub(crate) struct LitFed {
+    pub(crate) first: u8,
+    pub(crate) payload: bytes::Bytes,
+    pub(crate) piece: Piece,
+}
+
+impl LitFed {
+    /// True if it was made from the literal whose first byte is `first` and whose payload is
+    /// `payload`, rebuilding `raw_len` bytes: the very bytes (the same memory, or equal).
+    pub(crate) fn is_for(&self, first: u8, raw_len: usize, payload: &[u8]) -> bool {
+        self.first == first
+            && self.piece.bytes.len() == raw_len
+            && self.payload.len() == payload.len()
+            && (std::ptr::eq(self.payload.as_ptr(), payload.as_ptr()) || self.payload == payload)
+    }
 }
 
 /// A delta run rebuilt ahead (on a worker) from the bases the cache held when its frame was

@@ -739,16 +739,7 @@ fn prepare_chunk(chunk: &[u8], work: Option<Work>, anchors: bool, s: &mut Prepar
             // A buffer of exactly the chunk's size: it becomes the cached chunk. The decoder's
             // thread gives one (see `Prepared::buffer`), so that the chunks' memory is taken
             // and given back on the thread that frees it when the cache lets a chunk go.
-            if s.out.capacity() != raw_len {
-                s.out = Vec::with_capacity(raw_len);
-            }
-            s.out.clear();
-            s.decoded = if zstd {
-                unzstd_into(chunk, raw_len, &mut s.out)
-            } else {
-                s.out.resize(raw_len, 0);
-                lz4_flex::block::decompress_into(chunk, &mut s.out).is_ok_and(|n| n == raw_len)
-            };
+            s.decoded = unpack(zstd, chunk, raw_len, &mut s.out);
             if s.decoded && hash {
                 s.fingerprint = Some(fingerprint(&s.out));
             }
@@ -842,6 +833,22 @@ thread_local! {
 
 /// zstd of `payload` decompressed into `out`: true if it made exactly `raw_len` bytes (it may
 /// not make more: the buffer holds no more).
+/// A literal alone's `payload` decompressed (zstd's, or LZ4's) into `out`, a buffer of exactly
+/// `raw_len` bytes (the one given if it is that size: it becomes the cached chunk); false if it
+/// does not rebuild exactly `raw_len` bytes.
+pub(crate) fn unpack(zstd: bool, payload: &[u8], raw_len: usize, out: &mut Vec<u8>) -> bool {
+    if out.capacity() != raw_len {
+        *out = Vec::with_capacity(raw_len);
+    }
+    out.clear();
+    if zstd {
+        unzstd_into(payload, raw_len, out)
+    } else {
+        out.resize(raw_len, 0);
+        lz4_flex::block::decompress_into(payload, out).is_ok_and(|n| n == raw_len)
+    }
+}
+
 fn unzstd_into(payload: &[u8], raw_len: usize, out: &mut Vec<u8>) -> bool {
     UNZSTD.with_borrow_mut(|z| {
         if z.is_none() {

@@ -14,7 +14,7 @@ use bytes::Bytes;
 use super::Decoder;
 use super::in_context::{Accept, classify, context_record};
 use super::with_bases::{rebuild_ahead, run_head};
-use crate::context::{Fed, Piece, Run, RunFed, StreamContext};
+use crate::context::{Fed, LitFed, Piece, Run, RunFed, StreamContext};
 use crate::delta::RecvScratch;
 use crate::fingerprint::Fingerprint;
 use crate::fingerprint::SHORT_CHECK;
@@ -132,11 +132,11 @@ impl Decoder {
         stream: &mut StreamContext,
         announced: usize,
     ) -> Option<Feeding> {
-        if !stream.fed.is_empty() {
+        if !stream.fed.is_empty() || !stream.lits_fed.is_empty() {
             return None;
         }
         let (runs, later, held) = self.runs_to_rebuild(&records);
-        if runs.is_empty() && later.is_empty() && !has_context(&records) {
+        if runs.is_empty() && later.is_empty() && !worth_feeding(&records) {
             return None;
         }
         // Runs rebuilt ahead of an earlier frame and not taken: its records were not decoded
@@ -280,7 +280,7 @@ impl crate::prepare::Deferred for Feeding {
         let feed = Arc::clone(&self.feed);
         workers.spawn(Box::new(move || {
             if let Ok(mut f) = feed.try_lock() {
-                f.run();
+                f.run(true);
             }
         }));
     }
@@ -290,11 +290,11 @@ impl crate::prepare::Deferred for Feeding {
         self.feed.try_lock().is_err()
     }
 
-    /// Feeds the frame here if no worker has started on it.
+    /// Feeds the frame here if no worker has started on it (while a worker feeds an earlier one).
     fn help(&self) -> bool {
         match self.feed.try_lock() {
             Ok(mut f) if !f.done => {
-                f.run();
+                f.run(true);
                 true
             }
             _ => false,
@@ -307,7 +307,9 @@ impl Feeding {
     /// done).
     pub fn finish(self) -> StreamContext {
         let mut f = lock(&self.feed);
-        f.run();
+        // Fed here now, it is decoded next: its literals are left to the decoding batches,
+        // which the workers help with.
+        f.run(false);
         let mut stream = std::mem::take(&mut f.stream);
         // Its runs rebuilt since it was fed (here, if no worker has begun one), in order.
         let later = self.later.into_inner().unwrap_or_else(|p| p.into_inner());
@@ -328,11 +330,12 @@ impl Feeding {
 
 impl Feed {
     /// Walks the frame's records: each context record is fed (a run, once whole, named too),
-    /// the others stepped over by their headers, counting what they rebuild against what the
-    /// frame announced. It stops at the first record it cannot step over that way (damage, or
-    /// any other record inside an open run): the decoder's thread feeds the context records
-    /// from there.
-    fn run(&mut self) {
+    /// with `literals` each literal alone decompressed (and named, if it is cached), the others
+    /// stepped over by their headers, counting what they rebuild against what the frame
+    /// announced. It stops at the first record it cannot step over that way (damage, or any
+    /// other record inside an open run): the decoder's thread feeds the context records from
+    /// there, and decompresses the literals.
+    fn run(&mut self, literals: bool) {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
@@ -375,6 +378,25 @@ impl Feed {
                 return;
             };
             room = left;
+            if literals && matches!(tag, TAG_LIT_LZ4 | TAG_LIT_ZSTD) {
+                let Some(clen) = literal_payload(rec) else {
+                    return;
+                };
+                let payload = self.records.slice(at + len - clen..at + len);
+                let mut bytes = Vec::new();
+                if !crate::prepare::unpack(tag == TAG_LIT_ZSTD, &payload, rebuilt, &mut bytes) {
+                    return;
+                }
+                let cached = classify(first, self.accept.dedup).1;
+                stream.lits_fed.push_back(LitFed {
+                    first,
+                    payload,
+                    piece: Piece {
+                        name: cached.then(|| fingerprint(&bytes)),
+                        bytes: Bytes::from(bytes),
+                    },
+                });
+            }
             if self.runs.front().is_some_and(|r| r.0 == at)
                 && let Some((_, bases)) = self.runs.pop_front()
             {
@@ -388,12 +410,13 @@ impl Feed {
     }
 }
 
-/// True if a context record comes before the first record that [`Feed::run`] cannot step over.
-fn has_context(records: &[u8]) -> bool {
+/// True if a context record or a literal alone comes before the first record that
+/// [`Feed::run`] cannot step over.
+fn worth_feeding(records: &[u8]) -> bool {
     let mut at = 0;
     while let Some(&first) = records.get(at) {
         let tag = classify(first, false).0;
-        if tag == TAG_LIT_CONTEXT {
+        if matches!(tag, TAG_LIT_CONTEXT | TAG_LIT_LZ4 | TAG_LIT_ZSTD) {
             return true;
         }
         match step(tag, &records[at..]) {
@@ -482,6 +505,14 @@ fn step(tag: u8, rec: &[u8]) -> Option<(usize, usize)> {
         _ => return None,
     };
     (len <= rec.len()).then_some((len, rebuilt))
+}
+
+/// The length of the payload of the literal alone at the front of `rec` (which [`step`] read
+/// whole): what follows its two lengths.
+fn literal_payload(rec: &[u8]) -> Option<usize> {
+    let (_, h1) = get_len(rec, 1).ok()?;
+    let (c, _) = get_len(rec, 1 + h1).ok()?;
+    Some(c)
 }
 
 /// A delta run's length and the bytes it rebuilds, from its header (see

@@ -150,6 +150,9 @@ impl Decoder {
         // The stream's context records fed ahead, and its delta runs rebuilt ahead, the next
         // one first.
         let (mut fed, mut runs) = (stream.fed.iter(), stream.runs_fed.iter().peekable());
+        // Its literals alone decompressed ahead, the next one first, while they match the
+        // records (the record lets them all go at the first that does not).
+        let mut lits = Some(stream.lits_fed.iter().peekable());
         // Held chunks are checked against their names on the workers, if this cache checks
         // what it holds.
         let check = self.cache.verifies_memory().then_some(Work::Fingerprint);
@@ -327,6 +330,31 @@ impl Decoder {
             // Placed only within what the frame announced (bounded as `room` is).
             let place = Some(pos).filter(|p| p - start + raw_len <= room);
             pos = pos.saturating_add(raw_len);
+            // Decompressed ahead with its frame: its chunk copied into its place on the workers.
+            if tag != TAG_LIT
+                && let Some(l) = lits.as_mut().and_then(|l| l.peek().copied())
+            {
+                if !l.is_for(first, raw_len, &buf[payload_at..end]) {
+                    lits = None;
+                } else if let Some(place) = place {
+                    lits.as_mut().and_then(Iterator::next);
+                    found.push(Scanned {
+                        at,
+                        tag: first,
+                        raw: raw_len,
+                        clen: 0,
+                        source: Source::Parts(vec![l.piece.bytes.clone()], Vec::new()),
+                        work: None,
+                        place: Some(place),
+                    });
+                    at = end;
+                    continue;
+                } else {
+                    lits.as_mut().and_then(Iterator::next);
+                    at = end;
+                    continue;
+                }
+            }
             let work = match tag {
                 TAG_LIT_LZ4 => Some(Work::Unlz4 { raw_len, hash }),
                 TAG_LIT_ZSTD => Some(Work::Unzstd { raw_len, hash }),

@@ -67,6 +67,8 @@ pub struct Decoder {
     asked: std::collections::HashMap<Fingerprint, bool>,
     /// Delta runs taken rebuilt ahead (see [`Decoder::runs_ahead`]).
     runs_ahead: u64,
+    /// Literals alone taken decompressed ahead (see [`Decoder::lits_ahead`]).
+    lits_ahead: u64,
     /// This decoder's number, which the frames it feeds carry (see [`Feeding`]).
     number: u64,
     /// Scratch for delta runs rebuilt ahead (see [`Feeding`]), shared with the feedings.
@@ -107,6 +109,7 @@ impl Decoder {
             names: Vec::new(),
             asked: std::collections::HashMap::new(),
             runs_ahead: 0,
+            lits_ahead: 0,
             number: ahead::decoder_number(),
             scratch_ahead: Default::default(),
             cache,
@@ -193,6 +196,12 @@ impl Decoder {
     /// in order here as any run's are).
     pub fn runs_ahead(&self) -> u64 {
         self.runs_ahead
+    }
+
+    /// How many literals alone were taken decompressed ahead, with their frames fed on the
+    /// workers (see [`feed_ahead`](Self::feed_ahead)).
+    pub fn lits_ahead(&self) -> u64 {
+        self.lits_ahead
     }
 
     /// Of the bytes rebuilt so far, those a worker copied into place (literals alone and chunks
@@ -463,6 +472,33 @@ impl Decoder {
                 let at = 1 + h1 + h2;
                 need(at + clen)?;
                 let payload = &buf[at..at + clen];
+                // Decompressed ahead with its frame (on a worker), if it was fed: taken if it
+                // was made from this very payload, else every literal fed is let go.
+                let fed = match stream.lits_fed.front() {
+                    Some(l) if l.is_for(first, raw_len, payload) => stream.lits_fed.pop_front(),
+                    Some(_) => {
+                        stream.lits_fed.clear();
+                        None
+                    }
+                    None => None,
+                };
+                if let Some(l) = fed {
+                    // Copied into place on a worker, if the batch made a job of it.
+                    let place = prepared(first, raw_len, 0, out).and_then(|p| p.1);
+                    let chunk = l.piece.bytes;
+                    let ahead = Self::put_rebuilt(out, place, &chunk, batch);
+                    debug_assert!(out.ends_with(&chunk));
+                    self.ahead_bytes += if ahead { raw_len as u64 } else { 0 };
+                    self.lits_ahead += 1;
+                    self.stats.lit_chunks += 1;
+                    self.stats.lit_bytes += raw_len as u64;
+                    if cache {
+                        let f = l.piece.name.unwrap_or_else(|| fingerprint(&chunk));
+                        self.cache.insert_bytes(f, chunk);
+                        self.log_chunk(stream.log, f);
+                    }
+                    return Ok(at + clen);
+                }
                 // Decompressed ahead on a worker (into exactly the announced size), or here.
                 let (chunk, f, place) = match prepared(first, raw_len, clen, out) {
                     Some((p, place)) if p.decoded => (p.out, p.fingerprint, place),

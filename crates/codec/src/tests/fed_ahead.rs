@@ -283,3 +283,112 @@ fn frames_fed_ahead_resume_after_misses_and_fail_as_in_turn() {
     assert_eq!((r, &out), (in_turn.0, &in_turn.1));
     assert!(firsts[*k].starts_with(&out));
 }
+
+/// Literals alone (LZ4) decompressed ahead with their frames on a worker, while the frames
+/// before them are decoded: the same bytes, stats and cache as in turn, also when chunks the
+/// frames refer to are damaged (each frame stops at its miss and goes on from there once it is
+/// answered, its later literals still taken as fed). A literal fed from other bytes than the
+/// record's (one payload byte changed after its frame was fed) is never taken: the record
+/// decodes as it does in turn.
+#[test]
+fn literals_fed_ahead_land_exactly_and_only_for_their_own_bytes() {
+    let (firsts, mut changed) = crate::testdata::parallel_copies(4, 4, 400);
+    changed[3] = firsts[0].clone();
+    let cfg = CodecConfig {
+        context: false,
+        ..CodecConfig::default()
+    };
+    let mut s = crate::Streams::new(cfg.clone(), 4, 256 << 10);
+    let first = side_by_side(&mut s, &firsts, Pressure::CpuBound);
+    let second = side_by_side(&mut s, &changed, Pressure::CpuBound);
+    let fresh = || -> Vec<crate::StreamContext> { (0..4).map(|_| Default::default()).collect() };
+    let all: Vec<_> = first.iter().chain(&second).cloned().collect();
+    let mut whole = Decoder::new(&cfg);
+    let (mut ctxs, mut outs) = (fresh(), vec![Vec::new(); 4]);
+    decode_fed_ahead(&mut whole, &all, 0, None, (&mut ctxs, &mut outs), |_| None);
+    assert!(whole.stats().lit_chunks > 100, "{:?}", whole.stats());
+
+    let workers: std::sync::Arc<dyn prepare::Workers> = std::sync::Arc::new(Threads::new(2));
+    let mut dec = Decoder::new(&cfg);
+    dec.set_workers(Some(workers.clone()));
+    let (mut ctxs, mut outs) = (fresh(), vec![Vec::new(); 4]);
+    let io = (&mut ctxs[..], &mut outs[..]);
+    decode_fed_ahead(&mut dec, &first, 3, Some(workers.clone()), io, |_| None);
+    assert_eq!(dec.stats(), {
+        let mut d = Decoder::new(&cfg);
+        let (mut c, mut o) = (fresh(), vec![Vec::new(); 4]);
+        decode_fed_ahead(&mut d, &first, 0, None, (&mut c, &mut o), |_| None);
+        d.stats()
+    });
+    // Every fifth chunk of the first stream's first copy, which the last stream sends again.
+    for (at, len) in chunks(&firsts[0], &cfg).step_by(5) {
+        let f = crate::fingerprint::fingerprint(&firsts[0][at..at + len]);
+        dec.cache_mut().corrupt_for_test(&f);
+    }
+    let mut misses = 0;
+    let io = (&mut ctxs[..], &mut outs[..]);
+    decode_fed_ahead(&mut dec, &second, 3, Some(workers.clone()), io, |f| {
+        misses += 1;
+        whole.cache().peek(f).map(<[u8]>::to_vec)
+    });
+    assert!(misses > 10, "{misses} misses");
+    assert!(dec.lits_ahead() > 10, "{} literals fed", dec.lits_ahead());
+    for k in 0..4 {
+        assert!(outs[k] == [&firsts[k][..], &changed[k][..]].concat(), "{k}");
+    }
+
+    // One frame's literals fed (here, as the caller helps while a worker feeds another), then
+    // the frame decoded: all of them taken, and the bytes are the frame's.
+    let (k, records) = first
+        .iter()
+        .find(|(_, r)| lz4_payloads(r).len() > 4)
+        .expect("a frame of LZ4 literals");
+    let in_turn = |frame: &[u8]| {
+        let mut d = Decoder::new(&cfg);
+        let mut out = Vec::new();
+        let r = d.decode_frame(frame, &mut out, &mut Default::default(), usize::MAX);
+        (r, out)
+    };
+    let fed_then_decoded = |fed: &[u8], decoded: &[u8]| {
+        let mut d = Decoder::new(&cfg);
+        let feeding = d
+            .feed_ahead(fed.to_vec().into(), &mut Default::default(), usize::MAX)
+            .expect("a frame of literals");
+        assert!(prepare::Deferred::help(&feeding));
+        let mut ctx = feeding.finish();
+        let mut out = Vec::new();
+        let r = d.decode_frame(decoded, &mut out, &mut ctx, usize::MAX);
+        (r, out, d.lits_ahead())
+    };
+    let lits = lz4_payloads(records);
+    let (r, out, taken) = fed_then_decoded(records, records);
+    assert_eq!((r, &out), (in_turn(records).0, &in_turn(records).1));
+    assert!(firsts[*k].starts_with(&out));
+    assert_eq!(taken, lits.len() as u64);
+    // The frame changed after it was fed, in its second literal's payload (same lengths): no
+    // literal is taken from the feeding from there on, and what decodes is what decodes in
+    // turn (here a literal that no longer rebuilds its length, or other bytes).
+    let mut other = records.clone();
+    other[lits[1].start + lits[1].len() / 2] ^= 0x20;
+    let (r, out, taken) = fed_then_decoded(records, &other);
+    assert_eq!((r, &out), (in_turn(&other).0, &in_turn(&other).1));
+    assert_eq!(taken, 1, "only the literal before the change");
+}
+
+/// The payloads of the LZ4 literals alone among a frame's `records`.
+fn lz4_payloads(records: &[u8]) -> Vec<std::ops::Range<usize>> {
+    let (mut at, mut found) = (0, Vec::new());
+    while let Some(&first) = records.get(at) {
+        if first & !NO_CACHE == TAG_LIT_LZ4 {
+            let (_, h1) = get_len(records, at + 1).expect("a length");
+            let (c, h2) = get_len(records, at + 1 + h1).expect("a length");
+            let from = at + 1 + h1 + h2;
+            found.push(from..from + c);
+        }
+        match crate::decoder::record_len(first, &records[at..]) {
+            Some(n) => at += n,
+            None => break,
+        }
+    }
+    found
+}
