@@ -41,7 +41,8 @@ pub struct Pool {
     /// caller ([`Workers::overlap`]): the two cost differently per job.
     judge: Mutex<Judge>,
     ahead: Mutex<Judge>,
-    /// Counts the calls that woke the pool's threads: a thread lingers after one (see
+    /// Counts the calls that woke the pool's threads, and the jobs handed to them
+    /// ([`Workers::spawn`]): a thread lingers after a call (see
     /// [`LINGER`]) until the next comes.
     calls: Arc<AtomicU64>,
     /// Jobs handed to the pool to run on their own ([`Workers::spawn`]: a stream context's
@@ -323,6 +324,9 @@ impl Workers for Pool {
     }
 
     fn spawn(&self, job: Box<dyn FnOnce() + Send>) {
+        // A thread lingering after the last call (see `helped`) stops spinning and takes it:
+        // a frame fed ahead or a turn's context records waited behind the spin otherwise.
+        self.calls.fetch_add(1, Ordering::Relaxed);
         let making = Arc::clone(&self.making);
         making.fetch_add(1, Ordering::Relaxed);
         CONTEXT_TURNS.inc();
