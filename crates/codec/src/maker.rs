@@ -11,13 +11,15 @@
 //! maker's.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use bytes::BufMut;
 use zstd::zstd_safe::{CCtx, InBuffer, OutBuffer, zstd_sys::ZSTD_EndDirective};
 
 use crate::config::Codec;
 use crate::format::{TAG_RUN_END, put_len};
+use crate::prepare::Workers;
 
 /// Record bytes a planned context record is counted as at most beyond its raw bytes' share of
 /// [`run_reserve`](crate::format::run_reserve): its tag and two lengths, a zstd block header,
@@ -181,25 +183,88 @@ pub(crate) fn make_run(
 }
 
 /// A turn's planned records, in order, for whoever makes them (a worker, or the caller that
-/// finishes the turn).
+/// finishes the turn). A queue that [`streams`](Queue::streaming) has a worker make them while
+/// the rest of the turn is planned.
 #[derive(Default)]
-pub(crate) struct Queue(Mutex<VecDeque<Op>>);
+pub(crate) struct Queue {
+    ops: Mutex<VecDeque<Op>>,
+    /// Records ever queued.
+    pushed: AtomicUsize,
+    /// A worker makes the records queued, or is about to.
+    busy: AtomicBool,
+    /// The stream's maker and the workers that make its records as they come.
+    stream: Option<Streamed>,
+}
+
+/// A stream's maker, and the workers that make its queued records as they come.
+type Streamed = (Arc<Mutex<Maker>>, Arc<dyn Workers>);
 
 impl Queue {
-    pub(crate) fn push(&self, op: Op) {
-        self.0
+    /// A queue whose records `workers` make with `maker` as they come: the stream's context
+    /// records are made beside the planning of its turn's other records (which does not wait
+    /// for what they cost: that is learned at the turn's end). The same records, made in the
+    /// same order, as when they are all made after the turn is planned.
+    pub(crate) fn streaming(maker: Arc<Mutex<Maker>>, workers: Arc<dyn Workers>) -> Self {
+        Queue {
+            stream: Some((maker, workers)),
+            ..Queue::default()
+        }
+    }
+
+    /// Queues a planned record; a streaming queue has a worker make it, unless one already
+    /// makes this queue's records.
+    pub(crate) fn push(queue: &Arc<Queue>, op: Op) {
+        queue
+            .ops
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push_back(op);
+        queue.pushed.fetch_add(1, Ordering::Relaxed);
+        let Some((maker, workers)) = queue.stream.as_ref() else {
+            return;
+        };
+        if queue.busy.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let (q, maker) = (Arc::clone(queue), Arc::clone(maker));
+        workers.spawn(Box::new(move || {
+            loop {
+                // Held elsewhere: by whoever makes them all (the turn's finish, or the work
+                // handed over for it), which takes the rest too.
+                let Ok(mut m) = maker.try_lock() else {
+                    q.busy.store(false, Ordering::SeqCst);
+                    return;
+                };
+                m.run(&q);
+                drop(m);
+                q.busy.store(false, Ordering::SeqCst);
+                // A record queued after the last one taken and before `busy` was cleared found
+                // a worker busy: it is taken here.
+                if q.is_empty() || q.busy.swap(true, Ordering::SeqCst) {
+                    return;
+                }
+            }
+        }));
     }
 
     /// True if no record waits to be made.
     pub(crate) fn is_empty(&self) -> bool {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+        self.ops
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
+    }
+
+    /// True if a record was ever queued (made since, or not).
+    pub(crate) fn any(&self) -> bool {
+        self.pushed.load(Ordering::Relaxed) > 0
     }
 
     fn next(&self) -> Option<Op> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).pop_front()
+        self.ops
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop_front()
     }
 }
 
@@ -373,40 +438,85 @@ mod tests {
             &mut scratch,
             &mut inline,
         );
-        let queue = Queue::default();
-        let mut maker = Maker {
+        let ops = || {
+            let mut ops: Vec<Op> = chunks
+                .iter()
+                .enumerate()
+                .map(|(i, c)| Op {
+                    at: i * 10,
+                    what: What::Record(plan(i)),
+                    kind: Kind::Deferred,
+                    raw: c.to_vec(),
+                    start: None,
+                })
+                .collect();
+            ops.push(Op {
+                at: 240,
+                what: What::Record(Make::RunEnd),
+                kind: Kind::RunEnd { raw: 0, n: 0 },
+                raw: Vec::new(),
+                start: None,
+            });
+            ops
+        };
+        let fresh = || Maker {
             cctx: Some((1, compressor())),
             ..Maker::default()
         };
-        for (i, c) in chunks.iter().enumerate() {
-            queue.push(Op {
-                at: i * 10,
-                what: What::Record(plan(i)),
-                kind: Kind::Deferred,
-                raw: c.to_vec(),
-                start: None,
-            });
+        let check = |maker: &Maker| {
+            assert!(
+                maker.recs == inline,
+                "{} against {} bytes",
+                maker.recs.len(),
+                inline.len()
+            );
+            let places: Vec<usize> = maker.made.iter().map(|m| m.0).collect();
+            assert_eq!(places, (0..=24).map(|i| i * 10).collect::<Vec<_>>());
+            assert!(maker.made.iter().all(|m| !m.2.failed));
+            assert_eq!(maker.spare.len(), 25, "the chunks' buffers come back");
+        };
+        let queue = Arc::new(Queue::default());
+        let mut maker = fresh();
+        for op in ops() {
+            Queue::push(&queue, op);
         }
-        queue.push(Op {
-            at: 240,
-            what: What::Record(Make::RunEnd),
-            kind: Kind::RunEnd { raw: 0, n: 0 },
-            raw: Vec::new(),
-            start: None,
-        });
         std::thread::scope(|s| {
             s.spawn(|| maker.run(&queue));
         });
-        assert!(
-            maker.recs == inline,
-            "{} against {} bytes",
-            maker.recs.len(),
-            inline.len()
-        );
-        let places: Vec<usize> = maker.made.iter().map(|m| m.0).collect();
-        assert_eq!(places, (0..=24).map(|i| i * 10).collect::<Vec<_>>());
-        assert!(maker.made.iter().all(|m| !m.2.failed));
-        assert_eq!(maker.spare.len(), 25, "the chunks' buffers come back");
+        check(&maker);
+
+        // Made by workers as they are queued (a streaming queue, a few at a time as the
+        // planning pauses), the rest by the turn's finish: the same records.
+        let maker = Arc::new(Mutex::new(fresh()));
+        let queue = Arc::new(Queue::streaming(Arc::clone(&maker), Arc::new(Spawned)));
+        for (i, op) in ops().into_iter().enumerate() {
+            Queue::push(&queue, op);
+            if i % 5 == 4 {
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+        }
+        let mut m = maker.lock().unwrap_or_else(|p| p.into_inner());
+        m.run(&queue);
+        assert!(queue.any() && queue.is_empty());
+        check(&m);
+    }
+
+    /// Workers that run each job handed over on a thread of its own.
+    #[derive(Debug)]
+    struct Spawned;
+
+    impl Workers for Spawned {
+        fn run(&self, jobs: &mut [crate::prepare::Job<'_>]) {
+            jobs.iter_mut().for_each(crate::prepare::Job::run);
+        }
+
+        fn threads(&self) -> usize {
+            2
+        }
+
+        fn spawn(&self, job: Box<dyn FnOnce() + Send>) {
+            std::thread::spawn(job);
+        }
     }
 
     /// A context that fails (or is gone) sends its chunk as raw bytes, which rebuild it

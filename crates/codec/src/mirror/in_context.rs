@@ -136,13 +136,16 @@ impl Mirror {
                 .and_then(|c| c.cctx.take().map(|x| (c.serial, x)));
             let mut buf = self.spare.pop().unwrap_or_default();
             buf.extend_from_slice(raw);
-            q.push(Op {
-                at: out.written(),
-                what: What::Record(make),
-                kind,
-                raw: buf,
-                start,
-            });
+            Queue::push(
+                q,
+                Op {
+                    at: out.written(),
+                    what: What::Record(make),
+                    kind,
+                    raw: buf,
+                    start,
+                },
+            );
             return;
         }
         let cctx = hint.context.as_mut().and_then(|c| c.cctx.as_mut());

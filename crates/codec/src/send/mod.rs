@@ -183,8 +183,12 @@ pub fn emit_pending(
     lim: &Limits,
     stats: &mut EncodeStats,
 ) -> Pending {
-    let lane = Arc::new(Queue::default());
     let maker = Arc::clone(&coder.maker);
+    // With a thread to spare, the stream's context records are made as they are planned.
+    let lane = Arc::new(match mirror.workers().filter(|w| w.threads() > 1) {
+        Some(w) => Queue::streaming(Arc::clone(&maker), w),
+        None => Queue::default(),
+    });
     mirror.open_lane(Arc::clone(&lane), &mut coder.hint, &mut lock(&maker));
     let mut plan = std::mem::take(&mut coder.plan);
     plan.clear();
@@ -232,7 +236,7 @@ impl Pending {
 
     /// True if the turn wrote nothing (it sent no bytes).
     pub fn is_empty(&self) -> bool {
-        self.plan.is_empty() && self.lane.is_empty()
+        self.plan.is_empty() && !self.lane.any()
     }
 
     /// Writes the turn's records to `out`, the made ones (made here if no worker has, else
