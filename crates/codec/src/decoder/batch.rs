@@ -334,26 +334,23 @@ impl Decoder {
             if tag != TAG_LIT
                 && let Some(l) = lits.as_mut().and_then(|l| l.peek().copied())
             {
-                if !l.is_for(first, raw_len, &buf[payload_at..end]) {
-                    lits = None;
-                } else if let Some(place) = place {
+                if l.is_for(first, raw_len, &buf[payload_at..end]) {
                     lits.as_mut().and_then(Iterator::next);
-                    found.push(Scanned {
-                        at,
-                        tag: first,
-                        raw: raw_len,
-                        clen: 0,
-                        source: Source::Parts(vec![l.piece.bytes.clone()], Vec::new()),
-                        work: None,
-                        place: Some(place),
-                    });
-                    at = end;
-                    continue;
-                } else {
-                    lits.as_mut().and_then(Iterator::next);
+                    if let Some(place) = place {
+                        found.push(Scanned {
+                            at,
+                            tag: first,
+                            raw: raw_len,
+                            clen: 0,
+                            source: Source::Parts(vec![l.piece.bytes.clone()], Vec::new()),
+                            work: None,
+                            place: Some(place),
+                        });
+                    }
                     at = end;
                     continue;
                 }
+                lits = None;
             }
             let work = match tag {
                 TAG_LIT_LZ4 => Some(Work::Unlz4 { raw_len, hash }),

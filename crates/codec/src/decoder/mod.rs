@@ -482,27 +482,18 @@ impl Decoder {
                     }
                     None => None,
                 };
-                if let Some(l) = fed {
+                let (chunk, f, place) = match fed {
                     // Copied into place on a worker, if the batch made a job of it.
-                    let place = prepared(first, raw_len, 0, out).and_then(|p| p.1);
-                    let chunk = l.piece.bytes;
-                    let ahead = Self::put_rebuilt(out, place, &chunk, batch);
-                    debug_assert!(out.ends_with(&chunk));
-                    self.ahead_bytes += if ahead { raw_len as u64 } else { 0 };
-                    self.lits_ahead += 1;
-                    self.stats.lit_chunks += 1;
-                    self.stats.lit_bytes += raw_len as u64;
-                    if cache {
-                        let f = l.piece.name.unwrap_or_else(|| fingerprint(&chunk));
-                        self.cache.insert_bytes(f, chunk);
-                        self.log_chunk(stream.log, f);
+                    Some(l) => {
+                        self.lits_ahead += 1;
+                        let place = prepared(first, raw_len, 0, out).and_then(|p| p.1);
+                        (l.piece.bytes, l.piece.name, place)
                     }
-                    return Ok(at + clen);
-                }
-                // Decompressed ahead on a worker (into exactly the announced size), or here.
-                let (chunk, f, place) = match prepared(first, raw_len, clen, out) {
-                    Some((p, place)) if p.decoded => (p.out, p.fingerprint, place),
-                    _ => (self.decompress(tag, payload, raw_len)?, None, None),
+                    // Decompressed ahead on a worker (into exactly the announced size), or here.
+                    None => match prepared(first, raw_len, clen, out) {
+                        Some((p, place)) if p.decoded => (p.out.into(), p.fingerprint, place),
+                        _ => (self.decompress(tag, payload, raw_len)?.into(), None, None),
+                    },
                 };
                 if chunk.len() != raw_len {
                     return Err(CodecError::Decompress);
@@ -514,7 +505,7 @@ impl Decoder {
                 self.stats.lit_bytes += raw_len as u64;
                 if cache {
                     let f = f.unwrap_or_else(|| fingerprint(&chunk));
-                    self.cache.insert(f, chunk);
+                    self.cache.insert_bytes(f, chunk);
                     self.log_chunk(stream.log, f);
                 }
                 Ok(at + clen)
