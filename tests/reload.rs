@@ -173,6 +173,12 @@ fn reload_changes_a_ceiling_under_a_running_stream() {
     let (st, wr) = (stop.clone(), written.clone());
     let client = std::thread::spawn(move || -> Result<(), String> {
         let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+        // A send buffer of its own size: on a host with the drop-in's maxima
+        // (systemd/99-wanopt.conf, 64 MiB) autotuning would grow it for the whole measurement,
+        // and what the client writes would not be what the ceiling lets through.
+        socket2::SockRef::from(&s)
+            .set_send_buffer_size(256 << 10)
+            .map_err(|e| e.to_string())?;
         let seed = 9u64;
         let mut hdr = [0u8; 16];
         hdr[..8].copy_from_slice(&seed.to_le_bytes());
