@@ -54,7 +54,8 @@ pub trait Deferred {
     fn spawn(&self, workers: &dyn Workers);
     /// True while a worker does it.
     fn busy(&self) -> bool;
-    /// Does the work here if no worker has started on it; returns whether it did.
+    /// Does a piece of the work that no worker has started here; returns whether it did any
+    /// (called again, it does the next piece).
     fn help(&self) -> bool;
 }
 
@@ -111,13 +112,16 @@ impl<K, J: Deferred> InTurn<K, J> {
         self.jobs.iter().position(|(k, _)| is(k))
     }
 
-    /// The oldest work, to be finished: later ones are done here while a worker does it.
+    /// The oldest work, to be finished: later ones are done here, a piece at a time (the last
+    /// first), while a worker does it.
     pub fn pop_front(&mut self) -> Option<(K, J)> {
-        for (_, later) in self.jobs.iter().skip(1).rev() {
-            if self.jobs.front().is_none_or(|(_, j)| !j.busy()) {
-                break;
+        'help: while self.jobs.front().is_some_and(|(_, j)| j.busy()) {
+            for (_, later) in self.jobs.iter().skip(1).rev() {
+                if later.help() {
+                    continue 'help;
+                }
             }
-            later.help();
+            break;
         }
         self.jobs.pop_front()
     }
@@ -831,8 +835,6 @@ thread_local! {
     static UNZSTD: RefCell<Option<zstd::bulk::Decompressor<'static>>> = const { RefCell::new(None) };
 }
 
-/// zstd of `payload` decompressed into `out`: true if it made exactly `raw_len` bytes (it may
-/// not make more: the buffer holds no more).
 /// A literal alone's `payload` decompressed (zstd's, or LZ4's) into `out`, a buffer of exactly
 /// `raw_len` bytes (the one given if it is that size: it becomes the cached chunk); false if it
 /// does not rebuild exactly `raw_len` bytes.
@@ -849,6 +851,8 @@ pub(crate) fn unpack(zstd: bool, payload: &[u8], raw_len: usize, out: &mut Vec<u
     }
 }
 
+/// zstd of `payload` decompressed into `out`: true if it made exactly `raw_len` bytes (it may
+/// not make more: the buffer holds no more).
 fn unzstd_into(payload: &[u8], raw_len: usize, out: &mut Vec<u8>) -> bool {
     UNZSTD.with_borrow_mut(|z| {
         if z.is_none() {

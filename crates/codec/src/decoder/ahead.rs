@@ -7,6 +7,7 @@
 //! same as when they are fed in turn.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
@@ -31,6 +32,11 @@ use crate::format::{
 /// others once the frames before it bring their bases ([`Decoder::rebuild_later`]).
 pub struct Feeding {
     feed: Arc<Mutex<Feed>>,
+    /// Its literals alone, each decompressed by whoever takes it (a frame without context
+    /// records; see [`LitJobs`]).
+    lits: Option<Arc<LitJobs>>,
+    /// True once it was handed to the workers (else its literals are left to the batches).
+    spawned: AtomicBool,
     records: Bytes,
     /// The decoder that fed it (see [`Decoder::rebuild_later`]).
     decoder: u64,
@@ -101,6 +107,8 @@ struct Feed {
     stream: StreamContext,
     accept: Accept,
     done: bool,
+    /// Its literals alone are [`LitJobs`], not decompressed in the walk.
+    lit_jobs: bool,
     /// Its delta runs to rebuild, in order, whether each base is checked against its name
     /// first, and the decoder's scratch for them.
     runs: VecDeque<RunBases>,
@@ -136,7 +144,11 @@ impl Decoder {
             return None;
         }
         let (runs, later, held) = self.runs_to_rebuild(&records);
-        if runs.is_empty() && later.is_empty() && !worth_feeding(&records) {
+        let lits = match stream.run.is_empty() {
+            true => self.literal_jobs(&records, announced),
+            false => None,
+        };
+        if runs.is_empty() && later.is_empty() && lits.is_none() && !worth_feeding(&records) {
             return None;
         }
         // Runs rebuilt ahead of an earlier frame and not taken: its records were not decoded
@@ -149,12 +161,15 @@ impl Decoder {
             stream: std::mem::take(stream),
             accept: self.accept.clone(),
             done: false,
+            lit_jobs: lits.is_some(),
             runs,
             verify,
             scratch: Arc::clone(&self.scratch_ahead),
         };
         Some(Feeding {
             feed: Arc::new(Mutex::new(feed)),
+            lits: lits.map(Arc::new),
+            spawned: AtomicBool::new(false),
             records,
             decoder: self.number,
             later: Mutex::new(Later {
@@ -257,6 +272,139 @@ impl Decoder {
         }
         (runs, later, held)
     }
+
+    /// The literals alone among `records` (which announced `announced` raw bytes), up to the
+    /// first record [`Feed::run`] cannot step over or that rebuilds more than is left of the
+    /// frame, as jobs that any thread may run; `None` for a frame with context records (fed in
+    /// order, with the literals between them) or without literals.
+    fn literal_jobs(&self, records: &Bytes, announced: usize) -> Option<LitJobs> {
+        let (mut at, mut room, mut jobs) = (0usize, announced, Vec::new());
+        while let Some(&first) = records.get(at) {
+            let tag = classify(first, false).0;
+            if matches!(tag, TAG_LIT_CONTEXT | TAG_RUN_END) {
+                return None;
+            }
+            let Some((len, rebuilt)) = step(tag, &records[at..]) else {
+                break;
+            };
+            let Some(left) = room.checked_sub(rebuilt) else {
+                break;
+            };
+            room = left;
+            if matches!(tag, TAG_LIT_LZ4 | TAG_LIT_ZSTD) {
+                let Some(clen) = literal_payload(&records[at..]) else {
+                    break;
+                };
+                jobs.push(Mutex::new(LitJob {
+                    first,
+                    zstd: tag == TAG_LIT_ZSTD,
+                    raw: rebuilt,
+                    cached: classify(first, self.accept.dedup).1,
+                    payload: records.slice(at + len - clen..at + len),
+                    made: Made::Todo,
+                }));
+            }
+            at += len;
+        }
+        (!jobs.is_empty()).then(|| LitJobs {
+            left: AtomicUsize::new(jobs.len()),
+            jobs,
+        })
+    }
+}
+
+/// A frame's literals alone, decompressed and named ahead of its turn by whoever takes each:
+/// the workers from the last back, the decoder's thread from the first on when the frame's
+/// turn comes (taking each in order, or waiting for the worker running it), so that the two
+/// work apart until they meet and neither waits for the other's whole frame.
+struct LitJobs {
+    jobs: Vec<Mutex<LitJob>>,
+    /// Jobs no worker has taken yet: the first `left`.
+    left: AtomicUsize,
+}
+
+struct LitJob {
+    first: u8,
+    zstd: bool,
+    /// The bytes it rebuilds, as its header says.
+    raw: usize,
+    /// Whether its chunk is cached (and so named).
+    cached: bool,
+    payload: Bytes,
+    made: Made,
+}
+
+enum Made {
+    Todo,
+    /// Its chunk, or `None` if the payload did not rebuild exactly its bytes.
+    Done(Option<Piece>),
+    /// Handed to the stream.
+    Taken,
+}
+
+impl LitJob {
+    fn run(&mut self) {
+        if matches!(self.made, Made::Todo) {
+            let mut bytes = Vec::new();
+            let ok = crate::prepare::unpack(self.zstd, &self.payload, self.raw, &mut bytes);
+            self.made = Made::Done(ok.then(|| Piece {
+                name: self.cached.then(|| fingerprint(&bytes)),
+                bytes: Bytes::from(bytes),
+            }));
+        }
+    }
+}
+
+impl LitJobs {
+    /// Runs the jobs nobody has taken, from the last back (a worker).
+    fn work(&self) {
+        while self.work_one() {}
+    }
+
+    /// Takes the last job nobody has taken and runs it; false when none was left.
+    fn work_one(&self) -> bool {
+        let Ok(n) = self
+            .left
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        else {
+            return false;
+        };
+        // Held elsewhere: by the decoder's thread, which runs it if nobody has.
+        if let Some(Ok(mut j)) = self.jobs.get(n - 1).map(Mutex::try_lock) {
+            j.run();
+        }
+        true
+    }
+
+    /// True once a job was taken from the back (by a worker, or by the decoder's thread
+    /// helping while a worker feeds an earlier frame).
+    fn started(&self) -> bool {
+        self.left.load(Ordering::Relaxed) < self.jobs.len()
+    }
+
+    /// Every job's chunk, in order, to `into`: each run here if no worker has taken it, else
+    /// once the worker running it is done; up to the first that did not rebuild (the decoder
+    /// decompresses that literal, and every one after it, itself).
+    fn take_all(&self, into: &mut VecDeque<LitFed>) {
+        for m in &self.jobs {
+            let mut j = m.lock().unwrap_or_else(|p| p.into_inner());
+            j.run();
+            match std::mem::replace(&mut j.made, Made::Taken) {
+                Made::Done(Some(piece)) => into.push_back(LitFed {
+                    first: j.first,
+                    payload: j.payload.clone(),
+                    piece,
+                }),
+                _ => break,
+            }
+        }
+        self.left.store(0, Ordering::Relaxed);
+    }
+
+    /// Lets the jobs go: no worker takes any from now on.
+    fn cancel(&self) {
+        self.left.store(0, Ordering::Relaxed);
+    }
 }
 
 /// Delta runs a frame's feeding rebuilds ahead, at most: their bases are held (not copied)
@@ -278,9 +426,14 @@ impl crate::prepare::Deferred for Feeding {
     /// Has `workers` feed the frame.
     fn spawn(&self, workers: &dyn crate::prepare::Workers) {
         let feed = Arc::clone(&self.feed);
+        let lits = self.lits.clone();
+        self.spawned.store(true, Ordering::Relaxed);
         workers.spawn(Box::new(move || {
             if let Ok(mut f) = feed.try_lock() {
                 f.run(true);
+            }
+            if let Some(l) = lits {
+                l.work();
             }
         }));
     }
@@ -290,14 +443,15 @@ impl crate::prepare::Deferred for Feeding {
         self.feed.try_lock().is_err()
     }
 
-    /// Feeds the frame here if no worker has started on it (while a worker feeds an earlier one).
+    /// Feeds the frame here if no worker has started on it (while a worker feeds an earlier
+    /// one); once it is fed, decompresses one of its literals alone that nobody has taken.
     fn help(&self) -> bool {
         match self.feed.try_lock() {
             Ok(mut f) if !f.done => {
                 f.run(true);
                 true
             }
-            _ => false,
+            _ => self.lits.as_ref().is_some_and(|l| l.work_one()),
         }
     }
 }
@@ -311,6 +465,15 @@ impl Feeding {
         // which the workers help with.
         f.run(false);
         let mut stream = std::mem::take(&mut f.stream);
+        drop(f);
+        // Its literals alone: taken in order (here, those nobody has) if it was handed to the
+        // workers or helped with, else left to the decoding batches too.
+        if let Some(l) = &self.lits {
+            match self.spawned.load(Ordering::Relaxed) || l.started() {
+                true => l.take_all(&mut stream.lits_fed),
+                false => l.cancel(),
+            }
+        }
         // Its runs rebuilt since it was fed (here, if no worker has begun one), in order.
         let later = self.later.into_inner().unwrap_or_else(|p| p.into_inner());
         if !later.jobs.is_empty() {
@@ -378,7 +541,7 @@ impl Feed {
                 return;
             };
             room = left;
-            if literals && matches!(tag, TAG_LIT_LZ4 | TAG_LIT_ZSTD) {
+            if literals && !self.lit_jobs && matches!(tag, TAG_LIT_LZ4 | TAG_LIT_ZSTD) {
                 let Some(clen) = literal_payload(rec) else {
                     return;
                 };

@@ -364,6 +364,12 @@ fn literals_fed_ahead_land_exactly_and_only_for_their_own_bytes() {
             .feed_ahead(fed.to_vec().into(), &mut Default::default(), usize::MAX)
             .expect("a frame of literals");
         assert!(prepare::Deferred::help(&feeding));
+        // Then its literals, one a call, until none is left.
+        let mut helped = 0;
+        while prepare::Deferred::help(&feeding) {
+            helped += 1;
+        }
+        assert_eq!(helped, lz4_payloads(fed).len());
         let mut ctx = feeding.finish();
         let mut out = Vec::new();
         let r = d.decode_frame(decoded, &mut out, &mut ctx, usize::MAX);
@@ -382,6 +388,16 @@ fn literals_fed_ahead_land_exactly_and_only_for_their_own_bytes() {
     let (r, out, taken) = fed_then_decoded(records, &other);
     assert_eq!((r, &out), (in_turn(&other).0, &in_turn(&other).1));
     assert_eq!(taken, 1, "only the literal before the change");
+    // The frame damaged before it was fed, in its second literal's lengths (the payload no
+    // longer rebuilds what its header says): its feeding takes the first literal alone, and
+    // the frame decodes as it does in turn, to the same error.
+    let mut bad = records.clone();
+    let at = lits[1].start;
+    bad[at..at + 8].copy_from_slice(&[0xF0; 8]);
+    let (r, out, taken) = fed_then_decoded(&bad, &bad);
+    assert!(r.1.is_some(), "a damaged literal decodes to an error");
+    assert_eq!((r, &out), (in_turn(&bad).0, &in_turn(&bad).1));
+    assert_eq!(taken, 1, "only the literal before the damage");
 }
 
 /// The LZ4 literals alone in `frames`.
