@@ -57,6 +57,11 @@ pub trait Deferred {
     /// Does a piece of the work that no worker has started here; returns whether it did any
     /// (called again, it does the next piece).
     fn help(&self) -> bool;
+    /// True if it is worth handing to the workers even right after its owner's earlier work
+    /// (see [`InTurn::push`]): it needs nothing of that work.
+    fn alone(&self) -> bool {
+        false
+    }
 }
 
 /// Deferred work, oldest first, each with its owner's key (a stream, a frame's header),
@@ -88,7 +93,7 @@ impl<K, J: Deferred> InTurn<K, J> {
     /// (one stream's context decode on two threads ran at 0.85-0.97x of one thread fed ahead).
     pub fn push(&mut self, owner: u64, k: K, j: J, workers: Option<&dyn Workers>) {
         let after_another = self.last.replace(owner) != Some(owner);
-        if let Some(w) = workers.filter(|_| after_another) {
+        if let Some(w) = workers.filter(|_| after_another || j.alone()) {
             j.spawn(w);
         }
         self.jobs.push_back((k, j));

@@ -1271,6 +1271,176 @@ impl wanopt_codec::prepare::Workers for Spawning {
     }
 }
 
+/// Bulk streams on the LZ4 path (literals alone) sent to a side with workers: a stream's frame
+/// has its literals decompressed on them while the stream's earlier frames wait for their
+/// turn, one stream alone or three side by side. A first copy; then, with the receiver's
+/// memory gone bad, the chunks it held sent again between new ones (references that miss,
+/// stalling the stream while its later frames are fed), and a changed copy. Every stream
+/// arrives exact, the caches are in step after the first copy, each miss is answered, and
+/// literals were taken as fed.
+#[test]
+fn literals_fed_behind_a_streams_waiting_frames_rebuild_exactly() {
+    for streams in [1usize, 3] {
+        let firsts: Vec<Bytes> = parallel_parts(12_000).into_iter().take(streams).collect();
+        let spawned = Arc::new(Spawning::default());
+        let e = spawned.clone();
+        let mut p = Pair::with(
+            Duration::from_millis(20),
+            50_000_000,
+            |c| c.codec = Some(codec(64 << 20)),
+            move |c| {
+                c.codec = Some(codec(64 << 20));
+                c.workers = Some(e as Arc<dyn wanopt_codec::prepare::Workers>);
+            },
+        );
+        p.drive(Duration::from_secs(1));
+        assert!(p.west.app.up && p.east.app.up);
+        p.west.link.set_pressure(Pressure::CpuBound);
+        // East reads every 40 ms: what piled up meanwhile (several frames) in one input call.
+        p.w2e[0].reads_every = Some(Duration::from_millis(40));
+        let send = |p: &mut Pair, copy: &[Bytes]| {
+            let ids: Vec<_> = copy
+                .iter()
+                .map(|d| open_and_send(p, "e-svc", Class::Bulk, d.clone()))
+                .collect();
+            p.drive(Duration::from_secs(60));
+            for (id, d) in ids.iter().zip(copy) {
+                assert!(
+                    p.east.app.received.get(id).is_some_and(|r| r[..] == d[..]),
+                    "{streams} streams: bytes differ"
+                );
+                assert!(p.east.app.fin.contains(id));
+                p.east.app.to_send.insert(*id, (Bytes::new(), true));
+            }
+            p.drive(Duration::from_secs(5));
+        };
+        send(&mut p, &firsts);
+        // The same chunks in the same order on both sides.
+        let west = p.west.link.cache_digests_for_test();
+        let east = p.east.link.cache_digests_for_test();
+        for (_, lane, scope, digest) in west.iter().filter(|d| d.0 == "mirror") {
+            let theirs = east
+                .iter()
+                .find(|d| d.0 == "decoder" && d.1 == *lane && d.2 == *scope);
+            assert_eq!(theirs.map(|d| d.3), Some(*digest), "{streams} streams");
+        }
+        let (behind, lits) = p.east.link.fed_ahead_for_test();
+        assert!(behind > 4, "{streams} streams: {behind} frames fed behind");
+        assert!(
+            lits > 100,
+            "{streams} streams: {lits} literals taken as fed"
+        );
+        let _ = counts(&mut p.east.link);
+        // Its memory gone bad: what it held, sent again between new bytes, misses.
+        assert!(p.east.link.corrupt_caches_for_test() > 0);
+        let again: Vec<Bytes> = firsts
+            .iter()
+            .enumerate()
+            .map(|(k, d)| {
+                let mut v = Vec::new();
+                for (i, piece) in d.chunks(256 << 10).enumerate() {
+                    v.extend_from_slice(piece);
+                    v.extend_from_slice(&db_blocks(8, 1000 + (k * 100 + i) as u64));
+                }
+                Bytes::from(v)
+            })
+            .collect();
+        send(&mut p, &again);
+        let (east, west) = (counts(&mut p.east.link), counts(&mut p.west.link));
+        assert!(
+            east.needs > 0,
+            "{streams} streams: the damaged chunks were asked for"
+        );
+        assert_eq!(west.resent, east.needs, "{streams} streams: and re-sent");
+        let changed: Vec<Bytes> = again
+            .iter()
+            .enumerate()
+            .map(|(k, d)| Bytes::from(wanopt_codec::testdata::edited(d, k)))
+            .collect();
+        send(&mut p, &changed);
+        assert_eq!(counts(&mut p.east.link).needs, 0, "{streams} streams");
+        let (later, _) = p.east.link.fed_ahead_for_test();
+        assert!(
+            later > behind,
+            "{streams} streams: frames fed behind after the misses too"
+        );
+        p.assert_no_leaks();
+    }
+}
+
+/// An input call that ends inside a frame leaves the frames fed ahead before it waiting (the
+/// workers going on with them) for the rest of that frame, a millisecond at most: the timer
+/// decodes them if nothing more comes, and what comes next decodes after them, exact.
+#[test]
+fn frames_fed_ahead_wait_for_a_frame_being_read_a_millisecond_at_most() {
+    let e = Arc::new(Spawning::default());
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        50_000_000,
+        |c| c.codec = Some(codec(64 << 20)),
+        move |c| {
+            c.codec = Some(codec(64 << 20));
+            c.workers = Some(e as Arc<dyn wanopt_codec::prepare::Workers>);
+        },
+    );
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up);
+    p.west.link.set_pressure(Pressure::CpuBound);
+    // East reads nothing for now: what west sends piles up, and is handed over here.
+    p.w2e[0].reads_every = Some(Duration::from_secs(3600));
+    let data = parallel_parts(12_000).swap_remove(0);
+    let id = open_and_send(&mut p, "e-svc", Class::Bulk, data.clone());
+    p.drive(Duration::from_millis(400));
+    let wire: Vec<u8> = p.w2e[0].in_flight.drain(..).flat_map(|(_, b)| b).collect();
+    assert!(wire.len() > 256 << 10, "{} bytes sent", wire.len());
+    p.w2e[0].reads_every = None;
+    // All but the end of the last frame sent.
+    let now = p.now;
+    let east = &mut p.east;
+    east.inbufs[0].extend_from_slice(&wire[..wire.len() - 1000]);
+    east.link
+        .handle_lane_input(0, &mut east.inbufs[0], now)
+        .expect("input");
+    assert!(!east.inbufs[0].is_empty(), "a frame cut short waits");
+    assert!(
+        east.link.fed_waiting_for_test() > 0,
+        "frames fed ahead wait"
+    );
+    let due = east.link.poll_timeout().expect("a timer");
+    assert!(
+        due <= now + Duration::from_millis(1),
+        "{:?} late",
+        due - now
+    );
+    let got = |east: &mut Side| {
+        step_side(east, &mut [], now);
+        east.app.received.get(&id).map_or(0, Vec::len)
+    };
+    let before = got(east);
+    // Nothing more comes: the timer decodes them.
+    east.link.handle_timeout(now + Duration::from_millis(1));
+    assert_eq!(east.link.fed_waiting_for_test(), 0);
+    let after = got(east);
+    assert!(after > before, "{before} then {after} bytes");
+    // The rest of the frame, and everything after it.
+    east.inbufs[0].extend_from_slice(&wire[wire.len() - 1000..]);
+    east.link
+        .handle_lane_input(0, &mut east.inbufs[0], now + Duration::from_millis(1))
+        .expect("input");
+    p.drive(Duration::from_secs(30));
+    assert!(
+        p.east
+            .app
+            .received
+            .get(&id)
+            .is_some_and(|r| r[..] == data[..])
+    );
+    assert!(p.east.app.fin.contains(&id));
+    p.east.app.to_send.insert(id, (Bytes::new(), true));
+    p.drive(Duration::from_secs(5));
+    p.assert_no_leaks();
+}
+
 /// Four parts of a parallel copy: rows (from `rows` on, more in each part), then database
 /// blocks.
 fn parallel_parts(rows: u32) -> Vec<Bytes> {

@@ -31,7 +31,9 @@ use crate::format::{
 /// rebuilt ahead, those whose bases the cache held when it was fed by the feeding itself, the
 /// others once the frames before it bring their bases ([`Decoder::rebuild_later`]).
 pub struct Feeding {
-    feed: Arc<Mutex<Feed>>,
+    /// Its walk, with the stream's context; none for a frame whose literals alone are fed (see
+    /// [`Decoder::feed_literals`]).
+    feed: Option<Arc<Mutex<Feed>>>,
     /// Its literals alone, each decompressed by whoever takes it (a frame without context
     /// records; see [`LitJobs`]).
     lits: Option<Arc<LitJobs>>,
@@ -131,9 +133,11 @@ impl Decoder {
     /// announced `announced` raw bytes) to `stream`'s context ahead of decoding it, if it holds
     /// any: the context is the feeding's until [`Feeding::finish`] gives it back, which must
     /// come before the frame is decoded ([`decode_frame`](Self::decode_frame) takes what was
-    /// fed, record by record). `None` (and `stream` left as it is) for a frame without context
-    /// records before anything the feeding cannot step over, or a stream whose records fed
-    /// before are not all taken yet.
+    /// fed, record by record). A frame with literals alone and neither context records nor
+    /// delta runs is fed as [`feed_literals`](Self::feed_literals) feeds it, `stream` left as it
+    /// is ([`Feeding::holds_context`] says which). `None` (and `stream` left as it is) for a
+    /// frame with nothing to feed before anything the feeding cannot step over, or a stream
+    /// whose records fed before are not all taken yet.
     pub fn feed_ahead(
         &self,
         records: Bytes,
@@ -148,6 +152,9 @@ impl Decoder {
             true => self.literal_jobs(&records, announced),
             false => None,
         };
+        if runs.is_empty() && later.is_empty() && lits.is_some() {
+            return Some(self.literals_only(records, lits));
+        }
         if runs.is_empty() && later.is_empty() && lits.is_none() && !worth_feeding(&records) {
             return None;
         }
@@ -167,7 +174,7 @@ impl Decoder {
             scratch: Arc::clone(&self.scratch_ahead),
         };
         Some(Feeding {
-            feed: Arc::new(Mutex::new(feed)),
+            feed: Some(Arc::new(Mutex::new(feed))),
             lits: lits.map(Arc::new),
             spawned: AtomicBool::new(false),
             records,
@@ -180,6 +187,35 @@ impl Decoder {
                 scratch: Arc::clone(&self.scratch_ahead),
             }),
         })
+    }
+
+    /// Starts decompressing (and naming) the literals alone of a frame's `records` (the whole
+    /// frame, which announced `announced` raw bytes) ahead of decoding it, without its stream's
+    /// context: while the stream's earlier frames wait to be decoded (fed ahead themselves, or
+    /// not). [`Feeding::finish`] hands them to the stream, after the earlier frames' and
+    /// before the frame is decoded; each is taken only by the record whose very payload it was
+    /// made from. `None` for a frame with context records (fed in order, with the literals
+    /// between them) or without literals alone.
+    pub fn feed_literals(&self, records: Bytes, announced: usize) -> Option<Feeding> {
+        let lits = self.literal_jobs(&records, announced)?;
+        Some(self.literals_only(records, Some(lits)))
+    }
+
+    fn literals_only(&self, records: Bytes, lits: Option<LitJobs>) -> Feeding {
+        Feeding {
+            feed: None,
+            lits: lits.map(Arc::new),
+            spawned: AtomicBool::new(false),
+            records,
+            decoder: self.number,
+            later: Mutex::new(Later {
+                runs: Vec::new(),
+                held: 0,
+                jobs: Vec::new(),
+                verify: false,
+                scratch: Arc::clone(&self.scratch_ahead),
+            }),
+        }
     }
 
     /// Has `workers` rebuild the delta runs of a frame this decoder fed (`feeding`) whose bases
@@ -425,11 +461,11 @@ type RunBases = (usize, Vec<(Fingerprint, Bytes)>);
 impl crate::prepare::Deferred for Feeding {
     /// Has `workers` feed the frame.
     fn spawn(&self, workers: &dyn crate::prepare::Workers) {
-        let feed = Arc::clone(&self.feed);
+        let feed = self.feed.clone();
         let lits = self.lits.clone();
         self.spawned.store(true, Ordering::Relaxed);
         workers.spawn(Box::new(move || {
-            if let Ok(mut f) = feed.try_lock() {
+            if let Some(Ok(mut f)) = feed.as_deref().map(Mutex::try_lock) {
                 f.run(true);
             }
             if let Some(l) = lits {
@@ -438,34 +474,49 @@ impl crate::prepare::Deferred for Feeding {
         }));
     }
 
-    /// True while a worker feeds the frame.
+    /// True while a worker feeds the frame's context records (or walks it).
     fn busy(&self) -> bool {
-        self.feed.try_lock().is_err()
+        self.feed.as_deref().is_some_and(|f| f.try_lock().is_err())
     }
 
     /// Feeds the frame here if no worker has started on it (while a worker feeds an earlier
     /// one); once it is fed, decompresses one of its literals alone that nobody has taken.
     fn help(&self) -> bool {
-        match self.feed.try_lock() {
-            Ok(mut f) if !f.done => {
+        match self.feed.as_deref().map(Mutex::try_lock) {
+            Some(Ok(mut f)) if !f.done => {
                 f.run(true);
                 true
             }
             _ => self.lits.as_ref().is_some_and(|l| l.work_one()),
         }
     }
+
+    /// A frame's literals alone, fed without its stream's context, go to the workers even
+    /// right after the same stream's frame: they need nothing of it.
+    fn alone(&self) -> bool {
+        self.feed.is_none()
+    }
 }
 
 impl Feeding {
-    /// The stream's context, its frame fed (here, if no worker did; else once the worker is
-    /// done).
-    pub fn finish(self) -> StreamContext {
-        let mut f = lock(&self.feed);
-        // Fed here now, it is decoded next: its literals are left to the decoding batches,
-        // which the workers help with.
-        f.run(false);
-        let mut stream = std::mem::take(&mut f.stream);
-        drop(f);
+    /// True if it holds its stream's context (from [`Decoder::feed_ahead`] until
+    /// [`finish`](Self::finish)).
+    pub fn holds_context(&self) -> bool {
+        self.feed.is_some()
+    }
+
+    /// Hands the frame's feeding to its stream (`stream`, whose earlier frames are decoded):
+    /// the stream's context back, if the feeding holds it, its frame fed (here, if no worker
+    /// did; else once the worker is done); its literals alone fed, after those of the stream's
+    /// earlier frames still waiting.
+    pub fn finish(self, stream: &mut StreamContext) {
+        if let Some(feed) = &self.feed {
+            let mut f = lock(feed);
+            // Fed here now, it is decoded next: its literals are left to the decoding batches,
+            // which the workers help with.
+            f.run(false);
+            *stream = std::mem::take(&mut f.stream);
+        }
         // Its literals alone: taken in order (here, those nobody has) if it was handed to the
         // workers or helped with, else left to the decoding batches too.
         if let Some(l) = &self.lits {
@@ -487,7 +538,6 @@ impl Feeding {
             }
             stream.runs_fed.make_contiguous().sort_by_key(|r| r.at);
         }
-        stream
     }
 }
 
@@ -742,7 +792,14 @@ impl InOrder {
         contexts: &mut [StreamContext],
         decode: &mut DecodeFrame<'_>,
     ) -> bool {
-        // The stream's earlier frame first, and every frame before it.
+        // A frame of literals alone is fed while the stream's earlier frames wait.
+        let lits = (self.ahead > 0 && self.feeds.position(|f| f.0 == k).is_some())
+            .then(|| dec.feed_literals(wire.slice(range.clone()), usize::MAX))
+            .flatten();
+        if let Some(f) = lits {
+            return self.fed(dec, contexts, decode, (k, range), f);
+        }
+        // Else the stream's earlier frame first, and every frame before it.
         while self.feeds.position(|f| f.0 == k).is_some() {
             self.decode_front(dec, contexts, decode);
         }
@@ -754,6 +811,18 @@ impl InOrder {
             decode(dec, k, range, &mut contexts[k]);
             return false;
         };
+        self.fed(dec, contexts, decode, (k, range), f)
+    }
+
+    /// A frame fed ahead (`f`) waits for its turn, the oldest decoded if `ahead` wait.
+    fn fed(
+        &mut self,
+        dec: &mut Decoder,
+        contexts: &mut [StreamContext],
+        decode: &mut DecodeFrame<'_>,
+        (k, range): (usize, std::ops::Range<usize>),
+        f: Feeding,
+    ) -> bool {
         self.feeds
             .push(k as u64, (k, range), f, self.workers.as_deref());
         if self.feeds.len() >= self.ahead {
@@ -781,7 +850,7 @@ impl InOrder {
         decode: &mut DecodeFrame<'_>,
     ) {
         if let Some(((k, range), f)) = self.feeds.pop_front() {
-            contexts[k] = f.finish();
+            f.finish(&mut contexts[k]);
             decode(dec, k, range, &mut contexts[k]);
             // What it brought may be the bases of later frames' delta runs.
             if let Some(w) = self.workers.as_deref() {

@@ -80,7 +80,7 @@ fn delta_runs_rebuilt_ahead_take_the_lookups_of_runs_rebuilt_in_turn() {
                 && let Some(f) = dec.feed_ahead(records.clone().into(), &mut ctxs[*k], usize::MAX)
             {
                 prepare::Deferred::spawn(&f, &*workers);
-                ctxs[*k] = f.finish();
+                f.finish(&mut ctxs[*k]);
             }
             let now = match at {
                 Some(at) => at == i,
@@ -277,7 +277,8 @@ fn frames_fed_ahead_resume_after_misses_and_fail_as_in_turn() {
         .feed_ahead(bad.clone().into(), &mut Default::default(), usize::MAX)
         .expect("a frame of context records");
     prepare::Deferred::spawn(&feeding, &*workers);
-    let mut ctx = feeding.finish();
+    let mut ctx = Default::default();
+    feeding.finish(&mut ctx);
     let mut out = Vec::new();
     let r = d.decode_frame(&bad, &mut out, &mut ctx, usize::MAX);
     assert_eq!((r, &out), (in_turn.0, &in_turn.1));
@@ -363,14 +364,16 @@ fn literals_fed_ahead_land_exactly_and_only_for_their_own_bytes() {
         let feeding = d
             .feed_ahead(fed.to_vec().into(), &mut Default::default(), usize::MAX)
             .expect("a frame of literals");
-        assert!(prepare::Deferred::help(&feeding));
-        // Then its literals, one a call, until none is left.
+        // Literals alone: fed without the stream's context, one a call as the caller helps,
+        // until none is left.
+        assert!(!feeding.holds_context());
         let mut helped = 0;
         while prepare::Deferred::help(&feeding) {
             helped += 1;
         }
         assert_eq!(helped, lz4_payloads(fed).len());
-        let mut ctx = feeding.finish();
+        let mut ctx = Default::default();
+        feeding.finish(&mut ctx);
         let mut out = Vec::new();
         let r = d.decode_frame(decoded, &mut out, &mut ctx, usize::MAX);
         (r, out, d.lits_ahead())

@@ -480,20 +480,24 @@ impl Contexts {
         }
     }
 
-    /// Decodes a stream's waiting frames until they run out or a reference misses (counted as
-    /// a need of the stream's service when it asks the peer).
+    /// Decodes a stream's waiting frames until they run out (all but the last `keep`: frames
+    /// fed ahead, which wait for their turn) or a reference misses (counted as a need of the
+    /// stream's service when it asks the peer).
     pub fn decode(
         &mut self,
         rc: &mut RecvCoded,
         lane: usize,
         service: &Arc<str>,
+        keep: usize,
     ) -> Result<Decoded, String> {
         let mut got = Decoded::default();
         if rc.stall.is_some() {
             return Ok(got);
         }
         let link_scope: Arc<str> = Arc::from("");
-        while let Some(p) = rc.frames.front_mut() {
+        while rc.frames.len() > keep
+            && let Some(p) = rc.frames.front_mut()
+        {
             let scope = if p.scoped { service } else { &link_scope };
             let dec = self.decoder(lane, scope);
             let before = dec.stats();
@@ -616,6 +620,11 @@ impl Contexts {
             .chain(decoders)
             .map(|(role, (lane, scope), c)| (role, *lane, scope.clone(), c.digest()))
             .collect()
+    }
+
+    /// Literals our decoders took as fed ahead.
+    pub fn lits_ahead(&self) -> u64 {
+        self.decoders.values().map(Decoder::lits_ahead).sum()
     }
 
     /// Test hook: damages a chunk in our decoder caches, as bad memory would.

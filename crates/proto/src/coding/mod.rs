@@ -701,7 +701,7 @@ impl Coding {
         if let Some(ctx) = self.ctx.as_mut() {
             let mut rc = RecvCoded::default();
             rc.push(records, raw_len, fin, false, 0);
-            let _ = ctx.decode(&mut rc, lane, &Arc::from(""));
+            let _ = ctx.decode(&mut rc, lane, &Arc::from(""), 0);
         }
     }
 
@@ -828,5 +828,10 @@ impl Coding {
             .as_ref()
             .map(Contexts::cache_digests)
             .unwrap_or_default()
+    }
+
+    /// Literals our decoders took as fed ahead (see [`codec::Decoder::lits_ahead`]).
+    pub fn lits_ahead(&self) -> u64 {
+        self.ctx.as_ref().map_or(0, Contexts::lits_ahead)
     }
 }

@@ -85,15 +85,21 @@ impl RecvCoded {
         });
     }
 
-    /// When the first frame still waiting arrived.
-    /// The stream's context, back from feeding its frame ahead (see
+    /// A frame of the stream fed ahead, in its turn (the frames before it decoded): the
+    /// stream's context back, if the feeding held it, and what was fed (see
     /// [`Contexts::feed_ahead`](super::Contexts::feed_ahead)).
-    pub fn fed(&mut self, context: StreamContext) {
-        self.context = context;
+    pub fn fed(&mut self, fed: wanopt_codec::Feeding) {
+        fed.finish(&mut self.context);
     }
 
+    /// When the first frame still waiting arrived.
     pub fn front_seq(&self) -> Option<u64> {
         self.frames.front().map(|p| p.seq)
+    }
+
+    /// Frames waiting to be decoded.
+    pub fn waiting(&self) -> usize {
+        self.frames.len()
     }
 
     /// True when nothing waits to be decoded.

@@ -17,6 +17,10 @@ use crate::frame::{Frame, ResetCode, StreamId};
 /// Bytes of frames behind stalled streams allowed beyond twice the link window.
 const STALL_BACKLOG_SLACK: usize = 8 << 20;
 
+/// How long frames fed ahead may wait past an input call for the rest of a frame being read
+/// (see `Link::handle_lane_input`): what they rebuilt reaches its streams this late at most.
+pub(super) const FED_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
+
 impl Link {
     /// Optimized stream bytes: charged to credit by their raw length, then decoded in arrival
     /// order so our cache sees what the peer's mirror saw.
@@ -33,8 +37,13 @@ impl Link {
         lane: usize,
     ) -> Result<(), LinkError> {
         self.coding.accept_coded()?;
-        // The stream's earlier frame fed ahead is decoded first, with those before it.
-        self.decode_fed_through(id);
+        let records = super::input::unpinned(records);
+        // A frame of literals alone is fed while the stream's earlier frames fed ahead wait;
+        // else those are decoded first, with the frames before them.
+        let lits = self.feed_literals(id, scoped, &records, raw_len);
+        if lits.is_none() {
+            self.decode_fed_through(id);
+        }
         let open = self.admit((id, lane), offset, u64::from(raw_len), wire, |s| {
             (lane != s.lane).then(|| "data on the wrong lane".to_string())
         })?;
@@ -68,7 +77,6 @@ impl Link {
         }
         let total = self.coded_backlog.clone();
         let seq = self.coding.arrival();
-        let records = super::input::unpinned(records);
         let Some(s) = self.streams.get_mut(&id) else {
             return Ok(());
         };
@@ -78,6 +86,11 @@ impl Link {
             .push(records, raw_len, fin, scoped, seq);
         if fin {
             s.recv.fin_received = true;
+        }
+        if let Some(f) = lits {
+            self.fed_behind += 1;
+            self.fed_ahead(id, f, lane);
+            return Ok(());
         }
         if self.feed_ahead(id, lane) {
             return Ok(());
@@ -96,8 +109,7 @@ impl Link {
     ///
     /// [`PENDING`]: wanopt_codec::PENDING
     fn feed_ahead(&mut self, id: StreamId, lane: usize) -> bool {
-        let (cap, workers) = self.coding.fed_frames(lane);
-        if cap == 0 {
+        if self.coding.fed_frames(lane).0 == 0 {
             return false;
         }
         let Some(s) = self.streams.get_mut(&id) else {
@@ -109,11 +121,56 @@ impl Link {
         let Some(f) = c.feed_ahead(rc, s.lane, &s.service) else {
             return false;
         };
+        self.fed_ahead(id, f, lane);
+        true
+    }
+
+    /// A frame of `id`'s fed ahead (`f`) waits for its turn; the oldest is decoded if as many
+    /// as may wait do.
+    fn fed_ahead(&mut self, id: StreamId, f: wanopt_codec::Feeding, lane: usize) {
+        let (cap, workers) = self.coding.fed_frames(lane);
         self.feeds.push(u64::from(id.0), id, f, workers.as_deref());
         if self.feeds.len() >= cap {
             self.decode_fed_front();
         }
-        true
+    }
+
+    /// The literals alone of a frame just arrived on `id` (its `records`, announcing `raw_len`
+    /// bytes) fed ahead without the stream's context, if the stream's frames waiting are all
+    /// fed ahead themselves (none stalled) and the frame has literals alone and no context
+    /// records (see [`Decoder::feed_literals`](wanopt_codec::Decoder::feed_literals)). The
+    /// frame then waits for its turn behind them, and only the frames before it are decoded
+    /// when theirs come ([`decode_one`](Self::decode_one)).
+    fn feed_literals(
+        &mut self,
+        id: StreamId,
+        scoped: bool,
+        records: &Bytes,
+        raw_len: u32,
+    ) -> Option<wanopt_codec::Feeding> {
+        let waiting = self.feeds.iter().filter(|f| f.0 == id).count();
+        let s = self.streams.get(&id)?;
+        let rc = s.recv.coded.as_ref()?;
+        if waiting == 0 || rc.stall.is_some() || rc.waiting() != waiting {
+            return None;
+        }
+        // No decoder is made for a scope the hellos did not agree (the frame fails its stream).
+        if self.coding.fed_frames(s.lane).0 == 0
+            || self.coding.check_scope(&s.service, scoped).is_err()
+        {
+            return None;
+        }
+        let scope = if scoped {
+            s.service.clone()
+        } else {
+            Arc::from("")
+        };
+        let lane = s.lane;
+        let announced = usize::try_from(raw_len).unwrap_or(usize::MAX);
+        self.coding
+            .contexts()?
+            .decoder(lane, &scope)
+            .feed_literals(records.clone(), announced)
     }
 
     /// Decodes the oldest frame fed ahead (its stream given its context back first).
@@ -121,13 +178,14 @@ impl Link {
         let Some((id, fed)) = self.feeds.pop_front() else {
             return;
         };
-        let context = fed.finish();
-        if let Some(rc) = self
+        match self
             .streams
             .get_mut(&id)
             .and_then(|s| s.recv.coded.as_mut())
         {
-            rc.fed(context);
+            Some(rc) => rc.fed(fed),
+            // A stream gone meanwhile: what was fed goes with it.
+            None => fed.finish(&mut Default::default()),
         }
         self.decode_stream(id);
         // What it brought may be the bases of later frames' delta runs.
@@ -143,12 +201,23 @@ impl Link {
         while !self.feeds.is_empty() {
             self.decode_fed_front();
         }
+        self.timers.clear(super::timer::Timer::Fed);
     }
 
-    /// Decodes the frames fed ahead up to `id`'s, if it has one waiting.
+    /// Decodes the frames fed ahead up to `id`'s last, if it has any waiting.
     fn decode_fed_through(&mut self, id: StreamId) {
         while self.feeds.position(|k| *k == id).is_some() {
             self.decode_fed_front();
+        }
+    }
+
+    /// Decodes the frames fed ahead up to `id`'s first, if it has one waiting.
+    fn decode_fed_through_first(&mut self, id: StreamId) {
+        while let Some(at) = self.feeds.position(|k| *k == id) {
+            self.decode_fed_front();
+            if at == 0 {
+                break;
+            }
         }
     }
 
@@ -165,10 +234,17 @@ impl Link {
     /// a wrong byte.
     fn decode_one(&mut self, id: StreamId) {
         // A frame of it fed ahead holds its context: decoded in its turn, with those before it.
-        if self.feeds.position(|k| *k == id).is_some() {
-            self.decode_fed_through(id);
+        if self
+            .feeds
+            .iter()
+            .find(|f| f.0 == id)
+            .is_some_and(|f| f.1.holds_context())
+        {
+            self.decode_fed_through_first(id);
             return;
         }
+        // Its frames whose literals alone are fed ahead wait for their turns.
+        let keep = self.feeds.iter().filter(|f| f.0 == id).count();
         let Some(s) = self.streams.get_mut(&id) else {
             return;
         };
@@ -178,7 +254,7 @@ impl Link {
         };
         let decoded = self.coding.contexts().map_or_else(
             || Ok(Decoded::default()),
-            |c| c.decode(rc, s.lane, &s.service),
+            |c| c.decode(rc, s.lane, &s.service, keep),
         );
         let (lane, seq) = (s.lane, rc.front_seq());
         match decoded {

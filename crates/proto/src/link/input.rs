@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
+use super::coded::FED_WAIT;
 use super::hello::{HELLO_MAX, PeerParams};
 use super::timer::Timer;
 use super::{Event, Link, Refusal, State};
@@ -39,8 +40,14 @@ impl Link {
         now: Instant,
     ) -> Result<(), LinkError> {
         let r = self.lane_input(lane, buf, now);
-        // Frames fed ahead of their turn are all decoded before the call returns.
-        self.decode_fed();
+        // Frames fed ahead of their turn are all decoded before the call returns, unless it
+        // ends inside a frame of the main lane (the rest of it still being read): then they
+        // wait for it (the workers going on with them meanwhile), [`FED_WAIT`] at most.
+        if r.is_ok() && lane == MAIN_LANE && !buf.is_empty() && !self.feeds.is_empty() {
+            self.timers.get_or_set(Timer::Fed, now + FED_WAIT);
+        } else {
+            self.decode_fed();
+        }
         r
     }
 

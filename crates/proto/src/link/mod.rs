@@ -293,6 +293,8 @@ pub struct Link {
     /// Streams' frames fed to their contexts ahead of their turn on the workers, in the order
     /// they arrived (see `coded.rs`): every one is decoded before an input call returns.
     feeds: wanopt_codec::Feeds<StreamId>,
+    /// Frames whose literals alone were fed while their stream's earlier frames waited.
+    fed_behind: u64,
     services: HashMap<Arc<str>, ServiceLimit>,
     streams: Streams,
     /// What the peer's hello said (defaults until it arrives).
@@ -371,6 +373,7 @@ impl Link {
         Link {
             pending: Default::default(),
             feeds: Default::default(),
+            fed_behind: 0,
             state: State::Handshake,
             services: HashMap::new(),
             streams: Streams::new(cfg.initiator),
@@ -471,6 +474,19 @@ impl Link {
     #[doc(hidden)]
     pub fn cache_digests_for_test(&self) -> Vec<(&'static str, usize, Arc<str>, [u8; 16])> {
         self.coding.cache_digests()
+    }
+
+    /// Test hook: frames whose literals alone were fed while their stream's earlier frames
+    /// waited, and literals our decoders took as fed ahead.
+    #[doc(hidden)]
+    pub fn fed_ahead_for_test(&self) -> (u64, u64) {
+        (self.fed_behind, self.coding.lits_ahead())
+    }
+
+    /// Test hook: frames fed ahead waiting for their turn.
+    #[doc(hidden)]
+    pub fn fed_waiting_for_test(&self) -> usize {
+        self.feeds.len()
     }
 
     /// Test hook: damages every chunk our decoders hold; returns how many.
@@ -820,6 +836,10 @@ impl Link {
     pub fn handle_timeout(&mut self, now: Instant) {
         if self.state == State::Closed || self.resume_expired(now) {
             return;
+        }
+        // Frames fed ahead that waited for the rest of a frame being read: decoded now.
+        if self.timers.expired(Timer::Fed, now) {
+            self.decode_fed();
         }
         self.streams.shaper.advance(now);
         if self.state == State::Suspended {

@@ -22,10 +22,13 @@ pub(super) enum Timer {
     Silence,
     /// The latency lane, lost alone, did not come back within the resume window.
     LaneResume,
+    /// Frames fed ahead wait no longer for the rest of a frame being read (see
+    /// `Link::handle_lane_input`).
+    Fed,
 }
 
 impl Timer {
-    const COUNT: usize = 8;
+    const COUNT: usize = 9;
 
     fn index(self) -> usize {
         match self {
@@ -37,6 +40,7 @@ impl Timer {
             Timer::Probe => 5,
             Timer::Silence => 6,
             Timer::LaneResume => 7,
+            Timer::Fed => 8,
         }
     }
 }

@@ -37,6 +37,12 @@ pub struct Pipe {
     pub rate: u64,
     pub busy_until: Instant,
     pub in_flight: VecDeque<(Instant, Bytes)>,
+    /// With `Some(d)`, the receiver reads only every so often (busy for `d` after the first
+    /// bytes it finds): what arrives meanwhile is handed over at once, as a receiver behind
+    /// its link reads what piled up.
+    pub reads_every: Option<Duration>,
+    /// The receiver's next read (see `reads_every`).
+    pub read_at: Instant,
 }
 
 impl Pipe {
@@ -51,8 +57,14 @@ impl Pipe {
         let start = self.busy_until.max(now);
         let ser = Duration::from_nanos(b.len() as u64 * 1_000_000_000 / self.rate);
         self.busy_until = start + ser;
-        self.in_flight
-            .push_back((self.busy_until + self.latency, b));
+        let mut due = self.busy_until + self.latency;
+        if let Some(d) = self.reads_every {
+            if due > self.read_at {
+                self.read_at = due + d;
+            }
+            due = self.read_at;
+        }
+        self.in_flight.push_back((due, b));
     }
 }
 
@@ -206,6 +218,8 @@ impl Pair {
             rate,
             busy_until: now,
             in_flight: VecDeque::new(),
+            reads_every: None,
+            read_at: now,
         };
         Pair {
             now,
@@ -298,14 +312,19 @@ impl Pair {
     }
 }
 
+/// Hands `to` what arrived on `pipe` by `now`: all of it in one input call, up to what the
+/// daemon's reader reads at once (512 KiB), as a reader finding it all ready would.
 pub fn deliver(pipe: &mut Pipe, to: &mut Side, lane: usize, now: Instant) -> bool {
+    const READ_BATCH: usize = 512 << 10;
     let mut any = false;
     while pipe.in_flight.front().is_some_and(|(t, _)| *t <= now) {
-        let Some((_, b)) = pipe.in_flight.pop_front() else {
-            break;
-        };
         let buf = &mut to.inbufs[lane];
-        buf.extend_from_slice(&b);
+        while buf.len() < READ_BATCH
+            && pipe.in_flight.front().is_some_and(|(t, _)| *t <= now)
+            && let Some((_, b)) = pipe.in_flight.pop_front()
+        {
+            buf.extend_from_slice(&b);
+        }
         let _ = to.link.handle_lane_input(lane, buf, now);
         any = true;
     }
@@ -766,6 +785,8 @@ impl CopyPipe {
                 rate,
                 busy_until: now,
                 in_flight: VecDeque::new(),
+                reads_every: None,
+                read_at: now,
             },
             loss,
             stall: latency * 4,
