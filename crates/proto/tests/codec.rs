@@ -1282,48 +1282,11 @@ impl wanopt_codec::prepare::Workers for Spawning {
 fn literals_fed_behind_a_streams_waiting_frames_rebuild_exactly() {
     for streams in [1usize, 3] {
         let firsts: Vec<Bytes> = parallel_parts(12_000).into_iter().take(streams).collect();
-        let spawned = Arc::new(Spawning::default());
-        let e = spawned.clone();
-        let mut p = Pair::with(
-            Duration::from_millis(20),
-            50_000_000,
-            |c| c.codec = Some(codec(64 << 20)),
-            move |c| {
-                c.codec = Some(codec(64 << 20));
-                c.workers = Some(e as Arc<dyn wanopt_codec::prepare::Workers>);
-            },
-        );
-        p.drive(Duration::from_secs(1));
-        assert!(p.west.app.up && p.east.app.up);
-        p.west.link.set_pressure(Pressure::CpuBound);
+        let mut p = lz4_pair_to_workers();
         // East reads every 40 ms: what piled up meanwhile (several frames) in one input call.
         p.w2e[0].reads_every = Some(Duration::from_millis(40));
-        let send = |p: &mut Pair, copy: &[Bytes]| {
-            let ids: Vec<_> = copy
-                .iter()
-                .map(|d| open_and_send(p, "e-svc", Class::Bulk, d.clone()))
-                .collect();
-            p.drive(Duration::from_secs(60));
-            for (id, d) in ids.iter().zip(copy) {
-                assert!(
-                    p.east.app.received.get(id).is_some_and(|r| r[..] == d[..]),
-                    "{streams} streams: bytes differ"
-                );
-                assert!(p.east.app.fin.contains(id));
-                p.east.app.to_send.insert(*id, (Bytes::new(), true));
-            }
-            p.drive(Duration::from_secs(5));
-        };
-        send(&mut p, &firsts);
-        // The same chunks in the same order on both sides.
-        let west = p.west.link.cache_digests_for_test();
-        let east = p.east.link.cache_digests_for_test();
-        for (_, lane, scope, digest) in west.iter().filter(|d| d.0 == "mirror") {
-            let theirs = east
-                .iter()
-                .find(|d| d.0 == "decoder" && d.1 == *lane && d.2 == *scope);
-            assert_eq!(theirs.map(|d| d.3), Some(*digest), "{streams} streams");
-        }
+        send_copies(&mut p, &firsts);
+        assert_caches_in_step(&p);
         let (behind, lits) = p.east.link.fed_ahead_for_test();
         assert!(behind > 4, "{streams} streams: {behind} frames fed behind");
         assert!(
@@ -1345,7 +1308,7 @@ fn literals_fed_behind_a_streams_waiting_frames_rebuild_exactly() {
                 Bytes::from(v)
             })
             .collect();
-        send(&mut p, &again);
+        send_copies(&mut p, &again);
         let (east, west) = (counts(&mut p.east.link), counts(&mut p.west.link));
         assert!(
             east.needs > 0,
@@ -1357,7 +1320,7 @@ fn literals_fed_behind_a_streams_waiting_frames_rebuild_exactly() {
             .enumerate()
             .map(|(k, d)| Bytes::from(wanopt_codec::testdata::edited(d, k)))
             .collect();
-        send(&mut p, &changed);
+        send_copies(&mut p, &changed);
         assert_eq!(counts(&mut p.east.link).needs, 0, "{streams} streams");
         let (later, _) = p.east.link.fed_ahead_for_test();
         assert!(
@@ -1373,19 +1336,7 @@ fn literals_fed_behind_a_streams_waiting_frames_rebuild_exactly() {
 /// decodes them if nothing more comes, and what comes next decodes after them, exact.
 #[test]
 fn frames_fed_ahead_wait_for_a_frame_being_read_a_millisecond_at_most() {
-    let e = Arc::new(Spawning::default());
-    let mut p = Pair::with(
-        Duration::from_millis(20),
-        50_000_000,
-        |c| c.codec = Some(codec(64 << 20)),
-        move |c| {
-            c.codec = Some(codec(64 << 20));
-            c.workers = Some(e as Arc<dyn wanopt_codec::prepare::Workers>);
-        },
-    );
-    p.drive(Duration::from_secs(1));
-    assert!(p.west.app.up && p.east.app.up);
-    p.west.link.set_pressure(Pressure::CpuBound);
+    let mut p = lz4_pair_to_workers();
     // East reads nothing for now: what west sends piles up, and is handed over here.
     p.w2e[0].reads_every = Some(Duration::from_secs(3600));
     let data = parallel_parts(12_000).swap_remove(0);
@@ -1439,6 +1390,64 @@ fn frames_fed_ahead_wait_for_a_frame_being_read_a_millisecond_at_most() {
     p.east.app.to_send.insert(id, (Bytes::new(), true));
     p.drive(Duration::from_secs(5));
     p.assert_no_leaks();
+}
+
+/// Each of `copy` sent west to east on a stream of its own, side by side: every one arrives
+/// exact and whole; then the streams close.
+fn send_copies(p: &mut Pair, copy: &[Bytes]) {
+    let ids: Vec<_> = copy
+        .iter()
+        .map(|d| open_and_send(p, "e-svc", Class::Bulk, d.clone()))
+        .collect();
+    p.drive(Duration::from_secs(60));
+    for (id, d) in ids.iter().zip(copy) {
+        assert!(
+            p.east.app.received.get(id).is_some_and(|r| r[..] == d[..]),
+            "{} streams: bytes differ",
+            copy.len()
+        );
+        assert!(p.east.app.fin.contains(id));
+        p.east.app.to_send.insert(*id, (Bytes::new(), true));
+    }
+    p.drive(Duration::from_secs(5));
+}
+
+/// The same chunks in the same order on both sides: each of west's mirrors has the digest of
+/// east's decoder of its lane and scope.
+fn assert_caches_in_step(p: &Pair) {
+    let west = p.west.link.cache_digests_for_test();
+    let east = p.east.link.cache_digests_for_test();
+    let mirrors: Vec<_> = west.iter().filter(|d| d.0 == "mirror").collect();
+    assert!(!mirrors.is_empty());
+    for (_, lane, scope, digest) in mirrors {
+        let theirs = east
+            .iter()
+            .find(|d| d.0 == "decoder" && d.1 == *lane && d.2 == *scope);
+        assert_eq!(
+            theirs.map(|d| d.3),
+            Some(*digest),
+            "lane {lane} scope {scope:?}"
+        );
+    }
+}
+
+/// A coded pair, up, whose west sends on the LZ4 path (literals alone) to an east decoding
+/// with workers.
+fn lz4_pair_to_workers() -> Pair {
+    let e = Arc::new(Spawning::default());
+    let mut p = Pair::with(
+        Duration::from_millis(20),
+        50_000_000,
+        |c| c.codec = Some(codec(64 << 20)),
+        move |c| {
+            c.codec = Some(codec(64 << 20));
+            c.workers = Some(e as Arc<dyn wanopt_codec::prepare::Workers>);
+        },
+    );
+    p.drive(Duration::from_secs(1));
+    assert!(p.west.app.up && p.east.app.up);
+    p.west.link.set_pressure(Pressure::CpuBound);
+    p
 }
 
 /// Four parts of a parallel copy: rows (from `rows` on, more in each part), then database
@@ -1540,39 +1549,12 @@ fn frames_fed_ahead_on_the_receiver_decode_in_order_exactly() {
     assert!(p.west.app.up && p.east.app.up);
     p.west.link.set_pressure(Pressure::LinkBound);
     for copy in [&firsts, &changed] {
-        let ids: Vec<_> = copy
-            .iter()
-            .map(|d| open_and_send(&mut p, "e-svc", Class::Bulk, d.clone()))
-            .collect();
-        p.drive(Duration::from_secs(60));
-        for (id, d) in ids.iter().zip(copy.iter()) {
-            assert!(
-                p.east.app.received.get(id).is_some_and(|r| r[..] == d[..]),
-                "bytes differ"
-            );
-            assert!(p.east.app.fin.contains(id));
-            p.east.app.to_send.insert(*id, (Bytes::new(), true));
-        }
-        p.drive(Duration::from_secs(5));
+        send_copies(&mut p, copy);
     }
     let c = counts(&mut p.west.link);
     assert!(c.sent.hit_chunks > 100 && c.sent.delta_chunks > 10, "{c:?}");
     assert_eq!(counts(&mut p.east.link).needs, 0, "caches in step");
-    // The same chunks in the same order on both sides.
-    let west = p.west.link.cache_digests_for_test();
-    let east = p.east.link.cache_digests_for_test();
-    let mirrors: Vec<_> = west.iter().filter(|d| d.0 == "mirror").collect();
-    assert!(!mirrors.is_empty());
-    for (_, lane, scope, digest) in mirrors {
-        let theirs = east
-            .iter()
-            .find(|d| d.0 == "decoder" && d.1 == *lane && d.2 == *scope);
-        assert_eq!(
-            theirs.map(|d| d.3),
-            Some(*digest),
-            "lane {lane} scope {scope:?}"
-        );
-    }
+    assert_caches_in_step(&p);
     let fed = receiving.0.load(std::sync::atomic::Ordering::Relaxed);
     assert!(fed > 8, "{fed} frames fed ahead");
     p.assert_no_leaks();

@@ -4,7 +4,9 @@
 //! the frames arrived), a worker feeds the next streams' frames to their contexts, and the
 //! decoder's thread takes what they rebuilt (and the chunks' names) when it reaches them.
 //! Several streams' contexts decompress at once; the records and what they rebuild are the
-//! same as when they are fed in turn.
+//! same as when they are fed in turn. A frame's literals alone are jobs any thread takes, and
+//! a frame of literals alone needs nothing of its stream's context: it is fed even while the
+//! stream's earlier frames wait, so one stream's frames decompress side by side too.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -153,7 +155,7 @@ impl Decoder {
             false => None,
         };
         if runs.is_empty() && later.is_empty() && lits.is_some() {
-            return Some(self.literals_only(records, lits));
+            return lits.map(|l| self.literals_only(records, l));
         }
         if runs.is_empty() && later.is_empty() && lits.is_none() && !worth_feeding(&records) {
             return None;
@@ -198,13 +200,13 @@ impl Decoder {
     /// between them) or without literals alone.
     pub fn feed_literals(&self, records: Bytes, announced: usize) -> Option<Feeding> {
         let lits = self.literal_jobs(&records, announced)?;
-        Some(self.literals_only(records, Some(lits)))
+        Some(self.literals_only(records, lits))
     }
 
-    fn literals_only(&self, records: Bytes, lits: Option<LitJobs>) -> Feeding {
+    fn literals_only(&self, records: Bytes, lits: LitJobs) -> Feeding {
         Feeding {
             feed: None,
-            lits: lits.map(Arc::new),
+            lits: Some(Arc::new(lits)),
             spawned: AtomicBool::new(false),
             records,
             decoder: self.number,
@@ -311,11 +313,13 @@ impl Decoder {
 
     /// The literals alone among `records` (which announced `announced` raw bytes), up to the
     /// first record [`Feed::run`] cannot step over or that rebuilds more than is left of the
-    /// frame, as jobs that any thread may run; `None` for a frame with context records (fed in
-    /// order, with the literals between them) or without literals.
+    /// frame ([`LITS_AHEAD`] at most), as jobs that any thread may run; `None` for a frame with
+    /// context records (fed in order, with the literals between them) or without literals.
     fn literal_jobs(&self, records: &Bytes, announced: usize) -> Option<LitJobs> {
         let (mut at, mut room, mut jobs) = (0usize, announced, Vec::new());
-        while let Some(&first) = records.get(at) {
+        while let Some(&first) = records.get(at)
+            && jobs.len() < LITS_AHEAD
+        {
             let tag = classify(first, false).0;
             if matches!(tag, TAG_LIT_CONTEXT | TAG_RUN_END) {
                 return None;
@@ -450,6 +454,10 @@ const RUNS_AHEAD: usize = 64;
 /// Bytes of bases a frame's feeding holds for its runs, at most (the cache's own chunks, kept
 /// from being freed if they are evicted before the feeding is done).
 const HELD_AHEAD: usize = 4 * crate::format::RUN_DICT_DECODE;
+
+/// Literals alone a frame's feeding decompresses ahead, at most (a frame of 512 KiB holds about
+/// 64 chunks; the rest of a frame of tiny literals is left to the batches).
+const LITS_AHEAD: usize = 1024;
 
 /// Scratch for delta runs rebuilt ahead kept for the next feedings, at most.
 const SCRATCH_KEPT: usize = 4;
@@ -781,6 +789,11 @@ impl InOrder {
             ahead,
             workers,
         }
+    }
+
+    /// Frames fed ahead waiting for their turn.
+    pub fn waiting(&self) -> usize {
+        self.feeds.len()
     }
 
     /// The frame of stream `k` at `range` of `wire` arrived: fed ahead, or (with the frames

@@ -1,7 +1,8 @@
 //! Frames fed to their streams' contexts ahead of their turn, on workers, while the frames
 //! before them are decoded: their context records and delta runs rebuilt there (or once the
-//! frames before bring the runs' bases) decode to the same bytes, cache and misses as in turn,
-//! also after misses and damage.
+//! frames before bring the runs' bases), and their literals alone (one stream's frames fed
+//! behind each other) decode to the same bytes, cache and misses as in turn, also after misses
+//! and damage.
 
 use super::runs::{Threads, in_contexts, side_by_side};
 use super::*;
@@ -173,8 +174,20 @@ fn decode_fed_ahead(
     ahead: usize,
     workers: Option<std::sync::Arc<dyn prepare::Workers>>,
     (ctxs, outs): (&mut [crate::StreamContext], &mut [Vec<u8>]),
-    mut answer: impl FnMut(&crate::fingerprint::Fingerprint) -> Option<Vec<u8>>,
+    answer: impl FnMut(&crate::fingerprint::Fingerprint) -> Option<Vec<u8>>,
 ) -> usize {
+    decode_fed_ahead_most(dec, frames, ahead, workers, (ctxs, outs), answer).0
+}
+
+/// [`decode_fed_ahead`], also returning the most frames that waited fed ahead at once.
+fn decode_fed_ahead_most(
+    dec: &mut Decoder,
+    frames: &[(usize, Vec<u8>)],
+    ahead: usize,
+    workers: Option<std::sync::Arc<dyn prepare::Workers>>,
+    (ctxs, outs): (&mut [crate::StreamContext], &mut [Vec<u8>]),
+    mut answer: impl FnMut(&crate::fingerprint::Fingerprint) -> Option<Vec<u8>>,
+) -> (usize, usize) {
     let wire = bytes::Bytes::from(frames.iter().flat_map(|f| f.1.clone()).collect::<Vec<u8>>());
     let mut decode = |dec: &mut Decoder, k: usize, r: std::ops::Range<usize>, ctx: &mut _| {
         let records = &wire[r];
@@ -193,14 +206,15 @@ fn decode_fed_ahead(
         }
     };
     let mut order = crate::InOrder::new(ahead, workers);
-    let (mut from, mut fed) = (0, 0);
+    let (mut from, mut fed, mut most) = (0, 0, 0);
     for (k, records) in frames {
         let r = from..from + records.len();
         from = r.end;
         fed += usize::from(order.frame(dec, (&wire, *k, r), ctxs, &mut decode));
+        most = most.max(order.waiting());
     }
     order.finish(dec, ctxs, &mut decode);
-    fed
+    (fed, most)
 }
 
 /// Frames fed ahead of their turn, when a chunk they refer to is damaged in the cache: the
@@ -227,10 +241,7 @@ fn frames_fed_ahead_resume_after_misses_and_fail_as_in_turn() {
     let io = (&mut ctxs[..], &mut outs[..]);
     decode_fed_ahead(&mut dec, &first, 3, Some(workers.clone()), io, |_| None);
     // Every fifth chunk of the first stream's first copy, which the last stream sends again.
-    for (at, len) in chunks(&firsts[0], &cfg).step_by(5) {
-        let f = crate::fingerprint::fingerprint(&firsts[0][at..at + len]);
-        dec.cache_mut().corrupt_for_test(&f);
-    }
+    damage_every_fifth(&mut dec, &firsts[0], &cfg);
     let mut misses = 0;
     let io = (&mut ctxs[..], &mut outs[..]);
     let fed = decode_fed_ahead(&mut dec, &second, 3, Some(workers.clone()), io, |f| {
@@ -325,16 +336,9 @@ fn literals_fed_ahead_land_exactly_and_only_for_their_own_bytes() {
         d.stats()
     });
     // Every fifth chunk of the first stream's first copy, which the last stream sends again.
-    for (at, len) in chunks(&firsts[0], &cfg).step_by(5) {
-        let f = crate::fingerprint::fingerprint(&firsts[0][at..at + len]);
-        dec.cache_mut().corrupt_for_test(&f);
-    }
-    let mut misses = 0;
+    damage_every_fifth(&mut dec, &firsts[0], &cfg);
     let io = (&mut ctxs[..], &mut outs[..]);
-    decode_fed_ahead(&mut dec, &second, 3, Some(workers.clone()), io, |f| {
-        misses += 1;
-        whole.cache().peek(f).map(<[u8]>::to_vec)
-    });
+    let misses = decode_answered(&mut dec, &second, workers.clone(), io, &whole);
     assert!(misses > 10, "{misses} misses");
     // All but those of a stream's frames that follow one of its own (fed in their turn).
     let lits = whole_first_lits(&first) + whole_first_lits(&second);
@@ -401,6 +405,90 @@ fn literals_fed_ahead_land_exactly_and_only_for_their_own_bytes() {
     assert!(r.1.is_some(), "a damaged literal decodes to an error");
     assert_eq!((r, &out), (in_turn(&bad).0, &in_turn(&bad).1));
     assert_eq!(taken, 1, "only the literal before the damage");
+}
+
+/// One stream on the LZ4 path: each frame's literals are fed without the stream's context,
+/// while its earlier frames wait to be decoded (up to three at once), on workers that feed at
+/// once and on two threads. The first copy takes every literal as fed, with the in-turn
+/// decoder's stats and cache; a changed copy with every fifth chunk damaged misses, goes on
+/// from each miss once it is answered, and lands exactly.
+#[test]
+fn one_streams_frames_fed_behind_its_waiting_ones_decode_exactly() {
+    let (mut firsts, mut changed) = crate::testdata::parallel_copies(1, 4, 400);
+    let (first_copy, changed_copy) = (firsts.remove(0), changed.remove(0));
+    let cfg = CodecConfig {
+        context: false,
+        ..CodecConfig::default()
+    };
+    let mut s = crate::Streams::new(cfg.clone(), 1, 256 << 10);
+    let first = side_by_side(
+        &mut s,
+        std::slice::from_ref(&first_copy),
+        Pressure::CpuBound,
+    );
+    let again = [first_copy.clone(), changed_copy.clone()].concat();
+    let second = side_by_side(&mut s, std::slice::from_ref(&again), Pressure::CpuBound);
+    assert!(first.len() > 8, "{} frames", first.len());
+    let mut whole = Decoder::new(&cfg);
+    let (mut ctxs, mut outs) = (vec![Default::default()], vec![Vec::new()]);
+    decode_fed_ahead(&mut whole, &first, 0, None, (&mut ctxs, &mut outs), |_| {
+        None
+    });
+    let in_turn = (whole.stats(), whole.cache().digest());
+    let (mut c, mut o) = (vec![Default::default()], vec![Vec::new()]);
+    decode_fed_ahead(&mut whole, &second, 0, None, (&mut c, &mut o), |_| None);
+    // Workers that feed each frame as it comes, and real threads (the decoder's thread takes
+    // what they have not when the frame's turn comes): every literal is taken as fed.
+    let pools: [std::sync::Arc<dyn prepare::Workers>; 2] = [
+        std::sync::Arc::new(FedAtOnce),
+        std::sync::Arc::new(Threads::new(2)),
+    ];
+    for workers in pools {
+        let mut dec = Decoder::new(&cfg);
+        dec.set_workers(Some(std::sync::Arc::new(Threads::new(2))));
+        let (mut ctxs, mut outs) = (vec![Default::default()], vec![Vec::new()]);
+        let io = (&mut ctxs[..], &mut outs[..]);
+        let (fed, most) =
+            decode_fed_ahead_most(&mut dec, &first, 3, Some(workers.clone()), io, |_| None);
+        assert_eq!(fed, first.len(), "every frame fed");
+        assert!(
+            most > 1,
+            "frames of the stream waited behind each other: {most}"
+        );
+        assert!(outs[0] == first_copy);
+        assert_eq!((dec.stats(), dec.cache().digest()), in_turn);
+        assert_eq!(dec.lits_ahead(), whole_first_lits(&first));
+        damage_every_fifth(&mut dec, &first_copy, &cfg);
+        let io = (&mut ctxs[..], &mut outs[..]);
+        let misses = decode_answered(&mut dec, &second, workers.clone(), io, &whole);
+        assert!(misses > 10, "{misses} misses");
+        assert!(outs[0] == [&first_copy[..], &again[..]].concat());
+    }
+}
+
+/// `frames` decoded fed ahead (three at once, on `workers`), each miss answered from `whole`'s
+/// cache; returns how many there were.
+fn decode_answered(
+    dec: &mut Decoder,
+    frames: &[(usize, Vec<u8>)],
+    workers: std::sync::Arc<dyn prepare::Workers>,
+    io: (&mut [crate::StreamContext], &mut [Vec<u8>]),
+    whole: &Decoder,
+) -> usize {
+    let mut misses = 0;
+    decode_fed_ahead(dec, frames, 3, Some(workers), io, |f| {
+        misses += 1;
+        whole.cache().peek(f).map(<[u8]>::to_vec)
+    });
+    misses
+}
+
+/// Damages, in `dec`'s cache, every fifth of the chunks `data` is cut into.
+fn damage_every_fifth(dec: &mut Decoder, data: &[u8], cfg: &CodecConfig) {
+    for (at, len) in chunks(data, cfg).step_by(5) {
+        let f = crate::fingerprint::fingerprint(&data[at..at + len]);
+        dec.cache_mut().corrupt_for_test(&f);
+    }
 }
 
 /// The LZ4 literals alone in `frames`.
