@@ -17,10 +17,6 @@ use crate::frame::{Frame, ResetCode, StreamId};
 /// Bytes of frames behind stalled streams allowed beyond twice the link window.
 const STALL_BACKLOG_SLACK: usize = 8 << 20;
 
-/// How long frames fed ahead may wait past an input call for the rest of a frame being read
-/// (see `Link::handle_lane_input`): what they rebuilt reaches its streams this late at most.
-pub(super) const FED_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
-
 impl Link {
     /// Optimized stream bytes: charged to credit by their raw length, then decoded in arrival
     /// order so our cache sees what the peer's mirror saw.

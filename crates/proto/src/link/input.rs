@@ -5,7 +5,6 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
-use super::coded::FED_WAIT;
 use super::hello::{HELLO_MAX, PeerParams};
 use super::timer::Timer;
 use super::{Event, Link, Refusal, State};
@@ -14,6 +13,10 @@ use crate::error::{FrameError, LinkError};
 use crate::flow::SendCredit;
 use crate::frame::{Class, Frame, Hello, ResetCode, StreamId};
 use crate::lane::{CAP_RESUME, LANES, LATENCY_LANE, MAIN_LANE};
+
+/// How long frames fed ahead may wait past an input call for the rest of a frame being read
+/// (see [`Link::handle_lane_input`]): what they rebuilt reaches its streams this late at most.
+const FED_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
 
 impl Link {
     /// Consumes bytes read from the peer. On error the link is closed (a GoAway is queued and
