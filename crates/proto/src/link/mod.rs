@@ -291,7 +291,8 @@ pub struct Link {
     /// (written before it returns; see `Coding::emit_frame`).
     pending: wanopt_codec::send::PendingTurns<crate::coding::PendingFrame>,
     /// Streams' frames fed to their contexts ahead of their turn on the workers, in the order
-    /// they arrived (see `coded.rs`): every one is decoded before an input call returns.
+    /// they arrived (see `coded.rs`): every one is decoded before an input call returns, or,
+    /// if the call ends inside a frame, once the rest comes (the `Fed` timer at the latest).
     feeds: wanopt_codec::Feeds<StreamId>,
     /// Frames whose literals alone were fed while their stream's earlier frames waited.
     fed_behind: u64,
