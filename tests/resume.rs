@@ -126,6 +126,35 @@ fn wait_until(limit: Duration, what: &str, f: impl Fn() -> bool) {
     }
 }
 
+/// What each side logs when its link goes on on a new main connection.
+const RESUMED: &str = "link resumed: its streams go on";
+
+/// How many times west and east resumed the link on a new main connection.
+fn resumptions(p: &RelayedPair) -> (usize, usize) {
+    (p.west.count(RESUMED), p.east.count(RESUMED))
+}
+
+/// Whether `d` logged a latency lane attached after it last resumed the link.
+fn lane_after_resumption(d: &Daemon) -> bool {
+    let log = d.log();
+    let last = log.iter().rposition(|l| l.contains(RESUMED));
+    last.is_some_and(|i| log[i..].iter().any(|l| l.contains("latency lane attached")))
+}
+
+/// The address east saw the current latency lane come from (the relay's upstream side).
+fn east_lane(p: &RelayedPair) -> SocketAddr {
+    let line = p
+        .east
+        .log()
+        .into_iter()
+        .rfind(|l| l.contains("latency lane attached"))
+        .expect("a lane attached");
+    line.split_whitespace()
+        .find_map(|t| t.strip_prefix("from="))
+        .and_then(|a| a.parse().ok())
+        .expect("from= in the lane's line")
+}
+
 /// The bulk transfer and the SYNC loop, with the link's connections killed three times while
 /// both run: twice both lanes (the link resumes on new connections), once the latency lane
 /// alone (a new lane is attached and its streams resume; the main connection goes on).
@@ -150,20 +179,37 @@ fn rides_through_kills(extra: impl Fn(&str) -> String) {
         wait_until(60 * SEC, "round trips", || {
             rounds.load(Ordering::Relaxed) >= before + 2
         });
-        let lanes = p.west.count("latency lane attached");
         if i == 1 {
-            // Only the latency lane (the second connection through the relay since the last
-            // cut): it alone is attached again, the main connection goes on.
-            p.relay.cut_one(1);
-            p.west.wait_log(
+            // Only the latency lane, found by the port east saw it come from: it alone is
+            // attached again, the main connection goes on.
+            let lost = p
+                .west
+                .count("latency lane lost; its streams wait for a new one");
+            let (attached, resumed) = (p.west.count("latency lane attached"), resumptions(&p));
+            let lane = east_lane(&p);
+            assert!(p.relay.cut_from(lane), "no relayed connection from {lane}");
+            p.west.wait_log_n(
                 "latency lane lost; its streams wait for a new one",
+                lost + 1,
                 20 * SEC,
             );
+            p.west
+                .wait_log_n("latency lane attached", attached + 1, 20 * SEC);
+            assert_eq!(resumptions(&p), resumed, "the main connection went on");
         } else {
+            // Both lanes: each side resumes the link on a new connection, then a lane is
+            // attached after it (a lane lost first may be attached again before the main
+            // connection's end is seen; that one does not count).
+            let resumed = resumptions(&p);
             p.relay.cut();
+            p.west.wait_log_n(RESUMED, resumed.0 + 1, 20 * SEC);
+            p.east.wait_log_n(RESUMED, resumed.1 + 1, 20 * SEC);
+            for d in [&p.west, &p.east] {
+                wait_until(20 * SEC, "a lane attached after the link resumed", || {
+                    lane_after_resumption(d)
+                });
+            }
         }
-        p.west
-            .wait_log_n("latency lane attached", lanes + 1, 20 * SEC);
     }
     transfer
         .join()

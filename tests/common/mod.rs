@@ -698,6 +698,24 @@ impl Relay {
         }
     }
 
+    /// Cuts only the connection whose upstream side the far daemon saw coming `from` (the
+    /// `from=` of its log line); false if the relay holds no such connection.
+    pub fn cut_from(&self, from: SocketAddr) -> bool {
+        let c = self.conns.lock().expect("conns");
+        let Some(i) = c
+            .iter()
+            .skip(1)
+            .step_by(2)
+            .position(|up| up.local_addr().ok() == Some(from))
+        else {
+            return false;
+        };
+        for s in c.iter().skip(2 * i).take(2) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        true
+    }
+
     /// Cuts every connection through the relay (both daemons see the link die).
     pub fn cut(&self) {
         for c in self.conns.lock().expect("conns").drain(..) {
