@@ -67,13 +67,42 @@ fn unit_of_cgroup(text: &str) -> Option<String> {
 /// tell; the caller then stops as for `systemctl stop`.
 pub fn restart_queued() -> Result<bool, String> {
     let unit = own_unit().ok_or("this process is not in a systemd service's cgroup")?;
+    // Under a unit that signals its whole cgroup on stop (an older unit file's default
+    // `KillMode=control-group`), systemd's pass over the cgroup can catch the first
+    // `systemctl` just started: asked again once that pass is over.
+    match list_jobs(&unit) {
+        Err(Asked::Signalled(_)) => list_jobs(&unit),
+        other => other,
+    }
+    .map_err(|e| e.to_string())
+}
+
+/// Why `systemctl list-jobs` gave no answer.
+#[derive(Debug)]
+enum Asked {
+    Signalled(i32),
+    Failed(String),
+}
+
+impl std::fmt::Display for Asked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Asked::Signalled(sig) => write!(f, "systemctl list-jobs was killed by signal {sig}"),
+            Asked::Failed(why) => f.write_str(why),
+        }
+    }
+}
+
+/// One `systemctl list-jobs` for `unit`: whether a restart job is queued for it.
+fn list_jobs(unit: &str) -> Result<bool, Asked> {
+    use std::os::unix::process::ExitStatusExt;
     let mut child = std::process::Command::new("systemctl")
-        .args(["list-jobs", "--no-legend", "--no-pager", "--plain", &unit])
+        .args(["list-jobs", "--no-legend", "--no-pager", "--plain", unit])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .map_err(|e| format!("cannot run systemctl: {e}"))?;
+        .map_err(|e| Asked::Failed(format!("cannot run systemctl: {e}")))?;
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     loop {
         match child.try_wait() {
@@ -84,24 +113,27 @@ pub fn restart_queued() -> Result<bool, String> {
             Ok(None) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err("systemctl list-jobs did not answer within 5s".into());
+                return Err(Asked::Failed(
+                    "systemctl list-jobs did not answer within 5s".into(),
+                ));
             }
-            Err(e) => return Err(format!("systemctl: {e}")),
+            Err(e) => return Err(Asked::Failed(format!("systemctl: {e}"))),
         }
     }
     let out = child
         .wait_with_output()
-        .map_err(|e| format!("systemctl: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "systemctl list-jobs failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
+        .map_err(|e| Asked::Failed(format!("systemctl: {e}")))?;
+    if let Some(sig) = out.status.signal() {
+        return Err(Asked::Signalled(sig));
     }
-    Ok(restart_in_jobs(
-        &String::from_utf8_lossy(&out.stdout),
-        &unit,
-    ))
+    if !out.status.success() {
+        return Err(Asked::Failed(format!(
+            "systemctl list-jobs failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(restart_in_jobs(&String::from_utf8_lossy(&out.stdout), unit))
 }
 
 /// `systemctl list-jobs` lists `ID UNIT TYPE STATE` per job.
