@@ -4,7 +4,8 @@
 //! workers in turn on its thread or on a thread beside it (the daemon's pool: the jobs then
 //! write into the output while the decoding thread counts earlier records in); and one whose
 //! frame is fed ahead first (its context records fed, its delta runs rebuilt, both then copied
-//! into place on the thread beside) must too.
+//! into place on the thread beside) must too; and so must one that feeds the records while the
+//! frame before them is decoded (`feed_next`).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -65,6 +66,26 @@ fuzz_target!(|data: &[u8]| {
     ahead.set_workers(Some(std::sync::Arc::new(Beside)));
     let mut ctx = wanopt_codec::StreamContext::default();
     let _ = ahead.decode_frame(&wire, &mut Vec::new(), &mut ctx, usize::MAX);
+    // The priming frame fed ahead, then the raw input fed next while it is decoded.
+    let mut chain = Decoder::new(&cfg);
+    chain.set_workers(Some(std::sync::Arc::new(Beside)));
+    let mut cctx = wanopt_codec::StreamContext::default();
+    let first = chain.feed_ahead(bytes::Bytes::from(wire.clone()), &mut cctx, usize::MAX);
+    let next = first
+        .is_none_or(|f| f.finish(&mut cctx))
+        .then(|| {
+            // Its chunks named as they are fed, or when they are taken.
+            let records = bytes::Bytes::copy_from_slice(data);
+            chain.feed_next(records, &mut cctx, usize::MAX, data.len() % 3 == 0)
+        })
+        .flatten();
+    if let Some(n) = &next {
+        wanopt_codec::prepare::Deferred::spawn(n, &Beside);
+    }
+    let _ = chain.decode_frame(&wire, &mut Vec::new(), &mut cctx, usize::MAX);
+    if let Some(n) = next {
+        n.finish(&mut cctx);
+    }
     let mut out = Vec::new();
     let _ = dec.decode(&wire, &mut out);
     let _ = pooled.decode(&wire, &mut Vec::new());
@@ -88,6 +109,14 @@ fuzz_target!(|data: &[u8]| {
     }
     let mut again = Vec::new();
     let (used, stop) = ahead.decode_frame(data, &mut again, &mut ctx, usize::MAX);
+    let fed = match stop {
+        None | Some(wanopt_codec::CodecError::Incomplete) => Ok(used),
+        Some(e) => Err(e),
+    };
+    assert_eq!(fed, r);
+    assert!(again == out);
+    let mut again = Vec::new();
+    let (used, stop) = chain.decode_frame(data, &mut again, &mut cctx, usize::MAX);
     let fed = match stop {
         None | Some(wanopt_codec::CodecError::Incomplete) => Ok(used),
         Some(e) => Err(e),

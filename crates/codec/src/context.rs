@@ -209,10 +209,12 @@ pub(crate) struct Run {
     pub(crate) chunks: Vec<(usize, bool)>,
 }
 
-/// A chunk of a run fed ahead (on a worker): its bytes, and its name if it is cached.
+/// A chunk of a run fed ahead (on a worker): its bytes, whether it is cached, and its name if it
+/// is (none for a chunk whose naming was left to the thread that takes it).
 #[derive(Debug)]
 pub(crate) struct Piece {
     pub(crate) bytes: bytes::Bytes,
+    pub(crate) cached: bool,
     pub(crate) name: Option<crate::fingerprint::Fingerprint>,
 }
 

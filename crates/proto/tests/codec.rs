@@ -1331,6 +1331,60 @@ fn literals_fed_behind_a_streams_waiting_frames_rebuild_exactly() {
     }
 }
 
+/// One bulk stream in its context (and then three side by side) sent to a side with workers,
+/// which reads what piled up every 40 ms: each frame is fed to the stream's context on them
+/// while the decoder's thread decodes the frame before it. A first copy; then, with the
+/// receiver's memory gone bad, the chunks it held sent again between new ones (misses while
+/// the next frame holds the context), and a changed copy. Every stream arrives exact, the
+/// caches are in step after the first copy, each miss is answered, and frames were fed next
+/// after the misses too.
+#[test]
+fn one_streams_frames_fed_while_the_one_before_is_decoded_rebuild_exactly() {
+    for streams in [1usize, 3] {
+        let firsts: Vec<Bytes> = parallel_parts(12_000).into_iter().take(streams).collect();
+        let mut p = pair_to_workers(Pressure::LinkBound);
+        p.w2e[0].reads_every = Some(Duration::from_millis(40));
+        send_copies(&mut p, &firsts);
+        assert_caches_in_step(&p);
+        let next = p.east.link.fed_next_for_test();
+        assert!(next > 4, "{streams} streams: {next} frames fed next");
+        let _ = counts(&mut p.east.link);
+        assert!(p.east.link.corrupt_caches_for_test() > 0);
+        let again: Vec<Bytes> = firsts
+            .iter()
+            .enumerate()
+            .map(|(k, d)| {
+                let mut v = Vec::new();
+                for (i, piece) in d.chunks(256 << 10).enumerate() {
+                    v.extend_from_slice(piece);
+                    v.extend_from_slice(&db_blocks(8, 1000 + (k * 100 + i) as u64));
+                }
+                Bytes::from(v)
+            })
+            .collect();
+        send_copies(&mut p, &again);
+        let (east, west) = (counts(&mut p.east.link), counts(&mut p.west.link));
+        assert!(
+            east.needs > 0,
+            "{streams} streams: the damaged chunks were asked for"
+        );
+        assert_eq!(west.resent, east.needs, "{streams} streams: and re-sent");
+        let changed: Vec<Bytes> = again
+            .iter()
+            .enumerate()
+            .map(|(k, d)| Bytes::from(wanopt_codec::testdata::edited(d, k)))
+            .collect();
+        send_copies(&mut p, &changed);
+        assert_eq!(counts(&mut p.east.link).needs, 0, "{streams} streams");
+        let later = p.east.link.fed_next_for_test();
+        assert!(
+            later > next,
+            "{streams} streams: frames fed next after the misses too"
+        );
+        p.assert_no_leaks();
+    }
+}
+
 /// An input call that ends inside a frame leaves the frames fed ahead before it waiting (the
 /// workers going on with them) for the rest of that frame, a millisecond at most: the timer
 /// decodes them if nothing more comes, and what comes next decodes after them, exact.
@@ -1434,6 +1488,12 @@ fn assert_caches_in_step(p: &Pair) {
 /// A coded pair, up, whose west sends on the LZ4 path (literals alone) to an east decoding
 /// with workers.
 fn lz4_pair_to_workers() -> Pair {
+    pair_to_workers(Pressure::CpuBound)
+}
+
+/// A coded pair, up, whose west sends under `pressure` (on the LZ4 path when CPU-bound, in
+/// stream contexts when link-bound) to an east decoding with workers.
+fn pair_to_workers(pressure: Pressure) -> Pair {
     let e = Arc::new(Spawning::default());
     let mut p = Pair::with(
         Duration::from_millis(20),
@@ -1446,7 +1506,7 @@ fn lz4_pair_to_workers() -> Pair {
     );
     p.drive(Duration::from_secs(1));
     assert!(p.west.app.up && p.east.app.up);
-    p.west.link.set_pressure(Pressure::CpuBound);
+    p.west.link.set_pressure(pressure);
     p
 }
 

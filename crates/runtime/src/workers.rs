@@ -326,13 +326,22 @@ impl Workers for Pool {
     fn spawn(&self, job: Box<dyn FnOnce() + Send>) {
         // A thread lingering after the last call (see `helped`) stops spinning and takes it:
         // a frame fed ahead or a turn's context records waited behind the spin otherwise.
-        self.calls.fetch_add(1, Ordering::Relaxed);
+        let call = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
         let making = Arc::clone(&self.making);
         making.fetch_add(1, Ordering::Relaxed);
         CONTEXT_TURNS.inc();
+        let calls = Arc::clone(&self.calls);
         self.pool.spawn(move || {
             job();
             making.fetch_sub(1, Ordering::Relaxed);
+            // Then it lingers as after a call: one stream's next frame is handed over as soon
+            // as the decoder's thread has taken this one, while it decodes the one before.
+            let t = Instant::now();
+            while calls.load(Ordering::Relaxed) == call && t.elapsed() < LINGER {
+                for _ in 0..64 {
+                    std::hint::spin_loop();
+                }
+            }
         });
     }
 

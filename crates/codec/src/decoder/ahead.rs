@@ -41,6 +41,8 @@ pub struct Feeding {
     lits: Option<Arc<LitJobs>>,
     /// True once it was handed to the workers (else its literals are left to the batches).
     spawned: AtomicBool,
+    /// Fed while its stream's earlier frame is decoded (see [`Decoder::feed_next`]).
+    chained: bool,
     records: Bytes,
     /// The decoder that fed it (see [`Decoder::rebuild_later`]).
     decoder: u64,
@@ -111,6 +113,11 @@ struct Feed {
     stream: StreamContext,
     accept: Accept,
     done: bool,
+    /// True once its walk reached the frame's end: every context record fed.
+    whole: bool,
+    /// Whether it names the cached chunks of the runs it rebuilds (else the decoder's thread
+    /// does, when it takes them).
+    name: bool,
     /// Its literals alone are [`LitJobs`], not decompressed in the walk.
     lit_jobs: bool,
     /// Its delta runs to rebuild, in order, whether each base is checked against its name
@@ -129,6 +136,27 @@ impl std::fmt::Debug for Feeding {
 fn lock(m: &Mutex<Feed>) -> MutexGuard<'_, Feed> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
+
+/// [`lock`], spinning a little first: a worker feeding the frame is often about done, and a
+/// thread put to sleep on the lock took tens of microseconds a frame to wake.
+fn lock_soon(m: &Mutex<Feed>) -> MutexGuard<'_, Feed> {
+    let t = std::time::Instant::now();
+    loop {
+        match m.try_lock() {
+            Ok(g) => return g,
+            Err(std::sync::TryLockError::Poisoned(p)) => return p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) if t.elapsed() < SPIN_WAIT => {
+                for _ in 0..64 {
+                    std::hint::spin_loop();
+                }
+            }
+            Err(std::sync::TryLockError::WouldBlock) => return lock(m),
+        }
+    }
+}
+
+/// How long a thread spins for a frame a worker feeds before it sleeps on it.
+const SPIN_WAIT: std::time::Duration = std::time::Duration::from_micros(200);
 
 impl Decoder {
     /// Starts feeding the context records of a frame's `records` (the whole frame, which
@@ -149,6 +177,35 @@ impl Decoder {
         if !stream.fed.is_empty() || !stream.lits_fed.is_empty() {
             return None;
         }
+        self.feed_in(records, stream, announced, (false, true))
+    }
+
+    /// Starts feeding a frame's context records as [`feed_ahead`](Self::feed_ahead) does, while
+    /// the stream's earlier frame is decoded: call it after that frame's [`Feeding::finish`]
+    /// returned true (its context records all fed), before the earlier frame is decoded. The
+    /// context goes to the feeding; what was fed for the earlier frames stays with `stream`
+    /// for them, and what this one feeds goes behind it when it is finished. So one stream's
+    /// context decompresses its next frame while the decoder's thread rebuilds and caches the
+    /// chunks of the one before. Without `name`, the feeding leaves naming the chunks it
+    /// rebuilds to the decoder's thread (for a thread with no other frames to decode meanwhile:
+    /// the context's decompression, which only one thread can do, is then all the worker does).
+    pub fn feed_next(
+        &self,
+        records: Bytes,
+        stream: &mut StreamContext,
+        announced: usize,
+        name: bool,
+    ) -> Option<Feeding> {
+        self.feed_in(records, stream, announced, (true, name))
+    }
+
+    fn feed_in(
+        &self,
+        records: Bytes,
+        stream: &mut StreamContext,
+        announced: usize,
+        (chained, name): (bool, bool),
+    ) -> Option<Feeding> {
         let (runs, later, held) = self.runs_to_rebuild(&records);
         let lits = match stream.run.is_empty() {
             true => self.literal_jobs(&records, announced),
@@ -161,15 +218,29 @@ impl Decoder {
             return None;
         }
         // Runs rebuilt ahead of an earlier frame and not taken: its records were not decoded
-        // that far after all (they are rebuilt in order if they come).
-        stream.runs_fed.clear();
+        // that far after all (they are rebuilt in order if they come). Chained, the earlier
+        // frame is still to be decoded, with what was fed for it.
+        let stream = match chained {
+            false => {
+                stream.runs_fed.clear();
+                std::mem::take(stream)
+            }
+            true => StreamContext {
+                dctx: stream.dctx.take(),
+                run: std::mem::take(&mut stream.run),
+                run_bytes: std::mem::take(&mut stream.run_bytes),
+                ..StreamContext::default()
+            },
+        };
         let verify = self.cache.verifies_memory();
         let feed = Feed {
             records: records.clone(),
             announced,
-            stream: std::mem::take(stream),
+            stream,
             accept: self.accept.clone(),
             done: false,
+            whole: false,
+            name,
             lit_jobs: lits.is_some(),
             runs,
             verify,
@@ -179,6 +250,7 @@ impl Decoder {
             feed: Some(Arc::new(Mutex::new(feed))),
             lits: lits.map(Arc::new),
             spawned: AtomicBool::new(false),
+            chained,
             records,
             decoder: self.number,
             later: Mutex::new(Later {
@@ -208,6 +280,7 @@ impl Decoder {
             feed: None,
             lits: Some(Arc::new(lits)),
             spawned: AtomicBool::new(false),
+            chained: false,
             records,
             decoder: self.number,
             later: Mutex::new(Later {
@@ -388,6 +461,7 @@ impl LitJob {
             let mut bytes = Vec::new();
             let ok = crate::prepare::unpack(self.zstd, &self.payload, self.raw, &mut bytes);
             self.made = Made::Done(ok.then(|| Piece {
+                cached: self.cached,
                 name: self.cached.then(|| fingerprint(&bytes)),
                 bytes: Bytes::from(bytes),
             }));
@@ -500,9 +574,10 @@ impl crate::prepare::Deferred for Feeding {
     }
 
     /// A frame's literals alone, fed without its stream's context, go to the workers even
-    /// right after the same stream's frame: they need nothing of it.
+    /// right after the same stream's frame: they need nothing of it; so does a frame fed while
+    /// its stream's earlier one is decoded.
     fn alone(&self) -> bool {
-        self.feed.is_none()
+        self.feed.is_none() || self.chained
     }
 }
 
@@ -513,17 +588,39 @@ impl Feeding {
         self.feed.is_some()
     }
 
-    /// Hands the frame's feeding to its stream (`stream`, whose earlier frames are decoded):
-    /// the stream's context back, if the feeding holds it, its frame fed (here, if no worker
-    /// did; else once the worker is done); its literals alone fed, after those of the stream's
-    /// earlier frames still waiting.
-    pub fn finish(self, stream: &mut StreamContext) {
+    /// True if it was fed while its stream's earlier frame was decoded
+    /// ([`Decoder::feed_next`]): the stream's frames before it need nothing of the context it
+    /// holds, and are decoded without waiting for it.
+    pub fn follows(&self) -> bool {
+        self.chained
+    }
+
+    /// Hands the frame's feeding to its stream (`stream`, whose earlier frames are decoded,
+    /// or are being decoded with what was fed for them): the stream's context back, if the
+    /// feeding holds it, its frame fed (here, if no worker did; else once the worker is done),
+    /// what it fed behind what the stream's earlier frames were fed; its literals alone fed,
+    /// after those of the stream's earlier frames still waiting. True if the frame needs
+    /// nothing more of the context (every context record of it fed, or none held): the
+    /// stream's next frame may be fed ([`Decoder::feed_next`]) while this one is decoded.
+    pub fn finish(self, stream: &mut StreamContext) -> bool {
+        let mut whole = true;
+        // The earlier frames' runs fed (chained, not all taken yet) stay before this one's.
+        let runs_before = stream.runs_fed.len();
         if let Some(feed) = &self.feed {
-            let mut f = lock(feed);
+            let mut f = lock_soon(feed);
+            f.run(false);
             // Fed here now, it is decoded next: its literals are left to the decoding batches,
             // which the workers help with.
             f.run(false);
-            *stream = std::mem::take(&mut f.stream);
+            whole = f.whole;
+            let fed = std::mem::take(&mut f.stream);
+            stream.dctx = fed.dctx;
+            stream.run = fed.run;
+            stream.run_bytes = fed.run_bytes;
+            stream.log = fed.log.or(stream.log);
+            stream.fed.extend(fed.fed);
+            stream.runs_fed.extend(fed.runs_fed);
+            stream.lits_fed.extend(fed.lits_fed);
         }
         // Its literals alone: taken in order (here, those nobody has) if it was handed to the
         // workers or helped with, else left to the decoding batches too.
@@ -544,8 +641,9 @@ impl Feeding {
                     stream.runs_fed.push_back(run);
                 }
             }
-            stream.runs_fed.make_contiguous().sort_by_key(|r| r.at);
+            stream.runs_fed.make_contiguous()[runs_before..].sort_by_key(|r| r.at);
         }
+        whole
     }
 }
 
@@ -576,7 +674,8 @@ impl Feed {
                     }
                     Err(_) => (0, false),
                 };
-                let result = result.map(|(_, run)| run.map(|r| pieces(r, stream)));
+                let name = self.name;
+                let result = result.map(|(_, run)| run.map(|r| pieces(r, stream, name)));
                 stream.fed.push_back(Fed {
                     first,
                     used,
@@ -613,6 +712,7 @@ impl Feed {
                     first,
                     payload,
                     piece: Piece {
+                        cached,
                         name: cached.then(|| fingerprint(&bytes)),
                         bytes: Bytes::from(bytes),
                     },
@@ -628,6 +728,7 @@ impl Feed {
             }
             at += len;
         }
+        self.whole = true;
     }
 }
 
@@ -650,7 +751,7 @@ fn worth_feeding(records: &[u8]) -> bool {
 
 /// A run's chunks, each in a buffer of its own (the one the cache keeps) and named if it is
 /// cached; the run's buffer goes back to `stream` for its next run.
-fn pieces(run: Run, stream: &mut StreamContext) -> Vec<Piece> {
+fn pieces(run: Run, stream: &mut StreamContext, name: bool) -> Vec<Piece> {
     let Run { mut bytes, chunks } = run;
     let mut off = 0usize;
     let pieces = chunks
@@ -661,7 +762,8 @@ fn pieces(run: Run, stream: &mut StreamContext) -> Vec<Piece> {
             off = off.saturating_add(len);
             Piece {
                 bytes: Bytes::copy_from_slice(chunk),
-                name: cached.then(|| fingerprint(chunk)),
+                cached,
+                name: (cached && name).then(|| fingerprint(chunk)),
             }
         })
         .collect();
@@ -780,6 +882,7 @@ pub struct InOrder {
     feeds: Feeds<(usize, std::ops::Range<usize>)>,
     ahead: usize,
     workers: Option<Arc<dyn crate::prepare::Workers>>,
+    fed_next: usize,
 }
 
 impl InOrder {
@@ -788,7 +891,13 @@ impl InOrder {
             feeds: Feeds::default(),
             ahead,
             workers,
+            fed_next: 0,
         }
+    }
+
+    /// Frames fed while their stream's earlier frame was decoded ([`Decoder::feed_next`]).
+    pub fn fed_next(&self) -> usize {
+        self.fed_next
     }
 
     /// Frames fed ahead waiting for their turn.
@@ -812,9 +921,38 @@ impl InOrder {
         if let Some(f) = lits {
             return self.fed(dec, contexts, decode, (k, range), f);
         }
-        // Else the stream's earlier frame first, and every frame before it.
-        while self.feeds.position(|f| f.0 == k).is_some() {
-            self.decode_front(dec, contexts, decode);
+        // Else the stream's earlier frame first, and every frame before it: the last of them
+        // decoded while this one is fed, if that one needs nothing more of the context.
+        while let Some(at) = self.feeds.position(|f| f.0 == k) {
+            let last = self.feeds.iter().skip(at + 1).all(|f| f.0.0 != k);
+            if at > 0 || !last {
+                self.decode_front(dec, contexts, decode);
+                continue;
+            }
+            let Some(((_, earlier), f)) = self.feeds.pop_front() else {
+                break;
+            };
+            // With other streams' frames to decode meanwhile, the workers name its chunks too.
+            let name = !self.feeds.is_empty();
+            let records = wire.slice(range.clone());
+            let next = f
+                .finish(&mut contexts[k])
+                .then(|| dec.feed_next(records, &mut contexts[k], usize::MAX, name))
+                .flatten();
+            let chained = next.is_some();
+            if let Some(next) = next {
+                self.fed_next += 1;
+                self.feeds
+                    .push(k as u64, (k, range.clone()), next, self.workers.as_deref());
+            }
+            decode(dec, k, earlier, &mut contexts[k]);
+            self.rebuild_later(dec);
+            if chained {
+                if self.feeds.len() >= self.ahead {
+                    self.decode_front(dec, contexts, decode);
+                }
+                return true;
+            }
         }
         let fed = (self.ahead > 0)
             .then(|| dec.feed_ahead(wire.slice(range.clone()), &mut contexts[k], usize::MAX))
@@ -865,11 +1003,15 @@ impl InOrder {
         if let Some(((k, range), f)) = self.feeds.pop_front() {
             f.finish(&mut contexts[k]);
             decode(dec, k, range, &mut contexts[k]);
-            // What it brought may be the bases of later frames' delta runs.
-            if let Some(w) = self.workers.as_deref() {
-                for (_, later) in self.feeds.iter() {
-                    dec.rebuild_later(later, w);
-                }
+            self.rebuild_later(dec);
+        }
+    }
+
+    /// What the frame just decoded brought may be the bases of later frames' delta runs.
+    fn rebuild_later(&self, dec: &Decoder) {
+        if let Some(w) = self.workers.as_deref() {
+            for (_, later) in self.feeds.iter() {
+                dec.rebuild_later(later, w);
             }
         }
     }

@@ -356,6 +356,7 @@ pub(crate) fn rebuild_ahead(
         off += len;
         pieces.push(Piece {
             bytes: bytes::Bytes::copy_from_slice(chunk),
+            cached: true,
             name: Some(fingerprint(chunk)),
         });
     }

@@ -179,7 +179,8 @@ fn decode_fed_ahead(
     decode_fed_ahead_most(dec, frames, ahead, workers, (ctxs, outs), answer).0
 }
 
-/// [`decode_fed_ahead`], also returning the most frames that waited fed ahead at once.
+/// [`decode_fed_ahead`], also returning the most frames that waited fed ahead at once, and
+/// the frames fed while their stream's earlier frame was decoded.
 fn decode_fed_ahead_most(
     dec: &mut Decoder,
     frames: &[(usize, Vec<u8>)],
@@ -187,7 +188,7 @@ fn decode_fed_ahead_most(
     workers: Option<std::sync::Arc<dyn prepare::Workers>>,
     (ctxs, outs): (&mut [crate::StreamContext], &mut [Vec<u8>]),
     mut answer: impl FnMut(&crate::fingerprint::Fingerprint) -> Option<Vec<u8>>,
-) -> (usize, usize) {
+) -> (usize, usize, usize) {
     let wire = bytes::Bytes::from(frames.iter().flat_map(|f| f.1.clone()).collect::<Vec<u8>>());
     let mut decode = |dec: &mut Decoder, k: usize, r: std::ops::Range<usize>, ctx: &mut _| {
         let records = &wire[r];
@@ -214,7 +215,7 @@ fn decode_fed_ahead_most(
         most = most.max(order.waiting());
     }
     order.finish(dec, ctxs, &mut decode);
-    (fed, most)
+    (fed, most, order.fed_next())
 }
 
 /// Frames fed ahead of their turn, when a chunk they refer to is damaged in the cache: the
@@ -448,7 +449,7 @@ fn one_streams_frames_fed_behind_its_waiting_ones_decode_exactly() {
         dec.set_workers(Some(std::sync::Arc::new(Threads::new(2))));
         let (mut ctxs, mut outs) = (vec![Default::default()], vec![Vec::new()]);
         let io = (&mut ctxs[..], &mut outs[..]);
-        let (fed, most) =
+        let (fed, most, _) =
             decode_fed_ahead_most(&mut dec, &first, 3, Some(workers.clone()), io, |_| None);
         assert_eq!(fed, first.len(), "every frame fed");
         assert!(
@@ -527,4 +528,118 @@ fn lz4_payloads(records: &[u8]) -> Vec<std::ops::Range<usize>> {
         }
     }
     found
+}
+
+/// One stream in its context: each frame is fed on a worker while the decoder's thread decodes
+/// the one before it ([`Decoder::feed_next`]), on workers that feed at once and on real
+/// threads. The same bytes, stats and cache as in turn, with a changed copy and the first
+/// again (references); then with every fifth chunk damaged, each miss answered while the next
+/// frame holds the context: exact. A frame whose context records are not all fed (a damaged one) gives the
+/// next frame nothing: that one is decoded in turn after it, and the damage fails the earlier
+/// frame as it does in turn.
+#[test]
+fn one_streams_next_frame_is_fed_while_the_one_before_is_decoded() {
+    let (firsts, changed) = crate::testdata::parallel_copies(1, 4, 400);
+    let changed = vec![[&changed[0][..], &firsts[0][..]].concat()];
+    let (cfg, first, second) = in_contexts(&firsts, &changed);
+    let all: Vec<_> = first.iter().chain(&second).cloned().collect();
+    assert!(first.len() > 8, "{} frames", first.len());
+    let mut whole = Decoder::new(&cfg);
+    let (mut ctxs, mut outs) = (vec![Default::default()], vec![Vec::new()]);
+    decode_fed_ahead(&mut whole, &all, 0, None, (&mut ctxs, &mut outs), |_| None);
+    let copies = [&firsts[0][..], &changed[0][..]].concat();
+    assert!(outs[0] == copies);
+    let in_turn = (whole.stats(), whole.cache().digest());
+    assert!(in_turn.0.hit_chunks > 100, "{:?}", in_turn.0);
+    let pools: [std::sync::Arc<dyn prepare::Workers>; 2] = [
+        std::sync::Arc::new(FedAtOnce),
+        std::sync::Arc::new(Threads::new(2)),
+    ];
+    for workers in pools {
+        let mut dec = Decoder::new(&cfg);
+        dec.set_workers(Some(workers.clone()));
+        let (mut ctxs, mut outs) = (vec![Default::default()], vec![Vec::new()]);
+        let io = (&mut ctxs[..], &mut outs[..]);
+        let (fed, _, next) =
+            decode_fed_ahead_most(&mut dec, &all, 8, Some(workers.clone()), io, |_| None);
+        assert!(outs[0] == copies);
+        assert_eq!((dec.stats(), dec.cache().digest()), in_turn);
+        // Frames of references alone have nothing to feed.
+        let (n, f) = (next, fed);
+        assert!(
+            n * 10 > f * 9 && f * 2 > all.len(),
+            "{n} of {f} of {}",
+            all.len()
+        );
+
+        let mut dec = Decoder::new(&cfg);
+        dec.set_workers(Some(workers.clone()));
+        let (mut ctxs, mut outs) = (vec![Default::default()], vec![Vec::new()]);
+        let io = (&mut ctxs[..], &mut outs[..]);
+        decode_fed_ahead(&mut dec, &first, 8, Some(workers.clone()), io, |_| None);
+        damage_every_fifth(&mut dec, &firsts[0], &cfg);
+        let mut misses = 0;
+        let io = (&mut ctxs[..], &mut outs[..]);
+        let (_, _, next) = decode_fed_ahead_most(&mut dec, &second, 8, Some(workers), io, |f| {
+            misses += 1;
+            whole.cache().peek(f).map(<[u8]>::to_vec)
+        });
+        assert!(misses > 10 && next > 10, "{misses} misses, {next} fed next");
+        assert!(outs[0] == copies);
+    }
+
+    // The second frame's context records damaged past its first: the first frame gives the
+    // context back whole, the second is fed next and stops where in turn it stops; a third
+    // frame is then decoded in turn and fails as it does in turn (its context is gone).
+    let (a, b) = (&first[0].1, &first[1].1);
+    let mut turn = Decoder::new(&cfg);
+    let mut ctx = crate::StreamContext::default();
+    let mut out = Vec::new();
+    assert_eq!(
+        turn.decode_frame(a, &mut out, &mut ctx, usize::MAX),
+        (a.len(), None)
+    );
+    let bad_b = (b.len() / 3..b.len())
+        .step_by(101)
+        .map(|at| {
+            let mut bad = b.clone();
+            bad[at] ^= 0x55;
+            bad
+        })
+        .find(|bad| {
+            let mut d = Decoder::new(&cfg);
+            let (mut c, mut o) = (Default::default(), Vec::new());
+            d.decode_frame(a, &mut o, &mut c, usize::MAX);
+            d.decode_frame(bad, &mut o, &mut c, usize::MAX).1.is_some()
+        })
+        .expect("damage that is found");
+    let want = turn.decode_frame(&bad_b, &mut out, &mut ctx, usize::MAX);
+    let mut dec = Decoder::new(&cfg);
+    let mut ctx = crate::StreamContext::default();
+    let fa = dec
+        .feed_ahead(a.clone().into(), &mut ctx, usize::MAX)
+        .expect("a frame of context records");
+    assert!(
+        fa.finish(&mut ctx),
+        "every context record of the first frame fed"
+    );
+    let fb = dec
+        .feed_next(bad_b.clone().into(), &mut ctx, usize::MAX, false)
+        .expect("the next frame fed");
+    assert!(fb.follows());
+    prepare::Deferred::spawn(&fb, &Threads::new(2));
+    let mut got = Vec::new();
+    assert_eq!(
+        dec.decode_frame(a, &mut got, &mut ctx, usize::MAX),
+        (a.len(), None)
+    );
+    assert!(
+        !fb.finish(&mut ctx),
+        "the damaged frame's records are not all fed"
+    );
+    assert_eq!(
+        dec.decode_frame(&bad_b, &mut got, &mut ctx, usize::MAX),
+        want
+    );
+    assert!(got == out, "the same bytes before the stop as in turn");
 }

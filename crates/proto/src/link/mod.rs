@@ -296,6 +296,8 @@ pub struct Link {
     feeds: wanopt_codec::Feeds<StreamId>,
     /// Frames whose literals alone were fed while their stream's earlier frames waited.
     fed_behind: u64,
+    /// Frames fed to their stream's context while its earlier frame was decoded (a test hook).
+    fed_next: u64,
     services: HashMap<Arc<str>, ServiceLimit>,
     streams: Streams,
     /// What the peer's hello said (defaults until it arrives).
@@ -375,6 +377,7 @@ impl Link {
             pending: Default::default(),
             feeds: Default::default(),
             fed_behind: 0,
+            fed_next: 0,
             state: State::Handshake,
             services: HashMap::new(),
             streams: Streams::new(cfg.initiator),
@@ -482,6 +485,12 @@ impl Link {
     #[doc(hidden)]
     pub fn fed_ahead_for_test(&self) -> (u64, u64) {
         (self.fed_behind, self.coding.lits_ahead())
+    }
+
+    /// Test hook: frames fed to their stream's context while its earlier frame was decoded.
+    #[doc(hidden)]
+    pub fn fed_next_for_test(&self) -> u64 {
+        self.fed_next
     }
 
     /// Test hook: frames fed ahead waiting for their turn.
