@@ -4,8 +4,8 @@
 //! workers in turn on its thread or on a thread beside it (the daemon's pool: the jobs then
 //! write into the output while the decoding thread counts earlier records in); and one whose
 //! frame is fed ahead first (its context records fed, its delta runs rebuilt, both then copied
-//! into place on the thread beside) must too; and so must one that feeds the records while the
-//! frame before them is decoded (`feed_next`).
+//! into place on the thread beside) must too; and so must one that feeds the records behind
+//! the frame before them (`feed_after`).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -66,21 +66,21 @@ fuzz_target!(|data: &[u8]| {
     ahead.set_workers(Some(std::sync::Arc::new(Beside)));
     let mut ctx = wanopt_codec::StreamContext::default();
     let _ = ahead.decode_frame(&wire, &mut Vec::new(), &mut ctx, usize::MAX);
-    // The priming frame fed ahead, then the raw input fed next while it is decoded.
+    // The priming frame fed ahead, then the raw input fed behind it.
     let mut chain = Decoder::new(&cfg);
     chain.set_workers(Some(std::sync::Arc::new(Beside)));
     let mut cctx = wanopt_codec::StreamContext::default();
     let first = chain.feed_ahead(bytes::Bytes::from(wire.clone()), &mut cctx, usize::MAX);
-    let next = first
-        .is_none_or(|f| f.finish(&mut cctx))
-        .then(|| {
-            // Its chunks named as they are fed, or when they are taken.
-            let records = bytes::Bytes::copy_from_slice(data);
-            chain.feed_next(records, &mut cctx, usize::MAX, data.len() % 3 == 0)
-        })
-        .flatten();
+    // Its chunks named as they are fed, or when they are taken.
+    let next = first.as_ref().and_then(|f| {
+        let records = bytes::Bytes::copy_from_slice(data);
+        chain.feed_after(f, records, usize::MAX, data.len() % 3 == 0)
+    });
     if let Some(n) = &next {
         wanopt_codec::prepare::Deferred::spawn(n, &Beside);
+    }
+    if let Some(f) = first {
+        f.finish(&mut cctx);
     }
     let _ = chain.decode_frame(&wire, &mut Vec::new(), &mut cctx, usize::MAX);
     if let Some(n) = next {

@@ -108,7 +108,7 @@ impl<K, J: Deferred> InTurn<K, J> {
     }
 
     /// The work waiting, oldest first, with its owners' keys.
-    pub fn iter(&self) -> impl Iterator<Item = &(K, J)> {
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = &(K, J)> {
         self.jobs.iter()
     }
 

@@ -41,8 +41,11 @@ pub struct Feeding {
     lits: Option<Arc<LitJobs>>,
     /// True once it was handed to the workers (else its literals are left to the batches).
     spawned: AtomicBool,
-    /// Fed while its stream's earlier frame is decoded (see [`Decoder::feed_next`]).
+    /// Fed behind its stream's earlier frame (see [`Decoder::feed_after`]).
     chained: bool,
+    /// True once a later frame's feeding was made behind it: once its context records are all
+    /// fed, the context is that feeding's, even if it is finished first.
+    followed: Arc<AtomicBool>,
     records: Bytes,
     /// The decoder that fed it (see [`Decoder::rebuild_later`]).
     decoder: u64,
@@ -111,6 +114,13 @@ struct Feed {
     records: Bytes,
     announced: usize,
     stream: StreamContext,
+    /// True while it holds its stream's context (in `stream`).
+    holds: bool,
+    /// See [`Feeding::followed`].
+    followed: Arc<AtomicBool>,
+    /// The stream's earlier frame's feed, to take the context from (see
+    /// [`Decoder::feed_after`]) before its walk.
+    after: Option<Arc<Mutex<Feed>>>,
     accept: Accept,
     done: bool,
     /// True once its walk reached the frame's end: every context record fed.
@@ -177,35 +187,6 @@ impl Decoder {
         if !stream.fed.is_empty() || !stream.lits_fed.is_empty() {
             return None;
         }
-        self.feed_in(records, stream, announced, (false, true))
-    }
-
-    /// Starts feeding a frame's context records as [`feed_ahead`](Self::feed_ahead) does, while
-    /// the stream's earlier frame is decoded: call it after that frame's [`Feeding::finish`]
-    /// returned true (its context records all fed), before the earlier frame is decoded. The
-    /// context goes to the feeding; what was fed for the earlier frames stays with `stream`
-    /// for them, and what this one feeds goes behind it when it is finished. So one stream's
-    /// context decompresses its next frame while the decoder's thread rebuilds and caches the
-    /// chunks of the one before. Without `name`, the feeding leaves naming the chunks it
-    /// rebuilds to the decoder's thread (for a thread with no other frames to decode meanwhile:
-    /// the context's decompression, which only one thread can do, is then all the worker does).
-    pub fn feed_next(
-        &self,
-        records: Bytes,
-        stream: &mut StreamContext,
-        announced: usize,
-        name: bool,
-    ) -> Option<Feeding> {
-        self.feed_in(records, stream, announced, (true, name))
-    }
-
-    fn feed_in(
-        &self,
-        records: Bytes,
-        stream: &mut StreamContext,
-        announced: usize,
-        (chained, name): (bool, bool),
-    ) -> Option<Feeding> {
         let (runs, later, held) = self.runs_to_rebuild(&records);
         let lits = match stream.run.is_empty() {
             true => self.literal_jobs(&records, announced),
@@ -218,25 +199,62 @@ impl Decoder {
             return None;
         }
         // Runs rebuilt ahead of an earlier frame and not taken: its records were not decoded
-        // that far after all (they are rebuilt in order if they come). Chained, the earlier
-        // frame is still to be decoded, with what was fed for it.
-        let stream = match chained {
-            false => {
-                stream.runs_fed.clear();
-                std::mem::take(stream)
-            }
-            true => StreamContext {
-                dctx: stream.dctx.take(),
-                run: std::mem::take(&mut stream.run),
-                run_bytes: std::mem::take(&mut stream.run_bytes),
-                ..StreamContext::default()
-            },
-        };
+        // that far after all (they are rebuilt in order if they come).
+        stream.runs_fed.clear();
+        let from = (std::mem::take(stream), None);
+        Some(self.feeding(records, announced, from, lits, (runs, later, held), true))
+    }
+
+    /// Starts feeding a frame's context records as [`feed_ahead`](Self::feed_ahead) does,
+    /// right behind the stream's last frame fed ahead that holds its context (`earlier`, which
+    /// is not finished yet): the context passes from that feeding to this one once it has fed
+    /// every context record of its frame, on whichever thread walks this frame (which walks
+    /// the earlier one first if nobody has). If it has not (damage, or a record it cannot step
+    /// over), this frame is fed nothing and decoded in turn. So one stream's frames are fed one
+    /// after the other on the workers, as many as wait, while the decoder's thread decodes
+    /// those before them. Without `name`, the feeding leaves naming the chunks it rebuilds to
+    /// the decoder's thread (for a thread with no other streams' frames to decode meanwhile:
+    /// the context's decompression, which only one thread can do, is then all the worker
+    /// does). `None` if `earlier` holds no context, or the frame has nothing to feed.
+    pub fn feed_after(
+        &self,
+        earlier: &Feeding,
+        records: Bytes,
+        announced: usize,
+        name: bool,
+    ) -> Option<Feeding> {
+        let prev = earlier.feed.clone()?;
+        let (runs, later, held) = self.runs_to_rebuild(&records);
+        if runs.is_empty() && later.is_empty() && !worth_feeding(&records) {
+            return None;
+        }
+        earlier.followed.store(true, Ordering::Relaxed);
+        let from = (StreamContext::default(), Some(prev));
+        Some(self.feeding(records, announced, from, None, (runs, later, held), name))
+    }
+
+    /// A feeding of `records` with its stream's context (`from`: the stream's own, or the
+    /// earlier frame's feed to take it from), its literal jobs, its delta runs to rebuild
+    /// ahead and later.
+    fn feeding(
+        &self,
+        records: Bytes,
+        announced: usize,
+        (stream, after): (StreamContext, Option<Arc<Mutex<Feed>>>),
+        lits: Option<LitJobs>,
+        (runs, later, held): (VecDeque<RunBases>, Vec<usize>, usize),
+        name: bool,
+    ) -> Feeding {
         let verify = self.cache.verifies_memory();
+        let chained = after.is_some();
+        let followed = Arc::new(AtomicBool::new(false));
         let feed = Feed {
             records: records.clone(),
             announced,
             stream,
+            holds: !chained,
+            followed: Arc::clone(&followed),
+            after,
             accept: self.accept.clone(),
             done: false,
             whole: false,
@@ -246,11 +264,12 @@ impl Decoder {
             verify,
             scratch: Arc::clone(&self.scratch_ahead),
         };
-        Some(Feeding {
+        Feeding {
             feed: Some(Arc::new(Mutex::new(feed))),
             lits: lits.map(Arc::new),
             spawned: AtomicBool::new(false),
             chained,
+            followed,
             records,
             decoder: self.number,
             later: Mutex::new(Later {
@@ -260,7 +279,7 @@ impl Decoder {
                 verify,
                 scratch: Arc::clone(&self.scratch_ahead),
             }),
-        })
+        }
     }
 
     /// Starts decompressing (and naming) the literals alone of a frame's `records` (the whole
@@ -281,6 +300,7 @@ impl Decoder {
             lits: Some(Arc::new(lits)),
             spawned: AtomicBool::new(false),
             chained: false,
+            followed: Arc::default(),
             records,
             decoder: self.number,
             later: Mutex::new(Later {
@@ -565,7 +585,8 @@ impl crate::prepare::Deferred for Feeding {
     /// one); once it is fed, decompresses one of its literals alone that nobody has taken.
     fn help(&self) -> bool {
         match self.feed.as_deref().map(Mutex::try_lock) {
-            Some(Ok(mut f)) if !f.done => {
+            // Not a frame behind one a worker is feeding: that would wait for it.
+            Some(Ok(mut f)) if !f.done && f.after_free() => {
                 f.run(true);
                 true
             }
@@ -588,35 +609,43 @@ impl Feeding {
         self.feed.is_some()
     }
 
-    /// True if it was fed while its stream's earlier frame was decoded
-    /// ([`Decoder::feed_next`]): the stream's frames before it need nothing of the context it
-    /// holds, and are decoded without waiting for it.
+    /// True if it was fed behind its stream's earlier frame ([`Decoder::feed_after`]): it
+    /// holds the context only if the frames before it need nothing of it, and those are
+    /// decoded without waiting for it.
     pub fn follows(&self) -> bool {
         self.chained
     }
 
-    /// Hands the frame's feeding to its stream (`stream`, whose earlier frames are decoded,
-    /// or are being decoded with what was fed for them): the stream's context back, if the
-    /// feeding holds it, its frame fed (here, if no worker did; else once the worker is done),
-    /// what it fed behind what the stream's earlier frames were fed; its literals alone fed,
-    /// after those of the stream's earlier frames still waiting. True if the frame needs
-    /// nothing more of the context (every context record of it fed, or none held): the
-    /// stream's next frame may be fed ([`Decoder::feed_next`]) while this one is decoded.
+    /// Hands the frame's feeding to its stream (`stream`, whose earlier frames are decoded):
+    /// the stream's context back, if the feeding holds it (a later frame's feeding may have
+    /// taken it on, see [`Decoder::feed_after`]), its frame fed (here, if no worker did; else
+    /// once the worker is done), what it fed behind what the stream's earlier frames were fed;
+    /// its literals alone fed, after those of the stream's earlier frames still waiting. True
+    /// if the frame needs nothing more of the context: every context record of it fed, or no
+    /// context held.
     pub fn finish(self, stream: &mut StreamContext) -> bool {
         let mut whole = true;
         // The earlier frames' runs fed (chained, not all taken yet) stay before this one's.
         let runs_before = stream.runs_fed.len();
         if let Some(feed) = &self.feed {
             let mut f = lock_soon(feed);
-            f.run(false);
             // Fed here now, it is decoded next: its literals are left to the decoding batches,
             // which the workers help with.
             f.run(false);
             whole = f.whole;
-            let fed = std::mem::take(&mut f.stream);
-            stream.dctx = fed.dctx;
-            stream.run = fed.run;
-            stream.run_bytes = fed.run_bytes;
+            // The context, unless a later frame's feeding took it or will: this frame needs
+            // nothing more of it then, and that feeding is finished after this one.
+            let keep = whole && f.followed.load(Ordering::Relaxed);
+            let mut fed = std::mem::take(&mut f.stream);
+            if keep {
+                f.stream.dctx = fed.dctx.take();
+                f.stream.run = std::mem::take(&mut fed.run);
+                f.stream.run_bytes = std::mem::take(&mut fed.run_bytes);
+            } else if std::mem::replace(&mut f.holds, false) {
+                stream.dctx = fed.dctx;
+                stream.run = fed.run;
+                stream.run_bytes = fed.run_bytes;
+            }
             stream.log = fed.log.or(stream.log);
             stream.fed.extend(fed.fed);
             stream.runs_fed.extend(fed.runs_fed);
@@ -648,6 +677,11 @@ impl Feeding {
 }
 
 impl Feed {
+    /// True unless it is behind an earlier frame's feed that a thread holds.
+    fn after_free(&self) -> bool {
+        self.after.as_deref().is_none_or(|p| p.try_lock().is_ok())
+    }
+
     /// Walks the frame's records: each context record is fed (a run, once whole, named too),
     /// with `literals` each literal alone decompressed (and named, if it is cached), the others
     /// stepped over by their headers, counting what they rebuild against what the frame
@@ -656,6 +690,22 @@ impl Feed {
     /// there, and decompresses the literals.
     fn run(&mut self, literals: bool) {
         if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        // Behind an earlier frame: its context, once that frame's context records are all
+        // fed (its walk here first if nobody has walked it). Later frames only ever lock
+        // earlier ones while they hold their own, so two threads never wait for each other.
+        if let Some(prev) = self.after.take() {
+            let mut p = lock(&prev);
+            p.run(literals);
+            if p.whole && std::mem::replace(&mut p.holds, false) {
+                self.stream.dctx = p.stream.dctx.take();
+                self.stream.run = std::mem::take(&mut p.stream.run);
+                self.stream.run_bytes = std::mem::take(&mut p.stream.run_bytes);
+                self.holds = true;
+            }
+        }
+        if !self.holds {
             return;
         }
         let (buf, stream) = (&self.records[..], &mut self.stream);
@@ -895,7 +945,7 @@ impl InOrder {
         }
     }
 
-    /// Frames fed while their stream's earlier frame was decoded ([`Decoder::feed_next`]).
+    /// Frames fed behind their stream's earlier frame fed ahead ([`Decoder::feed_after`]).
     pub fn fed_next(&self) -> usize {
         self.fed_next
     }
@@ -921,38 +971,27 @@ impl InOrder {
         if let Some(f) = lits {
             return self.fed(dec, contexts, decode, (k, range), f);
         }
-        // Else the stream's earlier frame first, and every frame before it: the last of them
-        // decoded while this one is fed, if that one needs nothing more of the context.
-        while let Some(at) = self.feeds.position(|f| f.0 == k) {
-            let last = self.feeds.iter().skip(at + 1).all(|f| f.0.0 != k);
-            if at > 0 || !last {
-                self.decode_front(dec, contexts, decode);
-                continue;
-            }
-            let Some(((_, earlier), f)) = self.feeds.pop_front() else {
-                break;
-            };
-            // With other streams' frames to decode meanwhile, the workers name its chunks too.
-            let name = !self.feeds.is_empty();
-            let records = wire.slice(range.clone());
-            let next = f
-                .finish(&mut contexts[k])
-                .then(|| dec.feed_next(records, &mut contexts[k], usize::MAX, name))
-                .flatten();
-            let chained = next.is_some();
-            if let Some(next) = next {
-                self.fed_next += 1;
-                self.feeds
-                    .push(k as u64, (k, range.clone()), next, self.workers.as_deref());
-            }
-            decode(dec, k, earlier, &mut contexts[k]);
-            self.rebuild_later(dec);
-            if chained {
-                if self.feeds.len() >= self.ahead {
-                    self.decode_front(dec, contexts, decode);
-                }
-                return true;
-            }
+        // Else behind the stream's last frame fed ahead that holds its context (its frames
+        // after that one, literals alone, need none of it), the workers naming its chunks
+        // too only while other streams' frames wait.
+        let name = self.feeds.iter().any(|f| f.0.0 != k);
+        let after = (self.ahead > 0)
+            .then(|| {
+                let (_, earlier) = self
+                    .feeds
+                    .iter()
+                    .rev()
+                    .find(|f| f.0.0 == k && f.1.holds_context())?;
+                dec.feed_after(earlier, wire.slice(range.clone()), usize::MAX, name)
+            })
+            .flatten();
+        if let Some(f) = after {
+            self.fed_next += 1;
+            return self.fed(dec, contexts, decode, (k, range), f);
+        }
+        // Else the stream's earlier frames first, and every frame before them.
+        while self.feeds.position(|f| f.0 == k).is_some() {
+            self.decode_front(dec, contexts, decode);
         }
         let fed = (self.ahead > 0)
             .then(|| dec.feed_ahead(wire.slice(range.clone()), &mut contexts[k], usize::MAX))

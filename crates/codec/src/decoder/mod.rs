@@ -607,7 +607,7 @@ impl Decoder {
         for p in pieces {
             self.stats.lit_chunks += 1;
             self.stats.lit_bytes += p.bytes.len() as u64;
-            // Named here if the feeding left it (see `Decoder::feed_next`).
+            // Named here if the feeding left it (see `Decoder::feed_after`).
             if let Some(f) = p.name.or_else(|| p.cached.then(|| fingerprint(&p.bytes))) {
                 self.cache.insert_bytes(f, p.bytes);
                 self.log_chunk(stream.log, f);

@@ -27,7 +27,11 @@ fn delta_runs_rebuilt_ahead_take_the_lookups_of_runs_rebuilt_in_turn() {
     assert!(in_turn.stats().delta_chunks > 200, "{:?}", in_turn.stats());
     for (threads, ahead) in [(2, 1), (2, 3), (3, 8)] {
         let (dec, outs_ahead, _) = decode_streams(&cfg, &all, threads, ahead);
-        assert!(dec.runs_ahead() > 10, "{} runs ahead", dec.runs_ahead());
+        assert!(
+            dec.runs_ahead() > 10,
+            "{threads} {ahead}: {} runs ahead",
+            dec.runs_ahead()
+        );
         assert_eq!(dec.stats(), in_turn.stats());
         assert_eq!(dec.cache().digest(), in_turn.cache().digest());
         for k in 0..4 {
@@ -530,8 +534,8 @@ fn lz4_payloads(records: &[u8]) -> Vec<std::ops::Range<usize>> {
     found
 }
 
-/// One stream in its context: each frame is fed on a worker while the decoder's thread decodes
-/// the one before it ([`Decoder::feed_next`]), on workers that feed at once and on real
+/// One stream in its context: each frame is fed on a worker behind the one before it while the
+/// decoder's thread decodes those ([`Decoder::feed_after`]), on workers that feed at once and on real
 /// threads. The same bytes, stats and cache as in turn, with a changed copy and the first
 /// again (references); then with every fifth chunk damaged, each miss answered while the next
 /// frame holds the context: exact. A frame whose context records are not all fed (a damaged one) gives the
@@ -588,9 +592,9 @@ fn one_streams_next_frame_is_fed_while_the_one_before_is_decoded() {
         assert!(outs[0] == copies);
     }
 
-    // The second frame's context records damaged past its first: the first frame gives the
-    // context back whole, the second is fed next and stops where in turn it stops; a third
-    // frame is then decoded in turn and fails as it does in turn (its context is gone).
+    // The second frame's context records damaged past its first: fed behind the first, which
+    // hands it the context, it stops where in turn it stops, and decodes to the same error
+    // with the same bytes before it.
     let (a, b) = (&first[0].1, &first[1].1);
     let mut turn = Decoder::new(&cfg);
     let mut ctx = crate::StreamContext::default();
@@ -619,15 +623,16 @@ fn one_streams_next_frame_is_fed_while_the_one_before_is_decoded() {
     let fa = dec
         .feed_ahead(a.clone().into(), &mut ctx, usize::MAX)
         .expect("a frame of context records");
+    let fb = dec
+        .feed_after(&fa, bad_b.clone().into(), usize::MAX, false)
+        .expect("the next frame fed");
+    assert!(fb.follows());
+    // Its walk takes the first frame's first.
+    prepare::Deferred::spawn(&fb, &Threads::new(2));
     assert!(
         fa.finish(&mut ctx),
         "every context record of the first frame fed"
     );
-    let fb = dec
-        .feed_next(bad_b.clone().into(), &mut ctx, usize::MAX, false)
-        .expect("the next frame fed");
-    assert!(fb.follows());
-    prepare::Deferred::spawn(&fb, &Threads::new(2));
     let mut got = Vec::new();
     assert_eq!(
         dec.decode_frame(a, &mut got, &mut ctx, usize::MAX),

@@ -466,32 +466,6 @@ impl Contexts {
             .feed_ahead(records, &mut rc.context, announced)
     }
 
-    /// Starts feeding the frame that just arrived on a stream to the stream's context while the
-    /// one frame before it, fed ahead and given back to the stream ([`RecvCoded::fed`] true),
-    /// is decoded (see [`Decoder::feed_next`](wanopt_codec::Decoder::feed_next), which says
-    /// what `name` leaves to the decoder's thread).
-    pub fn feed_next(
-        &mut self,
-        rc: &mut RecvCoded,
-        lane: usize,
-        service: &Arc<str>,
-        name: bool,
-    ) -> Option<wanopt_codec::Feeding> {
-        if rc.stall.is_some() || rc.frames.len() != 2 {
-            return None;
-        }
-        let p = rc.frames.back()?;
-        let scope = if p.scoped {
-            service.clone()
-        } else {
-            Arc::from("")
-        };
-        let announced = usize::try_from(p.remaining).unwrap_or(usize::MAX);
-        let records = p.records.clone();
-        self.decoder(lane, &scope)
-            .feed_next(records, &mut rc.context, announced, name)
-    }
-
     /// Has the workers rebuild the delta runs of frames fed ahead (`feeds`) whose bases the
     /// frames decoded since brought (see [`Decoder::rebuild_later`]), each by the decoder that
     /// fed it.

@@ -85,13 +85,11 @@ impl RecvCoded {
         });
     }
 
-    /// A frame of the stream fed ahead, in its turn (the frames before it decoded, or being
-    /// decoded with what was fed for them): the stream's context back, if the feeding held it,
-    /// and what was fed (see [`Contexts::feed_ahead`](super::Contexts::feed_ahead)). True if
-    /// the frame needs nothing more of the context (see
-    /// [`Feeding::finish`](wanopt_codec::Feeding::finish)).
-    pub fn fed(&mut self, fed: wanopt_codec::Feeding) -> bool {
-        fed.finish(&mut self.context)
+    /// A frame of the stream fed ahead, in its turn (the frames before it decoded): the
+    /// stream's context back, if the feeding held it, and what was fed (see
+    /// [`Contexts::feed_ahead`](super::Contexts::feed_ahead)).
+    pub fn fed(&mut self, fed: wanopt_codec::Feeding) {
+        fed.finish(&mut self.context);
     }
 
     /// When the first frame still waiting arrived.

@@ -34,12 +34,15 @@ impl Link {
     ) -> Result<(), LinkError> {
         self.coding.accept_coded()?;
         let records = super::input::unpinned(records);
-        // A frame of literals alone is fed while the stream's earlier frames fed ahead wait;
-        // else those are decoded first, with the frames before them: the stream's one frame
-        // fed ahead, if it is next, while this one is fed (see `feed_next`).
+        // A frame of literals alone is fed while the stream's earlier frames fed ahead wait,
+        // and so is one fed behind the last of them that holds its context (see
+        // `feed_after`); else those are decoded first, with the frames before them.
         let lits = self.feed_literals(id, scoped, &records, raw_len);
-        let chain = lits.is_none() && self.next_to_chain(id);
-        if lits.is_none() && !chain {
+        let after = match lits {
+            Some(_) => None,
+            None => self.feed_after(id, scoped, &records, raw_len),
+        };
+        if lits.is_none() && after.is_none() {
             self.decode_fed_through(id);
         }
         let open = self.admit((id, lane), offset, u64::from(raw_len), wire, |s| {
@@ -48,9 +51,6 @@ impl Link {
         let (Some(s), true) = (self.streams.get_mut(&id), open) else {
             // A stream we already closed: still decode what uses the shared cache, so it stays
             // in step with the peer's mirror.
-            if chain {
-                self.decode_fed_through(id);
-            }
             if !scoped {
                 self.decode_fed();
                 self.coding.decode_orphan(lane, records, raw_len, fin);
@@ -60,9 +60,6 @@ impl Link {
         // A scope the hellos did not agree would make a cache nobody configured (or mix a
         // service's bytes into the shared cache): the stream goes, the caches stay as they were.
         if let Err(why) = self.coding.check_scope(&s.service, scoped) {
-            if chain {
-                self.decode_fed_through(id);
-            }
             self.fail_stream(id, ResetCode::ProtocolViolation, why);
             return Ok(());
         }
@@ -96,8 +93,9 @@ impl Link {
             self.fed_ahead(id, f, lane);
             return Ok(());
         }
-        if chain {
-            self.feed_next(id, lane);
+        if let Some(f) = after {
+            self.fed_next += 1;
+            self.fed_ahead(id, f, lane);
             return Ok(());
         }
         if self.feed_ahead(id, lane) {
@@ -131,84 +129,6 @@ impl Link {
         };
         self.fed_ahead(id, f, lane);
         true
-    }
-
-    /// True if `id`'s frames fed ahead, once the frames before them are decoded (here), are
-    /// one frame, next in turn, and the stream has nothing else waiting (no stall): its context
-    /// may go to the frame arriving now while that one is decoded ([`feed_next`](Self::feed_next)).
-    fn next_to_chain(&mut self, id: StreamId) -> bool {
-        let Some(s) = self.streams.get(&id) else {
-            return false;
-        };
-        if self.coding.fed_frames(s.lane).0 == 0
-            || s.recv
-                .coded
-                .as_ref()
-                .is_none_or(|rc| rc.stall.is_some() || rc.waiting() != 1)
-            || self.feeds.iter().filter(|f| f.0 == id).count() != 1
-        {
-            return false;
-        }
-        while self.feeds.position(|k| *k == id).is_some_and(|at| at > 0) {
-            self.decode_fed_front();
-        }
-        // Decoding the frames before it may have failed the stream, or stalled it.
-        self.feeds.position(|k| *k == id) == Some(0)
-            && self.streams.get(&id).is_some_and(|s| {
-                s.recv
-                    .coded
-                    .as_ref()
-                    .is_some_and(|rc| rc.stall.is_none() && rc.waiting() == 1)
-            })
-    }
-
-    /// The frame that just arrived on `id` (see [`next_to_chain`](Self::next_to_chain)): the
-    /// stream's frame fed ahead gives its context back and, if it needs nothing more of it,
-    /// the new frame is fed to the context on the workers while the decoder's thread decodes
-    /// that one. Else both are decoded in turn, as without workers.
-    fn feed_next(&mut self, id: StreamId, lane: usize) {
-        let Some((_, fed)) = self.feeds.pop_front() else {
-            return;
-        };
-        let Some(s) = self.streams.get_mut(&id) else {
-            fed.finish(&mut Default::default());
-            return;
-        };
-        let Some(rc) = s.recv.coded.as_mut() else {
-            fed.finish(&mut Default::default());
-            return;
-        };
-        // With other streams' frames to decode meanwhile, the workers name its chunks too.
-        let name = !self.feeds.is_empty();
-        let next = rc
-            .fed(fed)
-            .then(|| {
-                self.coding
-                    .contexts()
-                    .and_then(|c| c.feed_next(rc, s.lane, &s.service, name))
-            })
-            .flatten();
-        match next {
-            Some(f) => {
-                // On the workers now; the oldest frames decoded after the earlier one, which
-                // came before them.
-                self.fed_next += 1;
-                let (cap, workers) = self.coding.fed_frames(lane);
-                self.feeds.push(u64::from(id.0), id, f, workers.as_deref());
-                self.decode_stream(id);
-                self.rebuild_later();
-                if self.feeds.len() >= cap {
-                    self.decode_fed_front();
-                }
-            }
-            None => {
-                // In the order they came: the earlier frame, the frames fed ahead since, this.
-                self.decode_one_keeping(id, 1);
-                self.wake_behind();
-                self.decode_fed();
-                self.decode_stream(id);
-            }
-        }
     }
 
     /// A frame of `id`'s fed ahead (`f`) waits for its turn; the oldest is decoded if as many
@@ -259,6 +179,51 @@ impl Link {
             .feed_literals(records.clone(), announced)
     }
 
+    /// A frame just arrived on `id` (its `records`, announcing `raw_len` bytes) fed behind the
+    /// stream's last frame fed ahead that holds its context, if every frame the stream has
+    /// waiting is fed ahead (none stalled): it takes the context on from that one once its
+    /// context records are all fed (see
+    /// [`Decoder::feed_after`](wanopt_codec::Decoder::feed_after)), so one stream's frames
+    /// are fed one after the other on the workers while the decoder's thread decodes those
+    /// before them. The workers name its chunks too only while other streams' frames wait.
+    fn feed_after(
+        &mut self,
+        id: StreamId,
+        scoped: bool,
+        records: &Bytes,
+        raw_len: u32,
+    ) -> Option<wanopt_codec::Feeding> {
+        let waiting = self.feeds.iter().filter(|f| f.0 == id).count();
+        let s = self.streams.get(&id)?;
+        let rc = s.recv.coded.as_ref()?;
+        if waiting == 0 || rc.stall.is_some() || rc.waiting() != waiting {
+            return None;
+        }
+        if self.coding.fed_frames(s.lane).0 == 0
+            || self.coding.check_scope(&s.service, scoped).is_err()
+        {
+            return None;
+        }
+        let (_, earlier) = self
+            .feeds
+            .iter()
+            .rev()
+            .find(|f| f.0 == id && f.1.holds_context())?;
+        let name = self.feeds.iter().any(|f| f.0 != id);
+        let scope = if scoped {
+            s.service.clone()
+        } else {
+            Arc::from("")
+        };
+        let announced = usize::try_from(raw_len).unwrap_or(usize::MAX);
+        self.coding.contexts()?.decoder(s.lane, &scope).feed_after(
+            earlier,
+            records.clone(),
+            announced,
+            name,
+        )
+    }
+
     /// Decodes the oldest frame fed ahead (its stream given its context back first).
     fn decode_fed_front(&mut self) {
         let Some((id, fed)) = self.feeds.pop_front() else {
@@ -269,9 +234,7 @@ impl Link {
             .get_mut(&id)
             .and_then(|s| s.recv.coded.as_mut())
         {
-            Some(rc) => {
-                rc.fed(fed);
-            }
+            Some(rc) => rc.fed(fed),
             // A stream gone meanwhile: what was fed goes with it.
             None => {
                 fed.finish(&mut Default::default());
@@ -327,11 +290,6 @@ impl Link {
     /// else asks the peer for the chunk. Records that do not rebuild reset it. Never hands over
     /// a wrong byte.
     fn decode_one(&mut self, id: StreamId) {
-        self.decode_one_keeping(id, 0);
-    }
-
-    /// [`decode_one`](Self::decode_one), its last `more` frames left waiting too.
-    fn decode_one_keeping(&mut self, id: StreamId, more: usize) {
         // A frame of it fed ahead holds its context: decoded in its turn, with those before it.
         if self
             .feeds
@@ -343,7 +301,7 @@ impl Link {
             return;
         }
         // Its frames whose literals alone are fed ahead wait for their turns.
-        let keep = self.feeds.iter().filter(|f| f.0 == id).count() + more;
+        let keep = self.feeds.iter().filter(|f| f.0 == id).count();
         let Some(s) = self.streams.get_mut(&id) else {
             return;
         };

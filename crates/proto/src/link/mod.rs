@@ -296,7 +296,7 @@ pub struct Link {
     feeds: wanopt_codec::Feeds<StreamId>,
     /// Frames whose literals alone were fed while their stream's earlier frames waited.
     fed_behind: u64,
-    /// Frames fed to their stream's context while its earlier frame was decoded (a test hook).
+    /// Frames fed behind their stream's earlier frame fed ahead (a test hook).
     fed_next: u64,
     services: HashMap<Arc<str>, ServiceLimit>,
     streams: Streams,
@@ -487,7 +487,8 @@ impl Link {
         (self.fed_behind, self.coding.lits_ahead())
     }
 
-    /// Test hook: frames fed to their stream's context while its earlier frame was decoded.
+    /// Test hook: frames fed behind their stream's earlier frame fed ahead (taking its
+    /// context on from it).
     #[doc(hidden)]
     pub fn fed_next_for_test(&self) -> u64 {
         self.fed_next
