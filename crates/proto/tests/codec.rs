@@ -1293,35 +1293,7 @@ fn literals_fed_behind_a_streams_waiting_frames_rebuild_exactly() {
             lits > 100,
             "{streams} streams: {lits} literals taken as fed"
         );
-        let _ = counts(&mut p.east.link);
-        // Its memory gone bad: what it held, sent again between new bytes, misses.
-        assert!(p.east.link.corrupt_caches_for_test() > 0);
-        let again: Vec<Bytes> = firsts
-            .iter()
-            .enumerate()
-            .map(|(k, d)| {
-                let mut v = Vec::new();
-                for (i, piece) in d.chunks(256 << 10).enumerate() {
-                    v.extend_from_slice(piece);
-                    v.extend_from_slice(&db_blocks(8, 1000 + (k * 100 + i) as u64));
-                }
-                Bytes::from(v)
-            })
-            .collect();
-        send_copies(&mut p, &again);
-        let (east, west) = (counts(&mut p.east.link), counts(&mut p.west.link));
-        assert!(
-            east.needs > 0,
-            "{streams} streams: the damaged chunks were asked for"
-        );
-        assert_eq!(west.resent, east.needs, "{streams} streams: and re-sent");
-        let changed: Vec<Bytes> = again
-            .iter()
-            .enumerate()
-            .map(|(k, d)| Bytes::from(wanopt_codec::testdata::edited(d, k)))
-            .collect();
-        send_copies(&mut p, &changed);
-        assert_eq!(counts(&mut p.east.link).needs, 0, "{streams} streams");
+        sent_again_then_changed(&mut p, &firsts);
         let (later, _) = p.east.link.fed_ahead_for_test();
         assert!(
             later > behind,
@@ -1332,8 +1304,8 @@ fn literals_fed_behind_a_streams_waiting_frames_rebuild_exactly() {
 }
 
 /// One bulk stream in its context (and then three side by side) sent to a side with workers,
-/// which reads what piled up every 40 ms: each frame is fed to the stream's context on them
-/// while the decoder's thread decodes the frame before it. A first copy; then, with the
+/// which reads what piled up every 40 ms: each frame is fed to the stream's context on them,
+/// behind the frame before it, while the decoder's thread decodes those. A first copy; then, with the
 /// receiver's memory gone bad, the chunks it held sent again between new ones (misses while
 /// the next frame holds the context), and a changed copy. Every stream arrives exact, the
 /// caches are in step after the first copy, each miss is answered, and frames were fed next
@@ -1348,34 +1320,7 @@ fn one_streams_frames_fed_while_the_one_before_is_decoded_rebuild_exactly() {
         assert_caches_in_step(&p);
         let next = p.east.link.fed_next_for_test();
         assert!(next > 4, "{streams} streams: {next} frames fed next");
-        let _ = counts(&mut p.east.link);
-        assert!(p.east.link.corrupt_caches_for_test() > 0);
-        let again: Vec<Bytes> = firsts
-            .iter()
-            .enumerate()
-            .map(|(k, d)| {
-                let mut v = Vec::new();
-                for (i, piece) in d.chunks(256 << 10).enumerate() {
-                    v.extend_from_slice(piece);
-                    v.extend_from_slice(&db_blocks(8, 1000 + (k * 100 + i) as u64));
-                }
-                Bytes::from(v)
-            })
-            .collect();
-        send_copies(&mut p, &again);
-        let (east, west) = (counts(&mut p.east.link), counts(&mut p.west.link));
-        assert!(
-            east.needs > 0,
-            "{streams} streams: the damaged chunks were asked for"
-        );
-        assert_eq!(west.resent, east.needs, "{streams} streams: and re-sent");
-        let changed: Vec<Bytes> = again
-            .iter()
-            .enumerate()
-            .map(|(k, d)| Bytes::from(wanopt_codec::testdata::edited(d, k)))
-            .collect();
-        send_copies(&mut p, &changed);
-        assert_eq!(counts(&mut p.east.link).needs, 0, "{streams} streams");
+        sent_again_then_changed(&mut p, &firsts);
         let later = p.east.link.fed_next_for_test();
         assert!(
             later > next,
@@ -1383,6 +1328,41 @@ fn one_streams_frames_fed_while_the_one_before_is_decoded_rebuild_exactly() {
         );
         p.assert_no_leaks();
     }
+}
+
+/// With the receiver's memory gone bad, `firsts` (sent before) sent again between new bytes:
+/// the damaged chunks miss, are asked for and re-sent; then a changed copy, which misses
+/// nothing. Every stream arrives exact (see [`send_copies`]).
+fn sent_again_then_changed(p: &mut Pair, firsts: &[Bytes]) {
+    let streams = firsts.len();
+    let _ = counts(&mut p.east.link);
+    assert!(p.east.link.corrupt_caches_for_test() > 0);
+    let again: Vec<Bytes> = firsts
+        .iter()
+        .enumerate()
+        .map(|(k, d)| {
+            let mut v = Vec::new();
+            for (i, piece) in d.chunks(256 << 10).enumerate() {
+                v.extend_from_slice(piece);
+                v.extend_from_slice(&db_blocks(8, 1000 + (k * 100 + i) as u64));
+            }
+            Bytes::from(v)
+        })
+        .collect();
+    send_copies(p, &again);
+    let (east, west) = (counts(&mut p.east.link), counts(&mut p.west.link));
+    assert!(
+        east.needs > 0,
+        "{streams} streams: the damaged chunks were asked for"
+    );
+    assert_eq!(west.resent, east.needs, "{streams} streams: and re-sent");
+    let changed: Vec<Bytes> = again
+        .iter()
+        .enumerate()
+        .map(|(k, d)| Bytes::from(wanopt_codec::testdata::edited(d, k)))
+        .collect();
+    send_copies(p, &changed);
+    assert_eq!(counts(&mut p.east.link).needs, 0, "{streams} streams");
 }
 
 /// An input call that ends inside a frame leaves the frames fed ahead before it waiting (the

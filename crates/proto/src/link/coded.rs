@@ -34,15 +34,10 @@ impl Link {
     ) -> Result<(), LinkError> {
         self.coding.accept_coded()?;
         let records = super::input::unpinned(records);
-        // A frame of literals alone is fed while the stream's earlier frames fed ahead wait,
-        // and so is one fed behind the last of them that holds its context (see
-        // `feed_after`); else those are decoded first, with the frames before them.
-        let lits = self.feed_literals(id, scoped, &records, raw_len);
-        let after = match lits {
-            Some(_) => None,
-            None => self.feed_after(id, scoped, &records, raw_len),
-        };
-        if lits.is_none() && after.is_none() {
+        // Fed while the stream's earlier frames fed ahead wait (see `feed_behind`); else
+        // those are decoded first, with the frames before them.
+        let behind = self.feed_behind(id, scoped, &records, raw_len);
+        if behind.is_none() {
             self.decode_fed_through(id);
         }
         let open = self.admit((id, lane), offset, u64::from(raw_len), wire, |s| {
@@ -88,13 +83,11 @@ impl Link {
         if fin {
             s.recv.fin_received = true;
         }
-        if let Some(f) = lits {
-            self.fed_behind += 1;
-            self.fed_ahead(id, f, lane);
-            return Ok(());
-        }
-        if let Some(f) = after {
-            self.fed_next += 1;
+        if let Some((f, lits)) = behind {
+            match lits {
+                true => self.fed_behind += 1,
+                false => self.fed_next += 1,
+            }
             self.fed_ahead(id, f, lane);
             return Ok(());
         }
@@ -141,19 +134,24 @@ impl Link {
         }
     }
 
-    /// The literals alone of a frame just arrived on `id` (its `records`, announcing `raw_len`
-    /// bytes) fed ahead without the stream's context, if the stream's frames waiting are all
-    /// fed ahead themselves (none stalled) and the frame has literals alone and no context
-    /// records (see [`Decoder::feed_literals`](wanopt_codec::Decoder::feed_literals)). The
+    /// A frame just arrived on `id` (its `records`, announcing `raw_len` bytes) fed while the
+    /// stream's earlier frames fed ahead wait, if every frame the stream has waiting is fed
+    /// ahead (none stalled): a frame of literals alone without the stream's context (see
+    /// [`Decoder::feed_literals`](wanopt_codec::Decoder::feed_literals); true with it), else
+    /// one behind the stream's last frame fed ahead that holds its context, taking the context
+    /// on from it once its context records are all fed (see
+    /// [`Decoder::feed_after`](wanopt_codec::Decoder::feed_after)): one stream's frames are
+    /// fed one after the other on the workers while the decoder's thread decodes those before
+    /// them, the workers naming the chunks too only while other streams' frames wait. The
     /// frame then waits for its turn behind them, and only the frames before it are decoded
     /// when theirs come ([`decode_one`](Self::decode_one)).
-    fn feed_literals(
+    fn feed_behind(
         &mut self,
         id: StreamId,
         scoped: bool,
         records: &Bytes,
         raw_len: u32,
-    ) -> Option<wanopt_codec::Feeding> {
+    ) -> Option<(wanopt_codec::Feeding, bool)> {
         let waiting = self.feeds.iter().filter(|f| f.0 == id).count();
         let s = self.streams.get(&id)?;
         let rc = s.recv.coded.as_ref()?;
@@ -171,38 +169,10 @@ impl Link {
         } else {
             Arc::from("")
         };
-        let lane = s.lane;
         let announced = usize::try_from(raw_len).unwrap_or(usize::MAX);
-        self.coding
-            .contexts()?
-            .decoder(lane, &scope)
-            .feed_literals(records.clone(), announced)
-    }
-
-    /// A frame just arrived on `id` (its `records`, announcing `raw_len` bytes) fed behind the
-    /// stream's last frame fed ahead that holds its context, if every frame the stream has
-    /// waiting is fed ahead (none stalled): it takes the context on from that one once its
-    /// context records are all fed (see
-    /// [`Decoder::feed_after`](wanopt_codec::Decoder::feed_after)), so one stream's frames
-    /// are fed one after the other on the workers while the decoder's thread decodes those
-    /// before them. The workers name its chunks too only while other streams' frames wait.
-    fn feed_after(
-        &mut self,
-        id: StreamId,
-        scoped: bool,
-        records: &Bytes,
-        raw_len: u32,
-    ) -> Option<wanopt_codec::Feeding> {
-        let waiting = self.feeds.iter().filter(|f| f.0 == id).count();
-        let s = self.streams.get(&id)?;
-        let rc = s.recv.coded.as_ref()?;
-        if waiting == 0 || rc.stall.is_some() || rc.waiting() != waiting {
-            return None;
-        }
-        if self.coding.fed_frames(s.lane).0 == 0
-            || self.coding.check_scope(&s.service, scoped).is_err()
-        {
-            return None;
+        let dec = self.coding.contexts()?.decoder(s.lane, &scope);
+        if let Some(f) = dec.feed_literals(records.clone(), announced) {
+            return Some((f, true));
         }
         let (_, earlier) = self
             .feeds
@@ -210,18 +180,8 @@ impl Link {
             .rev()
             .find(|f| f.0 == id && f.1.holds_context())?;
         let name = self.feeds.iter().any(|f| f.0 != id);
-        let scope = if scoped {
-            s.service.clone()
-        } else {
-            Arc::from("")
-        };
-        let announced = usize::try_from(raw_len).unwrap_or(usize::MAX);
-        self.coding.contexts()?.decoder(s.lane, &scope).feed_after(
-            earlier,
-            records.clone(),
-            announced,
-            name,
-        )
+        let f = dec.feed_after(earlier, records.clone(), announced, name)?;
+        Some((f, false))
     }
 
     /// Decodes the oldest frame fed ahead (its stream given its context back first).
