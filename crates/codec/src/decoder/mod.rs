@@ -19,11 +19,13 @@ use in_context::Accept;
 
 #[cfg(test)]
 pub(crate) use ahead::record_len;
-pub use ahead::{DecodeFrame, Feeding, Feeds, InOrder};
+pub use ahead::{Feeding, Feeds};
+pub use in_order::{DecodeFrame, InOrder};
 
 mod ahead;
 mod batch;
 mod in_context;
+mod in_order;
 mod logged;
 mod with_bases;
 
