@@ -230,16 +230,19 @@ impl Pool {
         let cpu = thread_cpu().saturating_sub(t) + spent.total();
         for _ in 0..helpers {
             let calls = Arc::clone(&self.calls);
-            self.pool.spawn(move || {
-                let t = Instant::now();
-                while calls.load(Ordering::Relaxed) == call && t.elapsed() < LINGER {
-                    for _ in 0..64 {
-                        std::hint::spin_loop();
-                    }
-                }
-            });
+            self.pool.spawn(move || linger(&calls, call));
         }
         cpu
+    }
+}
+
+/// Spins on a pool thread for [`LINGER`], or until a call or job after the `call`th comes.
+fn linger(calls: &AtomicU64, call: u64) {
+    let t = Instant::now();
+    while calls.load(Ordering::Relaxed) == call && t.elapsed() < LINGER {
+        for _ in 0..64 {
+            std::hint::spin_loop();
+        }
     }
 }
 
@@ -336,12 +339,7 @@ impl Workers for Pool {
             making.fetch_sub(1, Ordering::Relaxed);
             // Then it lingers as after a call: one stream's next frame is handed over as soon
             // as the decoder's thread has taken this one, while it decodes the one before.
-            let t = Instant::now();
-            while calls.load(Ordering::Relaxed) == call && t.elapsed() < LINGER {
-                for _ in 0..64 {
-                    std::hint::spin_loop();
-                }
-            }
+            linger(&calls, call);
         });
     }
 
