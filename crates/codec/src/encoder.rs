@@ -239,9 +239,10 @@ impl Encoder {
 /// [`Decoder::decode_frame`](crate::Decoder::decode_frame) and the stream's context.
 ///
 /// A turn's context records are made on the workers (see [`send::emit_pending`]) while the
-/// next streams' turns are planned, so several streams' contexts compress at once; turns are
-/// finished (their records written) in the order they were planned, a stream's before its next
-/// turn is planned, and at most [`PENDING`] wait at once.
+/// next turns are planned, so several streams' contexts compress at once, and one stream's
+/// context compresses while its next turn is planned; turns are finished (their records
+/// written) in the order they were planned, a stream's before its turn after next is planned,
+/// and at most [`PENDING`] wait at once.
 pub struct Streams {
     cfg: CodecConfig,
     mirror: Mirror,
@@ -359,8 +360,9 @@ impl Streams {
             if !self.streams[k].ready(self.gather) {
                 continue;
             }
-            // The stream's last turn first (and every turn planned before it).
-            if let Some(at) = self.pending.position(|&p| p == k) {
+            // The stream's turn before its last first (and every turn planned before it): its
+            // last may wait for its records while this one is planned.
+            if let Some(at) = send::before_last(&self.pending, |&p| p == k) {
                 self.finish_through(at, out, turns);
             }
             let s = &mut self.streams[k];

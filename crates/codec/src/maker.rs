@@ -12,7 +12,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use bytes::BufMut;
 use zstd::zstd_safe::{CCtx, InBuffer, OutBuffer, zstd_sys::ZSTD_EndDirective};
@@ -182,65 +182,173 @@ pub(crate) fn make_run(
     (made, ok)
 }
 
-/// A turn's planned records, in order, for whoever makes them (a worker, or the caller that
-/// finishes the turn). A queue that [`streams`](Queue::streaming) has a worker make them while
-/// the rest of the turn is planned.
-#[derive(Default)]
+/// A stream's planned context records, in order, across its turns, for whoever makes them: a
+/// worker, or the caller that finishes a turn. Each record goes to its turn's [`Lane`]. A
+/// queue with workers ([`streaming`](Queue::streaming)) has one make them as they come, while
+/// the rest of the turn is planned, and on through the stream's next turn when that one is
+/// planned before this one is finished: the records of one turn need nothing of what the turn
+/// before cost, only the stream's context, which the queue's [`Maker`] keeps from one record
+/// to the next.
 pub(crate) struct Queue {
-    ops: Mutex<VecDeque<Op>>,
-    /// Records ever queued.
-    pushed: AtomicUsize,
+    ops: Mutex<VecDeque<(Arc<Lane>, Op)>>,
     /// A worker makes the records queued, or is about to.
     busy: AtomicBool,
-    /// The stream's maker and the workers that make its records as they come.
-    stream: Option<Streamed>,
+    maker: Mutex<Maker>,
+    /// The workers that make the records as they come.
+    workers: Option<Arc<dyn Workers>>,
 }
 
-/// A stream's maker, and the workers that make its queued records as they come.
-type Streamed = (Arc<Mutex<Maker>>, Arc<dyn Workers>);
+impl std::fmt::Debug for Queue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue")
+            .field("streaming", &self.workers.is_some())
+            .finish()
+    }
+}
 
-impl Queue {
-    /// A queue whose records `workers` make with `maker` as they come: the stream's context
-    /// records are made beside the planning of its turn's other records (which does not wait
-    /// for what they cost: that is learned at the turn's end). The same records, made in the
-    /// same order, as when they are all made after the turn is planned.
-    pub(crate) fn streaming(maker: Arc<Mutex<Maker>>, workers: Arc<dyn Workers>) -> Self {
-        Queue {
-            stream: Some((maker, workers)),
-            ..Queue::default()
+/// One turn's context records: where they go as they are made, and how many are still to be.
+#[derive(Default)]
+pub(crate) struct Lane {
+    made: Mutex<Made>,
+    /// Told each time a record is made.
+    told: Condvar,
+    /// Records queued for the turn.
+    pushed: AtomicUsize,
+    /// The turn is still being planned: more records may come.
+    planning: AtomicBool,
+}
+
+/// One turn's context records as they are made, one after the other, each one's place, end
+/// in `recs` and outcome; the chunks' buffers, for the mirror to plan the next ones in.
+#[derive(Default)]
+pub(crate) struct Made {
+    pub(crate) recs: Vec<u8>,
+    pub(crate) made: Vec<(usize, usize, Outcome)>,
+    pub(crate) spare: Vec<Vec<u8>>,
+    done: usize,
+}
+
+impl std::fmt::Debug for Made {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Made")
+            .field("made", &self.made.len())
+            .finish()
+    }
+}
+
+impl Lane {
+    /// A turn's lane, its records' buffers those of an earlier turn (emptied).
+    pub(crate) fn new(mut made: Made) -> Self {
+        made.recs.clear();
+        made.made.clear();
+        made.done = 0;
+        Lane {
+            made: Mutex::new(made),
+            planning: AtomicBool::new(true),
+            ..Lane::default()
         }
     }
 
-    /// Queues a planned record; a streaming queue has a worker make it, unless one already
-    /// makes this queue's records.
-    pub(crate) fn push(queue: &Arc<Queue>, op: Op) {
+    /// True if a record was ever queued for the turn.
+    pub(crate) fn any(&self) -> bool {
+        self.pushed.load(Ordering::Acquire) > 0
+    }
+
+    /// The turn is planned: no more records come.
+    pub(crate) fn planned(&self) {
+        self.planning.store(false, Ordering::Release);
+    }
+
+    fn whole(&self, made: &Made) -> bool {
+        !self.planning.load(Ordering::Acquire) && made.done == self.pushed.load(Ordering::Acquire)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Made> {
+        self.made.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The turn's records, once all are made (see [`Queue::wait`]).
+    pub(crate) fn take(&self) -> Made {
+        std::mem::take(&mut *self.lock())
+    }
+}
+
+/// A turn's lane on its stream's queue: what the mirror queues the turn's records with.
+#[derive(Clone)]
+pub(crate) struct Open {
+    pub(crate) queue: Arc<Queue>,
+    pub(crate) lane: Arc<Lane>,
+}
+
+impl Open {
+    /// Queues a planned record of the turn.
+    pub(crate) fn push(&self, op: Op) {
+        self.lane.pushed.fetch_add(1, Ordering::AcqRel);
+        Queue::push(&self.queue, Arc::clone(&self.lane), op);
+    }
+}
+
+impl Queue {
+    /// A queue whose records are made when their turn is finished (or by workers it is handed
+    /// to: see [`kick`](Self::kick)).
+    pub(crate) fn new() -> Self {
+        Queue {
+            ops: Mutex::default(),
+            busy: AtomicBool::new(false),
+            maker: Mutex::default(),
+            workers: None,
+        }
+    }
+
+    /// A queue whose records `workers` make as they come: the stream's context records are
+    /// made beside the planning of its turns' other records (which does not wait for what
+    /// they cost: that is learned at each turn's end). The same records, made in the same
+    /// order, as when they are all made after their turn is planned.
+    pub(crate) fn streaming(workers: Arc<dyn Workers>) -> Self {
+        Queue {
+            workers: Some(workers),
+            ..Queue::new()
+        }
+    }
+
+    /// True if it has workers make its records as they come.
+    pub(crate) fn is_streaming(&self) -> bool {
+        self.workers.is_some()
+    }
+
+    fn push(queue: &Arc<Queue>, lane: Arc<Lane>, op: Op) {
         queue
             .ops
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push_back(op);
-        queue.pushed.fetch_add(1, Ordering::Relaxed);
-        let Some((maker, workers)) = queue.stream.as_ref() else {
-            return;
-        };
-        if queue.busy.swap(true, Ordering::SeqCst) {
+            .push_back((lane, op));
+        if let Some(w) = queue.workers.as_ref() {
+            Queue::kick(queue, w.as_ref());
+        }
+    }
+
+    /// Has `workers` make the records queued, unless a worker already does.
+    pub(crate) fn kick(queue: &Arc<Queue>, workers: &dyn Workers) {
+        if queue.is_empty() || queue.busy.swap(true, Ordering::SeqCst) {
             return;
         }
-        let (q, maker) = (Arc::clone(queue), Arc::clone(maker));
+        let q = Arc::clone(queue);
         workers.spawn(Box::new(move || {
             loop {
-                // Held elsewhere: by whoever makes them all (the turn's finish, or the work
-                // handed over for it), which takes the rest too.
-                let Ok(mut m) = maker.try_lock() else {
-                    q.busy.store(false, Ordering::SeqCst);
-                    return;
-                };
-                m.run(&q);
-                drop(m);
+                while let Ok(mut m) = q.maker.try_lock() {
+                    let Some((lane, op)) = q.next(None) else {
+                        break;
+                    };
+                    m.make(&lane, op);
+                }
                 q.busy.store(false, Ordering::SeqCst);
                 // A record queued after the last one taken and before `busy` was cleared found
-                // a worker busy: it is taken here.
-                if q.is_empty() || q.busy.swap(true, Ordering::SeqCst) {
+                // a worker busy: it is taken here. The maker held elsewhere: by a turn's
+                // finish making its own records, which hands the rest on when it is done.
+                if q.is_empty()
+                    || q.maker.try_lock().is_err()
+                    || q.busy.swap(true, Ordering::SeqCst)
+                {
                     return;
                 }
             }
@@ -255,79 +363,147 @@ impl Queue {
             .is_empty()
     }
 
-    /// True if a record was ever queued (made since, or not).
-    pub(crate) fn any(&self) -> bool {
-        self.pushed.load(Ordering::Relaxed) > 0
+    /// The next record to make; with `of`, only if it is that turn's.
+    fn next(&self, of: Option<&Arc<Lane>>) -> Option<(Arc<Lane>, Op)> {
+        let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        match (ops.front(), of) {
+            (Some((l, _)), Some(of)) if !Arc::ptr_eq(l, of) => None,
+            _ => ops.pop_front(),
+        }
     }
 
-    fn next(&self) -> Option<Op> {
-        self.ops
+    /// Makes `lane`'s records queued next, here, if no worker makes records now; returns
+    /// whether it made any. The turns before it are finished: its records are the first.
+    pub(crate) fn help(&self, lane: &Arc<Lane>) -> bool {
+        let Ok(mut m) = self.maker.try_lock() else {
+            return false;
+        };
+        let mut any = false;
+        while let Some((l, op)) = self.next(Some(lane)) {
+            m.make(&l, op);
+            any = true;
+        }
+        any
+    }
+
+    /// True while `lane`'s records are not all made and someone makes one.
+    pub(crate) fn busy(&self, lane: &Lane) -> bool {
+        !lane.whole(&lane.lock()) && self.maker.try_lock().is_err()
+    }
+
+    /// Makes the records queued next here, up to the last of `lane`'s, if no worker makes
+    /// records now (any before them are an earlier turn's, made for it in order); returns
+    /// whether it made any.
+    fn make_through(&self, lane: &Arc<Lane>) -> bool {
+        let Ok(mut m) = self.maker.try_lock() else {
+            return false;
+        };
+        let mut any = false;
+        while !lane.whole(&lane.lock()) {
+            let Some((l, op)) = self.next(None) else {
+                break;
+            };
+            m.make(&l, op);
+            any = true;
+        }
+        any
+    }
+
+    /// Waits until every record of `lane` (a turn planned) is made, making them here while no
+    /// worker does. Then hands the records of later turns queued meanwhile to the workers, if
+    /// it has them.
+    pub(crate) fn wait(queue: &Arc<Queue>, lane: &Arc<Lane>) {
+        loop {
+            if queue.make_through(lane) {
+                continue;
+            }
+            let made = lane.lock();
+            if lane.whole(&made) {
+                break;
+            }
+            // A worker makes one of them; it tells the lane when it has (the timeout covers a
+            // worker that stopped for the maker this thread held a moment ago).
+            let (made, _) = lane
+                .told
+                .wait_timeout(made, std::time::Duration::from_micros(200))
+                .unwrap_or_else(|p| p.into_inner());
+            if lane.whole(&made) {
+                break;
+            }
+        }
+        if let Some(w) = queue.workers.as_ref() {
+            Queue::kick(queue, w.as_ref());
+        }
+    }
+
+    /// The stream's compressor, once no turn's records are left to make: a context goes back
+    /// to the stream ([`None`] if it failed).
+    pub(crate) fn take_context(&self) -> Option<(u64, CCtx<'static>)> {
+        self.maker
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .pop_front()
+            .cctx
+            .take()
     }
 }
 
-/// Makes a stream context's planned records in order: its compressor, and what it made.
+/// Makes a stream context's planned records in order: its compressor.
 #[derive(Default)]
 pub(crate) struct Maker {
     /// The context's compressor and serial; `None` once it failed (or before one started).
     pub(crate) cctx: Option<(u64, CCtx<'static>)>,
-    /// The records made, one after the other, and each one's place, end in `recs` and outcome.
-    pub(crate) recs: Vec<u8>,
-    pub(crate) made: Vec<(usize, usize, Outcome)>,
-    /// The chunks' buffers, for the mirror to plan the next ones in.
-    pub(crate) spare: Vec<Vec<u8>>,
     scratch: Vec<u8>,
 }
 
 impl std::fmt::Debug for Maker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Maker")
-            .field("made", &self.made.len())
+            .field("cctx", &self.cctx.as_ref().map(|c| c.0))
             .finish()
     }
 }
 
 impl Maker {
-    /// Makes every record queued on `queue`, in order.
-    pub(crate) fn run(&mut self, queue: &Queue) {
-        while let Some(mut op) = queue.next() {
-            if let Some(start) = op.start.take() {
-                self.cctx = Some(start);
-            }
-            let cctx = self.cctx.as_mut().map(|c| &mut c.1);
-            let record = match &mut op.what {
-                What::Record(r) => *r,
-                What::Run(job) => {
-                    let (made, ok) =
-                        make_run(cctx, job, &op.raw, &mut self.scratch, &mut self.recs);
-                    if !ok {
-                        self.cctx = None;
-                    }
-                    let mut end = self.recs.len() - made.iter().map(|m| m.1).sum::<usize>();
-                    for (o, n) in made {
-                        end += n;
-                        self.made.push((op.at, end, o));
-                    }
-                    continue;
-                }
-            };
-            let (outcome, ok) = make(
-                cctx,
-                record,
-                op.kind,
-                &op.raw,
-                &mut self.scratch,
-                &mut self.recs,
-            );
-            if !ok {
-                self.cctx = None;
-            }
-            self.made.push((op.at, self.recs.len(), outcome));
-            op.raw.clear();
-            self.spare.push(op.raw);
+    /// Makes one planned record into its turn's lane.
+    fn make(&mut self, lane: &Lane, mut op: Op) {
+        if let Some(start) = op.start.take() {
+            self.cctx = Some(start);
         }
+        let mut guard = lane.lock();
+        let out = &mut *guard;
+        let cctx = self.cctx.as_mut().map(|c| &mut c.1);
+        match &mut op.what {
+            What::Run(job) => {
+                let (made, ok) = make_run(cctx, job, &op.raw, &mut self.scratch, &mut out.recs);
+                if !ok {
+                    self.cctx = None;
+                }
+                let mut end = out.recs.len() - made.iter().map(|m| m.1).sum::<usize>();
+                for (o, n) in made {
+                    end += n;
+                    out.made.push((op.at, end, o));
+                }
+            }
+            What::Record(record) => {
+                let (outcome, ok) = make(
+                    cctx,
+                    *record,
+                    op.kind,
+                    &op.raw,
+                    &mut self.scratch,
+                    &mut out.recs,
+                );
+                if !ok {
+                    self.cctx = None;
+                }
+                out.made.push((op.at, out.recs.len(), outcome));
+                op.raw.clear();
+                out.spare.push(op.raw);
+            }
+        }
+        out.done += 1;
+        drop(guard);
+        lane.told.notify_all();
     }
 }
 
@@ -447,7 +623,7 @@ mod tests {
                     what: What::Record(plan(i)),
                     kind: Kind::Deferred,
                     raw: c.to_vec(),
-                    start: None,
+                    start: (i == 0).then(|| (1, compressor())),
                 })
                 .collect();
             ops.push(Op {
@@ -459,46 +635,83 @@ mod tests {
             });
             ops
         };
-        let fresh = || Maker {
-            cctx: Some((1, compressor())),
-            ..Maker::default()
-        };
-        let check = |maker: &Maker| {
+        // Three turns' lanes: the records of each, made, one after the other.
+        let turns = [0..8, 8..16, 16..25];
+        let check = |lanes: &[Arc<Lane>]| {
+            let (mut recs, mut places, mut spare) = (Vec::new(), Vec::new(), 0);
+            for (lane, turn) in lanes.iter().zip(&turns) {
+                let made = lane.take();
+                assert_eq!(made.made.len(), turn.len());
+                recs.extend_from_slice(&made.recs);
+                places.extend(made.made.iter().map(|m| m.0));
+                assert!(made.made.iter().all(|m| !m.2.failed));
+                spare += made.spare.len();
+            }
             assert!(
-                maker.recs == inline,
+                recs == inline,
                 "{} against {} bytes",
-                maker.recs.len(),
+                recs.len(),
                 inline.len()
             );
-            let places: Vec<usize> = maker.made.iter().map(|m| m.0).collect();
             assert_eq!(places, (0..=24).map(|i| i * 10).collect::<Vec<_>>());
-            assert!(maker.made.iter().all(|m| !m.2.failed));
-            assert_eq!(maker.spare.len(), 25, "the chunks' buffers come back");
+            assert_eq!(spare, 25, "the chunks' buffers come back");
         };
-        let queue = Arc::new(Queue::default());
-        let mut maker = fresh();
-        for op in ops() {
-            Queue::push(&queue, op);
+        let lanes = || -> Vec<Arc<Lane>> {
+            turns
+                .iter()
+                .map(|_| Arc::new(Lane::new(Made::default())))
+                .collect()
+        };
+
+        // Queued, then made by each turn's finish (here, on another thread).
+        let queue = Arc::new(Queue::new());
+        let mine = lanes();
+        let mut all = ops().into_iter().enumerate();
+        for (lane, turn) in mine.iter().zip(&turns) {
+            let open = Open {
+                queue: Arc::clone(&queue),
+                lane: Arc::clone(lane),
+            };
+            for (_, op) in all.by_ref().take(turn.len()) {
+                open.push(op);
+            }
+            lane.planned();
         }
         std::thread::scope(|s| {
-            s.spawn(|| maker.run(&queue));
+            s.spawn(|| mine.iter().for_each(|l| Queue::wait(&queue, l)));
         });
-        check(&maker);
+        assert!(queue.is_empty());
+        check(&mine);
 
         // Made by workers as they are queued (a streaming queue, a few at a time as the
-        // planning pauses), the rest by the turn's finish: the same records.
-        let maker = Arc::new(Mutex::new(fresh()));
-        let queue = Arc::new(Queue::streaming(Arc::clone(&maker), Arc::new(Spawned)));
-        for (i, op) in ops().into_iter().enumerate() {
-            Queue::push(&queue, op);
-            if i % 5 == 4 {
-                std::thread::sleep(std::time::Duration::from_millis(2));
+        // planning pauses), each turn finished while the next is planned (its records made
+        // by the worker, or by the finish when none is at it): the same records.
+        let queue = Arc::new(Queue::streaming(Arc::new(Spawned)));
+        let mine = lanes();
+        let mut all = ops().into_iter().enumerate();
+        for (t, (lane, turn)) in mine.iter().zip(&turns).enumerate() {
+            let open = Open {
+                queue: Arc::clone(&queue),
+                lane: Arc::clone(lane),
+            };
+            for (i, op) in all.by_ref().take(turn.len()) {
+                open.push(op);
+                if i % 5 == 4 {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                // Halfway through this turn, the turn before is finished.
+                if t > 0 && i == turn.start + turn.len() / 2 {
+                    Queue::wait(&queue, &mine[t - 1]);
+                }
             }
+            lane.planned();
         }
-        let mut m = maker.lock().unwrap_or_else(|p| p.into_inner());
-        m.run(&queue);
-        assert!(queue.any() && queue.is_empty());
-        check(&m);
+        if let Some(last) = mine.last() {
+            Queue::wait(&queue, last);
+        }
+        assert!(mine.iter().all(|l| l.any()) && queue.is_empty());
+        check(&mine);
+        assert!(queue.take_context().is_some(), "the context comes back");
     }
 
     /// Workers that run each job handed over on a thread of its own.

@@ -65,6 +65,9 @@ pub struct EncodeStats {
     pub base_waits: u64,
     /// Turns that wrote records: a link sends each as a frame with a header of its own.
     pub frames: u64,
+    /// Turns planned while the stream's turn before still waited for its context records
+    /// (see [`crate::send::emit_pending`]).
+    pub planned_behind: u64,
 }
 
 impl Report {
@@ -97,6 +100,7 @@ impl EncodeStats {
         self.no_base_bytes += o.no_base_bytes;
         self.base_waits += o.base_waits;
         self.frames += o.frames;
+        self.planned_behind += o.planned_behind;
         for (a, b) in self.codec_bytes.iter_mut().zip(o.codec_bytes) {
             *a += b;
         }

@@ -1303,13 +1303,14 @@ fn literals_fed_behind_a_streams_waiting_frames_rebuild_exactly() {
     }
 }
 
-/// One bulk stream in its context (and then three side by side) sent to a side with workers,
-/// which reads what piled up every 40 ms: each frame is fed to the stream's context on them,
-/// behind the frame before it, while the decoder's thread decodes those. A first copy; then, with the
+/// One bulk stream in its context (and then three side by side) sent with workers, each turn
+/// planned while the one before waits for its context records, to a side with workers, which
+/// reads what piled up every 40 ms: each frame is fed to the stream's context on them, behind
+/// the frame before it, while the decoder's thread decodes those. A first copy; then, with the
 /// receiver's memory gone bad, the chunks it held sent again between new ones (misses while
 /// the next frame holds the context), and a changed copy. Every stream arrives exact, the
-/// caches are in step after the first copy, each miss is answered, and frames were fed next
-/// after the misses too.
+/// caches are in step after the first copy, each miss is answered, and turns were planned
+/// behind and frames fed next after the misses too.
 #[test]
 fn one_streams_frames_fed_while_the_one_before_is_decoded_rebuild_exactly() {
     for streams in [1usize, 3] {
@@ -1320,13 +1321,29 @@ fn one_streams_frames_fed_while_the_one_before_is_decoded_rebuild_exactly() {
         assert_caches_in_step(&p);
         let next = p.east.link.fed_next_for_test();
         assert!(next > 4, "{streams} streams: {next} frames fed next");
+        planned_behind_alone(&mut p, streams);
         sent_again_then_changed(&mut p, &firsts);
         let later = p.east.link.fed_next_for_test();
         assert!(
             later > next,
             "{streams} streams: frames fed next after the misses too"
         );
+        planned_behind_alone(&mut p, streams);
         p.assert_no_leaks();
+    }
+}
+
+/// One stream alone has its turns planned while the one before waits for its context records
+/// (at least a third of them: the link writes every frame before a call returns); several
+/// take turns (each stream's context records made while the others' turns are planned).
+fn planned_behind_alone(p: &mut Pair, streams: usize) {
+    let sent = counts(&mut p.west.link).sent;
+    let (behind, frames) = (sent.planned_behind, sent.frames);
+    if streams == 1 {
+        assert!(
+            behind >= 2 && behind * 3 >= frames,
+            "{behind} of {frames} turns planned behind"
+        );
     }
 }
 
@@ -1472,13 +1489,16 @@ fn lz4_pair_to_workers() -> Pair {
 }
 
 /// A coded pair, up, whose west sends under `pressure` (on the LZ4 path when CPU-bound, in
-/// stream contexts when link-bound) to an east decoding with workers.
+/// stream contexts when link-bound) with workers to an east decoding with workers.
 fn pair_to_workers(pressure: Pressure) -> Pair {
-    let e = Arc::new(Spawning::default());
+    let (w, e) = (Arc::new(Spawning::default()), Arc::new(Spawning::default()));
     let mut p = Pair::with(
         Duration::from_millis(20),
         50_000_000,
-        |c| c.codec = Some(codec(64 << 20)),
+        move |c| {
+            c.codec = Some(codec(64 << 20));
+            c.workers = Some(w as Arc<dyn wanopt_codec::prepare::Workers>);
+        },
         move |c| {
             c.codec = Some(codec(64 << 20));
             c.workers = Some(e as Arc<dyn wanopt_codec::prepare::Workers>);

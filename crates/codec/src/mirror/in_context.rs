@@ -8,7 +8,7 @@ use crate::context::{
     CONTEXT_WINDOW_LOG, MIRROR_CONTEXTS, RESTART_WINDOWS, SendContext, long_tables,
 };
 use crate::format::{DEFERRED, FRESH, LONG, RUN_MAX, pays};
-use crate::maker::{self, Kind, Make, Maker, Op, Queue, What};
+use crate::maker::{self, Kind, Made, Make, Op, Open, What};
 
 /// A context literal the mirror planned (see [`crate::maker`]): its tag flags, whether its
 /// context keeps its bytes for a later record of the run, and what it is to the turn's end.
@@ -136,16 +136,13 @@ impl Mirror {
                 .and_then(|c| c.cctx.take().map(|x| (c.serial, x)));
             let mut buf = self.spare.pop().unwrap_or_default();
             buf.extend_from_slice(raw);
-            Queue::push(
-                q,
-                Op {
-                    at: out.written(),
-                    what: What::Record(make),
-                    kind,
-                    raw: buf,
-                    start,
-                },
-            );
+            q.push(Op {
+                at: out.written(),
+                what: What::Record(make),
+                kind,
+                raw: buf,
+                start,
+            });
             return;
         }
         let cctx = hint.context.as_mut().and_then(|c| c.cctx.as_mut());
@@ -264,50 +261,49 @@ impl Mirror {
         (!o.failed).then(|| rec[rec.len() - o.payload..].to_vec())
     }
 
-    /// Queues the stream's context records on `queue` from now on, to be made later (see
-    /// [`crate::maker`]); `maker` (which [`Maker::run`] runs on the queue) takes the stream's
-    /// compressor. The records written meanwhile leave room for them, and
+    /// Queues the stream's context records on `open`'s queue from now on, to be made later
+    /// (see [`crate::maker`]), the stream's compressor with the first (if the stream has it:
+    /// else the queue's maker has it already, from a turn planned before and not finished).
+    /// The records written meanwhile leave room for them, and
     /// [`close_lane`](Self::close_lane) puts them in their places.
-    pub(crate) fn open_lane(
-        &mut self,
-        queue: std::sync::Arc<Queue>,
-        hint: &mut Hint,
-        maker: &mut Maker,
-    ) {
-        maker.cctx = hint
-            .context
-            .as_mut()
-            .and_then(|c| c.cctx.take().map(|x| (c.serial, x)));
-        maker.recs.clear();
-        maker.made.clear();
-        self.lane = Some(queue);
+    pub(crate) fn open_lane(&mut self, open: Open, hint: &mut Hint) {
+        hint.planned = (0, 0);
+        hint.planned_bases = 0;
+        self.lane = Some(open);
     }
 
     /// The turn's records are all planned: context records are made at once again.
     pub(crate) fn detach_lane(&mut self) {
-        self.lane = None;
+        if let Some(open) = self.lane.take() {
+            open.lane.planned();
+        }
     }
 
     /// The queued records are made: writes `plan` (the records written since
-    /// [`open_lane`](Self::open_lane)) to `out` with the made records in their places, and gives the stream its compressor back (a context that failed is dropped,
-    /// and the next one starts afresh).
+    /// [`open_lane`](Self::open_lane)) to `out` with the made records (`made`) in their
+    /// places. `context`: no later turn of the stream is open, and the stream takes its
+    /// compressor back (a context that failed is dropped, and the next one starts afresh).
     pub(crate) fn close_lane(
         &mut self,
         hint: &mut Hint,
-        maker: &mut Maker,
+        made: &mut Made,
+        context: Option<Option<(u64, zstd::zstd_safe::CCtx<'static>)>>,
         plan: &[u8],
         out: &mut impl crate::format::Out,
     ) {
-        self.lane = None;
         let (mut from, mut rec) = (0, 0);
-        for (at, end, o) in maker.made.drain(..) {
+        for (at, end, o) in made.made.drain(..) {
             out.put_slice(&plan[from..at]);
-            out.put_slice(&maker.recs[rec..end]);
+            out.put_slice(&made.recs[rec..end]);
             (from, rec) = (at, end);
             hint.outcomes.push(o);
         }
         out.put_slice(&plan[from..]);
-        if let Some((serial, cctx)) = maker.cctx.take()
+        self.spare.append(&mut made.spare);
+        let Some(cctx) = context else {
+            return;
+        };
+        if let Some((serial, cctx)) = cctx
             && let Some(c) = hint.context.as_mut()
             && c.serial == serial
             && c.cctx.is_none()
@@ -317,7 +313,6 @@ impl Mirror {
         if hint.context.as_ref().is_some_and(|c| c.cctx.is_none()) {
             hint.context = None;
         }
-        self.spare.append(&mut maker.spare);
     }
 }
 

@@ -164,7 +164,7 @@ pub struct Mirror {
     /// Context records made on this thread are compressed here.
     run_scratch: Vec<u8>,
     /// While a worker makes the stream's context records: where they are queued for it.
-    lane: Option<std::sync::Arc<maker::Queue>>,
+    lane: Option<maker::Open>,
     /// The queued records' buffers, between turns.
     spare: Vec<Vec<u8>>,
     /// Threads to prepare a turn's chunks on (see [`prepare`]); `None`: each chunk in turn.

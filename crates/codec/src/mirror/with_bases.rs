@@ -435,16 +435,13 @@ impl Mirror {
                 .context
                 .as_mut()
                 .and_then(|c| c.cctx.take().map(|x| (c.serial, x)));
-            crate::maker::Queue::push(
-                q,
-                Op {
-                    at: out.written(),
-                    what: What::Run(job),
-                    kind: Kind::Delta { n },
-                    raw: bytes,
-                    start,
-                },
-            );
+            q.push(Op {
+                at: out.written(),
+                what: What::Run(job),
+                kind: Kind::Delta { n },
+                raw: bytes,
+                start,
+            });
             return true;
         }
         let cctx = hint.context.as_mut().and_then(|c| c.cctx.as_mut());

@@ -13,7 +13,7 @@ use bytes::{Buf, Bytes};
 use crate::config::{CodecConfig, Policy, Pressure, chunks};
 use crate::fingerprint::Fingerprint;
 use crate::format::{Out, RECORD_OVERHEAD, run_reserve};
-use crate::maker::{Maker, Queue};
+use crate::maker::{Lane, Made, Open, Queue};
 use crate::mirror::{Hint, Mirror, encode_tail};
 use crate::prepare::{Ahead, BATCH, CutBytes, Fill, Filled, Found, Job, Prepared, Work};
 use crate::report::{EncodeStats, Sent};
@@ -63,9 +63,11 @@ pub struct Sender {
     /// Chunks cut ahead of the turn that sends them (a bulk stream with workers).
     cut: CutAhead,
     /// What makes the stream's context records for turns left pending ([`emit_pending`]),
-    /// and a pending turn's buffer of records.
-    maker: Arc<std::sync::Mutex<Maker>>,
-    plan: Vec<u8>,
+    /// once one was; the turns left pending and not finished; spare buffers of a pending
+    /// turn's records.
+    queue: Option<Arc<Queue>>,
+    open: usize,
+    spare: Vec<(Vec<u8>, Made)>,
 }
 
 /// A bulk stream's chunks cut, and fingerprinted, ahead of the turn that sends them: on the
@@ -101,8 +103,9 @@ impl Sender {
             ratio: 1.0,
             waiting: false,
             cut: CutAhead::default(),
-            maker: Arc::default(),
-            plan: Vec::new(),
+            queue: None,
+            open: 0,
+            spare: Vec::new(),
         }
     }
 
@@ -164,14 +167,18 @@ pub fn emit<B: Out>(
         coder, queue, sent, chunking, mirror, pressure, lim, out, stats,
     );
     end_turn(coder, mirror, &turn, stats);
+    coder.waiting = turn.wait;
     turn.raw
 }
 
 /// Plans the next turn as [`emit`] does, its stream's context records to be made after it (on
-/// a worker, while the caller goes on with other streams' turns): what it wrote waits in the
-/// returned [`Pending`] until [`Pending::finish`] writes it with the made records in their
-/// places. The records are the ones `emit` writes for the same turn once the stream's context
-/// costs are learned at the same points (the stream's next turn comes after the finish).
+/// a worker, while the caller goes on with other streams' turns, or with the stream's next):
+/// what it wrote waits in the returned [`Pending`] until [`Pending::finish`] writes it with
+/// the made records in their places. The records are the ones `emit` writes for the same turn
+/// once the stream's context costs are learned at the same points: a turn learns what its
+/// records cost when it is finished, and the stream's turn after next is planned after that
+/// (one turn of the stream may be planned while the one before waits for its records; the
+/// records of a turn need nothing of what the one before cost).
 #[allow(clippy::too_many_arguments)]
 pub fn emit_pending(
     coder: &mut Sender,
@@ -183,15 +190,25 @@ pub fn emit_pending(
     lim: &Limits,
     stats: &mut EncodeStats,
 ) -> Pending {
-    let maker = Arc::clone(&coder.maker);
     // With a thread to spare, the stream's context records are made as they are planned.
-    let lane = Arc::new(match mirror.workers().filter(|w| w.threads() > 1) {
-        Some(w) => Queue::streaming(Arc::clone(&maker), w),
-        None => Queue::default(),
-    });
-    mirror.open_lane(Arc::clone(&lane), &mut coder.hint, &mut lock(&maker));
-    let mut plan = std::mem::take(&mut coder.plan);
+    let q = Arc::clone(coder.queue.get_or_insert_with(|| {
+        Arc::new(match mirror.workers().filter(|w| w.threads() > 1) {
+            Some(w) => Queue::streaming(w),
+            None => Queue::new(),
+        })
+    }));
+    let (mut plan, made) = coder.spare.pop().unwrap_or_default();
     plan.clear();
+    let lane = Arc::new(Lane::new(made));
+    mirror.open_lane(
+        Open {
+            queue: Arc::clone(&q),
+            lane: Arc::clone(&lane),
+        },
+        &mut coder.hint,
+    );
+    stats.planned_behind += u64::from(coder.open > 0);
+    coder.open += 1;
     let turn = plan_turn(
         coder, queue, sent, chunking, mirror, pressure, lim, &mut plan, stats,
     );
@@ -200,7 +217,7 @@ pub fn emit_pending(
     mirror.detach_lane();
     Pending {
         plan,
-        maker,
+        queue: q,
         lane,
         turn,
     }
@@ -210,8 +227,8 @@ pub fn emit_pending(
 pub struct Pending {
     /// The turn's other records, the made ones' places in them.
     plan: Vec<u8>,
-    maker: Arc<std::sync::Mutex<Maker>>,
-    lane: Arc<Queue>,
+    queue: Arc<Queue>,
+    lane: Arc<Lane>,
     turn: Turn,
 }
 
@@ -222,10 +239,6 @@ impl std::fmt::Debug for Pending {
             .field("plan", &self.plan.len())
             .finish()
     }
-}
-
-fn lock(m: &std::sync::Mutex<Maker>) -> std::sync::MutexGuard<'_, Maker> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Pending {
@@ -242,7 +255,7 @@ impl Pending {
     /// Writes the turn's records to `out`, the made ones (made here if no worker has, else
     /// once the worker is done) in their places, and learns what the turn's context records
     /// cost. Returns the raw bytes it sent. Turns are finished in the order they were planned,
-    /// and a stream's before its next is planned.
+    /// a stream's turn before its turn after next is planned.
     pub fn finish<B: Out>(
         self,
         coder: &mut Sender,
@@ -250,13 +263,16 @@ impl Pending {
         out: &mut B,
         stats: &mut EncodeStats,
     ) -> usize {
-        {
-            let mut m = lock(&self.maker);
-            m.run(&self.lane);
-            mirror.close_lane(&mut coder.hint, &mut m, &self.plan, out);
-        }
+        Queue::wait(&self.queue, &self.lane);
+        let mut made = self.lane.take();
+        coder.open = coder.open.saturating_sub(1);
+        // The stream's last turn open: its context comes back to it.
+        let context = (coder.open == 0).then(|| self.queue.take_context());
+        mirror.close_lane(&mut coder.hint, &mut made, context, &self.plan, out);
         end_turn(coder, mirror, &self.turn, stats);
-        coder.plan = self.plan;
+        if coder.spare.len() < 2 {
+            coder.spare.push((self.plan, made));
+        }
         self.turn.raw
     }
 
@@ -277,32 +293,36 @@ impl Pending {
 impl crate::prepare::Deferred for Pending {
     /// Has `workers` make the turn's context records, if it has any.
     fn spawn(&self, workers: &dyn crate::prepare::Workers) {
-        if self.lane.is_empty() {
-            return;
+        if !self.queue.is_streaming() {
+            Queue::kick(&self.queue, workers);
         }
-        let (maker, lane) = (Arc::clone(&self.maker), Arc::clone(&self.lane));
-        workers.spawn(Box::new(move || {
-            if let Ok(mut m) = maker.try_lock() {
-                m.run(&lane);
-            }
-        }));
     }
 
     /// True while a worker makes the turn's context records.
     fn busy(&self) -> bool {
-        self.maker.try_lock().is_err()
+        self.queue.busy(&self.lane)
     }
 
     /// Makes the turn's context records here if no worker has started on them.
     fn help(&self) -> bool {
-        match self.maker.try_lock() {
-            Ok(mut m) if !self.lane.is_empty() => {
-                m.run(&self.lane);
-                true
-            }
-            _ => false,
+        self.queue.help(&self.lane)
+    }
+}
+
+/// Where the turn to finish before a stream's next is planned waits among `pending`, if it
+/// does: the turn before the stream's last (`mine` picks the stream's turns out). Its last may
+/// wait while the next is planned (see [`emit_pending`]).
+pub fn before_last<K, J: crate::prepare::Deferred>(
+    pending: &crate::prepare::InTurn<K, J>,
+    mine: impl Fn(&K) -> bool,
+) -> Option<usize> {
+    let (mut before, mut last) = (None, None);
+    for (i, (k, _)) in pending.iter().enumerate() {
+        if mine(k) {
+            before = last.replace(i);
         }
     }
+    before
 }
 
 /// Turns planned with [`emit_pending`] and not finished yet, oldest first, each with what its
@@ -319,7 +339,6 @@ fn end_turn(coder: &mut Sender, mirror: &mut Mirror, turn: &Turn, stats: &mut En
         let r = (turn.wire + made) as f64 / turn.raw as f64;
         coder.ratio = ((coder.ratio + r) / 2.0).clamp(0.001, 1.1);
     }
-    coder.waiting = turn.wait;
 }
 
 /// The turn itself (see [`emit`]): its records written to `out`, its stream context's made

@@ -760,6 +760,62 @@ fn streams_side_by_side_encode_alike_and_decode_turn_by_turn() {
     }
 }
 
+/// One stream in its context, each turn planned while the one before waits for its context
+/// records (`send::emit_pending`: a turn needs nothing of what the one before cost, only the
+/// context, which the stream's queue keeps from one record to the next): a first copy, a
+/// changed one (its delta runs made by the maker) and the first again give the same records
+/// and counts on one, two and three threads, and decode exactly, fed ahead or not.
+#[test]
+fn one_streams_turns_planned_while_the_one_before_is_made_encode_alike_on_any_threads() {
+    use crate::testdata::{edited, rows};
+    let first = rows(7, 400);
+    let copies = [first.clone(), edited(&first, 1), first];
+    let cfg = CodecConfig {
+        context: true,
+        delta_bytes: 64 << 20,
+        ..CodecConfig::default()
+    };
+    let encode = |threads: usize| {
+        let mut s = crate::Streams::new(cfg.clone(), 1, 256 << 10);
+        if threads > 1 {
+            s.set_workers(Some(std::sync::Arc::new(Threads::new(threads))));
+        }
+        let mut turns = Vec::new();
+        for copy in &copies {
+            turns.extend(side_by_side(
+                &mut s,
+                std::slice::from_ref(copy),
+                Pressure::LinkBound,
+            ));
+        }
+        (turns, s.stats().clone())
+    };
+    let (alone, stats) = encode(1);
+    assert!(
+        stats.planned_behind * 10 > stats.frames * 8,
+        "{} of {} turns planned behind the one before",
+        stats.planned_behind,
+        stats.frames
+    );
+    // The changed copy's runs, made by the maker, do not pay against a context that holds
+    // their bases (their chunks go as literals in it); the first copy sent again is all
+    // references.
+    assert!(
+        stats.no_base_chunks > 200 && stats.hit_chunks > 300,
+        "{stats:?}"
+    );
+    for threads in [2, 3] {
+        let (pooled, pooled_stats) = encode(threads);
+        assert!(alone == pooled, "{threads} threads");
+        assert_eq!(stats, pooled_stats);
+    }
+    let want: Vec<u8> = copies.concat();
+    for (threads, ahead) in [(1, 0), (2, 3)] {
+        let (_, outs, _) = decode_streams(&cfg, &alone, threads, ahead);
+        assert!(outs[0] == want, "{threads} threads, {ahead} ahead");
+    }
+}
+
 /// Delta runs in stream contexts are made by the streams' makers, on the workers while other
 /// streams' turns are planned (`maker::RunJob`): a changed copy of four streams side by side,
 /// whose runs mostly pay, and a rewritten one, whose runs mostly do not (their chunks then go

@@ -571,7 +571,7 @@ impl Coding {
     /// untouched, when nothing may go yet: the stream waits for a boundary, a flush or credit.
     /// With `pend`, a frame with context records may be left for workers to make them
     /// ([`Emitted::pending`]): it is to be finished ([`finish_frame`](Self::finish_frame))
-    /// before any frame after it is written, and before the stream's next turn.
+    /// before any frame after it is written, and before the stream's turn after next.
     pub fn emit_frame(
         &mut self,
         t: CodedTurn<'_>,

@@ -189,16 +189,19 @@ impl Link {
         let peer_max_frame = self.peer.max_frame;
         let (cap, workers) = self.coding.pending_frames(lane);
         // A bulk stream's coded frame may wait for its context records while other streams'
-        // turns go on (see `Coding::emit_frame`), but never its stream's last, and never past
-        // a frame that may not wait: frames leave in the order they were planned.
+        // turns go on, and its own next (see `Coding::emit_frame`), but never its stream's
+        // last, and never past a frame that may not wait: frames leave in the order they were
+        // planned.
         let pend = match self.streams.get(&id) {
             Some(s) => {
                 cap > 0 && queue == Queue::Bulk && s.send.coder.is_some() && !s.send.fin_requested
             }
             None => false,
         };
-        if !pend || self.pending.position(|f| f.id == id).is_some() {
+        if !pend {
             self.finish_pending(out);
+        } else if let Some(at) = wanopt_codec::send::before_last(&self.pending, |f| f.id == id) {
+            self.finish_pending_through(at, out);
         }
         let Some(s) = self.streams.get_mut(&id) else {
             return Turn::Next;
@@ -279,8 +282,10 @@ impl Link {
         if fin {
             self.maybe_remove(id);
         }
-        if self.pending.len() >= cap.max(1) {
-            self.finish_pending(out);
+        // Fewer than `cap` wait on: the oldest are finished, the last left to their records.
+        let (n, cap) = (self.pending.len(), cap.max(1));
+        if n >= cap {
+            self.finish_pending_through(n - cap, out);
         }
         Turn::Next
     }
@@ -288,11 +293,16 @@ impl Link {
     /// Writes the frames still waiting for their context records to `out`, in the order they
     /// were planned, each counted to its service as it is written.
     fn finish_pending(&mut self, out: &mut BytesMut) {
+        self.finish_pending_through(usize::MAX, out);
+    }
+
+    /// [`finish_pending`](Self::finish_pending) of the frames up to the `last`th.
+    fn finish_pending_through(&mut self, last: usize, out: &mut BytesMut) {
         if self.pending.is_empty() {
             return;
         }
         let mut pending = std::mem::take(&mut self.pending);
-        pending.finish_through(usize::MAX, |f, p| {
+        pending.finish_through(last, |f, p| {
             let coder = self
                 .streams
                 .get_mut(&f.id)
