@@ -471,6 +471,30 @@ fn changed_copy_in_parallel_streams(limits: &str) {
     );
 }
 
+/// One bulk stream alone at a stated WAN with the codec's pool on both sides: its frames are
+/// planned while its frame before still waits for its context records (made on a pool thread),
+/// and leave in order; a first copy and a changed one arrive exact, and west counts the frames
+/// it planned behind.
+#[test]
+fn a_bulk_stream_alone_plans_its_frames_behind_with_codec_threads() {
+    let srv = hash_server();
+    let p = Pair::start_link(
+        &format!("  - name: svc\n    target: {srv}\n"),
+        "  - name: svc\n    listen: 127.0.0.1:0\n",
+        "  threads: 2\nadmin:\n  listen: 127.0.0.1:0\n",
+        "\n  bandwidth: 200mbit",
+    );
+    let addr = p.west.bound("svc");
+    let (first, changed) = wanopt_codec::testdata::parallel_copies(1, 1, 2048);
+    send_side_by_side(addr, &first);
+    send_side_by_side(addr, &changed);
+    let w = scrape(p.west.bound("admin"));
+    let frames = value(&w, "wanopt_coded_frames_total{service=\"svc\"} ");
+    let behind = value(&w, "wanopt_coded_frames_behind_total{service=\"svc\"} ");
+    eprintln!("{behind} of {frames} frames planned behind the one before");
+    assert!(behind > 0 && behind < frames, "{w}");
+}
+
 /// With the codec's pool on both sides (`limits.threads`), streams of new, repeated and
 /// incompressible bytes arrive exact, and repeats still deduplicate: the pool prepares chunks
 /// and decompresses literals, the mirror and the cache stay in link order.

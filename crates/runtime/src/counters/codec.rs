@@ -49,6 +49,7 @@ pub struct CodecMetrics {
     no_base_chunks: Family<ServiceLabel, Counter>,
     base_waits: Family<ServiceLabel, Counter>,
     frames: Family<ServiceLabel, Counter>,
+    frames_behind: Family<ServiceLabel, Counter>,
     resends: Family<ServiceDir, Counter>,
     cache_bytes: Family<CacheLabel, Gauge>,
     cache_chunks: Family<CacheLabel, Gauge>,
@@ -61,9 +62,11 @@ pub struct CodecMetrics {
 impl CodecMetrics {
     /// Creates the per-service series that only events would otherwise create, at zero.
     pub(super) fn service(&self, name: &str) {
-        let _ = self.frames.get_or_create(&ServiceLabel {
-            service: name.to_string(),
-        });
+        for f in [&self.frames, &self.frames_behind] {
+            let _ = f.get_or_create(&ServiceLabel {
+                service: name.to_string(),
+            });
+        }
         for direction in [OUT, IN] {
             let _ = self.resends.get_or_create(&ServiceDir {
                 service: name.to_string(),
@@ -124,6 +127,13 @@ impl CodecMetrics {
              22 to a peer of a version before short frames), so wanopt_wire_bytes over this is \
              the mean frame",
             m.frames.clone(),
+        );
+        r.register(
+            "wanopt_coded_frames_behind",
+            "Frames our encoder planned while the same stream's frame before still waited for its \
+             context records, per service: with limits.threads of 2 or more, one bulk stream's \
+             context compressing on a pool thread beside the planning of its next frame",
+            m.frames_behind.clone(),
         );
         r.register(
             "wanopt_stall_timeouts",
@@ -239,6 +249,9 @@ impl CodecMetrics {
                 .inc_by(s.no_base_chunks);
             self.base_waits.get_or_create(&label).inc_by(s.base_waits);
             self.frames.get_or_create(&label).inc_by(s.frames);
+            self.frames_behind
+                .get_or_create(&label)
+                .inc_by(s.planned_behind);
         }
         for (direction, n) in [(OUT, c.resent), (IN, c.needs)] {
             if n > 0 {
