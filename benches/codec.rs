@@ -579,9 +579,16 @@ fn serial(name: &str, data: &[u8], rounds: usize, threads: usize, streams: usize
                         ins - before[2],
                         sw - before[3],
                     );
-                    // What ran outside the workers' calls is all on the caller's chain.
+                    // What ran outside the workers' calls is all on the caller's chain. Work
+                    // spawned in a stream context runs in its stream's order; outside one (a
+                    // frame's literals alone, fed ahead) it needs nothing of the frames before.
                     let chain = sp + (all - ins).max(0.0);
-                    [1.0 - j / all, chain.max(sw / streams.max(1) as f64) / all]
+                    let ordered = if context {
+                        sw / streams.max(1) as f64
+                    } else {
+                        0.0
+                    };
+                    [1.0 - j / all, chain.max(ordered) / all]
                 };
                 let sent = encode_copy(&cfg, data, workers.clone(), streams, pressure, None);
                 let all = span(sent.took);
