@@ -66,7 +66,7 @@ pub struct EncodeStats {
     /// Turns that wrote records: a link sends each as a frame with a header of its own.
     pub frames: u64,
     /// Turns planned while the stream's turn before still waited for its context records
-    /// (see [`crate::send::emit_pending`]).
+    /// (see `send::emit_pending`).
     pub planned_behind: u64,
 }
 
