@@ -372,20 +372,6 @@ impl Queue {
         }
     }
 
-    /// Makes `lane`'s records queued next, here, if no worker makes records now; returns
-    /// whether it made any. The turns before it are finished: its records are the first.
-    pub(crate) fn help(&self, lane: &Arc<Lane>) -> bool {
-        let Ok(mut m) = self.maker.try_lock() else {
-            return false;
-        };
-        let mut any = false;
-        while let Some((l, op)) = self.next(Some(lane)) {
-            m.make(&l, op);
-            any = true;
-        }
-        any
-    }
-
     /// True while `lane`'s records are not all made and someone makes one.
     pub(crate) fn busy(&self, lane: &Lane) -> bool {
         !lane.whole(&lane.lock()) && self.maker.try_lock().is_err()
@@ -394,7 +380,7 @@ impl Queue {
     /// Makes the records queued next here, up to the last of `lane`'s, if no worker makes
     /// records now (any before them are an earlier turn's, made for it in order); returns
     /// whether it made any.
-    fn make_through(&self, lane: &Arc<Lane>) -> bool {
+    pub(crate) fn make_through(&self, lane: &Arc<Lane>) -> bool {
         let Ok(mut m) = self.maker.try_lock() else {
             return false;
         };

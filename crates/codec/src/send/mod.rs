@@ -303,9 +303,10 @@ impl crate::prepare::Deferred for Pending {
         self.queue.busy(&self.lane)
     }
 
-    /// Makes the turn's context records here if no worker has started on them.
+    /// Makes the turn's context records here (and any left of the stream's turn before) if no
+    /// worker makes records now.
     fn help(&self) -> bool {
-        self.queue.help(&self.lane)
+        self.queue.make_through(&self.lane)
     }
 }
 
