@@ -147,9 +147,11 @@ pub(crate) fn feed(
     if start > limit {
         return Err(CodecError::Malformed("run longer than announced"));
     }
-    stream.run_bytes.resize(limit, 0);
+    // Written in place of the spare room, not zeroed first: a pass over every byte less. zstd
+    // may fill the whole room (more than `limit` if the buffer had more), which is refused.
+    stream.run_bytes.reserve(limit - start);
     let mut input = InBuffer::around(payload);
-    let mut output = OutBuffer::around_pos(&mut stream.run_bytes[..], start);
+    let mut output = OutBuffer::around_pos(&mut stream.run_bytes, start);
     let result = loop {
         // Checked before zstd is called: a deferred record may carry nothing, and zstd counts
         // calls without input against the stream.
@@ -167,15 +169,13 @@ pub(crate) fn feed(
             };
         }
         let before = (input.pos(), output.pos());
-        if dctx.decompress_stream(&mut output, &mut input).is_err() {
+        if dctx.decompress_stream(&mut output, &mut input).is_err() || output.pos() > limit {
             break Err(CodecError::Decompress);
         }
         if (input.pos(), output.pos()) == before {
             break Err(CodecError::Decompress);
         }
     };
-    let got = output.pos();
-    stream.run_bytes.truncate(got);
     if result.is_err() {
         // The context is out of step now: later records of it fail too, until a fresh one.
         stream.dctx = None;
