@@ -33,7 +33,9 @@ fuzz_target!(|data: &[u8]| {
         let len = usize::from(data[i + 2]) * 11;
         let honest = all_honest || data[i + 3] & 1 == 0;
         i += 4;
-        let start = usize::try_from(offset).unwrap_or(usize::MAX).min(data.len());
+        let start = usize::try_from(offset)
+            .unwrap_or(usize::MAX)
+            .min(data.len());
         let end = start.saturating_add(len).min(data.len());
         let piece: Vec<u8> = if honest {
             data[start..end].to_vec()
@@ -50,7 +52,10 @@ fuzz_target!(|data: &[u8]| {
         assert!(merge.held_bytes() <= PIECES_LIMIT + HOLD);
         // The copy moves on by a step.
         let step = usize::from(data[i - 1] >> 1).min(data.len() - copy_at);
-        if merge.input(0, &data[copy_at..copy_at + step], &mut out).is_err() {
+        if merge
+            .input(0, &data[copy_at..copy_at + step], &mut out)
+            .is_err()
+        {
             return;
         }
         copy_at += step;
