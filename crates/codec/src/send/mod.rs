@@ -35,6 +35,11 @@ fn cut_pieces(threads: usize) -> usize {
 /// Most bytes a bulk stream's chunker looks at in one turn.
 pub const RAW_TURN: usize = 256 * 1024;
 
+/// The most a bulk stream's stage holds with workers (see [`plan_turn`]).
+fn stage_most(chunking: &CodecConfig) -> usize {
+    2 * (2 * RAW_TURN + chunking.max_chunk)
+}
+
 /// Unflushed bytes a bulk stream gathers before it takes a turn, for a stream whose sender
 /// holds at most `send_buffer` unsent bytes: a turn's raw budget, at most half the buffer (so
 /// its writer keeps room to write while the turn runs), at least a chunk. A turn is a frame:
@@ -197,7 +202,12 @@ pub fn emit_pending(
             None => Queue::new(),
         })
     }));
-    let (mut plan, made) = coder.spare.pop().unwrap_or_default();
+    // A new stream's buffer is sized once for a turn's records (grown by doubling, its first
+    // turns copied it and faulted fresh pages in, on the daemon's thread).
+    let (mut plan, made) = coder.spare.pop().unwrap_or_else(|| {
+        let records = lim.room.min(lim.quantum).min(RAW_TURN + RAW_TURN / 8);
+        (Vec::with_capacity(records), Default::default())
+    });
     plan.clear();
     let lane = Arc::new(Lane::new(made));
     mirror.open_lane(
@@ -386,6 +396,13 @@ fn plan_turn<B: Out>(
             // encodes; the stage holds at most that.
             let now = budget.saturating_add(chunking.max_chunk);
             let want = now.saturating_add(budget.min(RAW_TURN));
+            // Sized once for the most it holds: a turn's bytes and lookahead (`want`, at most
+            // two turns and a chunk) after what the turn before left of its own, no more than
+            // that again (it is drained past half). Grown by doubling, each new stream's stage
+            // was copied and faulted in again over its first turns, on the daemon's thread.
+            if coder.stage.capacity() == 0 {
+                coder.stage.reserve_exact(stage_most(chunking));
+            }
             // The turn's own bytes are copied here (a turn's lookahead from the one before
             // has them already, but at a stream's start or after a pause)...
             let lack = now.saturating_sub(coder.stage.len() - coder.pos);

@@ -262,6 +262,45 @@ proptest! {
         prop_assert!(got == src);
     }
 
+    /// A bulk stream's stage is allocated once, for the most a turn gathers: whatever the
+    /// write sizes, budgets and rooms, no later turn grows it again (which copied it and
+    /// faulted fresh pages in on the daemon's thread), and the records still rebuild the stream.
+    #[test]
+    fn a_bulk_streams_stage_is_allocated_once(
+        seed in any::<u64>(),
+        len in 1usize..1_500_000,
+        steps in proptest::collection::vec((1usize..300_000, 1usize..=RAW_TURN, 33_000usize..300_000), 1..40),
+    ) {
+        let src = data(seed, len);
+        let mut s = Stream::new();
+        s.mirror.set_workers(Some(std::sync::Arc::new(codec::prepare::Inline)));
+        let mut dec = Decoder::with_capacity(s.cfg.cache_bytes, true);
+        let (mut got, mut at, mut stage) = (Vec::new(), 0, None);
+        let tail = std::iter::repeat((usize::MAX, RAW_TURN, 200_000));
+        for (piece, budget, room) in steps.into_iter().chain(tail).take(2000) {
+            let k = piece.min(src.len() - at);
+            if k > 0 {
+                s.queue.push_back(Bytes::copy_from_slice(&src[at..at + k]));
+                s.queued += k as u64;
+                at += k;
+            }
+            if at == src.len() {
+                s.coder.flush_at = s.queued;
+            }
+            let (y, _) = s.emit_within(budget, room);
+            if s.coder.stage.capacity() > 0 {
+                let now = (s.coder.stage.as_ptr(), s.coder.stage.capacity());
+                prop_assert_eq!(*stage.get_or_insert(now), now, "the stage was allocated again");
+            }
+            decode(&mut dec, &y, &mut got);
+            if at == src.len() && s.sent == s.queued {
+                break;
+            }
+        }
+        prop_assert!(stage.is_some(), "the stream gathered its turns in a stage");
+        prop_assert!(got == src);
+    }
+
     /// Without flush points, chunk boundaries are those of the whole stream cut at once, so
     /// a repeat deduplicates however differently its bytes were written.
     #[test]
