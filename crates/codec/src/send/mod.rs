@@ -396,12 +396,25 @@ fn plan_turn<B: Out>(
             // encodes; the stage holds at most that.
             let now = budget.saturating_add(chunking.max_chunk);
             let want = now.saturating_add(budget.min(RAW_TURN));
-            // Sized once for the most it holds: a turn's bytes and lookahead (`want`, at most
-            // two turns and a chunk) after what the turn before left of its own, no more than
-            // that again (it is drained past half). Grown by doubling, each new stream's stage
-            // was copied and faulted in again over its first turns, on the daemon's thread.
-            if coder.stage.capacity() == 0 {
-                coder.stage.reserve_exact(stage_most(chunking));
+            // Sized once for the most it holds, once the stream moves whole turns: a turn's
+            // bytes and lookahead (`want`, at most two turns and a chunk) after what the turn
+            // before left of its own, no more than that again (it is drained past half). Grown
+            // by doubling, each new stream's stage was copied and faulted in again over its
+            // first turns, on the daemon's thread; a stream that never has a turn's bytes
+            // waiting keeps a stage of its size.
+            let most = stage_most(chunking);
+            let whole = || {
+                let staged = coder.stage.len() - coder.pos;
+                let mut waiting = queue.iter().scan(staged, |n, b| {
+                    *n += b.len();
+                    Some(*n)
+                });
+                staged >= RAW_TURN || waiting.any(|n| n >= RAW_TURN)
+            };
+            if coder.stage.capacity() < most && whole() {
+                coder
+                    .stage
+                    .reserve_exact(most.saturating_sub(coder.stage.len()));
             }
             // The turn's own bytes are copied here (a turn's lookahead from the one before
             // has them already, but at a stream's start or after a pause)...

@@ -96,6 +96,48 @@ impl Stream {
     }
 }
 
+/// A bulk stream that writes as a client does (64 KiB writes, a turn whenever half a megabyte
+/// waits) has its stage allocated at its first turn, once; a stream of a few writes keeps a
+/// stage of its size.
+#[test]
+fn a_streaming_client_gets_its_stage_at_once_and_a_short_one_a_small_one() {
+    let src = data(7, 4 << 20);
+    for (len, whole) in [(src.len(), true), (40_000, false)] {
+        let mut s = Stream::new();
+        s.mirror
+            .set_workers(Some(std::sync::Arc::new(codec::prepare::Inline)));
+        let mut dec = Decoder::with_capacity(s.cfg.cache_bytes, true);
+        let (mut got, mut stage) = (Vec::new(), None);
+        for w in src[..len].chunks(64 << 10) {
+            s.queue.push_back(Bytes::copy_from_slice(w));
+            s.queued += w.len() as u64;
+            if s.queued == len as u64 {
+                s.coder.flush_at = s.queued;
+            }
+            while s.queued - s.sent >= (512 << 10).min(len as u64 - s.sent) {
+                let (y, n) = s.emit(RAW_TURN);
+                decode(&mut dec, &y, &mut got);
+                let now = (s.coder.stage.as_ptr(), s.coder.stage.capacity());
+                assert_eq!(
+                    *stage.get_or_insert(now),
+                    now,
+                    "the stage was allocated again"
+                );
+                if n == 0 || s.sent == s.queued {
+                    break;
+                }
+            }
+        }
+        assert!(got == src[..len], "the stream rebuilds");
+        let cap = stage.map_or(0, |st| st.1);
+        if whole {
+            assert!(cap >= super::stage_most(&s.cfg), "a stage of {cap} bytes");
+        } else {
+            assert!(cap <= 64 << 10, "a stage of {cap} bytes for {len}");
+        }
+    }
+}
+
 /// Decodes every record of `buf`, appending to `out`; returns each record's raw length.
 fn decode(dec: &mut Decoder, mut buf: &[u8], out: &mut Vec<u8>) -> Vec<usize> {
     let mut lens = Vec::new();
@@ -262,9 +304,11 @@ proptest! {
         prop_assert!(got == src);
     }
 
-    /// A bulk stream's stage is allocated once, for the most a turn gathers: whatever the
-    /// write sizes, budgets and rooms, no later turn grows it again (which copied it and
-    /// faulted fresh pages in on the daemon's thread), and the records still rebuild the stream.
+    /// A bulk stream's stage is allocated once, for the most a turn gathers, at the first turn
+    /// that has a whole turn's bytes waiting: whatever the write sizes, budgets and rooms, no
+    /// later turn grows it again (which copied it and faulted fresh pages in on the daemon's
+    /// thread), and the records still rebuild the stream. Before that, it is no larger than
+    /// what was waiting.
     #[test]
     fn a_bulk_streams_stage_is_allocated_once(
         seed in any::<u64>(),
@@ -287,17 +331,21 @@ proptest! {
             if at == src.len() {
                 s.coder.flush_at = s.queued;
             }
+            let waiting = s.queued - s.sent;
             let (y, _) = s.emit_within(budget, room);
-            if s.coder.stage.capacity() > 0 {
+            let most = super::stage_most(&s.cfg);
+            if waiting >= RAW_TURN as u64 || stage.is_some() {
                 let now = (s.coder.stage.as_ptr(), s.coder.stage.capacity());
+                prop_assert!(now.1 >= most, "{} bytes of stage", now.1);
                 prop_assert_eq!(*stage.get_or_insert(now), now, "the stage was allocated again");
+            } else {
+                prop_assert!(s.coder.stage.capacity() < most);
             }
             decode(&mut dec, &y, &mut got);
             if at == src.len() && s.sent == s.queued {
                 break;
             }
         }
-        prop_assert!(stage.is_some(), "the stream gathered its turns in a stage");
         prop_assert!(got == src);
     }
 
