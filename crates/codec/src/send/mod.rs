@@ -5,18 +5,23 @@
 //! tests). Boundaries depend on the content alone, never on how the application split its writes.
 
 use std::collections::VecDeque;
-use std::ops::Range;
 use std::sync::Arc;
 
-use bytes::{Buf, Bytes};
+use bytes::Bytes;
 
 use crate::config::{CodecConfig, Policy, Pressure, chunks};
 use crate::fingerprint::Fingerprint;
 use crate::format::{Out, RECORD_OVERHEAD, run_reserve};
 use crate::maker::{Lane, Made, Open, Queue};
 use crate::mirror::{Hint, Mirror, encode_tail};
-use crate::prepare::{Ahead, BATCH, CutBytes, Fill, Filled, Found, Job, Prepared, Work};
+use crate::prepare::{Ahead, BATCH, Fill, Filled, Found, Job, Prepared, Work};
 use crate::report::{EncodeStats, Sent};
+
+mod stage;
+pub use stage::RAW_TURN;
+#[cfg(test)]
+use stage::stage_most;
+use stage::{View, advance_front, take_front};
 
 /// Chunks the join of the next turn's pieces cuts itself, at most, where a piece's chain has
 /// not met the true one (see [`crate::cuts::join`]): past them, the rest is cut in a later turn.
@@ -30,14 +35,6 @@ const RESYNC: usize = 4;
 /// cutting was a third of the LZ4 path's time (see docs/scaling.md).
 fn cut_pieces(threads: usize) -> usize {
     if threads >= 3 { threads.min(8) } else { 1 }
-}
-
-/// Most bytes a bulk stream's chunker looks at in one turn.
-pub const RAW_TURN: usize = 256 * 1024;
-
-/// The most a bulk stream's stage holds with workers (see [`plan_turn`]).
-fn stage_most(chunking: &CodecConfig) -> usize {
-    2 * (2 * RAW_TURN + chunking.max_chunk)
 }
 
 /// Unflushed bytes a bulk stream gathers before it takes a turn, for a stream whose sender
@@ -396,26 +393,7 @@ fn plan_turn<B: Out>(
             // encodes; the stage holds at most that.
             let now = budget.saturating_add(chunking.max_chunk);
             let want = now.saturating_add(budget.min(RAW_TURN));
-            // Sized once for the most it holds, once the stream moves whole turns: a turn's
-            // bytes and lookahead (`want`, at most two turns and a chunk) after what the turn
-            // before left of its own, no more than that again (it is drained past half). Grown
-            // by doubling, each new stream's stage was copied and faulted in again over its
-            // first turns, on the daemon's thread; a stream that never has a turn's bytes
-            // waiting keeps a stage of its size.
-            let most = stage_most(chunking);
-            let whole = || {
-                let staged = coder.stage.len() - coder.pos;
-                let mut waiting = queue.iter().scan(staged, |n, b| {
-                    *n += b.len();
-                    Some(*n)
-                });
-                staged >= RAW_TURN || waiting.any(|n| n >= RAW_TURN)
-            };
-            if coder.stage.capacity() < most && whole() {
-                coder
-                    .stage
-                    .reserve_exact(most.saturating_sub(coder.stage.len()));
-            }
+            stage::reserve(&mut coder.stage, coder.pos, queue, chunking);
             // The turn's own bytes are copied here (a turn's lookahead from the one before
             // has them already, but at a stream's start or after a pause)...
             let lack = now.saturating_sub(coder.stage.len() - coder.pos);
@@ -551,41 +529,6 @@ fn plan_turn<B: Out>(
     turn
 }
 
-/// Takes up to `n` bytes off the front of the queue, a buffer's part at a time, each handed to
-/// `f` (a slice of the queued buffer, not a copy); returns how many it took.
-fn take_front(queue: &mut VecDeque<Bytes>, n: usize, mut f: impl FnMut(Bytes)) -> usize {
-    let mut took = 0;
-    while took < n {
-        let Some(front) = queue.front_mut() else {
-            break;
-        };
-        let k = front.len().min(n - took);
-        if k > 0 {
-            f(front.split_to(k));
-        }
-        if front.is_empty() {
-            queue.pop_front();
-        }
-        took += k;
-    }
-    took
-}
-
-/// Drops `n` sent bytes from the front of the queue.
-fn advance_front(queue: &mut VecDeque<Bytes>, mut n: usize) {
-    while n > 0 {
-        let Some(front) = queue.front_mut() else {
-            return;
-        };
-        let k = n.min(front.len());
-        front.advance(k);
-        n -= k;
-        if front.is_empty() {
-            queue.pop_front();
-        }
-    }
-}
-
 /// Raw and record bytes of one turn so far.
 #[derive(Debug, Default)]
 struct Turn {
@@ -604,68 +547,6 @@ enum Stop {
     Tail,
     /// The turn is over: budget, fairness quantum or frame room.
     Limit,
-}
-
-/// The bytes [`Cut::cut`] encodes from: chunks end by `end` (a flush point with `final_end`),
-/// and start before `budget`. The last of them may still be on their way into the view, copied
-/// on the workers ([`Fill`]): [`get`](View::get) waits for them (or copies them) when asked.
-struct View<'a> {
-    /// The bytes at hand.
-    ready: &'a [u8],
-    /// All of them, with those a fill still copies.
-    filled: Option<Filled<'a>>,
-    end: usize,
-    final_end: bool,
-    budget: usize,
-    /// The flush point it was made with (0: none).
-    flush: usize,
-}
-
-impl<'a> View<'a> {
-    /// `view` with a flush point `flush` bytes in (0: none): a flush point ends the last chunk
-    /// whether or not the content has a boundary there.
-    fn new(view: &'a [u8], flush: usize, budget: usize) -> Self {
-        Self::with_fill(view, None, flush, budget)
-    }
-
-    /// As [`new`](Self::new), the bytes `ready` followed by what `filled` adds.
-    fn with_fill(ready: &'a [u8], filled: Option<Filled<'a>>, flush: usize, budget: usize) -> Self {
-        let len = filled.map_or(ready.len(), |f| f.len());
-        let (end, final_end) = if flush > 0 && flush <= len {
-            (flush, true)
-        } else {
-            (len, false)
-        };
-        View {
-            ready,
-            filled,
-            end,
-            final_end,
-            budget,
-            flush,
-        }
-    }
-
-    /// How many bytes it holds, those still to come too.
-    fn len(&self) -> usize {
-        self.filled.map_or(self.ready.len(), |f| f.len())
-    }
-
-    /// The bytes in `r`, waiting for the fill if they are not all at hand.
-    fn get(&self, r: Range<usize>) -> &'a [u8] {
-        match self.filled {
-            Some(f) if r.end > self.ready.len() => &f.get()[r],
-            _ => &self.ready[r],
-        }
-    }
-
-    /// The bytes in `r` as a cutting job's: those still to come, taken when it runs.
-    fn cut_bytes(&self, r: Range<usize>) -> CutBytes<'a> {
-        match self.filled {
-            Some(f) if r.end > self.ready.len() => CutBytes::Filled(f.from(r)),
-            _ => CutBytes::Ready(&self.ready[r]),
-        }
-    }
 }
 
 /// Where the caller finds what was prepared for one of the turn's chunks.
