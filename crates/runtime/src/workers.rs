@@ -3,15 +3,16 @@
 //! `wanopt_codec::prepare`) before or while encoding them in link order. The calling thread
 //! works through the batch beside the pool's, so `limits.threads: N` is N threads encoding.
 
+use std::collections::VecDeque;
 use std::sync::LazyLock;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 
-use wanopt_codec::prepare::{Ahead, Job, Workers};
+use wanopt_codec::prepare::{Ahead, Idle, Job, Workers};
 
 /// Jobs taken at a time: small enough to even out chunks that cost more (literals) and less
 /// (references) across threads.
@@ -49,6 +50,57 @@ pub struct Pool {
     /// records) and not done yet: the threads they hold are no helpers to a call, which would
     /// otherwise wait for them to start.
     making: Arc<AtomicU64>,
+    /// Work for later calls that threads take in their spare time ([`Workers::idle`]).
+    idle: Arc<IdleWork>,
+}
+
+/// Work handed to the pool for its threads' spare time ([`Workers::idle`]), oldest first: a
+/// bulk stream's next turn's chunks, prepared while other streams' turns run. At most
+/// [`IDLE_MOST`] pieces of work wait; past that the oldest is let go (its owner does it).
+#[derive(Default)]
+struct IdleWork(Mutex<VecDeque<Arc<dyn Idle>>>);
+
+/// Pieces of work for the threads' spare time that wait at most (a stream hands over one at a
+/// time, so this many bulk streams' next turns).
+const IDLE_MOST: usize = 64;
+
+impl std::fmt::Debug for IdleWork {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdleWork").finish_non_exhaustive()
+    }
+}
+
+impl IdleWork {
+    fn push(&self, work: Arc<dyn Idle>) {
+        let mut q = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if q.len() >= IDLE_MOST {
+            q.pop_front();
+        }
+        q.push_back(work);
+    }
+
+    /// Does one piece of the oldest work with any left; false if none has.
+    fn one(&self) -> bool {
+        loop {
+            let Some(w) = self
+                .0
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .front()
+                .cloned()
+            else {
+                return false;
+            };
+            if w.work_one() {
+                return true;
+            }
+            // Nothing left in it: it goes (unless another thread saw so first).
+            let mut q = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            if q.front().is_some_and(|f| Arc::ptr_eq(f, &w)) {
+                q.pop_front();
+            }
+        }
+    }
 }
 
 /// Calls a judgement of the pool takes.
@@ -201,6 +253,7 @@ impl Pool {
                 ahead: Mutex::new(Judge::new(GAIN_AHEAD)),
                 calls: Arc::default(),
                 making: Arc::default(),
+                idle: Arc::default(),
             })),
             Err(e) => {
                 tracing::warn!(error = %e, "codec worker threads could not start; encoding on one");
@@ -211,7 +264,9 @@ impl Pool {
 
     /// Runs `caller` on the calling thread while `helpers` of the pool's threads run `helper`;
     /// returns the CPU time both spent, then keeps the helpers awake for [`LINGER`] or until
-    /// the next call.
+    /// the next call. Whichever side is done first takes work for later calls
+    /// ([`Workers::idle`]) while the other finishes, a piece at a time; that work is not
+    /// counted in the call's CPU time.
     fn helped(
         &self,
         helpers: usize,
@@ -220,26 +275,43 @@ impl Pool {
     ) -> Duration {
         let call = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
         let spent = Spent::default();
+        let busy = AtomicUsize::new(helpers);
         let t = thread_cpu();
+        let mut spare = Duration::ZERO;
         self.pool.in_place_scope(|s| {
             for _ in 0..helpers {
-                s.spawn(|_| spent.count(helper));
+                s.spawn(|_| {
+                    spent.count(helper);
+                    busy.fetch_sub(1, Ordering::Release);
+                    // Done with its part: it lingers at once (the caller does not wait for
+                    // it), taking work for later calls while the caller finishes.
+                    let calls = Arc::clone(&self.calls);
+                    let idle = Arc::clone(&self.idle);
+                    self.pool.spawn(move || linger(&calls, call, &idle));
+                });
             }
             caller();
+            if busy.load(Ordering::Acquire) > 0 {
+                let t = thread_cpu();
+                while busy.load(Ordering::Acquire) > 0 && self.idle.one() {}
+                spare = thread_cpu().saturating_sub(t);
+            }
         });
-        let cpu = thread_cpu().saturating_sub(t) + spent.total();
-        for _ in 0..helpers {
-            let calls = Arc::clone(&self.calls);
-            self.pool.spawn(move || linger(&calls, call));
-        }
-        cpu
+        thread_cpu().saturating_sub(t).saturating_sub(spare) + spent.total()
     }
 }
 
-/// Spins on a pool thread for [`LINGER`], or until a call or job after the `call`th comes.
-fn linger(calls: &AtomicU64, call: u64) {
+/// Keeps a pool thread awake for [`LINGER`], or until a call or job after the `call`th comes;
+/// meanwhile, and for as long as there is some, it does work for later calls (`idle`).
+fn linger(calls: &AtomicU64, call: u64, idle: &IdleWork) {
     let t = Instant::now();
-    while calls.load(Ordering::Relaxed) == call && t.elapsed() < LINGER {
+    while calls.load(Ordering::Relaxed) == call {
+        if idle.one() {
+            continue;
+        }
+        if t.elapsed() >= LINGER {
+            break;
+        }
         for _ in 0..64 {
             std::hint::spin_loop();
         }
@@ -334,13 +406,18 @@ impl Workers for Pool {
         making.fetch_add(1, Ordering::Relaxed);
         CONTEXT_TURNS.inc();
         let calls = Arc::clone(&self.calls);
+        let idle = Arc::clone(&self.idle);
         self.pool.spawn(move || {
             job();
             making.fetch_sub(1, Ordering::Relaxed);
             // Then it lingers as after a call: one stream's next frame is handed over as soon
             // as the decoder's thread has taken this one, while it decodes the one before.
-            linger(&calls, call);
+            linger(&calls, call, &idle);
         });
+    }
+
+    fn idle(&self, work: Arc<dyn Idle>) {
+        self.idle.push(work);
     }
 
     fn overlap(&self, ahead: &Ahead<'_>, caller: &mut dyn FnMut()) {
@@ -514,6 +591,58 @@ mod tests {
         let (fed, digest) = decode(None);
         assert!(!fed);
         assert_eq!(decode(Pool::start(3)), (true, digest));
+    }
+
+    /// Four bulk streams' literals alone (LZ4, and zstd outside a context), a first copy then a
+    /// changed one: the pool's threads prepare each stream's next turn in their spare time
+    /// (`Workers::idle`) as much as they get to, and the records are one thread's, byte for
+    /// byte, and decode to the streams' bytes.
+    #[test]
+    fn a_pool_preparing_turns_in_its_spare_time_encodes_what_one_thread_does() {
+        let (firsts, changed) = wanopt_codec::testdata::parallel_copies(4, 2, 300);
+        let cfg = CodecConfig {
+            context: false,
+            ..CodecConfig::default()
+        };
+        for pressure in [Pressure::CpuBound, Pressure::LinkBound] {
+            let encode = |workers: Option<Arc<dyn Workers>>| {
+                let mut s = wanopt_codec::Streams::new(cfg.clone(), 4, 256 << 10);
+                s.set_workers(workers);
+                let (mut wire, mut turns) = (Vec::new(), Vec::new());
+                for parts in [&firsts, &changed] {
+                    let refs: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+                    s.send(&refs, 64 << 10, pressure, &mut wire, &mut turns);
+                }
+                (wire, turns)
+            };
+            let alone = encode(None);
+            for threads in [2, 3] {
+                let pooled = encode(Pool::start(threads));
+                assert!(
+                    pooled == alone,
+                    "{pressure:?}, {threads} threads: {} against {} bytes",
+                    pooled.0.len(),
+                    alone.0.len()
+                );
+            }
+            let (wire, turns) = alone;
+            let mut dec = Decoder::new(&cfg);
+            let mut outs = vec![Vec::new(); 4];
+            let mut ctxs: Vec<wanopt_codec::StreamContext> =
+                (0..4).map(|_| Default::default()).collect();
+            let mut from = 0;
+            for &(k, end) in &turns {
+                let (used, stop) =
+                    dec.decode_frame(&wire[from..end], &mut outs[k], &mut ctxs[k], usize::MAX);
+                assert_eq!((used, stop), (end - from, None));
+                from = end;
+            }
+            for (k, out) in outs.iter().enumerate() {
+                let mut want = firsts[k].clone();
+                want.extend_from_slice(changed.get(k).map_or(&[][..], |c| &c[..]));
+                assert!(*out == want, "stream {k}");
+            }
+        }
     }
 
     /// A stream encoded with the pool's help (chunks prepared in batches, and run ahead of the

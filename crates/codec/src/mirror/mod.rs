@@ -171,6 +171,9 @@ pub struct Mirror {
     workers: Option<std::sync::Arc<dyn prepare::Workers>>,
     /// The slots a turn's chunks are prepared in (see [`take_slots`](Mirror::take_slots)).
     batch: Vec<prepare::Prepared>,
+    /// Bulk turns planned with workers, all streams': whether another stream's turn comes
+    /// between two of a stream's (see [`bulk_turn`](Self::bulk_turn)).
+    bulk_turns: u64,
     /// A delta run's buffers between runs (a stream holds them only while it gathers one).
     run_spare: Option<Box<Run>>,
     /// Counts of records written for chunks reported earlier (a delta run's, a run's end):
@@ -265,6 +268,7 @@ impl Mirror {
             spare: Vec::new(),
             workers: None,
             batch: Vec::new(),
+            bulk_turns: 0,
             run_spare: None,
             late: EncodeStats::default(),
             logs: crate::logs::Logs::for_cache(cache_bytes),
@@ -335,6 +339,12 @@ impl Mirror {
             v.resize_with(n, Default::default);
         }
         v
+    }
+
+    /// Counts a bulk stream's turn planned with workers; returns how many were before it.
+    pub(crate) fn bulk_turn(&mut self) -> u64 {
+        self.bulk_turns += 1;
+        self.bulk_turns - 1
     }
 
     /// Gives back what [`take_slots`](Self::take_slots) took.

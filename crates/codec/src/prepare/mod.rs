@@ -44,6 +44,20 @@ pub trait Workers: Send + Sync + std::fmt::Debug {
     fn spawn(&self, job: Box<dyn FnOnce() + Send>) {
         job();
     }
+
+    /// Hands over work for a later call ([`Idle`]) that threads with nothing else to do take a
+    /// piece at a time: a pool thread done with its part of a call while the caller finishes
+    /// its own, the caller waiting for a pool thread's job, a thread lingering between calls.
+    /// Alone (or with no such time): nobody does it, and its owner does it in turn.
+    fn idle(&self, _work: std::sync::Arc<dyn Idle>) {}
+}
+
+/// Work for a later call, done ahead in threads' spare time (see [`Workers::idle`]) if at all:
+/// its owner takes what was done when its turn comes, and does the rest itself.
+pub trait Idle: Send + Sync {
+    /// Does one piece of the work no thread has taken (a chunk's worth: a thread taking it
+    /// holds up whatever comes next for that long); false if none was left.
+    fn work_one(&self) -> bool;
 }
 
 /// Work left to the workers that its owner finishes in turn (a stream's context records made,

@@ -17,6 +17,7 @@ use crate::mirror::{Hint, Mirror, encode_tail};
 use crate::prepare::{Ahead, BATCH, Fill, Filled, Found, Job, Prepared, Work};
 use crate::report::{EncodeStats, Sent};
 
+mod early;
 mod stage;
 pub use stage::RAW_TURN;
 #[cfg(test)]
@@ -85,6 +86,8 @@ struct CutAhead {
     found: Vec<Found>,
     /// With several threads, each piece's cutting job's output (see [`crate::cuts::join`]).
     pieces: Vec<Vec<Found>>,
+    /// The next turn's chunks prepared in the workers' spare time (see [`early`]).
+    early: early::Early,
 }
 
 impl CutAhead {
@@ -126,6 +129,13 @@ impl Sender {
     /// Bytes taken from the queue and held for their chunk's boundary.
     pub fn staged(&self) -> usize {
         self.stage.len() - self.pos
+    }
+}
+
+impl Drop for Sender {
+    /// Takes back the work handed to the workers' spare time before the stage it reads goes.
+    fn drop(&mut self) {
+        self.cut.early.retire();
     }
 }
 
@@ -365,7 +375,16 @@ fn plan_turn<B: Out>(
 ) -> Turn {
     let mut turn = Turn::default();
     coder.waiting = false;
+    // Before the stage changes: what was prepared early for this turn, and nothing in progress.
+    coder.cut.early.retire();
     let gather = mirror.has_workers() && !coder.policy.latency;
+    // Whether other streams' turns came since this stream's last: then its next turn is
+    // likely to come after others too, and what is handed over for it gets done meanwhile
+    // (alone, its next turn comes at once, and would only wait for a chunk a thread started).
+    let between = gather.then(|| {
+        let n = mirror.bulk_turn();
+        coder.cut.early.last.replace(n).is_some_and(|l| n > l + 1)
+    });
     loop {
         let budget = lim.budget.saturating_sub(turn.raw);
         if budget == 0 {
@@ -526,7 +545,56 @@ fn plan_turn<B: Out>(
     }
     // A frame's records are whole: a run of its literals ends in it.
     turn.wire += mirror.end_run(&mut coder.hint, out);
+    if between == Some(true) {
+        hand_over(coder, mirror, pressure, sent + turn.raw as u64);
+    }
     turn
+}
+
+/// Hands the chunks cut for the stream's next turn, from stream offset `next`, to the workers'
+/// spare time (see [`early`]): those likely to go as literals or deltas (the peer does not
+/// hold them now), a turn's worth at most, not prepared yet.
+fn hand_over(coder: &mut Sender, mirror: &Mirror, pressure: Pressure, next: u64) {
+    let Some(w) = mirror.workers() else {
+        return;
+    };
+    let cut = &mut coder.cut;
+    if cut.at != next || cut.chunks.is_empty() {
+        return;
+    }
+    let asked = mirror.ahead_work(&coder.policy, pressure, &coder.hint);
+    if asked == (None, false) {
+        return;
+    }
+    let staged = &coder.stage[coder.pos..];
+    let done = cut.early.ready_end().unwrap_or(0);
+    let mut seen = std::collections::HashSet::new();
+    let mut picked = Vec::new();
+    let mut off = 0;
+    for &(len, f) in &cut.chunks {
+        if off + len > staged.len() || off >= RAW_TURN || picked.len() == BATCH {
+            break;
+        }
+        let at = next + off as u64;
+        let goes = match f {
+            Some(f) => !mirror.holds(&f) && seen.insert(f),
+            None => !coder.policy.dedup,
+        };
+        if goes && at >= done {
+            picked.push((at, staged[off..].as_ptr(), len));
+        }
+        off += len;
+    }
+    if picked.is_empty() {
+        return;
+    }
+    // SAFETY: the chunks' bytes are the stage's, from `pos` on, within its length; nothing
+    // changes or frees the stage until the work is retired: first thing in the stream's next
+    // turn (`plan_turn`), or when the sender is dropped.
+    let work = unsafe { early::Handed::new(picked.into_iter(), asked, &mut cut.early.spare) };
+    let work = Arc::new(work);
+    w.idle(Arc::clone(&work) as Arc<dyn crate::prepare::Idle>);
+    cut.early.work = Some(work);
 }
 
 /// Raw and record bytes of one turn so far.
@@ -553,7 +621,7 @@ enum Stop {
 enum Place<'a> {
     /// In the `n`th job of the turn's [`Ahead`].
     Job(usize),
-    /// In this slot (its fingerprint only).
+    /// In this slot (its fingerprint; what was prepared early, if it was).
     Here(&'a mut Prepared),
 }
 
@@ -690,10 +758,12 @@ impl<B: Out> Cut<'_, B> {
                 let mut jobs = Vec::with_capacity(n + 1);
                 let mut places = Vec::with_capacity(n);
                 let mut off = used;
+                let early = &mut cut.early;
                 for (slot, &(len, f)) in slots.iter_mut().zip(&cut.chunks).take(n) {
                     slot.reset(len);
                     slot.fingerprint = f;
                     let chunk = at.get(off..off + len);
+                    let stream_at = base + off as u64;
                     off += len;
                     // Only what will go as a literal or a delta: not held by the peer, nor
                     // earlier in the turn.
@@ -701,7 +771,21 @@ impl<B: Out> Cut<'_, B> {
                         Some(f) => !self.mirror.holds(&f) && seen.insert(f),
                         None => !policy.dedup,
                     };
-                    if goes && (lit.is_some() || anchors) {
+                    let asked = (lit, anchors);
+                    if goes
+                        && (lit.is_some() || anchors)
+                        && early::take(
+                            &mut early.ready,
+                            &mut early.spare,
+                            stream_at,
+                            len,
+                            asked,
+                            slot,
+                        )
+                    {
+                        // Prepared early, in a thread's spare time.
+                        places.push(Place::Here(slot));
+                    } else if goes && (lit.is_some() || anchors) {
                         places.push(Place::Job(jobs.len()));
                         jobs.push(Job::of(chunk, lit, anchors, slot));
                     } else {

@@ -12,6 +12,7 @@ use crate::format::{
 
 mod anchors;
 mod deltas;
+mod early;
 mod fed_ahead;
 mod ref_runs;
 mod runs;
