@@ -54,9 +54,14 @@ pub struct Pool {
     idle: Arc<IdleWork>,
 }
 
-/// Work handed to the pool for its threads' spare time ([`Workers::idle`]), oldest first: a
-/// bulk stream's next turn's chunks, prepared while other streams' turns run. At most
-/// [`IDLE_MOST`] pieces of work wait; past that the oldest is let go (its owner does it).
+/// Work handed to the pool for its threads' spare time ([`Workers::idle`]): a bulk stream's
+/// next turn's chunks, prepared while other streams' turns run. The newest is done first: its
+/// chunks were just cut and fingerprinted, most likely on the pool's thread, and are still in
+/// that core's cache, while the oldest's turn comes next and is prepared in it if not before.
+/// Four streams on two threads (`codec --threads 2 --streams 4`, three interleaved runs of
+/// five rounds) encoded at 1.75-1.87x of one thread newest first, against 1.53-1.77x oldest
+/// first (LZ4), and 1.78-1.86x against 1.67-1.78x (zstd alone). At most [`IDLE_MOST`] pieces
+/// of work wait; past that the oldest is let go (its owner does it).
 #[derive(Default)]
 struct IdleWork(Mutex<VecDeque<Arc<dyn Idle>>>);
 
@@ -79,14 +84,14 @@ impl IdleWork {
         q.push_back(work);
     }
 
-    /// Does one piece of the oldest work with any left; false if none has.
+    /// Does one piece of the newest work with any left; false if none has.
     fn one(&self) -> bool {
         loop {
             let Some(w) = self
                 .0
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .front()
+                .back()
                 .cloned()
             else {
                 return false;
@@ -96,8 +101,8 @@ impl IdleWork {
             }
             // Nothing left in it: it goes (unless another thread saw so first).
             let mut q = self.0.lock().unwrap_or_else(|p| p.into_inner());
-            if q.front().is_some_and(|f| Arc::ptr_eq(f, &w)) {
-                q.pop_front();
+            if q.back().is_some_and(|f| Arc::ptr_eq(f, &w)) {
+                q.pop_back();
             }
         }
     }
