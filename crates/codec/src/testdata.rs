@@ -91,6 +91,55 @@ pub fn parallel_copies(first: usize, changed: usize, n: usize) -> (Vec<Vec<u8>>,
     (firsts, changed)
 }
 
+/// [`parallel_copies`]' parts sent through `s` (a stream for each first part), the first copy
+/// then the changed one, as clients writing 64 KiB at a time: the records, and each turn's
+/// stream and where its records end.
+pub fn send_parallel_copies(
+    s: &mut crate::Streams,
+    copies: &(Vec<Vec<u8>>, Vec<Vec<u8>>),
+    pressure: crate::Pressure,
+) -> (Vec<u8>, Vec<(usize, usize)>) {
+    let (mut wire, mut turns) = (Vec::new(), Vec::new());
+    for parts in [&copies.0, &copies.1] {
+        let refs: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+        s.send(&refs, 64 << 10, pressure, &mut wire, &mut turns);
+    }
+    (wire, turns)
+}
+
+/// What each stream of [`send_parallel_copies`] carried: its first part, then its changed one.
+pub fn parallel_streams(copies: &(Vec<Vec<u8>>, Vec<Vec<u8>>)) -> Vec<Vec<u8>> {
+    let mut streams = copies.0.clone();
+    for (s, c) in streams.iter_mut().zip(&copies.1) {
+        s.extend_from_slice(c);
+    }
+    streams
+}
+
+/// The `turns` of `wire` (each turn's stream and where its records end) decoded frame by
+/// frame, each in its stream's context, into `n` streams' bytes; `None` if a frame does not
+/// decode whole or names a stream past the `n`th.
+pub fn decode_turns(
+    cfg: &crate::CodecConfig,
+    wire: &[u8],
+    turns: &[(usize, usize)],
+    n: usize,
+) -> Option<Vec<Vec<u8>>> {
+    let mut dec = crate::Decoder::new(cfg);
+    let mut outs = vec![Vec::new(); n];
+    let mut ctxs: Vec<crate::StreamContext> = (0..n).map(|_| Default::default()).collect();
+    let mut from = 0;
+    for &(k, end) in turns {
+        let frame = wire.get(from..end)?;
+        let (used, stop) = dec.decode_frame(frame, outs.get_mut(k)?, ctxs.get_mut(k)?, usize::MAX);
+        if used != frame.len() || stop.is_some() {
+            return None;
+        }
+        from = end;
+    }
+    Some(outs)
+}
+
 fn step(mut x: u64) -> u64 {
     x ^= x << 13;
     x ^= x >> 7;

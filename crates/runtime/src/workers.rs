@@ -604,7 +604,8 @@ mod tests {
     /// byte, and decode to the streams' bytes.
     #[test]
     fn a_pool_preparing_turns_in_its_spare_time_encodes_what_one_thread_does() {
-        let (firsts, changed) = wanopt_codec::testdata::parallel_copies(4, 2, 300);
+        use wanopt_codec::testdata;
+        let copies = testdata::parallel_copies(4, 2, 300);
         let cfg = CodecConfig {
             context: false,
             ..CodecConfig::default()
@@ -613,12 +614,7 @@ mod tests {
             let encode = |workers: Option<Arc<dyn Workers>>| {
                 let mut s = wanopt_codec::Streams::new(cfg.clone(), 4, 256 << 10);
                 s.set_workers(workers);
-                let (mut wire, mut turns) = (Vec::new(), Vec::new());
-                for parts in [&firsts, &changed] {
-                    let refs: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
-                    s.send(&refs, 64 << 10, pressure, &mut wire, &mut turns);
-                }
-                (wire, turns)
+                testdata::send_parallel_copies(&mut s, &copies, pressure)
             };
             let alone = encode(None);
             for threads in [2, 3] {
@@ -630,23 +626,8 @@ mod tests {
                     alone.0.len()
                 );
             }
-            let (wire, turns) = alone;
-            let mut dec = Decoder::new(&cfg);
-            let mut outs = vec![Vec::new(); 4];
-            let mut ctxs: Vec<wanopt_codec::StreamContext> =
-                (0..4).map(|_| Default::default()).collect();
-            let mut from = 0;
-            for &(k, end) in &turns {
-                let (used, stop) =
-                    dec.decode_frame(&wire[from..end], &mut outs[k], &mut ctxs[k], usize::MAX);
-                assert_eq!((used, stop), (end - from, None));
-                from = end;
-            }
-            for (k, out) in outs.iter().enumerate() {
-                let mut want = firsts[k].clone();
-                want.extend_from_slice(changed.get(k).map_or(&[][..], |c| &c[..]));
-                assert!(*out == want, "stream {k}");
-            }
+            let outs = testdata::decode_turns(&cfg, &alone.0, &alone.1, 4);
+            assert!(outs == Some(testdata::parallel_streams(&copies)));
         }
     }
 

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 use crate::prepare::{self, Idle};
-use crate::{CodecConfig, Decoder, Pressure, Streams};
+use crate::{CodecConfig, Pressure, Streams, testdata};
 
 /// How much of the work handed over for spare time [`Spare`] does before each call.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -91,38 +91,18 @@ impl prepare::Workers for Spare {
 }
 
 /// Four streams' first copies, then two of them changed (references, deltas and literals
-/// mixed): the records and turns with `workers`, and each stream's bytes as decoded in turn.
+/// mixed): the records and turns with `workers`, checked to decode to the streams' bytes.
 fn copies(
     cfg: &CodecConfig,
     pressure: Pressure,
     workers: Option<Arc<dyn prepare::Workers>>,
 ) -> (Vec<u8>, Vec<(usize, usize)>) {
-    let (firsts, changed) = crate::testdata::parallel_copies(4, 2, 160);
+    let copies = testdata::parallel_copies(4, 2, 160);
     let mut s = Streams::new(cfg.clone(), 4, 256 << 10);
     s.set_workers(workers);
-    let (mut wire, mut turns) = (Vec::new(), Vec::new());
-    for parts in [&firsts, &changed] {
-        let refs: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
-        s.send(&refs, 64 << 10, pressure, &mut wire, &mut turns);
-    }
-    // Decoded frame by frame, each in its stream's context: every stream's bytes.
-    let mut dec = Decoder::new(cfg);
-    let mut outs = vec![Vec::new(); 4];
-    let mut ctxs: Vec<crate::StreamContext> = (0..4).map(|_| Default::default()).collect();
-    let mut from = 0;
-    for &(k, end) in &turns {
-        let (used, stop) =
-            dec.decode_frame(&wire[from..end], &mut outs[k], &mut ctxs[k], usize::MAX);
-        assert_eq!((used, stop), (end - from, None));
-        from = end;
-    }
-    for (k, out) in outs.iter().enumerate() {
-        let mut want = firsts[k].clone();
-        if let Some(c) = changed.get(k) {
-            want.extend_from_slice(c);
-        }
-        assert!(*out == want, "stream {k}");
-    }
+    let (wire, turns) = testdata::send_parallel_copies(&mut s, &copies, pressure);
+    let outs = testdata::decode_turns(cfg, &wire, &turns, 4);
+    assert!(outs == Some(testdata::parallel_streams(&copies)));
     (wire, turns)
 }
 
