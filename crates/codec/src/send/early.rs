@@ -147,16 +147,16 @@ fn keep(spare: &mut Vec<Prepared>, slot: Prepared) {
 }
 
 /// Puts what was prepared early for the chunk at stream offset `at`, `len` bytes long, into
-/// `slot` if it was prepared as `asked` (the turn's slot's buffer goes to `spare`); true if it
-/// was. Chunks before `at` were not taken: they go.
+/// `slot` if it was prepared as `asked` (the turn's slot's buffer is kept for later work); true
+/// if it was. Chunks before `at` were not taken: they go.
 pub(super) fn take(
-    ready: &mut VecDeque<Ready>,
-    spare: &mut Vec<Prepared>,
+    early: &mut Early,
     at: u64,
     len: usize,
     asked: Asked,
     slot: &mut Prepared,
 ) -> bool {
+    let (ready, spare) = (&mut early.ready, &mut early.spare);
     while let Some(r) = ready.front() {
         if r.at >= at {
             break;

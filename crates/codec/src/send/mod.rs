@@ -576,11 +576,7 @@ fn hand_over(coder: &mut Sender, mirror: &Mirror, pressure: Pressure, next: u64)
             break;
         }
         let at = next + off as u64;
-        let goes = match f {
-            Some(f) => !mirror.holds(&f) && seen.insert(f),
-            None => !coder.policy.dedup,
-        };
-        if goes && at >= done {
+        if goes(mirror, &coder.policy, f, &mut seen) && at >= done {
             picked.push((at, staged[off..].as_ptr(), len));
         }
         off += len;
@@ -595,6 +591,20 @@ fn hand_over(coder: &mut Sender, mirror: &Mirror, pressure: Pressure, next: u64)
     let work = Arc::new(work);
     w.idle(Arc::clone(&work) as Arc<dyn crate::prepare::Idle>);
     cut.early.work = Some(work);
+}
+
+/// Whether the chunk of fingerprint `f` will go as a literal or a delta, so that preparing it
+/// pays: the peer does not hold it, nor was it `seen` earlier in the turn.
+fn goes(
+    mirror: &Mirror,
+    policy: &Policy,
+    f: Option<Fingerprint>,
+    seen: &mut std::collections::HashSet<Fingerprint>,
+) -> bool {
+    match f {
+        Some(f) => !mirror.holds(&f) && seen.insert(f),
+        None => !policy.dedup,
+    }
 }
 
 /// Raw and record bytes of one turn so far.
@@ -758,38 +768,22 @@ impl<B: Out> Cut<'_, B> {
                 let mut jobs = Vec::with_capacity(n + 1);
                 let mut places = Vec::with_capacity(n);
                 let mut off = used;
-                let early = &mut cut.early;
+                let done_early = &mut cut.early;
                 for (slot, &(len, f)) in slots.iter_mut().zip(&cut.chunks).take(n) {
                     slot.reset(len);
                     slot.fingerprint = f;
                     let chunk = at.get(off..off + len);
                     let stream_at = base + off as u64;
                     off += len;
-                    // Only what will go as a literal or a delta: not held by the peer, nor
-                    // earlier in the turn.
-                    let goes = match f {
-                        Some(f) => !self.mirror.holds(&f) && seen.insert(f),
-                        None => !policy.dedup,
-                    };
                     let asked = (lit, anchors);
-                    if goes
-                        && (lit.is_some() || anchors)
-                        && early::take(
-                            &mut early.ready,
-                            &mut early.spare,
-                            stream_at,
-                            len,
-                            asked,
-                            slot,
-                        )
-                    {
+                    if asked == (None, false) || !goes(self.mirror, policy, f, &mut seen) {
+                        places.push(Place::Here(slot));
+                    } else if early::take(done_early, stream_at, len, asked, slot) {
                         // Prepared early, in a thread's spare time.
                         places.push(Place::Here(slot));
-                    } else if goes && (lit.is_some() || anchors) {
+                    } else {
                         places.push(Place::Job(jobs.len()));
                         jobs.push(Job::of(chunk, lit, anchors, slot));
-                    } else {
-                        places.push(Place::Here(slot));
                     }
                 }
                 // Last: the first a worker takes (see `Ahead`).
