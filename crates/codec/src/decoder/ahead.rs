@@ -434,6 +434,7 @@ impl Decoder {
                     raw: rebuilt,
                     cached: classify(first, self.accept.dedup).1,
                     payload: records.slice(at + len - clen..at + len),
+                    out: Vec::with_capacity(rebuilt),
                     made: Made::Todo,
                 }));
             }
@@ -464,6 +465,9 @@ struct LitJob {
     /// Whether its chunk is cached (and so named).
     cached: bool,
     payload: Bytes,
+    /// The buffer it decompresses into (the chunk the cache keeps), allocated on the decoder's
+    /// thread, which frees the chunk when the cache lets it go (see `Prepared::buffer`).
+    out: Vec<u8>,
     made: Made,
 }
 
@@ -478,7 +482,7 @@ enum Made {
 impl LitJob {
     fn run(&mut self) {
         if matches!(self.made, Made::Todo) {
-            let mut bytes = Vec::new();
+            let mut bytes = std::mem::take(&mut self.out);
             let ok = crate::prepare::unpack(self.zstd, &self.payload, self.raw, &mut bytes);
             self.made = Made::Done(ok.then(|| Piece {
                 cached: self.cached,
@@ -918,3 +922,48 @@ fn delta_run(rec: &[u8]) -> Option<(usize, usize)> {
 /// (a stream), finished ([`Feeding::finish`]) in the order they arrived, for the frames to be
 /// decoded in that order.
 pub type Feeds<K> = crate::prepare::InTurn<K, Feeding>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A literal fed ahead is decompressed on a worker into the buffer the decoder's thread
+    /// gave it: that buffer becomes the chunk, so its memory is taken and given back on the
+    /// thread that frees it; a payload that does not rebuild its bytes makes no chunk.
+    #[test]
+    fn a_literal_fed_ahead_fills_the_buffer_the_decoders_thread_gave() {
+        let raw = crate::testdata::rows(3, 2);
+        let job = |payload: Vec<u8>| {
+            let out = Vec::with_capacity(raw.len());
+            let at = out.as_ptr() as usize;
+            let job = LitJob {
+                first: TAG_LIT_LZ4,
+                zstd: false,
+                raw: raw.len(),
+                cached: true,
+                payload: Bytes::from(payload),
+                out,
+                made: Made::Todo,
+            };
+            (at, Mutex::new(job))
+        };
+        let (at, good) = job(lz4_flex::block::compress(&raw));
+        let (_, bad) = job(lz4_flex::block::compress(&raw[1..]));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for j in [&good, &bad] {
+                    j.lock().map(|mut j| j.run()).ok();
+                }
+            });
+        });
+        let made = good.into_inner().map(|j| j.made).ok();
+        let Some(Made::Done(Some(piece))) = made else {
+            panic!("the literal rebuilt nothing");
+        };
+        assert_eq!(piece.bytes.as_ptr() as usize, at);
+        assert!(piece.bytes[..] == raw[..]);
+        assert_eq!(piece.name, Some(fingerprint(&raw)));
+        let made = bad.into_inner().map(|j| j.made).ok();
+        assert!(matches!(made, Some(Made::Done(None))));
+    }
+}
