@@ -295,8 +295,9 @@ fn decode_copy(
     } else {
         0
     };
-    let wire = &sent.wire;
-    let wire_bytes = bytes::Bytes::copy_from_slice(wire);
+    // One buffer, as the link's: a frame is fed ahead from the very bytes it is decoded from
+    // (which lets a literal decompressed ahead be matched to its record by address).
+    let wire = bytes::Bytes::copy_from_slice(&sent.wire);
     // Touched first, as `out` is: first-touch page faults are this harness's, not the codec's.
     let mut outs: Vec<Vec<u8>> = parts
         .iter()
@@ -320,12 +321,7 @@ fn decode_copy(
     };
     let mut from = 0;
     for &(k, end) in &sent.turns {
-        order.frame(
-            &mut dec,
-            (&wire_bytes, k, from..end),
-            &mut ctxs,
-            &mut decode,
-        );
+        order.frame(&mut dec, (&wire, k, from..end), &mut ctxs, &mut decode);
         from = end;
     }
     order.finish(&mut dec, &mut ctxs, &mut decode);
