@@ -25,7 +25,9 @@
 //! splits a first copy's time on one thread into the jobs the pool takes and the rest (issue
 //! 36's serial share; the streams' context work is the pool's), per path, and the time the
 //! jobs' way costs against no workers at all; and the span, what no number of threads can cut,
-//! with the encoder told it has one thread and N.
+//! with the encoder told it has one thread and N. `--cache-mib N` gives those three a chunk
+//! cache of N MiB (default the codec's): smaller than a copy, the copy runs as a gateway's
+//! steady state does, each chunk cached in place of one evicted.
 //! `--side-by-side` (with each `--file`, `--rounds`, `--streams`, `--path`) runs two first
 //! copies at once on one thread each, against one alone: the most two threads give on this
 //! machine, beside what the pool's two threads give in the same rounds.
@@ -77,6 +79,8 @@ fn db_like(len: usize) -> Vec<u8> {
 /// The zstd level of every case, and whether zstd pieces share their stream's context.
 static LEVEL: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
 static CONTEXT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+/// The chunk cache's size for `--threads`, `--serial` and `--side-by-side` (`--cache-mib`).
+static CACHE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 
 /// A rate in MB/s, for the tables: `bytes` in `secs`.
 fn mbs(bytes: usize, secs: f64) -> String {
@@ -441,6 +445,7 @@ fn path_config(compression: Compression, context: bool) -> CodecConfig {
         compression,
         zstd_level: *LEVEL.get_or_init(|| CodecConfig::default().zstd_level),
         context,
+        cache_bytes: *CACHE.get_or_init(|| CodecConfig::default().cache_bytes),
         delta_bytes: if context {
             CodecConfig::default().delta_bytes
         } else {
@@ -1150,11 +1155,18 @@ fn main() {
     let mib: usize = args.get("--mib", 256);
     let level = *LEVEL.get_or_init(|| args.get("--zstd-level", CodecConfig::default().zstd_level));
     let context = *CONTEXT.get_or_init(|| !args.flag("--no-context"));
+    let default_cache = CodecConfig::default().cache_bytes;
+    let cache = *CACHE.get_or_init(|| args.get("--cache-mib", default_cache >> 20) << 20);
     let db = db_like(mib << 20);
     let noise = xorshift(7, mib << 20);
     report::note(format!(
-        "One core, {mib} MiB per case, 64 KiB writes, first transfer (empty cache), zstd level {level}{}.",
-        if context { "" } else { ", no stream contexts" }
+        "One core, {mib} MiB per case, 64 KiB writes, first transfer (empty cache), zstd level {level}{}{}.",
+        if context { "" } else { ", no stream contexts" },
+        if cache == default_cache {
+            String::new()
+        } else {
+            format!(", a {} MiB cache (`--cache-mib`)", cache >> 20)
+        }
     ));
     if let Some(n) = args.text("--threads") {
         let n: usize = n.parse().expect("--threads N");
