@@ -538,9 +538,14 @@ impl wanopt_codec::prepare::Workers for Timed {
             longest = longest.max(d);
             all += d;
         }
-        let t = Instant::now();
+        // Work the caller spawned meanwhile (a stream's context records, made as its turn is
+        // planned) ran here inline, as a pool thread would run it beside the caller: it is
+        // the jobs' and the streams' (`spawn`), not the caller's chain.
+        let spawned = || Timed::secs(&self.spawned);
+        let (t, before) = (Instant::now(), spawned());
         caller();
-        let own = t.elapsed();
+        let inline = std::time::Duration::from_secs_f64((spawned() - before).max(0.0));
+        let own = t.elapsed().saturating_sub(inline);
         self.add_span(longest.max(own), all + own);
     }
 }
