@@ -541,11 +541,10 @@ impl wanopt_codec::prepare::Workers for Timed {
         // Work the caller spawned meanwhile (a stream's context records, made as its turn is
         // planned) ran here inline, as a pool thread would run it beside the caller: it is
         // the jobs' and the streams' (`spawn`), not the caller's chain.
-        let spawned = || Timed::secs(&self.spawned);
+        let spawned = || *self.spawned.lock().unwrap_or_else(|p| p.into_inner());
         let (t, before) = (Instant::now(), spawned());
         caller();
-        let inline = std::time::Duration::from_secs_f64((spawned() - before).max(0.0));
-        let own = t.elapsed().saturating_sub(inline);
+        let own = t.elapsed().saturating_sub(spawned().saturating_sub(before));
         self.add_span(longest.max(own), all + own);
     }
 }

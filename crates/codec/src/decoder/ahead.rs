@@ -479,10 +479,9 @@ impl LitJob {
     fn run(&mut self) {
         if matches!(self.made, Made::Todo) {
             // Allocated here, by the thread that runs it, not by the decoder's thread when it
-            // handed the frame over: a first copy's chunks are fresh memory, and its page
+            // handed the frame over: a first copy's chunks are fresh memory, and their page
             // faults were the largest part of what the decoder's thread kept to itself
-            // (`codec --serial --streams 4 --path lz4`: its share 0.083-0.093 so, against
-            // 0.106-0.115), with two threads the same within the noise.
+            // (docs/scaling.md, "What is left").
             let mut bytes = Vec::new();
             let ok = crate::prepare::unpack(self.zstd, &self.payload, self.raw, &mut bytes);
             self.made = Made::Done(ok.then(|| Piece {
