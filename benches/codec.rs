@@ -313,6 +313,8 @@ fn decode_copy(
         .collect();
     let mut ctxs: Vec<wanopt_codec::StreamContext> =
         parts.iter().map(|_| Default::default()).collect();
+    // As the link does: literals decompressed ahead are handed on as they are.
+    let mut handed: Vec<wanopt_codec::Handed> = parts.iter().map(|_| Default::default()).collect();
     if let Some(g) = gate {
         g.wait();
     }
@@ -320,7 +322,8 @@ fn decode_copy(
     let mut order = wanopt_codec::InOrder::new(ahead, workers);
     let mut decode = |dec: &mut Decoder, k: usize, r: std::ops::Range<usize>, ctx: &mut _| {
         let records = &wire[r];
-        let (used, stop) = dec.decode_frame(records, &mut outs[k], ctx, usize::MAX);
+        let (out, handed) = (&mut outs[k], &mut handed[k]);
+        let (used, stop) = dec.decode_frame_handing(records, out, handed, ctx, usize::MAX);
         assert!(used == records.len() && stop.is_none(), "decode: {stop:?}");
     };
     let mut from = 0;
@@ -330,8 +333,8 @@ fn decode_copy(
     }
     order.finish(&mut dec, &mut ctxs, &mut decode);
     let took = (t, Instant::now());
-    for (o, p) in outs.iter().zip(&parts) {
-        assert!(o == p, "round trip");
+    for ((o, h), p) in outs.iter().zip(&handed).zip(&parts) {
+        assert!(h.assemble(o) == *p, "round trip");
     }
     took
 }

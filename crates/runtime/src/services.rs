@@ -30,6 +30,11 @@ const GATHER_QUIET: Duration = Duration::from_millis(5);
 /// this long without a flush (a request, a response, a commit) goes at once.
 const GATHER_MAX: Duration = Duration::from_millis(20);
 
+/// A pump's write to its client gathers up to this many pieces the link holds...
+const GATHER_PIECES: usize = 64;
+/// ...and no more once it holds this many bytes.
+const GATHER_BYTES: usize = 1 << 20;
+
 /// Anyone can connect to a service port: refusals of outsiders are rationed in the log.
 static OUTSIDERS: LogBudget = LogBudget::new(Duration::from_secs(10), 10);
 static OVER_LIMIT: LogBudget = LogBudget::new(Duration::from_secs(10), 10);
@@ -343,14 +348,17 @@ async fn pump(
             }
             let mut parking = peer.parking.subscribe();
             // Bytes the process before had taken from the link and not written yet go first.
-            let mut pending = pending_down;
+            let mut pending = std::collections::VecDeque::new();
+            if !pending_down.is_empty() {
+                pending.push_back(pending_down);
+            }
             loop {
                 if pending.is_empty() {
                     if *parking.borrow() {
                         return Ok(Half::Parked(Bytes::new()));
                     }
                     match h.read(id) {
-                        Ok(ReadOutcome::Data(b)) => pending = b,
+                        Ok(ReadOutcome::Data(b)) => pending.push_back(b),
                         Ok(ReadOutcome::Blocked) => {
                             tokio::select! {
                                 _ = sig.readable.notified() => {}
@@ -367,18 +375,29 @@ async fn pump(
                         Err(_) => return Err(sig.reason()),
                     }
                 }
-                // Written a piece at a time, so a handover knows what is left.
+                // What else the link holds, gathered for one vectored write: a frame's
+                // literals decompressed ahead come as chunks of their own (about 8 KiB).
+                let held: usize = pending.iter().map(Bytes::len).sum();
+                let room = GATHER_PIECES.saturating_sub(pending.len());
+                if room > 0 && held < GATHER_BYTES {
+                    h.read_more(id, &mut pending, room, GATHER_BYTES - held);
+                }
+                // What is written is counted off exactly, so a handover knows what is left.
                 tokio::select! {
-                    r = wr.write(&pending) => {
+                    r = async {
+                        let slices: Vec<std::io::IoSlice<'_>> =
+                            pending.iter().map(|b| std::io::IoSlice::new(b)).collect();
+                        wr.write_vectored(&slices).await
+                    } => {
                         let n = r.map_err(|e| format!("local write: {e}"))?;
                         if n == 0 {
                             return Err("local write: closed".into());
                         }
-                        pending.advance(n);
+                        written(&mut pending, n);
                         add(&c.raw_in, n as u64);
                         moved();
                     }
-                    _ = parking.wait_for(|p| *p) => return Ok(Half::Parked(pending)),
+                    _ = parking.wait_for(|p| *p) => return Ok(Half::Parked(joined(pending))),
                 }
             }
         };
@@ -501,6 +520,32 @@ pub(crate) async fn resume_parked(
         },
     };
     pump(&peer, h, entry.id, sig, sock, at).await;
+}
+
+/// `pending` after a write that took its first `n` bytes.
+fn written(pending: &mut std::collections::VecDeque<Bytes>, mut n: usize) {
+    while n > 0
+        && let Some(b) = pending.front_mut()
+    {
+        let k = n.min(b.len());
+        b.advance(k);
+        n -= k;
+        if b.is_empty() {
+            pending.pop_front();
+        }
+    }
+}
+
+/// The pieces not written yet, as one (what a handover hands the next process).
+fn joined(mut pending: std::collections::VecDeque<Bytes>) -> Bytes {
+    if pending.len() <= 1 {
+        return pending.pop_front().unwrap_or_default();
+    }
+    let mut all = BytesMut::with_capacity(pending.iter().map(Bytes::len).sum());
+    for b in pending {
+        all.extend_from_slice(&b);
+    }
+    all.freeze()
 }
 
 /// The `wanopt_streams_failed_total` reason of a stream that ended with `why`: a target the peer

@@ -51,6 +51,8 @@ pub(super) struct Batch<'m, 'a> {
     base: usize,
     /// Every job has run.
     settled: bool,
+    /// Its places are not used any more (see [`abandon`](Self::abandon)).
+    abandoned: bool,
 }
 
 impl Batch<'_, '_> {
@@ -61,6 +63,13 @@ impl Batch<'_, '_> {
             self.ahead.finish_all();
             self.settled = true;
         }
+    }
+
+    /// Waits for every job, and uses none of their places from now on: the records are not
+    /// where the scan placed them (a literal it took for handed on was not).
+    pub(super) fn abandon(&mut self) {
+        self.settle();
+        self.abandoned = true;
     }
 
     /// Where the job for the reference run at `at` (whose first byte is `tag`) copied its
@@ -111,7 +120,7 @@ impl Batch<'_, '_> {
             let p = self.ahead.with(i, std::mem::take)?;
             let place = b
                 .place
-                .filter(|_| p.placed && out.as_ptr() as usize == self.base);
+                .filter(|_| p.placed && !self.abandoned && out.as_ptr() as usize == self.base);
             Some((p, place))
         });
         if found.as_ref().is_none_or(|(_, place)| place.is_none()) {
@@ -329,13 +338,19 @@ impl Decoder {
             };
             // Placed only within what the frame announced (bounded as `room` is).
             let place = Some(pos).filter(|p| p - start + raw_len <= room);
-            pos = pos.saturating_add(raw_len);
-            // Decompressed ahead with its frame: its chunk copied into its place on the workers.
+            // Decompressed ahead with its frame: handed on as it is, if the decoder hands
+            // chunks on (nothing of it goes into `out`), else its chunk copied into its place
+            // on the workers.
             if tag != TAG_LIT
                 && let Some(l) = lits.as_mut().and_then(|l| l.peek().copied())
             {
                 if l.is_for(first, raw_len, &buf[payload_at..end]) {
                     lits.as_mut().and_then(Iterator::next);
+                    if self.handing.is_some() {
+                        at = end;
+                        continue;
+                    }
+                    pos = pos.saturating_add(raw_len);
                     if let Some(place) = place {
                         found.push(Scanned {
                             at,
@@ -352,6 +367,7 @@ impl Decoder {
                 }
                 lits = None;
             }
+            pos = pos.saturating_add(raw_len);
             let work = match tag {
                 TAG_LIT_LZ4 => Some(Work::Unlz4 { raw_len, hash }),
                 TAG_LIT_ZSTD => Some(Work::Unzstd { raw_len, hash }),
@@ -399,7 +415,7 @@ impl Decoder {
         end: usize,
         out: &mut Vec<u8>,
         stream: &mut StreamContext,
-        (start, announced): (usize, usize),
+        (start, announced): ((usize, usize), usize),
         mut found: Vec<Scanned>,
     ) -> Option<CodecError> {
         use prepare::{Ahead, Job, Place};
@@ -452,11 +468,12 @@ impl Decoder {
             next: 0,
             base: base as usize,
             settled: false,
+            abandoned: false,
         };
         let mut stop = None;
         w.overlap(&ahead, &mut || {
             while *used < end {
-                let room = announced.saturating_sub(out.len() - start);
+                let room = self.room(out, start, announced);
                 let rec = Some((*used - from, &mut batch));
                 match self.decode_record_at(&records[*used..], out, stream, room, rec) {
                     Ok(k) => *used += k,

@@ -20,10 +20,12 @@ use in_context::Accept;
 #[cfg(test)]
 pub(crate) use ahead::record_len;
 pub use ahead::{Feeding, Feeds};
+pub use handed::Handed;
 pub use in_order::{DecodeFrame, InOrder};
 
 mod ahead;
 mod batch;
+mod handed;
 mod in_context;
 mod in_order;
 mod logged;
@@ -75,6 +77,8 @@ pub struct Decoder {
     number: u64,
     /// Scratch for delta runs rebuilt ahead (see [`Feeding`]), shared with the feedings.
     scratch_ahead: std::sync::Arc<std::sync::Mutex<Vec<delta::RecvScratch>>>,
+    /// The chunks handed on so far, while [`Decoder::decode_frame_handing`] decodes.
+    handing: Option<Handed>,
 }
 
 impl Decoder {
@@ -114,6 +118,7 @@ impl Decoder {
             lits_ahead: 0,
             number: ahead::decoder_number(),
             scratch_ahead: Default::default(),
+            handing: None,
             cache,
         }
     }
@@ -476,19 +481,26 @@ impl Decoder {
                 let payload = &buf[at..at + clen];
                 // Decompressed ahead with its frame (on a worker), if it was fed: taken if it
                 // was made from this very payload, else every literal fed is let go.
+                let mut astray = false;
                 let fed = match stream.lits_fed.front() {
                     Some(l) if l.is_for(first, raw_len, payload) => stream.lits_fed.pop_front(),
                     Some(_) => {
                         stream.lits_fed.clear();
+                        astray = true;
                         None
                     }
                     None => None,
                 };
+                let (handing, fed_ahead) = (self.handing.is_some(), fed.is_some());
                 let (chunk, f, place) = match fed {
-                    // Copied into place on a worker, if the batch made a job of it.
+                    // Handed on as it is (the scan made no job of it), or copied into place
+                    // on a worker, if the batch made a job of it.
                     Some(l) => {
                         self.lits_ahead += 1;
-                        let place = prepared(first, raw_len, 0, out).and_then(|p| p.1);
+                        let place = match handing {
+                            true => None,
+                            false => prepared(first, raw_len, 0, out).and_then(|p| p.1),
+                        };
                         (l.piece.bytes, l.piece.name, place)
                     }
                     // Decompressed ahead on a worker (into exactly the announced size), or here.
@@ -497,12 +509,24 @@ impl Decoder {
                         _ => (self.decompress(tag, payload, raw_len)?.into(), None, None),
                     },
                 };
+                // A batch's scan took the literals fed for handed on (no room kept for them in
+                // `out`): its places are not where these records go now.
+                if astray
+                    && handing
+                    && let Some(b) = batch.as_deref_mut()
+                {
+                    b.abandon();
+                }
                 if chunk.len() != raw_len {
                     return Err(CodecError::Decompress);
                 }
-                let ahead = Self::put_rebuilt(out, place, &chunk, batch);
-                debug_assert!(out.ends_with(&chunk));
-                self.ahead_bytes += if ahead { raw_len as u64 } else { 0 };
+                // A literal fed ahead is handed on, if the caller takes chunks so: nothing
+                // written into `out`, so the batch's jobs go on beside it.
+                if !(handing && fed_ahead && self.hand(out.len(), &chunk)) {
+                    let ahead = Self::put_rebuilt(out, place, &chunk, batch);
+                    debug_assert!(out.ends_with(&chunk));
+                    self.ahead_bytes += if ahead { raw_len as u64 } else { 0 };
+                }
                 self.stats.lit_chunks += 1;
                 self.stats.lit_bytes += raw_len as u64;
                 if cache {
@@ -671,6 +695,14 @@ impl Decoder {
         }
     }
 
+    /// What is left of a frame that `announced` bytes, once it rebuilt what `out` holds past
+    /// `start.0` and the chunks handed on past `start.1`.
+    fn room(&self, out: &[u8], start: (usize, usize), announced: usize) -> usize {
+        let copied = out.len().saturating_sub(start.0);
+        let handed = self.handed_bytes().saturating_sub(start.1);
+        announced.saturating_sub(copied.saturating_add(handed))
+    }
+
     /// Decodes every whole record at the front of `buf`; returns the bytes used.
     /// With workers, literals are prepared [`BATCH`](BATCH) records at a time.
     pub fn decode(&mut self, buf: &[u8], out: &mut Vec<u8>) -> Result<usize, CodecError> {
@@ -697,7 +729,8 @@ impl Decoder {
         stream: &mut StreamContext,
         announced: usize,
     ) -> (usize, Option<CodecError>) {
-        let start = out.len();
+        // What the frame rebuilt so far: copied into `out` past `start`, and handed on.
+        let start = (out.len(), self.handed_bytes());
         let mut used = 0;
         // Where the next batch is looked for (past what the last scan looked at).
         let mut next = 0;
@@ -705,7 +738,7 @@ impl Decoder {
             if used == records.len() {
                 break None;
             }
-            let room = announced.saturating_sub(out.len() - start);
+            let room = self.room(out, start, announced);
             if used >= next
                 && let Some(w) = self.workers.clone()
             {

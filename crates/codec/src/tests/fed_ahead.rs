@@ -183,8 +183,11 @@ fn decode_fed_ahead(
     decode_fed_ahead_most(dec, frames, ahead, workers, (ctxs, outs), answer).0
 }
 
-/// [`decode_fed_ahead`], also returning the most frames that waited fed ahead at once, and
-/// the frames fed while their stream's earlier frame was decoded.
+/// [`decode_fed_ahead`], also returning the most frames that waited fed ahead at once, the
+/// frames fed while their stream's earlier frame was decoded, and the chunks handed on. The
+/// even streams' frames are decoded as the link decodes them, the literals decompressed ahead
+/// handed on as they are ([`Decoder::decode_frame_handing`]; the stream's bytes put together
+/// at the end); the odd streams' copied into the output.
 fn decode_fed_ahead_most(
     dec: &mut Decoder,
     frames: &[(usize, Vec<u8>)],
@@ -192,13 +195,18 @@ fn decode_fed_ahead_most(
     workers: Option<std::sync::Arc<dyn prepare::Workers>>,
     (ctxs, outs): (&mut [crate::StreamContext], &mut [Vec<u8>]),
     mut answer: impl FnMut(&crate::fingerprint::Fingerprint) -> Option<Vec<u8>>,
-) -> (usize, usize, usize) {
+) -> (usize, usize, usize, usize) {
     let wire = bytes::Bytes::from(frames.iter().flat_map(|f| f.1.clone()).collect::<Vec<u8>>());
+    let mut handed: Vec<crate::Handed> = outs.iter().map(|_| Default::default()).collect();
     let mut decode = |dec: &mut Decoder, k: usize, r: std::ops::Range<usize>, ctx: &mut _| {
         let records = &wire[r];
         let mut at = 0;
         while at < records.len() {
-            let (used, stop) = dec.decode_frame(&records[at..], &mut outs[k], ctx, usize::MAX);
+            let (rest, out) = (&records[at..], &mut outs[k]);
+            let (used, stop) = match k % 2 {
+                0 => dec.decode_frame_handing(rest, out, &mut handed[k], ctx, usize::MAX),
+                _ => dec.decode_frame(rest, out, ctx, usize::MAX),
+            };
             at += used;
             match stop {
                 None => assert_eq!(at, records.len()),
@@ -219,7 +227,12 @@ fn decode_fed_ahead_most(
         most = most.max(order.waiting());
     }
     order.finish(dec, ctxs, &mut decode);
-    (fed, most, order.fed_next())
+    let mut chunks = 0;
+    for (out, h) in outs.iter_mut().zip(handed) {
+        chunks += h.len();
+        *out = h.assemble(out);
+    }
+    (fed, most, order.fed_next(), chunks)
 }
 
 /// Frames fed ahead of their turn, when a chunk they refer to is damaged in the cache: the
@@ -368,8 +381,10 @@ fn literals_fed_ahead_land_exactly_and_only_for_their_own_bytes() {
         let r = d.decode_frame(frame, &mut out, &mut Default::default(), usize::MAX);
         (r, out)
     };
-    let fed_then_decoded = |fed: &[u8], decoded: &[u8]| {
+    let fed_then_decoded = |fed: &[u8], decoded: &[u8], hand: bool| {
         let mut d = Decoder::new(&cfg);
+        // Decoding batches too, around the literals taken as fed.
+        d.set_workers(Some(std::sync::Arc::new(Threads::new(2))));
         let feeding = d
             .feed_ahead(fed.to_vec().into(), &mut Default::default(), usize::MAX)
             .expect("a frame of literals");
@@ -384,32 +399,41 @@ fn literals_fed_ahead_land_exactly_and_only_for_their_own_bytes() {
         let mut ctx = Default::default();
         feeding.finish(&mut ctx);
         let mut out = Vec::new();
-        let r = d.decode_frame(decoded, &mut out, &mut ctx, usize::MAX);
-        (r, out, d.lits_ahead())
+        let mut handed = crate::Handed::default();
+        let r = match hand {
+            true => d.decode_frame_handing(decoded, &mut out, &mut handed, &mut ctx, usize::MAX),
+            false => d.decode_frame(decoded, &mut out, &mut ctx, usize::MAX),
+        };
+        // Handed on as they are: each literal taken as fed, and nothing else.
+        assert_eq!(handed.len() as u64, if hand { d.lits_ahead() } else { 0 });
+        (r, handed.assemble(&out), d.lits_ahead())
     };
     let lits = lz4_payloads(records);
-    let (r, out, taken) = fed_then_decoded(records, records);
-    assert_eq!((r, &out), (in_turn(records).0, &in_turn(records).1));
-    assert!(firsts[*k].starts_with(&out));
-    assert_eq!(taken, lits.len() as u64);
-    // The frame changed after it was fed, in its second literal's payload (same lengths): no
-    // literal is taken from the feeding from there on, and what decodes is what decodes in
-    // turn (here a literal that no longer rebuilds its length, or other bytes).
-    let mut other = records.clone();
-    other[lits[1].start + lits[1].len() / 2] ^= 0x20;
-    let (r, out, taken) = fed_then_decoded(records, &other);
-    assert_eq!((r, &out), (in_turn(&other).0, &in_turn(&other).1));
-    assert_eq!(taken, 1, "only the literal before the change");
-    // The frame damaged before it was fed, in its second literal's lengths (the payload no
-    // longer rebuilds what its header says): its feeding takes the first literal alone, and
-    // the frame decodes as it does in turn, to the same error.
-    let mut bad = records.clone();
-    let at = lits[1].start;
-    bad[at..at + 8].copy_from_slice(&[0xF0; 8]);
-    let (r, out, taken) = fed_then_decoded(&bad, &bad);
-    assert!(r.1.is_some(), "a damaged literal decodes to an error");
-    assert_eq!((r, &out), (in_turn(&bad).0, &in_turn(&bad).1));
-    assert_eq!(taken, 1, "only the literal before the damage");
+    // Copied into the output, and handed on as they are (as the link takes them).
+    for hand in [false, true] {
+        let (r, out, taken) = fed_then_decoded(records, records, hand);
+        assert_eq!((r, &out), (in_turn(records).0, &in_turn(records).1));
+        assert!(firsts[*k].starts_with(&out));
+        assert_eq!(taken, lits.len() as u64);
+        // The frame changed after it was fed, in its second literal's payload (same lengths):
+        // no literal is taken from the feeding from there on, and what decodes is what decodes
+        // in turn (here a literal that no longer rebuilds its length, or other bytes).
+        let mut other = records.clone();
+        other[lits[1].start + lits[1].len() / 2] ^= 0x20;
+        let (r, out, taken) = fed_then_decoded(records, &other, hand);
+        assert_eq!((r, &out), (in_turn(&other).0, &in_turn(&other).1));
+        assert_eq!(taken, 1, "only the literal before the change");
+        // The frame damaged before it was fed, in its second literal's lengths (the payload no
+        // longer rebuilds what its header says): its feeding takes the first literal alone,
+        // and the frame decodes as it does in turn, to the same error.
+        let mut bad = records.clone();
+        let at = lits[1].start;
+        bad[at..at + 8].copy_from_slice(&[0xF0; 8]);
+        let (r, out, taken) = fed_then_decoded(&bad, &bad, hand);
+        assert!(r.1.is_some(), "a damaged literal decodes to an error");
+        assert_eq!((r, &out), (in_turn(&bad).0, &in_turn(&bad).1));
+        assert_eq!(taken, 1, "only the literal before the damage");
+    }
 }
 
 /// One stream on the LZ4 path: each frame's literals are fed without the stream's context,
@@ -453,8 +477,10 @@ fn one_streams_frames_fed_behind_its_waiting_ones_decode_exactly() {
         dec.set_workers(Some(std::sync::Arc::new(Threads::new(2))));
         let (mut ctxs, mut outs) = (vec![Default::default()], vec![Vec::new()]);
         let io = (&mut ctxs[..], &mut outs[..]);
-        let (fed, most, _) =
+        let (fed, most, _, handed) =
             decode_fed_ahead_most(&mut dec, &first, 3, Some(workers.clone()), io, |_| None);
+        // Every literal fed was handed on as it is (the one stream is an even one).
+        assert_eq!(handed as u64, dec.lits_ahead());
         assert_eq!(fed, first.len(), "every frame fed");
         assert!(
             most > 1,
@@ -564,7 +590,7 @@ fn one_streams_next_frame_is_fed_while_the_one_before_is_decoded() {
         dec.set_workers(Some(workers.clone()));
         let (mut ctxs, mut outs) = (vec![Default::default()], vec![Vec::new()]);
         let io = (&mut ctxs[..], &mut outs[..]);
-        let (fed, _, next) =
+        let (fed, _, next, _) =
             decode_fed_ahead_most(&mut dec, &all, 8, Some(workers.clone()), io, |_| None);
         assert!(outs[0] == copies);
         assert_eq!((dec.stats(), dec.cache().digest()), in_turn);
@@ -584,7 +610,7 @@ fn one_streams_next_frame_is_fed_while_the_one_before_is_decoded() {
         damage_every_fifth(&mut dec, &firsts[0], &cfg);
         let mut misses = 0;
         let io = (&mut ctxs[..], &mut outs[..]);
-        let (_, _, next) = decode_fed_ahead_most(&mut dec, &second, 8, Some(workers), io, |f| {
+        let (_, _, next, _) = decode_fed_ahead_most(&mut dec, &second, 8, Some(workers), io, |f| {
             misses += 1;
             whole.cache().peek(f).map(<[u8]>::to_vec)
         });

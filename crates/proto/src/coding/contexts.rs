@@ -510,7 +510,16 @@ impl Contexts {
             let mut on_store = false;
             // Each record within what the frame announced (and paid credit for); with workers,
             // the frame's literals alone are decompressed on them first.
-            let (used, stop) = dec.decode_frame(&p.records, &mut out, &mut rc.context, announced);
+            // Literals decompressed ahead are handed on as they are (the cache's own bytes),
+            // not copied into `out`.
+            let mut handed = wanopt_codec::Handed::default();
+            let (used, stop) = dec.decode_frame_handing(
+                &p.records,
+                &mut out,
+                &mut handed,
+                &mut rc.context,
+                announced,
+            );
             p.records.advance(used);
             let failed = match stop {
                 None => None,
@@ -537,18 +546,17 @@ impl Contexts {
             r.lit_bytes += after.lit_bytes - before.lit_bytes;
             r.delta_chunks += after.delta_chunks - before.delta_chunks;
             r.delta_bytes += after.delta_bytes - before.delta_bytes;
-            let n = out.len() as u64;
+            let n = (out.len() + handed.bytes()) as u64;
             if n > p.remaining {
                 return Err("records rebuild more bytes than announced".into());
             }
             p.remaining -= n;
-            if !out.is_empty() {
-                // A frame cut short (a miss) holds no more than it rebuilt.
-                if out.capacity() > 2 * out.len() + 4096 {
-                    out.shrink_to_fit();
-                }
-                got.data.push(Bytes::from(out));
+            // A frame cut short (a miss), or whose literals were handed on, holds no more than
+            // it copied.
+            if out.capacity() > 2 * out.len() + 4096 {
+                out.shrink_to_fit();
             }
+            handed.segments(Bytes::from(out), &mut got.data);
             if let Some(m) = miss {
                 // A chunk on our disk tier is being read: the stream waits for our store, not
                 // the peer.

@@ -404,6 +404,26 @@ impl LinkHandle {
         r
     }
 
+    /// Takes more of what stream `id` received, up to `pieces` and `bytes` (see
+    /// [`Link::read_more`](wanopt_proto::Link::read_more)), as [`read`](Self::read) does.
+    pub fn read_more(
+        &self,
+        id: StreamId,
+        into: &mut std::collections::VecDeque<Bytes>,
+        pieces: usize,
+        bytes: usize,
+    ) -> usize {
+        let (n, credit) = {
+            let mut g = lock(&self.inner);
+            let n = g.link.read_more(id, into, pieces, bytes);
+            (n, n > 0 && g.link.wants_transmit())
+        };
+        if credit {
+            self.kick();
+        }
+        n
+    }
+
     /// Ends our side of stream `id`: what was written goes, then the end.
     pub fn finish(&self, id: StreamId) -> Result<(), StreamError> {
         let r = self.with(|l| l.finish(id));
