@@ -314,7 +314,8 @@ fn decode_copy(
     let mut ctxs: Vec<wanopt_codec::StreamContext> =
         parts.iter().map(|_| Default::default()).collect();
     // As the link does: literals decompressed ahead are handed on as they are.
-    let mut handed: Vec<wanopt_codec::Handed> = parts.iter().map(|_| Default::default()).collect();
+    let mut handed: Vec<wanopt_codec::HandedOn> =
+        parts.iter().map(|_| Default::default()).collect();
     if let Some(g) = gate {
         g.wait();
     }

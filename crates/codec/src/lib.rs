@@ -40,7 +40,7 @@ pub use config::{AVG_CHUNK_RANGE, Codec, CodecConfig, Compression, Policy, Press
 pub use context::{
     CONTEXT_WINDOW_LOG, DECODER_CONTEXTS, LongContext, MIRROR_CONTEXTS, Slots, StreamContext,
 };
-pub use decoder::{DecodeFrame, DecodeStats, Decoder, Feeding, Feeds, Handed, InOrder};
+pub use decoder::{DecodeFrame, DecodeStats, Decoder, Feeding, Feeds, HandedOn, InOrder};
 pub use delta::{Bases, MAX_BASES, SharedBases};
 pub use encoder::{Encoder, PENDING, StoreWait, Streams};
 pub use format::{CodecError, MAX_RECORD, RECORD_OVERHEAD, RUN_MAX, RUN_MAX_DECODE, run_reserve};

@@ -51,8 +51,6 @@ pub(super) struct Batch<'m, 'a> {
     base: usize,
     /// Every job has run.
     settled: bool,
-    /// Its places are not used any more (see [`abandon`](Self::abandon)).
-    abandoned: bool,
 }
 
 impl Batch<'_, '_> {
@@ -65,11 +63,22 @@ impl Batch<'_, '_> {
         }
     }
 
-    /// Waits for every job, and uses none of their places from now on: the records are not
-    /// where the scan placed them (a literal it took for handed on was not).
-    pub(super) fn abandon(&mut self) {
-        self.settle();
-        self.abandoned = true;
+    /// What the job for the record at `at` made, as [`take`](Self::take) takes it, for a
+    /// record handed on (it writes nothing into the output, so the other jobs go on): no place.
+    pub(super) fn take_handed(
+        &mut self,
+        at: usize,
+        tag: u8,
+        raw: usize,
+        clen: usize,
+    ) -> Option<(prepare::Prepared, Option<usize>)> {
+        let i = self.index_of(at)?;
+        self.next = i + 1;
+        let b = &self.meta[i];
+        if b.tag != tag || b.raw != raw || b.clen != clen {
+            return None;
+        }
+        Some((self.ahead.with(i, std::mem::take)?, None))
     }
 
     /// Where the job for the reference run at `at` (whose first byte is `tag`) copied its
@@ -120,7 +129,7 @@ impl Batch<'_, '_> {
             let p = self.ahead.with(i, std::mem::take)?;
             let place = b
                 .place
-                .filter(|_| p.placed && !self.abandoned && out.as_ptr() as usize == self.base);
+                .filter(|_| p.placed && out.as_ptr() as usize == self.base);
             Some((p, place))
         });
         if found.as_ref().is_none_or(|(_, place)| place.is_none()) {
@@ -255,6 +264,9 @@ impl Decoder {
                 };
                 match &f.result {
                     Ok(None) => {}
+                    // Handed on as they are, if the decoder hands chunks on: nothing of them
+                    // goes into `out`.
+                    Ok(Some(_)) if self.handing.is_some() => {}
                     Ok(Some(pieces)) => {
                         let len = pieces.iter().map(|p| p.bytes.len()).sum::<usize>();
                         raw += len;
@@ -336,17 +348,19 @@ impl Decoder {
             let Some(end) = payload_at.checked_add(clen).filter(|e| *e <= buf.len()) else {
                 break;
             };
+            // A compressed literal is handed on as it is, if the decoder hands chunks on:
+            // nothing of it goes into `out`, and it has no place there.
+            let handed = tag != TAG_LIT && self.handing.is_some();
             // Placed only within what the frame announced (bounded as `room` is).
-            let place = Some(pos).filter(|p| p - start + raw_len <= room);
-            // Decompressed ahead with its frame: handed on as it is, if the decoder hands
-            // chunks on (nothing of it goes into `out`), else its chunk copied into its place
+            let place = Some(pos).filter(|p| !handed && p - start + raw_len <= room);
+            // Decompressed ahead with its frame: handed on, or its chunk copied into its place
             // on the workers.
             if tag != TAG_LIT
                 && let Some(l) = lits.as_mut().and_then(|l| l.peek().copied())
             {
                 if l.is_for(first, raw_len, &buf[payload_at..end]) {
                     lits.as_mut().and_then(Iterator::next);
-                    if self.handing.is_some() {
+                    if handed {
                         at = end;
                         continue;
                     }
@@ -367,7 +381,9 @@ impl Decoder {
                 }
                 lits = None;
             }
-            pos = pos.saturating_add(raw_len);
+            if !handed {
+                pos = pos.saturating_add(raw_len);
+            }
             let work = match tag {
                 TAG_LIT_LZ4 => Some(Work::Unlz4 { raw_len, hash }),
                 TAG_LIT_ZSTD => Some(Work::Unzstd { raw_len, hash }),
@@ -468,7 +484,6 @@ impl Decoder {
             next: 0,
             base: base as usize,
             settled: false,
-            abandoned: false,
         };
         let mut stop = None;
         w.overlap(&ahead, &mut || {

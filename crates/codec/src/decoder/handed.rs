@@ -1,10 +1,11 @@
-//! Chunks a frame rebuilt that are handed on as they are, not copied into the frame's output:
-//! a literal decompressed ahead (see `ahead.rs`) is already in a buffer of its own, the one
-//! the cache keeps, and by its frame's turn it has left the core's cache; copying it into the
-//! output there took longer than decompressing it had (docs/scaling.md, "What is left").
-//! A caller that writes the output out in pieces (the link hands a stream's bytes on as
-//! `Bytes`, and the daemon writes them to the client with vectored writes) takes them as they
-//! are: [`Decoder::decode_frame_handing`].
+//! Chunks a frame rebuilt that are handed on as they are, not copied into the frame's output.
+//! A compressed literal is decompressed into a buffer of its own, the one the cache keeps, and
+//! so is each chunk of a stream's context records; one decompressed ahead (see `ahead.rs`) has
+//! left the core's cache by its frame's turn, and copying it into the output there took longer
+//! than decompressing it had (docs/scaling.md, "What is left"). A caller that writes the
+//! output out in pieces (the link hands a stream's bytes on as `Bytes`, and the daemon writes
+//! them to the client with vectored writes) takes them as they are:
+//! [`Decoder::decode_frame_handing`].
 
 use bytes::Bytes;
 
@@ -16,12 +17,12 @@ use crate::format::CodecError;
 /// when it came: the frame's bytes are the output's with each chunk put in at its offset, in
 /// order ([`segments`](Self::segments)).
 #[derive(Debug, Default)]
-pub struct Handed {
+pub struct HandedOn {
     pieces: Vec<(usize, Bytes)>,
     bytes: usize,
 }
 
-impl Handed {
+impl HandedOn {
     /// The bytes of every chunk handed.
     pub fn bytes(&self) -> usize {
         self.bytes
@@ -78,15 +79,16 @@ impl Handed {
 }
 
 impl Decoder {
-    /// Like [`decode_frame`](Self::decode_frame), with the literals decompressed ahead (see
-    /// [`Feeding`](super::Feeding)) handed on as they are, to `handed`, instead of copied into
-    /// `out`: the frame's bytes are `out`'s with them put in (see [`Handed`]). What the frame
-    /// rebuilds is bounded by `announced` all the same, handed or copied.
+    /// Like [`decode_frame`](Self::decode_frame), with the chunks of compressed literals and
+    /// of context records (decompressed ahead, see [`Feeding`](super::Feeding), or here) handed
+    /// on as they are, to `handed`, instead of copied into `out`: the frame's bytes are `out`'s
+    /// with them put in (see [`HandedOn`]). What the frame rebuilds is bounded by `announced` all
+    /// the same, handed or copied.
     pub fn decode_frame_handing(
         &mut self,
         records: &[u8],
         out: &mut Vec<u8>,
-        handed: &mut Handed,
+        handed: &mut HandedOn,
         stream: &mut StreamContext,
         announced: usize,
     ) -> (usize, Option<CodecError>) {
@@ -99,7 +101,7 @@ impl Decoder {
     /// Bytes handed so far while decoding with [`decode_frame_handing`]
     /// (Self::decode_frame_handing); 0 otherwise.
     pub(super) fn handed_bytes(&self) -> usize {
-        self.handing.as_ref().map_or(0, Handed::bytes)
+        self.handing.as_ref().map_or(0, HandedOn::bytes)
     }
 
     /// Hands `chunk` on at `at`, the output's length, if the decoder hands chunks on; false
@@ -124,7 +126,7 @@ mod tests {
     #[test]
     fn segments_put_each_chunk_at_its_offset() {
         let out = Bytes::from_static(b"abcdef");
-        let mut h = Handed::default();
+        let mut h = HandedOn::default();
         h.push(0, Bytes::from_static(b"1"));
         h.push(2, Bytes::from_static(b"22"));
         h.push(2, Bytes::from_static(b"3"));

@@ -20,7 +20,7 @@ use in_context::Accept;
 #[cfg(test)]
 pub(crate) use ahead::record_len;
 pub use ahead::{Feeding, Feeds};
-pub use handed::Handed;
+pub use handed::HandedOn;
 pub use in_order::{DecodeFrame, InOrder};
 
 mod ahead;
@@ -78,7 +78,7 @@ pub struct Decoder {
     /// Scratch for delta runs rebuilt ahead (see [`Feeding`]), shared with the feedings.
     scratch_ahead: std::sync::Arc<std::sync::Mutex<Vec<delta::RecvScratch>>>,
     /// The chunks handed on so far, while [`Decoder::decode_frame_handing`] decodes.
-    handing: Option<Handed>,
+    handing: Option<HandedOn>,
 }
 
 impl Decoder {
@@ -362,11 +362,15 @@ impl Decoder {
         {
             b.settle();
         }
-        let mut prepared =
-            |tag: u8, raw: usize, clen: usize, out: &[u8]| match (rec_at, batch.as_deref_mut()) {
-                (Some(at), Some(b)) => b.take(at, tag, raw, clen, out),
-                _ => None,
-            };
+        let mut prepared = |tag: u8, raw: usize, clen: usize, out: &[u8], handed: bool| match (
+            rec_at,
+            batch.as_deref_mut(),
+        ) {
+            // A record handed on writes nothing into `out`: the other jobs go on.
+            (Some(at), Some(b)) if handed => b.take_handed(at, tag, raw, clen),
+            (Some(at), Some(b)) => b.take(at, tag, raw, clen, out),
+            _ => None,
+        };
         let need = |n: usize| {
             if buf.len() < n {
                 Err(CodecError::Incomplete)
@@ -401,7 +405,7 @@ impl Decoder {
                 let (len, h) = get_len(buf, 17)?;
                 fits(len)?;
                 // Copied (and checked) ahead on a worker, if it was held in memory then.
-                let (place, checked) = match prepared(first, len, 0, out) {
+                let (place, checked) = match prepared(first, len, 0, out, false) {
                     Some((p, place)) => (place, p.fingerprint == Some(f)),
                     None => (None, false),
                 };
@@ -430,7 +434,7 @@ impl Decoder {
                 let at = 1 + h;
                 need(at + len)?;
                 let chunk = &buf[at..at + len];
-                let (f, place) = match prepared(first, len, len, out) {
+                let (f, place) = match prepared(first, len, len, out, false) {
                     Some((p, place)) => (p.fingerprint, place),
                     None => (None, None),
                 };
@@ -452,8 +456,12 @@ impl Decoder {
                     Some(fed) if fed.first == first => {
                         if let Some(pieces) = fed.result? {
                             let len = pieces.iter().map(|p| p.bytes.len()).sum::<usize>();
-                            // Copied into place ahead on a worker, if the batch made a job of it.
-                            let place = prepared(first, len, 0, out).and_then(|p| p.1);
+                            // Handed on as they are (the scan made no job of them), or copied
+                            // into place ahead on a worker, if the batch made a job of it.
+                            let place = match self.handing {
+                                Some(_) => None,
+                                None => prepared(first, len, 0, out, false).and_then(|p| p.1),
+                            };
                             self.rebuild_pieces(pieces, out, stream, room, place, batch)?;
                         }
                         Ok(fed.used)
@@ -481,17 +489,15 @@ impl Decoder {
                 let payload = &buf[at..at + clen];
                 // Decompressed ahead with its frame (on a worker), if it was fed: taken if it
                 // was made from this very payload, else every literal fed is let go.
-                let mut astray = false;
                 let fed = match stream.lits_fed.front() {
                     Some(l) if l.is_for(first, raw_len, payload) => stream.lits_fed.pop_front(),
                     Some(_) => {
                         stream.lits_fed.clear();
-                        astray = true;
                         None
                     }
                     None => None,
                 };
-                let (handing, fed_ahead) = (self.handing.is_some(), fed.is_some());
+                let handing = self.handing.is_some();
                 let (chunk, f, place) = match fed {
                     // Handed on as it is (the scan made no job of it), or copied into place
                     // on a worker, if the batch made a job of it.
@@ -499,30 +505,24 @@ impl Decoder {
                         self.lits_ahead += 1;
                         let place = match handing {
                             true => None,
-                            false => prepared(first, raw_len, 0, out).and_then(|p| p.1),
+                            false => prepared(first, raw_len, 0, out, false).and_then(|p| p.1),
                         };
                         (l.piece.bytes, l.piece.name, place)
                     }
                     // Decompressed ahead on a worker (into exactly the announced size), or here.
-                    None => match prepared(first, raw_len, clen, out) {
+                    // Handed on, it waits for no other job (its scan gave it no place).
+                    None => match prepared(first, raw_len, clen, out, handing) {
                         Some((p, place)) if p.decoded => (p.out.into(), p.fingerprint, place),
                         _ => (self.decompress(tag, payload, raw_len)?.into(), None, None),
                     },
                 };
-                // A batch's scan took the literals fed for handed on (no room kept for them in
-                // `out`): its places are not where these records go now.
-                if astray
-                    && handing
-                    && let Some(b) = batch.as_deref_mut()
-                {
-                    b.abandon();
-                }
                 if chunk.len() != raw_len {
                     return Err(CodecError::Decompress);
                 }
-                // A literal fed ahead is handed on, if the caller takes chunks so: nothing
-                // written into `out`, so the batch's jobs go on beside it.
-                if !(handing && fed_ahead && self.hand(out.len(), &chunk)) {
+                // Handed on as it is (a buffer of its own, the one the cache keeps), if the
+                // caller takes chunks so: nothing written into `out`, so the batch's jobs go
+                // on beside it (and a batch's scan kept it no place there).
+                if !self.hand(out.len(), &chunk) {
                     let ahead = Self::put_rebuilt(out, place, &chunk, batch);
                     debug_assert!(out.ends_with(&chunk));
                     self.ahead_bytes += if ahead { raw_len as u64 } else { 0 };
@@ -546,7 +546,7 @@ impl Decoder {
                 let place = match rec_at {
                     Some(_) => {
                         let total = with_bases::run_head(buf, None).map_or(0, |h| h.total);
-                        prepared(first, total, 0, out).and_then(|p| p.1)
+                        prepared(first, total, 0, out, false).and_then(|p| p.1)
                     }
                     None => None,
                 };
@@ -594,12 +594,19 @@ impl Decoder {
             // The run's bytes are its chunks' (`context_record` fed exactly their sum).
             let chunk = &bytes[off..off + len];
             off += len;
-            out.extend_from_slice(chunk);
             self.stats.lit_chunks += 1;
             self.stats.lit_bytes += len as u64;
-            if cached {
-                let f = name.unwrap_or_else(|| fingerprint(chunk));
-                self.cache.insert(f, chunk.to_vec());
+            // Handed on in a buffer of its own (the one the cache keeps), if the caller takes
+            // chunks so; else copied into `out`.
+            let own =
+                (cached || self.handing.is_some()).then(|| bytes::Bytes::copy_from_slice(chunk));
+            match &own {
+                Some(b) if self.hand(out.len(), b) => {}
+                _ => out.extend_from_slice(chunk),
+            }
+            if let (true, Some(b)) = (cached, own) {
+                let f = name.unwrap_or_else(|| fingerprint(&b));
+                self.cache.insert_bytes(f, b);
                 self.log_chunk(stream.log, f);
             }
         }
@@ -624,12 +631,20 @@ impl Decoder {
                 "record rebuilds more than its frame announced",
             ));
         }
-        let mut settle = || {
-            if let Some(b) = batch.as_deref_mut() {
-                b.settle();
+        // Handed on as they are, if the decoder hands chunks on: nothing written into `out`,
+        // so the batch's jobs go on beside them.
+        if self.handing.is_some() {
+            for p in &pieces {
+                self.hand(out.len(), &p.bytes);
             }
-        };
-        self.put_pieces(out, &pieces, len, place, &mut settle);
+        } else {
+            let mut settle = || {
+                if let Some(b) = batch.as_deref_mut() {
+                    b.settle();
+                }
+            };
+            self.put_pieces(out, &pieces, len, place, &mut settle);
+        }
         for p in pieces {
             self.stats.lit_chunks += 1;
             self.stats.lit_bytes += p.bytes.len() as u64;

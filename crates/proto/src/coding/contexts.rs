@@ -512,7 +512,7 @@ impl Contexts {
             // the frame's literals alone are decompressed on them first.
             // Literals decompressed ahead are handed on as they are (the cache's own bytes),
             // not copied into `out`.
-            let mut handed = wanopt_codec::Handed::default();
+            let mut handed = wanopt_codec::HandedOn::default();
             let (used, stop) = dec.decode_frame_handing(
                 &p.records,
                 &mut out,
