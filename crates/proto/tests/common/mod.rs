@@ -397,7 +397,21 @@ pub fn step_side(side: &mut Side, pipes: &mut [Pipe], now: Instant) -> bool {
             .chain(side.app.received.keys().copied())
             .collect();
         for id in ids {
+            // Every other take gathers several pieces at once, as the daemon's writer does
+            // (never the end, which `read` gives once every byte is taken).
+            let mut gather = false;
             loop {
+                gather = !gather;
+                let mut more = std::collections::VecDeque::new();
+                if gather && side.link.read_more(id, &mut more, 8, 64 << 10) > 0 {
+                    side.app.first_byte.entry(id).or_insert(now);
+                    let got = side.app.received.entry(id).or_default();
+                    for b in more {
+                        got.extend_from_slice(&b);
+                    }
+                    progress = true;
+                    continue;
+                }
                 match side.link.read(id) {
                     Ok(ReadOutcome::Data(b)) => {
                         side.app.first_byte.entry(id).or_insert(now);
