@@ -366,6 +366,30 @@ impl Streams {
                 self.finish_through(at, out, turns);
             }
             let s = &mut self.streams[k];
+            // As the link does: a turn that makes no context record, with nothing waiting
+            // before it, is written in place.
+            if self.pending.is_empty() && s.sender.plans_whole(pressure) {
+                let before = out.len();
+                let raw = send::emit(
+                    &mut s.sender,
+                    &mut s.queue,
+                    s.sent,
+                    &self.cfg,
+                    &mut self.mirror,
+                    pressure,
+                    &lim,
+                    out,
+                    &mut self.stats,
+                );
+                s.sent += raw as u64;
+                if out.len() > before {
+                    turns.push((k, out.len()));
+                    self.stats.frames += 1;
+                    self.next = (k + 1) % n;
+                    return true;
+                }
+                continue;
+            }
             let p = send::emit_pending(
                 &mut s.sender,
                 &mut s.queue,

@@ -98,6 +98,12 @@ impl std::fmt::Debug for Hint {
 }
 
 impl Hint {
+    /// True while the stream holds a context of its own (started, and not dropped since):
+    /// without one, a turn makes a context record only if it starts one.
+    pub(crate) fn has_context(&self) -> bool {
+        self.context.is_some()
+    }
+
     /// True if chunk `f`, whose bases are being read, may wait for them once more (counted).
     pub(crate) fn may_wait(&mut self, f: Fingerprint, policy: &Policy) -> bool {
         if !policy.wait_bases || self.no_wait {

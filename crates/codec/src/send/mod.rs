@@ -114,6 +114,26 @@ impl Sender {
         }
     }
 
+    /// True if this stream's next turn makes no context record under `pressure`: no turn of
+    /// it waits for its records, it holds no context, and its literals never go through one
+    /// (no compression or LZ4, zstd outside contexts, or adaptive compression choosing LZ4).
+    /// Such a turn's records are all written as it is planned, so leaving it pending
+    /// ([`emit_pending`]) would only copy them once more when it is finished: with nothing
+    /// else waiting, [`emit`] writes them in place, the same records (four streams' first
+    /// copies on the LZ4 path spent a fifth of the encoding thread's own work on that copy and
+    /// the plan's).
+    pub fn plans_whole(&self, pressure: Pressure) -> bool {
+        use crate::config::Compression;
+        let p = &self.policy;
+        self.open == 0
+            && !self.hint.has_context()
+            && match p.compression {
+                Compression::None | Compression::Lz4 => true,
+                Compression::Zstd => !p.context,
+                Compression::Adaptive => !p.context || p.latency || pressure == Pressure::CpuBound,
+            }
+    }
+
     /// True if the last turn ended before a chunk whose bases are being read from the disk
     /// tier: the next turn should come once the store has read them (the chunk waits a few
     /// turns at most, then goes with what is at hand).

@@ -96,6 +96,80 @@ impl Stream {
     }
 }
 
+/// A stream whose turns make no context record is told apart from one whose turns may
+/// ([`Sender::plans_whole`]), and its turns written in place ([`emit`]) are the records the
+/// same turns left pending ([`emit_pending`]) write once finished, whichever way each goes.
+#[test]
+fn turns_written_in_place_are_the_ones_left_pending() {
+    let src = data(7, 900_000);
+    let (mut a, mut b) = (Stream::new(), Stream::new());
+    for s in [&mut a, &mut b] {
+        s.mirror.set_workers(Some(Arc::new(codec::prepare::Inline)));
+        s.queue.push_back(Bytes::copy_from_slice(&src));
+        s.queued = src.len() as u64;
+        s.coder.flush_at = s.queued;
+    }
+    let lim = Limits {
+        budget: RAW_TURN,
+        quantum: usize::MAX,
+        room: usize::MAX,
+    };
+    let mut stats = EncodeStats::default();
+    let mut turns = 0;
+    while b.sent < b.queued {
+        assert!(b.coder.plans_whole(b.pressure));
+        let (x, n) = a.emit(RAW_TURN);
+        let mut y = BytesMut::new();
+        let m = if turns % 2 == 0 {
+            let p = emit_pending(
+                &mut b.coder,
+                &mut b.queue,
+                b.sent,
+                &b.cfg,
+                &mut b.mirror,
+                b.pressure,
+                &lim,
+                &mut stats,
+            );
+            assert!(!b.coder.plans_whole(b.pressure), "a turn of it waits");
+            let raw = p.raw();
+            p.finish(&mut b.coder, &mut b.mirror, &mut y, &mut stats);
+            raw
+        } else {
+            emit(
+                &mut b.coder,
+                &mut b.queue,
+                b.sent,
+                &b.cfg,
+                &mut b.mirror,
+                b.pressure,
+                &lim,
+                &mut y,
+                &mut stats,
+            )
+        };
+        b.sent += m as u64;
+        assert_eq!(n, m);
+        assert!(x == y, "turn {turns}: {} and {} bytes", x.len(), y.len());
+        turns += 1;
+    }
+    assert!(turns > 3, "{turns} turns");
+    // In a long context, link-bound, a turn may make context records; cpu-bound, it makes
+    // none until the stream holds a context, and then it may (a run to end).
+    let mut c = Stream::with_runs();
+    assert!(!c.coder.plans_whole(Pressure::LinkBound));
+    assert!(c.coder.plans_whole(Pressure::CpuBound));
+    c.queue.push_back(Bytes::copy_from_slice(&src[..300_000]));
+    c.queued = 300_000;
+    c.coder.flush_at = c.queued;
+    let (_, n) = c.emit(RAW_TURN);
+    assert!(n > 0);
+    assert!(
+        !c.coder.plans_whole(Pressure::CpuBound),
+        "it holds a context"
+    );
+}
+
 /// A bulk stream that writes as a client does (64 KiB writes, a turn whenever half a megabyte
 /// waits) has its stage allocated at its first turn, once; a stream of a few writes keeps a
 /// stage of its size.

@@ -524,6 +524,13 @@ impl Coding {
         (if n > 1 { n } else { 0 }, workers)
     }
 
+    /// True if `coder`'s next frame makes no context record under the link's pressure, so
+    /// leaving it pending would only copy its records once more when it is finished (see
+    /// [`Sender::plans_whole`](wanopt_codec::send::Sender::plans_whole)).
+    pub(crate) fn plans_whole(&self, coder: &SendCoder) -> bool {
+        coder.sender.plans_whole(self.pressure)
+    }
+
     /// How many frames of `lane` may be fed to their streams' contexts ahead of their turn at
     /// once (0: none may), and the workers that feed them. More than the threads: the caller
     /// feeds later frames while a worker feeds the oldest, and the decoding caller needs

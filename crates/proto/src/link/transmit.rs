@@ -191,10 +191,17 @@ impl Link {
         // A bulk stream's coded frame may wait for its context records while other streams'
         // turns go on, and its own next (see `Coding::emit_frame`), but never its stream's
         // last, and never past a frame that may not wait: frames leave in the order they were
-        // planned.
+        // planned. One that makes no context record, with none waiting before it, is written
+        // in place.
         let pend = match self.streams.get(&id) {
             Some(s) => {
-                cap > 0 && queue == Queue::Bulk && s.send.coder.is_some() && !s.send.fin_requested
+                cap > 0
+                    && queue == Queue::Bulk
+                    && !s.send.fin_requested
+                    && s.send
+                        .coder
+                        .as_deref()
+                        .is_some_and(|c| !self.pending.is_empty() || !self.coding.plans_whole(c))
             }
             None => false,
         };
