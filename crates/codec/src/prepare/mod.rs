@@ -107,9 +107,7 @@ impl<K, J: Deferred> InTurn<K, J> {
     /// (one stream's context decode on two threads ran at 0.85-0.97x of one thread fed ahead).
     pub fn push(&mut self, owner: u64, k: K, j: J, workers: Option<&dyn Workers>) {
         let after_another = self.last.replace(owner) != Some(owner);
-        if let Some(w) = workers
-            .filter(|_| after_another || j.alone() || std::env::var_os("SPAWN_ALL").is_some())
-        {
+        if let Some(w) = workers.filter(|_| after_another || j.alone()) {
             j.spawn(w);
         }
         self.jobs.push_back((k, j));

@@ -119,9 +119,8 @@ impl Sender {
     /// (no compression or LZ4, zstd outside contexts, or adaptive compression choosing LZ4).
     /// Such a turn's records are all written as it is planned, so leaving it pending
     /// ([`emit_pending`]) would only copy them once more when it is finished: with nothing
-    /// else waiting, [`emit`] writes them in place, the same records (four streams' first
-    /// copies on the LZ4 path spent a fifth of the encoding thread's own work on that copy and
-    /// the plan's).
+    /// else waiting, [`emit`] writes them in place, the same records (as the link does with
+    /// one thread; the codec bench read the same either way, see docs/scaling.md).
     pub fn plans_whole(&self, pressure: Pressure) -> bool {
         use crate::config::Compression;
         let p = &self.policy;
