@@ -27,6 +27,7 @@ use crate::format::{
     TAG_LIT_ZSTD, TAG_LOG, TAG_RAW, TAG_REF, TAG_REF_RUN, TAG_REF_RUN_SHORT, TAG_RUN_END, get_len,
     get_varint,
 };
+use crate::prepare::lock_soon;
 
 /// A frame's records whose stream's context records are being fed ahead, with the stream's
 /// context (out of its owner's hands until [`finish`](Feeding::finish)); and its delta runs
@@ -146,27 +147,6 @@ impl std::fmt::Debug for Feeding {
 fn lock(m: &Mutex<Feed>) -> MutexGuard<'_, Feed> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
-
-/// [`lock`], spinning a little first: a worker feeding the frame is often about done, and a
-/// thread put to sleep on the lock took tens of microseconds a frame to wake.
-fn lock_soon(m: &Mutex<Feed>) -> MutexGuard<'_, Feed> {
-    let t = std::time::Instant::now();
-    loop {
-        match m.try_lock() {
-            Ok(g) => return g,
-            Err(std::sync::TryLockError::Poisoned(p)) => return p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) if t.elapsed() < SPIN_WAIT => {
-                for _ in 0..64 {
-                    std::hint::spin_loop();
-                }
-            }
-            Err(std::sync::TryLockError::WouldBlock) => return lock(m),
-        }
-    }
-}
-
-/// How long a thread spins for a frame a worker feeds before it sleeps on it.
-const SPIN_WAIT: std::time::Duration = std::time::Duration::from_micros(200);
 
 impl Decoder {
     /// Starts feeding the context records of a frame's `records` (the whole frame, which
@@ -525,7 +505,7 @@ impl LitJobs {
     /// decompresses that literal, and every one after it, itself).
     fn take_all(&self, into: &mut VecDeque<LitFed>) {
         for m in &self.jobs {
-            let mut j = m.lock().unwrap_or_else(|p| p.into_inner());
+            let mut j = lock_soon(m);
             j.run();
             match std::mem::replace(&mut j.made, Made::Taken) {
                 Made::Done(Some(piece)) => into.push_back(LitFed {
@@ -667,7 +647,7 @@ impl Feeding {
         let later = self.later.into_inner().unwrap_or_else(|p| p.into_inner());
         if !later.jobs.is_empty() {
             for job in later.jobs {
-                let mut r = job.lock().unwrap_or_else(|p| p.into_inner());
+                let mut r = lock_soon(&job);
                 r.run();
                 // Left made (with nothing), so that a worker coming to it later skips it.
                 if let Some(Some(run)) = r.made.replace(None) {

@@ -12,7 +12,7 @@ use std::cell::RefCell;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, TryLockError};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use crate::config::{Codec, CodecConfig};
 use crate::fingerprint::{Fingerprint, fingerprint};
@@ -20,6 +20,33 @@ use crate::fingerprint::{Fingerprint, fingerprint};
 /// Chunks prepared together (see this module): 64 of 8 KiB, half a megabyte, keep two to
 /// sixteen workers busy between the mirror's turns.
 pub const BATCH: usize = 64;
+
+/// How long a thread that needs what another holds (a job a worker runs, a frame it feeds)
+/// spins before it sleeps on the lock: the holder is most often about done (a chunk's job takes
+/// tens of microseconds), and a thread put to sleep on a lock took tens of microseconds to wake
+/// on the 2-core test VM, at every turn or frame that met a worker's job in the middle.
+const SPIN_WAIT: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// `m` locked (poisoned or not), spinning up to [`SPIN_WAIT`] for its holder first.
+pub(crate) fn lock_soon<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    let mut since = None;
+    loop {
+        match m.try_lock() {
+            Ok(g) => return g,
+            Err(TryLockError::Poisoned(p)) => return p.into_inner(),
+            Err(TryLockError::WouldBlock)
+                if since.get_or_insert_with(std::time::Instant::now).elapsed() < SPIN_WAIT =>
+            {
+                for _ in 0..64 {
+                    std::hint::spin_loop();
+                }
+            }
+            Err(TryLockError::WouldBlock) => {
+                return m.lock().unwrap_or_else(|p| p.into_inner());
+            }
+        }
+    }
+}
 
 /// Runs jobs, several at once where it can; returns when every one is done. The runtime gives
 /// one backed by a pool of threads; [`Inline`] runs them in turn on the calling thread.
@@ -270,15 +297,14 @@ impl<'a> Ahead<'a> {
     /// for. After it, no job touches anything it was given.
     pub(crate) fn finish_all(&self) {
         for m in &self.jobs {
-            m.lock().unwrap_or_else(|p| p.into_inner()).finish();
+            lock_soon(m).finish();
         }
     }
 
     /// Job `i` run (here, if nobody has started it; else once the worker running it is done),
     /// then `f` on what it prepared. `None` for no such job.
     pub(crate) fn with<R>(&self, i: usize, f: impl FnOnce(&mut Prepared) -> R) -> Option<R> {
-        let m = self.jobs.get(i)?;
-        let mut h = m.lock().unwrap_or_else(|p| p.into_inner());
+        let mut h = lock_soon(self.jobs.get(i)?);
         h.finish();
         match &mut h.job.task {
             Task::Chunk { slot, .. } | Task::Parts { slot, .. } => Some(f(slot)),

@@ -95,7 +95,7 @@ impl Handed {
     pub(super) fn retire(&self, ready: &mut VecDeque<Ready>, spare: &mut Vec<Prepared>) {
         self.over.store(true, Ordering::SeqCst);
         for m in &self.chunks {
-            let mut p = m.lock().unwrap_or_else(|p| p.into_inner());
+            let mut p = crate::prepare::lock_soon(m);
             let slot = std::mem::take(&mut p.slot);
             if p.done {
                 ready.push_back(Ready {
