@@ -268,7 +268,7 @@ impl Pool {
     }
 
     /// Runs `caller` on the calling thread while `helpers` of the pool's threads run `helper`;
-    /// returns the CPU time both spent, then keeps the helpers awake for [`LINGER`] or until
+    /// returns the CPU time both spent (less the caller's spinning for a job), then keeps the helpers awake for [`LINGER`] or until
     /// the next call. Whichever side is done first takes work for later calls
     /// ([`Workers::idle`]) while the other finishes, a piece at a time; that work is not
     /// counted in the call's CPU time.
@@ -282,6 +282,7 @@ impl Pool {
         let spent = Spent::default();
         let busy = AtomicUsize::new(helpers);
         let t = thread_cpu();
+        let spun = wanopt_codec::prepare::spun();
         let mut spare = Duration::ZERO;
         self.pool.in_place_scope(|s| {
             for _ in 0..helpers {
@@ -302,7 +303,14 @@ impl Pool {
                 spare = thread_cpu().saturating_sub(t);
             }
         });
-        thread_cpu().saturating_sub(t).saturating_sub(spare) + spent.total()
+        // Time the caller spun for a job a pool thread held is no work the caller alone would
+        // have done (see `wanopt_codec::prepare::spun`).
+        let spun = wanopt_codec::prepare::spun().saturating_sub(spun);
+        thread_cpu()
+            .saturating_sub(t)
+            .saturating_sub(spare)
+            .saturating_sub(spun)
+            + spent.total()
     }
 }
 

@@ -27,13 +27,38 @@ pub const BATCH: usize = 64;
 /// on the 2-core test VM, at every turn or frame that met a worker's job in the middle.
 const SPIN_WAIT: std::time::Duration = std::time::Duration::from_micros(200);
 
-/// `m` locked (poisoned or not), spinning up to [`SPIN_WAIT`] for its holder first.
+thread_local! {
+    /// The time this thread has spun in [`lock_soon`], in all.
+    static SPUN: std::cell::Cell<std::time::Duration> = const { std::cell::Cell::new(std::time::Duration::ZERO) };
+}
+
+/// The time the calling thread has spun waiting for a lock ([`lock_soon`]) since it started.
+/// The pool's judge takes it out of the CPU time a call cost: spinning is CPU time that the
+/// calling thread alone would not have spent, and counted in it would make a pool whose
+/// threads wait for a busy host's cores look as if it saved time.
+pub fn spun() -> std::time::Duration {
+    SPUN.with(std::cell::Cell::get)
+}
+
+/// `m` locked (poisoned or not), spinning up to [`SPIN_WAIT`] for its holder first (counted in
+/// [`spun`]).
 pub(crate) fn lock_soon<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    let mut since = None;
+    let mut since: Option<std::time::Instant> = None;
+    let count = |since: Option<std::time::Instant>| {
+        if let Some(t) = since {
+            SPUN.with(|s| s.set(s.get() + t.elapsed().min(SPIN_WAIT)));
+        }
+    };
     loop {
         match m.try_lock() {
-            Ok(g) => return g,
-            Err(TryLockError::Poisoned(p)) => return p.into_inner(),
+            Ok(g) => {
+                count(since);
+                return g;
+            }
+            Err(TryLockError::Poisoned(p)) => {
+                count(since);
+                return p.into_inner();
+            }
             Err(TryLockError::WouldBlock)
                 if since.get_or_insert_with(std::time::Instant::now).elapsed() < SPIN_WAIT =>
             {
@@ -42,6 +67,7 @@ pub(crate) fn lock_soon<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
                 }
             }
             Err(TryLockError::WouldBlock) => {
+                count(since);
                 return m.lock().unwrap_or_else(|p| p.into_inner());
             }
         }

@@ -96,3 +96,28 @@ fn a_fill_lands_its_bytes_exactly_from_any_number_of_threads() {
     none.complete();
     assert_eq!(none.len(), 0);
 }
+
+/// A lock another thread holds is taken once it lets go, and the time spent spinning for it
+/// is counted for the pool's judge (at most `SPIN_WAIT` a wait); a free one costs no spin.
+#[test]
+fn a_lock_waited_for_is_taken_and_its_spin_counted() {
+    let m = Mutex::new(0u32);
+    let before = spun();
+    *lock_soon(&m) += 1;
+    assert_eq!(spun(), before, "a free lock is taken without spinning");
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let m = &m;
+        s.spawn(move || {
+            let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
+            tx.send(()).ok();
+            // Held past the spin: the waiter spins, then sleeps on the lock.
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            *g += 1;
+        });
+        rx.recv().ok();
+        assert_eq!(*lock_soon(m), 2, "taken once the holder let go");
+    });
+    let d = spun() - before;
+    assert!(d > std::time::Duration::ZERO && d <= SPIN_WAIT, "{d:?}");
+}
