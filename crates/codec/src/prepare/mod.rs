@@ -27,21 +27,28 @@ pub const BATCH: usize = 64;
 /// on the 2-core test VM, at every turn or frame that met a worker's job in the middle.
 const SPIN_WAIT: std::time::Duration = std::time::Duration::from_micros(200);
 
+/// How long of that it spins without giving its core up; after it, between looks, it yields
+/// (`sched_yield`): on an idle host that returns at once, on a busy one the core goes to a
+/// thread that can run, perhaps the holder itself.
+const SPIN_ALONE: std::time::Duration = std::time::Duration::from_micros(20);
+
 thread_local! {
     /// The time this thread has spun in [`lock_soon`], in all.
     static SPUN: std::cell::Cell<std::time::Duration> = const { std::cell::Cell::new(std::time::Duration::ZERO) };
 }
 
-/// The time the calling thread has spun waiting for a lock ([`lock_soon`]) since it started.
-/// The pool's judge takes it out of the CPU time a call cost: spinning is CPU time that the
-/// calling thread alone would not have spent, and counted in it would make a pool whose
-/// threads wait for a busy host's cores look as if it saved time.
+/// The time the calling thread has spun waiting for a lock ([`lock_soon`]) since it started,
+/// its waits' wall time before it slept on the lock. The pool's judge takes it out of the CPU
+/// time a call cost: spinning is CPU time that the calling thread alone would not have spent,
+/// and counted in it would make a pool whose threads wait for a busy host's cores look as if
+/// it saved time. (Where the thread yielded its core to others meanwhile, it counts more than
+/// the thread spent: the judge errs against the pool.)
 pub fn spun() -> std::time::Duration {
     SPUN.with(std::cell::Cell::get)
 }
 
-/// `m` locked (poisoned or not), spinning up to [`SPIN_WAIT`] for its holder first (counted in
-/// [`spun`]).
+/// `m` locked (poisoned or not), waiting up to [`SPIN_WAIT`] for its holder first (counted in
+/// [`spun`]): spinning at first, then yielding its core between looks.
 pub(crate) fn lock_soon<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     let mut since: Option<std::time::Instant> = None;
     let count = |since: Option<std::time::Instant>| {
@@ -62,8 +69,12 @@ pub(crate) fn lock_soon<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
             Err(TryLockError::WouldBlock)
                 if since.get_or_insert_with(std::time::Instant::now).elapsed() < SPIN_WAIT =>
             {
-                for _ in 0..64 {
-                    std::hint::spin_loop();
+                if since.is_some_and(|t| t.elapsed() < SPIN_ALONE) {
+                    for _ in 0..64 {
+                        std::hint::spin_loop();
+                    }
+                } else {
+                    std::thread::yield_now();
                 }
             }
             Err(TryLockError::WouldBlock) => {
