@@ -268,10 +268,11 @@ impl Pool {
     }
 
     /// Runs `caller` on the calling thread while `helpers` of the pool's threads run `helper`;
-    /// returns the CPU time both spent (less the caller's spinning for a job), then keeps the helpers awake for [`LINGER`] or until
-    /// the next call. Whichever side is done first takes work for later calls
-    /// ([`Workers::idle`]) while the other finishes, a piece at a time; that work is not
-    /// counted in the call's CPU time.
+    /// returns the CPU time both spent (less the caller's waits for a job, see
+    /// `wanopt_codec::prepare::spun`), then keeps the helpers awake for [`LINGER`] or until the
+    /// next call. Whichever side is done first takes work for later calls ([`Workers::idle`])
+    /// while the other finishes, a piece at a time; that work is not counted in the call's CPU
+    /// time.
     fn helped(
         &self,
         helpers: usize,

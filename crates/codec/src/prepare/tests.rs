@@ -111,7 +111,7 @@ fn a_lock_waited_for_is_taken_and_its_spin_counted() {
         s.spawn(move || {
             let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
             tx.send(()).ok();
-            // Held past the spin: the waiter spins, then sleeps on the lock.
+            // Held past the wait: the waiter spins, yields, then sleeps on the lock.
             std::thread::sleep(std::time::Duration::from_millis(5));
             *g += 1;
         });
