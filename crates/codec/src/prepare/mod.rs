@@ -51,38 +51,29 @@ pub fn spun() -> std::time::Duration {
 /// [`spun`]): spinning at first, then yielding its core between looks.
 pub(crate) fn lock_soon<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     let mut since: Option<std::time::Instant> = None;
-    let count = |since: Option<std::time::Instant>| {
-        if let Some(t) = since {
-            SPUN.with(|s| s.set(s.get() + t.elapsed().min(SPIN_WAIT)));
-        }
-    };
-    loop {
+    let guard = loop {
         match m.try_lock() {
-            Ok(g) => {
-                count(since);
-                return g;
-            }
-            Err(TryLockError::Poisoned(p)) => {
-                count(since);
-                return p.into_inner();
-            }
-            Err(TryLockError::WouldBlock)
-                if since.get_or_insert_with(std::time::Instant::now).elapsed() < SPIN_WAIT =>
-            {
-                if since.is_some_and(|t| t.elapsed() < SPIN_ALONE) {
+            Ok(g) => break g,
+            Err(TryLockError::Poisoned(p)) => break p.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                let waited = since.get_or_insert_with(std::time::Instant::now).elapsed();
+                if waited < SPIN_ALONE {
                     for _ in 0..64 {
                         std::hint::spin_loop();
                     }
-                } else {
+                } else if waited < SPIN_WAIT {
                     std::thread::yield_now();
+                } else {
+                    break m.lock().unwrap_or_else(|p| p.into_inner());
                 }
             }
-            Err(TryLockError::WouldBlock) => {
-                count(since);
-                return m.lock().unwrap_or_else(|p| p.into_inner());
-            }
         }
+    };
+    // A wait that ended asleep on the lock counts its spinning and yielding alone.
+    if let Some(t) = since {
+        SPUN.with(|s| s.set(s.get() + t.elapsed().min(SPIN_WAIT)));
     }
+    guard
 }
 
 /// Runs jobs, several at once where it can; returns when every one is done. The runtime gives
