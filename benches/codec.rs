@@ -18,9 +18,12 @@
 //! 2 KiB average chunks. `--threads N` measures the encoder and decoder with their chunks
 //! prepared on 1 to N threads (`limits.threads`), on the LZ4 path, on zstd alone and on zstd in
 //! a stream context (each `--file` too), `--rounds R` rounds (3) of every thread count in turn,
-//! as medians and ratios to one thread in the same run; `--streams S` sends each first copy as
-//! S parts side by side through one mirror, a turn at a time, as a link takes a parallel copy's
-//! streams; `--path TEXT` only the paths whose name holds TEXT (`lz4`, `alone`, `context`).
+//! as medians and ratios to one thread in the same run, of the rates and of the CPU time the
+//! process spent (all its threads: the work of two busy threads that costs no more than one's
+//! reads 1.00, and a rate short of 2x with it at 1.00 is threads waiting); `--streams S` sends
+//! each first copy as S parts side by side through one mirror, a turn at a time, as a link
+//! takes a parallel copy's streams; `--path TEXT` only the paths whose name holds TEXT (`lz4`,
+//! `alone`, `context`).
 //! `--serial` (with each `--file`, `--streams`, `--path`, `--serial-threads N`, default 16)
 //! splits a first copy's time on one thread into the jobs the pool takes and the rest (issue
 //! 36's serial share; the streams' context work is the pool's), per path, and the time the
@@ -147,20 +150,23 @@ fn run_writes(
 fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) {
     for (path, compression, pressure, context) in paths() {
         let cfg = path_config(compression, context);
-        // Per thread count: encode and decode MB/s of each round.
+        // Per thread count: encode and decode MB/s, and CPU seconds, of each round.
         let mut rates = vec![(Vec::new(), Vec::new()); most];
+        let mut cpus = vec![(Vec::new(), Vec::new()); most];
         let mut wires: Vec<Vec<u8>> = Vec::new();
         let mut wire_len = 0;
         for _ in 0..rounds.max(1) {
             for n in 1..=most {
-                let (rate, drate, wire) = first_copy(&cfg, data, n, streams, pressure);
-                rates[n - 1].0.push(rate);
-                rates[n - 1].1.push(drate);
-                wire_len = wire.len();
+                let copy = first_copy(&cfg, data, n, streams, pressure);
+                rates[n - 1].0.push(copy.encode);
+                rates[n - 1].1.push(copy.decode);
+                cpus[n - 1].0.push(copy.cpu[0]);
+                cpus[n - 1].1.push(copy.cpu[1]);
+                wire_len = copy.wire.len();
                 if let Some(w) = wires.get(n - 1) {
-                    assert!(*w == wire, "the same records in every round");
+                    assert!(*w == copy.wire, "the same records in every round");
                 } else {
-                    wires.push(wire);
+                    wires.push(copy.wire);
                 }
             }
         }
@@ -168,9 +174,12 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
             wires.windows(2).all(|w| w[0] == w[1]),
             "the same records on any number of threads"
         );
-        let vs_one = |k: usize, dec: bool| {
+        // The median of each round's ratio of `k + 1` threads to one: of the rates, or (`cpu`)
+        // of the CPU time the same copy took.
+        let vs_one = |k: usize, dec: bool, cpu: bool| {
+            let of = if cpu { &cpus } else { &rates };
             let pick = |r: &(Vec<f64>, Vec<f64>)| if dec { r.1.clone() } else { r.0.clone() };
-            let (one, this) = (pick(&rates[0]), pick(&rates[k]));
+            let (one, this) = (pick(&of[0]), pick(&of[k]));
             median(one.iter().zip(&this).map(|(a, b)| b / a).collect())
         };
         for n in 1..=most {
@@ -186,6 +195,8 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
                     "vs 1",
                     "decode MB/s",
                     "vs 1",
+                    "CPU vs 1: encode",
+                    "decode",
                     "wire/raw",
                 ],
                 vec![
@@ -194,9 +205,11 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
                     path.to_string(),
                     n.to_string(),
                     format!("{:.0}", median(enc.clone())),
-                    format!("{:.2}x", vs_one(n - 1, false)),
+                    format!("{:.2}x", vs_one(n - 1, false, false)),
                     format!("{:.0}", median(dec.clone())),
-                    format!("{:.2}x", vs_one(n - 1, true)),
+                    format!("{:.2}x", vs_one(n - 1, true, false)),
+                    format!("{:.2}", vs_one(n - 1, false, true)),
+                    format!("{:.2}", vs_one(n - 1, true, true)),
                     format!("{:.3}", wire_len as f64 / data.len() as f64),
                 ],
             );
@@ -210,18 +223,76 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
 /// link encodes (64 KiB writes, a turn whenever a stream's send buffer is full, so the next
 /// turn's chunks can be cut while one encodes), a turn at a time as a link takes them, each
 /// turn decoded as the link decodes a frame, in its stream's context. Returns encode and decode
-/// MB/s and the records, after checking every byte.
+/// MB/s, the CPU time each took, and the records, after checking every byte.
 fn first_copy(
     cfg: &CodecConfig,
     data: &[u8],
     threads: usize,
     streams: usize,
     pressure: Pressure,
-) -> (f64, f64, Vec<u8>) {
+) -> Measured {
     let sent = encode_copy(cfg, data, pool_of(threads), streams, pressure, None);
     let took = decode_copy(cfg, data, pool_of(threads), streams, &sent, None);
-    let mb = |t| data.len() as f64 / span(t) / 1e6;
-    (mb(sent.took), mb(took), sent.wire)
+    let mb = |t: &Took| data.len() as f64 / t.secs() / 1e6;
+    Measured {
+        encode: mb(&sent.took),
+        decode: mb(&took),
+        cpu: [sent.took.cpu, took.cpu],
+        wire: sent.wire,
+    }
+}
+
+/// What [`first_copy`] measured: encode and decode MB/s, the CPU time (seconds, every thread of
+/// the process) each took, and the records.
+struct Measured {
+    encode: f64,
+    decode: f64,
+    cpu: [f64; 2],
+    wire: Vec<u8>,
+}
+
+/// When a copy's encoding or decoding began and ended, and the CPU time the process spent
+/// meanwhile (all its threads: the caller's and the pool's).
+#[derive(Clone, Copy)]
+struct Took {
+    from: Instant,
+    to: Instant,
+    cpu: f64,
+}
+
+impl Took {
+    /// Starts the clocks.
+    fn start() -> (Instant, f64) {
+        (Instant::now(), process_cpu())
+    }
+
+    /// Stops the clocks started at `(from, cpu)`.
+    fn since((from, cpu): (Instant, f64)) -> Self {
+        Took {
+            from,
+            to: Instant::now(),
+            cpu: process_cpu() - cpu,
+        }
+    }
+
+    /// The wall time, in seconds.
+    fn secs(&self) -> f64 {
+        span((self.from, self.to))
+    }
+}
+
+/// The CPU time this process has spent, all its threads, in seconds.
+fn process_cpu() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to write to; the clock id is a constant.
+    let r = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &raw mut ts) };
+    if r != 0 {
+        return 0.0;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
 }
 
 /// Seconds from the first instant to the second.
@@ -234,7 +305,7 @@ fn span(t: (Instant, Instant)) -> f64 {
 struct Sent {
     wire: Vec<u8>,
     turns: Vec<(usize, usize)>,
-    took: (Instant, Instant),
+    took: Took,
 }
 
 /// `data` cut in `streams` parts, as [`first_copy`] sends it.
@@ -273,14 +344,14 @@ fn encode_copy(
     if let Some(g) = gate {
         g.wait();
     }
-    let t = Instant::now();
+    let t = Took::start();
     enc.send_bytes(&owned, 64 << 10, pressure, &mut wire, &mut turns);
-    let took = (t, Instant::now());
+    let took = Took::since(t);
     Sent { wire, turns, took }
 }
 
 /// [`first_copy`]'s decoding of what [`encode_copy`] sent, every byte checked; when it began
-/// and ended (the clock starts once `gate`, if any, opens).
+/// and ended, and the CPU time it took (the clocks start once `gate`, if any, opens).
 fn decode_copy(
     cfg: &CodecConfig,
     data: &[u8],
@@ -288,7 +359,7 @@ fn decode_copy(
     streams: usize,
     sent: &Sent,
     gate: Option<&std::sync::Barrier>,
-) -> (Instant, Instant) {
+) -> Took {
     let parts = parts(data, streams);
     let mut dec = Decoder::new(cfg);
     dec.set_workers(workers.clone());
@@ -319,7 +390,7 @@ fn decode_copy(
     if let Some(g) = gate {
         g.wait();
     }
-    let t = Instant::now();
+    let t = Took::start();
     let mut order = wanopt_codec::InOrder::new(ahead, workers);
     let mut decode = |dec: &mut Decoder, k: usize, r: std::ops::Range<usize>, ctx: &mut _| {
         let records = &wire[r];
@@ -333,7 +404,7 @@ fn decode_copy(
         from = end;
     }
     order.finish(&mut dec, &mut ctxs, &mut decode);
-    let took = (t, Instant::now());
+    let took = Took::since(t);
     for ((o, h), p) in outs.iter().zip(&handed).zip(&parts) {
         assert!(h.assemble(o) == *p, "round trip");
     }
@@ -356,17 +427,17 @@ fn side_by_side(name: &str, data: &[u8], rounds: usize, streams: usize) {
         for _ in 0..rounds.max(1) {
             let sent = encode_copy(&cfg, data, None, streams, pressure, None);
             let alone = [
-                span(sent.took),
-                span(decode_copy(&cfg, data, None, streams, &sent, None)),
+                sent.took.secs(),
+                decode_copy(&cfg, data, None, streams, &sent, None).secs(),
             ];
             drop(sent);
             let pooled = encode_copy(&cfg, data, pool_of(2), streams, pressure, None);
             let pooled = [
-                span(pooled.took),
-                span(decode_copy(&cfg, data, pool_of(2), streams, &pooled, None)),
+                pooled.took.secs(),
+                decode_copy(&cfg, data, pool_of(2), streams, &pooled, None).secs(),
             ];
             let gate = std::sync::Barrier::new(2);
-            let both: Vec<[(Instant, Instant); 2]> = std::thread::scope(|s| {
+            let both: Vec<[Took; 2]> = std::thread::scope(|s| {
                 let run = || {
                     let sent = encode_copy(&cfg, data, None, streams, pressure, Some(&gate));
                     let took = decode_copy(&cfg, data, None, streams, &sent, Some(&gate));
@@ -379,8 +450,8 @@ fn side_by_side(name: &str, data: &[u8], rounds: usize, streams: usize) {
             });
             for side in 0..2 {
                 // Both copies' bytes over the time from the first start to the last end.
-                let from = both.iter().map(|b| b[side].0).min().expect("two");
-                let to = both.iter().map(|b| b[side].1).max().expect("two");
+                let from = both.iter().map(|b| b[side].from).min().expect("two");
+                let to = both.iter().map(|b| b[side].to).max().expect("two");
                 two[side].push(2.0 * alone[side] / span((from, to)));
                 pool[side].push(alone[side] / pooled[side]);
             }
@@ -600,11 +671,11 @@ fn serial(name: &str, data: &[u8], rounds: usize, threads: usize, streams: usize
                     [1.0 - j / all, chain.max(ordered) / all]
                 };
                 let sent = encode_copy(&cfg, data, workers.clone(), streams, pressure, None);
-                let all = span(sent.took);
+                let all = sent.took.secs();
                 took[usize::from(timed)][0] = all;
                 share[0] = shares(all, [0.0; 4]);
                 let before = sums();
-                let all = span(decode_copy(&cfg, data, workers, streams, &sent, None));
+                let all = decode_copy(&cfg, data, workers, streams, &sent, None).secs();
                 took[usize::from(timed)][1] = all;
                 share[1] = shares(all, before);
             }
