@@ -20,10 +20,11 @@
 //! a stream context (each `--file` too), `--rounds R` rounds (3) of every thread count in turn,
 //! as medians and ratios to one thread in the same run, of the rates and of the CPU time the
 //! process spent (all its threads: the work of two busy threads that costs no more than one's
-//! reads 1.00, and a rate short of 2x with it at 1.00 is threads waiting); `--streams S` sends
-//! each first copy as S parts side by side through one mirror, a turn at a time, as a link
-//! takes a parallel copy's streams; `--path TEXT` only the paths whose name holds TEXT (`lz4`,
-//! `alone`, `context`).
+//! reads 1.00), and the threads busy on average (CPU over wall time: a rate short of 2x with
+//! two busy is the same work costing more, not threads waiting); `--streams S` sends each
+//! first copy as S parts side by side through one mirror, a turn at a time, as a link takes a
+//! parallel copy's streams; `--path TEXT` only the paths whose name holds TEXT (`lz4`, `alone`,
+//! `context`).
 //! `--serial` (with each `--file`, `--streams`, `--path`, `--serial-threads N`, default 16)
 //! splits a first copy's time on one thread into the jobs the pool takes and the rest (issue
 //! 36's serial share; the streams' context work is the pool's), per path, and the time the
@@ -153,6 +154,9 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
         // Per thread count: encode and decode MB/s, and CPU seconds, of each round.
         let mut rates = vec![(Vec::new(), Vec::new()); most];
         let mut cpus = vec![(Vec::new(), Vec::new()); most];
+        // And the threads busy on average meanwhile: CPU time over wall time.
+        let mut busy = vec![(Vec::new(), Vec::new()); most];
+        let mb = data.len() as f64 / 1e6;
         let mut wires: Vec<Vec<u8>> = Vec::new();
         let mut wire_len = 0;
         for _ in 0..rounds.max(1) {
@@ -162,6 +166,8 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
                 rates[n - 1].1.push(copy.decode);
                 cpus[n - 1].0.push(copy.cpu[0]);
                 cpus[n - 1].1.push(copy.cpu[1]);
+                busy[n - 1].0.push(copy.cpu[0] * copy.encode / mb);
+                busy[n - 1].1.push(copy.cpu[1] * copy.decode / mb);
                 wire_len = copy.wire.len();
                 if let Some(w) = wires.get(n - 1) {
                     assert!(*w == copy.wire, "the same records in every round");
@@ -197,6 +203,8 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
                     "vs 1",
                     "CPU vs 1: encode",
                     "decode",
+                    "threads busy: encode",
+                    "decode",
                     "wire/raw",
                 ],
                 vec![
@@ -210,6 +218,8 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
                     format!("{:.2}x", vs_one(n - 1, true, false)),
                     format!("{:.2}", vs_one(n - 1, false, true)),
                     format!("{:.2}", vs_one(n - 1, true, true)),
+                    format!("{:.2}", median(busy[n - 1].0.clone())),
+                    format!("{:.2}", median(busy[n - 1].1.clone())),
                     format!("{:.3}", wire_len as f64 / data.len() as f64),
                 ],
             );
