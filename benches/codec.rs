@@ -272,16 +272,16 @@ struct Took {
 
 impl Took {
     /// Starts the clocks.
-    fn start() -> (Instant, f64) {
-        (Instant::now(), process_cpu())
+    fn start() -> (Instant, std::time::Duration) {
+        (Instant::now(), wanopt_runtime::workers::process_cpu())
     }
 
     /// Stops the clocks started at `(from, cpu)`.
-    fn since((from, cpu): (Instant, f64)) -> Self {
+    fn since((from, cpu): (Instant, std::time::Duration)) -> Self {
         Took {
             from,
             to: Instant::now(),
-            cpu: process_cpu() - cpu,
+            cpu: (wanopt_runtime::workers::process_cpu().saturating_sub(cpu)).as_secs_f64(),
         }
     }
 
@@ -289,20 +289,6 @@ impl Took {
     fn secs(&self) -> f64 {
         span((self.from, self.to))
     }
-}
-
-/// The CPU time this process has spent, all its threads, in seconds.
-fn process_cpu() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec to write to; the clock id is a constant.
-    let r = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &raw mut ts) };
-    if r != 0 {
-        return 0.0;
-    }
-    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
 }
 
 /// Seconds from the first instant to the second.
