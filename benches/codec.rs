@@ -154,8 +154,6 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
         // Per thread count: encode and decode MB/s, and CPU seconds, of each round.
         let mut rates = vec![(Vec::new(), Vec::new()); most];
         let mut cpus = vec![(Vec::new(), Vec::new()); most];
-        // And the threads busy on average meanwhile: CPU time over wall time.
-        let mut busy = vec![(Vec::new(), Vec::new()); most];
         let mb = data.len() as f64 / 1e6;
         let mut wires: Vec<Vec<u8>> = Vec::new();
         let mut wire_len = 0;
@@ -166,8 +164,6 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
                 rates[n - 1].1.push(copy.decode);
                 cpus[n - 1].0.push(copy.cpu[0]);
                 cpus[n - 1].1.push(copy.cpu[1]);
-                busy[n - 1].0.push(copy.cpu[0] * copy.encode / mb);
-                busy[n - 1].1.push(copy.cpu[1] * copy.decode / mb);
                 wire_len = copy.wire.len();
                 if let Some(w) = wires.get(n - 1) {
                     assert!(*w == copy.wire, "the same records in every round");
@@ -187,6 +183,13 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
             let pick = |r: &(Vec<f64>, Vec<f64>)| if dec { r.1.clone() } else { r.0.clone() };
             let (one, this) = (pick(&of[0]), pick(&of[k]));
             median(one.iter().zip(&this).map(|(a, b)| b / a).collect())
+        };
+        // The threads busy on average in each round of `k + 1` threads: CPU time over wall time
+        // (CPU seconds times MB/s over the megabytes).
+        let busy = |k: usize, dec: bool| {
+            let (r, c) = (&rates[k], &cpus[k]);
+            let (r, c) = if dec { (&r.1, &c.1) } else { (&r.0, &c.0) };
+            median(r.iter().zip(c).map(|(rate, cpu)| cpu * rate / mb).collect())
         };
         for n in 1..=most {
             let (enc, dec) = &rates[n - 1];
@@ -218,8 +221,8 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
                     format!("{:.2}x", vs_one(n - 1, true, false)),
                     format!("{:.2}", vs_one(n - 1, false, true)),
                     format!("{:.2}", vs_one(n - 1, true, true)),
-                    format!("{:.2}", median(busy[n - 1].0.clone())),
-                    format!("{:.2}", median(busy[n - 1].1.clone())),
+                    format!("{:.2}", busy(n - 1, false)),
+                    format!("{:.2}", busy(n - 1, true)),
                     format!("{:.3}", wire_len as f64 / data.len() as f64),
                 ],
             );
