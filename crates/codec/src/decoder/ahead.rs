@@ -461,7 +461,7 @@ impl LitJob {
             // Allocated here, by the thread that runs it, not by the decoder's thread when it
             // handed the frame over: a first copy's chunks are fresh memory, and their page
             // faults were the largest part of what the decoder's thread kept to itself
-            // (docs/scaling.md, "What is left").
+            // (crates/codec/PARALLEL.md, "What is left").
             let mut bytes = Vec::new();
             let ok = crate::prepare::unpack(self.zstd, &self.payload, self.raw, &mut bytes);
             self.made = Made::Done(ok.then(|| Piece {

@@ -2,7 +2,7 @@
 //! A compressed literal is decompressed into a buffer of its own, the one the cache keeps, and
 //! so is each chunk of a stream's context records; one decompressed ahead (see `ahead.rs`) has
 //! left the core's cache by its frame's turn, and copying it into the output there took longer
-//! than decompressing it had (docs/scaling.md, "What is left"). A caller that writes the
+//! than decompressing it had (crates/codec/PARALLEL.md, "What is left"). A caller that writes the
 //! output out in pieces (the link hands a stream's bytes on as `Bytes`, and the daemon writes
 //! them to the client with vectored writes) takes them as they are:
 //! [`Decoder::decode_frame_handing`].

@@ -120,7 +120,7 @@ impl Sender {
     /// Such a turn's records are all written as it is planned, so leaving it pending
     /// ([`emit_pending`]) would only copy them once more when it is finished: with nothing
     /// else waiting, [`emit`] writes them in place, the same records (as the link does with
-    /// one thread; the codec bench read the same either way, see docs/scaling.md).
+    /// one thread; the codec bench read the same either way, see crates/codec/PARALLEL.md).
     pub fn plans_whole(&self, pressure: Pressure) -> bool {
         use crate::config::Compression;
         let p = &self.policy;
