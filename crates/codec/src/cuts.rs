@@ -17,16 +17,21 @@ use crate::config::CodecConfig;
 /// How far before its piece a piece's chain begins (see [`chain_in_piece`]): a chain begun
 /// anywhere meets the true one at a common cut within a chunk or two. Measured on 40 MB of two
 /// real tars in pieces of 64-320 KiB, the join cut 0.8 chunks itself per piece with none, 0.25
-/// with 8 KiB, 0.12 with 16 KiB and 0.05 with 32 KiB (the default chunk sizes).
+/// with 8 KiB, 0.12 with 16 KiB and 0.05 with 32 KiB (the default chunk sizes). Each chunk the
+/// join cuts is cut and fingerprinted on the daemon's thread, in the link's order, while the
+/// lookback is cut on a worker: a longest chunk's lookback (32 KiB, from 8 KiB) took the LZ4
+/// path's serial share from a median of 0.072 to 0.051 (four streams, three data sets, four
+/// runs each, interleaved), for 5% more CPU in all (see `crates/codec/PARALLEL.md`).
 pub fn lookback(cfg: &CodecConfig) -> usize {
-    cfg.max_chunk / 4
+    cfg.max_chunk
 }
 
-/// The smallest piece worth a chain of its own: its lookback's cutting costs a quarter more at
-/// most. A link's turn cuts the bytes that came since the turn before, about the turn's own
-/// (100-130 KiB in the codec's tests), so this lets a turn's cutting go in up to four pieces.
+/// The smallest piece worth a chain of its own: a longest chunk, whose lookback at most doubles
+/// its cutting (on a worker). A link's turn cuts the bytes that came since the turn before,
+/// about the turn's own (100-130 KiB in the codec's tests, 256 KiB for a bulk copy), so this
+/// lets a turn's cutting go in up to eight pieces.
 pub fn min_piece(cfg: &CodecConfig) -> usize {
-    4 * lookback(cfg)
+    cfg.max_chunk
 }
 
 /// The chunks of `bytes` that start in `piece`, as (offset, length), cut by FastCDC from
