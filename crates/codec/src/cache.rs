@@ -11,7 +11,7 @@
 //! damaged or lost entry is dropped and reported as a miss. A [`Snapshot`] of the index (order,
 //! lengths, disk locations) with its digest lets both sides resume the same cache after a restart.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::task::Poll;
 
 use bytes::Bytes;
@@ -95,7 +95,7 @@ pub struct ChunkCache {
     capacity: usize,
     size: usize,
     clock: u64,
-    entries: HashMap<Fingerprint, Entry>,
+    entries: crate::fingerprint::FpMap<Entry>,
     /// Recency order: stamp -> fingerprint (oldest first).
     order: BTreeMap<u64, Fingerprint>,
     evictions: u64,
@@ -148,7 +148,7 @@ impl ChunkCache {
             capacity,
             size: 0,
             clock: 0,
-            entries: HashMap::new(),
+            entries: Default::default(),
             order: BTreeMap::new(),
             evictions: 0,
             mem_limit: capacity,

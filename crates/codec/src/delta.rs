@@ -9,7 +9,6 @@
 //! raw bytes; up to eight bases by anchor votes 0.029, below `zstd --patch-from`'s 0.030, because
 //! a page's rows move between pages and one base rarely holds all of them.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use zstd::zstd_safe::DCtx;
@@ -260,7 +259,7 @@ pub struct Bases {
     bytes: ChunkCache,
     /// Memory the bytes may take.
     mem_limit: usize,
-    meta: HashMap<Fingerprint, Meta>,
+    meta: crate::fingerprint::FpMap<Meta>,
     /// Chunk id -> fingerprint, a ring: an id whose slot was reused is gone.
     ids: Vec<u32>,
     names: Vec<Fingerprint>,
@@ -314,7 +313,7 @@ impl Bases {
         Bases {
             bytes,
             mem_limit: mem_limit.min(capacity),
-            meta: HashMap::new(),
+            meta: Default::default(),
             // Zeroed vectors: the allocator hands out untouched pages, so an idle link's store
             // costs nothing until it fills.
             ids: vec![0; ids],

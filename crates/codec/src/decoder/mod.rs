@@ -64,11 +64,11 @@ pub struct Decoder {
     /// The streams' logs, the names of reference runs the peer re-sent by their check (our
     /// log differed), and scratch for names.
     pub(crate) logs: crate::logs::Logs,
-    pub(crate) resolved: std::collections::HashMap<Fingerprint, Vec<Fingerprint>>,
+    pub(crate) resolved: crate::fingerprint::FpMap<Vec<Fingerprint>>,
     pub(crate) names: Vec<Fingerprint>,
     /// The checks whose names we asked for, and whether the names must match the check (a
     /// reference run's do; a delta run's bases are checked by what they rebuild).
-    asked: std::collections::HashMap<Fingerprint, bool>,
+    asked: crate::fingerprint::FpMap<bool>,
     /// Delta runs taken rebuilt ahead (see [`Decoder::runs_ahead`]).
     runs_ahead: u64,
     /// Literals alone taken decompressed ahead (see [`Decoder::lits_ahead`]).
@@ -111,9 +111,9 @@ impl Decoder {
             ahead_bytes: 0,
             run_slots: Vec::new(),
             logs: crate::logs::Logs::for_cache(cache.capacity()),
-            resolved: std::collections::HashMap::new(),
+            resolved: Default::default(),
             names: Vec::new(),
-            asked: std::collections::HashMap::new(),
+            asked: Default::default(),
             runs_ahead: 0,
             lits_ahead: 0,
             number: ahead::decoder_number(),

@@ -188,7 +188,7 @@ pub struct Mirror {
     /// The streams' logs as the peer keeps them, where each chunk was logged last, and the
     /// last serial given.
     logs: crate::logs::Logs,
-    places: std::collections::HashMap<Fingerprint, (u32, u64)>,
+    places: crate::fingerprint::FpMap<(u32, u64)>,
     log_serials: u32,
     names_scratch: Vec<Fingerprint>,
     /// A delta run's list of bases, put together.
@@ -201,7 +201,7 @@ struct Recent {
     capacity: usize,
     size: usize,
     seq: u64,
-    map: std::collections::HashMap<Fingerprint, (u64, bytes::Bytes)>,
+    map: crate::fingerprint::FpMap<(u64, bytes::Bytes)>,
     order: std::collections::VecDeque<(u64, Fingerprint)>,
 }
 
@@ -255,7 +255,7 @@ impl Mirror {
                 capacity: resend_bytes,
                 size: 0,
                 seq: 0,
-                map: std::collections::HashMap::new(),
+                map: Default::default(),
                 order: std::collections::VecDeque::new(),
             },
             // One zstd context for the mirror's life: creating one per chunk cost more than compressing.
@@ -278,7 +278,7 @@ impl Mirror {
             run_spare: None,
             late: EncodeStats::default(),
             logs: crate::logs::Logs::for_cache(cache_bytes),
-            places: std::collections::HashMap::new(),
+            places: Default::default(),
             log_serials: 0,
             names_scratch: Vec::new(),
             names_buf: Vec::new(),

@@ -587,7 +587,7 @@ fn hand_over(coder: &mut Sender, mirror: &Mirror, pressure: Pressure, next: u64)
     }
     let staged = &coder.stage[coder.pos..];
     let done = cut.early.ready_end().unwrap_or(0);
-    let mut seen = std::collections::HashSet::new();
+    let mut seen = crate::fingerprint::FpSet::default();
     let mut picked = Vec::new();
     let mut off = 0;
     for &(len, f) in &cut.chunks {
@@ -618,7 +618,7 @@ fn goes(
     mirror: &Mirror,
     policy: &Policy,
     f: Option<Fingerprint>,
-    seen: &mut std::collections::HashSet<Fingerprint>,
+    seen: &mut crate::fingerprint::FpSet,
 ) -> bool {
     match f {
         Some(f) => !mirror.holds(&f) && seen.insert(f),
@@ -783,7 +783,8 @@ impl<B: Out> Cut<'_, B> {
             let mut slots = self.mirror.take_slots(n);
             let (mut places, jobs) = {
                 let (lit, anchors) = self.mirror.ahead_work(policy, self.pressure, hint);
-                let mut seen = std::collections::HashSet::with_capacity(n);
+                let mut seen =
+                    crate::fingerprint::FpSet::with_capacity_and_hasher(n, Default::default());
                 let mut jobs = Vec::with_capacity(n + 1);
                 let mut places = Vec::with_capacity(n);
                 let mut off = used;
