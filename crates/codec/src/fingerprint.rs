@@ -7,8 +7,8 @@ pub type Fingerprint = [u8; 16];
 /// The hash state of the maps and sets keyed by fingerprints: foldhash, seeded at random per
 /// map. A fingerprint is BLAKE3 of bytes a peer or a client chooses, so its low bits can be
 /// ground to collide in an unkeyed table; keyed, they cannot be aimed. It costs a few
-/// multiplies where SipHash-1-3 made four rounds over 24 bytes, on every lookup of the link's
-/// thread (the cache, the mirror's log, the turn's seen chunks).
+/// multiplies where SipHash-1-3 ran its rounds over the length and the 16 bytes, on every
+/// lookup of the link's thread (the cache, the mirror's log, the turn's seen chunks).
 pub type FpState = foldhash::fast::RandomState;
 /// A map keyed by fingerprints (see [`FpState`]).
 pub type FpMap<V> = std::collections::HashMap<Fingerprint, V, FpState>;

@@ -106,7 +106,8 @@ impl Snapshot {
             ));
         }
         let mut entries = Vec::with_capacity(n as usize);
-        let mut seen = std::collections::HashSet::with_capacity(n as usize);
+        let mut seen =
+            crate::fingerprint::FpSet::with_capacity_and_hasher(n as usize, Default::default());
         let mut total = 0u64;
         for i in 0..n as usize {
             let at = HEAD + i * SNAP_ENTRY;
