@@ -144,8 +144,9 @@ fn run_writes(
 /// what a stated WAN runs (a stream context, delta bases found with anchors the pool finds),
 /// wall time; the decoder decodes what the encoder made with as many threads, after the encoder
 /// is dropped (a decoder that runs while an encoder's caches are held pays page faults the
-/// encoder's memory causes, and a first decode after an encode ran at a third of a later one's
-/// rate on the test VM whatever the threads). `rounds` rounds, each of every thread count in
+/// encoder's memory causes; while mimalloc asked for huge pages, before 97907d4, a first decode
+/// after an encode also ran at a third of a later one's rate on the test VM whatever the
+/// threads). `rounds` rounds, each of every thread count in
 /// turn; medians, and "vs 1" the median of each round's ratio to one thread, since the VM's
 /// rate drifts by a fifth between runs.
 fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) {
