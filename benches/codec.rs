@@ -1230,6 +1230,8 @@ fn data_sets(args: &args::Args, db: &[u8]) -> Vec<(String, Vec<u8>)> {
 }
 
 fn main() {
+    // As the daemon runs (docs/tuning.md, "Huge pages").
+    wanopt_runtime::daemon::no_huge_pages();
     let args = args::Args::new();
     let mib: usize = args.get("--mib", 256);
     let level = *LEVEL.get_or_init(|| args.get("--zstd-level", CodecConfig::default().zstd_level));

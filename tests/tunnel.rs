@@ -546,6 +546,14 @@ fn the_daemons_memory_is_not_marked_for_huge_pages() {
     hash_client(p.west.bound("bulk-e"), 1, 24 << 20, 24 << 20).expect("west to east");
     hash_client(p.east.bound("back"), 2, 24 << 20, 8 << 20).expect("east to west");
     for (side, d) in [("west", &p.west), ("east", &p.east)] {
+        // Turned off for the process too (`PR_SET_THP_DISABLE`), for hosts set to `always`;
+        // /proc says so where the kernel has the `THP_enabled` line.
+        let status = std::fs::read_to_string(format!("/proc/{}/status", d.pid()))
+            .unwrap_or_else(|e| panic!("{side}'s /proc status: {e}"));
+        match status.lines().find_map(|l| l.strip_prefix("THP_enabled:")) {
+            Some(v) => assert_eq!(v.trim(), "0", "{side}: huge pages on for the process"),
+            None => eprintln!("{side}: this kernel's /proc status has no THP_enabled line"),
+        }
         let smaps = std::fs::read_to_string(format!("/proc/{}/smaps", d.pid()))
             .unwrap_or_else(|e| panic!("{side}'s /proc smaps: {e}"));
         let mappings = smaps.lines().filter(|l| l.starts_with("VmFlags:")).count();

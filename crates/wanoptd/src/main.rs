@@ -86,6 +86,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd.unwrap_or(Cmd::Run) {
         Cmd::Run => {
+            // Before the daemon's memory grows (docs/tuning.md, "Huge pages").
+            let no_huge_pages = wanopt_runtime::daemon::no_huge_pages();
             let Some(path) = cli.config else {
                 eprintln!("wanoptd: no config given; use `wanoptd -c FILE` (see config/west.yaml)");
                 return ExitCode::from(EXIT_CONFIG);
@@ -95,6 +97,11 @@ fn main() -> ExitCode {
                 Err(code) => return code,
             };
             init_logging(&cfg.log_level);
+            if !no_huge_pages {
+                tracing::warn!(
+                    "transparent huge pages stay on: the kernel refused PR_SET_THP_DISABLE"
+                );
+            }
             let inherited = match inherited {
                 Some(Ok(h)) => Some(h),
                 Some(Err(e)) => {
