@@ -11,20 +11,26 @@ use rand::{Rng, SeedableRng};
 
 const SEC: Duration = Duration::from_secs(1);
 
-/// 100 concurrent streams, half each way, sizes log-uniform from 1 byte to 64 MiB (one of 64 MiB),
-/// each checked byte-exact by hash in both directions.
-#[test]
-fn hundred_streams_both_directions_are_exact() {
+/// A pair with a hashing server behind each side: `bulk-e` from west to east, `back` from east
+/// to west.
+fn hash_pair() -> Pair {
     let east_srv = hash_server();
     let west_srv = hash_server();
-    let p = Pair::start(
+    Pair::start(
         &format!(
             "  - name: bulk-e\n    target: {east_srv}\n  - name: back\n    listen: 127.0.0.1:0\n"
         ),
         &format!(
             "  - name: bulk-e\n    listen: 127.0.0.1:0\n    allow: [127.0.0.1/32]\n  - name: back\n    target: {west_srv}\n"
         ),
-    );
+    )
+}
+
+/// 100 concurrent streams, half each way, sizes log-uniform from 1 byte to 64 MiB (one of 64 MiB),
+/// each checked byte-exact by hash in both directions.
+#[test]
+fn hundred_streams_both_directions_are_exact() {
+    let p = hash_pair();
     let west_in = p.west.bound("bulk-e");
     let east_in = p.east.bound("back");
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
@@ -531,16 +537,7 @@ fn a_revoked_peer_is_refused_at_its_next_handshake_after_reload() {
 /// rate whenever new 2 MiB pages were zeroed on first touch (docs/tuning.md, "Huge pages").
 #[test]
 fn the_daemons_memory_is_not_marked_for_huge_pages() {
-    let east_srv = hash_server();
-    let west_srv = hash_server();
-    let p = Pair::start(
-        &format!(
-            "  - name: bulk-e\n    target: {east_srv}\n  - name: back\n    listen: 127.0.0.1:0\n"
-        ),
-        &format!(
-            "  - name: bulk-e\n    listen: 127.0.0.1:0\n    allow: [127.0.0.1/32]\n  - name: back\n    target: {west_srv}\n"
-        ),
-    );
+    let p = hash_pair();
     // Enough bytes each way for the allocator to take fresh memory from the kernel (its
     // regions are marked, if at all, when it maps them).
     hash_client(p.west.bound("bulk-e"), 1, 24 << 20, 24 << 20).expect("west to east");
