@@ -531,9 +531,9 @@ fn a_revoked_peer_is_refused_at_its_next_handshake_after_reload() {
     west.wait_log_n("link up", 2, 20 * SEC);
 }
 
-/// The daemons' allocator asks the kernel for no transparent huge pages (mimalloc's `no_thp`):
-/// after a copy each way, no mapping of either daemon carries the `hg` flag that
-/// `madvise(MADV_HUGEPAGE)` sets. With it, a fresh pair's first copies on a VM ran at half the
+/// The daemons take no transparent huge pages: each turns them off for its process at start,
+/// and after a copy each way no mapping of either carries the `hg` flag that their allocator's
+/// `madvise(MADV_HUGEPAGE)` would set. With them, a fresh pair's first copies on a VM ran at half the
 /// rate whenever new 2 MiB pages were zeroed on first touch (docs/tuning.md, "Huge pages").
 #[test]
 fn the_daemons_memory_is_not_marked_for_huge_pages() {

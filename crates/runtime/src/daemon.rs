@@ -59,10 +59,9 @@ pub enum Served {
 
 /// Turns transparent huge pages off for this process (`PR_SET_THP_DISABLE`), whatever the
 /// host's setting, for the memory mapped so far and after. A new 2 MiB page is zeroed whole on
-/// its first touch, on the thread that touches it; on a VM whose host backs such pages late
-/// (the test VM, with `enabled` at `always`), a fresh pair's 300 MB first copies ran at
-/// 131-144 MB/s (medians, seven runs of eight) with them and 187-213 MB/s without
-/// (docs/tuning.md, "Huge pages").
+/// its first touch, on the thread that touches it; on a VM whose host backs such pages late,
+/// a fresh pair's first copies ran at about half the rate now and then (docs/tuning.md, "Huge
+/// pages"; the figures in benches/README.md, "threads").
 /// True if the kernel took it (it has since Linux 3.15).
 pub fn no_huge_pages() -> bool {
     // SAFETY: PR_SET_THP_DISABLE takes plain integers and touches no memory of this process's.
