@@ -21,7 +21,9 @@
 //! as medians and ratios to one thread in the same run, of the rates and of the CPU time the
 //! process spent (all its threads: the work of two busy threads that costs no more than one's
 //! reads 1.00), and the threads busy on average (CPU over wall time: a rate short of 2x with
-//! two busy is the same work costing more, not threads waiting); `--streams S` sends each
+//! two busy is the same work costing more, not threads waiting), and the times the pool's
+//! judge turned the pool down over the rounds (its calls did not pay; each holds it off for a
+//! while: see `wanopt_runtime::workers::Pool`); `--streams S` sends each
 //! first copy as S parts side by side through one mirror, a turn at a time, as a link takes a
 //! parallel copy's streams; `--path TEXT` only the paths whose name holds TEXT (`lz4`, `alone`,
 //! `context`).
@@ -158,9 +160,13 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
         let mb = data.len() as f64 / 1e6;
         let mut wires: Vec<Vec<u8>> = Vec::new();
         let mut wire_len = 0;
+        // Per thread count: the times the pool's judge turned it down, over the rounds.
+        let mut downs = vec![0u64; most];
         for _ in 0..rounds.max(1) {
             for n in 1..=most {
+                let before = wanopt_runtime::workers::turned_down().get();
                 let copy = first_copy(&cfg, data, n, streams, pressure);
+                downs[n - 1] += wanopt_runtime::workers::turned_down().get() - before;
                 rates[n - 1].0.push(copy.encode);
                 rates[n - 1].1.push(copy.decode);
                 cpus[n - 1].0.push(copy.cpu[0]);
@@ -209,6 +215,7 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
                     "decode",
                     "threads busy: encode",
                     "decode",
+                    "turned down",
                     "wire/raw",
                 ],
                 vec![
@@ -224,6 +231,7 @@ fn threads(name: &str, data: &[u8], most: usize, rounds: usize, streams: usize) 
                     format!("{:.2}", vs_one(n - 1, true, true)),
                     format!("{:.2}", busy(n - 1, false)),
                     format!("{:.2}", busy(n - 1, true)),
+                    downs[n - 1].to_string(),
                     format!("{:.3}", wire_len as f64 / data.len() as f64),
                 ],
             );

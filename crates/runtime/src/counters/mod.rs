@@ -329,6 +329,11 @@ impl LinkCounters {
             crate::workers::context_turns(),
         );
         r.register(
+            "wanopt_codec_pool_turned_down",
+            "Times the codec pool's threads were found not to make batches faster and were left unused for a while (a host whose cores are busy)",
+            crate::workers::turned_down(),
+        );
+        r.register(
             "wanopt_link_stalls",
             "Times the daemon found it had not run for over two ping intervals while the peer was quiet (a busy host): that time was not counted as the peer's silence",
             m.stalls.clone(),
