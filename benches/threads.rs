@@ -1,8 +1,8 @@
 //! Does the default `limits.threads` ever lose to `threads: 1` (issue 36)? A fresh pair on
 //! loopback stating a 1 Gbit/s link (both daemons, the client and the target on this host's
 //! cores, as a new user first tries it) takes a first copy of each file given, once with the
-//! default and once with `threads: 1`, alternating, `--rounds` times; the best and the median
-//! rate of each, and their ratio, per file.
+//! default and once with `threads: 1`, alternating (each round swaps which goes first),
+//! `--rounds` times; the best and the median rate of each, and their ratio, per file.
 //!
 //! Run: `cargo build --release --workspace && cargo bench --bench threads -- --file A --file B`
 //! (real data: a `pg_basebackup -Ft` tar, and its first 48 MB, for instance). Options:
@@ -92,9 +92,18 @@ fn main() {
     for f in files {
         let data = std::fs::read(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
         let (mut def, mut one) = (Vec::new(), Vec::new());
-        for _ in 0..rounds {
-            def.push(first_copy(&data, None, streams, &bandwidth));
-            one.push(first_copy(&data, Some(other), streams, &bandwidth));
+        // Each round swaps which goes first, so that whatever the copy before leaves behind
+        // (memory given back, the scheduler's placement of four busy processes on the cores)
+        // falls on both sides alike.
+        for round in 0..rounds {
+            let each = |threads: Option<usize>| first_copy(&data, threads, streams, &bandwidth);
+            if round % 2 == 0 {
+                def.push(each(None));
+                one.push(each(Some(other)));
+            } else {
+                one.push(each(Some(other)));
+                def.push(each(None));
+            }
         }
         let (db, dm) = stats(def);
         let (ob, om) = stats(one);
