@@ -27,8 +27,9 @@ const PART: usize = 2;
 /// jobs a preempted thread holds, and the wall time shows it: on the 2-core test VM, with both
 /// daemons and the applications on it, the pool cost a loopback pair a sixth of its rate
 /// (benches/README.md at 0a2ddc0). Two calls twice as slow as alone turn it off at once
-/// ([`SLOWER`], [`STALLS`]); a judgement leaves its worst call out. While it is not used, after [`HOLD_FIRST`] calls the next [`PROBE`] use it
-/// again to see, and after twice as many each time it is turned down again, up to [`HOLD`]:
+/// ([`SLOWER`], [`STALLS`]); a judgement leaves its worst call out. While it is not used,
+/// after [`HOLD_FIRST`] calls the next [`PROBE`] use it again to see, and after twice as many
+/// each time it is turned down again, up to [`HOLD`]:
 /// a judgement a moment's stall of an idle host turned (a VM's, a thread's first wakeup)
 /// costs a few dozen calls, not hundreds. Calls with the pool come back to back, so nothing is
 /// lost
